@@ -1,0 +1,377 @@
+"""Device meshes and the hardware they run on.
+
+A `Mesh` is a named, row-major grid of devices (the last axis is minor, as in
+`jax.sharding.Mesh`) together with one `Link` per axis describing the
+interconnect that collectives along that axis travel over, and the `Hardware`
+profile of each device. Everything here is plain, immutable data plus a few
+small functions; `to_jax_mesh` is the only bridge to JAX.
+
+Hardware figures are peak, per device, from the vendor documents cited next to
+each number. Latencies are never in datasheets; they are marked as estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "HARDWARE",
+    "Hardware",
+    "Link",
+    "Mesh",
+    "axis_links",
+    "get_hardware",
+    "make_mesh",
+    "parse_mesh_spec",
+    "to_jax_mesh",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """An interconnect, seen from one device.
+
+  Attributes:
+    name: Human-readable name, e.g. "nvlink4".
+    bandwidth: Bytes per second per device, in one direction.
+    latency: Seconds of fixed cost per message (hop), an estimate.
+  """
+
+  name: str
+  bandwidth: float
+  latency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """Peak capabilities of one device and of the links around it.
+
+  Attributes:
+    name: Profile name, the key in `HARDWARE`.
+    flops: Peak flop/s per device keyed by dtype name ('float32', 'bfloat16',
+      'float16', 'int8'); dense (no structured sparsity).
+    hbm_bytes: Accelerator memory capacity per device, bytes.
+    hbm_bandwidth: Accelerator memory bandwidth per device, bytes/s.
+    intra_node: Link between devices of the same node.
+    inter_node: Link between devices of different nodes.
+    devices_per_node: How many devices share the intra-node link.
+  """
+
+  name: str
+  flops: Mapping[str, float]
+  hbm_bytes: float
+  hbm_bandwidth: float
+  intra_node: Link
+  inter_node: Link
+  devices_per_node: int
+
+
+_GB = 1e9
+
+HARDWARE: Mapping[str, Hardware] = {
+    "h100": Hardware(
+        name="h100",
+        flops={
+            # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column, dense
+            # (the datasheet's headline figures are with sparsity, i.e. 2x).
+            "float32": 67e12,  # datasheet "FP32" (non-tensor-core).
+            "bfloat16": 989e12,  # datasheet "BF16 Tensor Core" 1979 / 2.
+            "float16": 989e12,  # datasheet "FP16 Tensor Core" 1979 / 2.
+            "int8": 1979e12,  # datasheet "INT8 Tensor Core" 3958 / 2.
+        },
+        hbm_bytes=80 * _GB,  # H100 datasheet, SXM5: 80 GB HBM3.
+        hbm_bandwidth=3.35e12,  # H100 datasheet, SXM5: 3.35 TB/s.
+        intra_node=Link(
+            name="nvlink4",
+            # H100 datasheet: NVLink 900 GB/s, bidirectional total -> 450 one way.
+            bandwidth=450 * _GB,
+            latency=2e-6,  # Estimate (order of NCCL small-message latency).
+        ),
+        inter_node=Link(
+            name="infiniband-ndr",
+            # NVIDIA DGX H100 user guide: one ConnectX-7 400 Gb/s NDR port
+            # per GPU -> 400e9 / 8 = 50 GB/s per device per direction.
+            bandwidth=50 * _GB,
+            latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
+        ),
+        devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
+    ),
+    "a100": Hardware(
+        name="a100",
+        flops={
+            # NVIDIA A100 Tensor Core GPU datasheet, SXM 80GB column, dense.
+            "float32": 19.5e12,  # datasheet "FP32".
+            "bfloat16": 312e12,  # datasheet "BFLOAT16 Tensor Core".
+            "float16": 312e12,  # datasheet "FP16 Tensor Core".
+            "int8": 624e12,  # datasheet "INT8 Tensor Core".
+        },
+        hbm_bytes=80 * _GB,  # A100 datasheet: 80 GB HBM2e.
+        hbm_bandwidth=2.039e12,  # A100 datasheet, 80GB SXM: 2,039 GB/s.
+        intra_node=Link(
+            name="nvlink3",
+            # A100 datasheet: NVLink 600 GB/s, bidirectional total -> 300 one way.
+            bandwidth=300 * _GB,
+            latency=2e-6,  # Estimate (order of NCCL small-message latency).
+        ),
+        inter_node=Link(
+            name="infiniband-hdr",
+            # NVIDIA DGX A100 user guide: one ConnectX-6 200 Gb/s HDR port per
+            # GPU -> 200e9 / 8 = 25 GB/s per device per direction.
+            bandwidth=25 * _GB,
+            latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
+        ),
+        devices_per_node=8,  # NVIDIA DGX A100 user guide: 8 GPUs per system.
+    ),
+    "tpu-v4": Hardware(
+        name="tpu-v4",
+        flops={
+            # Cloud TPU v4 docs (system architecture): 275 TFLOPS bf16 or int8.
+            "bfloat16": 275e12,
+            "int8": 275e12,
+            # Estimate, not a vendor figure: the MXU has no fp32 mode; XLA's
+            # highest-precision f32 matmul costs ~6 bf16 passes.
+            "float32": 275e12 / 6,
+            # Estimate, not a vendor figure: f16 is computed through bf16 MXUs.
+            "float16": 275e12,
+        },
+        hbm_bytes=32 * 2**30,  # Cloud TPU v4 docs: 32 GiB HBM2.
+        hbm_bandwidth=1200 * _GB,  # Cloud TPU v4 docs: 1200 GBps.
+        intra_node=Link(
+            name="ici",
+            # Jouppi et al., "TPU v4: An Optically Reconfigurable
+            # Supercomputer..." (ISCA 2023): ICI links of ~50 GB/s each way.
+            bandwidth=50 * _GB,
+            latency=1e-6,  # Estimate (one ICI hop plus launch overhead).
+        ),
+        inter_node=Link(
+            name="dcn",
+            # Estimate, not a vendor figure: data-center network between
+            # slices, ~100 Gb/s per host NIC shared by 4 chips.
+            bandwidth=100e9 / 8 / 4,
+            latency=10e-6,  # Estimate (datacenter network round trip / 2).
+        ),
+        devices_per_node=4096,  # Cloud TPU v4 docs: TPU Pod size 4096 chips.
+    ),
+    "tpu-v5e": Hardware(
+        name="tpu-v5e",
+        flops={
+            # Cloud TPU v5e docs (system architecture): 197 TFLOPS bf16,
+            # 394 TOPS int8.
+            "bfloat16": 197e12,
+            "int8": 394e12,
+            # Estimate, not a vendor figure: ~6 bf16 passes per f32 matmul.
+            "float32": 197e12 / 6,
+            # Estimate, not a vendor figure: f16 is computed through bf16 MXUs.
+            "float16": 197e12,
+        },
+        hbm_bytes=16 * _GB,  # Cloud TPU v5e docs: 16 GB HBM2.
+        hbm_bandwidth=819 * _GB,  # Cloud TPU v5e docs: 819 GBps.
+        intra_node=Link(
+            name="ici",
+            # Cloud TPU v5e docs: 1600 Gbps ICI per chip, over 4 ports of a
+            # 2D torus -> 1600e9 / 8 / 4 = 50 GB/s per port.
+            bandwidth=1600e9 / 8 / 4,
+            latency=1e-6,  # Estimate (one ICI hop plus launch overhead).
+        ),
+        inter_node=Link(
+            name="dcn",
+            # Estimate, not a vendor figure: ~200 Gb/s per host NIC shared by
+            # the 8 chips of a v5litepod-8 host.
+            bandwidth=200e9 / 8 / 8,
+            latency=10e-6,  # Estimate (datacenter network round trip / 2).
+        ),
+        devices_per_node=256,  # Cloud TPU v5e docs: up to 256 chips per Pod.
+    ),
+    "cpu": Hardware(
+        name="cpu",
+        # A modest host; every figure is an assumption, not a datasheet value.
+        flops={
+            "float32": 1e11,  # Assumed: ~8 cores x 2 FMA x 8 lanes x 0.8 GHz.
+            "bfloat16": 1e11,  # Assumed: no native bf16 matmul units.
+            "float16": 1e11,  # Assumed: no native f16 matmul units.
+            "int8": 2e11,  # Assumed: VNNI-style 2x over f32.
+        },
+        hbm_bytes=16 * _GB,  # Assumed: 16 GB of DRAM.
+        hbm_bandwidth=20 * _GB,  # Assumed: ~one DDR4-2666 channel pair.
+        intra_node=Link(
+            name="shared-memory",
+            bandwidth=10 * _GB,  # Assumed: memcpy between processes/threads.
+            latency=1e-6,  # Assumed: thread hand-off.
+        ),
+        inter_node=Link(
+            name="ethernet-10g",
+            bandwidth=10e9 / 8,  # IEEE 802.3ae 10 Gigabit Ethernet line rate.
+            latency=50e-6,  # Estimate (TCP round trip / 2 on a LAN).
+        ),
+        devices_per_node=64,  # Assumed: virtual devices of one host process.
+    ),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+  """Returns the hardware profile called `name` (a key of `HARDWARE`)."""
+  try:
+    return HARDWARE[name]
+  except KeyError:
+    raise ValueError(
+        f"Unknown hardware {name!r}; valid names: {sorted(HARDWARE)}."
+    ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+  """A named row-major grid of devices with one link per axis.
+
+  Device id `i` sits at the row-major position `i` of a grid with shape
+  `axis_sizes` (the last axis is minor), matching `jax.sharding.Mesh` built
+  from `jax.devices()` in order.
+
+  Attributes:
+    axis_names: One unique name per axis.
+    axis_sizes: Positive size of each axis.
+    links: The link collectives along each axis use.
+    hardware: Profile of every device.
+  """
+
+  axis_names: tuple[str, ...]
+  axis_sizes: tuple[int, ...]
+  links: tuple[Link, ...]
+  hardware: Hardware
+
+  def __post_init__(self):
+    _check_axes(self.axis_names, self.axis_sizes)
+    if len(self.links) != len(self.axis_names):
+      raise ValueError(
+          f"Mesh has {len(self.axis_names)} axes {self.axis_names} but "
+          f"{len(self.links)} links."
+      )
+
+  @property
+  def num_devices(self) -> int:
+    """Total number of devices, the product of the axis sizes."""
+    return math.prod(self.axis_sizes)
+
+  @property
+  def shape(self) -> dict[str, int]:
+    """Axis name to size, in axis order."""
+    return dict(zip(self.axis_names, self.axis_sizes))
+
+  def axis_index(self, name: str) -> int:
+    """Position of axis `name` in `axis_names`."""
+    try:
+      return self.axis_names.index(name)
+    except ValueError:
+      raise ValueError(
+          f"Mesh has no axis {name!r}; valid axes: {self.axis_names}."
+      ) from None
+
+  def axis_size(self, name: str) -> int:
+    """Size of axis `name`."""
+    return self.axis_sizes[self.axis_index(name)]
+
+  def link(self, name: str) -> Link:
+    """Link used by collectives along axis `name`."""
+    return self.links[self.axis_index(name)]
+
+
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_axes(names: Sequence[str], sizes: Sequence[int]) -> None:
+  """Raises ValueError unless names are unique identifiers, sizes positive."""
+  if len(names) != len(sizes):
+    raise ValueError(f"{len(names)} axis names {tuple(names)} but "
+                     f"{len(sizes)} axis sizes {tuple(sizes)}.")
+  if not names:
+    raise ValueError("A mesh needs at least one axis.")
+  seen = set()
+  for name, size in zip(names, sizes):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+      raise ValueError(f"Axis name {name!r} is not an identifier.")
+    if name in seen:
+      raise ValueError(f"Duplicate axis name {name!r} in {tuple(names)}.")
+    seen.add(name)
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+      raise ValueError(
+          f"Axis {name!r} has size {size!r}; sizes must be positive ints."
+      )
+
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+  """Parses "data=2,model=4" into {"data": 2, "model": 4}, keeping order."""
+  names, sizes = [], []
+  for fragment in spec.split(","):
+    name, sep, size = (part.strip() for part in fragment.partition("="))
+    if not sep or not name or not re.fullmatch(r"[+-]?\d+", size):
+      raise ValueError(
+          f"Malformed mesh spec fragment {fragment.strip()!r} in {spec!r}; "
+          "expected comma-separated name=size, e.g. 'data=2,model=4'."
+      )
+    names.append(name)
+    sizes.append(int(size))
+  _check_axes(names, sizes)
+  return dict(zip(names, sizes))
+
+
+def axis_links(axis_sizes: Sequence[int], hardware: Hardware) -> tuple[Link, ...]:
+  """Chooses the link for each axis of a row-major mesh.
+
+  Along axis `i`, the devices of one group lie in an aligned block of
+  `prod(axis_sizes[i:])` consecutive device ids. When that block divides
+  `devices_per_node` (so it cannot straddle a node boundary) the axis stays
+  inside one node and gets `hardware.intra_node`; otherwise `inter_node`.
+  """
+  links = []
+  for i in range(len(axis_sizes)):
+    block = math.prod(axis_sizes[i:])
+    within_node = hardware.devices_per_node % block == 0
+    links.append(hardware.intra_node if within_node else hardware.inter_node)
+  return tuple(links)
+
+
+def make_mesh(spec: str | Mapping[str, int], hardware: str | Hardware) -> Mesh:
+  """Builds a `Mesh` from a spec like "data=2,model=4" (or a mapping).
+
+  Args:
+    spec: Axis names and sizes, major to minor.
+    hardware: A `Hardware` profile or the name of one in `HARDWARE`.
+
+  Returns:
+    The mesh, with each axis assigned its link by `axis_links`.
+  """
+  shape = parse_mesh_spec(spec) if isinstance(spec, str) else dict(spec)
+  hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+  names, sizes = tuple(shape), tuple(shape.values())
+  _check_axes(names, sizes)
+  return Mesh(names, sizes, axis_links(sizes, hw), hw)
+
+
+def to_jax_mesh(mesh: Mesh, devices: Sequence[Any] | None = None):
+  """Returns a `jax.sharding.Mesh` with the same axes (all of type Auto).
+
+  Args:
+    mesh: The mesh to mirror.
+    devices: Devices to use, in row-major mesh order; defaults to the first
+      `mesh.num_devices` of `jax.devices()`.
+  """
+  import jax  # Imported lazily: the rest of this module is pure data.
+  import numpy as np
+
+  available = list(jax.devices() if devices is None else devices)
+  if len(available) < mesh.num_devices:
+    raise ValueError(
+        f"Mesh {mesh.shape} needs {mesh.num_devices} devices but only "
+        f"{len(available)} are available. On CPU, set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={mesh.num_devices}"
+        " before importing jax."
+    )
+  grid = np.array(available[: mesh.num_devices], dtype=object)
+  return jax.sharding.Mesh(
+      grid.reshape(mesh.axis_sizes),
+      mesh.axis_names,
+      axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
+  )

@@ -1,0 +1,57 @@
+"""Haiku multi-layer perceptron classifier."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import optax
+
+from automap_rl.models import training
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+  """MLP size.
+
+  Attributes:
+    layers: number of hidden layers.
+    width: hidden layer width.
+    in_dim: input feature dimension.
+    classes: number of output classes.
+    batch: examples per batch.
+  """
+
+  layers: int = 2
+  width: int = 256
+  in_dim: int = 64
+  classes: int = 16
+  batch: int = 16
+
+
+def make(config: MLPConfig, seed: int = 0) -> training.Workload:
+  """Builds the MLP training step.
+
+  Batch: ``inputs`` float32 [batch, in_dim], ``labels`` int32 [batch].
+  """
+  net = hk.without_apply_rng(hk.transform(
+      lambda x: hk.nets.MLP([config.width] * config.layers + [config.classes])(x)))
+  params_key, data_key = training.split_seed(seed)
+  inputs_key, labels_key = jax.random.split(data_key)
+  batch = {
+      "inputs": jax.random.normal(
+          inputs_key, (config.batch, config.in_dim), jnp.float32),
+      "labels": jax.random.randint(
+          labels_key, (config.batch,), 0, config.classes, jnp.int32),
+  }
+
+  def loss_fn(params, batch):
+    logits = net.apply(params, batch["inputs"])  # [batch, classes]
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["labels"]).mean()
+
+  params = jax.jit(net.init)(params_key, batch["inputs"])
+  return training.build_workload(
+      training.spec_string("mlp", config), loss_fn, params, batch)

@@ -1,0 +1,120 @@
+"""Mixture-of-experts transformer: the GPT model with a top-k routed MLP.
+
+Routing follows GShard: each sequence is a group of ``seq`` tokens; every
+token picks its ``top_k`` experts, each expert takes at most ``capacity``
+tokens per group (first choices have priority, overflow is dropped), and
+tokens are moved with one-hot dispatch/combine tensors
+[batch, seq, experts, capacity] contracted by einsum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from automap_rl.models import gpt
+from automap_rl.models import training
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(gpt.GPTConfig):
+  """GPT size plus routing.
+
+  Attributes:
+    experts: number of experts per MoE layer.
+    top_k: experts chosen per token.
+    capacity_factor: expert capacity is
+      ``ceil(top_k * seq * capacity_factor / experts)`` tokens per group.
+    aux_loss_weight: weight of the load-balancing loss.
+  """
+
+  experts: int = 8
+  top_k: int = 2
+  capacity_factor: float = 2.0
+  aux_loss_weight: float = 0.01
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not 1 <= self.top_k <= self.experts:
+      raise ValueError(
+          f"top_k={self.top_k} must be in [1, experts={self.experts}]")
+
+  @property
+  def capacity(self) -> int:
+    return max(1, math.ceil(
+        self.top_k * self.seq * self.capacity_factor / self.experts))
+
+
+def route(probs: jax.Array, top_k: int, capacity: int
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Top-k routing with capacity.
+
+  Args:
+    probs: router probabilities [groups, seq, experts].
+    top_k: experts per token.
+    capacity: token slots per expert per group.
+
+  Returns:
+    dispatch: 0/1 float [groups, seq, experts, capacity].
+    combine: gate-weighted dispatch [groups, seq, experts, capacity].
+    aux_loss: Switch-style load-balancing loss [], 1 when balanced.
+  """
+  groups, seq, experts = probs.shape
+  gates, index = jax.lax.top_k(probs, top_k)  # [g, s, k]
+  gates = gates / gates.sum(axis=-1, keepdims=True)
+  choice = jax.nn.one_hot(index, experts, dtype=probs.dtype)  # [g, s, k, e]
+  # Slot of each (choice, token) in its expert: k-major so first choices win.
+  choice_ks = choice.transpose(0, 2, 1, 3).reshape(groups, top_k * seq, experts)
+  position = (jnp.cumsum(choice_ks, axis=1) - 1.0) * choice_ks
+  choice_ks = choice_ks * (position < capacity)
+  slots = jax.nn.one_hot(position, capacity, dtype=probs.dtype)
+  slots = (slots * choice_ks[..., None]).reshape(
+      groups, top_k, seq, experts, capacity)  # [g, k, s, e, c]
+  dispatch = slots.sum(axis=1)
+  combine = jnp.einsum("gksec,gsk->gsec", slots, gates)
+  density = choice[:, :, 0].mean(axis=(0, 1))  # top-1 token share [e]
+  aux_loss = experts * jnp.sum(density * probs.mean(axis=(0, 1)))
+  return dispatch, combine, aux_loss
+
+
+class MoEFeedForward(nn.Module):
+  """Routed expert MLP: x [b, s, d] -> (y [b, s, d], aux_loss []).
+
+  Parameters: ``router/kernel`` [d, experts], ``wi`` [experts, d, hidden],
+  ``bi`` [experts, hidden], ``wo`` [experts, hidden, d], ``bo`` [experts, d].
+  """
+
+  experts: int
+  hidden: int
+  top_k: int
+  capacity: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    d_model = x.shape[-1]
+    init = nn.initializers.lecun_normal(batch_axis=(0,))
+    wi = self.param("wi", init, (self.experts, d_model, self.hidden))
+    bi = self.param("bi", nn.initializers.zeros, (self.experts, self.hidden))
+    wo = self.param("wo", init, (self.experts, self.hidden, d_model))
+    bo = self.param("bo", nn.initializers.zeros, (self.experts, d_model))
+    logits = nn.Dense(self.experts, use_bias=False, name="router")(x)
+    dispatch, combine, aux_loss = route(
+        jax.nn.softmax(logits, axis=-1), self.top_k, self.capacity)
+    expert_in = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
+    h = nn.gelu(jnp.einsum("ebcd,edf->ebcf", expert_in, wi)
+                + bi[:, None, None])
+    expert_out = jnp.einsum("ebcf,efd->ebcd", h, wo) + bo[:, None, None]
+    return jnp.einsum("bsec,ebcd->bsd", combine, expert_out), aux_loss
+
+
+def make(config: MoEConfig, seed: int = 0) -> training.Workload:
+  """Builds the MoE LM training step (batch as in :mod:`gpt`)."""
+  ffn = functools.partial(MoEFeedForward, config.experts, config.hidden,
+                          config.top_k, config.capacity)
+  return gpt.make_lm_workload(training.spec_string("moe", config), config,
+                              ffn, seed, config.aux_loss_weight)

@@ -1,0 +1,85 @@
+"""`automap-rl inspect MODEL`: the program size and named dimensions of a zoo model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from automap_rl import ir, models
+
+
+@dataclasses.dataclass(frozen=True)
+class InspectConfig:
+  """What to inspect.
+
+  Attributes:
+    model: a zoo spec, e.g. `gpt:layers=12,scan=true`.
+    seed: seed of the example arguments.
+    json_path: where to write the JSON summary, or None.
+    max_rows: how many named dims to print (the largest by member count first).
+  """
+
+  model: str = "gpt"
+  seed: int = 0
+  json_path: str | None = None
+  max_rows: int = 30
+
+
+def trace_workload(workload: models.Workload) -> ir.Program:
+  """Traces a zoo workload's training step, with its argument names and roles."""
+  return ir.trace(workload.step, *workload.args, arg_names=workload.arg_names,
+                  arg_roles=workload.arg_roles, donate_argnums=(0, 1))
+
+
+def summarize(program: ir.Program, named: ir.NamedDims) -> dict[str, Any]:
+  """The JSON summary: program size, named dims, groups and conflicts."""
+  return {
+      "num_ops": program.num_ops,
+      "num_values": program.num_values,
+      "unknown_primitives": list(program.unknown_primitives),
+      "named_dims": [
+          {"id": c.id, "size": c.size, "num_members": c.num_members, "group": c.group,
+           "examples": list(c.examples)}
+          for c in named.classes
+      ],
+      "groups": [{"id": g, "num_classes": len(members)} for g, members in enumerate(named.groups)],
+      "conflicts": [dataclasses.asdict(c) for c in named.conflicts],
+  }
+
+
+def render(summary: dict[str, Any], max_rows: int) -> str:
+  """A table a person can read."""
+  group_sizes = {g["id"]: g["num_classes"] for g in summary["groups"]}
+  conflicted = {c["class_id"] for c in summary["conflicts"]}
+  lines = [
+      f"ops {summary['num_ops']}  values {summary['num_values']}  "
+      f"named dims {len(summary['named_dims'])}  groups {len(summary['groups'])}  "
+      f"unknown primitives {summary['unknown_primitives'] or 'none'}",
+      f"{'dim':>5} {'size':>7} {'members':>8} {'group':>9}  examples",
+  ]
+  rows = sorted(summary["named_dims"], key=lambda d: -d["num_members"])[:max_rows]
+  for d in rows:
+    group = f"{d['group']}(x{group_sizes[d['group']]})"
+    flag = " [conflict]" if d["id"] in conflicted else ""
+    lines.append(f"{d['id']:>5} {d['size']:>7} {d['num_members']:>8} {group:>9}  {', '.join(d['examples'])}{flag}")
+  if len(summary["named_dims"]) > max_rows:
+    lines.append(f"... {len(summary['named_dims']) - max_rows} more named dims (see --json)")
+  for c in summary["conflicts"]:
+    lines.append(f"conflict: dim {c['class_id']} twice in one {c['kind']} ({c['count']}x), e.g. {c['example']}")
+  return "\n".join(lines)
+
+
+def run(config: InspectConfig) -> dict[str, Any]:
+  start = time.perf_counter()
+  workload = models.make_workload(config.model, seed=config.seed)
+  program = trace_workload(workload)
+  summary = summarize(program, ir.analyze(program))
+  summary["seconds"] = round(time.perf_counter() - start, 3)
+  print(f"{workload.name}: traced and analysed in {summary['seconds']:.2f}s")
+  print(render(summary, config.max_rows))
+  if config.json_path:
+    with open(config.json_path, "w") as f:
+      json.dump(summary, f, indent=1)
+  return summary
