@@ -108,6 +108,9 @@ class Op:
     rule: the sharding rule.
     repeat: how many times the op runs per step (a loop body's trip count).
     scope: where the op came from, e.g. `scan/cond` for loop and branch bodies, else ''.
+    origin: the equation it came from, as indices through inlined calls: `(5, 2)` is eqn 2
+      of the body of eqn 5 of the top-level jaxpr; () for the IR's own ops and for ops
+      inside loop and branch bodies.
   """
 
   id: int
@@ -117,6 +120,7 @@ class Op:
   rule: Rule
   repeat: int = 1
   scope: str = ""
+  origin: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

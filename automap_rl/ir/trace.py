@@ -53,8 +53,9 @@ class _Builder:
     self.values.append(value)
     return value.id
 
-  def add_op(self, primitive: str, operands, results, rule: Rule, repeat: int, scope: str) -> None:
-    self.ops.append(Op(len(self.ops), primitive, tuple(operands), tuple(results), rule, repeat, scope))
+  def add_op(self, primitive: str, operands, results, rule: Rule, repeat: int, scope: str,
+             origin: tuple[int, ...] = ()) -> None:
+    self.ops.append(Op(len(self.ops), primitive, tuple(operands), tuple(results), rule, repeat, scope, origin))
 
   def read(self, env: dict, var) -> int | None:
     """The value id of a jaxpr atom; None for literals (scalars folded into the op)."""
@@ -86,11 +87,13 @@ class _Builder:
 
   # -- the walk ---------------------------------------------------------------------------
 
-  def walk(self, jaxpr, env: dict, repeat: int, scope: str) -> None:
-    for eqn in jaxpr.eqns:
+  def walk(self, jaxpr, env: dict, repeat: int, scope: str, prefix: tuple[int, ...] = ()) -> None:
+    """Adds the ops of `jaxpr`; `prefix` is its origin, None inside loop and branch bodies."""
+    for index, eqn in enumerate(jaxpr.eqns):
       name = eqn.primitive.name
+      origin = None if prefix is None else (*prefix, index)
       if name in CALL_PRIMITIVES:
-        self.inline_call(eqn, env, repeat, scope)
+        self.inline_call(eqn, env, repeat, scope, origin)
       elif name == "scan":
         self.inline_scan(eqn, env, repeat, scope)
       elif name == "while":
@@ -98,9 +101,9 @@ class _Builder:
       elif name == "cond":
         self.inline_cond(eqn, env, repeat, scope)
       else:
-        self.add_eqn(eqn, env, repeat, scope)
+        self.add_eqn(eqn, env, repeat, scope, origin)
 
-  def add_eqn(self, eqn, env: dict, repeat: int, scope: str) -> None:
+  def add_eqn(self, eqn, env: dict, repeat: int, scope: str, origin) -> None:
     name = eqn.primitive.name
     operand_shapes = [tuple(v.aval.shape) for v in eqn.invars]
     result_shapes = [tuple(v.aval.shape) for v in eqn.outvars]
@@ -120,16 +123,16 @@ class _Builder:
       results.append(self.new_value(var.aval))
       if not isinstance(var, jax_core.DropVar):
         env[var] = results[-1]
-    self.add_op(name, [operand_ids[i] for i in kept], results, rule, repeat, scope)
+    self.add_op(name, [operand_ids[i] for i in kept], results, rule, repeat, scope, origin or ())
 
-  def inline(self, closed, operand_ids: Sequence[int], repeat: int, scope: str) -> list[int]:
+  def inline(self, closed, operand_ids: Sequence[int], repeat: int, scope: str, prefix=None) -> list[int]:
     """Walks a (closed) sub-jaxpr whose invars are `operand_ids`; returns its outputs."""
     jaxpr = getattr(closed, "jaxpr", closed)
     env: dict = {}
     if hasattr(closed, "consts"):
       self.bind_consts(closed, env)
     env.update(zip(jaxpr.invars, operand_ids))
-    self.walk(jaxpr, env, repeat, scope)
+    self.walk(jaxpr, env, repeat, scope, prefix)
     return [self.outvar_id(env, v) for v in jaxpr.outvars]
 
   def operands_as_values(self, eqn, env: dict) -> list[int]:
@@ -144,9 +147,9 @@ class _Builder:
       if not isinstance(var, jax_core.DropVar):
         env[var] = value_id
 
-  def inline_call(self, eqn, env: dict, repeat: int, scope: str) -> None:
+  def inline_call(self, eqn, env: dict, repeat: int, scope: str, origin) -> None:
     body = next(eqn.params[k] for k in _CALL_JAXPR_PARAMS if k in eqn.params)
-    outs = self.inline(body, self.operands_as_values(eqn, env), repeat, scope)
+    outs = self.inline(body, self.operands_as_values(eqn, env), repeat, scope, origin)
     self.bind_results(eqn, env, outs)
 
   def carry_in(self, init_ids: Sequence[int], body_invars, repeat: int, scope: str) -> list[int]:
@@ -241,7 +244,7 @@ def trace(
     inputs.append(env[var])
     donated.append(arg_index in donate_argnums)
   builder.bind_consts(closed, env)
-  builder.walk(closed.jaxpr, env, repeat=1, scope="")
+  builder.walk(closed.jaxpr, env, repeat=1, scope="", prefix=())
   out_paths = [_path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
   outputs = [builder.outvar_id(env, v) for v in closed.jaxpr.outvars]
   values = builder.values

@@ -10,6 +10,7 @@ n_node and n_edge int32 [batch], targets [batch, target_dim].
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import haiku as hk
 import jax
@@ -44,8 +45,10 @@ class GNNConfig:
   batch: int = 16
 
 
-def _mlp(width: int, name: str) -> hk.Module:
-  return hk.nets.MLP([width, width], activate_final=True, name=name)
+def _concat_mlp(width: int, name: str) -> Callable[..., jax.Array]:
+  """Two-layer relu MLP applied to its inputs concatenated on the last axis."""
+  mlp = hk.nets.MLP([width, width], activate_final=True, name=name)
+  return lambda *features: mlp(jnp.concatenate(features, axis=-1))
 
 
 def network(graph: jraph.GraphsTuple, config: GNNConfig) -> jax.Array:
@@ -54,11 +57,9 @@ def network(graph: jraph.GraphsTuple, config: GNNConfig) -> jax.Array:
   edges = hk.Linear(config.latent, name="edge_encoder")(graph.edges)
   graph = graph._replace(nodes=nodes, edges=edges)
   for i in range(config.steps):
-    edge_mlp = _mlp(config.latent, f"edge_mlp_{i}")
-    node_mlp = _mlp(config.latent, f"node_mlp_{i}")
     update = jraph.InteractionNetwork(
-        update_edge_fn=lambda e, s, r: edge_mlp(jnp.concatenate([e, s, r], -1)),
-        update_node_fn=lambda n, r: node_mlp(jnp.concatenate([n, r], -1)))(graph)
+        update_edge_fn=_concat_mlp(config.latent, f"edge_mlp_{i}"),
+        update_node_fn=_concat_mlp(config.latent, f"node_mlp_{i}"))(graph)
     graph = graph._replace(nodes=graph.nodes + update.nodes,
                            edges=graph.edges + update.edges)
   n_graph = graph.n_node.shape[0]
@@ -78,13 +79,15 @@ def make_batch(config: GNNConfig, key: jax.Array) -> dict[str, jax.Array]:
   senders, receivers = (local + offset).astype(jnp.int32)
   return {
       "nodes": jax.random.normal(
-          node_key, (n_graph * config.n_node, config.node_dim)),
-      "edges": jax.random.normal(edge_key, (total_edges, config.edge_dim)),
+          node_key, (n_graph * config.n_node, config.node_dim), jnp.float32),
+      "edges": jax.random.normal(
+          edge_key, (total_edges, config.edge_dim), jnp.float32),
       "senders": senders,
       "receivers": receivers,
       "n_node": jnp.full((n_graph,), config.n_node, jnp.int32),
       "n_edge": jnp.full((n_graph,), config.n_edge, jnp.int32),
-      "targets": jax.random.normal(target_key, (n_graph, config.target_dim)),
+      "targets": jax.random.normal(
+          target_key, (n_graph, config.target_dim), jnp.float32),
   }
 
 

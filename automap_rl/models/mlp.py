@@ -36,8 +36,8 @@ def make(config: MLPConfig, seed: int = 0) -> training.Workload:
 
   Batch: ``inputs`` float32 [batch, in_dim], ``labels`` int32 [batch].
   """
-  net = hk.without_apply_rng(hk.transform(
-      lambda x: hk.nets.MLP([config.width] * config.layers + [config.classes])(x)))
+  sizes = [config.width] * config.layers + [config.classes]
+  net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP(sizes)(x)))
   params_key, data_key = training.split_seed(seed)
   inputs_key, labels_key = jax.random.split(data_key)
   batch = {

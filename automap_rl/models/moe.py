@@ -72,7 +72,8 @@ def route(probs: jax.Array, top_k: int, capacity: int
   choice_ks = choice.transpose(0, 2, 1, 3).reshape(groups, top_k * seq, experts)
   position = (jnp.cumsum(choice_ks, axis=1) - 1.0) * choice_ks
   choice_ks = choice_ks * (position < capacity)
-  slots = jax.nn.one_hot(position, capacity, dtype=probs.dtype)
+  slots = jax.nn.one_hot(position.astype(jnp.int32), capacity,
+                         dtype=probs.dtype)
   slots = (slots * choice_ks[..., None]).reshape(
       groups, top_k, seq, experts, capacity)  # [g, k, s, e, c]
   dispatch = slots.sum(axis=1)

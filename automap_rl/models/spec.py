@@ -57,7 +57,8 @@ def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
   for item in filter(None, (i.strip() for i in overrides.split(","))):
     key, sep, value = (s.strip() for s in item.partition("="))
     if not sep:
-      raise ValueError(f"bad item {item!r} in spec {spec!r}: expected key=value")
+      raise ValueError(
+          f"bad item {item!r} in spec {spec!r}: expected key=value")
     if key not in types:
       raise ValueError(
           f"unknown key {key!r} for model {name!r}; valid keys: "

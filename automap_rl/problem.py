@@ -1,0 +1,64 @@
+"""A partitioning problem: one program on one mesh, with everything static precomputed."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from automap_rl import ir, sharding, simulator
+from automap_rl.mesh import Mesh
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Problem:
+  """The static tables of a program on a mesh; `evaluate` is the pure cost function.
+
+  Attributes:
+    program: the traced step.
+    named: its named dimensions.
+    mesh: the mesh and hardware.
+    sigs: the program compressed to signatures.
+    tables: the simulator's cost tables.
+  """
+
+  program: ir.Program
+  named: ir.NamedDims
+  mesh: Mesh
+  sigs: sharding.Signatures
+  tables: simulator.CostTables
+
+  @classmethod
+  def build(cls, program: ir.Program, mesh: Mesh, named: ir.NamedDims | None = None) -> Problem:
+    named = ir.analyze(program) if named is None else named
+    sigs = sharding.signatures(program, named)
+    return cls(program, named, mesh, sigs, simulator.build(program, sigs, mesh))
+
+  def encode(self, decisions: Sequence[sharding.Decision], length: int | None = None):
+    """Decisions as `(classes, axes)` int32 arrays of shape [length]."""
+    return sharding.encode(decisions, self.program, self.named, self.mesh, length)
+
+  def resolve(self, dec_class: jax.Array, dec_axis: jax.Array) -> sharding.Resolution:
+    return sharding.resolve(self.sigs, self.mesh, dec_class, dec_axis)
+
+  def evaluate(self, dec_class: jax.Array, dec_axis: jax.Array) -> simulator.Cost:
+    """The cost of encoded decisions; pure, so it jits and vmaps."""
+    return simulator.simulate(self.tables, self.resolve(dec_class, dec_axis))
+
+  @functools.cached_property
+  def evaluate_jit(self):
+    return jax.jit(self.evaluate)
+
+  def cost(self, decisions: Sequence[sharding.Decision]) -> simulator.Cost:
+    """The cost of a decision list (jitted; one compile per distinct length)."""
+    dec_class, dec_axis = self.encode(decisions)
+    return jax.device_get(self.evaluate_jit(dec_class, dec_axis))
+
+  def partition_specs(self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int]):
+    """`PartitionSpec`s of the given values under `decisions`."""
+    dec_class, dec_axis = self.encode(decisions)
+    resolution = jax.device_get(self.resolve(dec_class, dec_axis))
+    return [sharding.partition_spec(v, self.sigs, resolution, dec_class, dec_axis, self.mesh) for v in value_ids]

@@ -1,0 +1,174 @@
+"""Static cost tables of a compressed program (numpy; built once per program and mesh)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from automap_rl.ir import FactorKind, Op, Program
+from automap_rl.mesh import Mesh
+from automap_rl.sharding import Signatures
+
+_MEMORY_PROBES = 256
+
+
+def op_flops(program: Program, op: Op) -> float:
+  """Flops of one call of `op`: 2 per multiply-add for contractions, else one per element."""
+  if op.primitive == "dot_general":
+    return 2.0 * math.prod(op.rule.factor_sizes)
+  if op.primitive == "conv_general_dilated":
+    out = program.values[op.results[0]]
+    rhs = program.values[op.operands[1]]
+    out_features = rhs.shape[op.rule and _conv_out_feature_dim(op, program)]
+    return 2.0 * out.size * rhs.size / max(out_features, 1)
+  sizes = [program.values[v].size for v in (*op.operands, *op.results)]
+  return float(max(sizes, default=0))
+
+
+def _conv_out_feature_dim(op: Op, program: Program) -> int:
+  """The kernel dim that maps to the output feature factor (the rhs dim shared with the result)."""
+  result_factors = {f for dim in op.rule.result_dims[0] for f in dim}
+  for dim, factors in enumerate(op.rule.operand_dims[1]):
+    if factors and factors[0] in result_factors:
+      return dim
+  return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTables:
+  """Everything the simulator needs besides the resolution, as arrays.
+
+  Shapes: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges
+  (operand or result uses of a value signature by an op signature), T memory probe rows.
+
+  Attributes:
+    value_bytes: global bytes of a value of each signature, [Uv].
+    op_compute_s: summed flop time at peak of all ops of each signature (times their
+      repeat count), [Uo].
+    op_memory_s: summed HBM traffic time of those ops, [Uo].
+    op_reduction: which factors are reductions, bool [Uo, Rf].
+    edge_op, edge_value: the op and value signature of each edge, [E].
+    edge_result: whether the edge is a result (else an operand), bool [E].
+    edge_dim_factor: which op factors each value dim maps to, bool [E, Rv, Rf].
+    edge_weight: how many times the edge's collectives run per step, [E].
+    live_bytes: global bytes of each value signature live at each probe point, [T, Uv].
+    mask_group, mask_bandwidth, mask_latency: per axis bit mask (2**num_axes), the group
+      size, the bottleneck bandwidth and the largest latency of a collective over those axes.
+    hbm_bytes: memory per device.
+  """
+
+  value_bytes: np.ndarray
+  op_compute_s: np.ndarray
+  op_memory_s: np.ndarray
+  op_reduction: np.ndarray
+  edge_op: np.ndarray
+  edge_value: np.ndarray
+  edge_result: np.ndarray
+  edge_dim_factor: np.ndarray
+  edge_weight: np.ndarray
+  live_bytes: np.ndarray
+  mask_group: np.ndarray
+  mask_bandwidth: np.ndarray
+  mask_latency: np.ndarray
+  hbm_bytes: float
+
+
+def _mask_tables(mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  num = 1 << len(mesh.axis_sizes)
+  group = np.ones(num, np.float32)
+  bandwidth = np.full(num, np.inf, np.float32)
+  latency = np.zeros(num, np.float32)
+  for mask in range(num):
+    for axis, (size, link) in enumerate(zip(mesh.axis_sizes, mesh.links)):
+      if mask >> axis & 1:
+        group[mask] *= size
+        bandwidth[mask] = min(bandwidth[mask], link.bandwidth)
+        latency[mask] = max(latency[mask], link.latency)
+  return group, bandwidth, latency
+
+
+def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray:
+  """Rows of per-signature live bytes at the program points that can be a peak.
+
+  Value v is live from the op that makes it to its last use; arguments from the start,
+  and to the end unless donated; outputs to the end. The full [num_ops, Uv] matrix is
+  reduced to the rows that attain the maximum for the replicated plan or for one of
+  `_MEMORY_PROBES` random per-signature shard factors, so that `max(rows @ 1/shards)` is
+  the peak for the plans that matter at a fraction of the cost.
+  """
+  num_ops = max(program.num_ops, 1)
+  num_sigs = len(sigs.value_keys)
+  start = np.zeros(program.num_values, np.int64)
+  end = np.zeros(program.num_values, np.int64)
+  for op in program.ops:
+    for v in op.results:
+      start[v] = op.id
+      end[v] = max(end[v], op.id)
+    for v in op.operands:
+      end[v] = max(end[v], op.id)
+  for value_id, donated in zip(program.inputs, program.donated):
+    if not donated:
+      end[value_id] = num_ops - 1
+  end[list(program.outputs)] = num_ops - 1
+  diff = np.zeros((num_ops + 1, num_sigs), np.float64)
+  nbytes = np.array([v.nbytes for v in program.values], np.float64)
+  np.add.at(diff, (start, sigs.value_sig), nbytes)
+  np.add.at(diff, (end + 1, sigs.value_sig), -nbytes)
+  live = np.cumsum(diff, axis=0)[:num_ops]
+  rng = np.random.default_rng(seed)
+  probes = np.concatenate([np.ones((1, num_sigs)), 1.0 / rng.choice([1, 2, 4, 8, 16], (_MEMORY_PROBES, num_sigs))])
+  rows = np.unique(np.argmax(live @ probes.T, axis=0))
+  return live[rows].astype(np.float32)
+
+
+def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
+  """Aggregates per-op costs onto signatures and lays out the edges."""
+  hw = mesh.hardware
+  num_ops = len(sigs.op_keys)
+  compute = np.zeros(num_ops, np.float64)
+  memory = np.zeros(num_ops, np.float64)
+  weight = np.zeros(num_ops, np.float64)
+  for op in program.ops:
+    sig = sigs.op_sig[op.id]
+    dtype = program.values[op.results[0]].dtype if op.results else "float32"
+    compute[sig] += op.repeat * op_flops(program, op) / hw.flops.get(dtype, hw.flops["float32"])
+    io_bytes = sum(program.values[v].nbytes for v in (*op.operands, *op.results))
+    memory[sig] += op.repeat * io_bytes / hw.hbm_bandwidth
+    weight[sig] += op.repeat
+  rv = sigs.value_class.shape[1]
+  rf = sigs.op_class.shape[1]
+  edge_op, edge_value, edge_result, edge_dims = [], [], [], []
+  for sig, (_, factors, operands, results) in enumerate(sigs.op_keys):
+    for is_result, edges in ((False, operands), (True, results)):
+      for value_sig, dims in edges:
+        table = np.zeros((rv, rf), bool)
+        for dim, dim_factors in enumerate(dims):
+          table[dim, list(dim_factors)] = True
+        edge_op.append(sig)
+        edge_value.append(value_sig)
+        edge_result.append(is_result)
+        edge_dims.append(table)
+  reduction = np.zeros((num_ops, rf), bool)
+  for sig, (_, factors, _, _) in enumerate(sigs.op_keys):
+    for f, (_, _, kind) in enumerate(factors):
+      reduction[sig, f] = kind == FactorKind.REDUCTION
+  edge_op = np.array(edge_op, np.int32)
+  group, bandwidth, latency = _mask_tables(mesh)
+  return CostTables(
+      value_bytes=np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32),
+      op_compute_s=compute.astype(np.float32),
+      op_memory_s=memory.astype(np.float32),
+      op_reduction=reduction,
+      edge_op=edge_op,
+      edge_value=np.array(edge_value, np.int32),
+      edge_result=np.array(edge_result, bool),
+      edge_dim_factor=np.stack(edge_dims) if edge_dims else np.zeros((0, rv, rf), bool),
+      edge_weight=weight[edge_op].astype(np.float32),
+      live_bytes=_live_bytes(program, sigs),
+      mask_group=group,
+      mask_bandwidth=bandwidth,
+      mask_latency=latency,
+      hbm_bytes=float(hw.hbm_bytes),
+  )
