@@ -73,7 +73,7 @@ def render(summary: dict[str, Any], max_rows: int) -> str:
 
 def run(config: InspectConfig) -> dict[str, Any]:
   start = time.perf_counter()
-  workload = models.make_workload(config.model, seed=config.seed)
+  workload = models.make_workload(config.model, seed=config.seed, abstract=True)
   program = trace_workload(workload)
   summary = summarize(program, ir.analyze(program))
   summary["seconds"] = round(time.perf_counter() - start, 3)
@@ -83,3 +83,12 @@ def run(config: InspectConfig) -> dict[str, Any]:
     with open(config.json_path, "w") as f:
       json.dump(summary, f, indent=1)
   return summary
+
+
+def register(subparsers) -> None:
+  parser = subparsers.add_parser("inspect", help="program size and named dimensions of a model")
+  parser.add_argument("model", nargs="?", default="gpt", help="zoo spec, e.g. gpt:layers=12,scan=true")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--json", dest="json_path")
+  parser.add_argument("--rows", type=int, default=30, help="named dims to print")
+  parser.set_defaults(command=lambda a: run(InspectConfig(a.model, a.seed, a.json_path, a.rows)))

@@ -7,6 +7,8 @@ import typing
 from types import ModuleType
 from typing import Any
 
+import jax
+
 from automap_rl.models import gnn, gpt, mlp, moe, resnet, training, unet
 
 # Model name -> (module with ``make(config, seed)``, config class).
@@ -67,8 +69,22 @@ def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
   return name, kwargs
 
 
-def make_workload(spec: str, seed: int = 0) -> training.Workload:
-  """Builds the workload described by ``spec`` with parameters from ``seed``."""
+def make_workload(spec: str, seed: int = 0, abstract: bool = False) -> training.Workload:
+  """Builds the workload described by ``spec`` with parameters from ``seed``.
+
+  With ``abstract=True`` the arguments are ``jax.ShapeDtypeStruct``s and nothing is
+  allocated: enough to trace, analyse and simulate models of any size.
+  """
   name, kwargs = parse_model_spec(spec)
   module, config_cls = _MODELS[name]
-  return module.make(config_cls(**kwargs), seed)
+  config = config_cls(**kwargs)
+  if not abstract:
+    return module.make(config, seed)
+  built = []
+
+  def build():
+    built.append(module.make(config, seed))
+    return built[0].args
+
+  params, opt_state, batch = jax.eval_shape(build)
+  return dataclasses.replace(built[0], params=params, opt_state=opt_state, batch=batch)

@@ -1,0 +1,256 @@
+"""Lowering a plan to XLA: `jax.jit` with in/out shardings and sharding constraints.
+
+`lower(problem, decisions, fn, args)` re-interprets the closed jaxpr of `fn` the way
+`automap_rl.ir.trace` walks it: call-like primitives are inlined, so each equation's
+index path through them is the `Op.origin` of the program op it became; loops and
+`cond` are bound whole (their bodies have no origin). After every equation that is a
+program op, each result gets `jax.lax.with_sharding_constraint` to the `PartitionSpec`
+the plan resolves for it (see `CONSTRAIN`), so XLA's SPMD partitioner follows the plan
+rather than propagating shardings its own way. Arguments and outputs get the plan's
+`NamedSharding`s as `in_shardings` / `out_shardings`.
+
+`check_numerics` runs the partitioned and the unpartitioned program and raises
+`NumericsError` naming the first output leaf that differs beyond tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core as jax_core
+from jax._src import source_info_util
+from jax.sharding import NamedSharding, PartitionSpec
+
+from automap_rl.ir.trace import CALL_PRIMITIVES
+from automap_rl.mesh import to_jax_mesh
+from automap_rl.problem import Problem
+from automap_rl.sharding import Decision
+from automap_rl.xla.hlo import CompiledStats, inspect_compiled
+
+__all__ = ["CONSTRAIN", "Constrain", "Lowered", "NumericsError", "check_numerics", "lower"]
+
+_CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+class Constrain(enum.Enum):
+  """Which intermediate results get a sharding constraint.
+
+  SHARDED: results whose spec shards some dim, plus contraction results even when
+    replicated (there the plan's choice of all-reduce vs keeping a partial sum matters).
+  ALL: every non-scalar result of every program op, replicated ones included.
+  """
+
+  SHARDED = "sharded"
+  ALL = "all"
+
+
+CONSTRAIN = Constrain.SHARDED
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+  """A plan compiled by XLA.
+
+  Attributes:
+    jitted: the `jax.jit` of the interpreted function.
+    compiled: the compiled executable for the example arguments.
+    in_shardings: a `NamedSharding` per argument, as pytrees like `args`.
+    out_shardings: a `NamedSharding` per output leaf, as a pytree like the outputs.
+    stats: collectives, flops and memory of the compiled module.
+    mesh: the `jax.sharding.Mesh` it runs on.
+  """
+
+  jitted: Any
+  compiled: Any
+  in_shardings: tuple[Any, ...]
+  out_shardings: Any
+  stats: CompiledStats
+  mesh: jax.sharding.Mesh
+
+  def run(self, args: Sequence[Any]) -> Any:
+    """Copies `args` onto the mesh with `in_shardings` (never aliasing the caller's
+    buffers, which donation would delete) and runs the compiled program."""
+    placed = jax.device_put(tuple(args), self.in_shardings, may_alias=False)
+    return self.compiled(*placed)
+
+
+_HLO_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+class _Uncommented:
+  """A compiled executable whose HLO text has no `/*index=5*/` comments, which
+  `hlo.parse_instruction` would read as part of an operand name."""
+
+  def __init__(self, compiled: Any):
+    self._compiled = compiled
+
+  def as_text(self) -> str:
+    return _HLO_COMMENT.sub("", self._compiled.as_text())
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._compiled, name)
+
+
+def _result_specs(problem: Problem, decisions: Sequence[Decision], constrain: Constrain,
+                  ) -> dict[tuple[int, ...], tuple[PartitionSpec | None, ...]]:
+  """Origin -> the spec to constrain each result of its op to (None: leave it free)."""
+  ops = [op for op in problem.program.ops if op.origin]
+  value_ids = sorted({v for op in ops for v in op.results})
+  specs = dict(zip(value_ids, problem.partition_specs(decisions, value_ids)))
+  out = {}
+  for op in ops:
+    chosen = []
+    for v in op.results:
+      spec, rank = specs[v], len(problem.program.values[v].shape)
+      keep = rank > 0 and (constrain is Constrain.ALL or op.primitive in _CONTRACTIONS
+                           or any(a is not None for a in spec))
+      chosen.append(spec if keep else None)
+    if any(s is not None for s in chosen):
+      out[op.origin] = tuple(chosen)
+  return out
+
+
+def _call_body(eqn) -> Any:
+  return next(eqn.params[k] for k in _CALL_JAXPR_PARAMS if k in eqn.params)
+
+
+def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...], list[Any]], list[Any]]
+              ) -> Callable[..., list[Any]]:
+  """A function evaluating `closed` equation by equation, calling `constrain(origin,
+  results)` after every equation outside loop and branch bodies (calls are inlined, so
+  origins are index paths through them, as in `automap_rl.ir.trace`)."""
+
+  def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...]):
+    env: dict = {}
+    read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for index, eqn in enumerate(jaxpr.eqns):
+      origin = (*prefix, index)
+      invals = [read(v) for v in eqn.invars]
+      if eqn.primitive.name in CALL_PRIMITIVES:
+        body = _call_body(eqn)
+        outs = walk(getattr(body, "jaxpr", body), getattr(body, "consts", ()), invals, origin)
+      else:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+          outs = eqn.primitive.bind(*invals, **params)
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        outs = constrain(origin, outs)
+      for var, val in zip(eqn.outvars, outs):
+        if not isinstance(var, jax_core.DropVar):
+          env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+  return lambda *args: walk(closed.jaxpr, closed.consts, args, ())
+
+
+def _constrainer(specs: Mapping[tuple[int, ...], Sequence[PartitionSpec | None]], mesh: jax.sharding.Mesh):
+  def constrain(origin: tuple[int, ...], results: list[Any]) -> list[Any]:
+    chosen = specs.get(origin)
+    if chosen is None:
+      return results
+    if len(chosen) != len(results):
+      raise ValueError(f"Equation {origin} has {len(results)} results but its program op has {len(chosen)}; "
+                       "was the program traced from the same function and arguments?")
+    return [x if s is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
+            for x, s in zip(results, chosen)]
+  return constrain
+
+
+def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any], args: Sequence[Any], *,
+          jax_mesh: jax.sharding.Mesh | None = None, donate_argnums: Sequence[int] = (),
+          constrain: Constrain = CONSTRAIN) -> Lowered:
+  """Compiles `fn(*args)` partitioned by `decisions`.
+
+  Args:
+    problem: the problem `decisions` are for; its program must be `trace(fn, *args)`.
+    decisions: the plan.
+    fn: the function that was traced.
+    args: example arguments (arrays or `jax.ShapeDtypeStruct`s), positional pytrees.
+    jax_mesh: the mesh to run on; default `to_jax_mesh(problem.mesh)`.
+    donate_argnums: positional arguments whose buffers the compiled program may reuse.
+    constrain: which intermediates get sharding constraints.
+
+  Returns:
+    The compiled plan and its statistics.
+  """
+  program = problem.program
+  mesh = to_jax_mesh(problem.mesh) if jax_mesh is None else jax_mesh
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  if len(closed.jaxpr.invars) != len(program.inputs) or len(closed.jaxpr.outvars) != len(program.outputs):
+    raise ValueError(f"fn has {len(closed.jaxpr.invars)} inputs and {len(closed.jaxpr.outvars)} outputs but the "
+                     f"program has {len(program.inputs)} and {len(program.outputs)}.")
+  named = lambda specs: [NamedSharding(mesh, s) for s in specs]
+  in_leaves = named(problem.partition_specs(decisions, program.inputs))
+  out_leaves = named(problem.partition_specs(decisions, program.outputs))
+  arg_tree = jax.tree_util.tree_structure(tuple(args))
+  in_shardings = jax.tree_util.tree_unflatten(arg_tree, in_leaves)
+  out_tree = jax.tree_util.tree_structure(out_shape)
+  out_shardings = jax.tree_util.tree_unflatten(out_tree, out_leaves)
+  body = interpret(closed, _constrainer(_result_specs(problem, decisions, constrain), mesh))
+
+  def interpreted(*call_args):
+    flat = jax.tree_util.tree_leaves(call_args)
+    return jax.tree_util.tree_unflatten(out_tree, body(*flat))
+
+  jitted = jax.jit(interpreted, in_shardings=in_shardings, out_shardings=out_shardings,
+                   donate_argnums=tuple(donate_argnums))
+  compiled = jitted.lower(*args).compile()
+  stats = inspect_compiled(_Uncommented(compiled), problem.mesh.axis_names, problem.mesh.axis_sizes)
+  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh)
+
+
+class NumericsError(AssertionError):
+  """The partitioned program computes different numbers from the unpartitioned one."""
+
+
+# (rtol, atol) by dtype kind and size: reductions summed in another order differ by a few
+# ulps per step of the reduction.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-9, 1e-12),
+    "float32": (1e-4, 1e-5),
+    "bfloat16": (2e-2, 2e-2),
+    "float16": (1e-2, 1e-3),
+}
+
+
+def compare_leaf(path: str, expected: np.ndarray, actual: np.ndarray,
+                 tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
+  """Raises `NumericsError` naming `path` and the max error if `actual` is not close."""
+  if expected.shape != actual.shape or expected.dtype != actual.dtype:
+    raise NumericsError(f"Output {path}: expected {expected.dtype}{list(expected.shape)}, "
+                        f"got {actual.dtype}{list(actual.shape)}.")
+  if not np.issubdtype(expected.dtype, np.inexact):
+    bad = expected != actual
+    if bad.any():
+      raise NumericsError(f"Output {path}: {int(bad.sum())} of {bad.size} elements differ exactly.")
+    return
+  rtol, atol = tolerances.get(str(expected.dtype), tolerances["float32"])
+  e, a = expected.astype(np.float64), actual.astype(np.float64)
+  error = np.abs(e - a)
+  bad = ~(error <= atol + rtol * np.abs(e))
+  if bad.any():
+    raise NumericsError(f"Output {path}: {int(bad.sum())} of {bad.size} elements differ; max abs error "
+                        f"{np.nanmax(error):.3g} (max |expected| {np.nanmax(np.abs(e)):.3g}, rtol {rtol}, "
+                        f"atol {atol}).")
+
+
+def check_numerics(fn: Callable[..., Any], args: Sequence[Any], lowered: Lowered,
+                   tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
+  """Runs `jax.jit(fn)` and the partitioned program on `args` (concrete arrays, left
+  untouched: the partitioned run copies them, so donation is harmless) and compares
+  every output leaf; raises `NumericsError` on the first leaf out of tolerance."""
+  expected = jax.device_get(jax.jit(fn)(*args))
+  actual = jax.device_get(lowered.run(args))
+  flat_expected = jax.tree_util.tree_flatten_with_path(expected)[0]
+  flat_actual = jax.tree_util.tree_leaves(actual)
+  for (path, e), a in zip(flat_expected, flat_actual):
+    compare_leaf(jax.tree_util.keystr(path), np.asarray(e), np.asarray(a), tolerances)
