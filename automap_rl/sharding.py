@@ -126,6 +126,42 @@ def _unique(keys: Sequence) -> tuple[np.ndarray, list]:
   return ids, list(index)
 
 
+LINEAR_COMBINES = frozenset({"add", "add_any", "sub"})
+
+
+def pending_partial_sums(program: Program) -> tuple[set[int], dict[int, int]]:
+  """Partial sums that stay pending through linear combinations, as XLA keeps them.
+
+  `add_any(dot(a, b), dot(c, d))` with both contractions sharded all-reduces once, after
+  the add. A combination whose operands are all single-use pending partial sums of its
+  own shape takes over their reduction; their producers then reduce nothing.
+
+  Returns:
+    The ops whose reduction is deferred, and for each combination the reduction op whose
+    axes it reduces over (the first operand's).
+  """
+  uses: dict[int, int] = {}
+  for op in program.ops:
+    for v in op.operands:
+      uses[v] = uses.get(v, 0) + 1
+  pending: dict[int, int] = {}  # Value -> the op that would reduce it.
+  for op in program.ops:
+    if len(op.results) == 1 and FactorKind.REDUCTION in op.rule.factor_kinds:
+      pending[op.results[0]] = op.id
+  deferred: set[int] = set()
+  carried: dict[int, int] = {}
+  for op in program.ops:
+    if op.primitive not in LINEAR_COMBINES or len(op.operands) < 2:
+      continue
+    shape = program.values[op.results[0]].shape
+    if all(v in pending and uses[v] == 1 and program.values[v].shape == shape for v in op.operands):
+      producers = [pending[v] for v in op.operands]
+      deferred.update(producers)
+      carried[op.id] = carried.get(producers[0], producers[0])
+      pending[op.results[0]] = op.id
+  return deferred, carried
+
+
 def signatures(program: Program, named: NamedDims) -> Signatures:
   """Compresses `program` to unique signatures (see the module docstring)."""
   value_keys = []
@@ -133,7 +169,9 @@ def signatures(program: Program, named: NamedDims) -> Signatures:
     classes = tuple(int(c) for c in named.value_classes(value.id))
     value_keys.append((classes, value.shape, value.itemsize))
   value_sig, unique_values = _unique(value_keys)
-  op_keys = []
+  deferred, carried = pending_partial_sums(program)
+  index: dict = {}
+  op_sig = np.zeros(program.num_ops, np.int32)
   shardable = (FactorKind.PASS_THROUGH, FactorKind.REDUCTION)
   for op in program.ops:
     factor_classes = named.op_factor_classes(op.id)
@@ -143,9 +181,10 @@ def signatures(program: Program, named: NamedDims) -> Signatures:
     )
     operands = tuple((int(value_sig[v]), dims) for v, dims in zip(op.operands, op.rule.operand_dims))
     results = tuple((int(value_sig[v]), dims) for v, dims in zip(op.results, op.rule.result_dims))
-    op_keys.append((op.primitive == "dot_general" or op.primitive == "conv_general_dilated",
-                    factors, operands, results))
-  op_sig, unique_ops = _unique(op_keys)
+    partial = (op.id in deferred, int(op_sig[carried[op.id]]) if op.id in carried else -1)
+    key = (op.primitive in ("dot_general", "conv_general_dilated"), factors, operands, results, partial)
+    op_sig[op.id] = index.setdefault(key, len(index))
+  unique_ops = list(index)
   rv = max([len(k[1]) for k in unique_values] + [1])
   rf = max([len(k[1]) for k in unique_ops] + [1])
   return Signatures(
@@ -185,14 +224,15 @@ def assign_axes(classes: jax.Array, sizes: jax.Array, dec_class: jax.Array, dec_
     bit = jnp.left_shift(1, jnp.maximum(axis, 0))
     n = axis_sizes[jnp.maximum(axis, 0)]
     cand = (classes == cls) & (cls >= 0) & ((used & bit) == 0)[:, None] & (sizes % (prod * n) == 0)
-    first = cand & (jnp.cumsum(cand, axis=1) == 1)
+    first = cand & (slot_index == jnp.argmax(cand, axis=1)[:, None])
     mask = mask | jnp.where(first, bit, 0)
     prod = prod * jnp.where(first, n, 1)
     used = used | jnp.where(first.any(axis=1), bit, 0)
     return (mask, prod, used), None
 
+  slot_index = jnp.arange(classes.shape[1])[None, :]
   init = (jnp.zeros_like(classes), jnp.ones_like(classes), jnp.zeros(classes.shape[0], classes.dtype))
-  (mask, _, _), _ = jax.lax.scan(step, init, (dec_class, dec_axis))
+  (mask, _, _), _ = jax.lax.scan(step, init, (dec_class, dec_axis), unroll=True)
   return mask
 
 

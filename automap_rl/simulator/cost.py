@@ -70,7 +70,8 @@ def simulate(tables: CostTables, resolution: Resolution) -> Cost:
   factor_masks = op_mask[t.edge_op]  # [E, Rf]
   required = jnp.einsum("edf,ef->ed", t.edge_dim_factor.astype(jnp.int32), factor_masks)
   stored_all, required_all = _bits_or(stored, 1), _bits_or(required, 1)
-  reduced = jnp.sum(jnp.where(t.op_reduction, op_mask, 0), axis=1)[t.edge_op]  # [E]
+  op_reduced = jnp.sum(jnp.where(t.op_reduction, op_mask, 0), axis=1)[t.op_reduction_source]
+  reduced = jnp.where(t.op_deferred, 0, op_reduced)[t.edge_op]  # [E]
   nbytes = t.value_bytes[t.edge_value]
   misplaced = jax.lax.reduce(stored & ~required, 0, jax.lax.bitwise_or, (1,))  # Axes stored elsewhere.
   moved_in = misplaced & required_all

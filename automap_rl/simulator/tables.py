@@ -49,6 +49,9 @@ class CostTables:
       repeat count), [Uo].
     op_memory_s: summed HBM traffic time of those ops, [Uo].
     op_reduction: which factors are reductions, bool [Uo, Rf].
+    op_reduction_source: the op signature whose reduction axes each op's results reduce
+      over: itself, or for a linear combination of pending partial sums, their source, [Uo].
+    op_deferred: ops whose partial sums stay pending (a later combination reduces), [Uo].
     edge_op, edge_value: the op and value signature of each edge, [E].
     edge_result: whether the edge is a result (else an operand), bool [E].
     edge_dim_factor: which op factors each value dim maps to, bool [E, Rv, Rf].
@@ -63,6 +66,8 @@ class CostTables:
   op_compute_s: np.ndarray
   op_memory_s: np.ndarray
   op_reduction: np.ndarray
+  op_reduction_source: np.ndarray
+  op_deferred: np.ndarray
   edge_op: np.ndarray
   edge_value: np.ndarray
   edge_result: np.ndarray
@@ -140,7 +145,7 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
   rv = sigs.value_class.shape[1]
   rf = sigs.op_class.shape[1]
   edge_op, edge_value, edge_result, edge_dims = [], [], [], []
-  for sig, (_, factors, operands, results) in enumerate(sigs.op_keys):
+  for sig, (_, factors, operands, results, _) in enumerate(sigs.op_keys):
     for is_result, edges in ((False, operands), (True, results)):
       for value_sig, dims in edges:
         table = np.zeros((rv, rf), bool)
@@ -151,9 +156,14 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
         edge_result.append(is_result)
         edge_dims.append(table)
   reduction = np.zeros((num_ops, rf), bool)
-  for sig, (_, factors, _, _) in enumerate(sigs.op_keys):
+  reduction_source = np.arange(num_ops, dtype=np.int32)
+  deferred = np.zeros(num_ops, bool)
+  for sig, (_, factors, _, _, (is_deferred, source)) in enumerate(sigs.op_keys):
     for f, (_, _, kind) in enumerate(factors):
       reduction[sig, f] = kind == FactorKind.REDUCTION
+    deferred[sig] = is_deferred
+    if source >= 0:
+      reduction_source[sig] = source
   edge_op = np.array(edge_op, np.int32)
   group, bandwidth, latency = _mask_tables(mesh)
   return CostTables(
@@ -161,6 +171,8 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
       op_compute_s=compute.astype(np.float32),
       op_memory_s=memory.astype(np.float32),
       op_reduction=reduction,
+      op_reduction_source=reduction_source,
+      op_deferred=deferred,
       edge_op=edge_op,
       edge_value=np.array(edge_value, np.int32),
       edge_result=np.array(edge_result, bool),

@@ -75,9 +75,13 @@ class Lowered:
   mesh: jax.sharding.Mesh
 
   def run(self, args: Sequence[Any]) -> Any:
-    """Copies `args` onto the mesh with `in_shardings` (never aliasing the caller's
-    buffers, which donation would delete) and runs the compiled program."""
-    placed = jax.device_put(tuple(args), self.in_shardings, may_alias=False)
+    """Copies `args` onto the mesh with `in_shardings` and runs the compiled program.
+
+    The copy goes through host memory: `jax.device_put(..., may_alias=False)` still
+    reuses a device-0 buffer as the first shard of a replicated array (jax 0.10), which
+    donation would then delete under the caller.
+    """
+    placed = jax.device_put(jax.tree.map(np.array, tuple(args)), self.in_shardings)
     return self.compiled(*placed)
 
 
@@ -212,45 +216,68 @@ class NumericsError(AssertionError):
   """The partitioned program computes different numbers from the unpartitioned one."""
 
 
-# (rtol, atol) by dtype kind and size: reductions summed in another order differ by a few
-# ulps per step of the reduction.
+# (rtol, atol) by dtype: what reordering the sums of a small training step may cost.
 TOLERANCES: dict[str, tuple[float, float]] = {
     "float64": (1e-9, 1e-12),
-    "float32": (1e-4, 1e-5),
-    "bfloat16": (2e-2, 2e-2),
-    "float16": (1e-2, 1e-3),
+    "float32": (1e-4, 1e-6),
+    "bfloat16": (2e-2, 1e-3),
+    "float16": (1e-2, 1e-4),
 }
 
 
-def compare_leaf(path: str, expected: np.ndarray, actual: np.ndarray,
+def compare_leaf(path: str, reference: np.ndarray, plain: np.ndarray, actual: np.ndarray,
                  tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
-  """Raises `NumericsError` naming `path` and the max error if `actual` is not close."""
-  if expected.shape != actual.shape or expected.dtype != actual.dtype:
-    raise NumericsError(f"Output {path}: expected {expected.dtype}{list(expected.shape)}, "
+  """Raises `NumericsError` naming `path` and the errors unless `actual` (partitioned)
+  is about as close to `reference` (float64) as `plain` (unpartitioned, same dtype) is.
+
+  Norm-wise, per leaf of n elements:
+  `|actual - ref| <= rtol |ref| + atol sqrt(n) + 2 |plain - ref|`. Elementwise bounds fail
+  on a first AdamW step, whose update `g / (sqrt(g^2) + eps)` turns the rounding noise of
+  a tiny gradient element into an O(lr) difference (a key bias under softmax has a
+  gradient of zero in exact arithmetic: its whole update is noise); the float64
+  reference measures that noise, so the bound stays tight where the step is well
+  conditioned. Integer leaves must match exactly.
+  """
+  if plain.shape != actual.shape or plain.dtype != actual.dtype:
+    raise NumericsError(f"Output {path}: expected {plain.dtype}{list(plain.shape)}, "
                         f"got {actual.dtype}{list(actual.shape)}.")
-  if not np.issubdtype(expected.dtype, np.inexact):
-    bad = expected != actual
+  if not np.issubdtype(plain.dtype, np.inexact):
+    bad = plain != actual
     if bad.any():
-      raise NumericsError(f"Output {path}: {int(bad.sum())} of {bad.size} elements differ exactly.")
+      raise NumericsError(f"Output {path}: {int(bad.sum())} of {bad.size} elements differ.")
     return
-  rtol, atol = tolerances.get(str(expected.dtype), tolerances["float32"])
-  e, a = expected.astype(np.float64), actual.astype(np.float64)
-  error = np.abs(e - a)
-  bad = ~(error <= atol + rtol * np.abs(e))
-  if bad.any():
-    raise NumericsError(f"Output {path}: {int(bad.sum())} of {bad.size} elements differ; max abs error "
-                        f"{np.nanmax(error):.3g} (max |expected| {np.nanmax(np.abs(e)):.3g}, rtol {rtol}, "
-                        f"atol {atol}).")
+  rtol, atol = tolerances.get(str(plain.dtype), tolerances["float32"])
+  ref = reference.astype(np.float64)
+  error = actual.astype(np.float64) - ref
+  noise = np.linalg.norm(plain - ref)
+  allowed = rtol * np.linalg.norm(ref) + atol * np.sqrt(ref.size) + 2 * noise
+  if not np.linalg.norm(error) <= allowed:
+    raise NumericsError(f"Output {path}: |partitioned - float64 reference| = {np.linalg.norm(error):.3g} exceeds "
+                        f"{allowed:.3g} (unpartitioned: {noise:.3g}, |reference| {np.linalg.norm(ref):.3g}); max abs "
+                        f"error {np.max(np.abs(error), initial=0.0):.3g}.")
+
+
+def _to_float64(tree: Any) -> Any:
+  return jax.tree.map(lambda x: np.asarray(x, np.float64) if np.issubdtype(x.dtype, np.floating) else np.asarray(x),
+                      tree)
 
 
 def check_numerics(fn: Callable[..., Any], args: Sequence[Any], lowered: Lowered,
                    tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
-  """Runs `jax.jit(fn)` and the partitioned program on `args` (concrete arrays, left
-  untouched: the partitioned run copies them, so donation is harmless) and compares
-  every output leaf; raises `NumericsError` on the first leaf out of tolerance."""
-  expected = jax.device_get(jax.jit(fn)(*args))
+  """Compares every output leaf of the partitioned program with the unpartitioned one.
+
+  Runs `jax.jit(fn)` on `args` (concrete arrays, left untouched: the partitioned run
+  copies them, so donation is harmless), the partitioned program, and a float64
+  reference (`fn` on float64 copies of the floating arguments under `jax.enable_x64`);
+  raises `NumericsError` on the first leaf out of tolerance (see `compare_leaf`).
+  """
+  plain = jax.device_get(jax.jit(fn)(*args))
   actual = jax.device_get(lowered.run(args))
-  flat_expected = jax.tree_util.tree_flatten_with_path(expected)[0]
-  flat_actual = jax.tree_util.tree_leaves(actual)
-  for (path, e), a in zip(flat_expected, flat_actual):
-    compare_leaf(jax.tree_util.keystr(path), np.asarray(e), np.asarray(a), tolerances)
+  with jax.enable_x64(True):
+    reference = jax.device_get(jax.jit(fn)(*_to_float64(tuple(args))))
+  flat_plain, tree = jax.tree_util.tree_flatten_with_path(plain)
+  flat_actual, flat_reference = jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(reference)
+  if len(flat_actual) != len(flat_plain):
+    raise NumericsError(f"The partitioned program has {len(flat_actual)} outputs, the function {len(flat_plain)}.")
+  for (path, p), a, r in zip(flat_plain, flat_actual, flat_reference):
+    compare_leaf(jax.tree_util.keystr(path), np.asarray(r), np.asarray(p), np.asarray(a), tolerances)

@@ -1,0 +1,146 @@
+"""The IR: rules in factor form, tracing with inlining and loops, named dimensions."""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from automap_rl import ir, models
+from automap_rl.ir import FactorKind
+from experiments.inspect_cmd import summarize, trace_workload
+
+ZOO = ("mlp", "gpt", "gpt:scan=true", "moe", "gnn", "resnet", "unet")
+
+
+@functools.lru_cache(maxsize=None)
+def traced(spec: str) -> ir.Program:
+  return trace_workload(models.make_workload(spec, abstract=True))
+
+
+@pytest.mark.parametrize("spec", ZOO)
+def test_zoo_traces_with_known_primitives_and_consistent_factor_sizes(spec):
+  program = traced(spec)
+  assert program.unknown_primitives == ()
+  for op in program.ops:
+    rule = op.rule
+    for values, dims in ((op.operands, rule.operand_dims), (op.results, rule.result_dims)):
+      assert len(values) == len(dims), op
+      for value_id, dim_factors in zip(values, dims):
+        shape = program.values[value_id].shape
+        assert len(dim_factors) == len(shape), (op.primitive, shape)
+        for size, factors in zip(shape, dim_factors):
+          product = 1
+          for f in factors:
+            product *= rule.factor_sizes[f]
+          assert product == size, (op.primitive, shape, factors, rule.factor_sizes)
+
+
+def _rule(fn, *args, primitive=None):
+  program = ir.trace(fn, *args)
+  (op,) = [o for o in program.ops if primitive in (None, o.primitive)]
+  return op.rule
+
+
+def test_dot_general_contracting_dim_is_a_reduction():
+  rule = _rule(lambda x, w: x @ w, jnp.ones((8, 16)), jnp.ones((16, 4)))
+  assert rule.factor_sizes == (8, 4, 16)
+  assert rule.factor_kinds == (FactorKind.PASS_THROUGH, FactorKind.PASS_THROUGH, FactorKind.REDUCTION)
+  assert rule.operand_dims == (((0,), (2,)), ((2,), (1,)))
+  assert rule.result_dims == (((0,), (1,)),)
+
+
+def test_reshape_splits_a_merged_dim_into_major_and_minor_factors():
+  rule = _rule(lambda x: x.reshape(4, 8, 2, 16), jnp.ones((4, 8, 32)))
+  assert rule.operand_dims == (((0,), (1,), (2, 3)),)
+  assert rule.result_dims == (((0,), (1,), (2,), (3,)),)
+  assert rule.factor_sizes == (4, 8, 2, 16)
+
+
+def test_reshape_without_common_refinement_needs_replication():
+  rule = _rule(lambda x: x.reshape(4, 6), jnp.ones((6, 4)))
+  kinds = [rule.factor_kinds[f] for dim in rule.result_dims[0] for f in dim]
+  assert FactorKind.NEED_REPLICATION in kinds
+  assert rule.factor_sizes[0] == 2  # The common major factor survives.
+
+
+def test_embedding_gather_passes_batch_and_feature_dims():
+  rule = _rule(lambda t, i: jnp.take(t, i, axis=0, mode="clip"), jnp.ones((256, 32)),
+               jnp.zeros((8, 16), jnp.int32), primitive="gather")
+  by_size = dict(zip(rule.factor_sizes, rule.factor_kinds))
+  assert by_size[256] == FactorKind.NEED_REPLICATION
+  assert by_size[32] == FactorKind.PASS_THROUGH and by_size[8] == FactorKind.PASS_THROUGH
+
+
+def test_unknown_primitive_gets_conservative_rule_and_one_warning():
+  prim = jax.extend.core.Primitive("mystery_op")
+  prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    program = ir.trace(lambda x: prim.bind(prim.bind(x)), jnp.ones((4, 8)))
+  assert program.unknown_primitives == ("mystery_op",)
+  assert sum("mystery_op" in str(w.message) for w in caught) == 1
+  for op in program.ops:
+    assert set(op.rule.factor_kinds) == {FactorKind.NEED_REPLICATION}
+
+
+def test_scan_body_is_inlined_once_with_trip_count_and_tied_carries():
+  def fn(x, ws):
+    return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]
+
+  program = ir.trace(fn, jnp.ones((8, 16)), jnp.ones((5, 16, 16)))
+  dots = [op for op in program.ops if op.primitive == "dot_general"]
+  assert len(dots) == 1 and dots[0].repeat == 5
+  assert len(program.ties) == 1
+  named = ir.analyze(program)
+  x_in, ws = program.inputs
+  out = program.outputs[0]
+  assert named.class_of(x_in, 1) == named.class_of(out, 1) == named.class_of(ws, 2)
+
+
+def test_cond_inlines_every_branch_and_merges_results():
+  def fn(p, x):
+    return jax.lax.cond(p, lambda a: a * 2.0, jnp.sin, x)
+
+  program = ir.trace(fn, True, jnp.ones((8,)))
+  primitives = [op.primitive for op in program.ops]
+  assert "mul" in primitives and "sin" in primitives and "cond_merge" in primitives
+
+
+def test_argument_paths_and_roles():
+  program = traced("gpt")
+  paths = {program.values[v].path: program.values[v].role for v in program.inputs}
+  assert paths["params/block_0/mlp/fc1/kernel"] == ir.Role.PARAMETER
+  assert paths["opt_state/0/mu/block_0/mlp/fc1/kernel"] == ir.Role.OPTIMIZER_STATE
+  assert paths["batch/inputs"] == ir.Role.INPUT
+  assert any(program.values[v].role == ir.Role.OUTPUT for v in program.outputs)
+
+
+@pytest.mark.parametrize("spec", ["gpt:layers=12", "gpt:layers=12,scan=true"])
+def test_gpt_named_dims_groups_and_conflict(spec):
+  program = traced(spec)
+  named = ir.analyze(program)
+  summary = summarize(program, named)
+
+  def class_of(path, dim):
+    return named.class_of(program.input_by_path(path).id, dim)
+
+  layer = "blocks" if "scan" in spec else "block_{}"
+  dim_offset = 1 if "scan" in spec else 0  # Scanned parameters lead with the layer dim.
+  batch = class_of("batch/inputs", 0)
+  seq = class_of("batch/inputs", 1)
+  embed = class_of(f"params/{layer.format(0)}/mlp/fc1/kernel", dim_offset)
+  ffn = [class_of(f"params/{layer.format(i)}/mlp/fc1/kernel", dim_offset + 1) for i in range(12)]
+  heads = [class_of(f"params/{layer.format(i)}/attn/query/kernel", dim_offset + 1) for i in range(12)]
+  assert len({batch, seq, embed, ffn[0], heads[0]}) == 5
+  assert named.classes[batch].size == 16 and named.classes[embed].size == 128
+  assert named.classes[ffn[0]].size == 512 and named.classes[heads[0]].size == 4
+  if "scan" in spec:  # One stacked parameter: one class for all layers.
+    assert len(set(ffn)) == 1 and len(set(heads)) == 1
+  else:  # One class per layer, all in one group.
+    assert len(set(ffn)) == 12 and len({named.classes[c].group for c in ffn}) == 1
+    assert len(named.groups[named.classes[ffn[0]].group]) == 12
+    assert len({named.classes[c].group for c in heads}) == 1
+  assert any(c["class_id"] == seq and c["kind"] == "value" for c in summary["conflicts"])
+  assert summary["unknown_primitives"] == []

@@ -1,0 +1,120 @@
+"""Decisions, resolution and the simulator on cases with an answer by hand."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from automap_rl import ir, models, tactics
+from automap_rl.mesh import make_mesh
+from automap_rl.problem import Problem
+from automap_rl.sharding import ArgDim, Decision, Group
+from automap_rl.simulator import KINDS
+from experiments.bench_cmd import random_plans
+from experiments.inspect_cmd import trace_workload
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = (KINDS.index(k) for k in KINDS)
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_problem(spec: str, mesh: str) -> Problem:
+  workload = models.make_workload(spec, abstract=True)
+  return Problem.build(trace_workload(workload), make_mesh(mesh, "h100"))
+
+
+def test_contracting_dim_sharded_costs_one_all_reduce_of_the_output():
+  program = ir.trace(lambda x, w: x @ w, jnp.ones((64, 128)), jnp.ones((128, 32)))
+  problem = Problem.build(program, make_mesh("model=4", "h100"))
+  cost = problem.cost([Decision(ArgDim("arg0", 1), "model")])
+  assert cost.comm_count.tolist() == [1, 0, 0, 0]
+  assert cost.comm_bytes[ALL_REDUCE] == 64 * 32 * 4
+  replicated = problem.cost([])
+  assert cost.compute_time < replicated.compute_time
+
+
+def test_data_parallel_mlp_all_reduces_exactly_the_gradient_bytes():
+  problem = zoo_problem("mlp", "data=8")
+  workload = models.make_workload("mlp", abstract=True)
+  grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(workload.params))
+  num_params = len(jax.tree_util.tree_leaves(workload.params))
+  cost = problem.cost(tactics.data_parallel(problem))
+  loss_bytes = 4  # The mean loss is a partial sum too.
+  assert cost.comm_bytes[ALL_REDUCE] == grad_bytes + loss_bytes
+  assert cost.comm_count.tolist() == [num_params + 1, 0, 0, 0]
+
+
+def test_megatron_gpt_all_reduces_twice_per_layer_forward_and_twice_backward():
+  counts = []
+  for layers in (2, 3):
+    problem = zoo_problem(f"gpt:layers={layers}", "data=2,model=4")
+    cost = problem.cost(tactics.megatron(problem))
+    counts.append(cost.comm_count)
+    activation = 16 * 64 * 128 * 4  # [batch, seq, d_model] f32
+    assert cost.comm_bytes[ALL_REDUCE] == 4 * layers * activation
+  assert (counts[1] - counts[0]).tolist() == [4, 0, 0, 0]
+
+
+def test_fsdp_stores_optimizer_state_over_the_axis_size():
+  problem = zoo_problem("gpt", "data=8")
+  decisions = tactics.fsdp(problem)
+  opt_values = [v for v in problem.program.inputs if problem.program.values[v].role == ir.Role.OPTIMIZER_STATE]
+  specs = problem.partition_specs(decisions, opt_values)
+  total = per_device = 0
+  for value_id, spec in zip(opt_values, specs):
+    value = problem.program.values[value_id]
+    sharded = any(axis is not None for axis in spec)
+    total += value.nbytes
+    per_device += value.nbytes / (8 if sharded else 1)
+    if len(value.shape) >= 1 and max(value.shape) % 8 == 0:
+      assert sharded, value.path
+  assert per_device <= total / 8 * 1.001 + 64  # Only scalars (the step count) stay whole.
+  fsdp, dp = problem.cost(decisions), problem.cost(tactics.data_parallel(problem))
+  assert fsdp.comm_bytes[REDUCE_SCATTER] > 0 and fsdp.comm_bytes[ALL_GATHER] > 0
+  assert fsdp.peak_memory < dp.peak_memory
+
+
+def test_dimension_that_does_not_divide_stays_unsharded():
+  program = ir.trace(lambda x: jnp.tanh(x) * 2.0, jnp.ones((6, 16)))
+  problem = Problem.build(program, make_mesh("data=4", "h100"))
+  (spec,) = problem.partition_specs([Decision(ArgDim("arg0", 0), "data")], [program.inputs[0]])
+  assert tuple(spec) == (None, None)
+  (spec,) = problem.partition_specs([Decision(ArgDim("arg0", 1), "data")], [program.inputs[0]])
+  assert tuple(spec) == (None, "data")
+
+
+def test_earlier_decision_wins_the_axis():
+  program = ir.trace(lambda x: x * 2.0, jnp.ones((8, 16)))
+  problem = Problem.build(program, make_mesh("data=4", "h100"))
+  decisions = [Decision(ArgDim("arg0", 1), "data"), Decision(ArgDim("arg0", 0), "data")]
+  (spec,) = problem.partition_specs(decisions, [program.inputs[0]])
+  assert tuple(spec) == (None, "data")
+
+
+def test_bad_targets_raise_errors_that_name_them():
+  problem = zoo_problem("mlp", "data=8")
+  with pytest.raises(ValueError, match="params/mlp/~/linear_9/w"):
+    problem.cost([Decision(ArgDim("params/mlp/~/linear_9/w", 0), "data")])
+  with pytest.raises(ValueError, match="dimension 5"):
+    problem.cost([Decision(ArgDim("batch/inputs", 5), "data")])
+  with pytest.raises(ValueError, match="model"):
+    problem.cost([Decision(ArgDim("batch/inputs", 0), "model")])
+  with pytest.raises(ValueError, match="group"):
+    problem.cost([Decision(Group(10_000), "data")])
+
+
+def test_expected_order_of_expert_tactics_on_gpt():
+  problem = zoo_problem("gpt:layers=4,d_model=512", "data=2,model=4")
+  times = {name: float(problem.cost(plan).step_time) for name, plan in tactics.applicable(problem).items()}
+  assert times["data_megatron"] < times["megatron"] < times["data_parallel"] < times["replicated"]
+
+
+def test_jit_and_vmap_agree_with_unbatched_evaluation():
+  problem = zoo_problem("gpt", "data=2,model=4")
+  classes, axes = random_plans(problem, jax.random.key(3), 8, 6)
+  batched = jax.jit(jax.vmap(problem.evaluate))(classes, axes)
+  for i in range(8):
+    single = problem.evaluate(classes[i], axes[i])  # Not jitted.
+    for field in ("step_time", "peak_memory", "comm_bytes", "comm_count"):
+      np.testing.assert_allclose(getattr(batched, field)[i], getattr(single, field), rtol=1e-5)
