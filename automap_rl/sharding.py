@@ -103,7 +103,9 @@ class Signatures:
     value_class: class of each dim of each value signature, -1 for none, [Uv, Rv].
     value_size: size of those dims, [Uv, Rv].
     value_keys: the signature keys, for building cost tables.
-    op_sig: signature of each op, shape [num_ops].
+    op_sig: signature of each op, -1 for ops that resolve exactly like their values (see
+      `_follows_its_values`; the simulator charges their compute to their first result),
+      shape [num_ops].
     op_class: class of each factor of each op signature; factors that need replication
       or permutation have -1 and are never sharded, [Uo, Rf].
     op_size: factor sizes, [Uo, Rf].
@@ -162,6 +164,34 @@ def pending_partial_sums(program: Program) -> tuple[set[int], dict[int, int]]:
   return deferred, carried
 
 
+def _follows_its_values(factors, edges, value_keys) -> bool:
+  """Whether an op resolves exactly like each of its operands and results.
+
+  True when every edge maps the value's shardable dims one to one onto the op's shardable
+  factors, with the same classes and sizes, and no class repeats: then decisions shard
+  the op as they shard its values, so it never communicates and its shard count is its
+  values'. Elementwise ops and transposes are such ops; they make up most of a program.
+  """
+  shardable = {f for f, (cls, _, _) in enumerate(factors) if cls >= 0}
+  if len({factors[f][0] for f in shardable}) != len(shardable):
+    return False
+  for value_sig, dims in edges:
+    classes, shape, _ = value_keys[value_sig]
+    mapped = set()
+    for cls, size, dim_factors in zip(classes, shape, dims):
+      live = [f for f in dim_factors if f in shardable]
+      if cls < 0:
+        if live:
+          return False
+        continue
+      if len(live) != 1 or factors[live[0]][:2] != (cls, size):
+        return False
+      mapped.add(live[0])
+    if mapped != shardable:
+      return False
+  return True
+
+
 def signatures(program: Program, named: NamedDims) -> Signatures:
   """Compresses `program` to unique signatures (see the module docstring)."""
   value_keys = []
@@ -169,6 +199,7 @@ def signatures(program: Program, named: NamedDims) -> Signatures:
     classes = tuple(int(c) for c in named.value_classes(value.id))
     value_keys.append((classes, value.shape, value.itemsize))
   value_sig, unique_values = _unique(value_keys)
+  unique_values = list(unique_values)
   deferred, carried = pending_partial_sums(program)
   index: dict = {}
   op_sig = np.zeros(program.num_ops, np.int32)
@@ -182,6 +213,9 @@ def signatures(program: Program, named: NamedDims) -> Signatures:
     operands = tuple((int(value_sig[v]), dims) for v, dims in zip(op.operands, op.rule.operand_dims))
     results = tuple((int(value_sig[v]), dims) for v, dims in zip(op.results, op.rule.result_dims))
     partial = (op.id in deferred, int(op_sig[carried[op.id]]) if op.id in carried else -1)
+    if partial == (False, -1) and _follows_its_values(factors, (*operands, *results), unique_values):
+      op_sig[op.id] = -1
+      continue
     key = (op.primitive in ("dot_general", "conv_general_dilated"), factors, operands, results, partial)
     op_sig[op.id] = index.setdefault(key, len(index))
   unique_ops = list(index)

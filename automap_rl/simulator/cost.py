@@ -64,7 +64,8 @@ def simulate(tables: CostTables, resolution: Resolution) -> Cost:
 
   value_shards = group[_bits_or(value_mask, 1)]  # [Uv]
   op_shards = group[_bits_or(op_mask, 1)]  # [Uo]
-  compute = jnp.sum(jnp.maximum(t.op_compute_s, t.op_memory_s) / op_shards)
+  compute = (jnp.sum(jnp.maximum(t.op_compute_s, t.op_memory_s) / op_shards)
+             + jnp.sum(jnp.maximum(t.value_compute_s, t.value_memory_s) / value_shards))
 
   stored = value_mask[t.edge_value]  # [E, Rv]
   factor_masks = op_mask[t.edge_op]  # [E, Rf]

@@ -45,6 +45,8 @@ class CostTables:
 
   Attributes:
     value_bytes: global bytes of a value of each signature, [Uv].
+    value_compute_s, value_memory_s: flop and HBM time at peak of the ops that shard like
+      their values (no op signature), by the signature of their first result, [Uv].
     op_compute_s: summed flop time at peak of all ops of each signature (times their
       repeat count), [Uo].
     op_memory_s: summed HBM traffic time of those ops, [Uo].
@@ -63,6 +65,8 @@ class CostTables:
   """
 
   value_bytes: np.ndarray
+  value_compute_s: np.ndarray
+  value_memory_s: np.ndarray
   op_compute_s: np.ndarray
   op_memory_s: np.ndarray
   op_reduction: np.ndarray
@@ -135,12 +139,20 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
   compute = np.zeros(num_ops, np.float64)
   memory = np.zeros(num_ops, np.float64)
   weight = np.zeros(num_ops, np.float64)
+  value_compute = np.zeros(len(sigs.value_keys), np.float64)
+  value_memory = np.zeros(len(sigs.value_keys), np.float64)
   for op in program.ops:
     sig = sigs.op_sig[op.id]
     dtype = program.values[op.results[0]].dtype if op.results else "float32"
-    compute[sig] += op.repeat * op_flops(program, op) / hw.flops.get(dtype, hw.flops["float32"])
+    flop_s = op.repeat * op_flops(program, op) / hw.flops.get(dtype, hw.flops["float32"])
     io_bytes = sum(program.values[v].nbytes for v in (*op.operands, *op.results))
-    memory[sig] += op.repeat * io_bytes / hw.hbm_bandwidth
+    memory_s = op.repeat * io_bytes / hw.hbm_bandwidth
+    if sig < 0:  # Sharded like its values: charged to its first result.
+      value_compute[sigs.value_sig[op.results[0]]] += flop_s
+      value_memory[sigs.value_sig[op.results[0]]] += memory_s
+      continue
+    compute[sig] += flop_s
+    memory[sig] += memory_s
     weight[sig] += op.repeat
   rv = sigs.value_class.shape[1]
   rf = sigs.op_class.shape[1]
@@ -168,6 +180,8 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
   group, bandwidth, latency = _mask_tables(mesh)
   return CostTables(
       value_bytes=np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32),
+      value_compute_s=value_compute.astype(np.float32),
+      value_memory_s=value_memory.astype(np.float32),
       op_compute_s=compute.astype(np.float32),
       op_memory_s=memory.astype(np.float32),
       op_reduction=reduction,

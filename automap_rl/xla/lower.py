@@ -33,7 +33,10 @@ from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.xla.hlo import CompiledStats, inspect_compiled
 
-__all__ = ["CONSTRAIN", "Constrain", "Lowered", "NumericsError", "check_numerics", "lower"]
+__all__ = [
+    "CONSTRAIN", "Constrain", "Lowered", "NumericsError", "check_numerics", "compare_outputs", "lower",
+    "reference_outputs",
+]
 
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
@@ -262,22 +265,31 @@ def _to_float64(tree: Any) -> Any:
                       tree)
 
 
-def check_numerics(fn: Callable[..., Any], args: Sequence[Any], lowered: Lowered,
-                   tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
-  """Compares every output leaf of the partitioned program with the unpartitioned one.
-
-  Runs `jax.jit(fn)` on `args` (concrete arrays, left untouched: the partitioned run
-  copies them, so donation is harmless), the partitioned program, and a float64
-  reference (`fn` on float64 copies of the floating arguments under `jax.enable_x64`);
-  raises `NumericsError` on the first leaf out of tolerance (see `compare_leaf`).
-  """
+def reference_outputs(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Any]:
+  """`(plain, reference)`: the host outputs of `jax.jit(fn)(*args)` and of `fn` on float64
+  copies of the floating arguments under `jax.enable_x64`. `args` are left untouched."""
   plain = jax.device_get(jax.jit(fn)(*args))
-  actual = jax.device_get(lowered.run(args))
   with jax.enable_x64(True):
     reference = jax.device_get(jax.jit(fn)(*_to_float64(tuple(args))))
-  flat_plain, tree = jax.tree_util.tree_flatten_with_path(plain)
-  flat_actual, flat_reference = jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(reference)
+  return plain, reference
+
+
+def compare_outputs(plain: Any, reference: Any, actual: Any,
+                    tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
+  """Checks every leaf of the partitioned `actual` (see `compare_leaf`); raises
+  `NumericsError` naming the first leaf out of tolerance."""
+  flat_plain, _ = jax.tree_util.tree_flatten_with_path(plain)
+  flat_actual = jax.tree_util.tree_leaves(jax.device_get(actual))
+  flat_reference = jax.tree_util.tree_leaves(reference)
   if len(flat_actual) != len(flat_plain):
     raise NumericsError(f"The partitioned program has {len(flat_actual)} outputs, the function {len(flat_plain)}.")
   for (path, p), a, r in zip(flat_plain, flat_actual, flat_reference):
     compare_leaf(jax.tree_util.keystr(path), np.asarray(r), np.asarray(p), np.asarray(a), tolerances)
+
+
+def check_numerics(fn: Callable[..., Any], args: Sequence[Any], lowered: Lowered,
+                   tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
+  """Runs the unpartitioned `fn`, a float64 reference and the partitioned program on
+  `args` (concrete arrays, left untouched: the partitioned run copies them, so donation
+  is harmless) and compares every output leaf; raises `NumericsError` on a mismatch."""
+  compare_outputs(*reference_outputs(fn, args), lowered.run(args), tolerances)

@@ -1,0 +1,291 @@
+"""Validation of the simulator against XLA: per model, mesh and plan, the simulated and
+the compiled comm bytes, collective counts, flops and peak memory, and the numerics.
+
+One trace and one `Problem` per (model, mesh); plans are the expert tactics of
+`automap_rl.tactics` plus seeded random decision lists. Each plan is lowered
+(`automap_rl.xla.lower`), compiled, run and compared with the unpartitioned step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from automap_rl import ir, models
+from automap_rl.mesh import make_mesh
+from automap_rl.problem import Problem
+from automap_rl.sharding import Decision
+from automap_rl.simulator import KINDS
+from automap_rl.simulator.tables import op_flops
+from automap_rl.xla.hlo import CompiledStats
+from automap_rl.xla.lower import NumericsError, compare_outputs, lower, reference_outputs
+
+__all__ = [
+    "SUITES", "Case", "Suite", "compiled_metrics", "plans_for", "random_plan", "run_case", "run_suite",
+    "simulated_flops", "simulated_metrics", "summarize_cases",
+]
+
+DONATE_ARGNUMS = (0, 1)  # params and optimizer state, as `experiments.inspect_cmd` traces them.
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+  """Which cases to run.
+
+  Attributes:
+    models: zoo specs.
+    meshes: mesh specs, e.g. `data=2,model=4`.
+    random_plans: seeded random decision lists per (model, mesh), besides the tactics.
+    max_random_decisions: each random plan has 1 to this many decisions.
+    seed: seed of the random plans and the model parameters.
+    hardware: the simulator's hardware profile (irrelevant to bytes, flops and memory).
+  """
+
+  models: tuple[str, ...]
+  meshes: tuple[str, ...] = ("data=8", "data=2,model=4")
+  random_plans: int = 2
+  max_random_decisions: int = 4
+  seed: int = 0
+  hardware: str = "cpu"
+
+
+SUITES: dict[str, Suite] = {
+    "quick": Suite(models=(
+        "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16",
+        "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8",
+        "moe:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8,experts=4",
+        "gnn:n_node=8,n_edge=16,node_dim=8,edge_dim=8,latent=32,steps=1,batch=8",
+        "resnet:stages=2,width=8,groups=4,image_size=8,classes=8,batch=8",
+        "unet:levels=1,base_channels=8,groups=4,image_size=8,batch=8",
+    ), random_plans=2),
+    "full": Suite(models=("mlp", "gpt", "moe", "gnn", "resnet", "unet"), random_plans=6),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One validated plan: metrics are dicts of `comm_bytes` (total), `comm_bytes_by_kind`,
+  `comm_count_by_kind`, `flops` and `peak_memory`, per device."""
+
+  model: str
+  mesh: str
+  plan: str
+  decisions: tuple[str, ...]
+  simulated: dict[str, Any]
+  compiled: dict[str, Any]
+  numerics_ok: bool
+  numerics_error: str | None
+  seconds: float
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+def simulated_flops(problem: Problem, decisions: Sequence[Decision]) -> float:
+  """Per-device flops of the plan: `op_flops * repeat / shards` summed over program ops,
+  where an op's shard count is the product of the mesh axes its factors are sharded on."""
+  dec_class, dec_axis = problem.encode(decisions)
+  op_mask = np.asarray(problem.resolve(dec_class, dec_axis).op_mask)
+  axes = np.bitwise_or.reduce(op_mask, axis=1)  # [Uo] axis bit mask of each op signature.
+  groups = np.asarray(problem.tables.mask_group)[axes]
+  program = problem.program
+  return float(sum(op.repeat * op_flops(program, op) / groups[problem.sigs.op_sig[op.id]] for op in program.ops))
+
+
+def simulated_metrics(problem: Problem, decisions: Sequence[Decision]) -> dict[str, Any]:
+  """The simulator's view of a plan (see `Case`)."""
+  cost = problem.cost(decisions)
+  by_kind = {k: float(b) for k, b in zip(KINDS, np.asarray(cost.comm_bytes))}
+  return {
+      "comm_bytes": sum(by_kind.values()),
+      "comm_bytes_by_kind": by_kind,
+      "comm_count_by_kind": {k: float(c) for k, c in zip(KINDS, np.asarray(cost.comm_count))},
+      "flops": simulated_flops(problem, decisions),
+      "peak_memory": float(cost.peak_memory),
+  }
+
+
+def _buffers(shape: tuple) -> int:
+  """How many arrays a collective moves (combined collectives carry a tuple of shapes)."""
+  return len(shape) if shape and isinstance(shape[0], tuple) else 1
+
+
+def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
+  """XLA's view of a plan (see `Case`). Counts are arrays moved, so that XLA's combining
+  of several collectives into one tuple-shaped instruction does not change them;
+  `collective-permute` (which the simulator does not model) is reported apart."""
+  by_kind = {k: 0.0 for k in KINDS}
+  count = {k: 0.0 for k in KINDS}
+  permute_bytes = 0.0
+  for c in stats.collectives:
+    if c.kind in by_kind:
+      by_kind[c.kind] += c.bytes
+      count[c.kind] += _buffers(c.shape)
+    else:
+      permute_bytes += c.bytes
+  return {
+      "comm_bytes": sum(by_kind.values()),
+      "comm_bytes_by_kind": by_kind,
+      "comm_count_by_kind": count,
+      "collective_permute_bytes": permute_bytes,
+      "flops": stats.flops,
+      "peak_memory": float(stats.peak_bytes),
+  }
+
+
+# -- plans --------------------------------------------------------------------------------
+
+
+def _first_batch_plan(problem: Problem) -> list[Decision]:
+  """Data parallelism on the first mesh axis: dim 0 of every `input` argument."""
+  from automap_rl.sharding import ArgDim  # Local: only the fallback needs it.
+  program = problem.program
+  axis = problem.mesh.axis_names[0]
+  return [Decision(ArgDim(program.values[v].path, 0), axis) for v in program.inputs
+          if program.values[v].role == ir.Role.INPUT and program.values[v].shape]
+
+
+def expert_plans(problem: Problem) -> dict[str, list[Decision]]:
+  """The tactics of `automap_rl.tactics` that apply, else a data-parallel plan."""
+  try:
+    tactics = importlib.import_module("automap_rl.tactics")
+  except ModuleNotFoundError as e:
+    if e.name != "automap_rl.tactics":
+      raise
+    return {"replicated": [], "data_parallel": _first_batch_plan(problem)}
+  if hasattr(tactics, "applicable"):
+    return tactics.applicable(problem)
+  return {name: tactic(problem) for name, tactic in tactics.TACTICS.items()}
+
+
+def random_plan(problem: Problem, rng: np.random.Generator, max_decisions: int) -> list[Decision]:
+  """1 to `max_decisions` random (named dimension, mesh axis) pairs; only pairs whose
+  class size the axis divides, so that every decision can take effect somewhere."""
+  mesh = problem.mesh
+  pairs = [(c.id, a) for c in problem.named.classes for a, n in zip(mesh.axis_names, mesh.axis_sizes)
+           if c.size % n == 0 and c.size > 1]
+  count = int(rng.integers(1, max_decisions + 1))
+  chosen = rng.choice(len(pairs), size=min(count, len(pairs)), replace=False)
+  return [Decision(pairs[i][0], pairs[i][1]) for i in chosen]
+
+
+def plans_for(problem: Problem, suite: Suite, seed: int) -> dict[str, list[Decision]]:
+  """Expert plans then `suite.random_plans` random ones (`random_0`, ...)."""
+  plans = expert_plans(problem)
+  rng = np.random.default_rng(seed)
+  for i in range(suite.random_plans):
+    plans[f"random_{i}"] = random_plan(problem, rng, suite.max_random_decisions)
+  return plans
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+def run_case(problem: Problem, workload: models.Workload, mesh_spec: str, plan: str,
+             decisions: Sequence[Decision], reference: tuple[Any, Any]) -> Case:
+  """Lowers, compiles and runs one plan; `reference` is `reference_outputs` of the step."""
+  start = time.perf_counter()
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS)
+  error = None
+  try:
+    compare_outputs(*reference, lowered.run(workload.args))
+  except NumericsError as e:
+    error = str(e)
+  return Case(
+      model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
+      simulated=simulated_metrics(problem, decisions), compiled=compiled_metrics(lowered.stats),
+      numerics_ok=error is None, numerics_error=error, seconds=time.perf_counter() - start)
+
+
+def trace_problem(workload: models.Workload, mesh_spec: str, hardware: str) -> Problem:
+  program = ir.trace(workload.step, *workload.args, arg_names=workload.arg_names,
+                     arg_roles=workload.arg_roles, donate_argnums=DONATE_ARGNUMS)
+  return Problem.build(program, make_mesh(mesh_spec, hardware))
+
+
+def run_suite(suite: Suite, report: Callable[[Case], None] = lambda case: None) -> list[Case]:
+  """Every (model, mesh, plan) of `suite`; `report` sees each case as it finishes."""
+  cases = []
+  for m, spec in enumerate(suite.models):
+    workload = models.make_workload(spec, seed=suite.seed)
+    reference = reference_outputs(workload.step, workload.args)
+    for mesh_spec in suite.meshes:
+      problem = trace_problem(workload, mesh_spec, suite.hardware)
+      for plan, decisions in plans_for(problem, suite, seed=suite.seed * 1000 + m).items():
+        cases.append(run_case(problem, workload, mesh_spec, plan, decisions, reference))
+        report(cases[-1])
+  return cases
+
+
+# -- summary ------------------------------------------------------------------------------
+
+
+def relative_error(simulated: float, compiled: float) -> float:
+  """`|sim - xla| / |xla|`; 0 when both are 0, inf when only XLA's is."""
+  if compiled == 0:
+    return 0.0 if simulated == 0 else math.inf
+  return abs(simulated - compiled) / abs(compiled)
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+  """Spearman's rank correlation; nan with fewer than 3 points or a constant side."""
+  from scipy.stats import spearmanr  # Local: scipy is slow to import.
+  if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
+    return math.nan
+  return float(spearmanr(a, b).statistic)
+
+
+def _median_error(cases: Sequence[Case], key: str) -> float:
+  errors = [relative_error(c.simulated[key], c.compiled[key]) for c in cases]
+  return float(np.median(errors)) if errors else math.nan
+
+
+def summarize_cases(cases: Sequence[Case]) -> dict[str, float]:
+  """The headline figures over all cases."""
+  column = lambda side, key: [getattr(c, side)[key] for c in cases]
+  return {
+      "num_cases": len(cases),
+      "comm_bytes_median_rel_error": _median_error(cases, "comm_bytes"),
+      "comm_bytes_spearman": spearman(column("simulated", "comm_bytes"), column("compiled", "comm_bytes")),
+      "flops_median_rel_error": _median_error(cases, "flops"),
+      "memory_median_rel_error": _median_error(cases, "peak_memory"),
+      "memory_spearman": spearman(column("simulated", "peak_memory"), column("compiled", "peak_memory")),
+      "numerics_ok_fraction": float(np.mean([c.numerics_ok for c in cases])) if cases else math.nan,
+  }
+
+
+def to_json(cases: Sequence[Case], summary: dict[str, float]) -> dict[str, Any]:
+  """The JSON document: `cases` and `summary` (nan and inf become null)."""
+  clean = lambda x: None if isinstance(x, float) and not math.isfinite(x) else x
+  return {
+      "cases": [dataclasses.asdict(c) for c in cases],
+      "summary": {k: clean(v) for k, v in summary.items()},
+  }
+
+
+def plot(cases: Sequence[Case], path: str) -> None:
+  """Scatter plots, log-log, of simulated vs compiled comm bytes and peak memory."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+  for ax, key, title in zip(axes, ("comm_bytes", "peak_memory"), ("communication bytes / device", "peak memory / device")):
+    for model in dict.fromkeys(c.model.split(":")[0] for c in cases):
+      mine = [c for c in cases if c.model.split(":")[0] == model]
+      ax.scatter([max(c.compiled[key], 1.0) for c in mine], [max(c.simulated[key], 1.0) for c in mine],
+                 label=model, s=18, alpha=0.8)
+    values = [max(c.compiled[key], c.simulated[key], 1.0) for c in cases]
+    top = max(values, default=10.0)
+    ax.plot([1, top], [1, top], "k--", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="XLA (compiled), bytes", ylabel="simulator, bytes", title=title)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -1,0 +1,272 @@
+"""Static tables of one environment: a `Problem` and an `EnvConfig` laid out as arrays.
+
+`EnvTables` is a pytree of arrays that lives outside the state. Every array's axes are
+named in `DIMS`, so tables of different programs and meshes can be padded to common
+sizes (`pad`, `bucket_sizes`) and stacked (`stack`) for a vmapped batch that mixes
+models. Padding is inert: padded dims have no class (never sharded), padded ops and
+values cost nothing, padded edges have weight 0, padded targets are never legal.
+
+Size names: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges,
+L memory probe rows, C classes, T targets covering at most M classes each, G coverage
+edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B = 2**X axis masks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from automap_rl import simulator
+from automap_rl.ir import FactorKind, Role
+from automap_rl.problem import Problem
+from envs.actions import Target
+from envs.config import EnvConfig
+
+NO_RANK = 1 << 20  # Rank of a class a target does not cover.
+
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+_LAYOUT = frozenset({
+    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "concatenate",
+    "slice", "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "scatter-add",
+    "scatter_add", "pad", "rev", "copy", "copy_p", "convert_element_type", "select_n", "iota",
+})
+NUM_VALUE_FEATURES = 3 + len(Role)
+NUM_OP_FEATURES = 8
+NUM_TARGET_FEATURES = 3
+
+# Dims of every array, by table name; cost tables by `simulator.CostTables` field.
+DIMS: Mapping[str, tuple[str, ...]] = {
+    "value_class": ("Uv", "Rv"), "value_size": ("Uv", "Rv"),
+    "op_class": ("Uo", "Rf"), "op_size": ("Uo", "Rf"),
+    "axis_sizes": ("X",), "axis_valid": ("X",),
+    "target_classes": ("T", "M"), "target_rank": ("T", "C"),
+    "base": ("3",), "mesh_features": ("F",),
+    "value_features": ("Uv", "Fv"), "op_features": ("Uo", "Fo"), "target_features": ("T", "Ft"),
+    "edge_real": ("E",), "cover_target": ("G",), "cover_index": ("G",), "cover_is_op": ("G",),
+    "cover_real": ("G",),
+}
+COST_DIMS: Mapping[str, tuple[str, ...]] = {
+    "value_bytes": ("Uv",), "op_compute_s": ("Uo",), "op_memory_s": ("Uo",),
+    "op_reduction": ("Uo", "Rf"), "op_reduction_source": ("Uo",), "op_deferred": ("Uo",),
+    "edge_op": ("E",), "edge_value": ("E",), "edge_result": ("E",),
+    "edge_dim_factor": ("E", "Rv", "Rf"), "edge_weight": ("E",), "live_bytes": ("L", "Uv"),
+    "mask_group": ("B",), "mask_bandwidth": ("B",), "mask_latency": ("B",), "hbm_bytes": (),
+}
+_FILL = {"value_class": -1, "value_size": 1, "op_class": -1, "op_size": 1, "target_classes": -1,
+         "target_rank": NO_RANK, "axis_sizes": 1}
+BUCKETED = ("Uv", "Uo", "E", "L", "C", "T", "G")
+
+
+@chex.dataclass(frozen=True)
+class EnvTables:
+  """The static arrays of one environment (see the module docstring for size names).
+
+  Attributes:
+    value_class, value_size: class (-1: none) and size of each value-signature dim, [Uv, Rv].
+    op_class, op_size: the same for op-signature factors, [Uo, Rf].
+    axis_sizes: mesh axis sizes, padded with 1, [X]; axis_valid: real axes, bool [X].
+    target_classes: classes of each target in decision order, -1 padded, [T, M].
+    target_rank: position of each class in each target, `NO_RANK` if absent, [T, C].
+    base: the replicated plan's step time, peak memory and raw objective, [3].
+    mesh_features: static global features of the observation, [F].
+    value_features, op_features, target_features: static node features, [U*, F*].
+    edge_real: which cost edges are real, bool [E].
+    cover_target, cover_index, cover_is_op, cover_real: coverage edges from a target to a
+      value (op) signature holding one of its classes, [G].
+    cost: `simulator.CostTables` fields as arrays (masks tiled to B = 2**X entries).
+  """
+
+  value_class: jax.Array
+  value_size: jax.Array
+  op_class: jax.Array
+  op_size: jax.Array
+  axis_sizes: jax.Array
+  axis_valid: jax.Array
+  target_classes: jax.Array
+  target_rank: jax.Array
+  base: jax.Array
+  mesh_features: jax.Array
+  value_features: jax.Array
+  op_features: jax.Array
+  target_features: jax.Array
+  edge_real: jax.Array
+  cover_target: jax.Array
+  cover_index: jax.Array
+  cover_is_op: jax.Array
+  cover_real: jax.Array
+  cost: dict
+
+  @property
+  def num_axes(self) -> int:
+    return self.axis_sizes.shape[-1]
+
+  @property
+  def num_actions(self) -> int:
+    return self.target_classes.shape[-2] * self.num_axes + 1
+
+  def cost_tables(self) -> simulator.CostTables:
+    """The simulator's tables (works on traced arrays inside jit and vmap)."""
+    return simulator.CostTables(**self.cost)
+
+
+def raw_objective(config: EnvConfig, cost: simulator.Cost, base: jax.Array, hbm_bytes) -> jax.Array:
+  """The objective before normalisation: weighted step time (with the memory penalty) and
+  peak memory, each relative to the replicated plan's (`base[:2]`)."""
+  w_time, w_memory = config.weights
+  overflow = jnp.maximum(cost.peak_memory / hbm_bytes - 1.0, 0.0)
+  time = cost.step_time * (1.0 + config.memory_penalty * overflow)
+  return w_time * time / base[0] + w_memory * cost.peak_memory / base[1]
+
+
+def _tile_masks(table: np.ndarray, num_axes: int, max_axes: int) -> np.ndarray:
+  """Lays a per-axis-mask table of a mesh with `num_axes` axes out for `max_axes`."""
+  masks = np.arange(1 << max_axes) & ((1 << num_axes) - 1)
+  return table[masks]
+
+
+def _value_features(problem: Problem) -> np.ndarray:
+  """[log2 bytes / 40, share of all bytes, rank / 8, role fractions (6)] per value signature."""
+  sigs, program = problem.sigs, problem.program
+  nbytes = np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float64)
+  rank = np.array([len(k[1]) for k in sigs.value_keys], np.float64)
+  roles = np.zeros((len(nbytes), len(Role)))
+  np.add.at(roles, (sigs.value_sig, [v.role for v in program.values]), 1.0)
+  roles /= np.maximum(roles.sum(1, keepdims=True), 1.0)
+  head = np.stack([np.log2(1.0 + nbytes) / 40.0, nbytes / max(nbytes.sum(), 1.0), rank / 8.0], 1)
+  return np.concatenate([head, roles], 1).astype(np.float32)
+
+
+def _op_features(problem: Problem, tables: simulator.CostTables) -> np.ndarray:
+  """[log10 time (s) / 12 + 1, share of time, kind fractions (contraction, reduction,
+  layout, elementwise), has a reduction factor, factors / 8] per op signature."""
+  sigs, program = problem.sigs, problem.program
+  kinds = np.zeros((len(sigs.op_class), 4))
+  for op in program.ops:
+    if op.primitive in _CONTRACTIONS:
+      kind = 0
+    elif FactorKind.REDUCTION in op.rule.factor_kinds:
+      kind = 1
+    else:
+      kind = 2 if op.primitive in _LAYOUT else 3
+    kinds[sigs.op_sig[op.id], kind] += 1.0
+  kinds /= np.maximum(kinds.sum(1, keepdims=True), 1.0)
+  seconds = np.maximum(tables.op_compute_s, tables.op_memory_s).astype(np.float64)
+  head = np.stack([np.log10(np.maximum(seconds, 1e-12)) / 12.0 + 1.0, seconds / max(seconds.sum(), 1e-30)], 1)
+  tail = np.stack([tables.op_reduction.any(1), (sigs.op_size > 1).sum(1) / 8.0], 1)
+  return np.concatenate([head, kinds, tail], 1).astype(np.float32)
+
+
+def _coverage(problem: Problem, targets: Sequence[Target]):
+  """Coverage edges (target, signature index, is op) and per-target features."""
+  sigs = problem.sigs
+  rows, slots = [], 0
+  for is_op, classes in ((False, sigs.value_class), (True, sigs.op_class)):
+    slots += int((classes >= 0).sum())
+    for t, target in enumerate(targets):
+      for index in np.flatnonzero(np.isin(classes, target.classes).any(1)):
+        rows.append((t, int(index), is_op))
+  rows = np.array(rows, np.int64).reshape(-1, 3)
+  covered = np.array([sum(int(np.isin(c, t.classes).sum()) for c in (sigs.value_class, sigs.op_class))
+                      for t in targets], np.float64)
+  sizes = np.array([max(problem.named.classes[c].size for c in t.classes) for t in targets], np.float64)
+  counts = np.array([len(t.classes) for t in targets], np.float64)
+  features = np.stack([np.log2(1.0 + counts) / 4.0, np.log2(sizes) / 16.0, covered / max(slots, 1)], 1)
+  return rows, features.astype(np.float32)
+
+
+def build(problem: Problem, config: EnvConfig, targets: Sequence[Target]) -> EnvTables:
+  """The exact-size tables of `problem` under `config` (numpy arrays)."""
+  mesh, sigs, tables = problem.mesh, problem.sigs, problem.tables
+  num_axes, x = len(mesh.axis_sizes), config.max_axes
+  if num_axes > x:
+    raise ValueError(f"The mesh has {num_axes} axes; EnvConfig.max_axes is {x}.")
+  num_classes = len(problem.named.classes)
+  width = max(len(t.classes) for t in targets)
+  target_classes = np.full((len(targets), width), -1, np.int32)
+  target_rank = np.full((len(targets), num_classes), NO_RANK, np.int32)
+  for i, t in enumerate(targets):
+    target_classes[i, :len(t.classes)] = t.classes
+    target_rank[i, list(t.classes)] = np.arange(len(t.classes))
+  cost = {}
+  for field, dims in COST_DIMS.items():
+    value = np.asarray(getattr(tables, field))
+    cost[field] = _tile_masks(value, num_axes, x) if dims == ("B",) else value
+  missing = {f.name for f in __import__("dataclasses").fields(simulator.CostTables)} - set(COST_DIMS)
+  if missing:
+    raise KeyError(f"envs.tables.COST_DIMS does not know CostTables fields {sorted(missing)}.")
+  base_cost = jax.device_get(problem.evaluate_jit(np.full(1, -1, np.int32), np.full(1, -1, np.int32)))
+  base = np.array([base_cost.step_time, base_cost.peak_memory, 0.0], np.float32)
+  base[2] = raw_objective(config, base_cost, base, tables.hbm_bytes)
+  cover, target_features = _coverage(problem, targets)
+  sizes = np.ones(x, np.int32)
+  sizes[:num_axes] = mesh.axis_sizes
+  bandwidth = np.zeros(x, np.float32)
+  bandwidth[:num_axes] = [np.log10(link.bandwidth) / 12.0 for link in mesh.links]
+  mesh_features = np.concatenate([np.log2(sizes) / 4.0, bandwidth,
+                                  [np.log2(mesh.num_devices) / 8.0, np.log10(tables.hbm_bytes) / 12.0]])
+  return EnvTables(
+      value_class=sigs.value_class.astype(np.int32), value_size=sigs.value_size.astype(np.int32),
+      op_class=sigs.op_class.astype(np.int32), op_size=sigs.op_size.astype(np.int32),
+      axis_sizes=sizes, axis_valid=np.arange(x) < num_axes,
+      target_classes=target_classes, target_rank=target_rank, base=base,
+      mesh_features=mesh_features.astype(np.float32),
+      value_features=_value_features(problem), op_features=_op_features(problem, tables),
+      target_features=target_features,
+      edge_real=np.ones(len(tables.edge_op), bool),
+      cover_target=cover[:, 0].astype(np.int32), cover_index=cover[:, 1].astype(np.int32),
+      cover_is_op=cover[:, 2].astype(bool), cover_real=np.ones(len(cover), bool),
+      cost=cost,
+  )
+
+
+def _dims(tables: EnvTables):
+  for name in DIMS:
+    yield name, DIMS[name], getattr(tables, name)
+  for name, dims in COST_DIMS.items():
+    yield f"cost.{name}", dims, tables.cost[name]
+
+
+def sizes(tables: EnvTables) -> dict[str, int]:
+  """The size of every named dim of unbatched tables."""
+  out: dict[str, int] = {}
+  for name, dims, array in _dims(tables):
+    chex.assert_rank(array, len(dims))
+    for dim, n in zip(dims, np.shape(array)):
+      if out.setdefault(dim, n) != n:
+        raise ValueError(f"{name}: dim {dim} is {n}, elsewhere {out[dim]}.")
+  return out
+
+
+def bucket_sizes(size: Mapping[str, int]) -> dict[str, int]:
+  """Rounds the large dims (`BUCKETED`) up to powers of two."""
+  return {d: 1 << max(n - 1, 0).bit_length() if d in BUCKETED else n for d, n in size.items()}
+
+
+def pad(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
+  """Pads every array to `size` (at least its own) with inert values."""
+
+  def padded(name: str, dims: tuple[str, ...], array) -> np.ndarray:
+    array = np.asarray(array)
+    widths = [(0, size[d] - n) for d, n in zip(dims, array.shape)]
+    if any(w < 0 for _, w in widths):
+      raise ValueError(f"{name} of shape {array.shape} does not fit {[size[d] for d in dims]}.")
+    return np.pad(array, widths, constant_values=_FILL.get(name, 0))
+
+  fields = {name: padded(name, dims, getattr(tables, name)) for name, dims in DIMS.items()}
+  fields["cost"] = {name: padded(name, dims, tables.cost[name]) for name, dims in COST_DIMS.items()}
+  return EnvTables(**fields)
+
+
+def stack(tables: Sequence[EnvTables]) -> EnvTables:
+  """Pads tables to common bucketed sizes and stacks them on a new leading axis."""
+  common: dict[str, int] = {}
+  for t in tables:
+    for dim, n in bucket_sizes(sizes(t)).items():
+      common[dim] = max(common.get(dim, 0), n)
+  padded = [pad(t, common) for t in tables]
+  return jax.tree.map(lambda *xs: np.stack(xs), *padded)

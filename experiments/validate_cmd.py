@@ -1,0 +1,75 @@
+"""`automap-rl validate --suite quick|full`: the simulator against XLA compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidateConfig:
+  """What to validate.
+
+  Attributes:
+    suite: `quick` (small models, a few minutes on CPU) or `full` (the zoo's defaults).
+    json_path: where to write `{cases, summary}`, or None.
+    plot_path: where to write the scatter plot PNG, or None.
+  """
+
+  suite: str = "quick"
+  json_path: str | None = None
+  plot_path: str | None = None
+
+
+def _mb(x: float) -> str:
+  return f"{x / 1e6:9.3f}"
+
+
+def _row(case) -> str:
+  s, c = case.simulated, case.compiled
+  flag = "" if case.numerics_ok else "  NUMERICS MISMATCH"
+  return (f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} {_mb(s['comm_bytes'])} {_mb(c['comm_bytes'])} "
+          f"{s['flops'] / 1e6:10.2f} {c['flops'] / 1e6:10.2f} {_mb(s['peak_memory'])} {_mb(c['peak_memory'])} "
+          f"{case.seconds:6.1f}s{flag}")
+
+
+HEADER = (f"{'model':<7} {'mesh':<15} {'plan':<14} {'comm sim':>9} {'comm xla':>9} {'Mflop sim':>10} "
+          f"{'Mflop xla':>10} {'mem sim':>9} {'mem xla':>9}   (MB per device)")
+
+
+def _summary_text(summary: dict[str, float]) -> str:
+  fmt = lambda v: "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
+  return "\n".join(f"  {k:<30} {fmt(v)}" for k, v in summary.items())
+
+
+def run(config: ValidateConfig) -> dict[str, Any]:
+  from automap_rl.xla import validate  # Imported late: jax must see the CLI's XLA_FLAGS.
+
+  if config.suite not in validate.SUITES:
+    raise ValueError(f"Unknown suite {config.suite!r}; valid suites: {sorted(validate.SUITES)}.")
+  start = time.perf_counter()
+  print(HEADER)
+  cases = validate.run_suite(validate.SUITES[config.suite], report=lambda case: print(_row(case), flush=True))
+  summary = validate.summarize_cases(cases)
+  print(f"\n{len(cases)} cases in {time.perf_counter() - start:.0f}s\n{_summary_text(summary)}")
+  for case in cases:
+    if not case.numerics_ok:
+      print(f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan}: {case.numerics_error}")
+  document = validate.to_json(cases, summary)
+  if config.json_path:
+    with open(config.json_path, "w") as f:
+      json.dump(document, f, indent=1)
+  if config.plot_path:
+    validate.plot(cases, config.plot_path)
+  return document
+
+
+def register(subparsers) -> None:
+  parser = subparsers.add_parser("validate", help="simulator vs XLA: comm bytes, flops, memory, numerics")
+  parser.add_argument("--suite", default="quick", choices=("quick", "full"))
+  parser.add_argument("--json", dest="json_path")
+  parser.add_argument("--plot", dest="plot_path")
+  parser.set_defaults(command=lambda a: run(ValidateConfig(a.suite, a.json_path, a.plot_path)))
