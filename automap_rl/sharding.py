@@ -233,40 +233,50 @@ def signatures(program: Program, named: NamedDims) -> Signatures:
   )
 
 
-def assign_axes(classes: jax.Array, sizes: jax.Array, dec_class: jax.Array, dec_axis: jax.Array,
-                axis_sizes: jax.Array) -> jax.Array:
+def divisibility_bits(sizes: np.ndarray, axis_sizes: Sequence[int]) -> np.ndarray:
+  """Bit m of entry i is set when `sizes[i]` divides by the product of the axes in mask m.
+
+  Precomputed so that resolution tests divisibility with a shift, not an integer division.
+  """
+  bits = np.zeros(sizes.shape, np.int32)
+  for mask in range(1 << len(axis_sizes)):
+    group = int(np.prod([n for a, n in enumerate(axis_sizes) if mask >> a & 1]))
+    bits |= np.where(sizes % group == 0, 1 << mask, 0).astype(np.int32)
+  return bits
+
+
+def assign_axes(classes: jax.Array, divisible: jax.Array, dec_class: jax.Array,
+                dec_axis: jax.Array) -> jax.Array:
   """Applies decisions in order to the dims (factors) of many owners.
 
   Args:
     classes: class of each slot, -1 for none, int32 [owners, slots].
-    sizes: size of each slot, int32 [owners, slots].
+    divisible: `divisibility_bits` of each slot's size, int32 [owners, slots].
     dec_class: class of each decision, -1 for padding, int32 [K].
     dec_axis: mesh axis of each decision, int32 [K].
-    axis_sizes: int32 [num_axes].
 
   Returns:
     Bit masks of the axes each slot is sharded on, int32 [owners, slots]. Within an owner an
     axis is used at most once (the first matching slot wins) and a slot takes an axis only
     if its size divides by the product of its axes.
   """
-  chex.assert_rank([classes, sizes], 2)
+  chex.assert_rank([classes, divisible], 2)
   chex.assert_equal_shape([dec_class, dec_axis])
+  slot_index = jnp.arange(classes.shape[1])[None, :]
 
   def step(carry, decision):
-    mask, prod, used = carry
+    mask, used = carry
     cls, axis = decision
     bit = jnp.left_shift(1, jnp.maximum(axis, 0))
-    n = axis_sizes[jnp.maximum(axis, 0)]
-    cand = (classes == cls) & (cls >= 0) & ((used & bit) == 0)[:, None] & (sizes % (prod * n) == 0)
+    fits = jnp.right_shift(divisible, mask | bit) & 1
+    cand = (classes == cls) & (cls >= 0) & ((used & bit) == 0)[:, None] & (fits == 1)
     first = cand & (slot_index == jnp.argmax(cand, axis=1)[:, None])
     mask = mask | jnp.where(first, bit, 0)
-    prod = prod * jnp.where(first, n, 1)
     used = used | jnp.where(first.any(axis=1), bit, 0)
-    return (mask, prod, used), None
+    return (mask, used), None
 
-  slot_index = jnp.arange(classes.shape[1])[None, :]
-  init = (jnp.zeros_like(classes), jnp.ones_like(classes), jnp.zeros(classes.shape[0], classes.dtype))
-  (mask, _, _), _ = jax.lax.scan(step, init, (dec_class, dec_axis), unroll=True)
+  init = (jnp.zeros_like(classes), jnp.zeros(classes.shape[0], classes.dtype))
+  (mask, _), _ = jax.lax.scan(step, init, (dec_class, dec_axis), unroll=True)
   return mask
 
 
@@ -280,9 +290,8 @@ class Resolution:
 
 def resolve(sigs: Signatures, mesh: Mesh, dec_class: jax.Array, dec_axis: jax.Array) -> Resolution:
   """Resolves encoded decisions (see `encode`) on the compressed program. Pure; jittable."""
-  axis_sizes = jnp.asarray(mesh.axis_sizes, jnp.int32)
-  value_mask = assign_axes(jnp.asarray(sigs.value_class), jnp.asarray(sigs.value_size), dec_class, dec_axis, axis_sizes)
-  op_mask = assign_axes(jnp.asarray(sigs.op_class), jnp.asarray(sigs.op_size), dec_class, dec_axis, axis_sizes)
+  value_mask = assign_axes(sigs.value_class, divisibility_bits(sigs.value_size, mesh.axis_sizes), dec_class, dec_axis)
+  op_mask = assign_axes(sigs.op_class, divisibility_bits(sigs.op_size, mesh.axis_sizes), dec_class, dec_axis)
   return Resolution(value_mask=value_mask, op_mask=op_mask)
 
 

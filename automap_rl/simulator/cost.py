@@ -69,7 +69,9 @@ def simulate(tables: CostTables, resolution: Resolution) -> Cost:
 
   stored = value_mask[t.edge_value]  # [E, Rv]
   factor_masks = op_mask[t.edge_op]  # [E, Rf]
-  required = jnp.einsum("edf,ef->ed", t.edge_dim_factor.astype(jnp.int32), factor_masks)
+  # Each dim's factors (at most two, -1 padded) index a zero-padded row of factor masks.
+  padded = jnp.pad(factor_masks, ((0, 0), (0, 1)))
+  required = jnp.take_along_axis(padded[:, None, :], t.edge_dim_factors, axis=2).sum(axis=2)
   stored_all, required_all = _bits_or(stored, 1), _bits_or(required, 1)
   op_reduced = jnp.sum(jnp.where(t.op_reduction, op_mask, 0), axis=1)[t.op_reduction_source]
   reduced = jnp.where(t.op_deferred, 0, op_reduced)[t.edge_op]  # [E]

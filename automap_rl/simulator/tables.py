@@ -56,7 +56,8 @@ class CostTables:
     op_deferred: ops whose partial sums stay pending (a later combination reduces), [Uo].
     edge_op, edge_value: the op and value signature of each edge, [E].
     edge_result: whether the edge is a result (else an operand), bool [E].
-    edge_dim_factor: which op factors each value dim maps to, bool [E, Rv, Rf].
+    edge_dim_factors: the op factors each value dim maps to, padded with Rf (a factor
+      that is never sharded), int32 [E, Rv, F] with F the most factors of one dim.
     edge_weight: how many times the edge's collectives run per step, [E].
     live_bytes: global bytes of each value signature live at each probe point, [T, Uv].
     mask_group, mask_bandwidth, mask_latency: per axis bit mask (2**num_axes), the group
@@ -75,7 +76,7 @@ class CostTables:
   edge_op: np.ndarray
   edge_value: np.ndarray
   edge_result: np.ndarray
-  edge_dim_factor: np.ndarray
+  edge_dim_factors: np.ndarray
   edge_weight: np.ndarray
   live_bytes: np.ndarray
   mask_group: np.ndarray
@@ -130,6 +131,17 @@ def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray
   probes = np.concatenate([np.ones((1, num_sigs)), 1.0 / rng.choice([1, 2, 4, 8, 16], (_MEMORY_PROBES, num_sigs))])
   rows = np.unique(np.argmax(live @ probes.T, axis=0))
   return live[rows].astype(np.float32)
+
+
+def _factor_indices(tables: list[np.ndarray], rv: int, rf: int) -> np.ndarray:
+  """Bool [Rv, Rf] dim-to-factor tables as padded index lists, int32 [E, Rv, F]."""
+  width = max([int(t.sum(axis=1).max()) for t in tables] + [1])
+  out = np.full((len(tables), rv, width), rf, np.int32)
+  for e, table in enumerate(tables):
+    for dim in range(rv):
+      factors = np.flatnonzero(table[dim])
+      out[e, dim, :len(factors)] = factors
+  return out
 
 
 def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
@@ -190,7 +202,7 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
       edge_op=edge_op,
       edge_value=np.array(edge_value, np.int32),
       edge_result=np.array(edge_result, bool),
-      edge_dim_factor=np.stack(edge_dims) if edge_dims else np.zeros((0, rv, rf), bool),
+      edge_dim_factors=_factor_indices(edge_dims, rv, rf),
       edge_weight=weight[edge_op].astype(np.float32),
       live_bytes=_live_bytes(program, sigs),
       mask_group=group,
