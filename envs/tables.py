@@ -7,12 +7,14 @@ models. Padding is inert: padded dims have no class (never sharded), padded ops 
 values cost nothing, padded edges have weight 0, padded targets are never legal.
 
 Size names: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges,
-L memory probe rows, C classes, T targets covering at most M classes each, G coverage
+L memory probe rows, D factors per dim, Q chunks of W slots (value dims
+and op factors) of one class, C classes, T targets covering at most M classes each, G coverage
 edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B = 2**X axis masks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
@@ -44,6 +46,7 @@ DIMS: Mapping[str, tuple[str, ...]] = {
     "value_class": ("Uv", "Rv"), "value_size": ("Uv", "Rv"),
     "op_class": ("Uo", "Rf"), "op_size": ("Uo", "Rf"),
     "axis_sizes": ("X",), "axis_valid": ("X",),
+    "slot_order": ("Q", "W"), "slot_size": ("Q", "W"), "chunk_class": ("Q",),
     "target_classes": ("T", "M"), "target_rank": ("T", "C"),
     "base": ("3",), "mesh_features": ("F",),
     "value_features": ("Uv", "Fv"), "op_features": ("Uo", "Fo"), "target_features": ("T", "Ft"),
@@ -51,15 +54,28 @@ DIMS: Mapping[str, tuple[str, ...]] = {
     "cover_real": ("G",),
 }
 COST_DIMS: Mapping[str, tuple[str, ...]] = {
-    "value_bytes": ("Uv",), "op_compute_s": ("Uo",), "op_memory_s": ("Uo",),
-    "op_reduction": ("Uo", "Rf"), "op_reduction_source": ("Uo",), "op_deferred": ("Uo",),
-    "edge_op": ("E",), "edge_value": ("E",), "edge_result": ("E",),
-    "edge_dim_factor": ("E", "Rv", "Rf"), "edge_weight": ("E",), "live_bytes": ("L", "Uv"),
-    "mask_group": ("B",), "mask_bandwidth": ("B",), "mask_latency": ("B",), "hbm_bytes": (),
+    "op_reduction": ("Uo", "Rf"), "edge_dim_factors": ("E", "Rv", "D"), "live_bytes": ("L", "Uv"),
+    "hbm_bytes": (),
 }
+_PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "mask": "B"}
+
+
+def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
+  """Dims of a `simulator.CostTables` field: as listed in `COST_DIMS`, else a vector over
+  the dim its name's prefix names (`value_*`: Uv, `op_*`: Uo, `edge_*`: E, `mask_*`: B)."""
+  if field in COST_DIMS:
+    return COST_DIMS[field]
+  prefix = field.split("_")[0]
+  if ndim == 1 and prefix in _PREFIX_DIM:
+    return (_PREFIX_DIM[prefix],)
+  raise KeyError(f"envs.tables.COST_DIMS does not know CostTables field {field!r} of rank {ndim}.")
+
+
 _FILL = {"value_class": -1, "value_size": 1, "op_class": -1, "op_size": 1, "target_classes": -1,
-         "target_rank": NO_RANK, "axis_sizes": 1}
-BUCKETED = ("Uv", "Uo", "E", "L", "C", "T", "G")
+         "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_size": 1,
+         "edge_dim_factors": -1}  # -1: the simulator's never-sharded factor.
+BUCKETED = ("Uv", "Uo", "E", "L", "Q", "C", "T", "G")
+CHUNK = 8  # W: slots per chunk.
 
 
 @chex.dataclass(frozen=True)
@@ -69,6 +85,10 @@ class EnvTables:
   Attributes:
     value_class, value_size: class (-1: none) and size of each value-signature dim, [Uv, Rv].
     op_class, op_size: the same for op-signature factors, [Uo, Rf].
+    slot_order: the slots with a class in chunks of one class each, sorted by class, as
+      indices into the value dims then op factors flattened (`value_class.ravel()` then
+      `op_class.ravel()`), [Q, W]; padding slots have size 1 (never open on an axis).
+    slot_size: their sizes, [Q, W]; chunk_class: the class of each chunk (`NO_RANK` pads), [Q].
     axis_sizes: mesh axis sizes, padded with 1, [X]; axis_valid: real axes, bool [X].
     target_classes: classes of each target in decision order, -1 padded, [T, M].
     target_rank: position of each class in each target, `NO_RANK` if absent, [T, C].
@@ -83,6 +103,9 @@ class EnvTables:
 
   value_class: jax.Array
   value_size: jax.Array
+  slot_order: jax.Array
+  slot_size: jax.Array
+  chunk_class: jax.Array
   op_class: jax.Array
   op_size: jax.Array
   axis_sizes: jax.Array
@@ -193,25 +216,34 @@ def build(problem: Problem, config: EnvConfig, targets: Sequence[Target]) -> Env
     target_classes[i, :len(t.classes)] = t.classes
     target_rank[i, list(t.classes)] = np.arange(len(t.classes))
   cost = {}
-  for field, dims in COST_DIMS.items():
-    value = np.asarray(getattr(tables, field))
-    cost[field] = _tile_masks(value, num_axes, x) if dims == ("B",) else value
-  missing = {f.name for f in __import__("dataclasses").fields(simulator.CostTables)} - set(COST_DIMS)
-  if missing:
-    raise KeyError(f"envs.tables.COST_DIMS does not know CostTables fields {sorted(missing)}.")
+  for field in dataclasses.fields(simulator.CostTables):
+    value = np.asarray(getattr(tables, field.name))
+    dims = cost_dims(field.name, value.ndim)
+    cost[field.name] = _tile_masks(value, num_axes, x) if dims == ("B",) else value
   base_cost = jax.device_get(problem.evaluate_jit(np.full(1, -1, np.int32), np.full(1, -1, np.int32)))
   base = np.array([base_cost.step_time, base_cost.peak_memory, 0.0], np.float32)
   base[2] = raw_objective(config, base_cost, base, tables.hbm_bytes)
   cover, target_features = _coverage(problem, targets)
+  flat_class = np.concatenate([sigs.value_class.ravel(), sigs.op_class.ravel()])
+  flat_size = np.concatenate([sigs.value_size.ravel(), sigs.op_size.ravel()])
+  chunks = [(c, members[i:i + CHUNK]) for c in range(num_classes)
+            for members in [np.flatnonzero(flat_class == c)] for i in range(0, len(members), CHUNK)]
+  slot_order = np.zeros((len(chunks), CHUNK), np.int64)
+  slot_size = np.ones((len(chunks), CHUNK), np.int64)
+  for q, (_, members) in enumerate(chunks):
+    slot_order[q, :len(members)] = members
+    slot_size[q, :len(members)] = flat_size[members]
   sizes = np.ones(x, np.int32)
   sizes[:num_axes] = mesh.axis_sizes
   bandwidth = np.zeros(x, np.float32)
   bandwidth[:num_axes] = [np.log10(link.bandwidth) / 12.0 for link in mesh.links]
   mesh_features = np.concatenate([np.log2(sizes) / 4.0, bandwidth,
                                   [np.log2(mesh.num_devices) / 8.0, np.log10(tables.hbm_bytes) / 12.0]])
-  return EnvTables(
+  return _device(EnvTables(
       value_class=sigs.value_class.astype(np.int32), value_size=sigs.value_size.astype(np.int32),
       op_class=sigs.op_class.astype(np.int32), op_size=sigs.op_size.astype(np.int32),
+      slot_order=slot_order.astype(np.int32), slot_size=slot_size.astype(np.int32),
+      chunk_class=np.array([c for c, _ in chunks], np.int32),
       axis_sizes=sizes, axis_valid=np.arange(x) < num_axes,
       target_classes=target_classes, target_rank=target_rank, base=base,
       mesh_features=mesh_features.astype(np.float32),
@@ -221,14 +253,18 @@ def build(problem: Problem, config: EnvConfig, targets: Sequence[Target]) -> Env
       cover_target=cover[:, 0].astype(np.int32), cover_index=cover[:, 1].astype(np.int32),
       cover_is_op=cover[:, 2].astype(bool), cover_real=np.ones(len(cover), bool),
       cost=cost,
-  )
+  ))
+
+
+def _device(tables: EnvTables) -> EnvTables:
+  return jax.tree.map(jnp.asarray, tables)
 
 
 def _dims(tables: EnvTables):
   for name in DIMS:
     yield name, DIMS[name], getattr(tables, name)
-  for name, dims in COST_DIMS.items():
-    yield f"cost.{name}", dims, tables.cost[name]
+  for name, array in tables.cost.items():
+    yield f"cost.{name}", cost_dims(name, np.ndim(array)), array
 
 
 def sizes(tables: EnvTables) -> dict[str, int]:
@@ -252,14 +288,16 @@ def pad(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
 
   def padded(name: str, dims: tuple[str, ...], array) -> np.ndarray:
     array = np.asarray(array)
+    if not dims:
+      return array
     widths = [(0, size[d] - n) for d, n in zip(dims, array.shape)]
     if any(w < 0 for _, w in widths):
       raise ValueError(f"{name} of shape {array.shape} does not fit {[size[d] for d in dims]}.")
     return np.pad(array, widths, constant_values=_FILL.get(name, 0))
 
   fields = {name: padded(name, dims, getattr(tables, name)) for name, dims in DIMS.items()}
-  fields["cost"] = {name: padded(name, dims, tables.cost[name]) for name, dims in COST_DIMS.items()}
-  return EnvTables(**fields)
+  fields["cost"] = {name: padded(name, cost_dims(name, np.ndim(a)), a) for name, a in tables.cost.items()}
+  return _device(EnvTables(**fields))
 
 
 def stack(tables: Sequence[EnvTables]) -> EnvTables:
@@ -269,4 +307,4 @@ def stack(tables: Sequence[EnvTables]) -> EnvTables:
     for dim, n in bucket_sizes(sizes(t)).items():
       common[dim] = max(common.get(dim, 0), n)
   padded = [pad(t, common) for t in tables]
-  return jax.tree.map(lambda *xs: np.stack(xs), *padded)
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *padded)

@@ -105,14 +105,13 @@ class _Uncommented:
     return getattr(self._compiled, name)
 
 
-def _result_specs(problem: Problem, decisions: Sequence[Decision], constrain: Constrain,
+def _result_specs(problem: Problem, specs: Mapping[int, PartitionSpec], constrain: Constrain,
                   ) -> dict[tuple[int, ...], tuple[PartitionSpec | None, ...]]:
   """Origin -> the spec to constrain each result of its op to (None: leave it free)."""
-  ops = [op for op in problem.program.ops if op.origin]
-  value_ids = sorted({v for op in ops for v in op.results})
-  specs = dict(zip(value_ids, problem.partition_specs(decisions, value_ids)))
   out = {}
-  for op in ops:
+  for op in problem.program.ops:
+    if not op.origin:
+      continue
     chosen = []
     for v in op.results:
       spec, rank = specs[v], len(problem.program.values[v].shape)
@@ -195,14 +194,16 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   if len(closed.jaxpr.invars) != len(program.inputs) or len(closed.jaxpr.outvars) != len(program.outputs):
     raise ValueError(f"fn has {len(closed.jaxpr.invars)} inputs and {len(closed.jaxpr.outvars)} outputs but the "
                      f"program has {len(program.inputs)} and {len(program.outputs)}.")
-  named = lambda specs: [NamedSharding(mesh, s) for s in specs]
-  in_leaves = named(problem.partition_specs(decisions, program.inputs))
-  out_leaves = named(problem.partition_specs(decisions, program.outputs))
+  results = [v for op in program.ops if op.origin for v in op.results]
+  value_ids = list(dict.fromkeys([*program.inputs, *program.outputs, *results]))
+  specs = dict(zip(value_ids, problem.partition_specs(decisions, value_ids)))  # One resolution.
+  in_leaves = [NamedSharding(mesh, specs[v]) for v in program.inputs]
+  out_leaves = [NamedSharding(mesh, specs[v]) for v in program.outputs]
   arg_tree = jax.tree_util.tree_structure(tuple(args))
   in_shardings = jax.tree_util.tree_unflatten(arg_tree, in_leaves)
   out_tree = jax.tree_util.tree_structure(out_shape)
   out_shardings = jax.tree_util.tree_unflatten(out_tree, out_leaves)
-  body = interpret(closed, _constrainer(_result_specs(problem, decisions, constrain), mesh))
+  body = interpret(closed, _constrainer(_result_specs(problem, specs, constrain), mesh))
 
   def interpreted(*call_args):
     flat = jax.tree_util.tree_leaves(call_args)

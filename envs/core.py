@@ -1,0 +1,189 @@
+"""The pure functional core: `init(config, tables, key)` and `step(config, tables, state, action)`.
+
+In the PGX style: the state carries the legal action mask, the reward of the last step and
+the termination flags; a terminal state stays put (reward 0) whatever the action. The
+static tables (`EnvTables`) stay outside the state, so a search tree stores only states.
+
+The state keeps the resolution itself (axis bit masks per signature dim, int8) next to
+the encoded decisions: a step then applies one target's classes to it in one vectorised
+pass instead of re-resolving every decision (`sharding.assign_axes` scans all K of them),
+and the legal mask and the observation read it directly. It is `Uv*Rv + Uo*Rf` bytes (7 KB
+for a 12-layer GPT); everything else is O(K + actions).
+
+Masked actions are exactly those that cannot change the resolution or do not fit:
+appending `(c, a)` for the classes `c` of a target changes the resolution iff some slot
+(a value dim or op factor) of one of those classes could take axis `a` now: its owner
+does not use `a` yet and its size divides by its current shard count times `|a|`
+(within one target a slot taken for an earlier class only blocks later classes in the
+same owner, which then have changed it already). So the mask is an any-reduction of
+that per-slot test over classes, not a re-resolution per action. A target is also
+illegal if its classes do not fit in the remaining capacity; padded targets and padded
+mesh axes never are. The stop action (the last) is always legal, and in a terminal state
+the only legal one. Taking an illegal action acts as stop.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from automap_rl import sharding, simulator
+from envs.config import EnvConfig
+from envs.tables import NO_RANK, EnvTables, raw_objective
+
+
+@chex.dataclass(frozen=True)
+class State:
+  """One environment state (K = `max_decisions`, A actions).
+
+  Attributes:
+    dec_class, dec_axis: the class decisions so far, -1 padded, int32 [K] (see
+      `sharding.encode`).
+    num_decisions: how many entries of `dec_class` are used, int32 [].
+    value_mask, op_mask: the resolution: axis bit masks, int8 [Uv, Rv] and [Uo, Rf].
+    objective: the objective relative to the replicated plan's (1 at the start), f32 [].
+    step_time, peak_memory: the simulator's figures for the current plan, f32 [].
+    reward: the objective's decrease on the last step, f32 [].
+    terminated, truncated: bool [].
+    legal_action_mask: bool [A].
+    step_count: int32 [].
+  """
+
+  dec_class: jax.Array
+  dec_axis: jax.Array
+  num_decisions: jax.Array
+  value_mask: jax.Array
+  op_mask: jax.Array
+  objective: jax.Array
+  step_time: jax.Array
+  peak_memory: jax.Array
+  reward: jax.Array
+  terminated: jax.Array
+  truncated: jax.Array
+  legal_action_mask: jax.Array
+  step_count: jax.Array
+
+
+def _shards(mask: jax.Array, axis_sizes: jax.Array) -> jax.Array:
+  """Product of the sizes of the axes in each bit mask; int32 of `mask`'s shape."""
+  out = jnp.ones(mask.shape, jnp.int32)
+  for axis in range(axis_sizes.shape[0]):
+    out = out * jnp.where((mask >> axis) & 1 == 1, axis_sizes[axis], 1)
+  return out
+
+
+def _assign(classes: jax.Array, sizes: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array,
+            axis_sizes: jax.Array) -> jax.Array:
+  """Applies decisions `(c, axis)` for the classes of one target in rank order.
+
+  Equivalent to `sharding.assign_axes` over those decisions: in each owner the first
+  open slot of the lowest-ranked class takes the axis.
+
+  Args:
+    classes, sizes: int32 [owners, slots]; mask: int8 [owners, slots].
+    rank: the target's rank of each class, `NO_RANK` if not covered, int32 [C].
+    axis: int32 []; axis_sizes: int32 [X].
+  """
+  slot_rank = jnp.where(classes >= 0, rank[jnp.maximum(classes, 0)], NO_RANK)
+  bit = jnp.left_shift(1, axis).astype(mask.dtype)
+  m = mask.astype(jnp.int32)
+  free = (m.sum(axis=1) & bit) == 0
+  cand = (slot_rank < NO_RANK) & free[:, None] & (sizes % (_shards(m, axis_sizes) * axis_sizes[axis]) == 0)
+  key = jnp.where(cand, slot_rank * classes.shape[1] + jnp.arange(classes.shape[1]), NO_RANK * 64)
+  first = cand & (key == key.min(axis=1, keepdims=True))
+  return mask | jnp.where(first, bit, 0).astype(mask.dtype)
+
+
+def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, num_decisions: jax.Array,
+                  max_decisions: int) -> jax.Array:
+  """The legal action mask (see the module docstring), bool [T * X + 1].
+
+  A slot is open on an axis if its owner does not use the axis yet and its size divides
+  by its shard count times the axis size; a class is open if one of its slots is (an any
+  over chunks of `tables.slot_order`, then a sorted segment max); a target if one of its
+  classes is.
+  """
+  num_classes = tables.target_rank.shape[1]
+  value_mask, op_mask = value_mask.astype(jnp.int32), op_mask.astype(jnp.int32)
+  used = jnp.concatenate([jnp.repeat(value_mask.sum(axis=1), value_mask.shape[1]),
+                          jnp.repeat(op_mask.sum(axis=1), op_mask.shape[1])])[tables.slot_order]
+  mask = jnp.concatenate([value_mask.reshape(-1), op_mask.reshape(-1)])[tables.slot_order]
+  axes = jnp.arange(tables.axis_sizes.shape[0])
+  free = ((used[..., None] >> axes) & 1) == 0
+  divides = tables.slot_size[..., None] % (_shards(mask, tables.axis_sizes)[..., None] * tables.axis_sizes) == 0
+  chunk_open = (free & divides).any(axis=1).astype(jnp.int32)  # [Q, X]
+  class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
+                                   indices_are_sorted=True) > 0
+  target = tables.target_classes  # Row C of class_open is no class's: never open.
+  target_open = class_open[jnp.where(target >= 0, target, num_classes)].any(axis=1)  # [T, X]
+  length = (target >= 0).sum(axis=1)
+  fits = (length > 0) & (num_decisions + length <= max_decisions)
+  legal = target_open & fits[:, None] & tables.axis_valid[None, :]
+  return jnp.concatenate([legal.reshape(-1), jnp.ones(1, bool)])
+
+
+def _evaluate(config: EnvConfig, tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array):
+  resolution = sharding.Resolution(value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32))
+  cost = simulator.simulate(tables.cost_tables(), resolution)
+  objective = raw_objective(config, cost, tables.base, tables.cost["hbm_bytes"]) / tables.base[2]
+  return cost, objective
+
+
+def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:
+  """The replicated plan. The key is unused (the environment is deterministic); it keeps
+  the PGX signature so that agents can split keys uniformly."""
+  del key
+  k = config.max_decisions
+  value_mask = jnp.zeros(tables.value_class.shape, jnp.int8)
+  op_mask = jnp.zeros(tables.op_class.shape, jnp.int8)
+  zero = jnp.int32(0)
+  legal = legal_actions(tables, value_mask, op_mask, zero, k)
+  return State(
+      dec_class=jnp.full(k, -1, jnp.int32), dec_axis=jnp.full(k, -1, jnp.int32), num_decisions=zero,
+      value_mask=value_mask, op_mask=op_mask, objective=jnp.float32(1.0),
+      step_time=jnp.asarray(tables.base[0], jnp.float32), peak_memory=jnp.asarray(tables.base[1], jnp.float32),
+      reward=jnp.float32(0.0), terminated=~legal[:-1].any(), truncated=jnp.bool_(False),
+      legal_action_mask=legal, step_count=zero)
+
+
+def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Array) -> State:
+  num_axes = tables.axis_sizes.shape[0]
+  stop = (action == state.legal_action_mask.shape[0] - 1) | ~state.legal_action_mask[action]
+  target = jnp.minimum(action // num_axes, tables.target_classes.shape[0] - 1)
+  axis = action % num_axes
+  rank = tables.target_rank[target]
+  value_mask = _assign(tables.value_class, tables.value_size, state.value_mask, rank, axis, tables.axis_sizes)
+  op_mask = _assign(tables.op_class, tables.op_size, state.op_mask, rank, axis, tables.axis_sizes)
+  cost, objective = _evaluate(config, tables, value_mask, op_mask)
+
+  classes = tables.target_classes[target]
+  offset = jnp.arange(config.max_decisions) - state.num_decisions
+  new = (offset >= 0) & (offset < classes.shape[0])
+  new = new & (classes[jnp.clip(offset, 0, classes.shape[0] - 1)] >= 0)
+  dec_class = jnp.where(new, classes[jnp.clip(offset, 0, classes.shape[0] - 1)], state.dec_class)
+  dec_axis = jnp.where(new, axis, state.dec_axis)
+  num_decisions = state.num_decisions + (classes >= 0).sum()
+  legal = legal_actions(tables, value_mask, op_mask, num_decisions, config.max_decisions)
+  moved = State(
+      dec_class=dec_class, dec_axis=dec_axis, num_decisions=num_decisions, value_mask=value_mask,
+      op_mask=op_mask, objective=objective, step_time=cost.step_time, peak_memory=cost.peak_memory,
+      reward=state.objective - objective, terminated=~legal[:-1].any(), truncated=state.truncated,
+      legal_action_mask=legal, step_count=state.step_count)
+  stopped = state.replace(reward=jnp.float32(0.0), terminated=jnp.bool_(True))
+  out = jax.tree.map(lambda a, b: jnp.where(stop, a, b), stopped, moved)
+  step_count = state.step_count + 1
+  truncated = ~out.terminated & (step_count >= (config.max_steps or jnp.iinfo(jnp.int32).max))
+  only_stop = jnp.zeros_like(legal).at[-1].set(True)
+  done = out.terminated | truncated
+  return out.replace(step_count=step_count, truncated=truncated,
+                     legal_action_mask=jnp.where(done, only_stop, out.legal_action_mask))
+
+
+def step(config: EnvConfig, tables: EnvTables, state: State, action: jax.Array) -> State:
+  """Takes `action` (int32 []); a terminal state is returned unchanged with reward 0."""
+  chex.assert_shape(action, ())
+  action = jnp.asarray(action, jnp.int32)
+  done = state.terminated | state.truncated
+  return jax.lax.cond(done, lambda s: s.replace(reward=jnp.zeros_like(s.reward)),
+                      lambda s: _advance(config, tables, s, action), state)
