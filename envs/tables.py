@@ -170,6 +170,8 @@ def _op_features(problem: Problem, tables: simulator.CostTables) -> np.ndarray:
   sigs, program = problem.sigs, problem.program
   kinds = np.zeros((len(sigs.op_class), 4))
   for op in program.ops:
+    if sigs.op_sig[op.id] < 0:  # Resolves like its values; no op signature.
+      continue
     if op.primitive in _CONTRACTIONS:
       kind = 0
     elif FactorKind.REDUCTION in op.rule.factor_kinds:

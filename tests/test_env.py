@@ -1,0 +1,205 @@
+"""The partitioning environment: purity, exact masks, rewards, batching, the wrapper."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from automap_rl import mesh as mesh_lib
+from automap_rl import models, sharding
+from automap_rl.problem import Problem
+from envs import Env, EnvConfig, core, observe, programs, tables
+from envs.bench import random_actions
+from envs.gym import GymEnv
+from experiments.inspect_cmd import trace_workload
+
+
+@functools.cache
+def problem(model: str, mesh: str = "data=2,model=4") -> Problem:
+  return Problem.build(trace_workload(models.make_workload(model)), mesh_lib.make_mesh(mesh, "h100"))
+
+
+def random_episode(env: Env, seed: int, step=None, limit: int = 1000):
+  """States of a random episode that stops with probability 0.05 per step."""
+  step = step or env.step
+  rng = np.random.default_rng(seed)
+  states = [env.init(jax.random.key(seed))]
+  while not (states[-1].terminated or states[-1].truncated) and len(states) < limit:
+    legal = np.flatnonzero(np.asarray(states[-1].legal_action_mask))
+    action = env.stop_action if rng.random() < 0.05 else int(rng.choice(legal))
+    states.append(step(states[-1], jnp.int32(action)))
+  return states
+
+
+
+@pytest.mark.parametrize("space", ["arg_dims", "named_dims", "groups"])
+def test_jit_and_vmap_match_plain_calls(space):
+  env = Env.build(problem("mlp"), EnvConfig(action_space=space))
+  rng = np.random.default_rng(0)
+  plain = env.init(jax.random.key(0))
+  jitted = jax.jit(env.init)(jax.random.key(0))
+  batched = jax.vmap(env.init)(jax.random.split(jax.random.key(0), 3))
+  step, vstep = jax.jit(env.step), jax.jit(jax.vmap(env.step))
+  for _ in range(6):
+    chex.assert_trees_all_close(plain, jitted, rtol=1e-5, atol=1e-6)
+    for i in range(3):
+      chex.assert_trees_all_close(plain, jax.tree.map(lambda x: x[i], batched), rtol=1e-5, atol=1e-6)
+    legal = np.flatnonzero(np.asarray(plain.legal_action_mask))
+    action = jnp.int32(rng.choice(legal[:-1]) if len(legal) > 1 else legal[0])
+    plain, jitted = env.step(plain, action), step(jitted, action)
+    batched = vstep(batched, jnp.full(3, action))
+  chex.assert_trees_all_close(env.observe(plain), jax.jit(env.observe)(jitted), rtol=1e-5, atol=1e-6)
+
+
+def test_same_seed_same_episode():
+  env = Env.build(problem("gpt:layers=2"))
+  a, b = random_episode(env, 3), random_episode(env, 3)
+  assert len(a) == len(b)
+  chex.assert_trees_all_equal(a[-1], b[-1])
+  gym = GymEnv(env)
+  runs = []
+  for _ in range(2):
+    _, info = gym.reset(seed=5)
+    actions, done = [], False
+    while not done:
+      actions.append(int(gym.action_space.sample(info["action_mask"].astype(np.int8))))
+      _, _, terminated, truncated, info = gym.step(actions[-1])
+      done = terminated or truncated
+    runs.append(actions)
+  assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("model,space", [("mlp", "arg_dims"), ("mlp", "groups"), ("gpt:layers=2", "groups"),
+                                         ("gpt:layers=2", "named_dims")])
+def test_mask_is_exact_and_resolution_incremental(model, space):
+  """Legal iff appending the action's decisions changes the resolution and fits (brute force)."""
+  prob = problem(model)
+  env = Env.build(prob, EnvConfig(action_space=space, max_decisions=12))
+  resolve = jax.jit(prob.resolve)
+  x = env.config.max_axes
+  states = [s for s in random_episode(env, 1, jax.jit(env.step)) if not s.terminated]
+  for state in states[:5]:
+    now = resolve(state.dec_class, state.dec_axis)
+    np.testing.assert_array_equal(state.value_mask, now.value_mask)
+    np.testing.assert_array_equal(state.op_mask, now.op_mask)
+    n = int(state.num_decisions)
+    for action in range(env.num_actions - 1):
+      t, a = divmod(action, x)
+      classes = env.targets[t].classes
+      legal = bool(state.legal_action_mask[action])
+      if a >= len(prob.mesh.axis_names) or n + len(classes) > env.config.max_decisions:
+        assert not legal, env.action_name(action)
+        continue
+      dec_class, dec_axis = np.asarray(state.dec_class).copy(), np.asarray(state.dec_axis).copy()
+      dec_class[n:n + len(classes)], dec_axis[n:n + len(classes)] = classes, a
+      after = resolve(dec_class, dec_axis)
+      changed = bool((after.value_mask != now.value_mask).any() | (after.op_mask != now.op_mask).any())
+      assert legal == changed, env.action_name(action)
+    assert state.legal_action_mask[-1]
+
+
+@pytest.mark.parametrize("objective", ["time", "memory", "mix"])
+def test_returns_sum_to_the_simulated_improvement(objective):
+  prob = problem("gpt:layers=2")
+  config = EnvConfig(objective=objective, action_space="named_dims")
+  env = Env.build(prob, config)
+  for seed in range(3):
+    states = random_episode(env, seed, jax.jit(env.step))
+    total = sum(float(s.reward) for s in states[1:])
+    base, final = prob.cost([]), prob.cost(env.decisions(states[-1]))
+    ref = np.array([base.step_time, base.peak_memory, 0.0], np.float32)
+    raw = lambda c: float(tables.raw_objective(config, c, ref, prob.tables.hbm_bytes))
+    np.testing.assert_allclose(total, 1.0 - raw(final) / raw(base), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(states[-1].step_time, final.step_time, rtol=1e-5)
+
+
+def test_terminal_states_stay_put():
+  env = Env.build(problem("mlp"))
+  state = env.init(jax.random.key(0))
+  legal = np.flatnonzero(np.asarray(state.legal_action_mask))
+  state = env.step(state, jnp.int32(legal[0]))
+  stopped = env.step(state, jnp.int32(env.stop_action))
+  assert stopped.terminated and float(stopped.reward) == 0.0
+  np.testing.assert_array_equal(np.flatnonzero(stopped.legal_action_mask), [env.stop_action])
+  for action in range(env.num_actions):
+    after = env.step(stopped, jnp.int32(action))
+    chex.assert_trees_all_equal(after, stopped)
+
+
+def test_capacity_ends_episodes_and_truncation():
+  env = Env.build(problem("gpt:layers=2"), EnvConfig(action_space="groups", max_decisions=4))
+  states = random_episode(env, 0)
+  assert int(states[-1].num_decisions) <= 4
+  env = Env.build(problem("gpt:layers=2"), EnvConfig(action_space="named_dims", max_steps=2))
+  state = env.init(jax.random.key(0))
+  for _ in range(2):
+    state = env.step(state, jnp.argmax(state.legal_action_mask).astype(jnp.int32))
+  assert state.truncated and not state.terminated
+
+
+def test_no_recompilation_across_steps():
+  env = Env.build(problem("mlp"))
+  step = jax.jit(env.step)
+  states = random_episode(env, 0, step)
+  assert len(states) > 2
+  assert step._cache_size() == 1
+
+
+def test_mixed_batch_is_inert_padding():
+  probs = [problem("mlp"), problem("gpt:layers=2", "data=8"), problem("mlp", "data=2,fsdp=2,model=2")]
+  config = EnvConfig(action_space="named_dims")
+  stacked, targets = programs.batch_tables(probs, config)
+  init = jax.vmap(functools.partial(core.init, config))
+  step = jax.jit(jax.vmap(functools.partial(core.step, config)))
+  state = init(stacked, jax.random.split(jax.random.key(0), 3))
+  for i in range(5):
+    state = step(stacked, state, random_actions(jax.random.key(i), state.legal_action_mask))
+  for i, prob in enumerate(probs):
+    names = prob.mesh.axis_names
+    decisions = [sharding.Decision(int(c), names[int(a)]) for c, a in zip(state.dec_class[i], state.dec_axis[i]) if c >= 0]
+    np.testing.assert_allclose(state.step_time[i], prob.cost(decisions).step_time, rtol=1e-5)
+    exact = Env.build(prob, config)
+    assert int(state.legal_action_mask[i].sum()) >= 1
+    assert len(targets[i]) == len(exact.targets)
+  graphs = jax.vmap(observe)(stacked, state)
+  assert graphs.nodes.shape[-1] == Env.build(probs[0], config).observe(Env.build(probs[0], config).init(
+      jax.random.key(0))).nodes.shape[-1]
+  assert np.isfinite(np.asarray(graphs.nodes)).all() and np.isfinite(np.asarray(graphs.globals)).all()
+  senders = np.asarray(graphs.senders)
+  assert (senders < graphs.nodes.shape[1]).all() and (senders >= 0).all()
+
+
+def test_sampler_is_seeded():
+  assert programs.sample(7, 5) == programs.sample(7, 5)
+  assert programs.sample(7, 5) != programs.sample(8, 5)
+
+
+def _batch_arg_action(env: Env) -> int:
+  """The expert: shard the first batch input's dim 0 on the first mesh axis."""
+  for t, target in enumerate(env.targets):
+    if target.name.startswith("batch/") and target.name.endswith(":0"):
+      return t * env.config.max_axes
+  raise AssertionError("no batch target")
+
+
+@pytest.mark.parametrize("model", models.MODEL_NAMES)
+def test_random_and_expert_agents_on_the_zoo(model):
+  env = Env.build(problem(model), EnvConfig(action_space="arg_dims"))
+  gym = GymEnv(env)
+  obs, info = gym.reset(seed=0)
+  done, steps = False, 0
+  while not done:
+    action = int(gym.action_space.sample(info["action_mask"].astype(np.int8)))
+    obs, reward, terminated, truncated, info = gym.step(action)
+    done, steps = terminated or truncated, steps + 1
+    assert np.isfinite(reward) and np.isfinite(obs.nodes).all()
+  obs, info = gym.reset(seed=0)
+  action = _batch_arg_action(env)
+  assert info["action_mask"][action]
+  _, reward, _, _, info = gym.step(action)
+  _, stop_reward, terminated, _, _ = gym.step(env.stop_action)
+  assert terminated and stop_reward == 0.0
+  assert reward == pytest.approx(1.0 - info["objective"], abs=1e-6)
