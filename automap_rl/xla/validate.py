@@ -102,12 +102,20 @@ def _jitted(problem: Problem) -> tuple[Callable, Callable]:
 
 def simulated_flops(problem: Problem, resolution: Any) -> float:
   """Per-device flops of a resolved plan: `op_flops * repeat / shards` summed over program
-  ops, where an op's shard count is the product of the mesh axes its factors are sharded on."""
-  op_mask = np.asarray(resolution.op_mask)
-  axes = np.bitwise_or.reduce(op_mask, axis=1)  # [Uo] axis bit mask of each op signature.
-  groups = np.asarray(problem.tables.mask_group)[axes]
-  program = problem.program
-  return float(sum(op.repeat * op_flops(program, op) / groups[problem.sigs.op_sig[op.id]] for op in program.ops))
+  ops. An op's shard count is the product of the mesh axes its factors are sharded on; an
+  op without a signature of its own (`op_sig == -1`: it follows its values) is sharded
+  like its first result."""
+  group = np.asarray(problem.tables.mask_group)
+  op_shards = group[np.bitwise_or.reduce(np.asarray(resolution.op_mask), axis=1)]  # [Uo]
+  value_shards = group[np.bitwise_or.reduce(np.asarray(resolution.value_mask), axis=1)]  # [Uv]
+  sigs, program = problem.sigs, problem.program
+
+  def shards(op) -> float:
+    if sigs.op_sig[op.id] >= 0:
+      return op_shards[sigs.op_sig[op.id]]
+    return value_shards[sigs.value_sig[op.results[0]]] if op.results else 1.0
+
+  return float(sum(op.repeat * op_flops(program, op) / shards(op) for op in program.ops))
 
 
 def simulated_metrics(problem: Problem, decisions: Sequence[Decision]) -> dict[str, Any]:

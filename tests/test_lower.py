@@ -1,0 +1,95 @@
+"""Tests for automap_rl.xla.lower: plans compiled by XLA, their collectives and numerics."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from automap_rl import ir, models, tactics
+from automap_rl.mesh import make_mesh
+from automap_rl.problem import Problem
+from automap_rl.sharding import ArgDim, Decision
+from automap_rl.xla.lower import NumericsError, check_numerics, compare_leaf, lower
+from automap_rl.xla.hlo import summarize
+
+MLP = "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16"
+GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
+
+
+@functools.cache
+def _setup(spec: str, mesh: str):
+  workload = models.make_workload(spec)
+  program = ir.trace(workload.step, *workload.args, arg_names=workload.arg_names,
+                     arg_roles=workload.arg_roles, donate_argnums=(0, 1))
+  return workload, Problem.build(program, make_mesh(mesh, "cpu"))
+
+
+def _nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def test_mlp_data_parallel_all_reduces_exactly_the_gradients():
+  workload, problem = _setup(MLP, "data=8")
+  decisions = tactics.data_parallel(problem)
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1))
+  # One all-reduce over 'data' of every gradient plus the scalar loss (XLA combines them).
+  assert {c.kind for c in lowered.stats.collectives} == {"all-reduce"}
+  assert {c.mesh_axes for c in lowered.stats.collectives} == {("data",)}
+  assert summarize(lowered.stats.collectives)["all-reduce"][1] == _nbytes(workload.params) + 4
+  assert float(problem.cost(decisions).comm_bytes.sum()) == _nbytes(workload.params) + 4
+  batch_sharding = lowered.in_shardings[2]["inputs"]
+  assert batch_sharding.spec == P("data", None)
+  check_numerics(workload.step, workload.args, lowered)
+
+
+def test_gpt_megatron_all_reduces_over_the_model_axis():
+  workload, problem = _setup(GPT, "data=2,model=4")
+  lowered = lower(problem, tactics.data_megatron(problem), workload.step, workload.args)
+  axes = {(c.kind, c.mesh_axes) for c in lowered.stats.collectives}
+  assert ("all-reduce", ("model",)) in axes
+  assert ("all-reduce", ("data",)) in axes
+  fc1 = lowered.in_shardings[0]["block_0"]["mlp"]["fc1"]["kernel"]
+  assert fc1.spec == P(None, "model")
+  check_numerics(workload.step, workload.args, lowered)
+  assert all(not x.is_deleted() for x in jax.tree_util.tree_leaves(workload.args))
+
+
+def test_check_numerics_names_the_wrong_leaf():
+  workload, problem = _setup(MLP, "data=8")
+  lowered = lower(problem, tactics.data_parallel(problem), workload.step, workload.args)
+
+  def wrong(params, opt_state, batch):
+    new_params, new_opt_state, loss = workload.step(params, opt_state, batch)
+    return new_params, new_opt_state, loss * 1.01
+
+  with pytest.raises(NumericsError, match=r"Output \[2\]"):
+    check_numerics(wrong, workload.args, lowered)
+
+
+def test_compare_leaf_tolerates_reference_noise_only():
+  ref = np.linspace(-1, 1, 64)
+  noisy = (ref + 1e-3 * np.random.default_rng(0).normal(size=64)).astype(np.float32)
+  compare_leaf("x", ref, noisy, noisy + np.float32(1e-4))  # Within the plain run's noise.
+  with pytest.raises(NumericsError, match="Output x"):
+    compare_leaf("x", ref, ref.astype(np.float32), noisy)
+  with pytest.raises(NumericsError, match="2 of 3 elements differ"):
+    compare_leaf("i", np.arange(3), np.arange(3, dtype=np.int32), np.array([0, 2, 3], np.int32))
+
+
+def test_intermediates_follow_the_plan():
+  """A plan sharding the hidden dim of x @ w1 @ w2 makes XLA all-reduce the partial sums of
+  the second product, which propagation alone would not decide."""
+  def f(x, w1, w2):
+    return jnp.tanh(x @ w1) @ w2
+
+  args = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 8)))
+  program = ir.trace(f, *args, arg_names=("x", "w1", "w2"))
+  problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
+  decisions = [Decision(ArgDim("w1", 1), "model"), Decision(ArgDim("x", 0), "data")]
+  lowered = lower(problem, decisions, f, args)
+  ((kind, axes, nbytes),) = [(c.kind, c.mesh_axes, c.bytes) for c in lowered.stats.collectives]
+  assert (kind, axes, nbytes) == ("all-reduce", ("model",), 8 * 8 * 4)
+  check_numerics(f, args, lowered)

@@ -1,0 +1,38 @@
+"""Tests for automap_rl.xla.validate and `automap-rl validate`."""
+
+import json
+import math
+
+from automap_rl.xla import validate
+from experiments import validate_cmd
+
+TINY = validate.Suite(models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",), meshes=("data=8",),
+                      random_plans=1)
+
+
+def test_tiny_suite_json_and_plot(tmp_path, monkeypatch):
+  monkeypatch.setitem(validate.SUITES, "quick", TINY)
+  json_path, plot_path = tmp_path / "v.json", tmp_path / "v.png"
+  validate_cmd.run(validate_cmd.ValidateConfig("quick", str(json_path), str(plot_path)))
+  document = json.loads(json_path.read_text())
+  assert set(document) == {"cases", "summary"}
+  assert set(document["summary"]) == {
+      "num_cases", "comm_bytes_median_rel_error", "comm_bytes_spearman", "flops_median_rel_error",
+      "memory_median_rel_error", "memory_spearman", "numerics_ok_fraction"}
+  assert document["summary"]["numerics_ok_fraction"] == 1
+  assert document["summary"]["num_cases"] == len(document["cases"]) >= 4
+  case = document["cases"][0]
+  assert {"model", "mesh", "plan", "simulated", "compiled", "numerics_ok"} <= set(case)
+  by_plan = {c["plan"]: c for c in document["cases"]}
+  dp = by_plan["data_parallel"]
+  assert dp["simulated"]["comm_bytes"] == dp["compiled"]["comm_bytes"] > 0
+  assert by_plan["replicated"]["compiled"]["comm_bytes"] == 0
+  assert plot_path.stat().st_size > 0
+
+
+def test_summary_statistics():
+  assert validate.relative_error(0.0, 0.0) == 0.0
+  assert validate.relative_error(1.0, 0.0) == math.inf
+  assert validate.relative_error(110.0, 100.0) == 0.1
+  assert validate.spearman([1, 2, 3], [10, 30, 20]) == 0.5
+  assert math.isnan(validate.spearman([1, 2], [1, 2]))
