@@ -16,6 +16,10 @@ from envs.bench import random_actions
 from envs.gym import GymEnv
 from experiments.inspect_cmd import trace_workload
 
+# Rewards are differences of float32 sums over ~10^3 ops, which jit reassociates: they
+# agree to ~1e-6 of the replicated objective, not to the last ulp.
+TOL = 1e-5
+
 
 @functools.cache
 def problem(model: str, mesh: str = "data=2,model=4") -> Problem:
@@ -44,14 +48,14 @@ def test_jit_and_vmap_match_plain_calls(space):
   batched = jax.vmap(env.init)(jax.random.split(jax.random.key(0), 3))
   step, vstep = jax.jit(env.step), jax.jit(jax.vmap(env.step))
   for _ in range(6):
-    chex.assert_trees_all_close(plain, jitted, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(plain, jitted, rtol=1e-5, atol=TOL)
     for i in range(3):
-      chex.assert_trees_all_close(plain, jax.tree.map(lambda x: x[i], batched), rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(plain, jax.tree.map(lambda x: x[i], batched), rtol=1e-5, atol=TOL)
     legal = np.flatnonzero(np.asarray(plain.legal_action_mask))
     action = jnp.int32(rng.choice(legal[:-1]) if len(legal) > 1 else legal[0])
     plain, jitted = env.step(plain, action), step(jitted, action)
     batched = vstep(batched, jnp.full(3, action))
-  chex.assert_trees_all_close(env.observe(plain), jax.jit(env.observe)(jitted), rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(env.observe(plain), jax.jit(env.observe)(jitted), rtol=1e-5, atol=TOL)
 
 
 def test_same_seed_same_episode():

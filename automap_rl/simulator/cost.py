@@ -21,6 +21,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from automap_rl import batching
 from automap_rl.sharding import Resolution
 from automap_rl.simulator.tables import CostTables
 
@@ -51,73 +52,105 @@ class Cost:
   comm_count: jax.Array
 
 
-def _bits_or(masks: jax.Array, axis: int) -> jax.Array:
-  """OR of axis bit masks that are disjoint along `axis` (a sum, which XLA fuses)."""
-  return masks.sum(axis=axis)
+def _group_size(t: CostTables, masks: jax.Array) -> jax.Array:
+  """Devices in a group spanning the axes of bit masks [...]: a product over the (at most a
+  few) axes, elementwise, so it vectorises where a look-up in a table would not."""
+  n = jnp.ones(masks.shape, jnp.float32)
+  for axis in range(t.mask_group.shape[0].bit_length() - 1):
+    n = n * jnp.where((jnp.right_shift(masks, axis) & 1) == 1, t.mask_group[1 << axis], 1.0)
+  return n
 
 
-def simulate(tables: CostTables, resolution: Resolution) -> Cost:
-  """Costs one resolved plan. Vmap over resolutions for a batch of plans."""
-  t = tables
-  group = jnp.asarray(t.mask_group)
-  value_mask, op_mask = resolution.value_mask, resolution.op_mask
+def _collective_terms(t: CostTables) -> jax.Array:
+  """Cost terms of a ring collective, by [all-reduce?, axes mask, divisor mask, term].
 
-  value_shards = group[_bits_or(value_mask, 1)]  # [Uv]
-  op_shards = group[_bits_or(op_mask, 1)]  # [Uo]
-  compute = (jnp.sum(jnp.maximum(t.op_compute_s, t.op_memory_s) / op_shards)
-             + jnp.sum(jnp.maximum(t.value_compute_s, t.value_memory_s) / value_shards))
+  A collective over `axes` moving a buffer of `nbytes / group(divisor)` per device takes
+  `nbytes * terms[..., 0] + terms[..., 1]` seconds and moves `nbytes * terms[..., 2]` bytes:
+  `steps = (n - 1)` (twice that for all-reduce) hops of `1/n` of the buffer at the slowest
+  link's rate, plus a latency per hop. One small table, gathered once per edge.
+  """
+  n = t.mask_group[:, None]
+  fraction = 1.0 / t.mask_group[None, :]
+  per_hop = fraction / n * t.mask_seconds_per_byte[:, None]
+  terms = [jnp.stack(jnp.broadcast_arrays(factor * (n - 1) * per_hop, factor * (n - 1) * t.mask_latency[:, None],
+                                          fraction), axis=-1) for factor in (1.0, 2.0)]
+  return jnp.stack(terms)
 
-  stored = value_mask[t.edge_value]  # [E, Rv]
-  factor_masks = op_mask[t.edge_op]  # [E, Rf]
-  # Each dim's factors (at most two, -1 padded) index a zero-padded row of factor masks.
-  padded = jnp.pad(factor_masks, ((0, 0), (0, 1)))
-  required = jnp.take_along_axis(padded[:, None, :], t.edge_dim_factors, axis=2).sum(axis=2)
-  stored_all, required_all = _bits_or(stored, 1), _bits_or(required, 1)
-  op_reduced = jnp.sum(jnp.where(t.op_reduction, op_mask, 0), axis=1)[t.op_reduction_source]
-  reduced = jnp.where(t.op_deferred, 0, op_reduced)[t.edge_op]  # [E]
-  nbytes = t.value_bytes[t.edge_value]
-  misplaced = jax.lax.reduce(stored & ~required, 0, jax.lax.bitwise_or, (1,))  # Axes stored elsewhere.
-  moved_in = misplaced & required_all
-  placed_out = jax.lax.reduce(required & ~stored, 0, jax.lax.bitwise_or, (1,))
 
-  operand = ~t.edge_result
+def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
+  """`simulate` for a batch of plans laid out batch-last (see `automap_rl.batching`).
+
+  Args:
+    t: the cost tables.
+    masks: value-signature dim masks [Uv, Rv, B] and op-signature factor masks [Uo, Rf, B].
+
+  Returns:
+    The costs, each field leading with the batch [B, ...].
+  """
+  value_mask, op_mask = masks
+  value_shards = _group_size(t, value_mask.sum(axis=1))  # [Uv, B]
+  op_shards = _group_size(t, op_mask.sum(axis=1))  # [Uo, B]
+  compute = (jnp.sum(jnp.maximum(t.op_compute_s, t.op_memory_s)[:, None] / op_shards, axis=0)
+             + jnp.sum(jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards, axis=0))
+
+  # Masks are disjoint bit sets across the dims of a value and the factors of an op, so
+  # sums over dims are ORs.
+  stored = value_mask[t.edge_value]  # [E, Rv, B]
+  padded = jnp.concatenate([op_mask, jnp.zeros_like(op_mask[:, :1])], axis=1)  # Factor -1: none.
+  required = padded[t.edge_op[:, None, None], t.edge_dim_factors].sum(axis=2)  # [E, Rv, B]
+  stored_all, required_all = stored.sum(axis=1), required.sum(axis=1)  # [E, B]
+  overlap = (stored & required).sum(axis=1)
+  misplaced, placed_out = stored_all - overlap, required_all - overlap
+  op_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0).sum(axis=1)[t.op_reduction_source]
+  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced)[t.edge_op]  # [E, B]
+
+  # Materialise the per-edge masks once: XLA would otherwise fuse their gathers into
+  # every consumer and recompute them for each collective.
+  stored_all, required_all, reduced, misplaced, placed_out = jax.lax.optimization_barrier(
+      (stored_all, required_all, reduced, misplaced, placed_out))
+  operand = ~t.edge_result[:, None]
   gather_in = stored_all & ~required_all
-  kept_in = stored_all & ~gather_in
-  result_all_reduce = reduced & ~stored_all
   result_scatter = reduced & stored_all
-  gather_out = required_all & ~stored_all
-  moved_out = placed_out & stored_all & ~reduced
-
-  # (kind, axes mask, bytes) of every possible collective on every edge.
-  partial = nbytes / group[required_all]
+  # Every possible collective on every edge: its kind, its axes, and the axes dividing its
+  # bytes (the per-device buffer it moves).
   collectives = (
-      (_ALL_GATHER, jnp.where(operand, gather_in, 0), nbytes / group[kept_in]),
-      (_ALL_TO_ALL, jnp.where(operand, moved_in, 0), nbytes / group[stored_all]),
-      (_REDUCE_SCATTER, jnp.where(operand, 0, result_scatter), partial),
-      (_ALL_REDUCE, jnp.where(operand, 0, result_all_reduce), partial / group[result_scatter]),
-      (_ALL_GATHER, jnp.where(operand, 0, gather_out), nbytes / group[stored_all]),
-      (_ALL_TO_ALL, jnp.where(operand, 0, moved_out), nbytes / group[stored_all]),
+      (_ALL_GATHER, jnp.where(operand, gather_in, 0), stored_all & ~gather_in),
+      (_ALL_TO_ALL, jnp.where(operand, misplaced & required_all, 0), stored_all),
+      (_REDUCE_SCATTER, jnp.where(operand, 0, result_scatter), required_all),
+      (_ALL_REDUCE, jnp.where(operand, 0, reduced & ~stored_all), required_all | result_scatter),
+      (_ALL_GATHER, jnp.where(operand, 0, required_all & ~stored_all), stored_all),
+      (_ALL_TO_ALL, jnp.where(operand, 0, placed_out & stored_all & ~reduced), stored_all),
   )
-  comm_bytes = jnp.zeros(len(KINDS))
-  comm_count = jnp.zeros(len(KINDS))
+  nbytes = t.value_bytes[t.edge_value][:, None]
+  edge_weight = t.edge_weight[:, None]
+  terms = _collective_terms(t)
   comm_time = 0.0
-  for kind, axes, size in collectives:
-    n = group[axes]
-    active = axes != 0
-    weight = jnp.where(active, t.edge_weight, 0.0)
-    steps = 2.0 * (n - 1) if kind == _ALL_REDUCE else n - 1
-    seconds = steps / n * size / jnp.asarray(t.mask_bandwidth)[axes] + steps * jnp.asarray(t.mask_latency)[axes]
-    comm_time = comm_time + jnp.sum(weight * seconds)
-    comm_bytes = comm_bytes.at[kind].add(jnp.sum(weight * size))
-    comm_count = comm_count.at[kind].add(jnp.sum(weight))
+  comm_bytes = [0.0] * len(KINDS)
+  comm_count = [0.0] * len(KINDS)
+  for kind, axes, divisor in collectives:
+    # Seconds per byte, seconds, and the bytes fraction of this kind over these axes.
+    per_byte, fixed, fraction = jnp.moveaxis(terms[int(kind == _ALL_REDUCE), axes, divisor], -1, 0)
+    weight = jnp.where(axes != 0, edge_weight, 0.0)
+    comm_time = comm_time + jnp.sum(weight * (nbytes * per_byte + fixed), axis=0)
+    comm_bytes[kind] = comm_bytes[kind] + jnp.sum(weight * nbytes * fraction, axis=0)
+    comm_count[kind] = comm_count[kind] + jnp.sum(weight, axis=0)
 
-  peak = jnp.max(jnp.asarray(t.live_bytes) @ (1.0 / value_shards))
+  peak = jnp.max(t.live_bytes @ (1.0 / value_shards), axis=0)
   return Cost(
       step_time=compute + comm_time,
       compute_time=compute,
       comm_time=comm_time,
       peak_memory=peak,
       fits=peak <= t.hbm_bytes,
-      comm_bytes=comm_bytes,
-      comm_count=comm_count,
+      comm_bytes=jnp.stack(comm_bytes, axis=-1),
+      comm_count=jnp.stack(comm_count, axis=-1),
   )
+
+
+_simulate_one_or_many = batching.batch_last(_simulate)
+
+
+def simulate(tables: CostTables, resolution: Resolution) -> Cost:
+  """Costs one resolved plan. Vmap over resolutions for a batch of plans: the batch then
+  runs in one batch-last call (see `automap_rl.batching`)."""
+  return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
+import chex
 import numpy as np
 
 from automap_rl.ir import FactorKind, Op, Program
@@ -36,7 +36,7 @@ def _conv_out_feature_dim(op: Op, program: Program) -> int:
   return 0
 
 
-@dataclasses.dataclass(frozen=True)
+@chex.dataclass(frozen=True)
 class CostTables:
   """Everything the simulator needs besides the resolution, as arrays.
 
@@ -60,8 +60,9 @@ class CostTables:
       that is never sharded), int32 [E, Rv, F] with F the most factors of one dim.
     edge_weight: how many times the edge's collectives run per step, [E].
     live_bytes: global bytes of each value signature live at each probe point, [T, Uv].
-    mask_group, mask_bandwidth, mask_latency: per axis bit mask (2**num_axes), the group
-      size, the bottleneck bandwidth and the largest latency of a collective over those axes.
+    mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
+      group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency
+      of a collective over those axes.
     hbm_bytes: memory per device.
   """
 
@@ -80,7 +81,7 @@ class CostTables:
   edge_weight: np.ndarray
   live_bytes: np.ndarray
   mask_group: np.ndarray
-  mask_bandwidth: np.ndarray
+  mask_seconds_per_byte: np.ndarray
   mask_latency: np.ndarray
   hbm_bytes: float
 
@@ -88,7 +89,7 @@ class CostTables:
 def _mask_tables(mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   num = 1 << len(mesh.axis_sizes)
   group = np.ones(num, np.float32)
-  bandwidth = np.full(num, np.inf, np.float32)
+  bandwidth = np.full(num, np.inf, np.float64)
   latency = np.zeros(num, np.float32)
   for mask in range(num):
     for axis, (size, link) in enumerate(zip(mesh.axis_sizes, mesh.links)):
@@ -96,7 +97,7 @@ def _mask_tables(mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         group[mask] *= size
         bandwidth[mask] = min(bandwidth[mask], link.bandwidth)
         latency[mask] = max(latency[mask], link.latency)
-  return group, bandwidth, latency
+  return group, (1.0 / bandwidth).astype(np.float32), latency
 
 
 def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray:
@@ -189,7 +190,7 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
     if source >= 0:
       reduction_source[sig] = source
   edge_op = np.array(edge_op, np.int32)
-  group, bandwidth, latency = _mask_tables(mesh)
+  group, seconds_per_byte, latency = _mask_tables(mesh)
   return CostTables(
       value_bytes=np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32),
       value_compute_s=value_compute.astype(np.float32),
@@ -206,7 +207,7 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
       edge_weight=weight[edge_op].astype(np.float32),
       live_bytes=_live_bytes(program, sigs),
       mask_group=group,
-      mask_bandwidth=bandwidth,
+      mask_seconds_per_byte=seconds_per_byte,
       mask_latency=latency,
       hbm_bytes=float(hw.hbm_bytes),
   )

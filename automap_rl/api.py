@@ -1,0 +1,343 @@
+"""`partition(fn, *args, mesh=..., agent=...) -> Plan`: a sharding plan found by search.
+
+```python
+import automap_rl
+
+plan = automap_rl.partition(step, params, opt_state, batch, mesh="data=2,model=4", hardware="h100",
+                            agent="mcts", budget=2000, seed=0,
+                            arg_names=("params", "opt_state", "batch"),
+                            arg_roles=("parameter", "optimizer_state", "input"))
+print(plan.report())          # decisions, per-argument shardings, cost beside every expert tactic
+print(plan.diagram())         # how the largest arguments are split over the devices
+plan.plot("plan.png")         # the same as a picture
+jitted = plan.jit()           # jax.jit(step) with the plan's in/out shardings and constraints
+plan.in_shardings             # NamedShardings, pytrees like (params, opt_state, batch)
+```
+
+The formatting helpers (`cost_dict`, `format_costs`, `format_arguments`, `baselines`) live
+here so that the library and the `automap-rl partition` command share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from automap_rl import ir, tactics
+from automap_rl.mesh import Mesh, make_mesh, to_jax_mesh
+from automap_rl.problem import Problem
+from automap_rl.sharding import Decision
+from automap_rl.simulator import KINDS, Cost
+
+__all__ = ["Plan", "baselines", "cost_dict", "format_arguments", "format_costs", "partition"]
+
+
+def cost_dict(cost: Cost) -> dict[str, Any]:
+  """The JSON figures of a cost."""
+  return {
+      "step_time_s": float(cost.step_time),
+      "peak_memory_bytes": float(cost.peak_memory),
+      "fits": bool(cost.fits),
+      "comm_bytes": {k: float(b) for k, b in zip(KINDS, np.asarray(cost.comm_bytes))},
+      "comm_count": {k: int(round(float(c))) for k, c in zip(KINDS, np.asarray(cost.comm_count))},
+  }
+
+
+def format_costs(rows: dict[str, dict[str, Any]]) -> str:
+  """A table of plans: step time, memory and collectives."""
+  lines = [f"{'plan':<16} {'step ms':>9} {'mem/dev MiB':>12} {'fits':>5}  " + "  ".join(f"{k:>16}" for k in KINDS)]
+  for name, r in rows.items():
+    comm = "  ".join(f"{r['comm_count'][k]:>5}x{r['comm_bytes'][k] / 2**20:>8.1f}MiB" for k in KINDS)
+    lines.append(f"{name:<16} {r['step_time_s'] * 1e3:>9.3f} {r['peak_memory_bytes'] / 2**20:>12.1f} "
+                 f"{'yes' if r['fits'] else 'NO':>5}  {comm}")
+  return "\n".join(lines)
+
+
+def format_arguments(problem: Problem, decisions, max_args: int) -> str:
+  """Per-argument shardings, parameters and inputs first."""
+  program = problem.program
+  specs = problem.partition_specs(decisions, program.inputs)
+  rows = [(program.values[v], s) for v, s in zip(program.inputs, specs) if not program.values[v].path.startswith("opt_state")]
+  lines = [f"{'argument':<48} {'shape':<20} sharding"]
+  for value, spec in rows[:max_args]:
+    lines.append(f"{value.path:<48} {str(list(value.shape)):<20} {tuple(spec)}")
+  if len(rows) > max_args:
+    lines.append(f"... {len(rows) - max_args} more arguments (optimizer state follows its parameter)")
+  return "\n".join(lines)
+
+
+def baselines(problem: Problem) -> dict[str, dict[str, Any]]:
+  """The cost figures of every applicable expert tactic."""
+  return {name: cost_dict(problem.cost(plan)) for name, plan in tactics.applicable(problem).items()}
+
+
+def shard_blocks(shape: Sequence[int], spec: PartitionSpec, axis_names: Sequence[str],
+                 axis_sizes: Sequence[int]) -> tuple[tuple[int, ...], dict[tuple[int, ...], list[int]]]:
+  """How an array of `shape` with `spec` is split over a row-major mesh.
+
+  Returns:
+    The number of blocks per dimension, and for each block index the devices (row-major
+    mesh ids) that hold it (several when it is replicated over some axes).
+  """
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  per_dim = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
+  size = dict(zip(axis_names, axis_sizes))
+  counts = tuple(math.prod(size[a] for a in axes) for axes in per_dim)
+  holders: dict[tuple[int, ...], list[int]] = {}
+  for device, coord in enumerate(np.ndindex(*axis_sizes)):
+    at = dict(zip(axis_names, coord))
+    block = []
+    for axes in per_dim:
+      index = 0
+      for a in axes:
+        index = index * size[a] + at[a]
+      block.append(index)
+    holders.setdefault(tuple(block), []).append(device)
+  return counts, holders
+
+
+def _view_dims(counts: Sequence[int], shape: Sequence[int]) -> tuple[int | None, int | None]:
+  """The (row, column) dims to draw: the sharded ones first, then the largest, in order."""
+  order = sorted(range(len(shape)), key=lambda d: (counts[d] == 1, -shape[d]))
+  chosen = sorted(order[:2])
+  if not chosen:
+    return None, None
+  return (None, chosen[0]) if len(chosen) == 1 else (chosen[0], chosen[1])
+
+
+@dataclasses.dataclass(eq=False)
+class Plan:
+  """A sharding plan for `fn(*args)` on a mesh.
+
+  Attributes:
+    fn: the function partitioned.
+    args: its example arguments (arrays or `jax.ShapeDtypeStruct`s).
+    problem: the traced program on its mesh.
+    decisions: the plan, in order (earlier decisions win).
+    agent: how it was found (an agent name or a tactic name).
+    search: the search's result (trace, simulations, seconds), or None for a tactic.
+    in_specs, out_specs: `PartitionSpec`s as pytrees like `args` and like the outputs.
+  """
+
+  fn: Callable[..., Any]
+  args: tuple[Any, ...]
+  problem: Problem
+  decisions: list[Decision]
+  agent: str = "tactic"
+  search: Any = None
+  in_specs: Any = None
+  out_specs: Any = None
+
+  def __post_init__(self):
+    program = self.problem.program
+    specs = self.problem.partition_specs(self.decisions, [*program.inputs, *program.outputs])
+    arg_tree = jax.tree_util.tree_structure(tuple(self.args))
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *self.args))
+    n = len(program.inputs)
+    self.in_specs = jax.tree_util.tree_unflatten(arg_tree, specs[:n])
+    self.out_specs = jax.tree_util.tree_unflatten(out_tree, specs[n:])
+
+  @property
+  def mesh(self) -> Mesh:
+    return self.problem.mesh
+
+  @functools.cached_property
+  def jax_mesh(self) -> jax.sharding.Mesh:
+    """The real mesh (needs `mesh.num_devices` devices; on CPU set
+    `XLA_FLAGS=--xla_force_host_platform_device_count=N` before importing jax)."""
+    return to_jax_mesh(self.mesh)
+
+  def _named(self, specs):
+    return jax.tree.map(lambda s: NamedSharding(self.jax_mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+  @property
+  def in_shardings(self):
+    """`NamedSharding`s of the arguments, as pytrees like `args`."""
+    return self._named(self.in_specs)
+
+  @property
+  def out_shardings(self):
+    """`NamedSharding`s of the outputs, as a pytree like `fn`'s result."""
+    return self._named(self.out_specs)
+
+  @functools.cached_property
+  def cost(self) -> Cost:
+    return self.problem.cost(self.decisions)
+
+  def lower(self, donate_argnums: Sequence[int] = ()):
+    """Compiles the plan (`automap_rl.xla.lower.lower`): a `Lowered` with the jitted
+    function, the compiled executable and its collectives."""
+    from automap_rl.xla.lower import lower  # Lazily: lowering pulls in the HLO tools.
+
+    return lower(self.problem, self.decisions, self.fn, self.args, jax_mesh=self.jax_mesh,
+                 donate_argnums=tuple(donate_argnums))
+
+  def jit(self, donate_argnums: Sequence[int] = ()):
+    """`jax.jit(fn)` with the plan's in/out shardings and sharding constraints on the
+    intermediates, on the real mesh. Call it on arrays placed with `in_shardings` (or let
+    jit move them)."""
+    return self.lower(donate_argnums).jitted
+
+  def check_numerics(self, args: Sequence[Any] | None = None):
+    """Compiles the plan, runs it on concrete `args` (default: the example arguments)
+    and checks its outputs against the unpartitioned function; raises
+    `automap_rl.xla.lower.NumericsError` on a mismatch. Returns the `Lowered`."""
+    from automap_rl.xla.lower import check_numerics
+
+    args = self.args if args is None else tuple(args)
+    lowered = self.lower()
+    check_numerics(self.fn, args, lowered)
+    return lowered
+
+  def costs(self) -> dict[str, dict[str, Any]]:
+    """JSON figures of this plan and of every applicable expert tactic."""
+    return {self.agent: cost_dict(self.cost), **baselines(self.problem)}
+
+  def report(self, max_args: int = 12) -> str:
+    """Decisions, per-argument shardings and the cost beside every expert tactic."""
+    lines = [f"plan by {self.agent} on mesh {self._mesh_name()} ({self.mesh.hardware.name})"]
+    if self.search is not None:
+      s = self.search
+      lines[0] += f": {s.simulations} simulations in {s.seconds:.1f}s ({s.setup_seconds:.1f}s setup)"
+      names = s.actions
+    else:
+      names = [str(d) for d in self.decisions]
+    lines.append(f"{len(self.decisions)} decisions" + (":" if names else " (replicated)"))
+    lines += [f"  {i + 1}. {n}" for i, n in enumerate(names)]
+    lines += ["", format_arguments(self.problem, self.decisions, max_args), ""]
+    costs = self.costs()
+    lines.append(format_costs(costs))
+    experts = {k: v["step_time_s"] for k, v in costs.items() if k != self.agent}
+    if experts:
+      best = min(experts, key=experts.get)
+      lines.append(f"\n{self.agent} step time / best expert ({best}): "
+                   f"{costs[self.agent]['step_time_s'] / experts[best]:.3f}")
+    return "\n".join(lines)
+
+  def _mesh_name(self) -> str:
+    return ",".join(f"{n}={s}" for n, s in zip(self.mesh.axis_names, self.mesh.axis_sizes))
+
+  def main_arguments(self, count: int = 4) -> list[tuple[str, tuple[int, ...], PartitionSpec]]:
+    """The `count` largest arguments (optimizer state left out: it follows its parameter)
+    as (path, shape, spec)."""
+    program = self.problem.program
+    specs = self.problem.partition_specs(self.decisions, program.inputs)
+    rows = [(program.values[v], s) for v, s in zip(program.inputs, specs)
+            if not program.values[v].path.startswith("opt_state") and program.values[v].shape]
+    rows.sort(key=lambda r: -math.prod(r[0].shape) * r[0].itemsize)
+    return [(v.path, tuple(v.shape), s) for v, s in rows[:count]]
+
+  def diagram(self, count: int = 3, max_cells: int = 8) -> str:
+    """A text picture of how the largest arguments are split: a grid of blocks (two dims
+    drawn, the sharded ones first), each cell listing the devices that hold it."""
+    out = []
+    for path, shape, spec in self.main_arguments(count):
+      counts, holders = shard_blocks(shape, spec, self.mesh.axis_names, self.mesh.axis_sizes)
+      row_dim, col_dim = _view_dims(counts, shape)
+      rows = 1 if row_dim is None else counts[row_dim]
+      cols = counts[col_dim]
+      label = lambda r, c: ",".join(map(str, _devices_at(holders, row_dim, col_dim, r, c)))
+      width = max(len(label(r, c)) for r in range(min(rows, max_cells)) for c in range(min(cols, max_cells)))
+      drawn = [f"dim {d} ({shape[d]}) in {counts[d]}" for d in (row_dim, col_dim) if d is not None]
+      out.append(f"{path} {list(shape)} {tuple(spec)}: rows {drawn[0] if row_dim is not None else '-'}, "
+                 f"columns {drawn[-1]}; cells list the devices holding each block")
+      sep = "+" + "+".join("-" * (width + 2) for _ in range(min(cols, max_cells))) + "+"
+      out.append(sep)
+      for r in range(min(rows, max_cells)):
+        out.append("|" + "|".join(f" {label(r, c):^{width}} " for c in range(min(cols, max_cells))) + "|"
+                   + (" ..." if cols > max_cells else ""))
+        out.append(sep)
+      if rows > max_cells:
+        out.append("  ...")
+      out.append("")
+    return "\n".join(out)
+
+  def plot(self, path: str, count: int = 4) -> str:
+    """Draws the largest arguments as grids of shards colored by device (matplotlib, Agg);
+    returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args = self.main_arguments(count)
+    fig, axes = plt.subplots(1, max(len(args), 1), figsize=(4.2 * max(len(args), 1), 4.2), squeeze=False)
+    cmap = plt.get_cmap("tab10" if self.mesh.num_devices <= 10 else "tab20")
+    for ax, (name, shape, spec) in zip(axes[0], args):
+      counts, holders = shard_blocks(shape, spec, self.mesh.axis_names, self.mesh.axis_sizes)
+      row_dim, col_dim = _view_dims(counts, shape)
+      rows = 1 if row_dim is None else counts[row_dim]
+      cols = counts[col_dim]
+      for r in range(rows):
+        for c in range(cols):
+          devices = _devices_at(holders, row_dim, col_dim, r, c)
+          ax.add_patch(plt.Rectangle((c / cols, 1 - (r + 1) / rows), 1 / cols, 1 / rows,
+                                     facecolor=cmap(devices[0] % cmap.N), edgecolor="black", linewidth=1.0))
+          if rows * cols <= 64:
+            ax.text((c + 0.5) / cols, 1 - (r + 0.5) / rows, "\n".join(map(str, devices)), ha="center",
+                    va="center", fontsize=8 if len(devices) < 4 else 6)
+      ax.set_xlim(0, 1)
+      ax.set_ylim(0, 1)
+      ax.set_xticks([])
+      ax.set_yticks([])
+      ax.set_xlabel(f"dim {col_dim} ({shape[col_dim]}) / {cols}")
+      ax.set_ylabel("-" if row_dim is None else f"dim {row_dim} ({shape[row_dim]}) / {rows}")
+      ax.set_title(f"{name}\n{list(shape)} {tuple(spec)}", fontsize=8)
+    fig.suptitle(f"plan by {self.agent} on {self._mesh_name()}: blocks colored by their first device, "
+                 f"labelled with every device holding them", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _devices_at(holders, row_dim, col_dim, r: int, c: int) -> list[int]:
+  """Devices holding any block whose drawn indices are (r, c) (undrawn dims merged)."""
+  out = set()
+  for block, devices in holders.items():
+    if block[col_dim] == c and (row_dim is None or block[row_dim] == r):
+      out.update(devices)
+  return sorted(out)
+
+
+def partition(fn: Callable[..., Any], *args: Any, mesh: str | Mesh = "data=2,model=4", hardware: str = "h100",
+              agent: str = "mcts", budget: Any = 2000, seed: int = 0, arg_names: Sequence[str] | None = None,
+              arg_roles: Sequence[str] | None = None, config: Any = None,
+              progress: Callable[[int, float], None] | None = None) -> Plan:
+  """Finds a sharding plan for `fn(*args)` on `mesh` by search.
+
+  Args:
+    fn: the function, typically a whole training step.
+    *args: example arguments: arrays or `jax.ShapeDtypeStruct`s (nothing is run while
+      searching; `Plan.check_numerics` needs arrays).
+    mesh: a mesh spec (`data=2,model=4`) or an `automap_rl.mesh.Mesh`.
+    hardware: the hardware profile of a mesh spec (`h100`, `a100`, ...).
+    agent: `mcts`, `greedy`, `random`, or an expert tactic name (`data_megatron`, ...).
+    budget: simulator evaluations (int), seconds (float) or an `agents.Budget`.
+    seed: the search seed; the same seed and a simulations budget give the same plan.
+    arg_names, arg_roles: a name and a role (`parameter`, `optimizer_state`, `input`)
+      per positional argument, for paths in reports and for the expert tactics
+      (data parallel shards `input` arguments, Megatron and FSDP `parameter`s).
+    config: the agent's config dataclass (default: its defaults).
+    progress: called as `progress(simulations, best_step_time_s)` during the search.
+
+  Returns:
+    The plan.
+  """
+  import agents  # Lazily: agents import the environments, which import this package.
+
+  program = ir.trace(fn, *args, arg_names=arg_names, arg_roles=arg_roles)
+  the_mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh, hardware)
+  problem = Problem.build(program, the_mesh)
+  if agent in tactics.TACTICS:
+    return Plan(fn, tuple(args), problem, tactics.TACTICS[agent](problem), agent=agent)
+  result = agents.run_agent(agent, problem, seed=seed, budget=budget, config=config, progress=progress)
+  return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result)
