@@ -10,9 +10,15 @@ $(BIN)/automap-rl: setup.py
 	$(BIN)/pip install --quiet --pre -e ".[dev]"
 	touch $@
 
+# MCTS partitions an 8-layer GPT for a 2x4 H100 mesh, compares the plan with data parallel,
+# Megatron and FSDP, then lowers it on 8 virtual CPU devices and checks its numerics on a
+# smaller real-array copy of the model (the full one is too slow to run on 2 CPU cores).
 demo: $(BIN)/automap-rl
 	$(BIN)/automap-rl inspect gpt --rows 12
-	$(BIN)/automap-rl partition gpt:layers=8,d_model=1024 --mesh data=2,model=4 --hardware h100
+	mkdir -p runs
+	time -p $(BIN)/automap-rl partition gpt:layers=8,d_model=1024 --mesh data=2,model=4 --hardware h100 \
+	  --agent mcts --budget 2000 --seed 0 --plot runs/demo_plan.png --json runs/demo_plan.json \
+	  --check-numerics --check-model gpt:layers=2,d_model=128,heads=4,seq=32,vocab=256,batch=8
 
 test: $(BIN)/automap-rl
 	$(BIN)/python -m pytest -q -n 2 tests

@@ -33,10 +33,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from automap_rl import ir, tactics
 from automap_rl.mesh import Mesh, make_mesh, to_jax_mesh
 from automap_rl.problem import Problem
-from automap_rl.sharding import Decision
+from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, Cost
 
-__all__ = ["Plan", "baselines", "cost_dict", "format_arguments", "format_costs", "partition"]
+__all__ = ["Plan", "baselines", "cost_dict", "format_arguments", "format_costs", "partition", "transfer_decisions"]
 
 
 def cost_dict(cost: Cost) -> dict[str, Any]:
@@ -297,6 +297,42 @@ class Plan:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _structural_keys(problem: Problem, members_of: Sequence[Sequence[int]]) -> list[tuple[str, int]]:
+  """(first example of the first class, occurrence) per group (or class): a name that
+  survives changing a model's sizes and depth."""
+  keys, seen = [], {}
+  for members in members_of:
+    examples = problem.named.classes[members[0]].examples
+    name = examples[0] if examples else ""
+    keys.append((name, seen.get(name, 0)))
+    seen[name] = seen.get(name, 0) + 1
+  return keys
+
+
+def transfer_decisions(decisions: Sequence[Decision], source: Problem, target: Problem) -> list[Decision]:
+  """Maps a plan for `source` onto `target`, a smaller or larger copy of the same model
+  (`gpt:layers=8,d_model=1024` -> `gpt:layers=2,d_model=128`): groups and named
+  dimensions by their first example's name, argument dims by path. Decisions with no
+  counterpart (an argument of a layer the copy lacks) are dropped."""
+  group_key = _structural_keys(source, source.named.groups)
+  group_at = {k: g for g, k in enumerate(_structural_keys(target, target.named.groups))}
+  class_key = _structural_keys(source, [(c.id,) for c in source.named.classes])
+  class_at = {k: c for c, k in enumerate(_structural_keys(target, [(c.id,) for c in target.named.classes]))}
+  paths = {target.program.values[v].path for v in target.program.inputs}
+  out = []
+  for d in decisions:
+    t = d.target
+    if isinstance(t, Group):
+      g = group_at.get(group_key[t.id])
+      out += [] if g is None else [Decision(Group(g), d.axis)]
+    elif isinstance(t, ArgDim):
+      out += [d] if t.path in paths else []
+    else:
+      c = class_at.get(class_key[int(t)])
+      out += [] if c is None else [Decision(c, d.axis)]
+  return out
 
 
 def _devices_at(holders, row_dim, col_dim, r: int, c: int) -> list[int]:

@@ -94,9 +94,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
   return result
 
 
-def register(subparsers) -> None:
-  parser = subparsers.add_parser("bench", help="throughput of the simulator or the environment")
-  parser.add_argument("target", choices=("simulator", "env"))
+def _throughput_flags(parser) -> None:
   parser.add_argument("--model", default="gpt:layers=12")
   parser.add_argument("--mesh", default="data=2,model=4")
   parser.add_argument("--hardware", default="h100")
@@ -107,3 +105,15 @@ def register(subparsers) -> None:
   parser.set_defaults(command=lambda a: run(BenchConfig(
       target=a.target, model=a.model, mesh=a.mesh, hardware=a.hardware, batch=a.batch,
       seconds=a.seconds, seed=a.seed, json_path=a.json_path)))
+
+
+def register(subparsers) -> None:
+  from experiments import bench_search
+
+  parser = subparsers.add_parser("bench", help="benchmarks: simulator and env throughput, search quality")
+  targets = parser.add_subparsers(dest="target", required=True)
+  _throughput_flags(targets.add_parser("simulator", help="cost evaluations per second"))
+  _throughput_flags(targets.add_parser("env", help="environment steps per second"))
+  search = targets.add_parser("search", help="search agents against the best expert tactic on the zoo")
+  bench_search.add_arguments(search)
+  search.set_defaults(command=lambda a: bench_search.run(bench_search.config_from_args(a)))

@@ -1,19 +1,42 @@
-"""`automap-rl partition MODEL --mesh ... --hardware ... --tactic NAME`: a plan and its cost
-beside every expert tactic."""
+"""`automap-rl partition MODEL --mesh ... --hardware ... [--agent mcts --budget N --seed S | --tactic NAME]`:
+a plan (found by a search agent or written by an expert tactic) and its cost beside every
+expert tactic.
+
+MODEL is a zoo spec (`gpt:layers=8,d_model=1024`) or a user function `package.module:function`
+(the part before the colon is not a zoo model name). The user function takes no arguments
+and returns one of:
+
+- `(fn, args)`: the function to partition and a tuple of its example positional arguments
+  (arrays or `jax.ShapeDtypeStruct`s, any pytrees); arguments are named `arg0, arg1, ...`
+  and all have the role `input`;
+- `(fn, args, arg_names, arg_roles)`: the same with a name and a role (`parameter`,
+  `optimizer_state`, `input`) per positional argument: the expert tactics need roles
+  (data parallel shards `input`s, Megatron and FSDP `parameter`s);
+- an `automap_rl.models.Workload`.
+
+The module must be importable (on `PYTHONPATH`, or in the current directory).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import os
+import sys
+import time
 from typing import Any
 
-import numpy as np
+import jax
+from tqdm import tqdm
 
-from automap_rl import models, tactics
+from automap_rl import ir, models, tactics
+from automap_rl.api import Plan, baselines, cost_dict, format_arguments, format_costs  # noqa: F401 (re-exported)
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
-from automap_rl.simulator import KINDS, Cost
 from experiments.inspect_cmd import trace_workload
+
+AGENT_CHOICES = ("tactic", "random", "greedy", "mcts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,12 +44,21 @@ class PartitionConfig:
   """What to partition and how.
 
   Attributes:
-    model: zoo spec.
+    model: zoo spec or `package.module:function` (see the module docstring).
     mesh: mesh spec, e.g. `data=2,model=4`.
     hardware: hardware profile name.
-    tactic: the expert tactic that makes the plan.
+    tactic: the expert tactic that makes the plan when `agent` is `tactic`.
     json_path: where to write the figures, or None.
     max_args: how many argument shardings to print.
+    agent: `tactic` (the expert tactic `tactic`), or a search agent: `random`, `greedy`, `mcts`.
+    budget: the search budget: simulator evaluations (`2000`) or seconds (`30s`).
+    seed: the search seed.
+    plot_path: where to draw the largest arguments' shards (PNG), or None.
+    progress: show a progress bar while searching.
+    check_numerics: lower the plan on the local devices (8 virtual CPU devices) and
+      check its numbers against the unpartitioned step.
+    check_model: the zoo spec to lower and check instead of `model` (a smaller copy of
+      it with real arrays; the plan is mapped onto it by `api.transfer_decisions`).
   """
 
   model: str = "gpt"
@@ -35,60 +67,135 @@ class PartitionConfig:
   tactic: str = "data_megatron"
   json_path: str | None = None
   max_args: int = 12
+  agent: str = "tactic"
+  budget: str = "2000"
+  seed: int = 0
+  plot_path: str | None = None
+  progress: bool = True
+  check_numerics: bool = False
+  check_model: str | None = None
 
 
-def cost_dict(cost: Cost) -> dict[str, Any]:
-  """The JSON figures of a cost."""
-  return {
-      "step_time_s": float(cost.step_time),
-      "peak_memory_bytes": float(cost.peak_memory),
-      "fits": bool(cost.fits),
-      "comm_bytes": {k: float(b) for k, b in zip(KINDS, np.asarray(cost.comm_bytes))},
-      "comm_count": {k: int(round(float(c))) for k, c in zip(KINDS, np.asarray(cost.comm_count))},
-  }
+def is_user_function(model: str) -> bool:
+  """Whether MODEL names `package.module:function` rather than a zoo spec."""
+  head, sep, _ = model.partition(":")
+  return bool(sep) and head.strip() not in models.MODEL_NAMES and "=" not in head
 
 
-def format_costs(rows: dict[str, dict[str, Any]]) -> str:
-  """A table of plans: step time, memory and collectives."""
-  lines = [f"{'plan':<16} {'step ms':>9} {'mem/dev MiB':>12} {'fits':>5}  " + "  ".join(f"{k:>16}" for k in KINDS)]
-  for name, r in rows.items():
-    comm = "  ".join(f"{r['comm_count'][k]:>5}x{r['comm_bytes'][k] / 2**20:>8.1f}MiB" for k in KINDS)
-    lines.append(f"{name:<16} {r['step_time_s'] * 1e3:>9.3f} {r['peak_memory_bytes'] / 2**20:>12.1f} "
-                 f"{'yes' if r['fits'] else 'NO':>5}  {comm}")
-  return "\n".join(lines)
+def load_user_function(target: str) -> tuple[str, Any, tuple, tuple[str, ...] | None, tuple[str, ...] | None]:
+  """Imports `package.module:function`, calls it, and returns (name, fn, args, names, roles)."""
+  module_name, _, attr = target.partition(":")
+  if os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  factory = getattr(importlib.import_module(module_name), attr)
+  made = factory()
+  if isinstance(made, models.Workload):
+    return made.name, made.step, made.args, made.arg_names, made.arg_roles
+  if isinstance(made, tuple) and len(made) in (2, 4):
+    fn, args = made[0], tuple(made[1])
+    names, roles = (made[2], made[3]) if len(made) == 4 else (None, None)
+    return target, fn, args, names, roles
+  raise TypeError(f"{target} returned {type(made).__name__}; expected (fn, args), "
+                  "(fn, args, arg_names, arg_roles) or a Workload.")
 
 
-def format_arguments(problem: Problem, decisions, max_args: int) -> str:
-  """Per-argument shardings, parameters and inputs first."""
-  program = problem.program
-  specs = problem.partition_specs(decisions, program.inputs)
-  rows = [(program.values[v], s) for v, s in zip(program.inputs, specs) if not program.values[v].path.startswith("opt_state")]
-  lines = [f"{'argument':<48} {'shape':<20} sharding"]
-  for value, spec in rows[:max_args]:
-    lines.append(f"{value.path:<48} {str(list(value.shape)):<20} {tuple(spec)}")
-  if len(rows) > max_args:
-    lines.append(f"... {len(rows) - max_args} more arguments (optimizer state follows its parameter)")
-  return "\n".join(lines)
+def load(model: str) -> tuple[str, Any, tuple, ir.Program]:
+  """(name, fn, example args, traced program) of a zoo spec or a user function."""
+  if is_user_function(model):
+    name, fn, args, names, roles = load_user_function(model)
+    return name, fn, args, ir.trace(fn, *args, arg_names=names, arg_roles=roles)
+  workload = models.make_workload(model, abstract=True)
+  return workload.name, workload.step, workload.args, trace_workload(workload)
 
 
-def baselines(problem: Problem) -> dict[str, dict[str, Any]]:
-  """The cost figures of every applicable expert tactic."""
-  return {name: cost_dict(problem.cost(plan)) for name, plan in tactics.applicable(problem).items()}
+def search(problem: Problem, config: PartitionConfig):
+  """Runs the configured search agent with a progress bar; returns its `SearchResult`."""
+  import agents
+
+  budget = agents.Budget.of(config.budget)
+  bar = tqdm(total=budget.simulations, desc=f"{config.agent} search", unit="sim", disable=not config.progress,
+             dynamic_ncols=True)
+
+  def progress(simulations: int, best_step_time: float) -> None:
+    bar.update(simulations - bar.n)
+    bar.set_postfix_str(f"best {best_step_time * 1e3:.3f} ms", refresh=False)
+
+  try:
+    return agents.run_agent(config.agent, problem, seed=config.seed, budget=budget, progress=progress)
+  finally:
+    bar.close()
+
+
+def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, args) -> dict[str, Any]:
+  """Compiles the plan on the local devices and checks numerics (see `check_model`)."""
+  from automap_rl import api
+  from automap_rl.xla import hlo
+  from automap_rl.xla.lower import check_numerics, lower
+
+  start = time.perf_counter()
+  spec = config.check_model or config.model
+  if is_user_function(spec):
+    name, fn, args, names, roles = load_user_function(spec)
+    target = problem if spec == config.model else Problem.build(ir.trace(fn, *args, arg_names=names, arg_roles=roles),
+                                                               problem.mesh)
+  else:
+    workload = models.make_workload(spec)  # Real arrays.
+    name, fn, args = workload.name, workload.step, workload.args
+    target = Problem.build(trace_workload(workload), problem.mesh)
+  moved = decisions if target is problem else api.transfer_decisions(decisions, problem, target)
+  if spec != config.model:
+    print(f"\nlowering on {spec} with real arrays (a smaller copy: the full model is too slow to compile and run "
+          f"on this machine's CPU cores); {len(moved)} of {len(decisions)} decisions carried over")
+  lowered = lower(target, moved, fn, args)
+  check_numerics(fn, args, lowered)
+  summary = hlo.summarize(lowered.stats.collectives)
+  seconds = time.perf_counter() - start
+  print(f"lowered on {len(jax.devices())} {jax.devices()[0].platform.upper()} devices: "
+        + (", ".join(f"{k} {n}x" for k, (n, _) in summary.items()) or "no collectives")
+        + f"; numerics match the unpartitioned step ({seconds:.1f}s)")
+  return {"model": name, "decisions": [str(d) for d in moved], "ok": True, "seconds": seconds,
+          "collectives": {k: int(n) for k, (n, _) in summary.items()}}
 
 
 def run(config: PartitionConfig) -> dict[str, Any]:
-  if config.tactic not in tactics.TACTICS:
+  if config.agent not in AGENT_CHOICES:
+    raise ValueError(f"Unknown agent {config.agent!r}; valid: {', '.join(AGENT_CHOICES)}.")
+  if config.agent == "tactic" and config.tactic not in tactics.TACTICS:
     raise ValueError(f"Unknown tactic {config.tactic!r}; valid: {', '.join(tactics.TACTICS)}.")
-  workload = models.make_workload(config.model, abstract=True)
-  problem = Problem.build(trace_workload(workload), make_mesh(config.mesh, config.hardware))
-  decisions = tactics.TACTICS[config.tactic](problem)
-  result = cost_dict(problem.cost(decisions))
+  name, fn, args, program = load(config.model)
+  problem = Problem.build(program, make_mesh(config.mesh, config.hardware))
+  start = time.perf_counter()
+  if config.agent == "tactic":
+    decisions, found, label = tactics.TACTICS[config.tactic](problem), None, config.tactic
+  else:
+    found = search(problem, config)
+    decisions, label = found.decisions, config.agent
+  search_seconds = time.perf_counter() - start
+  plan = Plan(fn, tuple(args), problem, decisions, agent=label, search=found)
+  result = cost_dict(plan.cost)
   result["decisions"] = [str(d) for d in decisions]
   result["baselines"] = baselines(problem)
-  print(f"{workload.name} on {config.mesh} ({config.hardware}), tactic {config.tactic}: {len(decisions)} decisions")
-  print(format_arguments(problem, decisions, config.max_args))
-  print()
-  print(format_costs({config.tactic: result, **result["baselines"]}))
+  result["agent"] = config.agent
+  result["search_seconds"] = search_seconds
+  result["trace"] = [] if found is None else found.trace_dicts()
+  if found is not None:
+    result.update(actions=found.actions, simulations=found.simulations, seed=config.seed, budget=config.budget,
+                  setup_seconds=found.setup_seconds)
+  print(f"{name} on {config.mesh} ({config.hardware}), "
+        + (f"tactic {config.tactic}" if found is None else f"agent {config.agent}, seed {config.seed}")
+        + f": {len(decisions)} decisions")
+  if found is None:
+    print(format_arguments(problem, decisions, config.max_args))
+    print()
+    print(format_costs({config.tactic: result, **result["baselines"]}))
+  else:
+    print(plan.report(config.max_args))
+    print()
+    print(plan.diagram())
+  if config.check_numerics:
+    result["numerics"] = lower_and_check(config, problem, decisions, fn, args)
+  if config.plot_path:
+    print(f"shards drawn in {plan.plot(config.plot_path)}")
   if config.json_path:
     with open(config.json_path, "w") as f:
       json.dump(result, f, indent=1)
@@ -97,9 +204,22 @@ def run(config: PartitionConfig) -> dict[str, Any]:
 
 def register(subparsers) -> None:
   parser = subparsers.add_parser("partition", help="a plan for a model and its cost beside the expert tactics")
-  parser.add_argument("model", nargs="?", default="gpt")
+  parser.add_argument("model", nargs="?", default="gpt",
+                      help="zoo spec (gpt:layers=8) or package.module:function returning (fn, args)")
   parser.add_argument("--mesh", default="data=2,model=4")
   parser.add_argument("--hardware", default="h100")
   parser.add_argument("--tactic", default="data_megatron", choices=sorted(tactics.TACTICS))
+  parser.add_argument("--agent", default="tactic", choices=AGENT_CHOICES,
+                      help="tactic: the --tactic plan; else the search agent that finds one")
+  parser.add_argument("--budget", default="2000", help="simulator evaluations (2000) or seconds (30s)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--plot", dest="plot_path", help="PNG of how the largest arguments are split")
   parser.add_argument("--json", dest="json_path")
-  parser.set_defaults(command=lambda a: run(PartitionConfig(a.model, a.mesh, a.hardware, a.tactic, a.json_path)))
+  parser.add_argument("--no-progress", dest="progress", action="store_false")
+  parser.add_argument("--check-numerics", action="store_true",
+                      help="lower the plan on the local devices and check its numerics")
+  parser.add_argument("--check-model", help="lower and check on this (smaller) zoo spec instead")
+  parser.set_defaults(command=lambda a: run(PartitionConfig(
+      model=a.model, mesh=a.mesh, hardware=a.hardware, tactic=a.tactic, json_path=a.json_path,
+      agent=a.agent, budget=a.budget, seed=a.seed, plot_path=a.plot_path, progress=a.progress,
+      check_numerics=a.check_numerics, check_model=a.check_model)))

@@ -1,0 +1,295 @@
+"""What every search agent shares: budgets, results, traces and the jitted environment calls.
+
+An agent is a frozen config dataclass plus `search(problem, config, seed, budget)`, which
+returns a `SearchResult`. Agents search over the pure environment of `envs` (actions are
+targets x mesh axes, plus stop); the objective is the environment's: simulated step time
+(with the memory-overflow penalty) relative to the replicated plan, lower is better.
+
+A *simulation* is one evaluation of a plan by the simulator (one environment step that
+changes the plan), counted the same way for every agent, so agents compare at equal
+budgets. Every plan an agent visits is a candidate: stopping is implicit (the best plan
+seen on any path, at any depth, is kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from automap_rl import sharding, simulator
+from automap_rl.problem import Problem
+from automap_rl.sharding import Decision
+from envs import Env, EnvConfig, State
+
+Progress = Callable[[int, float], None]  # (simulations so far, best step time so far in s).
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """How much an agent may search: simulator evaluations and/or wall-clock seconds.
+
+  The search ends when either limit is reached. The simulation limit is never exceeded;
+  the seconds limit is checked between batches (and includes building the environment
+  and compiling its functions). Only a simulations budget is reproducible.
+  """
+
+  simulations: int | None = None
+  seconds: float | None = None
+
+  def __post_init__(self):
+    if self.simulations is None and self.seconds is None:
+      raise ValueError("A budget needs simulations or seconds.")
+    if self.simulations is not None and self.simulations < 0:
+      raise ValueError("simulations must be >= 0.")
+
+  @classmethod
+  def of(cls, budget: Budget | int | float | str) -> Budget:
+    """`Budget`, an int (simulations), a float (seconds) or a string (`500`, `30s`)."""
+    if isinstance(budget, Budget):
+      return budget
+    if isinstance(budget, str):
+      return cls(seconds=float(budget[:-1])) if budget.endswith("s") else cls(simulations=int(budget))
+    if isinstance(budget, bool):
+      raise TypeError("A budget is an int (simulations) or a float (seconds).")
+    return cls(simulations=budget) if isinstance(budget, int) else cls(seconds=float(budget))
+
+  def left(self, simulations: int) -> int:
+    """Simulations still allowed (a large number when only seconds bound the search)."""
+    return (1 << 40) if self.simulations is None else max(self.simulations - simulations, 0)
+
+  def done(self, simulations: int, elapsed: float) -> bool:
+    return self.left(simulations) <= 0 or (self.seconds is not None and elapsed >= self.seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class TracePoint:
+  """The best plan so far, after `simulations` evaluations and `seconds` of search."""
+
+  simulations: int
+  seconds: float
+  step_time: float
+  objective: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+  """What a search found.
+
+  Attributes:
+    decisions: the best plan, one `Decision` per action (targets as the environment
+      names them: `ArgDim`, `Group` or named-dimension id).
+    cost: the simulator's cost of `decisions` (`Problem.cost`).
+    trace: the best plan's step time after each improvement (first point: replicated).
+    simulations: simulator evaluations used.
+    seconds: wall-clock seconds, environment build and compiles included.
+    actions: the plan as readable actions (`shard group 8 (batch/inputs:0, x1) on data`).
+    objective: the environment objective of the plan (1.0 is the replicated plan).
+    setup_seconds: of `seconds`, how many went to building the environment and compiling.
+  """
+
+  decisions: list[Decision]
+  cost: simulator.Cost
+  trace: list[TracePoint]
+  simulations: int
+  seconds: float
+  actions: list[str]
+  objective: float
+  setup_seconds: float = 0.0
+
+  @property
+  def step_time(self) -> float:
+    return float(self.cost.step_time)
+
+  def trace_dicts(self) -> list[dict]:
+    return [dataclasses.asdict(p) for p in self.trace]
+
+
+def env_config(problem: Problem, action_space: str, max_decisions: int) -> EnvConfig:
+  """The environment an agent searches: exactly the mesh's axes (no padded actions)."""
+  return EnvConfig(action_space=action_space, max_decisions=max_decisions,
+                   max_axes=len(problem.mesh.axis_sizes), objective="time")
+
+
+def bucket(n: int, smallest: int = 8) -> int:
+  """The power of two >= n (at least `smallest`): batch sizes that bound recompiles."""
+  return max(smallest, 1 << max(n - 1, 0).bit_length())
+
+
+def rollout(env: Env, depth: int, stop_probability: float, state: State, key: jax.Array,
+            limit: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """A uniformly random episode of at most `min(depth, limit)` steps from `state`. Pure.
+
+  After its first step the episode stops with probability `stop_probability` per step
+  (and when no action but stop is legal).
+
+  Returns:
+    actions int32 [depth], objectives f32 [depth], step times f32 [depth] after each
+    step, and `evaluated` bool [depth]: whether that step evaluated a new plan (counts
+    as a simulation; after a stop nothing changes).
+  """
+
+  def body(carry, index):
+    state, key, alive = carry
+    key, pick, coin = jax.random.split(key, 3)
+    legal = state.legal_action_mask.at[-1].set(False)
+    action = jax.random.categorical(pick, jnp.where(legal, 0.0, -jnp.inf)).astype(jnp.int32)
+    stop = (~alive | ~legal.any() | (index >= limit) | (state.terminated | state.truncated)
+            | ((index > 0) & (jax.random.uniform(coin) < stop_probability)))
+    action = jnp.where(stop, env.stop_action, action)
+    new = env.step(state, action)
+    return (new, key, alive & ~stop), (action, new.objective, new.step_time, ~stop)
+
+  _, out = jax.lax.scan(body, (state, key, jnp.bool_(True)), jnp.arange(depth))
+  return out
+
+
+class Searcher:
+  """An `Env` over a problem with the jitted calls agents need, built once per
+  (problem, environment config) and cached (see `searcher`).
+
+  Host-side states are numpy pytrees (`State` of numpy arrays); every call takes and
+  returns them, so a search tree holds plain numpy.
+  """
+
+  def __init__(self, problem: Problem, config: EnvConfig):
+    self.problem = problem
+    self.env = Env.build(problem, config)
+    env = self.env
+    self.root: State = jax.device_get(jax.jit(env.init)(jax.random.key(0)))
+    self._children = jax.jit(jax.vmap(env.step, in_axes=(None, 0)))
+    self.chunk = min(bucket(env.num_actions - 1), 32)
+    cost_tables = env.tables.cost_tables()
+    self._cost = jax.jit(lambda value_mask, op_mask: simulator.simulate(cost_tables, sharding.Resolution(
+        value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32))))
+    self._rollouts: dict[tuple[int, float], Callable] = {}
+
+  @property
+  def num_actions(self) -> int:
+    return self.env.num_actions
+
+  @property
+  def base_step_time(self) -> float:
+    return float(self.env.tables.base[0])
+
+  def children(self, state: State, actions: Sequence[int]) -> State:
+    """The states after each of `actions` from `state`, batched (numpy). Evaluated in
+    vmapped chunks of one fixed size (`chunk`, so one compile); padding takes the stop
+    action and is dropped."""
+    n, size = len(actions), self.chunk
+    padded = np.full(-(-n // size) * size, self.env.stop_action, np.int32)
+    padded[:n] = actions
+    parts = [jax.device_get(self._children(state, padded[i:i + size])) for i in range(0, len(padded), size)]
+    return jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *parts)
+
+  def rollouts(self, state: State, keys: jax.Array, limits: np.ndarray, depth: int, stop_probability: float):
+    """`len(keys)` random episodes from `state` (see `rollout`), as numpy arrays [R, depth]."""
+    fn = self._rollouts.get((depth, stop_probability))
+    if fn is None:
+      fn = jax.jit(jax.vmap(functools.partial(rollout, self.env, depth, stop_probability), in_axes=(None, 0, 0)))
+      self._rollouts[(depth, stop_probability)] = fn
+    return jax.device_get(fn(state, keys, jnp.asarray(limits, jnp.int32)))
+
+  def decisions(self, actions: Sequence[int]) -> list[Decision]:
+    """The plan of an action sequence: one `Decision(target, axis)` per action."""
+    axes = self.problem.mesh.axis_names
+    out = []
+    for a in actions:
+      target, axis = divmod(int(a), self.env.config.max_axes)
+      out.append(Decision(self.env.targets[target].target, axes[axis]))
+    return out
+
+  def cost(self, actions: Sequence[int]) -> simulator.Cost:
+    """The simulator's cost of the plan an action sequence reaches (equal to
+    `problem.cost(self.decisions(actions))`, without its compile per plan length)."""
+    state = self.root
+    for a in actions:
+      state = row(self.children(state, [int(a)]), 0)
+    return jax.device_get(self._cost(state.value_mask, state.op_mask))
+
+  def legal(self, state: State) -> np.ndarray:
+    """Legal actions of a host state, stop excluded, int32."""
+    if bool(state.terminated) or bool(state.truncated):
+      return np.zeros(0, np.int32)
+    return np.flatnonzero(np.asarray(state.legal_action_mask)[:-1]).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=16)
+def searcher(problem: Problem, config: EnvConfig) -> Searcher:
+  """The cached `Searcher` of a problem (problems hash by identity)."""
+  return Searcher(problem, config)
+
+
+class Tracker:
+  """Keeps the best action sequence, the simulation count, the clock and the trace."""
+
+  def __init__(self, search: Searcher, budget: Budget, start: float, progress: Progress | None):
+    self.search, self.budget, self.start, self.progress = search, budget, start, progress
+    self.simulations = 0
+    self.best_objective = 1.0
+    self.best_step_time = search.base_step_time
+    self.best_actions: list[int] = []
+    self.setup_seconds = time.perf_counter() - start
+    self.trace = [TracePoint(0, self.elapsed, self.best_step_time, 1.0)]
+
+  @property
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
+
+  @property
+  def left(self) -> int:
+    return self.budget.left(self.simulations)
+
+  @property
+  def done(self) -> bool:
+    return self.budget.done(self.simulations, self.elapsed)
+
+  def count(self, simulations: int) -> None:
+    self.simulations += int(simulations)
+    if self.progress is not None:
+      self.progress(self.simulations, self.best_step_time)
+
+  def offer(self, objective: float, step_time: float, actions: Sequence[int], simulations_at: int | None = None) -> bool:
+    """Records a plan if it is the best so far (ties keep the shorter/earlier plan)."""
+    if not objective < self.best_objective - 1e-7 * abs(self.best_objective):
+      return False
+    self.best_objective, self.best_step_time = float(objective), float(step_time)
+    self.best_actions = [int(a) for a in actions]
+    at = self.simulations if simulations_at is None else simulations_at
+    self.trace.append(TracePoint(at, self.elapsed, self.best_step_time, self.best_objective))
+    return True
+
+  def result(self) -> SearchResult:
+    decisions = self.search.decisions(self.best_actions)
+    cost = self.search.cost(self.best_actions)
+    names = [self.search.env.action_name(a) for a in self.best_actions]
+    seconds = self.elapsed
+    self.trace.append(TracePoint(self.simulations, seconds, self.best_step_time, self.best_objective))
+    return SearchResult(decisions=decisions, cost=cost, trace=self.trace, simulations=self.simulations,
+                        seconds=seconds, actions=names, objective=self.best_objective,
+                        setup_seconds=self.setup_seconds)
+
+
+def start(problem: Problem, action_space: str, max_decisions: int, budget, progress: Progress | None
+          ) -> tuple[Searcher, Tracker, Budget]:
+  """Builds (or reuses) the searcher and starts the clock; the common prologue of agents."""
+  t0 = time.perf_counter()
+  budget = Budget.of(budget)
+  search = searcher(problem, env_config(problem, action_space, max_decisions))
+  return search, Tracker(search, budget, t0, progress), budget
+
+
+def row(batch, i: int):
+  """Entry `i` of a batched pytree."""
+  return jax.tree.map(lambda x: x[i], batch)
+
+
+def value(objective: float) -> float:
+  """Search value of a plan: -log(objective), 0 for the replicated plan, higher is better."""
+  return -math.log(max(float(objective), 1e-30))

@@ -1,0 +1,79 @@
+"""Search agents: seeded, within budget, consistent with the simulator, and MCTS finds expert plans."""
+
+import functools
+
+import numpy as np
+import pytest
+
+import agents
+from agents import Budget
+from automap_rl import models, tactics
+from automap_rl.mesh import make_mesh
+from automap_rl.problem import Problem
+from experiments.inspect_cmd import trace_workload
+
+SMALL = "gpt:layers=2,d_model=256,heads=4,seq=64,vocab=256,batch=16"
+
+
+@functools.cache
+def problem(spec: str = SMALL, mesh: str = "data=2,model=4") -> Problem:
+  return Problem.build(trace_workload(models.make_workload(spec, abstract=True)), make_mesh(mesh, "h100"))
+
+
+def best_expert(p: Problem) -> float:
+  return min(float(p.cost(plan).step_time) for plan in tactics.applicable(p).values())
+
+
+@pytest.mark.parametrize("name", sorted(agents.AGENTS))
+def test_same_seed_same_plan_and_budget_respected(name):
+  p = problem()
+  a = agents.run_agent(name, p, seed=3, budget=150)
+  b = agents.run_agent(name, p, seed=3, budget=150)
+  assert a.decisions == b.decisions
+  assert [(t.simulations, t.step_time) for t in a.trace] == [(t.simulations, t.step_time) for t in b.trace]
+  assert 0 < a.simulations <= 150
+  # The reported cost is the simulator's cost of the returned decisions, and the trace is its history.
+  assert float(a.cost.step_time) == pytest.approx(a.trace[-1].step_time, rel=1e-4)
+  assert float(a.cost.step_time) == pytest.approx(float(p.cost(a.decisions).step_time), rel=1e-4)
+  times = [t.step_time for t in a.trace]
+  assert times == sorted(times, reverse=True)
+  assert all(t.simulations <= a.simulations for t in a.trace)
+  assert len(a.actions) == len(a.decisions)
+
+
+def test_seconds_budget_stops_the_search():
+  p = problem()
+  agents.run_agent("random", p, budget=1)  # Compile first.
+  result = agents.run_agent("random", p, seed=0, budget=Budget(seconds=0.5))
+  assert result.seconds < 5.0
+  assert result.simulations > 0
+
+
+def test_budget_parsing():
+  assert Budget.of(10) == Budget(simulations=10)
+  assert Budget.of(2.5) == Budget(seconds=2.5)
+  assert Budget.of("30s") == Budget(seconds=30.0)
+  with pytest.raises(ValueError):
+    Budget()
+
+
+def test_mcts_matches_the_best_expert_and_beats_random_at_equal_budget():
+  p = problem()
+  mcts = agents.run_agent("mcts", p, seed=0, budget=600)
+  assert mcts.step_time <= best_expert(p) * 1.0001
+  random_best = min(agents.run_agent("random", p, seed=s, budget=600).step_time for s in range(2))
+  assert mcts.step_time <= random_best * 1.0001
+
+
+def test_greedy_improves_on_replicated():
+  p = problem()
+  result = agents.run_agent("greedy", p, budget=1000)
+  assert result.step_time < float(p.cost([]).step_time)
+  assert result.objective < 1.0
+
+
+def test_agents_on_a_flat_mesh_and_other_action_spaces():
+  p = problem("mlp:layers=2,width=512,batch=256", "data=8")
+  result = agents.run_agent("mcts", p, budget=100, config=agents.MCTSConfig(action_space="arg_dims"))
+  assert result.simulations <= 100
+  assert float(result.cost.step_time) == pytest.approx(float(p.cost(result.decisions).step_time), rel=1e-4)
