@@ -310,3 +310,11 @@ def test_data_parallel_step_all_reduces_every_gradient(mesh):
   assert hlo.summarize(stats.collectives)["all-reduce"][1] == (
       (256 * 512 + 512 * 64) * 4
   )
+
+
+def test_parse_instruction_drops_index_comments():
+  line = ("%tuple.9 = (f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}) tuple(%a, %b, %c, "
+          "%d, %e, /*index=5*/%f), metadata={op_name=\"x\"}")
+  inst = hlo.parse_instruction(line)
+  assert inst.operands == ("a", "b", "c", "d", "e", "f")
+  assert inst.opcode == "tuple"

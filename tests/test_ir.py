@@ -144,3 +144,35 @@ def test_gpt_named_dims_groups_and_conflict(spec):
     assert len({named.classes[c].group for c in heads}) == 1
   assert any(c["class_id"] == seq and c["kind"] == "value" for c in summary["conflicts"])
   assert summary["unknown_primitives"] == []
+
+
+def _xla_flops(fn, *args) -> float:
+  cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return float(cost["flops"])
+
+
+@pytest.mark.parametrize("strides, padding, lhs_dilation, rhs_dilation", [
+    ((1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1)),
+    ((2, 2), ((0, 1), (0, 1)), (1, 1), (1, 1)),
+    ((1, 1), ((2, 1), (2, 1)), (2, 2), (1, 1)),
+    ((1, 1), ((0, 1), (0, 1)), (1, 1), (2, 2)),
+])
+def test_conv_flops_count_only_taps_inside_the_input_as_xla_does(strides, padding, lhs_dilation, rhs_dilation):
+  lhs, rhs = jnp.ones((2, 3, 8, 8)), jnp.ones((4, 3, 3, 3))
+  fn = lambda x, w: jax.lax.conv_general_dilated(x, w, strides, padding, lhs_dilation, rhs_dilation)
+  program = ir.trace(fn, lhs, rhs)
+  (conv,) = [op for op in program.ops if op.primitive == "conv_general_dilated"]
+  assert conv.flops == _xla_flops(fn, lhs, rhs)
+  assert conv.flops < 2 * program.values[conv.results[0]].size * 3 * 3 * 3  # Not the full window.
+
+
+def test_elementwise_reduction_and_dot_flops_follow_cost_analysis():
+  x, w = jnp.ones((16, 32)), jnp.ones((32, 8))
+  fn = lambda x, w: (jnp.tanh(x @ w) * 2.0 + 1.0).sum(axis=1)
+  program = ir.trace(fn, x, w)
+  flops = {op.primitive: op.flops for op in program.ops}
+  assert flops["dot_general"] == 2 * 16 * 32 * 8
+  assert flops["tanh"] == 0  # A transcendental: XLA counts it apart.
+  assert flops["reduce_sum"] == 16 * 8 - 16
+  assert sum(op.flops for op in program.ops) == _xla_flops(fn, x, w)

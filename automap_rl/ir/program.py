@@ -111,6 +111,9 @@ class Op:
     origin: the equation it came from, as indices through inlined calls: `(5, 2)` is eqn 2
       of the body of eqn 5 of the top-level jaxpr; () for the IR's own ops and for ops
       inside loop and branch bodies.
+    flops: flops of one call, in XLA's `cost_analysis()` convention (see
+      `automap_rl.ir.flops`), set by `trace`; None for hand-built ops (the simulator then
+      falls back to `simulator.tables.op_flops`).
   """
 
   id: int
@@ -121,6 +124,7 @@ class Op:
   repeat: int = 1
   scope: str = ""
   origin: tuple[int, ...] = ()
+  flops: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ import jax
 from jax._src import core as jax_core
 
 from automap_rl.ir import rules
+from automap_rl.ir.flops import primitive_flops
 from automap_rl.ir.program import Op, Program, Role, Rule, Value, itemsize_of
 
 CALL_PRIMITIVES = frozenset(
@@ -54,8 +55,9 @@ class _Builder:
     return value.id
 
   def add_op(self, primitive: str, operands, results, rule: Rule, repeat: int, scope: str,
-             origin: tuple[int, ...] = ()) -> None:
-    self.ops.append(Op(len(self.ops), primitive, tuple(operands), tuple(results), rule, repeat, scope, origin))
+             origin: tuple[int, ...] = (), flops: float = 0.0) -> None:
+    self.ops.append(Op(len(self.ops), primitive, tuple(operands), tuple(results), rule, repeat, scope, origin,
+                       float(flops)))
 
   def read(self, env: dict, var) -> int | None:
     """The value id of a jaxpr atom; None for literals (scalars folded into the op)."""
@@ -123,7 +125,8 @@ class _Builder:
       results.append(self.new_value(var.aval))
       if not isinstance(var, jax_core.DropVar):
         env[var] = results[-1]
-    self.add_op(name, [operand_ids[i] for i in kept], results, rule, repeat, scope, origin or ())
+    flops = primitive_flops(name, operand_shapes, result_shapes, eqn.params)
+    self.add_op(name, [operand_ids[i] for i in kept], results, rule, repeat, scope, origin or (), flops)
 
   def inline(self, closed, operand_ids: Sequence[int], repeat: int, scope: str, prefix=None) -> list[int]:
     """Walks a (closed) sub-jaxpr whose invars are `operand_ids`; returns its outputs."""

@@ -12,7 +12,12 @@ the op's shard count. Per edge (an op using or making a value):
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
 slowest link bounds the bandwidth). Bytes follow `automap_rl.xla.hlo`'s convention: the
 larger, group-level buffer per device. Peak memory is the largest live-bytes row of the
-program (see `tables._live_bytes`) with every value divided by its shard count.
+program (see `tables._live_bytes`) with every value divided by its shard count, plus the
+gathered copies of operands (once per value and sharding, as XLA reuses them), all taken
+to be live at the peak, as FSDP's gathered parameters live from the forward to the
+backward pass. (Full-size partial sums before a reduce-scatter are not added: on the
+validation suite that over-estimates FSDP plans.) It is compared with XLA's
+`memory_analysis()` figure `argument + output + temp - alias`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from automap_rl.simulator.tables import CostTables
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 _ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = range(len(KINDS))
+_TRANSIENT = (0,)  # Collectives (below) whose buffers add to the peak: operand all-gathers.
 
 
 @chex.dataclass(frozen=True)
@@ -123,19 +129,23 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   )
   nbytes = t.value_bytes[t.edge_value][:, None]
   edge_weight = t.edge_weight[:, None]
+  edge_buffers = t.edge_buffers[:, None]
   terms = _collective_terms(t)
+  transient = 0.0  # Bytes of gathered operands, [B].
   comm_time = 0.0
   comm_bytes = [0.0] * len(KINDS)
   comm_count = [0.0] * len(KINDS)
-  for kind, axes, divisor in collectives:
+  for index, (kind, axes, divisor) in enumerate(collectives):
     # Seconds per byte, seconds, and the bytes fraction of this kind over these axes.
     per_byte, fixed, fraction = jnp.moveaxis(terms[int(kind == _ALL_REDUCE), axes, divisor], -1, 0)
     weight = jnp.where(axes != 0, edge_weight, 0.0)
     comm_time = comm_time + jnp.sum(weight * (nbytes * per_byte + fixed), axis=0)
     comm_bytes[kind] = comm_bytes[kind] + jnp.sum(weight * nbytes * fraction, axis=0)
     comm_count[kind] = comm_count[kind] + jnp.sum(weight, axis=0)
+    if index in _TRANSIENT:  # The gathered operand.
+      transient = transient + jnp.sum(jnp.where(axes != 0, edge_buffers, 0.0) * nbytes * fraction, axis=0)
 
-  peak = jnp.max(t.live_bytes @ (1.0 / value_shards), axis=0)
+  peak = jnp.max(t.live_bytes @ (1.0 / value_shards), axis=0) + transient
   return Cost(
       step_time=compute + comm_time,
       compute_time=compute,

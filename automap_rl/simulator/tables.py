@@ -15,7 +15,11 @@ _MEMORY_PROBES = 256
 
 
 def op_flops(program: Program, op: Op) -> float:
-  """Flops of one call of `op`: 2 per multiply-add for contractions, else one per element."""
+  """Flops of one call of `op`: `op.flops` when the tracer set it (XLA's convention, see
+  `automap_rl.ir.flops`); for hand-built ops, 2 per multiply-add for contractions (the
+  full window for convolutions), else one per element."""
+  if op.flops is not None:
+    return op.flops
   if op.primitive == "dot_general":
     return 2.0 * math.prod(op.rule.factor_sizes)
   if op.primitive == "conv_general_dilated":
@@ -58,7 +62,12 @@ class CostTables:
     edge_result: whether the edge is a result (else an operand), bool [E].
     edge_dim_factors: the op factors each value dim maps to, padded with Rf (a factor
       that is never sharded), int32 [E, Rv, F] with F the most factors of one dim.
-    edge_weight: how many times the edge's collectives run per step, [E].
+    edge_weight: how many times the edge's collectives run per step, [E]: the repeat counts
+      of its ops; for operands, each read's share of a resharding that all reads of the
+      value needing the same sharding share (see `_operand_read_shares`).
+    edge_buffers: how many distinct buffers the edge's resharding materialises (its ops,
+      not times their repeat counts; operand reads shared as in `edge_weight`), [E]: the
+      simulator adds gathered operands to the peak memory.
     live_bytes: global bytes of each value signature live at each probe point, [T, Uv].
     mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
       group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency
@@ -79,6 +88,7 @@ class CostTables:
   edge_result: np.ndarray
   edge_dim_factors: np.ndarray
   edge_weight: np.ndarray
+  edge_buffers: np.ndarray
   live_bytes: np.ndarray
   mask_group: np.ndarray
   mask_seconds_per_byte: np.ndarray
@@ -100,11 +110,51 @@ def _mask_tables(mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return group, (1.0 / bandwidth).astype(np.float32), latency
 
 
+# Ops XLA fuses into their consumers (loop fusion), and ops that take fused producers as
+# their inputs (reductions read fused elementwise producers too).
+FUSIBLE = frozenset({
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor", "ceil",
+    "round", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "sqrt", "rsqrt",
+    "cbrt", "pow", "integer_pow", "square", "erf", "erfc", "erf_inv", "select_n", "clamp", "eq", "ne",
+    "lt", "le", "gt", "ge", "and", "or", "not", "xor", "is_finite", "convert_element_type",
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota", "slice",
+    "stop_gradient", "copy", "copy_p", "nextafter", "atan2",
+})
+# Producers XLA duplicates into every consumer (cheap to recompute) rather than materialise.
+DUPLICATED = frozenset({"broadcast_in_dim", "iota", "reshape", "convert_element_type", "squeeze", "expand_dims"})
+FUSING_CONSUMERS = FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                              "reduce_or", "argmax", "argmin"}
+
+
+def _fused_values(program: Program) -> set[int]:
+  """Intermediates XLA never materialises: results of fusible ops (elementwise, broadcast,
+  convert, reshape, transpose, ...) read by one op that fuses them (another fusible op or
+  a reduction), or by several such ops when they are cheap enough to duplicate into each
+  (broadcasts, reshapes, converts), outside loop bodies. They live in registers inside a fusion, so they do
+  not count towards peak memory."""
+  consumers: dict[int, list[str]] = {}
+  for op in program.ops:
+    for v in set(op.operands):
+      consumers.setdefault(v, []).append(op.primitive)
+  keep = set(program.outputs) | set(program.inputs)
+  fused = set()
+  for op in program.ops:
+    if op.primitive not in FUSIBLE or op.scope:
+      continue
+    for v in op.results:
+      readers = consumers.get(v, ())
+      if (v not in keep and readers and set(readers) <= FUSING_CONSUMERS
+          and (len(readers) == 1 or op.primitive in DUPLICATED)):
+        fused.add(v)
+  return fused
+
+
 def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray:
   """Rows of per-signature live bytes at the program points that can be a peak.
 
   Value v is live from the op that makes it to its last use; arguments from the start,
-  and to the end unless donated; outputs to the end. The full [num_ops, Uv] matrix is
+  and to the end unless donated; outputs to the end. Fused intermediates (see
+  `_fused_values`) take no memory. The full [num_ops, Uv] matrix is
   reduced to the rows that attain the maximum for the replicated plan or for one of
   `_MEMORY_PROBES` random per-signature shard factors, so that `max(rows @ 1/shards)` is
   the peak for the plans that matter at a fraction of the cost.
@@ -125,6 +175,7 @@ def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray
   end[list(program.outputs)] = num_ops - 1
   diff = np.zeros((num_ops + 1, num_sigs), np.float64)
   nbytes = np.array([v.nbytes for v in program.values], np.float64)
+  nbytes[list(_fused_values(program))] = 0.0
   np.add.at(diff, (start, sigs.value_sig), nbytes)
   np.add.at(diff, (end + 1, sigs.value_sig), -nbytes)
   live = np.cumsum(diff, axis=0)[:num_ops]
@@ -132,6 +183,31 @@ def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray
   probes = np.concatenate([np.ones((1, num_sigs)), 1.0 / rng.choice([1, 2, 4, 8, 16], (_MEMORY_PROBES, num_sigs))])
   rows = np.unique(np.argmax(live @ probes.T, axis=0))
   return live[rows].astype(np.float32)
+
+
+def _operand_read_shares(program: Program, sigs: Signatures) -> dict[tuple[int, int], float]:
+  """(op, operand index) -> the share of the operand's resharding this read pays.
+
+  XLA reshards a value once and reuses the result for every op that needs it in that
+  sharding (an FSDP parameter is all-gathered once for the forward and the backward
+  matmul). Reads that need the same sharding are taken to be those whose dims map to
+  factors of the same named dimensions: they resolve alike under every plan (up to one
+  op's axis conflicts). Each of the n ops that read a value with the same such key pays
+  1/n of a resharding, so the n reads together cost one. Only ops with a signature read
+  through edges (ops that follow their values never communicate).
+  """
+  keys: dict[tuple[int, int], tuple] = {}
+  for op in program.ops:
+    sig = sigs.op_sig[op.id]
+    if sig < 0:
+      continue
+    classes = sigs.op_class[sig]
+    for i, (v, dims) in enumerate(zip(op.operands, op.rule.operand_dims)):
+      keys[op.id, i] = (v, tuple(tuple(int(classes[f]) for f in dim) for dim in dims))
+  counts: dict[tuple, int] = {}
+  for key in keys.values():
+    counts[key] = counts.get(key, 0) + 1
+  return {read: 1.0 / counts[key] for read, key in keys.items()}
 
 
 def _factor_indices(tables: list[np.ndarray], rv: int, rf: int) -> np.ndarray:
@@ -154,6 +230,10 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
   weight = np.zeros(num_ops, np.float64)
   value_compute = np.zeros(len(sigs.value_keys), np.float64)
   value_memory = np.zeros(len(sigs.value_keys), np.float64)
+  buffers = np.zeros(num_ops, np.float64)
+  operand_buffers: dict[int, np.ndarray] = {}
+  operand_weight: dict[int, np.ndarray] = {}  # Op signature -> gather weight of each operand.
+  read_share = _operand_read_shares(program, sigs)
   for op in program.ops:
     sig = sigs.op_sig[op.id]
     dtype = program.values[op.results[0]].dtype if op.results else "float32"
@@ -167,15 +247,24 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
     compute[sig] += flop_s
     memory[sig] += memory_s
     weight[sig] += op.repeat
+    operand_weight.setdefault(sig, np.zeros(len(op.operands), np.float64))
+    operand_weight[sig] += [op.repeat * read_share[op.id, i] for i in range(len(op.operands))]
+    operand_buffers.setdefault(sig, np.zeros(len(op.operands), np.float64))
+    operand_buffers[sig] += [read_share[op.id, i] for i in range(len(op.operands))]
+    buffers[sig] += 1.0
   rv = sigs.value_class.shape[1]
   rf = sigs.op_class.shape[1]
   edge_op, edge_value, edge_result, edge_dims = [], [], [], []
+  edge_weight, edge_buffers = [], []
   for sig, (_, factors, operands, results, _) in enumerate(sigs.op_keys):
+    first = len(edge_op)
     for is_result, edges in ((False, operands), (True, results)):
       for value_sig, dims in edges:
         table = np.zeros((rv, rf), bool)
         for dim, dim_factors in enumerate(dims):
           table[dim, list(dim_factors)] = True
+        edge_weight.append(operand_weight[sig][len(edge_op) - first] if not is_result else weight[sig])
+        edge_buffers.append(operand_buffers[sig][len(edge_op) - first] if not is_result else buffers[sig])
         edge_op.append(sig)
         edge_value.append(value_sig)
         edge_result.append(is_result)
@@ -204,7 +293,8 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
       edge_value=np.array(edge_value, np.int32),
       edge_result=np.array(edge_result, bool),
       edge_dim_factors=_factor_indices(edge_dims, rv, rf),
-      edge_weight=weight[edge_op].astype(np.float32),
+      edge_weight=np.array(edge_weight, np.float32),
+      edge_buffers=np.array(edge_buffers, np.float32),
       live_bytes=_live_bytes(program, sigs),
       mask_group=group,
       mask_seconds_per_byte=seconds_per_byte,

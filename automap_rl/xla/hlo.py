@@ -199,6 +199,8 @@ _INSTRUCTION_RE = re.compile(
     r"(?P<type>.*?)\s(?P<opcode>[a-z][a-z0-9\-]*)\("
 )
 _HEADER_INT_RE = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
+# XLA prints `/*index=5*/` comments inside long operand lists.
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
 
 
 def _split_call(text: str) -> tuple[str, str]:
@@ -229,7 +231,9 @@ def _operand_names(text: str) -> tuple[str, ...]:
 
 
 def parse_instruction(line: str) -> Instruction | None:
-  """Parses one line of HLO text; None if it is not an instruction."""
+  """Parses one line of HLO text; None if it is not an instruction. Inline
+  `/*...*/` comments (XLA's `/*index=5*/` in long operand lists) are dropped."""
+  line = _COMMENT_RE.sub("", line)
   match = _INSTRUCTION_RE.match(line)
   if match is None:
     return None

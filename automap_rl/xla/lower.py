@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -86,23 +85,6 @@ class Lowered:
     """
     placed = jax.device_put(jax.tree.map(np.array, tuple(args)), self.in_shardings)
     return self.compiled(*placed)
-
-
-_HLO_COMMENT = re.compile(r"/\*.*?\*/")
-
-
-class _Uncommented:
-  """A compiled executable whose HLO text has no `/*index=5*/` comments, which
-  `hlo.parse_instruction` would read as part of an operand name."""
-
-  def __init__(self, compiled: Any):
-    self._compiled = compiled
-
-  def as_text(self) -> str:
-    return _HLO_COMMENT.sub("", self._compiled.as_text())
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._compiled, name)
 
 
 def _result_specs(problem: Problem, specs: Mapping[int, PartitionSpec], constrain: Constrain,
@@ -212,7 +194,7 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   jitted = jax.jit(interpreted, in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=tuple(donate_argnums))
   compiled = jitted.lower(*args).compile()
-  stats = inspect_compiled(_Uncommented(compiled), problem.mesh.axis_names, problem.mesh.axis_sizes)
+  stats = inspect_compiled(compiled, problem.mesh.axis_names, problem.mesh.axis_sizes)
   return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh)
 
 
