@@ -24,6 +24,7 @@ setuptools.setup(
         "numpy>=2",
         "scipy",
         "tqdm",
+        "gymnasium",
     ],
     extras_require={"dev": ["pytest", "pytest-xdist"]},
     entry_points={"console_scripts": ["automap-rl=experiments.cli:main"]},
