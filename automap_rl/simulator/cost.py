@@ -32,7 +32,6 @@ from automap_rl.simulator.tables import CostTables
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 _ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = range(len(KINDS))
-_TRANSIENT = (0,)  # Collectives (below) whose buffers add to the peak: operand all-gathers.
 
 
 @chex.dataclass(frozen=True)
@@ -118,32 +117,32 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   gather_in = stored_all & ~required_all
   result_scatter = reduced & stored_all
   # Every possible collective on every edge: its kind, its axes, and the axes dividing its
-  # bytes (the per-device buffer it moves).
+  # bytes (the per-device buffer it moves). An operand and a result edge can both
+  # all-gather or all-to-all, so those share a row.
   collectives = (
-      (_ALL_GATHER, jnp.where(operand, gather_in, 0), stored_all & ~gather_in),
-      (_ALL_TO_ALL, jnp.where(operand, misplaced & required_all, 0), stored_all),
+      (_ALL_GATHER, jnp.where(operand, gather_in, required_all & ~stored_all),
+       jnp.where(operand, stored_all & ~gather_in, stored_all)),
+      (_ALL_TO_ALL, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced), stored_all),
       (_REDUCE_SCATTER, jnp.where(operand, 0, result_scatter), required_all),
       (_ALL_REDUCE, jnp.where(operand, 0, reduced & ~stored_all), required_all | result_scatter),
-      (_ALL_GATHER, jnp.where(operand, 0, required_all & ~stored_all), stored_all),
-      (_ALL_TO_ALL, jnp.where(operand, 0, placed_out & stored_all & ~reduced), stored_all),
   )
   nbytes = t.value_bytes[t.edge_value][:, None]
   edge_weight = t.edge_weight[:, None]
-  edge_buffers = t.edge_buffers[:, None]
   terms = _collective_terms(t)
   transient = 0.0  # Bytes of gathered operands, [B].
   comm_time = 0.0
   comm_bytes = [0.0] * len(KINDS)
   comm_count = [0.0] * len(KINDS)
-  for index, (kind, axes, divisor) in enumerate(collectives):
+  for kind, axes, divisor in collectives:
     # Seconds per byte, seconds, and the bytes fraction of this kind over these axes.
     per_byte, fixed, fraction = jnp.moveaxis(terms[int(kind == _ALL_REDUCE), axes, divisor], -1, 0)
     weight = jnp.where(axes != 0, edge_weight, 0.0)
     comm_time = comm_time + jnp.sum(weight * (nbytes * per_byte + fixed), axis=0)
     comm_bytes[kind] = comm_bytes[kind] + jnp.sum(weight * nbytes * fraction, axis=0)
     comm_count[kind] = comm_count[kind] + jnp.sum(weight, axis=0)
-    if index in _TRANSIENT:  # The gathered operand.
-      transient = transient + jnp.sum(jnp.where(axes != 0, edge_buffers, 0.0) * nbytes * fraction, axis=0)
+    if kind == _ALL_GATHER:  # Gathered operands add to the peak.
+      gathered = operand & (axes != 0)
+      transient = transient + jnp.sum(jnp.where(gathered, t.edge_buffers[:, None], 0.0) * nbytes * fraction, axis=0)
 
   peak = jnp.max(t.live_bytes @ (1.0 / value_shards), axis=0) + transient
   return Cost(
