@@ -15,6 +15,7 @@ from automap_rl import models
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from experiments.inspect_cmd import trace_workload
+from experiments.cli import write_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +89,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
 
     result = bench_env(config.model, config.mesh, config.hardware, batch=config.batch, seconds=config.seconds)
   print(json.dumps(result, indent=1))
-  if config.json_path:
-    with open(config.json_path, "w") as f:
-      json.dump(result, f, indent=1)
+  write_json(config.json_path, result)
   return result
 
 

@@ -10,7 +10,6 @@ warm-up is reported beside them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from automap_rl import models, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from experiments.inspect_cmd import trace_workload
+from experiments.cli import write_json
 
 ZOO = ("mlp", "gpt:layers=4,d_model=1024", "gpt:layers=8,d_model=1024", "gpt:layers=12,d_model=1024",
        "moe", "gnn", "resnet", "unet")
@@ -114,9 +114,7 @@ def run(config: SearchBenchConfig) -> list[dict[str, Any]]:
   print(format_cases(cases))
   print(f"{len(cases)} cases in {time.perf_counter() - start:.1f}s (budget {config.budget} simulations, "
         f"seed {config.seed})")
-  if config.json_path:
-    with open(config.json_path, "w") as f:
-      json.dump(cases, f, indent=1)
+  write_json(config.json_path, cases)
   return cases
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 COMMAND_MODULES = ("inspect_cmd", "partition_cmd", "validate_cmd", "bench_cmd", "env_cmd")
 
@@ -20,6 +22,13 @@ def virtual_devices(count: int = 8) -> None:
   """Gives jax `count` CPU devices unless the user set the flag; must run before jax imports."""
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+
+
+def write_json(path: str | None, document: Any) -> None:
+  """Writes a command's figures to `path` (every command's `--json`), if one was given."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(document, f, indent=1)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import numpy as np
@@ -14,6 +13,7 @@ from automap_rl.problem import Problem
 from envs import Env, EnvConfig
 from envs.gym import GymEnv
 from experiments.inspect_cmd import trace_workload
+from experiments.cli import write_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +59,7 @@ def run(config: EnvEpisodeConfig) -> dict[str, Any]:
           f"step {info['step_time'] * 1e3:.3f} ms  peak {info['peak_memory'] / 2**30:.3f} GiB")
   print(f"return {total:+.4f} over {len(steps)} steps ({info['num_decisions']} class decisions)")
   summary = {"config": dataclasses.asdict(config), "steps": steps, "return": total}
-  if config.json_path:
-    with open(config.json_path, "w") as f:
-      json.dump(summary, f, indent=1)
+  write_json(config.json_path, summary)
   return summary
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from typing import Any
 
 from automap_rl import ir, models
+from experiments.cli import write_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +79,7 @@ def run(config: InspectConfig) -> dict[str, Any]:
   summary["seconds"] = round(time.perf_counter() - start, 3)
   print(f"{workload.name}: traced and analysed in {summary['seconds']:.2f}s")
   print(render(summary, config.max_rows))
-  if config.json_path:
-    with open(config.json_path, "w") as f:
-      json.dump(summary, f, indent=1)
+  write_json(config.json_path, summary)
   return summary
 
 

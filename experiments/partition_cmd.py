@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import sys
 import time
@@ -35,6 +34,7 @@ from automap_rl.api import Plan, baselines, cost_dict, format_arguments, format_
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from experiments.inspect_cmd import trace_workload
+from experiments.cli import write_json
 
 AGENT_CHOICES = ("tactic", "random", "greedy", "mcts")
 
@@ -196,9 +196,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     result["numerics"] = lower_and_check(config, problem, decisions, fn, args)
   if config.plot_path:
     print(f"shards drawn in {plan.plot(config.plot_path)}")
-  if config.json_path:
-    with open(config.json_path, "w") as f:
-      json.dump(result, f, indent=1)
+  write_json(config.json_path, result)
   return result
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from typing import Any
+from experiments.cli import write_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +59,7 @@ def run(config: ValidateConfig) -> dict[str, Any]:
     if not case.numerics_ok:
       print(f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan}: {case.numerics_error}")
   document = validate.to_json(cases, summary)
-  if config.json_path:
-    with open(config.json_path, "w") as f:
-      json.dump(document, f, indent=1)
+  write_json(config.json_path, document)
   if config.plot_path:
     validate.plot(cases, config.plot_path)
   return document
