@@ -256,7 +256,7 @@ def assign_axes(classes: jax.Array, divisible: jax.Array, dec_class: jax.Array,
     dec_axis: mesh axis of each decision, int32 [K].
 
   Returns:
-    Bit masks of the axes each slot is sharded on, int32 [owners, slots]. Within an owner an
+    Bit masks of the axes each slot is sharded on, int8 [owners, slots]. Within an owner an
     axis is used at most once (the first matching slot wins) and a slot takes an axis only
     if its size divides by the product of its axes.
   """
@@ -267,16 +267,16 @@ def assign_axes(classes: jax.Array, divisible: jax.Array, dec_class: jax.Array,
   def step(carry, decision):
     mask, used = carry
     cls, axis = decision
-    bit = jnp.left_shift(1, jnp.maximum(axis, 0))
-    fits = jnp.right_shift(divisible, mask | bit) & 1
+    bit = jnp.left_shift(1, jnp.maximum(axis, 0)).astype(jnp.int8)
+    fits = jnp.right_shift(divisible, (mask | bit).astype(divisible.dtype)) & 1
     cand = (classes == cls) & (cls >= 0) & ((used & bit) == 0)[:, None] & (fits == 1)
     first = cand & (slot_index == jnp.argmax(cand, axis=1)[:, None])
     mask = mask | jnp.where(first, bit, 0)
     used = used | jnp.where(first.any(axis=1), bit, 0)
     return (mask, used), None
 
-  init = (jnp.zeros_like(classes), jnp.zeros(classes.shape[0], classes.dtype))
-  (mask, _), _ = jax.lax.scan(step, init, (dec_class, dec_axis), unroll=True)
+  init = (jnp.zeros(classes.shape, jnp.int8), jnp.zeros(classes.shape[0], jnp.int8))
+  (mask, _), _ = jax.lax.scan(step, init, (dec_class, dec_axis))
   return mask
 
 

@@ -65,31 +65,29 @@ class State:
   step_count: jax.Array
 
 
-def _shards(mask: jax.Array, axis_sizes: jax.Array) -> jax.Array:
-  """Product of the sizes of the axes in each bit mask; int32 of `mask`'s shape."""
-  out = jnp.ones(mask.shape, jnp.int32)
-  for axis in range(axis_sizes.shape[0]):
-    out = out * jnp.where((mask >> axis) & 1 == 1, axis_sizes[axis], 1)
-  return out
+def _divides(divisible: jax.Array, mask: jax.Array) -> jax.Array:
+  """Whether slots with `sharding.divisibility_bits` `divisible` divide by the axes of bit
+  masks `mask` (broadcasting); a shift, not an integer division."""
+  return (jnp.right_shift(divisible, mask.astype(divisible.dtype)) & 1) == 1
 
 
-def _assign(classes: jax.Array, sizes: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array,
-            axis_sizes: jax.Array) -> jax.Array:
+def _assign(classes: jax.Array, divisible: jax.Array, mask: jax.Array, rank: jax.Array,
+            axis: jax.Array) -> jax.Array:
   """Applies decisions `(c, axis)` for the classes of one target in rank order.
 
   Equivalent to `sharding.assign_axes` over those decisions: in each owner the first
   open slot of the lowest-ranked class takes the axis.
 
   Args:
-    classes, sizes: int32 [owners, slots]; mask: int8 [owners, slots].
+    classes, divisible: class and divisibility bits of each slot, int32 [owners, slots].
+    mask: int8 [owners, slots].
     rank: the target's rank of each class, `NO_RANK` if not covered, int32 [C].
-    axis: int32 []; axis_sizes: int32 [X].
+    axis: int32 [].
   """
   slot_rank = jnp.where(classes >= 0, rank[jnp.maximum(classes, 0)], NO_RANK)
   bit = jnp.left_shift(1, axis).astype(mask.dtype)
-  m = mask.astype(jnp.int32)
-  free = (m.sum(axis=1) & bit) == 0
-  cand = (slot_rank < NO_RANK) & free[:, None] & (sizes % (_shards(m, axis_sizes) * axis_sizes[axis]) == 0)
+  free = (mask.sum(axis=1, dtype=mask.dtype) & bit) == 0
+  cand = (slot_rank < NO_RANK) & free[:, None] & _divides(divisible, mask | bit)
   key = jnp.where(cand, slot_rank * classes.shape[1] + jnp.arange(classes.shape[1]), NO_RANK * 64)
   first = cand & (key == key.min(axis=1, keepdims=True))
   return mask | jnp.where(first, bit, 0).astype(mask.dtype)
@@ -105,13 +103,12 @@ def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, 
   classes is.
   """
   num_classes = tables.target_rank.shape[1]
-  value_mask, op_mask = value_mask.astype(jnp.int32), op_mask.astype(jnp.int32)
-  used = jnp.concatenate([jnp.repeat(value_mask.sum(axis=1), value_mask.shape[1]),
-                          jnp.repeat(op_mask.sum(axis=1), op_mask.shape[1])])[tables.slot_order]
+  used = jnp.concatenate([jnp.repeat(value_mask.sum(axis=1, dtype=value_mask.dtype), value_mask.shape[1]),
+                          jnp.repeat(op_mask.sum(axis=1, dtype=op_mask.dtype), op_mask.shape[1])])[tables.slot_order]
   mask = jnp.concatenate([value_mask.reshape(-1), op_mask.reshape(-1)])[tables.slot_order]
-  axes = jnp.arange(tables.axis_sizes.shape[0])
-  free = ((used[..., None] >> axes) & 1) == 0
-  divides = tables.slot_size[..., None] % (_shards(mask, tables.axis_sizes)[..., None] * tables.axis_sizes) == 0
+  bits = jnp.left_shift(1, jnp.arange(tables.axis_sizes.shape[0])).astype(mask.dtype)  # [X]
+  free = (used[..., None] & bits) == 0
+  divides = _divides(tables.slot_divisible[..., None], mask[..., None] | bits)
   chunk_open = (free & divides).any(axis=1).astype(jnp.int32)  # [Q, X]
   class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
                                    indices_are_sorted=True) > 0
@@ -153,8 +150,8 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   target = jnp.minimum(action // num_axes, tables.target_classes.shape[0] - 1)
   axis = action % num_axes
   rank = tables.target_rank[target]
-  value_mask = _assign(tables.value_class, tables.value_size, state.value_mask, rank, axis, tables.axis_sizes)
-  op_mask = _assign(tables.op_class, tables.op_size, state.op_mask, rank, axis, tables.axis_sizes)
+  value_mask = _assign(tables.value_class, tables.value_divisible, state.value_mask, rank, axis)
+  op_mask = _assign(tables.op_class, tables.op_divisible, state.op_mask, rank, axis)
   cost, objective = _evaluate(config, tables, value_mask, op_mask)
 
   classes = tables.target_classes[target]
@@ -185,5 +182,7 @@ def step(config: EnvConfig, tables: EnvTables, state: State, action: jax.Array) 
   chex.assert_shape(action, ())
   action = jnp.asarray(action, jnp.int32)
   done = state.terminated | state.truncated
-  return jax.lax.cond(done, lambda s: s.replace(reward=jnp.zeros_like(s.reward)),
-                      lambda s: _advance(config, tables, s, action), state)
+  # A select, not `lax.cond`: under `vmap` a cond with a batched predicate becomes a select
+  # anyway, but first broadcasts every operand, the static tables included, to the batch.
+  stay = state.replace(reward=jnp.zeros_like(state.reward))
+  return jax.tree.map(lambda a, b: jnp.where(done, a, b), stay, _advance(config, tables, state, action))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import jraph
 
-from envs.core import State, _shards
+from envs.core import State
 from envs.tables import NUM_OP_FEATURES, NUM_TARGET_FEATURES, NUM_VALUE_FEATURES, EnvTables
 
 _STATIC = 4 + NUM_VALUE_FEATURES + NUM_OP_FEATURES + NUM_TARGET_FEATURES
@@ -65,12 +65,13 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
   x = tables.axis_sizes.shape[0]
   uv, uo, t = tables.value_class.shape[0], tables.op_class.shape[0], tables.target_classes.shape[0]
   num_classes = tables.target_rank.shape[1]
-  log_devices = jnp.maximum(jnp.log(_shards(jnp.int32(2**x - 1), tables.axis_sizes).astype(jnp.float32)), 1e-6)
+  log_sizes = jnp.log(tables.axis_sizes.astype(jnp.float32))  # [X]
+  log_devices = jnp.maximum(log_sizes.sum(), 1e-6)
 
   def owner(kind: int, features, classes, mask, extra):
     bits = _axis_bits(mask, x)
     real = (classes >= 0).any(axis=1) | (features != 0).any(axis=1)
-    fraction = jnp.log(_shards(mask.astype(jnp.int32).sum(axis=1), tables.axis_sizes).astype(jnp.float32)) / log_devices
+    fraction = bits.max(axis=1) @ log_sizes / log_devices  # log shard count / log devices
     head = jnp.stack([real, jnp.full(real.shape, kind == 0), jnp.full(real.shape, kind == 1),
                       jnp.zeros(real.shape)], axis=1).astype(jnp.float32)
     start = 4 if kind == 0 else 4 + NUM_VALUE_FEATURES

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from automap_rl import simulator
+from automap_rl import sharding, simulator
 from automap_rl.ir import FactorKind, Role
 from automap_rl.problem import Problem
 from envs.actions import Target
@@ -43,10 +43,10 @@ NUM_TARGET_FEATURES = 3
 
 # Dims of every array, by table name; cost tables by `simulator.CostTables` field.
 DIMS: Mapping[str, tuple[str, ...]] = {
-    "value_class": ("Uv", "Rv"), "value_size": ("Uv", "Rv"),
-    "op_class": ("Uo", "Rf"), "op_size": ("Uo", "Rf"),
+    "value_class": ("Uv", "Rv"), "value_divisible": ("Uv", "Rv"),
+    "op_class": ("Uo", "Rf"), "op_divisible": ("Uo", "Rf"),
     "axis_sizes": ("X",), "axis_valid": ("X",),
-    "slot_order": ("Q", "W"), "slot_size": ("Q", "W"), "chunk_class": ("Q",),
+    "slot_order": ("Q", "W"), "slot_divisible": ("Q", "W"), "chunk_class": ("Q",),
     "target_classes": ("T", "M"), "target_rank": ("T", "C"),
     "base": ("3",), "mesh_features": ("F",),
     "value_features": ("Uv", "Fv"), "op_features": ("Uo", "Fo"), "target_features": ("T", "Ft"),
@@ -71,8 +71,8 @@ def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
   raise KeyError(f"envs.tables.COST_DIMS does not know CostTables field {field!r} of rank {ndim}.")
 
 
-_FILL = {"value_class": -1, "value_size": 1, "op_class": -1, "op_size": 1, "target_classes": -1,
-         "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_size": 1,
+_FILL = {"value_class": -1, "value_divisible": 1, "op_class": -1, "op_divisible": 1, "target_classes": -1,
+         "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_divisible": 1,
          "edge_dim_factors": -1}  # -1: the simulator's never-sharded factor.
 BUCKETED = ("Uv", "Uo", "E", "L", "Q", "C", "T", "G")
 CHUNK = 8  # W: slots per chunk.
@@ -83,12 +83,14 @@ class EnvTables:
   """The static arrays of one environment (see the module docstring for size names).
 
   Attributes:
-    value_class, value_size: class (-1: none) and size of each value-signature dim, [Uv, Rv].
-    op_class, op_size: the same for op-signature factors, [Uo, Rf].
+    value_class, value_divisible: class (-1: none) and `sharding.divisibility_bits` of the
+      size of each value-signature dim, over the X (padded) axes, [Uv, Rv].
+    op_class, op_divisible: the same for op-signature factors, [Uo, Rf].
     slot_order: the slots with a class in chunks of one class each, sorted by class, as
       indices into the value dims then op factors flattened (`value_class.ravel()` then
       `op_class.ravel()`), [Q, W]; padding slots have size 1 (never open on an axis).
-    slot_size: their sizes, [Q, W]; chunk_class: the class of each chunk (`NO_RANK` pads), [Q].
+    slot_divisible: their divisibility bits, [Q, W]; chunk_class: the class of each chunk
+      (`NO_RANK` pads), [Q]. Padding slots and dims have bits 1 (size 1: never open on an axis).
     axis_sizes: mesh axis sizes, padded with 1, [X]; axis_valid: real axes, bool [X].
     target_classes: classes of each target in decision order, -1 padded, [T, M].
     target_rank: position of each class in each target, `NO_RANK` if absent, [T, C].
@@ -102,12 +104,12 @@ class EnvTables:
   """
 
   value_class: jax.Array
-  value_size: jax.Array
+  value_divisible: jax.Array
   slot_order: jax.Array
-  slot_size: jax.Array
+  slot_divisible: jax.Array
   chunk_class: jax.Array
   op_class: jax.Array
-  op_size: jax.Array
+  op_divisible: jax.Array
   axis_sizes: jax.Array
   axis_valid: jax.Array
   target_classes: jax.Array
@@ -227,24 +229,26 @@ def build(problem: Problem, config: EnvConfig, targets: Sequence[Target]) -> Env
   base[2] = raw_objective(config, base_cost, base, tables.hbm_bytes)
   cover, target_features = _coverage(problem, targets)
   flat_class = np.concatenate([sigs.value_class.ravel(), sigs.op_class.ravel()])
-  flat_size = np.concatenate([sigs.value_size.ravel(), sigs.op_size.ravel()])
+  sizes = np.ones(x, np.int32)
+  sizes[:num_axes] = mesh.axis_sizes
+  value_divisible = sharding.divisibility_bits(sigs.value_size, sizes)
+  op_divisible = sharding.divisibility_bits(sigs.op_size, sizes)
+  flat_divisible = np.concatenate([value_divisible.ravel(), op_divisible.ravel()])
   chunks = [(c, members[i:i + CHUNK]) for c in range(num_classes)
             for members in [np.flatnonzero(flat_class == c)] for i in range(0, len(members), CHUNK)]
   slot_order = np.zeros((len(chunks), CHUNK), np.int64)
-  slot_size = np.ones((len(chunks), CHUNK), np.int64)
+  slot_divisible = np.ones((len(chunks), CHUNK), np.int64)
   for q, (_, members) in enumerate(chunks):
     slot_order[q, :len(members)] = members
-    slot_size[q, :len(members)] = flat_size[members]
-  sizes = np.ones(x, np.int32)
-  sizes[:num_axes] = mesh.axis_sizes
+    slot_divisible[q, :len(members)] = flat_divisible[members]
   bandwidth = np.zeros(x, np.float32)
   bandwidth[:num_axes] = [np.log10(link.bandwidth) / 12.0 for link in mesh.links]
   mesh_features = np.concatenate([np.log2(sizes) / 4.0, bandwidth,
                                   [np.log2(mesh.num_devices) / 8.0, np.log10(tables.hbm_bytes) / 12.0]])
   return _device(EnvTables(
-      value_class=sigs.value_class.astype(np.int32), value_size=sigs.value_size.astype(np.int32),
-      op_class=sigs.op_class.astype(np.int32), op_size=sigs.op_size.astype(np.int32),
-      slot_order=slot_order.astype(np.int32), slot_size=slot_size.astype(np.int32),
+      value_class=sigs.value_class.astype(np.int32), value_divisible=value_divisible,
+      op_class=sigs.op_class.astype(np.int32), op_divisible=op_divisible,
+      slot_order=slot_order.astype(np.int32), slot_divisible=slot_divisible.astype(np.int32),
       chunk_class=np.array([c for c, _ in chunks], np.int32),
       axis_sizes=sizes, axis_valid=np.arange(x) < num_axes,
       target_classes=target_classes, target_rank=target_rank, base=base,

@@ -57,29 +57,51 @@ class Cost:
   comm_count: jax.Array
 
 
-def _group_size(t: CostTables, masks: jax.Array) -> jax.Array:
-  """Devices in a group spanning the axes of bit masks [...]: a product over the (at most a
-  few) axes, elementwise, so it vectorises where a look-up in a table would not."""
-  n = jnp.ones(masks.shape, jnp.float32)
-  for axis in range(t.mask_group.shape[0].bit_length() - 1):
-    n = n * jnp.where((jnp.right_shift(masks, axis) & 1) == 1, t.mask_group[1 << axis], 1.0)
+def _axes_of(t: CostTables, masks: jax.Array) -> list[jax.Array]:
+  """Whether each mesh axis is in bit masks [...], as float32 0/1 arrays [...] per axis."""
+  num_axes = t.mask_group.shape[-1].bit_length() - 1
+  return [(jnp.right_shift(masks, axis) & 1).astype(jnp.float32) for axis in range(num_axes)]
+
+
+def _group_size(t: CostTables, on: list[jax.Array]) -> jax.Array:
+  """Devices in a group spanning the axes `on` (from `_axes_of`): a product over the (at
+  most a few) axes, elementwise, so it vectorises where a look-up in a table would not."""
+  n = jnp.ones_like(on[0])
+  for axis, bit in enumerate(on):
+    n = n * (1.0 + bit * (t.mask_group[..., 1 << axis] - 1.0))
   return n
 
 
-def _collective_terms(t: CostTables) -> jax.Array:
-  """Cost terms of a ring collective, by [all-reduce?, axes mask, divisor mask, term].
+def _slowest(table: jax.Array, on: list[jax.Array]) -> jax.Array:
+  """The largest per-axis entry of a per-mask `table` [2**X] over the axes `on`."""
+  out = jnp.zeros_like(on[0])
+  for axis, bit in enumerate(on):
+    out = jnp.maximum(out, bit * table[..., 1 << axis])
+  return out
 
-  A collective over `axes` moving a buffer of `nbytes / group(divisor)` per device takes
-  `nbytes * terms[..., 0] + terms[..., 1]` seconds and moves `nbytes * terms[..., 2]` bytes:
-  `steps = (n - 1)` (twice that for all-reduce) hops of `1/n` of the buffer at the slowest
-  link's rate, plus a latency per hop. One small table, gathered once per edge.
-  """
-  n = t.mask_group[:, None]
-  fraction = 1.0 / t.mask_group[None, :]
-  per_hop = fraction / n * t.mask_seconds_per_byte[:, None]
-  terms = [jnp.stack(jnp.broadcast_arrays(factor * (n - 1) * per_hop, factor * (n - 1) * t.mask_latency[:, None],
-                                          fraction), axis=-1) for factor in (1.0, 2.0)]
-  return jnp.stack(terms)
+
+def _collective(t: CostTables, all_reduce: bool, axes: jax.Array,
+                divisor: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Cost terms of ring collectives over the axes of bit masks `axes` [...] moving
+  `nbytes / group(divisor)` bytes per device: each takes `nbytes * per_byte + fixed`
+  seconds and moves `nbytes * fraction` bytes, in `(n - 1)` hops (twice that for an
+  all-reduce) of `1/n` of the buffer at the slowest link's rate plus its latency per hop.
+  Elementwise over the axes: a table look-up per edge would be a gather, which XLA on
+  CPU neither vectorises nor fuses. Returns `(per_byte, fixed, fraction)`, each [...]."""
+  on = _axes_of(t, axes)
+  n = _group_size(t, on)
+  fraction = 1.0 / _group_size(t, _axes_of(t, divisor))
+  hops = (2.0 if all_reduce else 1.0) * (n - 1.0)
+  per_byte = hops / n * fraction * _slowest(t.mask_seconds_per_byte, on)
+  return per_byte, hops * _slowest(t.mask_latency, on), fraction
+
+
+def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
+  """Sums of each of `terms` [N, B] over N, [B] each, in one variadic reduction: XLA fuses
+  the terms' elementwise producers into it (one pass over the edges), where it would
+  hand single sums to a library kernel that needs every input materialised."""
+  return list(jax.lax.reduce(terms, tuple(jnp.zeros((), x.dtype) for x in terms),
+                             lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,)))
 
 
 def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
@@ -92,9 +114,12 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   Returns:
     The costs, each field leading with the batch [B, ...].
   """
-  value_mask, op_mask = masks
-  value_shards = _group_size(t, value_mask.sum(axis=1))  # [Uv, B]
-  op_shards = _group_size(t, op_mask.sum(axis=1))  # [Uo, B]
+  # Masks are small bit sets: int8 keeps the per-edge arrays [E, B] at a byte an entry,
+  # which keeps the whole computation's scratch memory small (see BENCHMARKS.md). The
+  # barrier lays them out batch-last once, rather than in every gather that reads them.
+  value_mask, op_mask = jax.lax.optimization_barrier(tuple(m.astype(jnp.int8) for m in masks))
+  value_shards = _group_size(t, _axes_of(t, value_mask.sum(axis=1, dtype=jnp.int8)))  # [Uv, B]
+  op_shards = _group_size(t, _axes_of(t, op_mask.sum(axis=1, dtype=jnp.int8)))  # [Uo, B]
   compute = (jnp.sum(jnp.maximum(t.op_compute_s, t.op_memory_s)[:, None] / op_shards, axis=0)
              + jnp.sum(jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards, axis=0))
 
@@ -102,12 +127,13 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   # sums over dims are ORs.
   stored = value_mask[t.edge_value]  # [E, Rv, B]
   padded = jnp.concatenate([op_mask, jnp.zeros_like(op_mask[:, :1])], axis=1)  # Factor -1: none.
-  required = padded[t.edge_op[:, None, None], t.edge_dim_factors].sum(axis=2)  # [E, Rv, B]
-  stored_all, required_all = stored.sum(axis=1), required.sum(axis=1)  # [E, B]
-  overlap = (stored & required).sum(axis=1)
+  required = padded[t.edge_op[:, None, None], t.edge_dim_factors].sum(axis=2, dtype=jnp.int8)  # [E, Rv, B]
+  stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E, B]
+  required_all = required.sum(axis=1, dtype=jnp.int8)
+  overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
   misplaced, placed_out = stored_all - overlap, required_all - overlap
-  op_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0).sum(axis=1)[t.op_reduction_source]
-  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced)[t.edge_op]  # [E, B]
+  op_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0).sum(axis=1, dtype=jnp.int8)
+  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced[t.op_reduction_source])[t.edge_op]  # [E, B]
 
   # Materialise the per-edge masks once: XLA would otherwise fuse their gathers into
   # every consumer and recompute them for each collective.
@@ -119,31 +145,31 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   # Every possible collective on every edge: its kind, its axes, and the axes dividing its
   # bytes (the per-device buffer it moves). An operand and a result edge can both
   # all-gather or all-to-all, so those share a row.
+  zero = jnp.int8(0)
   collectives = (
       (_ALL_GATHER, jnp.where(operand, gather_in, required_all & ~stored_all),
        jnp.where(operand, stored_all & ~gather_in, stored_all)),
       (_ALL_TO_ALL, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced), stored_all),
-      (_REDUCE_SCATTER, jnp.where(operand, 0, result_scatter), required_all),
-      (_ALL_REDUCE, jnp.where(operand, 0, reduced & ~stored_all), required_all | result_scatter),
+      (_REDUCE_SCATTER, jnp.where(operand, zero, result_scatter), required_all),
+      (_ALL_REDUCE, jnp.where(operand, zero, reduced & ~stored_all), required_all | result_scatter),
   )
   nbytes = t.value_bytes[t.edge_value][:, None]
   edge_weight = t.edge_weight[:, None]
-  terms = _collective_terms(t)
-  transient = 0.0  # Bytes of gathered operands, [B].
-  comm_time = 0.0
-  comm_bytes = [0.0] * len(KINDS)
-  comm_count = [0.0] * len(KINDS)
+  time_terms, transient_terms = [], []  # Per-edge seconds and gathered operand bytes, [E, B].
+  bytes_terms, count_terms = {}, {}  # By kind, [E, B].
   for kind, axes, divisor in collectives:
-    # Seconds per byte, seconds, and the bytes fraction of this kind over these axes.
-    per_byte, fixed, fraction = jnp.moveaxis(terms[int(kind == _ALL_REDUCE), axes, divisor], -1, 0)
+    per_byte, fixed, fraction = _collective(t, kind == _ALL_REDUCE, axes, divisor)
     weight = jnp.where(axes != 0, edge_weight, 0.0)
-    comm_time = comm_time + jnp.sum(weight * (nbytes * per_byte + fixed), axis=0)
-    comm_bytes[kind] = comm_bytes[kind] + jnp.sum(weight * nbytes * fraction, axis=0)
-    comm_count[kind] = comm_count[kind] + jnp.sum(weight, axis=0)
+    time_terms.append(weight * (nbytes * per_byte + fixed))
+    bytes_terms[kind] = weight * nbytes * fraction
+    count_terms[kind] = weight
     if kind == _ALL_GATHER:  # Gathered operands add to the peak.
       gathered = operand & (axes != 0)
-      transient = transient + jnp.sum(jnp.where(gathered, t.edge_buffers[:, None], 0.0) * nbytes * fraction, axis=0)
-
+      transient_terms.append(jnp.where(gathered, t.edge_buffers[:, None], 0.0) * nbytes * fraction)
+  kinds = range(len(KINDS))
+  comm_time, transient, *by_kind = _sum_rows(sum(time_terms), sum(transient_terms),
+                                             *(bytes_terms[k] for k in kinds), *(count_terms[k] for k in kinds))
+  comm_bytes, comm_count = by_kind[:len(KINDS)], by_kind[len(KINDS):]
   peak = jnp.max(t.live_bytes @ (1.0 / value_shards), axis=0) + transient
   return Cost(
       step_time=compute + comm_time,
@@ -162,4 +188,6 @@ _simulate_one_or_many = batching.batch_last(_simulate)
 def simulate(tables: CostTables, resolution: Resolution) -> Cost:
   """Costs one resolved plan. Vmap over resolutions for a batch of plans: the batch then
   runs in one batch-last call (see `automap_rl.batching`)."""
-  return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
+  # The barrier keeps XLA from fusing the resolution's last step into every read of it.
+  masks = jax.lax.optimization_barrier((resolution.value_mask, resolution.op_mask))
+  return _simulate_one_or_many(tables, masks)
