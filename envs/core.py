@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from automap_rl import sharding, simulator
 from envs.config import EnvConfig
-from envs.tables import NO_RANK, EnvTables, raw_objective
+from envs.tables import NO_SLOT_RANK, EnvTables, raw_objective
 
 
 @chex.dataclass(frozen=True)
@@ -71,26 +71,29 @@ def _divides(divisible: jax.Array, mask: jax.Array) -> jax.Array:
   return (jnp.right_shift(divisible, mask.astype(divisible.dtype)) & 1) == 1
 
 
-def _assign(classes: jax.Array, divisible: jax.Array, mask: jax.Array, rank: jax.Array,
-            axis: jax.Array) -> jax.Array:
+def _assign(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array) -> jax.Array:
   """Applies decisions `(c, axis)` for the classes of one target in rank order.
 
   Equivalent to `sharding.assign_axes` over those decisions: in each owner the first
   open slot of the lowest-ranked class takes the axis.
 
   Args:
-    classes, divisible: class and divisibility bits of each slot, int32 [owners, slots].
+    divisible: divisibility bits of each slot, int32 [owners, slots].
     mask: int8 [owners, slots].
-    rank: the target's rank of each class, `NO_RANK` if not covered, int32 [C].
+    rank: the target's rank of each slot's class, `NO_SLOT_RANK` if not covered, int16
+      [owners, slots].
     axis: int32 [].
   """
-  slot_rank = jnp.where(classes >= 0, rank[jnp.maximum(classes, 0)], NO_RANK)
+  slots = mask.shape[1]
   bit = jnp.left_shift(1, axis).astype(mask.dtype)
   free = (mask.sum(axis=1, dtype=mask.dtype) & bit) == 0
-  cand = (slot_rank < NO_RANK) & free[:, None] & _divides(divisible, mask | bit)
-  key = jnp.where(cand, slot_rank * classes.shape[1] + jnp.arange(classes.shape[1]), NO_RANK * 64)
-  first = cand & (key == key.min(axis=1, keepdims=True))
-  return mask | jnp.where(first, bit, 0).astype(mask.dtype)
+  cand = (rank < NO_SLOT_RANK) & free[:, None] & _divides(divisible, mask | bit)
+  key = jnp.where(cand, rank.astype(jnp.int32) * slots + jnp.arange(slots), NO_SLOT_RANK * slots)
+  # The slot each owner shards, -1 for none: a reduction XLA materialises, so the
+  # simulator's reads of the new mask recompute one compare, not this search.
+  first = key.min(axis=1)
+  chosen = jnp.where(first < NO_SLOT_RANK * slots, first % slots, -1).astype(jnp.int8)
+  return mask | jnp.where(jnp.arange(slots, dtype=jnp.int8) == chosen[:, None], bit, 0).astype(mask.dtype)
 
 
 def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, num_decisions: jax.Array,
@@ -149,9 +152,8 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   stop = (action == state.legal_action_mask.shape[0] - 1) | ~state.legal_action_mask[action]
   target = jnp.minimum(action // num_axes, tables.target_classes.shape[0] - 1)
   axis = action % num_axes
-  rank = tables.target_rank[target]
-  value_mask = _assign(tables.value_class, tables.value_divisible, state.value_mask, rank, axis)
-  op_mask = _assign(tables.op_class, tables.op_divisible, state.op_mask, rank, axis)
+  value_mask = _assign(tables.value_divisible, state.value_mask, tables.value_rank[target], axis)
+  op_mask = _assign(tables.op_divisible, state.op_mask, tables.op_rank[target], axis)
   cost, objective = _evaluate(config, tables, value_mask, op_mask)
 
   classes = tables.target_classes[target]

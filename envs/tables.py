@@ -30,6 +30,7 @@ from envs.actions import Target
 from envs.config import EnvConfig
 
 NO_RANK = 1 << 20  # Rank of a class a target does not cover.
+NO_SLOT_RANK = np.iinfo(np.int16).max  # The same, in the per-slot rank tables.
 
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 _LAYOUT = frozenset({
@@ -48,6 +49,7 @@ DIMS: Mapping[str, tuple[str, ...]] = {
     "axis_sizes": ("X",), "axis_valid": ("X",),
     "slot_order": ("Q", "W"), "slot_divisible": ("Q", "W"), "chunk_class": ("Q",),
     "target_classes": ("T", "M"), "target_rank": ("T", "C"),
+    "value_rank": ("T", "Uv", "Rv"), "op_rank": ("T", "Uo", "Rf"),
     "base": ("3",), "mesh_features": ("F",),
     "value_features": ("Uv", "Fv"), "op_features": ("Uo", "Fo"), "target_features": ("T", "Ft"),
     "edge_real": ("E",), "cover_target": ("G",), "cover_index": ("G",), "cover_is_op": ("G",),
@@ -73,7 +75,7 @@ def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
 
 _FILL = {"value_class": -1, "value_divisible": 1, "op_class": -1, "op_divisible": 1, "target_classes": -1,
          "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_divisible": 1,
-         "edge_dim_factors": -1}  # -1: the simulator's never-sharded factor.
+         "edge_dim_factors": -1, "value_rank": NO_SLOT_RANK, "op_rank": NO_SLOT_RANK}  # -1: the simulator's never-sharded factor.
 BUCKETED = ("Uv", "Uo", "E", "L", "Q", "C", "T", "G")
 CHUNK = 8  # W: slots per chunk.
 
@@ -94,6 +96,8 @@ class EnvTables:
     axis_sizes: mesh axis sizes, padded with 1, [X]; axis_valid: real axes, bool [X].
     target_classes: classes of each target in decision order, -1 padded, [T, M].
     target_rank: position of each class in each target, `NO_RANK` if absent, [T, C].
+    value_rank, op_rank: the same per slot, `NO_SLOT_RANK` if absent, int16 [T, Uv, Rv] and
+      [T, Uo, Rf]: a step gathers its target's row instead of a rank per slot.
     base: the replicated plan's step time, peak memory and raw objective, [3].
     mesh_features: static global features of the observation, [F].
     value_features, op_features, target_features: static node features, [U*, F*].
@@ -114,6 +118,8 @@ class EnvTables:
   axis_valid: jax.Array
   target_classes: jax.Array
   target_rank: jax.Array
+  value_rank: jax.Array
+  op_rank: jax.Array
   base: jax.Array
   mesh_features: jax.Array
   value_features: jax.Array
@@ -152,6 +158,14 @@ def _tile_masks(table: np.ndarray, num_axes: int, max_axes: int) -> np.ndarray:
   """Lays a per-axis-mask table of a mesh with `num_axes` axes out for `max_axes`."""
   masks = np.arange(1 << max_axes) & ((1 << num_axes) - 1)
   return table[masks]
+
+
+def _slot_rank(target_rank: np.ndarray, classes: np.ndarray) -> np.ndarray:
+  """Each target's rank of each slot's class, int16 [T, owners, slots]."""
+  if (target_rank[target_rank < NO_RANK] >= NO_SLOT_RANK).any():
+    raise ValueError(f"A target covers more than {NO_SLOT_RANK} classes.")
+  ranks = np.minimum(target_rank[:, np.maximum(classes, 0)], NO_SLOT_RANK)
+  return np.where(classes >= 0, ranks, NO_SLOT_RANK).astype(np.int16)
 
 
 def _value_features(problem: Problem) -> np.ndarray:
@@ -252,6 +266,7 @@ def build(problem: Problem, config: EnvConfig, targets: Sequence[Target]) -> Env
       chunk_class=np.array([c for c, _ in chunks], np.int32),
       axis_sizes=sizes, axis_valid=np.arange(x) < num_axes,
       target_classes=target_classes, target_rank=target_rank, base=base,
+      value_rank=_slot_rank(target_rank, sigs.value_class), op_rank=_slot_rank(target_rank, sigs.op_class),
       mesh_features=mesh_features.astype(np.float32),
       value_features=_value_features(problem), op_features=_op_features(problem, tables),
       target_features=target_features,

@@ -58,25 +58,27 @@ class Cost:
 
 
 def _axes_of(t: CostTables, masks: jax.Array) -> list[jax.Array]:
-  """Whether each mesh axis is in bit masks [...], as float32 0/1 arrays [...] per axis."""
+  """Whether each mesh axis is in bit masks [...], bool [...] per axis."""
   num_axes = t.mask_group.shape[-1].bit_length() - 1
-  return [(jnp.right_shift(masks, axis) & 1).astype(jnp.float32) for axis in range(num_axes)]
+  return [(masks & (1 << axis)) != 0 for axis in range(num_axes)]
 
 
 def _group_size(t: CostTables, on: list[jax.Array]) -> jax.Array:
   """Devices in a group spanning the axes `on` (from `_axes_of`): a product over the (at
-  most a few) axes, elementwise, so it vectorises where a look-up in a table would not."""
-  n = jnp.ones_like(on[0])
+  most a few) axes, elementwise, so it vectorises where a look-up in a table would not.
+  Selects rather than arithmetic on the bits: XLA folds a padded axis (size 1) away
+  when the tables are constants."""
+  n = jnp.float32(1.0)
   for axis, bit in enumerate(on):
-    n = n * (1.0 + bit * (t.mask_group[..., 1 << axis] - 1.0))
+    n = n * jnp.where(bit, t.mask_group[..., 1 << axis], 1.0)
   return n
 
 
 def _slowest(table: jax.Array, on: list[jax.Array]) -> jax.Array:
-  """The largest per-axis entry of a per-mask `table` [2**X] over the axes `on`."""
-  out = jnp.zeros_like(on[0])
+  """The largest per-axis entry of a non-negative per-mask `table` [2**X] over the axes `on`."""
+  out = jnp.float32(0.0)
   for axis, bit in enumerate(on):
-    out = jnp.maximum(out, bit * table[..., 1 << axis])
+    out = jnp.maximum(out, jnp.where(bit, table[..., 1 << axis], 0.0))
   return out
 
 
