@@ -117,9 +117,8 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
     The costs, each field leading with the batch [B, ...].
   """
   # Masks are small bit sets: int8 keeps the per-edge arrays [E, B] at a byte an entry,
-  # which keeps the whole computation's scratch memory small (see BENCHMARKS.md). The
-  # barrier lays them out batch-last once, rather than in every gather that reads them.
-  value_mask, op_mask = jax.lax.optimization_barrier(tuple(m.astype(jnp.int8) for m in masks))
+  # which keeps the whole computation's scratch memory small (see BENCHMARKS.md).
+  value_mask, op_mask = (m.astype(jnp.int8) for m in masks)
   value_shards = _group_size(t, _axes_of(t, value_mask.sum(axis=1, dtype=jnp.int8)))  # [Uv, B]
   op_shards = _group_size(t, _axes_of(t, op_mask.sum(axis=1, dtype=jnp.int8)))  # [Uo, B]
   compute = (jnp.sum(jnp.maximum(t.op_compute_s, t.op_memory_s)[:, None] / op_shards, axis=0)
@@ -137,10 +136,6 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   op_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0).sum(axis=1, dtype=jnp.int8)
   reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced[t.op_reduction_source])[t.edge_op]  # [E, B]
 
-  # Materialise the per-edge masks once: XLA would otherwise fuse their gathers into
-  # every consumer and recompute them for each collective.
-  stored_all, required_all, reduced, misplaced, placed_out = jax.lax.optimization_barrier(
-      (stored_all, required_all, reduced, misplaced, placed_out))
   operand = ~t.edge_result[:, None]
   gather_in = stored_all & ~required_all
   result_scatter = reduced & stored_all
@@ -190,6 +185,4 @@ _simulate_one_or_many = batching.batch_last(_simulate)
 def simulate(tables: CostTables, resolution: Resolution) -> Cost:
   """Costs one resolved plan. Vmap over resolutions for a batch of plans: the batch then
   runs in one batch-last call (see `automap_rl.batching`)."""
-  # The barrier keeps XLA from fusing the resolution's last step into every read of it.
-  masks = jax.lax.optimization_barrier((resolution.value_mask, resolution.op_mask))
-  return _simulate_one_or_many(tables, masks)
+  return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
