@@ -9,6 +9,7 @@ import pytest
 
 from automap_rl import ir, models
 from automap_rl.ir import FactorKind
+from automap_rl.ir.flops import fusion_copies
 from experiments.inspect_cmd import summarize, trace_workload
 
 ZOO = ("mlp", "gpt", "gpt:scan=true", "moe", "gnn", "resnet", "unet")
@@ -176,3 +177,60 @@ def test_elementwise_reduction_and_dot_flops_follow_cost_analysis():
   assert flops["tanh"] == 0  # A transcendental: XLA counts it apart.
   assert flops["reduce_sum"] == 16 * 8 - 16
   assert sum(op.flops for op in program.ops) == _xla_flops(fn, x, w)
+
+
+def _fused_flops(program: ir.Program) -> float:
+  return sum(op.flops * n for op, n in zip(program.ops, fusion_copies(program)))
+
+
+@pytest.mark.parametrize("size, producer, copies", [
+    (32, lambda x: x * 2.0 + x, 2),  # Cheap: cloned into both reduction fusions.
+    (32, jnp.exp, 1),  # Expensive: computed once, read by both.
+    (128, lambda x: x * 2.0 + x, 1),  # Library reductions (4096 elements) fuse nothing they share.
+])
+def test_fusion_copies_clone_cheap_producers_into_each_fusion_that_reads_them(size, producer, copies):
+  fn = lambda x: (lambda y: (y.sum(axis=0), y.sum(axis=1)))(producer(x))
+  x = jnp.ones((size, size))
+  program = ir.trace(fn, x)
+  first = program.ops[0]
+  assert fusion_copies(program)[0] == copies, first.primitive
+  assert _fused_flops(program) == _xla_flops(fn, x)
+
+
+def test_fusion_copies_drop_what_cse_merges():
+  fn = lambda x: jnp.sum(jnp.exp(x) * 3.0) + jnp.sum(jnp.exp(x) * 3.0)
+  x = jnp.ones((64, 64))
+  program = ir.trace(fn, x)
+  assert fusion_copies(program) == (1, 1, 1, 0, 0, 0, 1)
+  assert _fused_flops(program) == _xla_flops(fn, x)
+
+
+def _block(params, x):
+  """Pre-LayerNorm MLP block with a GELU: cheap chains that several fusions read."""
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  h = (x - mean) * jax.lax.rsqrt(var + 1e-5) * params["g"] + params["b"]
+  return jnp.sum((jax.nn.gelu(h @ params["w1"]) @ params["w2"]) ** 2)
+
+
+def _conv_relu(w, x):
+  y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jnp.sum(jax.nn.relu(y * 2.0 + 1.0) ** 2)
+
+
+@pytest.mark.parametrize("fn, args", [
+    # Batch 1: small reductions (loop fusions), 3-d activations reshaped for the dots.
+    (_block, ({"g": jnp.ones(32), "b": jnp.zeros(32), "w1": jnp.ones((32, 128)), "w2": jnp.ones((128, 32))},
+              jnp.ones((1, 16, 32)))),
+    # Batch 8: 4096-element reductions go to the library.
+    (_block, ({"g": jnp.ones(32), "b": jnp.zeros(32), "w1": jnp.ones((32, 128)), "w2": jnp.ones((128, 32))},
+              jnp.ones((8, 16, 32)))),
+    (lambda w, x: jnp.sum(jax.nn.log_softmax(x @ w)), (jnp.ones((32, 32)), jnp.ones((64, 32)))),
+    # The weight gradient reads the activation transposed: its producers are recomputed.
+    (_conv_relu, (jnp.ones((3, 3, 8, 8)), jnp.ones((4, 8, 8, 8)))),
+])
+def test_fused_flops_of_training_steps_follow_the_compiled_module(fn, args):
+  step = jax.value_and_grad(fn)
+  program = ir.trace(step, *args)
+  compiled = _xla_flops(step, *args)
+  assert abs(_fused_flops(program) - compiled) <= 0.005 * compiled

@@ -3,7 +3,9 @@
 import json
 import math
 
+from automap_rl import models
 from automap_rl.xla import validate
+from automap_rl.xla.lower import reference_outputs
 from experiments import validate_cmd
 
 TINY = validate.Suite(models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",), meshes=("data=8",),
@@ -36,3 +38,18 @@ def test_summary_statistics():
   assert validate.relative_error(110.0, 100.0) == 0.1
   assert validate.spearman([1, 2, 3], [10, 30, 20]) == 0.5
   assert math.isnan(validate.spearman([1, 2], [1, 2]))
+
+
+def test_simulated_flops_follow_xla_fusion_on_per_device_shapes():
+  """XLA clones cheap producers (LayerNorm, GELU, their gradients) into every fusion that
+  reads them, and whether a reduction is a library call depends on its per-device size:
+  the replicated and the data-parallel plan fuse differently, and both match."""
+  spec = validate.SUITES["quick"].models[1]
+  assert spec.startswith("gpt:")
+  workload = models.make_workload(spec, seed=0)
+  reference = reference_outputs(workload.step, workload.args)
+  problem = validate.trace_problem(workload, "data=8", "cpu")
+  plans = validate.expert_plans(problem)
+  for name in ("replicated", "data_parallel"):
+    case = validate.run_case(problem, workload, "data=8", name, plans[name], reference)
+    assert validate.relative_error(case.simulated["flops"], case.compiled["flops"]) < 0.015, name

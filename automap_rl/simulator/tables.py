@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import chex
 import numpy as np
 
 from automap_rl.ir import FactorKind, Op, Program
+from automap_rl.ir.flops import fusion_copies
 from automap_rl.mesh import Mesh
 from automap_rl.sharding import Signatures
 
@@ -31,6 +33,15 @@ def op_flops(program: Program, op: Op) -> float:
   return float(max(sizes, default=0))
 
 
+def program_flops(program: Program, shapes: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+  """Flops of one call of each op as XLA's compiled CPU module does them, [num_ops]:
+  `op_flops` times how often the module computes the op (`ir.flops.fusion_copies`: 0 once
+  CSE merges it or constant folding removes it, more when fusion clones it into several
+  consumers), for values of these per-device shapes (default: global)."""
+  copies = fusion_copies(program, shapes)
+  return np.array([op_flops(program, op) * n for op, n in zip(program.ops, copies)], np.float64)
+
+
 def _conv_out_feature_dim(op: Op, program: Program) -> int:
   """The kernel dim that maps to the output feature factor (the rhs dim shared with the result)."""
   result_factors = {f for dim in op.rule.result_dims[0] for f in dim}
@@ -52,7 +63,7 @@ class CostTables:
     value_compute_s, value_memory_s: flop and HBM time at peak of the ops that shard like
       their values (no op signature), by the signature of their first result, [Uv].
     op_compute_s: summed flop time at peak of all ops of each signature (times their
-      repeat count), [Uo].
+      repeat count; flops as XLA's fused module does them, see `program_flops`), [Uo].
     op_memory_s: summed HBM traffic time of those ops, [Uo].
     op_reduction: which factors are reductions, bool [Uo, Rf].
     op_reduction_source: the op signature whose reduction axes each op's results reduce
@@ -234,10 +245,11 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
   operand_buffers: dict[int, np.ndarray] = {}
   operand_weight: dict[int, np.ndarray] = {}  # Op signature -> gather weight of each operand.
   read_share = _operand_read_shares(program, sigs)
+  flops = program_flops(program)
   for op in program.ops:
     sig = sigs.op_sig[op.id]
     dtype = program.values[op.results[0]].dtype if op.results else "float32"
-    flop_s = op.repeat * op_flops(program, op) / hw.flops.get(dtype, hw.flops["float32"])
+    flop_s = op.repeat * flops[op.id] / hw.flops.get(dtype, hw.flops["float32"])
     io_bytes = sum(program.values[v].nbytes for v in (*op.operands, *op.results))
     memory_s = op.repeat * io_bytes / hw.hbm_bandwidth
     if sig < 0:  # Sharded like its values: charged to its first result.

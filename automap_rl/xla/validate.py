@@ -24,7 +24,7 @@ from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.simulator import KINDS
-from automap_rl.simulator.tables import op_flops
+from automap_rl.simulator.tables import program_flops
 from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import NumericsError, compare_outputs, lower, reference_outputs
 
@@ -108,21 +108,27 @@ def _jitted(problem: Problem) -> tuple[Callable, Callable]:
 
 
 def simulated_flops(problem: Problem, resolution: Any) -> float:
-  """Per-device flops of a resolved plan: `op_flops * repeat / shards` summed over program
-  ops. An op's shard count is the product of the mesh axes its factors are sharded on; an
-  op without a signature of its own (`op_sig == -1`: it follows its values) is sharded
-  like its first result."""
+  """Per-device flops of a resolved plan: `program_flops * repeat / shards` summed over
+  program ops, with XLA's fusion decisions taken on the plan's per-device value shapes
+  (which reductions are large enough for a library kernel depends on them; see
+  `automap_rl.ir.flops.fusion_copies`). An op's shard count is the product of the mesh
+  axes its factors are sharded on; an op without a signature of its own (`op_sig == -1`:
+  it follows its values) is sharded like its first result."""
   group = np.asarray(problem.tables.mask_group)
   op_shards = group[np.bitwise_or.reduce(np.asarray(resolution.op_mask), axis=1)]  # [Uo]
-  value_shards = group[np.bitwise_or.reduce(np.asarray(resolution.value_mask), axis=1)]  # [Uv]
+  value_masks = np.asarray(resolution.value_mask)  # [Uv, Rv]
+  value_shards = group[np.bitwise_or.reduce(value_masks, axis=1)]  # [Uv]
   sigs, program = problem.sigs, problem.program
+  shapes = [tuple(d // int(group[m]) for d, m in zip(v.shape, value_masks[sigs.value_sig[v.id]]))
+            for v in program.values]
+  flops = program_flops(program, shapes)
 
   def shards(op) -> float:
     if sigs.op_sig[op.id] >= 0:
       return op_shards[sigs.op_sig[op.id]]
     return value_shards[sigs.value_sig[op.results[0]]] if op.results else 1.0
 
-  return float(sum(op.repeat * op_flops(program, op) / shards(op) for op in program.ops))
+  return float(sum(op.repeat * flops[op.id] / shards(op) for op in program.ops))
 
 
 def simulated_metrics(problem: Problem, decisions: Sequence[Decision]) -> dict[str, Any]:
