@@ -63,14 +63,15 @@ def _axes_of(t: CostTables, masks: jax.Array) -> list[jax.Array]:
   return [(masks & (1 << axis)) != 0 for axis in range(num_axes)]
 
 
-def _group_size(t: CostTables, on: list[jax.Array]) -> jax.Array:
-  """Devices in a group spanning the axes `on` (from `_axes_of`): a product over the (at
-  most a few) axes, elementwise, so it vectorises where a look-up in a table would not.
-  Selects rather than arithmetic on the bits: XLA folds a padded axis (size 1) away
-  when the tables are constants."""
+def _group_size(t: CostTables, on: list[jax.Array], inverse: bool = False) -> jax.Array:
+  """Devices in a group spanning the axes `on` (from `_axes_of`), or its inverse: a product
+  over the (at most a few) axes, elementwise, so it vectorises where a look-up in a table
+  would not, and needs no division. Selects rather than arithmetic on the bits: XLA folds
+  a padded axis (size 1) away when the tables are constants."""
   n = jnp.float32(1.0)
   for axis, bit in enumerate(on):
-    n = n * jnp.where(bit, t.mask_group[..., 1 << axis], 1.0)
+    size = t.mask_group[..., 1 << axis]
+    n = n * jnp.where(bit, 1.0 / size if inverse else size, 1.0)
   return n
 
 
@@ -88,14 +89,14 @@ def _collective(t: CostTables, all_reduce: bool, axes: jax.Array,
   `nbytes / group(divisor)` bytes per device: each takes `nbytes * per_byte + fixed`
   seconds and moves `nbytes * fraction` bytes, in `(n - 1)` hops (twice that for an
   all-reduce) of `1/n` of the buffer at the slowest link's rate plus its latency per hop.
-  Elementwise over the axes: a table look-up per edge would be a gather, which XLA on
-  CPU neither vectorises nor fuses. Returns `(per_byte, fixed, fraction)`, each [...]."""
-  on = _axes_of(t, axes)
-  n = _group_size(t, on)
-  fraction = 1.0 / _group_size(t, _axes_of(t, divisor))
-  hops = (2.0 if all_reduce else 1.0) * (n - 1.0)
-  per_byte = hops / n * fraction * _slowest(t.mask_seconds_per_byte, on)
-  return per_byte, hops * _slowest(t.mask_latency, on), fraction
+  Three look-ups in per-mask tables [2**X]. Returns `(per_byte, fixed, fraction)`, each [...]."""
+  rounds = 2.0 if all_reduce else 1.0
+  n = jnp.asarray(t.mask_group)
+  per_byte = rounds * (1.0 - 1.0 / n) * jnp.asarray(t.mask_seconds_per_byte)
+  fixed = rounds * (n - 1.0) * jnp.asarray(t.mask_latency)
+  axes, divisor = axes.astype(jnp.uint8), divisor.astype(jnp.uint8)  # Unsigned: no wrap of negative indices.
+  fraction = (1.0 / n)[divisor]
+  return per_byte[axes] * fraction, fixed[axes], fraction
 
 
 def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
