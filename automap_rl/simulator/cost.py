@@ -63,24 +63,15 @@ def _axes_of(t: CostTables, masks: jax.Array) -> list[jax.Array]:
   return [(masks & (1 << axis)) != 0 for axis in range(num_axes)]
 
 
-def _group_size(t: CostTables, on: list[jax.Array], inverse: bool = False) -> jax.Array:
-  """Devices in a group spanning the axes `on` (from `_axes_of`), or its inverse: a product
-  over the (at most a few) axes, elementwise, so it vectorises where a look-up in a table
-  would not, and needs no division. Selects rather than arithmetic on the bits: XLA folds
-  a padded axis (size 1) away when the tables are constants."""
+def _group_size(t: CostTables, on: list[jax.Array]) -> jax.Array:
+  """Devices in a group spanning the axes `on` (from `_axes_of`): a product over the (at
+  most a few) axes, elementwise, so it vectorises where a look-up in a table would not.
+  Selects rather than arithmetic on the bits: XLA folds a padded axis (size 1) away
+  when the tables are constants."""
   n = jnp.float32(1.0)
   for axis, bit in enumerate(on):
-    size = t.mask_group[..., 1 << axis]
-    n = n * jnp.where(bit, 1.0 / size if inverse else size, 1.0)
+    n = n * jnp.where(bit, t.mask_group[..., 1 << axis], 1.0)
   return n
-
-
-def _slowest(table: jax.Array, on: list[jax.Array]) -> jax.Array:
-  """The largest per-axis entry of a non-negative per-mask `table` [2**X] over the axes `on`."""
-  out = jnp.float32(0.0)
-  for axis, bit in enumerate(on):
-    out = jnp.maximum(out, jnp.where(bit, table[..., 1 << axis], 0.0))
-  return out
 
 
 def _collective(t: CostTables, all_reduce: bool, axes: jax.Array,
@@ -89,7 +80,10 @@ def _collective(t: CostTables, all_reduce: bool, axes: jax.Array,
   `nbytes / group(divisor)` bytes per device: each takes `nbytes * per_byte + fixed`
   seconds and moves `nbytes * fraction` bytes, in `(n - 1)` hops (twice that for an
   all-reduce) of `1/n` of the buffer at the slowest link's rate plus its latency per hop.
-  Three look-ups in per-mask tables [2**X]. Returns `(per_byte, fixed, fraction)`, each [...]."""
+  Three look-ups in per-mask tables [2**X]: the per-edge terms run inside the edge
+  reduction, a loop XLA on CPU does not vectorise, where a look-up is one load and the
+  same terms as products and maxima over the axes cost a dozen selects and two divisions
+  (twice the time). Returns `(per_byte, fixed, fraction)`, each [...]."""
   rounds = 2.0 if all_reduce else 1.0
   n = jnp.asarray(t.mask_group)
   per_byte = rounds * (1.0 - 1.0 / n) * jnp.asarray(t.mask_seconds_per_byte)
