@@ -41,8 +41,13 @@ class Problem:
     """Decisions as `(classes, axes)` int32 arrays of shape [length]."""
     return sharding.encode(decisions, self.program, self.named, self.mesh, length)
 
+  @functools.cached_property
+  def owners(self) -> sharding.Owners:
+    """The slot layout that resolution runs on."""
+    return sharding.Owners.build(self.sigs, self.mesh.axis_sizes)
+
   def resolve(self, dec_class: jax.Array, dec_axis: jax.Array) -> sharding.Resolution:
-    return sharding.resolve(self.sigs, self.mesh, dec_class, dec_axis)
+    return sharding.resolve(self.owners, dec_class, dec_axis)
 
   def evaluate(self, dec_class: jax.Array, dec_axis: jax.Array) -> simulator.Cost:
     """The cost of encoded decisions; pure, so it jits and vmaps."""

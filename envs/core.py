@@ -6,7 +6,7 @@ static tables (`EnvTables`) stay outside the state, so a search tree stores only
 
 The state keeps the resolution itself (axis bit masks per signature dim, int8) next to
 the encoded decisions: a step then applies one target's classes to it in one vectorised
-pass instead of re-resolving every decision (`sharding.assign_axes` scans all K of them),
+pass instead of re-resolving every decision (`sharding.resolve` scans all K of them),
 and the legal mask and the observation read it directly. It is `Uv*Rv + Uo*Rf` bytes (7 KB
 for a 12-layer GPT); everything else is O(K + actions).
 
@@ -74,8 +74,8 @@ def _divides(divisible: jax.Array, mask: jax.Array) -> jax.Array:
 def _assign(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array) -> jax.Array:
   """Applies decisions `(c, axis)` for the classes of one target in rank order.
 
-  Equivalent to `sharding.assign_axes` over those decisions: in each owner the first
-  open slot of the lowest-ranked class takes the axis.
+  Equivalent to `sharding.resolve` of those decisions after the earlier ones: in each
+  owner the first open slot of the lowest-ranked class takes the axis.
 
   Args:
     divisible: divisibility bits of each slot, int32 [owners, slots].
