@@ -307,21 +307,30 @@ def to_json(cases: Sequence[Case], summary: dict[str, float]) -> dict[str, Any]:
 
 
 def plot(cases: Sequence[Case], path: str) -> None:
-  """Scatter plots, log-log, of simulated vs compiled comm bytes and peak memory."""
+  """Scatter plots, log-log, of simulated vs compiled comm bytes, flops and peak memory
+  per device, one colour per model, with the line of agreement and a ±15% band. Cases
+  where both figures are zero (no communication) cannot sit on a log axis: each panel's
+  title counts them instead."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 5))
-  for ax, key, title in zip(axes, ("comm_bytes", "peak_memory"), ("communication bytes / device", "peak memory / device")):
-    for model in dict.fromkeys(c.model.split(":")[0] for c in cases):
-      mine = [c for c in cases if c.model.split(":")[0] == model]
-      ax.scatter([max(c.compiled[key], 1.0) for c in mine], [max(c.simulated[key], 1.0) for c in mine],
-                 label=model, s=18, alpha=0.8)
-    values = [max(c.compiled[key], c.simulated[key], 1.0) for c in cases]
-    top = max(values, default=10.0)
-    ax.plot([1, top], [1, top], "k--", lw=0.8)
-    ax.set(xscale="log", yscale="log", xlabel="XLA (compiled), bytes", ylabel="simulator, bytes", title=title)
+  panels = (("comm_bytes", "communication / device", "bytes"), ("flops", "flops / device", "flops"),
+            ("peak_memory", "peak memory / device", "bytes"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(16, 5))
+  models = list(dict.fromkeys(c.model.split(":")[0] for c in cases))
+  for ax, (key, title, unit) in zip(axes, panels):
+    shown = [c for c in cases if c.compiled[key] > 0 and c.simulated[key] > 0]
+    for model in models:
+      mine = [c for c in shown if c.model.split(":")[0] == model]
+      ax.scatter([c.compiled[key] for c in mine], [c.simulated[key] for c in mine], label=model, s=18, alpha=0.8)
+    values = [v for c in shown for v in (c.compiled[key], c.simulated[key])] or [1.0, 10.0]
+    line = np.geomspace(min(values) / 1.5, max(values) * 1.5, 2)
+    ax.plot(line, line, "k--", lw=0.8)
+    ax.fill_between(line, line / 1.15, line * 1.15, color="k", alpha=0.06, lw=0)
+    hidden = len(cases) - len(shown)
+    ax.set(xscale="log", yscale="log", xlabel=f"XLA (compiled), {unit}", ylabel=f"simulator, {unit}",
+           title=title + (f" (not shown: {hidden} cases with none)" if hidden else ""))
     ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
