@@ -328,9 +328,8 @@ def _assign_packed(owners: Owners, dec_class: jax.Array, dec_axis: jax.Array) ->
     cls, axis = decision[0][None, :], decision[1][None, :]
     bit = jnp.left_shift(1, jnp.maximum(axis, 0))
     used = jnp.zeros_like(words[0])
-    for word in words:
-      for s in range(per_word):
-        used = used | (word >> (x * s))
+    for s in range(width):
+      used = used | (words[s // per_word] >> (x * (s % per_word)))
     taken = ((used & bit) != 0) | (cls < 0)
     words = list(words)
     for s in range(width):
