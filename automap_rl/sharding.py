@@ -246,7 +246,7 @@ def divisibility_bits(sizes: np.ndarray, axis_sizes: Sequence[int]) -> np.ndarra
   return bits
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Owners:
   """The slots (value-signature dims and op-signature factors) that decisions can shard,
   grouped by owner (a value or op signature), deduplicated and laid out for `resolve`.
