@@ -132,16 +132,20 @@ def _unique(keys: Sequence) -> tuple[np.ndarray, list]:
 LINEAR_COMBINES = frozenset({"add", "add_any", "sub"})
 
 
-def pending_partial_sums(program: Program) -> tuple[set[int], dict[int, int]]:
-  """Partial sums that stay pending through linear combinations, as XLA keeps them.
+def pending_partial_sums(program: Program) -> tuple[set[int], dict[int, int], dict[int, int]]:
+  """Partial sums that a linear combination of them reduces in one collective, as XLA does.
 
-  `add_any(dot(a, b), dot(c, d))` with both contractions sharded all-reduces once, after
-  the add. A combination whose operands are all single-use pending partial sums of its
-  own shape takes over their reduction; their producers then reduce nothing.
+  `add_any(dot(a, b), dot(c, d))` with both contractions sharded: XLA all-reduces each
+  product, and its all-reduce combiner merges the two into one collective over both
+  buffers (the backward pass of separate query, key and value projections under Megatron:
+  one all-reduce of three activations). A combination whose operands are all single-use
+  partial sums of its own shape takes over their reduction: it is counted once, with the
+  bytes of every buffer it carries; their producers then reduce nothing.
 
   Returns:
-    The ops whose reduction is deferred, and for each combination the reduction op whose
-    axes it reduces over (the first operand's).
+    The ops whose reduction a combination takes over; for each combination, the reduction
+    op whose axes it reduces over (the first operand's); and how many partial sums (one
+    buffer each) it reduces.
   """
   uses: dict[int, int] = {}
   for op in program.ops:
@@ -153,6 +157,7 @@ def pending_partial_sums(program: Program) -> tuple[set[int], dict[int, int]]:
       pending[op.results[0]] = op.id
   deferred: set[int] = set()
   carried: dict[int, int] = {}
+  buffers: dict[int, int] = {}
   for op in program.ops:
     if op.primitive not in LINEAR_COMBINES or len(op.operands) < 2:
       continue
@@ -161,8 +166,9 @@ def pending_partial_sums(program: Program) -> tuple[set[int], dict[int, int]]:
       producers = [pending[v] for v in op.operands]
       deferred.update(producers)
       carried[op.id] = carried.get(producers[0], producers[0])
+      buffers[op.id] = sum(buffers.get(p, 1) for p in producers)
       pending[op.results[0]] = op.id
-  return deferred, carried
+  return deferred, carried, buffers
 
 
 def _follows_its_values(factors, edges, value_keys) -> bool:
@@ -201,7 +207,7 @@ def signatures(program: Program, named: NamedDims) -> Signatures:
     value_keys.append((classes, value.shape, value.itemsize))
   value_sig, unique_values = _unique(value_keys)
   unique_values = list(unique_values)
-  deferred, carried = pending_partial_sums(program)
+  deferred, carried, buffers = pending_partial_sums(program)
   index: dict = {}
   op_sig = np.zeros(program.num_ops, np.int32)
   shardable = (FactorKind.PASS_THROUGH, FactorKind.REDUCTION)
@@ -213,8 +219,8 @@ def signatures(program: Program, named: NamedDims) -> Signatures:
     )
     operands = tuple((int(value_sig[v]), dims) for v, dims in zip(op.operands, op.rule.operand_dims))
     results = tuple((int(value_sig[v]), dims) for v, dims in zip(op.results, op.rule.result_dims))
-    partial = (op.id in deferred, int(op_sig[carried[op.id]]) if op.id in carried else -1)
-    if partial == (False, -1) and _follows_its_values(factors, (*operands, *results), unique_values):
+    partial = (op.id in deferred, int(op_sig[carried[op.id]]) if op.id in carried else -1, buffers.get(op.id, 1))
+    if partial == (False, -1, 1) and _follows_its_values(factors, (*operands, *results), unique_values):
       op_sig[op.id] = -1
       continue
     key = (op.primitive in ("dot_general", "conv_general_dilated"), factors, operands, results, partial)

@@ -57,6 +57,18 @@ def test_gpt_megatron_all_reduces_over_the_model_axis():
   assert all(not x.is_deleted() for x in jax.tree_util.tree_leaves(workload.args))
 
 
+def test_gpt_megatron_all_reduce_bytes_match_the_simulator():
+  """Per layer XLA all-reduces 6 activations in 4 collectives: the query, key and value
+  input gradients are three buffers of one combined all-reduce."""
+  workload, problem = _setup(GPT, "data=2,model=4")
+  decisions = tactics.megatron(problem)
+  lowered = lower(problem, decisions, workload.step, workload.args)
+  activation = 8 * 16 * 32 * 4  # [batch, seq, d_model] f32
+  assert summarize(lowered.stats.collectives)["all-reduce"] == (4, 6 * activation)
+  cost = problem.cost(decisions)
+  assert (float(cost.comm_count[0]), float(cost.comm_bytes[0])) == (4, 6 * activation)
+
+
 def test_check_numerics_names_the_wrong_leaf():
   workload, problem = _setup(MLP, "data=8")
   lowered = lower(problem, tactics.data_parallel(problem), workload.step, workload.args)

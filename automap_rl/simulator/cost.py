@@ -6,8 +6,9 @@ the op's shard count. Per edge (an op using or making a value):
 * operand stored on axes the op does not shard: all-gather over those axes; on an axis
   the op shards on another dim: all-to-all; sharded where stored replicated: a free slice.
 * result with sharded reduction factors: a partial sum, reduce-scattered over the axes its
-  stored sharding uses, all-reduced over the rest; computed sharded on axes it is not
-  stored on: all-gather.
+  stored sharding uses, all-reduced over the rest (a linear combination of partial sums
+  reduces all their buffers in one collective, as XLA's combiner does); computed sharded
+  on axes it is not stored on: all-gather.
 
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
 slowest link bounds the bandwidth). Bytes follow `automap_rl.xla.hlo`'s convention: the
@@ -152,8 +153,10 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   for kind, axes, divisor in collectives:
     per_byte, fixed, fraction = _collective(t, kind == _ALL_REDUCE, axes, divisor)
     weight = jnp.where(axes != 0, edge_weight, 0.0)
-    time_terms.append(weight * (nbytes * per_byte + fixed))
-    bytes_terms[kind] = weight * nbytes * fraction
+    # A reduction may carry several partial sums' buffers in one collective.
+    carried = nbytes * t.edge_partial_sums[:, None] if kind in (_REDUCE_SCATTER, _ALL_REDUCE) else nbytes
+    time_terms.append(weight * (carried * per_byte + fixed))
+    bytes_terms[kind] = weight * carried * fraction
     count_terms[kind] = weight
     if kind == _ALL_GATHER:  # Gathered operands add to the peak.
       gathered = operand & (axes != 0)

@@ -76,6 +76,9 @@ class CostTables:
     edge_weight: how many times the edge's collectives run per step, [E]: the repeat counts
       of its ops; for operands, each read's share of a resharding that all reads of the
       value needing the same sharding share (see `_operand_read_shares`).
+    edge_partial_sums: how many partial sums (one buffer each) a reduction on the edge
+      carries in one collective: more than 1 for the result of a linear combination of
+      partial sums (see `sharding.pending_partial_sums`), [E].
     edge_buffers: how many distinct buffers the edge's resharding materialises (its ops,
       not times their repeat counts; operand reads shared as in `edge_weight`), [E]: the
       simulator adds gathered operands to the peak memory.
@@ -99,6 +102,7 @@ class CostTables:
   edge_result: np.ndarray
   edge_dim_factors: np.ndarray
   edge_weight: np.ndarray
+  edge_partial_sums: np.ndarray
   edge_buffers: np.ndarray
   live_bytes: np.ndarray
   mask_group: np.ndarray
@@ -284,10 +288,12 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
   reduction = np.zeros((num_ops, rf), bool)
   reduction_source = np.arange(num_ops, dtype=np.int32)
   deferred = np.zeros(num_ops, bool)
-  for sig, (_, factors, _, _, (is_deferred, source)) in enumerate(sigs.op_keys):
+  partial_sums = np.ones(num_ops, np.float32)
+  for sig, (_, factors, _, _, (is_deferred, source, carried_buffers)) in enumerate(sigs.op_keys):
     for f, (_, _, kind) in enumerate(factors):
       reduction[sig, f] = kind == FactorKind.REDUCTION
     deferred[sig] = is_deferred
+    partial_sums[sig] = carried_buffers
     if source >= 0:
       reduction_source[sig] = source
   edge_op = np.array(edge_op, np.int32)
@@ -306,6 +312,7 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
       edge_result=np.array(edge_result, bool),
       edge_dim_factors=_factor_indices(edge_dims, rv, rf),
       edge_weight=np.array(edge_weight, np.float32),
+      edge_partial_sums=np.where(edge_result, partial_sums[edge_op], 1.0).astype(np.float32),
       edge_buffers=np.array(edge_buffers, np.float32),
       live_bytes=_live_bytes(program, sigs),
       mask_group=group,
