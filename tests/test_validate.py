@@ -3,7 +3,7 @@
 import json
 import math
 
-from automap_rl import models
+from automap_rl import models, tactics
 from automap_rl.xla import validate
 from automap_rl.xla.lower import reference_outputs
 from experiments import validate_cmd
@@ -49,7 +49,7 @@ def test_simulated_flops_follow_xla_fusion_on_per_device_shapes():
   workload = models.make_workload(spec, seed=0)
   reference = reference_outputs(workload.step, workload.args)
   problem = validate.trace_problem(workload, "data=8", "cpu")
-  plans = validate.expert_plans(problem)
+  plans = tactics.applicable(problem)
   for name in ("replicated", "data_parallel"):
     case = validate.run_case(problem, workload, "data=8", name, plans[name], reference)
     assert validate.relative_error(case.simulated["flops"], case.compiled["flops"]) < 0.015, name

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from automap_rl import ir, models
+from automap_rl import ir, models, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
@@ -177,28 +176,6 @@ def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
 # -- plans --------------------------------------------------------------------------------
 
 
-def _first_batch_plan(problem: Problem) -> list[Decision]:
-  """Data parallelism on the first mesh axis: dim 0 of every `input` argument."""
-  from automap_rl.sharding import ArgDim  # Local: only the fallback needs it.
-  program = problem.program
-  axis = problem.mesh.axis_names[0]
-  return [Decision(ArgDim(program.values[v].path, 0), axis) for v in program.inputs
-          if program.values[v].role == ir.Role.INPUT and program.values[v].shape]
-
-
-def expert_plans(problem: Problem) -> dict[str, list[Decision]]:
-  """The tactics of `automap_rl.tactics` that apply, else a data-parallel plan."""
-  try:
-    tactics = importlib.import_module("automap_rl.tactics")
-  except ModuleNotFoundError as e:
-    if e.name != "automap_rl.tactics":
-      raise
-    return {"replicated": [], "data_parallel": _first_batch_plan(problem)}
-  if hasattr(tactics, "applicable"):
-    return tactics.applicable(problem)
-  return {name: tactic(problem) for name, tactic in tactics.TACTICS.items()}
-
-
 def random_plan(problem: Problem, rng: np.random.Generator, max_decisions: int) -> list[Decision]:
   """1 to `max_decisions` random (named dimension, mesh axis) pairs; only pairs whose
   class size the axis divides, so that every decision can take effect somewhere."""
@@ -212,7 +189,7 @@ def random_plan(problem: Problem, rng: np.random.Generator, max_decisions: int) 
 
 def plans_for(problem: Problem, suite: Suite, seed: int) -> dict[str, list[Decision]]:
   """Expert plans then `suite.random_plans` random ones (`random_0`, ...)."""
-  plans = expert_plans(problem)
+  plans = tactics.applicable(problem)
   rng = np.random.default_rng(seed)
   for i in range(suite.random_plans):
     plans[f"random_{i}"] = random_plan(problem, rng, suite.max_random_decisions)
