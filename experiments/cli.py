@@ -39,13 +39,7 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="automap-rl", description=__doc__.splitlines()[0])
   subparsers = parser.add_subparsers(dest="name", required=True)
   for name in COMMAND_MODULES:
-    try:
-      module = importlib.import_module(f"experiments.{name}")
-    except ModuleNotFoundError as e:
-      if e.name != f"experiments.{name}":
-        raise
-      continue
-    module.register(subparsers)
+    importlib.import_module(f"experiments.{name}").register(subparsers)
   return parser
 
 
@@ -54,7 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   if argv[:1] and argv[0] in LOWERING_COMMANDS:
     virtual_devices()
   args = _parser().parse_args(argv)
-  args.command(args)
+  try:
+    args.command(args)
+  except ValueError as e:  # Bad input (a model spec, a mesh, a path): the message names it.
+    print(f"automap-rl {args.name}: error: {e}", file=sys.stderr)
+    return 2
   return 0
 
 

@@ -75,3 +75,12 @@ def test_partition_command_tactic_keeps_its_behaviour(tmp_path):
   result = partition_cmd.run(partition_cmd.PartitionConfig(model=GPT, tactic="megatron"))
   assert result["trace"] == [] and result["agent"] == "tactic"
   assert result["step_time_s"] == pytest.approx(result["baselines"]["megatron"]["step_time_s"])
+
+
+def test_command_line_reports_bad_input_without_a_traceback(capsys):
+  from experiments import cli
+
+  assert cli.main(["bench", "simulator", "--model", "gpt:layerz=2"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("automap-rl bench: error: unknown key 'layerz' for model 'gpt'")
+  assert "Traceback" not in err
