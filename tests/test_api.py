@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import automap_rl
 from automap_rl import models
 from automap_rl.api import shard_blocks
-from experiments import partition_cmd
+from experiments import cli, partition_cmd
 
 GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
 
@@ -78,8 +78,6 @@ def test_partition_command_tactic_keeps_its_behaviour(tmp_path):
 
 
 def test_command_line_reports_bad_input_without_a_traceback(capsys):
-  from experiments import cli
-
   assert cli.main(["bench", "simulator", "--model", "gpt:layerz=2"]) == 2
   err = capsys.readouterr().err
   assert err.startswith("automap-rl bench: error: unknown key 'layerz' for model 'gpt'")
