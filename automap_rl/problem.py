@@ -47,7 +47,7 @@ class Problem:
     return sharding.Owners.build(self.sigs, self.mesh.axis_sizes)
 
   def resolve(self, dec_class: jax.Array, dec_axis: jax.Array) -> sharding.Resolution:
-    return sharding.resolve(self.owners, dec_class, dec_axis)
+    return sharding.resolve(self.owners, len(self.named.classes), dec_class, dec_axis)
 
   def evaluate(self, dec_class: jax.Array, dec_axis: jax.Array) -> simulator.Cost:
     """The cost of encoded decisions; pure, so it jits and vmaps."""

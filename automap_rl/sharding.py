@@ -261,8 +261,8 @@ class Owners:
   alike, so they share one owner row (a 12-layer GPT: 918 signatures, 399 owners). A
   row lists the slots with a class in their order, padded to S; during resolution each
   slot's axis bit mask is an X-bit field of a packed integer per owner (X mesh axes),
-  `slots_per_word` fields to a word, so one step of the decision loop is elementwise
-  over owners and plans, with the owner's slots unrolled in registers.
+  `slots_per_word` fields to a word, so a round of resolution (see `_assign_packed`) is
+  elementwise over owners and plans, with the owner's slots unrolled in registers.
 
   Attributes:
     classes: class of each owner slot, -1 for padding, int32 [U, S].
@@ -309,45 +309,83 @@ class Owners:
         num_axes=len(axis_sizes))
 
 
-def _assign_packed(owners: Owners, dec_class: jax.Array, dec_axis: jax.Array) -> jax.Array:
+def _first_decisions(dec_class: jax.Array, dec_axis: jax.Array, num_classes: int, num_axes: int) -> jax.Array:
+  """When each (class, axis) is first decided: the decision's index, K if never.
+
+  Args:
+    dec_class, dec_axis: the decisions, int32 [K, B].
+
+  Returns:
+    [C + 1, X, B], row C (the class of padded slots) all K; int8 when K < 128, else int16.
+  """
+  k = dec_class.shape[0]
+  dtype = jnp.int8 if k < 128 else jnp.int16
+  hit = ((dec_class[None, None] == jnp.arange(num_classes)[:, None, None, None])
+         & (dec_axis[None, None] == jnp.arange(num_axes)[None, :, None, None]))  # [C, X, K, B]
+  first = jnp.where(hit, jnp.arange(k, dtype=dtype)[:, None], jnp.asarray(k, dtype)).min(axis=2, initial=k)
+  return jnp.concatenate([first, jnp.full((1, *first.shape[1:]), k, dtype)])
+
+
+def _assign_packed(owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: jax.Array) -> jax.Array:
   """Applies decisions in order to every owner slot, for a batch of plans laid out last.
+
+  Only the first decision of each (class, axis) can shard anything: a later one finds the
+  axis used, or the slot's product of axes grown (divisibility only gets harder). So each
+  owner slot has one event per axis, at the time of that first decision, and the decisions
+  that take effect in an owner are at most X (one per axis). Resolution runs X rounds; each
+  applies, in every owner, the earliest event after the last one applied whose axis is
+  free in the owner and whose slot's size divides by its axes with the new one (ties: the
+  first slot, as the sequential rule has it). Events it passes over can never apply
+  later. A round is one elementwise pass over [owners, plans] with the S * X events
+  unrolled: the cost does not grow with the number of decisions.
 
   Args:
     owners: the static slot layout.
+    num_classes: C, the number of named dimensions.
     dec_class, dec_axis: class (-1 for padding) and mesh axis of each decision, int32 [K, B].
 
   Returns:
     The packed axis bit masks, int32 [W, U, B]: slot s of an owner is the X-bit field
-    `s % slots_per_word` of word `s // slots_per_word`. Within an owner an axis is used at
-    most once (the first slot of the decision's class that fits wins) and a slot takes an
-    axis only if its size divides by the product of its axes.
+    `s % slots_per_word` of word `s // slots_per_word`.
   """
   chex.assert_rank([dec_class, dec_axis], 2)
   x, per_word = owners.num_axes, owners.slots_per_word
   field = (1 << x) - 1
   num_owners, width = owners.classes.shape
-  num_words = -(-width // per_word)
-  classes = jnp.asarray(owners.classes)[:, :, None]
-  divisible = jnp.asarray(owners.divisible)[:, :, None]
+  num_events, never = width * x, dec_class.shape[0]
+  event_bits = max(num_events, 1).bit_length()
+  first = _first_decisions(dec_class, dec_axis, num_classes, x)
+  times = first[np.where(owners.classes >= 0, owners.classes, num_classes)]  # [U, S, X, B]
+  divisible = jnp.asarray(owners.divisible)
+  none = (never << event_bits) | num_events  # Sorts after every event.
 
-  def step(words, decision):
-    cls, axis = decision[0][None, :], decision[1][None, :]
-    bit = jnp.left_shift(1, jnp.maximum(axis, 0))
-    used = jnp.zeros_like(words[0])
+  def apply_earliest(carry, _):
+    words, last = carry
+    used = jnp.zeros_like(last)
     for s in range(width):
       used = used | (words[s // per_word] >> (x * (s % per_word)))
-    taken = ((used & bit) != 0) | (cls < 0)
-    words = list(words)
+    earliest = jnp.full_like(last, none)  # (time << event_bits) | event.
     for s in range(width):
       w, shift = divmod(s, per_word)
-      want = ((words[w] >> (x * shift)) & field) | bit
-      take = ~taken & (classes[:, s] == cls) & (((divisible[:, s] >> want) & 1) == 1)
-      words[w] = words[w] | jnp.where(take, bit << (x * shift), 0)
-      taken = taken | take
-    return tuple(words), None
+      for axis in range(x):
+        time = times[:, s, axis].astype(jnp.int32)
+        want = ((words[w] >> (x * shift)) & field) | (1 << axis)
+        open_ = ((time > last) & (time < never) & (((used >> axis) & 1) == 0)
+                 & (((divisible[:, s, None] >> want) & 1) == 1))
+        earliest = jnp.minimum(earliest, jnp.where(open_, (time << event_bits) | (s * x + axis), none))
+    found = earliest < none
+    event = earliest & ((1 << event_bits) - 1)
+    slot, axis = event // x, event % x
+    bit = jnp.where(found, jnp.left_shift(1, axis + x * (slot % per_word)), 0)
+    words = tuple(word | jnp.where(slot // per_word == w, bit, 0) for w, word in enumerate(words))
+    return (words, jnp.where(found, earliest >> event_bits, last)), None
 
-  init = tuple(jnp.zeros((num_owners, dec_class.shape[-1]), jnp.int32) for _ in range(num_words))
-  words, _ = jax.lax.scan(step, init, (dec_class, dec_axis))
+  batch = dec_class.shape[-1]
+  num_words = -(-width // per_word)
+  init = (tuple(jnp.zeros((num_owners, batch), jnp.int32) for _ in range(num_words)),
+          jnp.full((num_owners, batch), -1, jnp.int32))
+  # A loop, not unrolled: XLA would fuse the rounds into one another and recompute them.
+  (words, _), _ = jax.lax.scan(apply_earliest, init, None, length=x)
   return jnp.stack(words)
 
 
@@ -366,17 +404,17 @@ class Resolution:
   op_mask: jax.Array
 
 
-def _resolve_batch(owners: Owners, decisions: tuple[jax.Array, jax.Array]) -> Resolution:
-  words = _assign_packed(owners, *decisions)
+def _resolve_batch(owners: Owners, num_classes: int, decisions: tuple[jax.Array, jax.Array]) -> Resolution:
+  words = _assign_packed(owners, num_classes, *decisions)
   return Resolution(value_mask=_unpack(owners, words, owners.value_owner, owners.value_slot),
                     op_mask=_unpack(owners, words, owners.op_owner, owners.op_slot))
 
 
-def resolve(owners: Owners, dec_class: jax.Array, dec_axis: jax.Array) -> Resolution:
-  """Resolves encoded decisions (see `encode`) on the compressed program. Pure; jittable;
-  vmapped over decisions, the batch runs in one call laid out last (see
-  `automap_rl.batching`), which is what XLA on CPU vectorises."""
-  resolve_batch = batching.batch_last(lambda _, decisions: _resolve_batch(owners, decisions))
+def resolve(owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: jax.Array) -> Resolution:
+  """Resolves encoded decisions (see `encode`) on the compressed program with `num_classes`
+  named dimensions. Pure; jittable; vmapped over decisions, the batch runs in one call laid
+  out last (see `automap_rl.batching`), which is what XLA on CPU vectorises."""
+  resolve_batch = batching.batch_last(lambda _, decisions: _resolve_batch(owners, num_classes, decisions))
   return resolve_batch((), (jnp.asarray(dec_class, jnp.int32), jnp.asarray(dec_axis, jnp.int32)))
 
 

@@ -139,14 +139,15 @@ def _resolve_by_the_book(classes: np.ndarray, sizes: np.ndarray, axis_sizes, dec
   return masks
 
 
-@pytest.mark.parametrize("spec, mesh", [
-    ("gpt:layers=2", "data=2,model=4"),  # Attention scores: two seq dims in one owner.
-    ("unet", "a=2,b=2,c=2,d=2"),  # Convolutions: 9 factors of 4 bits, two packed words.
+@pytest.mark.parametrize("spec, mesh, length", [
+    ("gpt:layers=2", "data=2,model=4", 12),  # Attention scores: two seq dims in one owner.
+    ("unet", "a=2,b=2,c=2,d=2", 12),  # Convolutions: 9 factors of 4 bits, two packed words.
+    ("moe", "data=2,model=4", 130),  # Decision times past int8.
 ])
-def test_resolution_follows_the_decision_semantics(spec, mesh):
+def test_resolution_follows_the_decision_semantics(spec, mesh, length):
   problem = zoo_problem(spec, mesh)
   sigs = problem.sigs
-  classes, axes = random_plans(problem, jax.random.key(0), 16, 12)
+  classes, axes = random_plans(problem, jax.random.key(0), 16, length)
   classes = classes.at[:, -2:].set(-1)  # Padding.
   resolved = jax.jit(jax.vmap(problem.resolve))(classes, axes)
   for i in range(classes.shape[0]):
