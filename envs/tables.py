@@ -4,10 +4,10 @@
 named in `DIMS`, so tables of different programs and meshes can be padded to common
 sizes (`pad`, `bucket_sizes`) and stacked (`stack`) for a vmapped batch that mixes
 models. Padding is inert: padded dims have no class (never sharded), padded ops and
-values cost nothing, padded edges have weight 0, padded targets are never legal.
+values cost nothing, padded edges (reduction edges) have weight 0, padded targets are never legal.
 
-Size names: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges,
-L memory probe rows, D factors per dim, Q chunks of W slots (value dims
+Size names: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges
+of which R reduce, L memory probe rows, D factors per dim, Q chunks of W slots (value dims
 and op factors) of one class, C classes, T targets covering at most M classes each, G coverage
 edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B = 2**X axis masks.
 """
@@ -59,7 +59,7 @@ COST_DIMS: Mapping[str, tuple[str, ...]] = {
     "op_reduction": ("Uo", "Rf"), "edge_dim_factors": ("E", "Rv", "D"), "live_bytes": ("L", "Uv"),
     "hbm_bytes": (),
 }
-_PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "mask": "B"}
+_PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "reduction": "R", "mask": "B"}
 
 
 def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
@@ -76,7 +76,7 @@ def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
 _FILL = {"value_class": -1, "value_divisible": 1, "op_class": -1, "op_divisible": 1, "target_classes": -1,
          "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_divisible": 1,
          "edge_dim_factors": -1, "value_rank": NO_SLOT_RANK, "op_rank": NO_SLOT_RANK}  # -1: the simulator's never-sharded factor.
-BUCKETED = ("Uv", "Uo", "E", "L", "Q", "C", "T", "G")
+BUCKETED = ("Uv", "Uo", "E", "R", "L", "Q", "C", "T", "G")
 CHUNK = 8  # W: slots per chunk.
 
 

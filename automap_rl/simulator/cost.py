@@ -23,6 +23,8 @@ validation suite that over-estimates FSDP plans.) It is compared with XLA's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,6 @@ from automap_rl.sharding import Resolution
 from automap_rl.simulator.tables import CostTables
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
-_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _ALL_TO_ALL = range(len(KINDS))
 
 
 @chex.dataclass(frozen=True)
@@ -94,6 +95,26 @@ def _collective(t: CostTables, all_reduce: bool, axes: jax.Array,
   return per_byte[axes] * fraction, fixed[axes], fraction
 
 
+class _EdgeTerms(NamedTuple):
+  """One collective kind on a set of edges, each [N, B]: seconds, bytes per device,
+  count, and the per-device buffer moved per byte of the value (0 where none runs)."""
+
+  seconds: jax.Array
+  bytes: jax.Array
+  count: jax.Array
+  buffer: jax.Array
+
+
+def _edge_terms(t: CostTables, all_reduce: bool, axes: jax.Array, divisor: jax.Array, nbytes: jax.Array,
+                weight: jax.Array) -> _EdgeTerms:
+  """The terms of one collective kind over the axes `axes` [N, B] of edges moving values
+  of `nbytes` [N, 1], run `weight` [N] times a step (see `_collective`)."""
+  per_byte, fixed, fraction = _collective(t, all_reduce, axes, divisor)
+  runs = jnp.where(axes != 0, weight[:, None], 0.0)
+  return _EdgeTerms(seconds=runs * (nbytes * per_byte + fixed), bytes=runs * nbytes * fraction, count=runs,
+                    buffer=nbytes * fraction)
+
+
 def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
   """Sums of each of `terms` [N, B] over N, [B] each, in one variadic reduction: XLA fuses
   the terms' elementwise producers into it (one pass over the edges), where it would
@@ -134,37 +155,32 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
 
   operand = ~t.edge_result[:, None]
   gather_in = stored_all & ~required_all
-  result_scatter = reduced & stored_all
-  # Every possible collective on every edge: its kind, its axes, and the axes dividing its
-  # bytes (the per-device buffer it moves). An operand and a result edge can both
-  # all-gather or all-to-all, so those share a row.
-  zero = jnp.int8(0)
-  collectives = (
-      (_ALL_GATHER, jnp.where(operand, gather_in, required_all & ~stored_all),
-       jnp.where(operand, stored_all & ~gather_in, stored_all)),
-      (_ALL_TO_ALL, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced), stored_all),
-      (_REDUCE_SCATTER, jnp.where(operand, zero, result_scatter), required_all),
-      (_ALL_REDUCE, jnp.where(operand, zero, reduced & ~stored_all), required_all | result_scatter),
-  )
+  # Every possible collective on every edge: its axes, and the axes dividing its bytes
+  # (the per-device buffer it moves). An operand and a result edge can both all-gather or
+  # all-to-all, so those share a row. Only the reduction edges [R] (results of ops that
+  # reduce) can reduce-scatter or all-reduce: those run over them alone.
   nbytes = t.value_bytes[t.edge_value][:, None]
-  edge_weight = t.edge_weight[:, None]
-  time_terms, transient_terms = [], []  # Per-edge seconds and gathered operand bytes, [E, B].
-  bytes_terms, count_terms = {}, {}  # By kind, [E, B].
-  for kind, axes, divisor in collectives:
-    per_byte, fixed, fraction = _collective(t, kind == _ALL_REDUCE, axes, divisor)
-    weight = jnp.where(axes != 0, edge_weight, 0.0)
-    # A reduction may carry several partial sums' buffers in one collective.
-    carried = nbytes * t.edge_partial_sums[:, None] if kind in (_REDUCE_SCATTER, _ALL_REDUCE) else nbytes
-    time_terms.append(weight * (carried * per_byte + fixed))
-    bytes_terms[kind] = weight * carried * fraction
-    count_terms[kind] = weight
-    if kind == _ALL_GATHER:  # Gathered operands add to the peak.
-      gathered = operand & (axes != 0)
-      transient_terms.append(jnp.where(gathered, t.edge_buffers[:, None], 0.0) * nbytes * fraction)
-  kinds = range(len(KINDS))
-  comm_time, transient, *by_kind = _sum_rows(sum(time_terms), sum(transient_terms),
-                                             *(bytes_terms[k] for k in kinds), *(count_terms[k] for k in kinds))
-  comm_bytes, comm_count = by_kind[:len(KINDS)], by_kind[len(KINDS):]
+  gather_axes = jnp.where(operand, gather_in, required_all & ~stored_all)
+  gather = _edge_terms(t, False, gather_axes, jnp.where(operand, stored_all & ~gather_in, stored_all),
+                       nbytes, t.edge_weight)
+  to_all = _edge_terms(t, False, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced),
+                       stored_all, nbytes, t.edge_weight)
+  gathered = jnp.where(operand & (gather_axes != 0), t.edge_buffers[:, None], 0.0) * gather.buffer  # On the peak.
+  gather_time, transient, gather_bytes, to_all_bytes, gather_count, to_all_count = _sum_rows(
+      gather.seconds + to_all.seconds, gathered, gather.bytes, to_all.bytes, gather.count, to_all.count)
+
+  r_stored, r_required, r_reduced = (x[t.reduction_edge] for x in (stored_all, required_all, reduced))  # [R, B]
+  scatter_axes = r_reduced & r_stored
+  # A reduction may carry several partial sums' buffers in one collective.
+  r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]][:, None] * t.reduction_partial_sums[:, None]
+  scatter = _edge_terms(t, False, scatter_axes, r_required, r_nbytes, t.reduction_weight)
+  reduce = _edge_terms(t, True, r_reduced & ~r_stored, r_required | scatter_axes, r_nbytes, t.reduction_weight)
+  reduce_time, scatter_bytes, reduce_bytes, scatter_count, reduce_count = _sum_rows(
+      scatter.seconds + reduce.seconds, scatter.bytes, reduce.bytes, scatter.count, reduce.count)
+
+  comm_time = gather_time + reduce_time
+  comm_bytes = [reduce_bytes, gather_bytes, scatter_bytes, to_all_bytes]  # In `KINDS` order.
+  comm_count = [reduce_count, gather_count, scatter_count, to_all_count]
   peak = jnp.max(t.live_bytes @ (1.0 / value_shards), axis=0) + transient
   return Cost(
       step_time=compute + comm_time,

@@ -56,7 +56,8 @@ class CostTables:
   """Everything the simulator needs besides the resolution, as arrays.
 
   Shapes: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges
-  (operand or result uses of a value signature by an op signature), T memory probe rows.
+  (operand or result uses of a value signature by an op signature) of which R can reduce,
+  T memory probe rows.
 
   Attributes:
     value_bytes: global bytes of a value of each signature, [Uv].
@@ -76,9 +77,13 @@ class CostTables:
     edge_weight: how many times the edge's collectives run per step, [E]: the repeat counts
       of its ops; for operands, each read's share of a resharding that all reads of the
       value needing the same sharding share (see `_operand_read_shares`).
-    edge_partial_sums: how many partial sums (one buffer each) a reduction on the edge
-      carries in one collective: more than 1 for the result of a linear combination of
-      partial sums (see `sharding.pending_partial_sums`), [E].
+    reduction_edge: the result edges of ops that reduce (their own partial sums or, for a
+      linear combination of partial sums, their sources'), [R]: only these can
+      reduce-scatter or all-reduce.
+    reduction_weight: their `edge_weight`, [R].
+    reduction_partial_sums: how many partial sums (one buffer each) the reduction carries
+      in one collective: more than 1 for a linear combination of partial sums (see
+      `sharding.pending_partial_sums`), [R].
     edge_buffers: how many distinct buffers the edge's resharding materialises (its ops,
       not times their repeat counts; operand reads shared as in `edge_weight`), [E]: the
       simulator adds gathered operands to the peak memory.
@@ -102,8 +107,10 @@ class CostTables:
   edge_result: np.ndarray
   edge_dim_factors: np.ndarray
   edge_weight: np.ndarray
-  edge_partial_sums: np.ndarray
   edge_buffers: np.ndarray
+  reduction_edge: np.ndarray
+  reduction_weight: np.ndarray
+  reduction_partial_sums: np.ndarray
   live_bytes: np.ndarray
   mask_group: np.ndarray
   mask_seconds_per_byte: np.ndarray
@@ -297,6 +304,8 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
     if source >= 0:
       reduction_source[sig] = source
   edge_op = np.array(edge_op, np.int32)
+  reduces = reduction.any(axis=1)[reduction_source] & ~deferred  # [Uo]
+  reduction_edge = np.flatnonzero(np.array(edge_result, bool) & reduces[edge_op]).astype(np.int32)
   group, seconds_per_byte, latency = _mask_tables(mesh)
   return CostTables(
       value_bytes=np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32),
@@ -312,8 +321,10 @@ def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
       edge_result=np.array(edge_result, bool),
       edge_dim_factors=_factor_indices(edge_dims, rv, rf),
       edge_weight=np.array(edge_weight, np.float32),
-      edge_partial_sums=np.where(edge_result, partial_sums[edge_op], 1.0).astype(np.float32),
       edge_buffers=np.array(edge_buffers, np.float32),
+      reduction_edge=reduction_edge,
+      reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
+      reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
       live_bytes=_live_bytes(program, sigs),
       mask_group=group,
       mask_seconds_per_byte=seconds_per_byte,
