@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from automap_rl import batching
+from automap_rl import batching, packing
 from automap_rl.ir import FactorKind, NamedDims, Program
 from automap_rl.mesh import Mesh
 
@@ -260,8 +260,8 @@ class Owners:
   Two signatures whose sharded slots have the same classes and divisibility resolve
   alike, so they share one owner row (a 12-layer GPT: 918 signatures, 399 owners). A
   row lists the slots with a class in their order, padded to S; during resolution each
-  slot's axis bit mask is an X-bit field of a packed integer per owner (X mesh axes),
-  `slots_per_word` fields to a word, so a round of resolution (see `_assign_packed`) is
+  slot's axis bit mask is an X-bit field of a packed integer per owner (X mesh axes, the
+  layout of `automap_rl.packing`), so a round of resolution (see `_assign_packed`) is
   elementwise over owners and plans, with the owner's slots unrolled in registers.
 
   Attributes:
@@ -280,10 +280,6 @@ class Owners:
   op_owner: np.ndarray
   op_slot: np.ndarray
   num_axes: int
-
-  @property
-  def slots_per_word(self) -> int:
-    return max(1, 31 // max(self.num_axes, 1))
 
   @classmethod
   def build(cls, sigs: Signatures, axis_sizes: Sequence[int]) -> Owners:
@@ -345,11 +341,10 @@ def _assign_packed(owners: Owners, num_classes: int, dec_class: jax.Array, dec_a
     dec_class, dec_axis: class (-1 for padding) and mesh axis of each decision, int32 [K, B].
 
   Returns:
-    The packed axis bit masks, int32 [W, U, B]: slot s of an owner is the X-bit field
-    `s % slots_per_word` of word `s // slots_per_word`.
+    The packed axis bit masks, int32 [W, U, B], in `automap_rl.packing`'s layout.
   """
   chex.assert_rank([dec_class, dec_axis], 2)
-  x, per_word = owners.num_axes, owners.slots_per_word
+  x, per_word = owners.num_axes, packing.slots_per_word(owners.num_axes)
   field = (1 << x) - 1
   num_owners, width = owners.classes.shape
   num_events, never = width * x, dec_class.shape[0]
@@ -389,11 +384,11 @@ def _assign_packed(owners: Owners, num_classes: int, dec_class: jax.Array, dec_a
   return jnp.stack(words)
 
 
-def _unpack(owners: Owners, words: jax.Array, owner: np.ndarray, slot: np.ndarray) -> jax.Array:
-  """Axis bit masks of the signature slots at (`owner`, `slot`) [N, R], int8 [B, N, R]."""
-  x, per_word = owners.num_axes, owners.slots_per_word
-  masks = (words[slot // per_word, np.maximum(owner, 0)] >> (x * (slot % per_word))[..., None]) & ((1 << x) - 1)
-  return jnp.moveaxis(jnp.where((owner >= 0)[..., None], masks, 0).astype(jnp.int8), -1, 0)
+def _unpack(words: jax.Array, owner: np.ndarray, slot: np.ndarray, num_axes: int) -> jax.Array:
+  """Axis bit masks of the signature slots at (`owner`, `slot`) [N, R] (owner -1: none),
+  int8 [B, N, R]."""
+  masks = packing.read(words, np.maximum(owner, 0), np.where(owner >= 0, slot, -1), num_axes)
+  return jnp.moveaxis(masks, -1, 0)
 
 
 @chex.dataclass(frozen=True)
@@ -406,8 +401,8 @@ class Resolution:
 
 def _resolve_batch(owners: Owners, num_classes: int, decisions: tuple[jax.Array, jax.Array]) -> Resolution:
   words = _assign_packed(owners, num_classes, *decisions)
-  return Resolution(value_mask=_unpack(owners, words, owners.value_owner, owners.value_slot),
-                    op_mask=_unpack(owners, words, owners.op_owner, owners.op_slot))
+  return Resolution(value_mask=_unpack(words, owners.value_owner, owners.value_slot, owners.num_axes),
+                    op_mask=_unpack(words, owners.op_owner, owners.op_slot, owners.num_axes))
 
 
 def resolve(owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: jax.Array) -> Resolution:

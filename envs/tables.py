@@ -4,7 +4,8 @@
 named in `DIMS`, so tables of different programs and meshes can be padded to common
 sizes (`pad`, `bucket_sizes`) and stacked (`stack`) for a vmapped batch that mixes
 models. Padding is inert: padded dims have no class (never sharded), padded ops and
-values cost nothing, padded edges (reduction edges) have weight 0, padded targets are never legal.
+values cost nothing, padded edges and reduction edges have weight 0, padded targets are
+never legal.
 
 Size names: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges
 of which R reduce, L memory probe rows, D factors per dim, Q chunks of W slots (value dims

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from automap_rl import batching
+from automap_rl import batching, packing
 from automap_rl.sharding import Resolution
 from automap_rl.simulator.tables import CostTables
 
@@ -116,35 +116,6 @@ def _edge_terms(t: CostTables, all_reduce: bool, axes: jax.Array, divisor: jax.A
                     buffer=nbytes * fraction)
 
 
-def _slots_per_word(num_axes: int) -> int:
-  return max(1, 31 // max(num_axes, 1))
-
-
-def _pack(masks: jax.Array, num_axes: int) -> jax.Array:
-  """Axis bit masks [N, R, B] (int8) as X-bit fields of int32 words, [W, N, B]."""
-  per_word = _slots_per_word(num_axes)
-  words = []
-  for start in range(0, masks.shape[1], per_word):
-    part = masks[:, start:start + per_word].astype(jnp.int32)
-    shifts = num_axes * jnp.arange(part.shape[1], dtype=jnp.int32)[None, :, None]
-    words.append(jnp.sum(part << shifts, axis=1))  # Disjoint fields: a sum is an OR.
-  return jnp.stack(words)
-
-
-def _fields(words: jax.Array, rows: jax.Array, slots: jax.Array, num_axes: int) -> jax.Array:
-  """The masks of `slots` [E, ...] (R or more: none) of rows `rows` [E] of packed `words`
-  [W, N, B], int8 [E, ..., B]."""
-  per_word = _slots_per_word(num_axes)
-  gathered = words[:, rows]  # [W, E, B]
-  index = slots[..., None]
-  word = gathered[0].reshape(gathered.shape[1], *([1] * (index.ndim - 2)), -1)
-  for w in range(1, words.shape[0]):
-    word = jnp.where(index // per_word == w, gathered[w].reshape(word.shape), word)
-  field = (word >> (num_axes * (index % per_word))) & ((1 << num_axes) - 1)
-  in_range = (index >= 0) & (index < words.shape[0] * per_word)
-  return jnp.where(in_range, field, 0).astype(jnp.int8)
-
-
 def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
   """Sums of each of `terms` [N, B] over N, [B] each, in one variadic reduction: XLA fuses
   the terms' elementwise producers into it (one pass over the edges), where it would
@@ -177,10 +148,10 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   # few rows' words, where gathering every dim's mask would read them transposed when
   # the batch arrives first (the environment's states).
   num_axes = t.mask_group.shape[-1].bit_length() - 1
-  stored = _fields(_pack(value_mask, num_axes), t.edge_value, np.arange(value_mask.shape[1])[None, :],
-                   num_axes)  # [E, Rv, B]
-  required = _fields(_pack(op_mask, num_axes), t.edge_op, t.edge_dim_factors, num_axes).sum(
-      axis=2, dtype=jnp.int8)  # [E, Rv, B]; factor Rf (padding) is none.
+  stored = packing.read(packing.pack(value_mask, num_axes), t.edge_value[:, None],
+                        np.arange(value_mask.shape[1])[None, :], num_axes)  # [E, Rv, B]
+  required = packing.read(packing.pack(op_mask, num_axes), t.edge_op[:, None, None], t.edge_dim_factors,
+                          num_axes).sum(axis=2, dtype=jnp.int8)  # [E, Rv, B]; factor Rf (padding) is none.
   stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E, B]
   required_all = required.sum(axis=1, dtype=jnp.int8)
   overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
