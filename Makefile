@@ -21,6 +21,7 @@ demo: $(BIN)/automap-rl
 	  --check-numerics --check-model gpt:layers=2,d_model=128,heads=4,seq=32,vocab=256,batch=8
 
 test: $(BIN)/automap-rl
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2 tests
 
 clean:

@@ -26,6 +26,6 @@ setuptools.setup(
         "tqdm",
         "gymnasium",
     ],
-    extras_require={"dev": ["pytest", "pytest-xdist"]},
+    extras_require={"dev": ["pytest", "pytest-xdist", "hypothesis", "import-linter"]},
     entry_points={"console_scripts": ["automap-rl=experiments.cli:main"]},
 )

@@ -1,17 +1,7 @@
 """automap_rl: find sharding plans for JAX programs by search over a partitioning IR.
 
-`automap_rl.partition(fn, *args, mesh=..., agent=...)` returns a `Plan` (see
-`automap_rl.api`). Both are imported lazily, so `import automap_rl.mesh` stays light.
+This package is the library core (IR, meshes, sharding, simulator, XLA, workloads,
+tactics). The environments (`envs`), the agents and the `partition(...)` facade
+(`agents`), and the command line (`experiments`) build on it:
+`from agents import partition`.
 """
-
-from __future__ import annotations
-
-__all__ = ["Plan", "partition"]
-
-
-def __getattr__(name: str):
-  if name in __all__:
-    from automap_rl import api
-
-    return getattr(api, name)
-  raise AttributeError(f"module 'automap_rl' has no attribute {name!r}")

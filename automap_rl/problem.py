@@ -7,7 +7,6 @@ import functools
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
 from automap_rl import ir, sharding, simulator
 from automap_rl.mesh import Mesh

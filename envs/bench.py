@@ -8,12 +8,10 @@ import jax
 import jax.numpy as jnp
 
 from automap_rl import mesh as mesh_lib
-from automap_rl import models
+from automap_rl import workloads
 from automap_rl.problem import Problem
-from envs import core
 from envs.config import EnvConfig
 from envs.env import Env
-from experiments.inspect_cmd import trace_workload
 
 
 def random_actions(key: jax.Array, legal: jax.Array) -> jax.Array:
@@ -59,7 +57,7 @@ def bench_env(model: str, mesh: str = "data=2,model=4", hardware: str = "h100", 
               seconds: float = 5.0, config: EnvConfig = EnvConfig()) -> dict:
   """Random-agent environment steps per second, after warm-up, of one env (a jitted scan)
   and of `batch` envs (a vmapped scan), each measured for about `seconds`."""
-  program = trace_workload(models.make_workload(model))
+  program = workloads.make_workload(model).trace()
   env = Env.build(Problem.build(program, mesh_lib.make_mesh(mesh, hardware)), config)
   single_steps, batched_steps = 256, 16
   return {

@@ -14,11 +14,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from automap_rl import mesh as mesh_lib
-from automap_rl import models
+from automap_rl import workloads
 from automap_rl.problem import Problem
 from envs import actions, tables
 from envs.config import EnvConfig
-from experiments.inspect_cmd import trace_workload
 
 # Per model, the config fields to sample and their choices.
 SIZES: Mapping[str, Mapping[str, Sequence]] = {
@@ -42,7 +41,7 @@ class Sample:
   hardware: str
 
   def build(self) -> Problem:
-    program = trace_workload(models.make_workload(self.model))
+    program = workloads.make_workload(self.model).trace()
     return Problem.build(program, mesh_lib.make_mesh(self.mesh, self.hardware))
 
 

@@ -11,10 +11,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from automap_rl import models
+from automap_rl import workloads
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
-from experiments.inspect_cmd import trace_workload
 from experiments.cli import write_json
 
 
@@ -65,8 +64,8 @@ def random_plans(problem: Problem, key: jax.Array, batch: int, length: int) -> t
 
 def bench_simulator(config: BenchConfig) -> dict[str, Any]:
   """Cost evaluations per second, one plan per call and a vmapped batch per call."""
-  workload = models.make_workload(config.model, abstract=True)
-  problem = Problem.build(trace_workload(workload), make_mesh(config.mesh, config.hardware))
+  workload = workloads.make_workload(config.model, abstract=True)
+  problem = Problem.build(workload.trace(), make_mesh(config.mesh, config.hardware))
   classes, axes = random_plans(problem, jax.random.key(config.seed), config.batch, config.decisions)
   single = jax.jit(problem.evaluate)
   batched = jax.jit(jax.vmap(problem.evaluate))

@@ -16,10 +16,9 @@ from typing import Any
 from tqdm import tqdm
 
 import agents
-from automap_rl import models, tactics
+from automap_rl import workloads, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
-from experiments.inspect_cmd import trace_workload
 from experiments.cli import write_json
 
 ZOO = ("mlp", "gpt:layers=4,d_model=1024", "gpt:layers=8,d_model=1024", "gpt:layers=12,d_model=1024",
@@ -84,7 +83,7 @@ def bench_search(config: SearchBenchConfig = SearchBenchConfig()) -> list[dict[s
   bar = tqdm(total=len(config.models) * len(config.meshes) * len(config.agents), desc="bench search",
              unit="case")
   for model in config.models:
-    program = trace_workload(models.make_workload(model, abstract=True))
+    program = workloads.make_workload(model, abstract=True).trace()
     for mesh in config.meshes:
       problem = Problem.build(program, make_mesh(mesh, config.hardware))
       experts = {name: float(problem.cost(plan).step_time) for name, plan in tactics.applicable(problem).items()}

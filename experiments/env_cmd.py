@@ -8,11 +8,10 @@ from typing import Any
 import numpy as np
 
 from automap_rl import mesh as mesh_lib
-from automap_rl import models
+from automap_rl import workloads
 from automap_rl.problem import Problem
 from envs import Env, EnvConfig
 from envs.gym import GymEnv
-from experiments.inspect_cmd import trace_workload
 from experiments.cli import write_json
 
 
@@ -38,7 +37,7 @@ class EnvEpisodeConfig:
 
 
 def run(config: EnvEpisodeConfig) -> dict[str, Any]:
-  problem = Problem.build(trace_workload(models.make_workload(config.model)),
+  problem = Problem.build(workloads.make_workload(config.model).trace(),
                           mesh_lib.make_mesh(config.mesh, config.hardware))
   env = Env.build(problem, EnvConfig(action_space=config.action_space, objective=config.objective,
                                      max_decisions=config.max_decisions))

@@ -6,7 +6,7 @@ import dataclasses
 import time
 from typing import Any
 
-from automap_rl import ir, models
+from automap_rl import ir, workloads
 from experiments.cli import write_json
 
 
@@ -25,12 +25,6 @@ class InspectConfig:
   seed: int = 0
   json_path: str | None = None
   max_rows: int = 30
-
-
-def trace_workload(workload: models.Workload) -> ir.Program:
-  """Traces a zoo workload's training step, with its argument names and roles."""
-  return ir.trace(workload.step, *workload.args, arg_names=workload.arg_names,
-                  arg_roles=workload.arg_roles, donate_argnums=(0, 1))
 
 
 def summarize(program: ir.Program, named: ir.NamedDims) -> dict[str, Any]:
@@ -73,8 +67,8 @@ def render(summary: dict[str, Any], max_rows: int) -> str:
 
 def run(config: InspectConfig) -> dict[str, Any]:
   start = time.perf_counter()
-  workload = models.make_workload(config.model, seed=config.seed, abstract=True)
-  program = trace_workload(workload)
+  workload = workloads.make_workload(config.model, seed=config.seed, abstract=True)
+  program = workload.trace()
   summary = summarize(program, ir.analyze(program))
   summary["seconds"] = round(time.perf_counter() - start, 3)
   print(f"{workload.name}: traced and analysed in {summary['seconds']:.2f}s")

@@ -12,7 +12,7 @@ and returns one of:
 - `(fn, args, arg_names, arg_roles)`: the same with a name and a role (`parameter`,
   `optimizer_state`, `input`) per positional argument: the expert tactics need roles
   (data parallel shards `input`s, Megatron and FSDP `parameter`s);
-- an `automap_rl.models.Workload`.
+- an `automap_rl.workloads.Workload`.
 
 The module must be importable (on `PYTHONPATH`, or in the current directory).
 """
@@ -29,11 +29,10 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
-from automap_rl import ir, models, tactics
-from automap_rl.api import Plan, baselines, cost_dict, format_arguments, format_costs  # noqa: F401 (re-exported)
+from automap_rl import ir, workloads, tactics
+from automap_rl.plan import Plan, baselines, cost_dict, format_arguments, format_costs
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
-from experiments.inspect_cmd import trace_workload
 from experiments.cli import write_json
 
 AGENT_CHOICES = ("tactic", "random", "greedy", "mcts")
@@ -58,7 +57,7 @@ class PartitionConfig:
     check_numerics: lower the plan on the local devices (8 virtual CPU devices) and
       check its numbers against the unpartitioned step.
     check_model: the zoo spec to lower and check instead of `model` (a smaller copy of
-      it with real arrays; the plan is mapped onto it by `api.transfer_decisions`).
+      it with real arrays; the plan is mapped onto it by `plan_lib.transfer_decisions`).
   """
 
   model: str = "gpt"
@@ -79,7 +78,7 @@ class PartitionConfig:
 def is_user_function(model: str) -> bool:
   """Whether MODEL names `package.module:function` rather than a zoo spec."""
   head, sep, _ = model.partition(":")
-  return bool(sep) and head.strip() not in models.MODEL_NAMES and "=" not in head
+  return bool(sep) and head.strip() not in workloads.FAMILIES and "=" not in head
 
 
 def load_user_function(target: str) -> tuple[str, Any, tuple, tuple[str, ...] | None, tuple[str, ...] | None]:
@@ -89,7 +88,7 @@ def load_user_function(target: str) -> tuple[str, Any, tuple, tuple[str, ...] | 
     sys.path.insert(0, os.getcwd())
   factory = getattr(importlib.import_module(module_name), attr)
   made = factory()
-  if isinstance(made, models.Workload):
+  if isinstance(made, workloads.Workload):
     return made.name, made.step, made.args, made.arg_names, made.arg_roles
   if isinstance(made, tuple) and len(made) in (2, 4):
     fn, args = made[0], tuple(made[1])
@@ -104,8 +103,8 @@ def load(model: str) -> tuple[str, Any, tuple, ir.Program]:
   if is_user_function(model):
     name, fn, args, names, roles = load_user_function(model)
     return name, fn, args, ir.trace(fn, *args, arg_names=names, arg_roles=roles)
-  workload = models.make_workload(model, abstract=True)
-  return workload.name, workload.step, workload.args, trace_workload(workload)
+  workload = workloads.make_workload(model, abstract=True)
+  return workload.name, workload.step, workload.args, workload.trace()
 
 
 def search(problem: Problem, config: PartitionConfig):
@@ -128,7 +127,7 @@ def search(problem: Problem, config: PartitionConfig):
 
 def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, args) -> dict[str, Any]:
   """Compiles the plan on the local devices and checks numerics (see `check_model`)."""
-  from automap_rl import api
+  from automap_rl import plan as plan_lib
   from automap_rl.xla import hlo
   from automap_rl.xla.lower import check_numerics, lower
 
@@ -139,10 +138,10 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
     target = problem if spec == config.model else Problem.build(ir.trace(fn, *args, arg_names=names, arg_roles=roles),
                                                                problem.mesh)
   else:
-    workload = models.make_workload(spec)  # Real arrays.
+    workload = workloads.make_workload(spec)  # Real arrays.
     name, fn, args = workload.name, workload.step, workload.args
-    target = Problem.build(trace_workload(workload), problem.mesh)
-  moved = decisions if target is problem else api.transfer_decisions(decisions, problem, target)
+    target = Problem.build(workload.trace(), problem.mesh)
+  moved = decisions if target is problem else plan_lib.transfer_decisions(decisions, problem, target)
   if spec != config.model:
     print(f"\nlowering on {spec} with real arrays (a smaller copy: the full model is too slow to compile and run "
           f"on this machine's CPU cores); {len(moved)} of {len(decisions)} decisions carried over")

@@ -2,22 +2,20 @@
 
 import functools
 
-import numpy as np
 import pytest
 
 import agents
 from agents import Budget
-from automap_rl import models, tactics
+from automap_rl import workloads, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
-from experiments.inspect_cmd import trace_workload
 
 SMALL = "gpt:layers=2,d_model=256,heads=4,seq=64,vocab=256,batch=16"
 
 
 @functools.cache
 def problem(spec: str = SMALL, mesh: str = "data=2,model=4") -> Problem:
-  return Problem.build(trace_workload(models.make_workload(spec, abstract=True)), make_mesh(mesh, "h100"))
+  return Problem.build(workloads.make_workload(spec, abstract=True).trace(), make_mesh(mesh, "h100"))
 
 
 def best_expert(p: Problem) -> float:

@@ -6,9 +6,9 @@ import jax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-import automap_rl
-from automap_rl import models
-from automap_rl.api import shard_blocks
+import agents
+from automap_rl import workloads
+from automap_rl.plan import shard_blocks
 from experiments import cli, partition_cmd
 
 GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
@@ -16,13 +16,13 @@ GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
 
 def user_mlp():
   """A user function for `automap-rl partition test_api:user_mlp`."""
-  w = models.make_workload("mlp:layers=2,width=64,in_dim=32,classes=8,batch=16", abstract=True)
+  w = workloads.make_workload("mlp:layers=2,width=64,in_dim=32,classes=8,batch=16", abstract=True)
   return w.step, w.args, w.arg_names, w.arg_roles
 
 
 def test_partition_end_to_end_lowers_and_checks_numerics(tmp_path):
-  w = models.make_workload(GPT)
-  plan = automap_rl.partition(w.step, *w.args, mesh="data=2,model=4", hardware="h100", agent="mcts",
+  w = workloads.make_workload(GPT)
+  plan = agents.partition(w.step, *w.args, mesh="data=2,model=4", hardware="h100", agent="mcts",
                               budget=200, seed=0, arg_names=w.arg_names, arg_roles=w.arg_roles)
   assert plan.search.simulations <= 200
   assert jax.tree.structure(plan.in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)) == \
@@ -42,8 +42,8 @@ def test_partition_end_to_end_lowers_and_checks_numerics(tmp_path):
 
 
 def test_partition_with_a_tactic_lowers_megatron():
-  w = models.make_workload(GPT)
-  plan = automap_rl.partition(w.step, *w.args, agent="data_megatron", arg_names=w.arg_names,
+  w = workloads.make_workload(GPT)
+  plan = agents.partition(w.step, *w.args, agent="data_megatron", arg_names=w.arg_names,
                               arg_roles=w.arg_roles)
   assert plan.in_specs[0]["block_0"]["mlp"]["fc1"]["kernel"] == PartitionSpec(None, "model")
   assert plan.in_specs[2]["inputs"] == PartitionSpec("data", None)

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 from automap_rl import mesh as mesh_lib
-from automap_rl import models, sharding
+from automap_rl import workloads, sharding
 from automap_rl.problem import Problem
 from envs import Env, EnvConfig, core, observe, programs, tables
 from envs.bench import random_actions
 from envs.gym import GymEnv
-from experiments.inspect_cmd import trace_workload
 
 # Rewards are differences of float32 sums over ~10^3 ops, which jit reassociates: they
 # agree to ~1e-6 of the replicated objective, not to the last ulp.
@@ -23,7 +22,7 @@ TOL = 1e-5
 
 @functools.cache
 def problem(model: str, mesh: str = "data=2,model=4") -> Problem:
-  return Problem.build(trace_workload(models.make_workload(model)), mesh_lib.make_mesh(mesh, "h100"))
+  return Problem.build(workloads.make_workload(model).trace(), mesh_lib.make_mesh(mesh, "h100"))
 
 
 def random_episode(env: Env, seed: int, step=None, limit: int = 1000):
@@ -189,7 +188,7 @@ def _batch_arg_action(env: Env) -> int:
   raise AssertionError("no batch target")
 
 
-@pytest.mark.parametrize("model", models.MODEL_NAMES)
+@pytest.mark.parametrize("model", workloads.FAMILIES)
 def test_random_and_expert_agents_on_the_zoo(model):
   env = Env.build(problem(model), EnvConfig(action_space="arg_dims"))
   gym = GymEnv(env)

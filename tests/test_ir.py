@@ -7,17 +7,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from automap_rl import ir, models
+from automap_rl import ir, workloads
 from automap_rl.ir import FactorKind
 from automap_rl.ir.flops import fusion_copies
-from experiments.inspect_cmd import summarize, trace_workload
+from experiments.inspect_cmd import summarize
 
 ZOO = ("mlp", "gpt", "gpt:scan=true", "moe", "gnn", "resnet", "unet")
 
 
 @functools.lru_cache(maxsize=None)
 def traced(spec: str) -> ir.Program:
-  return trace_workload(models.make_workload(spec, abstract=True))
+  return workloads.make_workload(spec, abstract=True).trace()
 
 
 @pytest.mark.parametrize("spec", ZOO)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from automap_rl import ir, models, tactics
+from automap_rl import ir, workloads, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
@@ -21,7 +21,7 @@ GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
 
 @functools.cache
 def _setup(spec: str, mesh: str):
-  workload = models.make_workload(spec)
+  workload = workloads.make_workload(spec)
   program = ir.trace(workload.step, *workload.args, arg_names=workload.arg_names,
                      arg_roles=workload.arg_roles, donate_argnums=(0, 1))
   return workload, Problem.build(program, make_mesh(mesh, "cpu"))

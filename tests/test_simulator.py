@@ -7,21 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from automap_rl import ir, models, tactics
+from automap_rl import ir, workloads, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS
 from experiments.bench_cmd import random_plans
-from experiments.inspect_cmd import trace_workload
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = (KINDS.index(k) for k in KINDS)
 
 
 @functools.lru_cache(maxsize=None)
 def zoo_problem(spec: str, mesh: str) -> Problem:
-  workload = models.make_workload(spec, abstract=True)
-  return Problem.build(trace_workload(workload), make_mesh(mesh, "h100"))
+  workload = workloads.make_workload(spec, abstract=True)
+  return Problem.build(workload.trace(), make_mesh(mesh, "h100"))
 
 
 def test_contracting_dim_sharded_costs_one_all_reduce_of_the_output():
@@ -36,7 +35,7 @@ def test_contracting_dim_sharded_costs_one_all_reduce_of_the_output():
 
 def test_data_parallel_mlp_all_reduces_exactly_the_gradient_bytes():
   problem = zoo_problem("mlp", "data=8")
-  workload = models.make_workload("mlp", abstract=True)
+  workload = workloads.make_workload("mlp", abstract=True)
   grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(workload.params))
   num_params = len(jax.tree_util.tree_leaves(workload.params))
   cost = problem.cost(tactics.data_parallel(problem))

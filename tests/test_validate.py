@@ -3,7 +3,7 @@
 import json
 import math
 
-from automap_rl import models, tactics
+from automap_rl import workloads, tactics
 from automap_rl.xla import validate
 from automap_rl.xla.lower import reference_outputs
 from experiments import validate_cmd
@@ -46,7 +46,7 @@ def test_simulated_flops_follow_xla_fusion_on_per_device_shapes():
   the replicated and the data-parallel plan fuse differently, and both match."""
   spec = validate.SUITES["quick"].models[1]
   assert spec.startswith("gpt:")
-  workload = models.make_workload(spec, seed=0)
+  workload = workloads.make_workload(spec, seed=0)
   reference = reference_outputs(workload.step, workload.args)
   problem = validate.trace_problem(workload, "data=8", "cpu")
   plans = tactics.applicable(problem)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import core as jax_core
+from jax.extend import core as jax_core
 
 from automap_rl.ir import rules
 from automap_rl.ir.flops import primitive_flops

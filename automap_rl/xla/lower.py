@@ -22,8 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core as jax_core
-from jax._src import source_info_util
+from jax.extend import core as jax_core
 from jax.sharding import NamedSharding, PartitionSpec
 
 from automap_rl.ir.trace import CALL_PRIMITIVES
@@ -128,7 +127,7 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
         outs = walk(getattr(body, "jaxpr", body), getattr(body, "consts", ()), invals, origin)
       else:
         params = eqn.primitive.get_bind_params(eqn.params)
-        with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+        with eqn.ctx.manager:
           outs = eqn.primitive.bind(*invals, **params)
         outs = list(outs) if eqn.primitive.multiple_results else [outs]
         outs = constrain(origin, outs)

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from automap_rl import ir, models, tactics
+from automap_rl import ir, workloads, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
@@ -199,7 +199,7 @@ def plans_for(problem: Problem, suite: Suite, seed: int) -> dict[str, list[Decis
 # -- running ------------------------------------------------------------------------------
 
 
-def run_case(problem: Problem, workload: models.Workload, mesh_spec: str, plan: str,
+def run_case(problem: Problem, workload: workloads.Workload, mesh_spec: str, plan: str,
              decisions: Sequence[Decision], reference: tuple[Any, Any]) -> Case:
   """Lowers, compiles and runs one plan; `reference` is `reference_outputs` of the step."""
   start = time.perf_counter()
@@ -215,7 +215,7 @@ def run_case(problem: Problem, workload: models.Workload, mesh_spec: str, plan: 
       numerics_ok=error is None, numerics_error=error, seconds=time.perf_counter() - start)
 
 
-def trace_problem(workload: models.Workload, mesh_spec: str, hardware: str) -> Problem:
+def trace_problem(workload: workloads.Workload, mesh_spec: str, hardware: str) -> Problem:
   program = ir.trace(workload.step, *workload.args, arg_names=workload.arg_names,
                      arg_roles=workload.arg_roles, donate_argnums=DONATE_ARGNUMS)
   return Problem.build(program, make_mesh(mesh_spec, hardware))
@@ -225,7 +225,7 @@ def run_suite(suite: Suite, report: Callable[[Case], None] = lambda case: None) 
   """Every (model, mesh, plan) of `suite`; `report` sees each case as it finishes."""
   cases = []
   for m, spec in enumerate(suite.models):
-    workload = models.make_workload(spec, seed=suite.seed)
+    workload = workloads.make_workload(spec, seed=suite.seed)
     reference = reference_outputs(workload.step, workload.args)
     for mesh_spec in suite.meshes:
       problem = trace_problem(workload, mesh_spec, suite.hardware)

@@ -13,6 +13,8 @@ from typing import Any, Callable
 import jax
 import optax
 
+from automap_rl import ir
+
 LossFn = Callable[[Any, Any], jax.Array]
 StepFn = Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]
 
@@ -47,6 +49,12 @@ class Workload:
   @property
   def args(self) -> tuple[Any, Any, Any]:
     return (self.params, self.opt_state, self.batch)
+
+  def trace(self) -> ir.Program:
+    """The training step as a `Program`, with argument names and roles; parameters and
+    optimizer state are donated (the step replaces them)."""
+    return ir.trace(self.step, *self.args, arg_names=self.arg_names, arg_roles=self.arg_roles,
+                    donate_argnums=(0, 1))
 
 
 def make_train_step(

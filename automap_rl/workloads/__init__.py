@@ -5,7 +5,7 @@
 optax AdamW update. Parameters and batches are random, built from the seed.
 """
 
-from automap_rl.models.spec import MODEL_NAMES, make_workload, parse_model_spec
-from automap_rl.models.training import Workload
+from automap_rl.workloads.spec import FAMILIES, make_workload, parse_model_spec
+from automap_rl.workloads.training import Workload
 
-__all__ = ["MODEL_NAMES", "Workload", "make_workload", "parse_model_spec"]
+__all__ = ["FAMILIES", "Workload", "make_workload", "parse_model_spec"]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from automap_rl.models import training
+from automap_rl.workloads import training
 
 
 @dataclasses.dataclass(frozen=True)

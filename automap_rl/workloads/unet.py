@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from automap_rl.models import training
+from automap_rl.workloads import training
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from automap_rl.models import training
+from automap_rl.workloads import training
 
 # Builds a feed-forward sub-module; called as ``ffn(name=...)``. The module
 # maps x [batch, seq, d_model] to (y [batch, seq, d_model], aux_loss []).

@@ -1,4 +1,4 @@
-"""Tests for the model zoo ``automap_rl.models``."""
+"""Tests for the model zoo ``automap_rl.workloads``."""
 
 import functools
 
@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from automap_rl.models import (MODEL_NAMES, Workload, make_workload,
+from automap_rl.workloads import (FAMILIES, Workload, make_workload,
                                parse_model_spec)
-from automap_rl.models import moe
+from automap_rl.workloads import moe
 
 
 def _shapes(tree):
@@ -22,7 +22,7 @@ def _workload(spec: str) -> Workload:
   return make_workload(spec)
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_step_runs_and_preserves_structure(name):
   w = _workload(name)
   assert w.name == name

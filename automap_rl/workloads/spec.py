@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from automap_rl.models import gnn, gpt, mlp, moe, resnet, training, unet
+from automap_rl.workloads import gnn, gpt, mlp, moe, resnet, training, unet
 
 # Model name -> (module with ``make(config, seed)``, config class).
 _MODELS: dict[str, tuple[ModuleType, type]] = {
@@ -20,7 +20,7 @@ _MODELS: dict[str, tuple[ModuleType, type]] = {
     "resnet": (resnet, resnet.ResNetConfig),
     "unet": (unet, unet.UNetConfig),
 }
-MODEL_NAMES: tuple[str, ...] = tuple(_MODELS)
+FAMILIES: tuple[str, ...] = tuple(_MODELS)
 
 
 def _convert(key: str, value: str, kind: type) -> Any:
@@ -52,7 +52,7 @@ def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
   name = name.strip()
   if name not in _MODELS:
     raise ValueError(
-        f"unknown model {name!r}; valid models: {', '.join(MODEL_NAMES)}")
+        f"unknown model {name!r}; valid models: {', '.join(FAMILIES)}")
   config_cls = _MODELS[name][1]
   types = typing.get_type_hints(config_cls)
   kwargs = {}

@@ -1,12 +1,14 @@
-"""`partition(fn, *args, mesh=..., agent=...) -> Plan`: a sharding plan found by search.
+"""`Plan`: a sharding plan for a function on a mesh, with its cost, report, picture and jit.
+
+Plans come from `agents.partition` (search or an expert tactic):
 
 ```python
-import automap_rl
+from agents import partition
 
-plan = automap_rl.partition(step, params, opt_state, batch, mesh="data=2,model=4", hardware="h100",
-                            agent="mcts", budget=2000, seed=0,
-                            arg_names=("params", "opt_state", "batch"),
-                            arg_roles=("parameter", "optimizer_state", "input"))
+plan = partition(step, params, opt_state, batch, mesh="data=2,model=4", hardware="h100",
+                 agent="mcts", budget=2000, seed=0,
+                 arg_names=("params", "opt_state", "batch"),
+                 arg_roles=("parameter", "optimizer_state", "input"))
 print(plan.report())          # decisions, per-argument shardings, cost beside every expert tactic
 print(plan.diagram())         # how the largest arguments are split over the devices
 plan.plot("plan.png")         # the same as a picture
@@ -15,7 +17,10 @@ plan.in_shardings             # NamedShardings, pytrees like (params, opt_state,
 ```
 
 The formatting helpers (`cost_dict`, `format_costs`, `format_arguments`, `baselines`) live
-here so that the library and the `automap-rl partition` command share them.
+here so that the library and the `automap-rl partition` command share them. A plan knows
+nothing of how it was found beyond the agent's name and its search result (any object
+with `simulations`, `seconds`, `setup_seconds` and `actions`), so this module sits in the
+core, below the agents that make plans.
 """
 
 from __future__ import annotations
@@ -30,13 +35,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from automap_rl import ir, tactics
-from automap_rl.mesh import Mesh, make_mesh, to_jax_mesh
+from automap_rl import tactics
+from automap_rl.mesh import Mesh, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, Cost
 
-__all__ = ["Plan", "baselines", "cost_dict", "format_arguments", "format_costs", "partition", "transfer_decisions"]
+__all__ = ["Plan", "baselines", "cost_dict", "format_arguments", "format_costs", "transfer_decisions"]
 
 
 def cost_dict(cost: Cost) -> dict[str, Any]:
@@ -342,38 +347,3 @@ def _devices_at(holders, row_dim, col_dim, r: int, c: int) -> list[int]:
     if block[col_dim] == c and (row_dim is None or block[row_dim] == r):
       out.update(devices)
   return sorted(out)
-
-
-def partition(fn: Callable[..., Any], *args: Any, mesh: str | Mesh = "data=2,model=4", hardware: str = "h100",
-              agent: str = "mcts", budget: Any = 2000, seed: int = 0, arg_names: Sequence[str] | None = None,
-              arg_roles: Sequence[str] | None = None, config: Any = None,
-              progress: Callable[[int, float], None] | None = None) -> Plan:
-  """Finds a sharding plan for `fn(*args)` on `mesh` by search.
-
-  Args:
-    fn: the function, typically a whole training step.
-    *args: example arguments: arrays or `jax.ShapeDtypeStruct`s (nothing is run while
-      searching; `Plan.check_numerics` needs arrays).
-    mesh: a mesh spec (`data=2,model=4`) or an `automap_rl.mesh.Mesh`.
-    hardware: the hardware profile of a mesh spec (`h100`, `a100`, ...).
-    agent: `mcts`, `greedy`, `random`, or an expert tactic name (`data_megatron`, ...).
-    budget: simulator evaluations (int), seconds (float) or an `agents.Budget`.
-    seed: the search seed; the same seed and a simulations budget give the same plan.
-    arg_names, arg_roles: a name and a role (`parameter`, `optimizer_state`, `input`)
-      per positional argument, for paths in reports and for the expert tactics
-      (data parallel shards `input` arguments, Megatron and FSDP `parameter`s).
-    config: the agent's config dataclass (default: its defaults).
-    progress: called as `progress(simulations, best_step_time_s)` during the search.
-
-  Returns:
-    The plan.
-  """
-  import agents  # Lazily: agents import the environments, which import this package.
-
-  program = ir.trace(fn, *args, arg_names=arg_names, arg_roles=arg_roles)
-  the_mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh, hardware)
-  problem = Problem.build(program, the_mesh)
-  if agent in tactics.TACTICS:
-    return Plan(fn, tuple(args), problem, tactics.TACTICS[agent](problem), agent=agent)
-  result = agents.run_agent(agent, problem, seed=seed, budget=budget, config=config, progress=progress)
-  return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result)

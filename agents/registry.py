@@ -1,0 +1,27 @@
+"""Agents by name: `AGENTS` maps a name to `(config class, search function)`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from agents import greedy, mcts, random_search
+from agents.base import Budget, Progress, SearchResult
+from agents.greedy import GreedyConfig
+from agents.mcts import MCTSConfig
+from agents.random_search import RandomConfig
+from automap_rl.problem import Problem
+
+AGENTS: dict[str, tuple[type, Callable[..., SearchResult]]] = {
+    "random": (RandomConfig, random_search.search),
+    "greedy": (GreedyConfig, greedy.search),
+    "mcts": (MCTSConfig, mcts.search),
+}
+
+
+def run_agent(name: str, problem: Problem, seed: int = 0, budget: Budget | int | float = 2000,
+              config=None, progress: Progress | None = None) -> SearchResult:
+  """Runs agent `name` (a key of `AGENTS`) with `config` (default: the agent's defaults)."""
+  if name not in AGENTS:
+    raise ValueError(f"Unknown agent {name!r}; valid: {', '.join(AGENTS)}.")
+  config_cls, fn = AGENTS[name]
+  return fn(problem, config_cls() if config is None else config, seed, budget, progress)
