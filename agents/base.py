@@ -165,7 +165,7 @@ class Searcher:
     self.root: State = jax.device_get(jax.jit(env.init)(jax.random.key(0)))
     self._children = jax.jit(jax.vmap(env.step, in_axes=(None, 0)))
     self.chunk = min(bucket(env.num_actions - 1), 32)
-    cost_tables = env.tables.cost_tables()
+    cost_tables = env.tables.cost
     self._cost = jax.jit(lambda value_mask, op_mask: simulator.simulate(cost_tables, sharding.Resolution(
         value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32))))
     self._rollouts: dict[tuple[int, float], Callable] = {}

@@ -61,6 +61,12 @@ class Problem:
     dec_class, dec_axis = self.encode(decisions)
     return jax.device_get(self.evaluate_jit(dec_class, dec_axis))
 
+  def cost_terms(self, decisions: Sequence[sharding.Decision]) -> simulator.CostTerms:
+    """The named per-op and per-edge terms of a decision list's cost (see
+    `simulator.CostTerms`); `simulator.total(self.tables, terms)` is `self.cost(decisions)`."""
+    dec_class, dec_axis = self.encode(decisions)
+    return jax.device_get(simulator.terms(self.tables, self.resolve(dec_class, dec_axis)))
+
   def partition_specs(self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int]):
     """`PartitionSpec`s of the given values under `decisions`."""
     dec_class, dec_axis = self.encode(decisions)

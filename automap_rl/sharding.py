@@ -305,6 +305,56 @@ class Owners:
         num_axes=len(axis_sizes))
 
 
+NO_SLOT_RANK = np.iinfo(np.int16).max  # `apply_decision`'s rank of a slot the decision does not cover.
+
+
+def takes_axis(divisible: jax.Array, mask: jax.Array, used: jax.Array, axis_bit: jax.Array) -> jax.Array:
+  """THE rule of a decision: whether a slot (a value dim or an op factor) takes an axis.
+
+  A slot takes the axis of bit `axis_bit` when its owner (the value or op) does not use
+  that axis on any slot yet, and the slot's size divides by the product of its axes with
+  the new one. Resolution (`resolve`), one decision's application (`apply_decision`) and
+  the environment's legal-action mask all test this, and nothing else. Broadcasting.
+
+  Args:
+    divisible: the slot's `divisibility_bits` (bit m: its size divides by the axes of
+      mask m), int32.
+    mask: the slot's axis bit mask so far.
+    used: the axes its owner uses, as a bit mask (the OR of its slots' masks).
+    axis_bit: `1 << axis`.
+  """
+  want = (mask | axis_bit).astype(divisible.dtype)
+  return ((used & axis_bit) == 0) & ((jnp.right_shift(divisible, want) & 1) == 1)
+
+
+def apply_decision(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array) -> jax.Array:
+  """Applies one decision, `axis` for the classes of a target in rank order, to resolved
+  masks: in each owner the first slot that `takes_axis`, of the lowest-ranked class, takes
+  it. Appending the decision's classes to an encoded list and re-resolving (`resolve`)
+  gives the same masks; the environment steps with this.
+
+  Args:
+    divisible: divisibility bits of each slot, int32 [owners, slots].
+    mask: axis bit masks so far, int8 [owners, slots].
+    rank: the target's rank of each slot's class, `NO_SLOT_RANK` if not covered, int16
+      [owners, slots].
+    axis: int32 [].
+
+  Returns:
+    The new masks, [owners, slots].
+  """
+  slots = mask.shape[1]
+  bit = jnp.left_shift(1, axis).astype(mask.dtype)
+  used = mask.sum(axis=1, dtype=mask.dtype)[:, None]
+  cand = (rank < NO_SLOT_RANK) & takes_axis(divisible, mask, used, bit)
+  key = jnp.where(cand, rank.astype(jnp.int32) * slots + jnp.arange(slots), NO_SLOT_RANK * slots)
+  # The slot each owner shards, -1 for none: a reduction XLA materialises, so the
+  # simulator's reads of the new mask recompute one compare, not this search.
+  first = key.min(axis=1)
+  chosen = jnp.where(first < NO_SLOT_RANK * slots, first % slots, -1).astype(jnp.int8)
+  return mask | jnp.where(jnp.arange(slots, dtype=jnp.int8) == chosen[:, None], bit, 0).astype(mask.dtype)
+
+
 def _first_decisions(dec_class: jax.Array, dec_axis: jax.Array, num_classes: int, num_axes: int) -> jax.Array:
   """When each (class, axis) is first decided: the decision's index, K if never.
 
@@ -364,9 +414,8 @@ def _assign_packed(owners: Owners, num_classes: int, dec_class: jax.Array, dec_a
       w, shift = divmod(s, per_word)
       for axis in range(x):
         time = times[:, s, axis].astype(jnp.int32)
-        want = ((words[w] >> (x * shift)) & field) | (1 << axis)
-        open_ = ((time > last) & (time < never) & (((used >> axis) & 1) == 0)
-                 & (((divisible[:, s, None] >> want) & 1) == 1))
+        slot_mask = (words[w] >> (x * shift)) & field
+        open_ = (time > last) & (time < never) & takes_axis(divisible[:, s, None], slot_mask, used, 1 << axis)
         earliest = jnp.minimum(earliest, jnp.where(open_, (time << event_bits) | (s * x + axis), none))
     found = earliest < none
     event = earliest & ((1 << event_bits) - 1)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from automap_rl import sharding, simulator
 from envs.config import EnvConfig
-from envs.tables import NO_SLOT_RANK, EnvTables, raw_objective
+from envs.tables import EnvTables, raw_objective
 
 
 @chex.dataclass(frozen=True)
@@ -65,43 +65,11 @@ class State:
   step_count: jax.Array
 
 
-def _divides(divisible: jax.Array, mask: jax.Array) -> jax.Array:
-  """Whether slots with `sharding.divisibility_bits` `divisible` divide by the axes of bit
-  masks `mask` (broadcasting); a shift, not an integer division."""
-  return (jnp.right_shift(divisible, mask.astype(divisible.dtype)) & 1) == 1
-
-
-def _assign(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array) -> jax.Array:
-  """Applies decisions `(c, axis)` for the classes of one target in rank order.
-
-  Equivalent to `sharding.resolve` of those decisions after the earlier ones: in each
-  owner the first open slot of the lowest-ranked class takes the axis.
-
-  Args:
-    divisible: divisibility bits of each slot, int32 [owners, slots].
-    mask: int8 [owners, slots].
-    rank: the target's rank of each slot's class, `NO_SLOT_RANK` if not covered, int16
-      [owners, slots].
-    axis: int32 [].
-  """
-  slots = mask.shape[1]
-  bit = jnp.left_shift(1, axis).astype(mask.dtype)
-  free = (mask.sum(axis=1, dtype=mask.dtype) & bit) == 0
-  cand = (rank < NO_SLOT_RANK) & free[:, None] & _divides(divisible, mask | bit)
-  key = jnp.where(cand, rank.astype(jnp.int32) * slots + jnp.arange(slots), NO_SLOT_RANK * slots)
-  # The slot each owner shards, -1 for none: a reduction XLA materialises, so the
-  # simulator's reads of the new mask recompute one compare, not this search.
-  first = key.min(axis=1)
-  chosen = jnp.where(first < NO_SLOT_RANK * slots, first % slots, -1).astype(jnp.int8)
-  return mask | jnp.where(jnp.arange(slots, dtype=jnp.int8) == chosen[:, None], bit, 0).astype(mask.dtype)
-
-
 def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, num_decisions: jax.Array,
                   max_decisions: int) -> jax.Array:
   """The legal action mask (see the module docstring), bool [T * X + 1].
 
-  A slot is open on an axis if its owner does not use the axis yet and its size divides
-  by its shard count times the axis size; a class is open if one of its slots is (an any
+  A slot is open on an axis if it `sharding.takes_axis`; a class is open if one of its slots is (an any
   over chunks of `tables.slot_order`, then a sorted segment max); a target if one of its
   classes is.
   """
@@ -110,9 +78,8 @@ def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, 
                           jnp.repeat(op_mask.sum(axis=1, dtype=op_mask.dtype), op_mask.shape[1])])[tables.slot_order]
   mask = jnp.concatenate([value_mask.reshape(-1), op_mask.reshape(-1)])[tables.slot_order]
   bits = jnp.left_shift(1, jnp.arange(tables.axis_sizes.shape[0])).astype(mask.dtype)  # [X]
-  free = (used[..., None] & bits) == 0
-  divides = _divides(tables.slot_divisible[..., None], mask[..., None] | bits)
-  chunk_open = (free & divides).any(axis=1).astype(jnp.int32)  # [Q, X]
+  takes = sharding.takes_axis(tables.slot_divisible[..., None], mask[..., None], used[..., None], bits)
+  chunk_open = takes.any(axis=1).astype(jnp.int32)  # [Q, X]
   class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
                                    indices_are_sorted=True) > 0
   target = tables.target_classes  # Row C of class_open is no class's: never open.
@@ -125,8 +92,8 @@ def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, 
 
 def _evaluate(config: EnvConfig, tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array):
   resolution = sharding.Resolution(value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32))
-  cost = simulator.simulate(tables.cost_tables(), resolution)
-  objective = raw_objective(config, cost, tables.base, tables.cost["hbm_bytes"]) / tables.base[2]
+  cost = simulator.simulate(tables.cost, resolution)
+  objective = raw_objective(config, cost, tables.base, tables.cost.hbm_bytes) / tables.base[2]
   return cost, objective
 
 
@@ -152,8 +119,8 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   stop = (action == state.legal_action_mask.shape[0] - 1) | ~state.legal_action_mask[action]
   target = jnp.minimum(action // num_axes, tables.target_classes.shape[0] - 1)
   axis = action % num_axes
-  value_mask = _assign(tables.value_divisible, state.value_mask, tables.value_rank[target], axis)
-  op_mask = _assign(tables.op_divisible, state.op_mask, tables.op_rank[target], axis)
+  value_mask = sharding.apply_decision(tables.value_divisible, state.value_mask, tables.value_rank[target], axis)
+  op_mask = sharding.apply_decision(tables.op_divisible, state.op_mask, tables.op_rank[target], axis)
   cost, objective = _evaluate(config, tables, value_mask, op_mask)
 
   classes = tables.target_classes[target]

@@ -79,7 +79,7 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
     return jnp.concatenate([static, bits.max(axis=1), extra, fraction[:, None]], axis=1), bits
 
   values, value_bits = owner(0, tables.value_features, tables.value_class, state.value_mask, jnp.zeros((uv, x)))
-  reduction = tables.cost["op_reduction"][..., None] * _axis_bits(state.op_mask, x)
+  reduction = tables.cost.op_reduction[..., None] * _axis_bits(state.op_mask, x)
   ops, op_bits = owner(1, tables.op_features, tables.op_class, state.op_mask, reduction.max(axis=1))
 
   # Fraction of each target's slots sharded on each axis.
@@ -101,13 +101,13 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
   pad_node = nodes.shape[0] - 1
 
   cost = tables.cost
-  result = cost["edge_result"]
-  value_node, op_node = cost["edge_value"], uv + cost["edge_op"]
+  result = cost.edge_result
+  value_node, op_node = cost.edge_value, uv + cost.edge_op
   edge_real = tables.edge_real
   senders = jnp.where(edge_real, jnp.where(result, op_node, value_node), pad_node)
   receivers = jnp.where(edge_real, jnp.where(result, value_node, op_node), pad_node)
   edge_features = jnp.stack([~result, result, jnp.zeros_like(result),
-                             jnp.log2(1.0 + cost["edge_weight"]) / 16.0], axis=1)
+                             jnp.log2(1.0 + cost.edge_weight) / 16.0], axis=1)
   edge_features = jnp.where(edge_real[:, None], edge_features.astype(jnp.float32), 0.0)
   cover = tables.cover_real
   cover_senders = jnp.where(cover, uv + uo + tables.cover_target, pad_node)

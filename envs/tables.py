@@ -31,7 +31,6 @@ from envs.actions import Target
 from envs.config import EnvConfig
 
 NO_RANK = 1 << 20  # Rank of a class a target does not cover.
-NO_SLOT_RANK = np.iinfo(np.int16).max  # The same, in the per-slot rank tables.
 
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 _LAYOUT = frozenset({
@@ -76,7 +75,7 @@ def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
 
 _FILL = {"value_class": -1, "value_divisible": 1, "op_class": -1, "op_divisible": 1, "target_classes": -1,
          "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_divisible": 1,
-         "edge_dim_factors": -1, "value_rank": NO_SLOT_RANK, "op_rank": NO_SLOT_RANK}  # -1: the simulator's never-sharded factor.
+         "edge_dim_factors": -1, "value_rank": sharding.NO_SLOT_RANK, "op_rank": sharding.NO_SLOT_RANK}  # -1: the simulator's never-sharded factor.
 BUCKETED = ("Uv", "Uo", "E", "R", "L", "Q", "C", "T", "G")
 CHUNK = 8  # W: slots per chunk.
 
@@ -97,7 +96,7 @@ class EnvTables:
     axis_sizes: mesh axis sizes, padded with 1, [X]; axis_valid: real axes, bool [X].
     target_classes: classes of each target in decision order, -1 padded, [T, M].
     target_rank: position of each class in each target, `NO_RANK` if absent, [T, C].
-    value_rank, op_rank: the same per slot, `NO_SLOT_RANK` if absent, int16 [T, Uv, Rv] and
+    value_rank, op_rank: the same per slot, `sharding.NO_SLOT_RANK` if absent, int16 [T, Uv, Rv] and
       [T, Uo, Rf]: a step gathers its target's row instead of a rank per slot.
     base: the replicated plan's step time, peak memory and raw objective, [3].
     mesh_features: static global features of the observation, [F].
@@ -105,7 +104,7 @@ class EnvTables:
     edge_real: which cost edges are real, bool [E].
     cover_target, cover_index, cover_is_op, cover_real: coverage edges from a target to a
       value (op) signature holding one of its classes, [G].
-    cost: `simulator.CostTables` fields as arrays (masks tiled to B = 2**X entries).
+    cost: the simulator's tables (per-mask tables tiled to B = 2**X entries).
   """
 
   value_class: jax.Array
@@ -131,7 +130,7 @@ class EnvTables:
   cover_index: jax.Array
   cover_is_op: jax.Array
   cover_real: jax.Array
-  cost: dict
+  cost: simulator.CostTables
 
   @property
   def num_axes(self) -> int:
@@ -140,10 +139,6 @@ class EnvTables:
   @property
   def num_actions(self) -> int:
     return self.target_classes.shape[-2] * self.num_axes + 1
-
-  def cost_tables(self) -> simulator.CostTables:
-    """The simulator's tables (works on traced arrays inside jit and vmap)."""
-    return simulator.CostTables(**self.cost)
 
 
 def raw_objective(config: EnvConfig, cost: simulator.Cost, base: jax.Array, hbm_bytes) -> jax.Array:
@@ -163,10 +158,10 @@ def _tile_masks(table: np.ndarray, num_axes: int, max_axes: int) -> np.ndarray:
 
 def _slot_rank(target_rank: np.ndarray, classes: np.ndarray) -> np.ndarray:
   """Each target's rank of each slot's class, int16 [T, owners, slots]."""
-  if (target_rank[target_rank < NO_RANK] >= NO_SLOT_RANK).any():
-    raise ValueError(f"A target covers more than {NO_SLOT_RANK} classes.")
-  ranks = np.minimum(target_rank[:, np.maximum(classes, 0)], NO_SLOT_RANK)
-  return np.where(classes >= 0, ranks, NO_SLOT_RANK).astype(np.int16)
+  if (target_rank[target_rank < NO_RANK] >= sharding.NO_SLOT_RANK).any():
+    raise ValueError(f"A target covers more than {sharding.NO_SLOT_RANK} classes.")
+  ranks = np.minimum(target_rank[:, np.maximum(classes, 0)], sharding.NO_SLOT_RANK)
+  return np.where(classes >= 0, ranks, sharding.NO_SLOT_RANK).astype(np.int16)
 
 
 def _value_features(problem: Problem) -> np.ndarray:
@@ -274,7 +269,7 @@ def build(problem: Problem, config: EnvConfig, targets: Sequence[Target]) -> Env
       edge_real=np.ones(len(tables.edge_op), bool),
       cover_target=cover[:, 0].astype(np.int32), cover_index=cover[:, 1].astype(np.int32),
       cover_is_op=cover[:, 2].astype(bool), cover_real=np.ones(len(cover), bool),
-      cost=cost,
+      cost=simulator.CostTables(**cost),
   ))
 
 
@@ -285,8 +280,9 @@ def _device(tables: EnvTables) -> EnvTables:
 def _dims(tables: EnvTables):
   for name in DIMS:
     yield name, DIMS[name], getattr(tables, name)
-  for name, array in tables.cost.items():
-    yield f"cost.{name}", cost_dims(name, np.ndim(array)), array
+  for field in dataclasses.fields(simulator.CostTables):
+    array = getattr(tables.cost, field.name)
+    yield f"cost.{field.name}", cost_dims(field.name, np.ndim(array)), array
 
 
 def sizes(tables: EnvTables) -> dict[str, int]:
@@ -318,7 +314,9 @@ def pad(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
     return np.pad(array, widths, constant_values=_FILL.get(name, 0))
 
   fields = {name: padded(name, dims, getattr(tables, name)) for name, dims in DIMS.items()}
-  fields["cost"] = {name: padded(name, cost_dims(name, np.ndim(a)), a) for name, a in tables.cost.items()}
+  fields["cost"] = simulator.CostTables(**{
+      f.name: padded(f.name, cost_dims(f.name, np.ndim(a)), a)
+      for f in dataclasses.fields(simulator.CostTables) for a in [getattr(tables.cost, f.name)]})
   return _device(EnvTables(**fields))
 
 

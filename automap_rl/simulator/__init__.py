@@ -1,6 +1,10 @@
-"""The cost simulator: compute rooflines, alpha-beta collectives and peak memory per device."""
+"""The cost simulator: compute rooflines, alpha-beta collectives and peak memory per device.
 
-from automap_rl.simulator.cost import KINDS, Cost, simulate
+`simulate(tables, resolution)` is a plan's `Cost`; `terms(tables, resolution)` its named
+per-op and per-edge `CostTerms`, which `total` sums to the same `Cost`.
+"""
+
+from automap_rl.simulator.cost import KINDS, Cost, CostTerms, EdgeTerms, simulate, terms, total
 from automap_rl.simulator.tables import CostTables, build
 
-__all__ = ["KINDS", "Cost", "CostTables", "build", "simulate"]
+__all__ = ["KINDS", "Cost", "CostTables", "CostTerms", "EdgeTerms", "build", "simulate", "terms", "total"]

@@ -96,9 +96,10 @@ def _collective(t: CostTables, all_reduce: bool, axes: jax.Array,
   return per_byte[axes] * fraction, fixed[axes], fraction
 
 
-class _EdgeTerms(NamedTuple):
-  """One collective kind on a set of edges, each [N, B]: seconds, bytes per device,
-  count, and the per-device buffer moved per byte of the value (0 where none runs)."""
+class EdgeTerms(NamedTuple):
+  """One collective kind on a set of edges, each [N] (with a plan batch: [N, B] inside
+  the simulator, [B, N] from `terms`): seconds, bytes per device, count (runs per step),
+  and the per-device buffer moved per byte of the value (0 where none runs)."""
 
   seconds: jax.Array
   bytes: jax.Array
@@ -107,12 +108,12 @@ class _EdgeTerms(NamedTuple):
 
 
 def _edge_terms(t: CostTables, all_reduce: bool, axes: jax.Array, divisor: jax.Array, nbytes: jax.Array,
-                weight: jax.Array) -> _EdgeTerms:
+                weight: jax.Array) -> EdgeTerms:
   """The terms of one collective kind over the axes `axes` [N, B] of edges moving values
   of `nbytes` [N, 1], run `weight` [N] times a step (see `_collective`)."""
   per_byte, fixed, fraction = _collective(t, all_reduce, axes, divisor)
   runs = jnp.where(axes != 0, weight[:, None], 0.0)
-  return _EdgeTerms(seconds=runs * (nbytes * per_byte + fixed), bytes=runs * nbytes * fraction, count=runs,
+  return EdgeTerms(seconds=runs * (nbytes * per_byte + fixed), bytes=runs * nbytes * fraction, count=runs,
                     buffer=nbytes * fraction)
 
 
@@ -124,23 +125,57 @@ def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
                              lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,)))
 
 
-def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
-  """`simulate` for a batch of plans laid out batch-last (see `automap_rl.batching`).
+@chex.dataclass(frozen=True)
+class CostTerms:
+  """The named terms whose sum is a plan's cost (see `total`), each with the plan batch
+  laid out LAST inside the simulator and FIRST in what `terms` returns.
+
+  Shapes (one plan): Uv value signatures, Uo op signatures, E edges (an op signature
+  using or making a value signature: `CostTables.edge_op`, `edge_value`, `edge_result`),
+  R reduction edges (`CostTables.reduction_edge`).
+
+  Attributes:
+    value_compute_s: seconds of the ops that shard like their values, charged to the
+      signature of their first result, [Uv].
+    op_compute_s: seconds of compute of all ops of each op signature, [Uo].
+    gather: all-gathers on each edge: an operand stored on axes its op does not shard
+      (resharding of that operand), or a result computed sharded on axes it is not stored
+      on, [E] each of seconds, bytes per device and count.
+    all_to_all: all-to-alls on each edge: an operand (result) stored on an axis its op
+      shards on another dim, [E].
+    reduce_scatter, all_reduce: the reduction of each result whose op's reduction factors
+      are sharded: reduce-scattered over the axes its stored sharding uses, all-reduced
+      over the rest, [R].
+    gathered_bytes: bytes per device of gathered operand copies each edge adds to the
+      peak, [E].
+    value_shards: how many shards each value signature is split into, [Uv].
+  """
+
+  value_compute_s: jax.Array
+  op_compute_s: jax.Array
+  gather: EdgeTerms
+  all_to_all: EdgeTerms
+  reduce_scatter: EdgeTerms
+  all_reduce: EdgeTerms
+  gathered_bytes: jax.Array
+  value_shards: jax.Array
+
+
+def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
+  """The cost terms of a batch of plans laid out batch-last (see `automap_rl.batching`).
 
   Args:
     t: the cost tables.
     masks: value-signature dim masks [Uv, Rv, B] and op-signature factor masks [Uo, Rf, B].
 
   Returns:
-    The costs, each field leading with the batch [B, ...].
+    The terms, each field [..., B].
   """
   # Masks are small bit sets: int8 keeps the per-edge arrays [E, B] at a byte an entry,
   # which keeps the whole computation's scratch memory small (see BENCHMARKS.md).
   value_mask, op_mask = (m.astype(jnp.int8) for m in masks)
   value_shards = _group_size(t, _axes_of(t, value_mask.sum(axis=1, dtype=jnp.int8)))  # [Uv, B]
   op_shards = _group_size(t, _axes_of(t, op_mask.sum(axis=1, dtype=jnp.int8)))  # [Uo, B]
-  compute = (jnp.sum(jnp.maximum(t.op_compute_s, t.op_memory_s)[:, None] / op_shards, axis=0)
-             + jnp.sum(jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards, axis=0))
 
   # Masks are disjoint bit sets across the dims of a value and the factors of an op, so
   # sums over dims are ORs.
@@ -171,23 +206,38 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
                        nbytes, t.edge_weight)
   to_all = _edge_terms(t, False, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced),
                        stored_all, nbytes, t.edge_weight)
-  gathered = jnp.where(operand & (gather_axes != 0), t.edge_buffers[:, None], 0.0) * gather.buffer  # On the peak.
-  gather_time, transient, gather_bytes, to_all_bytes, gather_count, to_all_count = _sum_rows(
-      gather.seconds + to_all.seconds, gathered, gather.bytes, to_all.bytes, gather.count, to_all.count)
 
   r_stored, r_required, r_reduced = (x[t.reduction_edge] for x in (stored_all, required_all, reduced))  # [R, B]
   scatter_axes = r_reduced & r_stored
   # A reduction may carry several partial sums' buffers in one collective.
   r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]][:, None] * t.reduction_partial_sums[:, None]
-  scatter = _edge_terms(t, False, scatter_axes, r_required, r_nbytes, t.reduction_weight)
-  reduce = _edge_terms(t, True, r_reduced & ~r_stored, r_required | scatter_axes, r_nbytes, t.reduction_weight)
+  return CostTerms(
+      value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards,
+      op_compute_s=jnp.maximum(t.op_compute_s, t.op_memory_s)[:, None] / op_shards,
+      gather=gather,
+      all_to_all=to_all,
+      reduce_scatter=_edge_terms(t, False, scatter_axes, r_required, r_nbytes, t.reduction_weight),
+      all_reduce=_edge_terms(t, True, r_reduced & ~r_stored, r_required | scatter_axes, r_nbytes,
+                             t.reduction_weight),
+      gathered_bytes=jnp.where(operand & (gather_axes != 0), t.edge_buffers[:, None], 0.0) * gather.buffer,
+      value_shards=value_shards,
+  )
+
+
+def _total(t: CostTables, terms: CostTerms) -> Cost:
+  """The cost of a batch of plans from their terms (batch-last), each field [B, ...]."""
+  compute = jnp.sum(terms.op_compute_s, axis=0) + jnp.sum(terms.value_compute_s, axis=0)
+  gather, to_all = terms.gather, terms.all_to_all
+  gather_time, transient, gather_bytes, to_all_bytes, gather_count, to_all_count = _sum_rows(
+      gather.seconds + to_all.seconds, terms.gathered_bytes, gather.bytes, to_all.bytes, gather.count, to_all.count)
+  scatter, reduce = terms.reduce_scatter, terms.all_reduce
   reduce_time, scatter_bytes, reduce_bytes, scatter_count, reduce_count = _sum_rows(
       scatter.seconds + reduce.seconds, scatter.bytes, reduce.bytes, scatter.count, reduce.count)
 
   comm_time = gather_time + reduce_time
   comm_bytes = [reduce_bytes, gather_bytes, scatter_bytes, to_all_bytes]  # In `KINDS` order.
   comm_count = [reduce_count, gather_count, scatter_count, to_all_count]
-  peak = jnp.max(t.live_bytes @ (1.0 / value_shards), axis=0) + transient
+  peak = jnp.max(t.live_bytes @ (1.0 / terms.value_shards), axis=0) + transient
   return Cost(
       step_time=compute + comm_time,
       compute_time=compute,
@@ -199,6 +249,11 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   )
 
 
+def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
+  """`simulate` for a batch of plans laid out batch-last: the sum of `_terms`."""
+  return _total(t, _terms(t, masks))
+
+
 _simulate_one_or_many = batching.batch_last(_simulate)
 
 
@@ -206,3 +261,22 @@ def simulate(tables: CostTables, resolution: Resolution) -> Cost:
   """Costs one resolved plan. Vmap over resolutions for a batch of plans: the batch then
   runs in one batch-last call (see `automap_rl.batching`)."""
   return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
+
+
+_terms_one_or_many = batching.batch_last(
+    lambda t, masks: jax.tree.map(lambda x: jnp.moveaxis(x, -1, 0), _terms(t, masks)))
+
+
+def terms(tables: CostTables, resolution: Resolution) -> CostTerms:
+  """The named per-op and per-edge terms of one resolved plan's cost (`CostTerms`, one
+  plan's shapes); `total(tables, terms(tables, r))` is `simulate(tables, r)`. Vmaps like
+  `simulate`."""
+  return _terms_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
+
+
+def total(tables: CostTables, plan_terms: CostTerms) -> Cost:
+  """The cost of one plan from its terms: compute is the sum of the compute terms,
+  communication the sum of every collective term, peak memory the largest live-bytes row
+  with each value divided by its shards plus the gathered copies."""
+  batch_last = jax.tree.map(lambda x: x[..., None], plan_terms)
+  return jax.tree.map(lambda x: x[0], _total(tables, batch_last))
