@@ -1,5 +1,6 @@
 """The partitioning environment: purity, exact masks, rewards, batching, the wrapper."""
 
+import dataclasses
 import functools
 
 import chex
@@ -11,7 +12,7 @@ import pytest
 from automap_rl import mesh as mesh_lib
 from automap_rl import workloads, sharding
 from automap_rl.problem import Problem
-from envs import Env, EnvConfig, core, observe, programs, tables
+from envs import Env, EnvConfig, core, observe, programs, tables, testing
 from envs.bench import random_actions
 from envs.gym import GymEnv
 
@@ -38,41 +39,45 @@ def random_episode(env: Env, seed: int, step=None, limit: int = 1000):
 
 
 
-@pytest.mark.parametrize("space", ["arg_dims", "named_dims", "groups"])
-def test_jit_and_vmap_match_plain_calls(space):
-  env = Env.build(problem("mlp"), EnvConfig(action_space=space))
-  rng = np.random.default_rng(0)
-  plain = env.init(jax.random.key(0))
-  jitted = jax.jit(env.init)(jax.random.key(0))
-  batched = jax.vmap(env.init)(jax.random.split(jax.random.key(0), 3))
-  step, vstep = jax.jit(env.step), jax.jit(jax.vmap(env.step))
-  for _ in range(6):
-    chex.assert_trees_all_close(plain, jitted, rtol=1e-5, atol=TOL)
-    for i in range(3):
-      chex.assert_trees_all_close(plain, jax.tree.map(lambda x: x[i], batched), rtol=1e-5, atol=TOL)
-    legal = np.flatnonzero(np.asarray(plain.legal_action_mask))
-    action = jnp.int32(rng.choice(legal[:-1]) if len(legal) > 1 else legal[0])
-    plain, jitted = env.step(plain, action), step(jitted, action)
-    batched = vstep(batched, jnp.full(3, action))
-  chex.assert_trees_all_close(env.observe(plain), jax.jit(env.observe)(jitted), rtol=1e-5, atol=TOL)
+def _mixed_batch_row(index: int) -> Env:
+  """Row `index` of a padded, stacked batch of three programs, as an `Env`."""
+  probs = [problem("mlp"), problem("gpt:layers=2", "data=8"), problem("mlp", "data=2,fsdp=2,model=2")]
+  config = EnvConfig(action_space="named_dims")
+  stacked, targets = programs.batch_tables(probs, config)
+  return Env(config, probs[index], tuple(targets[index]), jax.tree.map(lambda x: x[index], stacked))
 
 
-def test_same_seed_same_episode():
-  env = Env.build(problem("gpt:layers=2"))
-  a, b = random_episode(env, 3), random_episode(env, 3)
-  assert len(a) == len(b)
-  chex.assert_trees_all_equal(a[-1], b[-1])
-  gym = GymEnv(env)
-  runs = []
-  for _ in range(2):
-    _, info = gym.reset(seed=5)
-    actions, done = [], False
-    while not done:
-      actions.append(int(gym.action_space.sample(info["action_mask"].astype(np.int8))))
-      _, _, terminated, truncated, info = gym.step(actions[-1])
-      done = terminated or truncated
-    runs.append(actions)
-  assert runs[0] == runs[1]
+ENVIRONMENTS = {
+    "mlp-arg_dims": lambda: Env.build(problem("mlp"), EnvConfig(action_space="arg_dims")),
+    "mlp-named_dims-3-axes": lambda: Env.build(problem("mlp", "data=2,fsdp=2,model=2"),
+                                               EnvConfig(action_space="named_dims")),
+    "gpt-groups": lambda: Env.build(problem("gpt:layers=2")),
+    "gpt-groups-bucketed": lambda: Env.build(problem("gpt:layers=2"), bucket=True),
+    "gpt-truncated": lambda: Env.build(problem("gpt:layers=2"), EnvConfig(action_space="named_dims", max_steps=3)),
+    "mixed-batch-row": lambda: _mixed_batch_row(1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
+def test_every_environment_keeps_the_contract(name):
+  testing.api_test(ENVIRONMENTS[name]())
+
+
+def test_the_gym_wrapper_keeps_its_contract():
+  testing.gym_api_test(GymEnv(Env.build(problem("gpt:layers=2"))))
+
+
+def test_the_contract_catches_a_terminal_state_that_moves():
+  env = Env.build(problem("mlp"))
+
+  def leaky_step(state, action):
+    moved = env.step(state, action)
+    return moved.replace(reward=jnp.where(state.terminated, 1.0, moved.reward).astype(jnp.float32))
+
+  broken = dataclasses.replace(env)
+  object.__setattr__(broken, "step", leaky_step)
+  with pytest.raises(AssertionError, match="terminal state rewarded"):
+    testing.api_test(broken, num_episodes=1)
 
 
 @pytest.mark.parametrize("model,space", [("mlp", "arg_dims"), ("mlp", "groups"), ("gpt:layers=2", "groups"),
@@ -119,19 +124,6 @@ def test_returns_sum_to_the_simulated_improvement(objective):
     np.testing.assert_allclose(states[-1].step_time, final.step_time, rtol=1e-5)
 
 
-def test_terminal_states_stay_put():
-  env = Env.build(problem("mlp"))
-  state = env.init(jax.random.key(0))
-  legal = np.flatnonzero(np.asarray(state.legal_action_mask))
-  state = env.step(state, jnp.int32(legal[0]))
-  stopped = env.step(state, jnp.int32(env.stop_action))
-  assert stopped.terminated and float(stopped.reward) == 0.0
-  np.testing.assert_array_equal(np.flatnonzero(stopped.legal_action_mask), [env.stop_action])
-  for action in range(env.num_actions):
-    after = env.step(stopped, jnp.int32(action))
-    chex.assert_trees_all_equal(after, stopped)
-
-
 def test_capacity_ends_episodes_and_truncation():
   env = Env.build(problem("gpt:layers=2"), EnvConfig(action_space="groups", max_decisions=4))
   states = random_episode(env, 0)
@@ -141,14 +133,6 @@ def test_capacity_ends_episodes_and_truncation():
   for _ in range(2):
     state = env.step(state, jnp.argmax(state.legal_action_mask).astype(jnp.int32))
   assert state.truncated and not state.terminated
-
-
-def test_no_recompilation_across_steps():
-  env = Env.build(problem("mlp"))
-  step = jax.jit(env.step)
-  states = random_episode(env, 0, step)
-  assert len(states) > 2
-  assert step._cache_size() == 1
 
 
 def test_mixed_batch_is_inert_padding():

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from automap_rl import ir, workloads, tactics
+from automap_rl import ir, simulator, tactics, workloads
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
@@ -153,3 +153,25 @@ def test_resolution_follows_the_decision_semantics(spec, mesh, length):
     plan = (problem.mesh.axis_sizes, np.asarray(classes[i]), np.asarray(axes[i]))
     np.testing.assert_array_equal(resolved.value_mask[i], _resolve_by_the_book(sigs.value_class, sigs.value_size, *plan))
     np.testing.assert_array_equal(resolved.op_mask[i], _resolve_by_the_book(sigs.op_class, sigs.op_size, *plan))
+
+
+@pytest.mark.parametrize("spec,mesh", [("gpt:layers=2", "data=2,model=4"), ("moe", "data=2,fsdp=2,model=2"),
+                                       ("unet", "data=8"), ("gnn", "data=2,model=4")])
+def test_the_cost_is_the_sum_of_its_named_terms(spec, mesh):
+  problem = zoo_problem(spec, mesh)
+  for name, plan in tactics.applicable(problem).items():
+    cost, terms = problem.cost(plan), problem.cost_terms(plan)
+    np.testing.assert_array_equal(jax.device_get(simulator.total(problem.tables, terms)).step_time, cost.step_time)
+    compute = terms.op_compute_s.sum(dtype=np.float64) + terms.value_compute_s.sum(dtype=np.float64)
+    kinds = {"all-reduce": terms.all_reduce, "all-gather": terms.gather, "reduce-scatter": terms.reduce_scatter,
+             "all-to-all": terms.all_to_all}
+    comm = sum(k.seconds.sum(dtype=np.float64) for k in kinds.values())
+    np.testing.assert_allclose(compute, cost.compute_time, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(compute + comm, cost.step_time, rtol=1e-5, err_msg=name)
+    for kind, edge in kinds.items():
+      np.testing.assert_allclose(edge.bytes.sum(dtype=np.float64), cost.comm_bytes[KINDS.index(kind)], rtol=1e-5)
+      np.testing.assert_allclose(edge.count.sum(dtype=np.float64), cost.comm_count[KINDS.index(kind)], rtol=1e-5)
+    # One term per edge and op signature, so a report can name what each op costs.
+    assert terms.gather.seconds.shape == problem.tables.edge_op.shape
+    assert terms.all_reduce.seconds.shape == problem.tables.reduction_edge.shape
+    assert terms.op_compute_s.shape == (len(problem.sigs.op_keys),)
