@@ -18,7 +18,7 @@ demo: $(BIN)/automap-rl
 	mkdir -p runs
 	time -p $(BIN)/automap-rl partition gpt:layers=8,d_model=1024 --mesh data=2,model=4 --hardware h100 \
 	  --agent mcts --budget 2000 --seed 0 --plot runs/demo_plan.png --json runs/demo_plan.json \
-	  --check-numerics --check-model gpt:layers=2,d_model=128,heads=4,seq=32,vocab=256,batch=8
+	  --check-numerics --check-workload gpt:layers=2,d_model=128,heads=4,seq=32,vocab=256,batch=8
 
 test: $(BIN)/automap-rl
 	$(BIN)/lint-imports

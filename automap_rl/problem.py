@@ -34,7 +34,7 @@ class Problem:
   def build(cls, program: ir.Program, mesh: Mesh, named: ir.NamedDims | None = None) -> Problem:
     named = ir.analyze(program) if named is None else named
     sigs = sharding.signatures(program, named)
-    return cls(program, named, mesh, sigs, simulator.build(program, sigs, mesh))
+    return cls(program, named, mesh, sigs, simulator.build_cost_tables(program, sigs, mesh))
 
   def encode(self, decisions: Sequence[sharding.Decision], length: int | None = None):
     """Decisions as `(classes, axes)` int32 arrays of shape [length]."""
@@ -43,7 +43,7 @@ class Problem:
   @functools.cached_property
   def owners(self) -> sharding.Owners:
     """The slot layout that resolution runs on."""
-    return sharding.Owners.build(self.sigs, self.mesh.axis_sizes)
+    return sharding.Owners.from_signatures(self.sigs, self.mesh.axis_sizes)
 
   def resolve(self, dec_class: jax.Array, dec_axis: jax.Array) -> sharding.Resolution:
     return sharding.resolve(self.owners, len(self.named.classes), dec_class, dec_axis)

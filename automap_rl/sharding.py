@@ -282,7 +282,7 @@ class Owners:
   num_axes: int
 
   @classmethod
-  def build(cls, sigs: Signatures, axis_sizes: Sequence[int]) -> Owners:
+  def from_signatures(cls, sigs: Signatures, axis_sizes: Sequence[int]) -> Owners:
     rows: dict[tuple, int] = {}
 
     def place(classes: np.ndarray, divisible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -38,7 +38,7 @@ class Env:
     targets = actions.targets(problem, config.action_space)
     if not targets:
       raise ValueError(f"{problem.program.num_ops}-op program has no {config.action_space} targets.")
-    t = tables.build(problem, config, targets)
+    t = tables.build_env_tables(problem, config, targets)
     if bucket:
       t = tables.pad(t, tables.bucket_sizes(tables.sizes(t)))
     return cls(config, problem, targets, t)

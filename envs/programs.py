@@ -40,7 +40,7 @@ class Sample:
   mesh: str
   hardware: str
 
-  def build(self) -> Problem:
+  def to_problem(self) -> Problem:
     program = workloads.make_workload(self.model).trace()
     return Problem.build(program, mesh_lib.make_mesh(self.mesh, self.hardware))
 
@@ -59,11 +59,11 @@ def sample(seed: int, n: int, model_names: Sequence[str] = tuple(SIZES), meshes:
 
 def sample_problems(seed: int, n: int, **kwargs) -> list[Problem]:
   """Traced and built problems of `sample(seed, n, **kwargs)`."""
-  return [s.build() for s in sample(seed, n, **kwargs)]
+  return [s.to_problem() for s in sample(seed, n, **kwargs)]
 
 
 def batch_tables(problems: Sequence[Problem], config: EnvConfig) -> tuple[tables.EnvTables, list[tuple]]:
   """Stacked, bucket-padded tables of `problems` [len(problems), ...] and each one's targets."""
   targets = [actions.targets(p, config.action_space) for p in problems]
-  built = [tables.build(p, config, t) for p, t in zip(problems, targets)]
+  built = [tables.build_env_tables(p, config, t) for p, t in zip(problems, targets)]
   return tables.stack(built), targets

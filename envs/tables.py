@@ -216,7 +216,7 @@ def _coverage(problem: Problem, targets: Sequence[Target]):
   return rows, features.astype(np.float32)
 
 
-def build(problem: Problem, config: EnvConfig, targets: Sequence[Target]) -> EnvTables:
+def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Target]) -> EnvTables:
   """The exact-size tables of `problem` under `config` (numpy arrays)."""
   mesh, sigs, tables = problem.mesh, problem.sigs, problem.tables
   num_axes, x = len(mesh.axis_sizes), config.max_axes

@@ -14,34 +14,45 @@ import jax.numpy as jnp
 from automap_rl import workloads
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
+from envs.bench import bench_env
 from experiments.cli import write_json
+from experiments.options import Hardware, JsonPath, MeshSpec, Workload
 
 
 @dataclasses.dataclass(frozen=True)
-class BenchConfig:
-  """A throughput benchmark.
+class EnvBenchConfig:
+  """Environment steps per second: one environment, and a vmapped batch of them.
 
   Attributes:
-    target: `simulator` or `env`.
-    model: zoo spec.
-    mesh: mesh spec.
-    hardware: hardware profile.
-    batch: plans (environments) per vmapped call.
-    decisions: decisions per random plan.
+    workload: the workload spec.
+    mesh: the mesh spec.
+    hardware: the hardware profile.
+    batch: environments per vmapped call.
     seconds: how long to time each mode.
-    seed: seed of the random plans.
-    json_path: where to write the figures.
+    seed: seed of the random actions.
+    json: where to write the figures.
   """
 
-  target: str = "simulator"
-  model: str = "gpt:layers=12"
-  mesh: str = "data=2,model=4"
-  hardware: str = "h100"
+  workload: Workload = "gpt:layers=12"
+  mesh: MeshSpec = "data=2,model=4"
+  hardware: Hardware = "h100"
   batch: int = 256
-  decisions: int = 16
   seconds: float = 3.0
   seed: int = 0
-  json_path: str | None = None
+  json: JsonPath = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatorBenchConfig(EnvBenchConfig):
+  """Simulator evaluations per second: one plan per call, and a vmapped batch of plans.
+
+  Attributes:
+    batch: plans per vmapped call.
+    decisions: decisions per random plan.
+    seed: seed of the random plans.
+  """
+
+  decisions: int = 16
 
 
 def calls_per_second(fn: Callable[[], Any], seconds: float) -> float:
@@ -62,9 +73,9 @@ def random_plans(problem: Problem, key: jax.Array, batch: int, length: int) -> t
   return classes.astype(jnp.int32), axes.astype(jnp.int32)
 
 
-def bench_simulator(config: BenchConfig) -> dict[str, Any]:
+def bench_simulator(config: SimulatorBenchConfig) -> dict[str, Any]:
   """Cost evaluations per second, one plan per call and a vmapped batch per call."""
-  workload = workloads.make_workload(config.model, abstract=True)
+  workload = workloads.make_workload(config.workload, abstract=True)
   problem = Problem.build(workload.trace(), make_mesh(config.mesh, config.hardware))
   classes, axes = random_plans(problem, jax.random.key(config.seed), config.batch, config.decisions)
   single = jax.jit(problem.evaluate)
@@ -80,38 +91,16 @@ def bench_simulator(config: BenchConfig) -> dict[str, Any]:
   }
 
 
-def run(config: BenchConfig) -> dict[str, Any]:
-  if config.target == "simulator":
-    result = bench_simulator(config)
-  else:
-    from envs.bench import bench_env
-
-    result = bench_env(config.model, config.mesh, config.hardware, batch=config.batch, seconds=config.seconds)
+def report(result: dict[str, Any], json_path: str | None) -> dict[str, Any]:
   print(json.dumps(result, indent=1))
-  write_json(config.json_path, result)
+  write_json(json_path, result)
   return result
 
 
-def _throughput_flags(parser) -> None:
-  parser.add_argument("--model", default="gpt:layers=12")
-  parser.add_argument("--mesh", default="data=2,model=4")
-  parser.add_argument("--hardware", default="h100")
-  parser.add_argument("--batch", type=int, default=256)
-  parser.add_argument("--seconds", type=float, default=3.0)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--json", dest="json_path")
-  parser.set_defaults(command=lambda a: run(BenchConfig(
-      target=a.target, model=a.model, mesh=a.mesh, hardware=a.hardware, batch=a.batch,
-      seconds=a.seconds, seed=a.seed, json_path=a.json_path)))
+def run_simulator(config: SimulatorBenchConfig) -> dict[str, Any]:
+  return report(bench_simulator(config), config.json)
 
 
-def register(subparsers) -> None:
-  from experiments import bench_search
-
-  parser = subparsers.add_parser("bench", help="benchmarks: simulator and env throughput, search quality")
-  targets = parser.add_subparsers(dest="target", required=True)
-  _throughput_flags(targets.add_parser("simulator", help="cost evaluations per second"))
-  _throughput_flags(targets.add_parser("env", help="environment steps per second"))
-  search = targets.add_parser("search", help="search agents against the best expert tactic on the zoo")
-  bench_search.add_arguments(search)
-  search.set_defaults(command=lambda a: bench_search.run(bench_search.config_from_args(a)))
+def run_env(config: EnvBenchConfig) -> dict[str, Any]:
+  return report(bench_env(config.workload, config.mesh, config.hardware, batch=config.batch, seconds=config.seconds),
+                config.json)

@@ -20,6 +20,7 @@ from automap_rl import workloads, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from experiments.cli import write_json
+from experiments.options import AgentName, Hardware, JsonPath
 
 ZOO = ("mlp", "gpt:layers=4,d_model=1024", "gpt:layers=8,d_model=1024", "gpt:layers=12,d_model=1024",
        "moe", "gnn", "resnet", "unet")
@@ -30,24 +31,24 @@ class SearchBenchConfig:
   """The search benchmark.
 
   Attributes:
-    models: zoo specs.
+    workloads: workload specs.
     meshes: mesh specs.
-    agents: agent names (keys of `agents.AGENTS`).
+    agents: search agents.
     hardware: hardware profile.
     budget: simulations per search.
     seed: search seed.
     within: the tolerance of `*_to_2pct` (0.02: within 2% of the best expert).
-    json_path: where to write the cases.
+    json: where to write the cases.
   """
 
-  models: tuple[str, ...] = ZOO
+  workloads: tuple[str, ...] = ZOO
   meshes: tuple[str, ...] = ("data=8", "data=2,model=4")
-  agents: tuple[str, ...] = ("random", "greedy", "mcts")
-  hardware: str = "h100"
+  agents: tuple[AgentName, ...] = ("random", "greedy", "mcts")
+  hardware: Hardware = "h100"
   budget: int = 2000
   seed: int = 0
   within: float = 0.02
-  json_path: str | None = None
+  json: JsonPath = None
 
 
 def first_within(result: agents.SearchResult, target: float) -> tuple[float | None, int | None]:
@@ -80,9 +81,9 @@ def bench_case(problem: Problem, model: str, mesh: str, agent: str, budget: int,
 def bench_search(config: SearchBenchConfig = SearchBenchConfig()) -> list[dict[str, Any]]:
   """Runs every (model, mesh, agent) case; returns the JSON cases."""
   cases = []
-  bar = tqdm(total=len(config.models) * len(config.meshes) * len(config.agents), desc="bench search",
+  bar = tqdm(total=len(config.workloads) * len(config.meshes) * len(config.agents), desc="bench search",
              unit="case")
-  for model in config.models:
+  for model in config.workloads:
     program = workloads.make_workload(model, abstract=True).trace()
     for mesh in config.meshes:
       problem = Problem.build(program, make_mesh(mesh, config.hardware))
@@ -113,23 +114,5 @@ def run(config: SearchBenchConfig) -> list[dict[str, Any]]:
   print(format_cases(cases))
   print(f"{len(cases)} cases in {time.perf_counter() - start:.1f}s (budget {config.budget} simulations, "
         f"seed {config.seed})")
-  write_json(config.json_path, cases)
+  write_json(config.json, cases)
   return cases
-
-
-def add_arguments(parser) -> None:
-  """The flags of `automap-rl bench search`."""
-  parser.add_argument("--models", default="|".join(ZOO), help="zoo specs separated by '|'")
-  parser.add_argument("--meshes", default="data=8|data=2,model=4", help="mesh specs separated by '|'")
-  parser.add_argument("--agents", default="random,greedy,mcts")
-  parser.add_argument("--hardware", default="h100")
-  parser.add_argument("--budget", type=int, default=2000)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--json", dest="json_path")
-
-
-def config_from_args(args) -> SearchBenchConfig:
-  return SearchBenchConfig(
-      models=tuple(m.strip() for m in args.models.split("|")),
-      meshes=tuple(m.strip() for m in args.meshes.split("|")), agents=tuple(args.agents.split(",")),
-      hardware=args.hardware, budget=args.budget, seed=args.seed, json_path=args.json_path)

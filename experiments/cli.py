@@ -1,25 +1,62 @@
-"""The `automap-rl` command: parses flags into typed configs and runs the launchers.
+"""The `automap-rl` command: typed configs parsed by tyro, then the launchers.
 
 Only this package reads the command line; the library takes frozen dataclass configs.
-Each command lives in its own module with `register(subparsers)`, which adds its parser
-and sets `run(args)` as the parser's default `command`.
+Each command is a frozen config dataclass and a `run(config)` function in its own module
+(`COMMANDS`); tyro makes the command's flags, defaults and `--help` from the dataclass
+and its docstring. Bad input ends with one line, `automap-rl CMD: error: ...`, and exit
+status 2 (`--debug` shows the traceback instead).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import dataclasses
 import importlib
+import io
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-COMMAND_MODULES = ("inspect_cmd", "partition_cmd", "validate_cmd", "bench_cmd", "env_cmd")
-# Commands that lower plans onto devices; the others run on one CPU device, as the
-# simulator and the environments need no more (and 8 virtual devices' runtimes share the
-# host's two cores: the throughput benchmarks drop by a third with them).
-LOWERING_COMMANDS = frozenset({"partition", "validate"})
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  """One sub-command: `module.config` parsed from the flags, then `module.run(config)`.
+
+  Attributes:
+    module: the module under `experiments` holding the config class and `run`.
+    config: the config dataclass's name in that module.
+    summary: one line for `automap-rl --help`.
+    run: the function in that module that runs the config.
+    lowers: whether the command lowers plans onto devices (it then gets 8 virtual CPU
+      devices; the others run on one, as the simulator and the environments need no
+      more, and 8 virtual devices' runtimes share the host's cores).
+  """
+
+  module: str
+  config: str
+  summary: str
+  run: str = "run"
+  lowers: bool = False
+
+
+COMMANDS: dict[str, Command] = {
+    "inspect": Command("inspect_cmd", "InspectConfig", "program size and named dimensions of a workload"),
+    "partition": Command("partition_cmd", "PartitionConfig",
+                         "a plan for a workload (search or expert tactic) and its cost beside every expert",
+                         lowers=True),
+    "validate": Command("validate_cmd", "ValidateConfig",
+                        "simulator vs XLA compiles: comm bytes, flops, memory, numerics", lowers=True),
+    "env": Command("env_cmd", "EnvEpisodeConfig", "one random episode of the partitioning environment"),
+    "bench simulator": Command("bench_cmd", "SimulatorBenchConfig", "simulator evaluations per second",
+                               run="run_simulator"),
+    "bench env": Command("bench_cmd", "EnvBenchConfig", "environment steps per second", run="run_env"),
+    "bench search": Command("bench_search", "SearchBenchConfig",
+                            "search agents against the best expert tactic on the zoo"),
+}
+DEBUG_FLAG = "--debug"
 
 
 def virtual_devices(count: int = 8) -> None:
@@ -35,23 +72,92 @@ def write_json(path: str | None, document: Any) -> None:
       json.dump(document, f, indent=1)
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="automap-rl", description=__doc__.splitlines()[0])
-  subparsers = parser.add_subparsers(dest="name", required=True)
-  for name in COMMAND_MODULES:
-    importlib.import_module(f"experiments.{name}").register(subparsers)
-  return parser
+def usage() -> str:
+  """`automap-rl --help`: the commands, the hardware profiles and the workload families."""
+  from automap_rl import mesh, workloads
+
+  width = max(len(name) for name in COMMANDS)
+  lines = ["usage: automap-rl COMMAND [OPTIONS]   (automap-rl COMMAND --help lists every option and its default)",
+           "", __doc__.splitlines()[0], "", "commands:"]
+  lines += [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
+  lines += ["", f"hardware profiles (--hardware): {', '.join(mesh.HARDWARE)}",
+            f"workload families (WORKLOAD is FAMILY[:key=value,...]): {', '.join(workloads.FAMILIES)}",
+            "meshes (--mesh): axis=size,... e.g. data=2,model=4 (the last axis is the fastest link)",
+            f"{DEBUG_FLAG}: show Python tracebacks instead of one-line errors"]
+  return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+  """The message of tyro's boxed parse error, on one line: the rows after its title, up
+  to the argument's help text."""
+  rows = [r.strip(" │╭╮╰╯─") for r in text.splitlines()]
+  rows = [r for r in rows if r and not re.fullmatch(r"[-─ ]*", r)]
+  message = []
+  for row in rows[1:]:
+    if row.startswith(("Argument helptext", "For full helptext")):
+      break
+    message.append(row)
+  return re.sub(r"\s+", " ", " ".join(message or rows[:1])).strip()
+
+
+def parse(name: str, argv: Sequence[str]):
+  """The config of command `name` from its flags; `SystemExit(2)` with a one-line error."""
+  import tyro
+
+  command = COMMANDS[name]
+  cls = getattr(importlib.import_module(f"experiments.{command.module}"), command.config)
+  out = io.StringIO()
+  try:
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+      return tyro.cli(cls, args=list(argv), prog=f"automap-rl {name}", description=command.summary)
+  except SystemExit as e:
+    if e.code == 0:  # --help
+      print(out.getvalue(), end="")
+      raise
+    print(f"automap-rl {name}: error: {_one_line(out.getvalue())} (see automap-rl {name} --help)",
+          file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+def _command_name(argv: Sequence[str]) -> str | None:
+  """The longest command name that `argv` starts with."""
+  for words in (2, 1):
+    name = " ".join(argv[:words])
+    if name in COMMANDS:
+      return name
+  return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if argv[:1] and argv[0] in LOWERING_COMMANDS:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  debug = DEBUG_FLAG in argv
+  argv = [a for a in argv if a != DEBUG_FLAG]
+  name = _command_name(argv)
+  if name is None:
+    if not argv or argv[0] in ("-h", "--help"):
+      print(usage())
+      return 0
+    group = [n.split()[1] for n in COMMANDS if n.split()[0] == argv[0] and " " in n]
+    if group:
+      problem = f"{argv[0]} needs one of: {', '.join(group)}"
+    else:
+      problem = f"unknown command {argv[0]!r}; commands: {', '.join(dict.fromkeys(n.split()[0] for n in COMMANDS))}"
+    print(f"automap-rl: error: {problem} (see automap-rl --help)", file=sys.stderr)
+    return 2
+  if COMMANDS[name].lowers:
     virtual_devices()
-  args = _parser().parse_args(argv)
   try:
-    args.command(args)
-  except ValueError as e:  # Bad input (a model spec, a mesh, a path): the message names it.
-    print(f"automap-rl {args.name}: error: {e}", file=sys.stderr)
+    config = parse(name, argv[len(name.split()):])
+  except SystemExit as e:
+    return int(e.code or 0)
+  command = COMMANDS[name]
+  run = getattr(importlib.import_module(f"experiments.{command.module}"), command.run)
+  try:
+    run(config)
+  except (ValueError, OSError) as e:  # Bad input (a workload spec, a mesh, a path): the message names it.
+    if debug:
+      raise
+    print(f"automap-rl {name}: error: {e}", file=sys.stderr)
     return 2
   return 0
 

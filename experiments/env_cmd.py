@@ -11,8 +11,10 @@ from automap_rl import mesh as mesh_lib
 from automap_rl import workloads
 from automap_rl.problem import Problem
 from envs import Env, EnvConfig
+from envs.config import ActionSpace, Objective
 from envs.gym import GymEnv
 from experiments.cli import write_json
+from experiments.options import Hardware, JsonPath, MeshSpec, PositionalWorkload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,30 +22,35 @@ class EnvEpisodeConfig:
   """One episode.
 
   Attributes:
-    model: a zoo spec; mesh, hardware: as for `make_mesh`.
-    action_space, objective, max_decisions: see `envs.EnvConfig`.
+    workload: the workload spec.
+    mesh: the mesh spec.
+    hardware: the hardware profile.
+    action_space: what an action shards: an argument dimension, a named dimension or a
+      structural group of them (see `envs.EnvConfig`).
+    objective: what the reward measures (see `envs.EnvConfig`).
+    max_decisions: the episode's capacity in class decisions.
     seed: the random agent's seed.
-    json_path: where to write the episode, or None.
+    json: where to write the episode.
   """
 
-  model: str = "gpt"
-  mesh: str = "data=2,model=4"
-  hardware: str = "h100"
-  action_space: str = "groups"
-  objective: str = "time"
+  workload: PositionalWorkload = "gpt"
+  mesh: MeshSpec = "data=2,model=4"
+  hardware: Hardware = "h100"
+  action_space: ActionSpace = "groups"
+  objective: Objective = "time"
   max_decisions: int = 64
   seed: int = 0
-  json_path: str | None = None
+  json: JsonPath = None
 
 
 def run(config: EnvEpisodeConfig) -> dict[str, Any]:
-  problem = Problem.build(workloads.make_workload(config.model).trace(),
+  problem = Problem.build(workloads.make_workload(config.workload).trace(),
                           mesh_lib.make_mesh(config.mesh, config.hardware))
   env = Env.build(problem, EnvConfig(action_space=config.action_space, objective=config.objective,
                                      max_decisions=config.max_decisions))
   gym = GymEnv(env)
   _, info = gym.reset(seed=config.seed)
-  print(f"{config.model} on {config.mesh} ({config.hardware}): {len(env.targets)} {config.action_space} "
+  print(f"{config.workload} on {config.mesh} ({config.hardware}): {len(env.targets)} {config.action_space} "
         f"targets, {env.num_actions} actions, replicated step {info['step_time'] * 1e3:.3f} ms, "
         f"peak {info['peak_memory'] / 2**30:.3f} GiB")
   steps, total, done = [], 0.0, False
@@ -58,19 +65,5 @@ def run(config: EnvEpisodeConfig) -> dict[str, Any]:
           f"step {info['step_time'] * 1e3:.3f} ms  peak {info['peak_memory'] / 2**30:.3f} GiB")
   print(f"return {total:+.4f} over {len(steps)} steps ({info['num_decisions']} class decisions)")
   summary = {"config": dataclasses.asdict(config), "steps": steps, "return": total}
-  write_json(config.json_path, summary)
+  write_json(config.json, summary)
   return summary
-
-
-def register(subparsers) -> None:
-  parser = subparsers.add_parser("env", help="run a random episode of the partitioning environment")
-  parser.add_argument("model", nargs="?", default="gpt", help="zoo spec, e.g. gpt:layers=12")
-  parser.add_argument("--mesh", default="data=2,model=4")
-  parser.add_argument("--hardware", default="h100")
-  parser.add_argument("--action-space", default="groups", choices=("arg_dims", "named_dims", "groups"))
-  parser.add_argument("--objective", default="time", choices=("time", "memory", "mix"))
-  parser.add_argument("--max-decisions", type=int, default=64)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--json", dest="json_path")
-  parser.set_defaults(command=lambda a: run(EnvEpisodeConfig(
-      a.model, a.mesh, a.hardware, a.action_space, a.objective, a.max_decisions, a.seed, a.json_path)))

@@ -1,4 +1,4 @@
-"""`automap-rl inspect MODEL`: the program size and named dimensions of a zoo model."""
+"""`automap-rl inspect WORKLOAD`: the program size and named dimensions of a workload."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from automap_rl import ir, workloads
 from experiments.cli import write_json
+from experiments.options import JsonPath, PositionalWorkload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,16 +16,16 @@ class InspectConfig:
   """What to inspect.
 
   Attributes:
-    model: a zoo spec, e.g. `gpt:layers=12,scan=true`.
+    workload: the workload spec, e.g. `gpt:layers=12,scan=true`.
     seed: seed of the example arguments.
-    json_path: where to write the JSON summary, or None.
-    max_rows: how many named dims to print (the largest by member count first).
+    json: where to write the JSON summary.
+    rows: how many named dims to print (the largest by member count first).
   """
 
-  model: str = "gpt"
+  workload: PositionalWorkload = "gpt"
   seed: int = 0
-  json_path: str | None = None
-  max_rows: int = 30
+  json: JsonPath = None
+  rows: int = 30
 
 
 def summarize(program: ir.Program, named: ir.NamedDims) -> dict[str, Any]:
@@ -67,20 +68,11 @@ def render(summary: dict[str, Any], max_rows: int) -> str:
 
 def run(config: InspectConfig) -> dict[str, Any]:
   start = time.perf_counter()
-  workload = workloads.make_workload(config.model, seed=config.seed, abstract=True)
+  workload = workloads.make_workload(config.workload, seed=config.seed, abstract=True)
   program = workload.trace()
   summary = summarize(program, ir.analyze(program))
   summary["seconds"] = round(time.perf_counter() - start, 3)
   print(f"{workload.name}: traced and analysed in {summary['seconds']:.2f}s")
-  print(render(summary, config.max_rows))
-  write_json(config.json_path, summary)
+  print(render(summary, config.rows))
+  write_json(config.json, summary)
   return summary
-
-
-def register(subparsers) -> None:
-  parser = subparsers.add_parser("inspect", help="program size and named dimensions of a model")
-  parser.add_argument("model", nargs="?", default="gpt", help="zoo spec, e.g. gpt:layers=12,scan=true")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--json", dest="json_path")
-  parser.add_argument("--rows", type=int, default=30, help="named dims to print")
-  parser.set_defaults(command=lambda a: run(InspectConfig(a.model, a.seed, a.json_path, a.rows)))

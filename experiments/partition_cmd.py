@@ -1,9 +1,9 @@
-"""`automap-rl partition MODEL --mesh ... --hardware ... [--agent mcts --budget N --seed S | --tactic NAME]`:
+"""`automap-rl partition WORKLOAD --mesh ... --hardware ... [--agent mcts --budget N --seed S | --tactic NAME]`:
 a plan (found by a search agent or written by an expert tactic) and its cost beside every
 expert tactic.
 
-MODEL is a zoo spec (`gpt:layers=8,d_model=1024`) or a user function `package.module:function`
-(the part before the colon is not a zoo model name). The user function takes no arguments
+WORKLOAD is a workload spec (`gpt:layers=8,d_model=1024`) or a user function
+`package.module:function` (the part before the colon is not a workload family). The user function takes no arguments
 and returns one of:
 
 - `(fn, args)`: the function to partition and a tuple of its example positional arguments
@@ -24,18 +24,21 @@ import importlib
 import os
 import sys
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import jax
+import tyro
 from tqdm import tqdm
 
 from automap_rl import ir, workloads, tactics
 from automap_rl.plan import Plan, baselines, cost_dict, format_arguments, format_costs
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
+from agents.registry import AGENTS, run_agent
+from agents.base import Budget
 from experiments.cli import write_json
+from experiments.options import WORKLOAD_HELP, Hardware, JsonPath, MeshSpec, OptionalWorkload, PlotPath, Tactic
 
-AGENT_CHOICES = ("tactic", "random", "greedy", "mcts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,36 +46,39 @@ class PartitionConfig:
   """What to partition and how.
 
   Attributes:
-    model: zoo spec or `package.module:function` (see the module docstring).
-    mesh: mesh spec, e.g. `data=2,model=4`.
-    hardware: hardware profile name.
-    tactic: the expert tactic that makes the plan when `agent` is `tactic`.
-    json_path: where to write the figures, or None.
-    max_args: how many argument shardings to print.
-    agent: `tactic` (the expert tactic `tactic`), or a search agent: `random`, `greedy`, `mcts`.
+    workload: a workload spec or `package.module:function` returning `(fn, args)`,
+      `(fn, args, arg_names, arg_roles)` or a `Workload`.
+    mesh: the mesh spec.
+    hardware: the hardware profile.
+    agent: `tactic` (the plan of `--tactic`), or the search agent that finds the plan.
+    tactic: the expert tactic that makes the plan when `--agent tactic`.
     budget: the search budget: simulator evaluations (`2000`) or seconds (`30s`).
-    seed: the search seed.
-    plot_path: where to draw the largest arguments' shards (PNG), or None.
+    seed: the search seed (the same seed and a simulations budget give the same plan).
+    json: where to write the figures.
+    plot: where to draw the largest arguments' shards (PNG).
+    max_args: how many argument shardings to print.
     progress: show a progress bar while searching.
     check_numerics: lower the plan on the local devices (8 virtual CPU devices) and
       check its numbers against the unpartitioned step.
-    check_model: the zoo spec to lower and check instead of `model` (a smaller copy of
-      it with real arrays; the plan is mapped onto it by `plan_lib.transfer_decisions`).
+    check_workload: the workload spec to lower and check instead of `workload` (a
+      smaller copy of it with real arrays; the plan is mapped onto it by
+      `automap_rl.plan.transfer_decisions`).
   """
 
-  model: str = "gpt"
-  mesh: str = "data=2,model=4"
-  hardware: str = "h100"
-  tactic: str = "data_megatron"
-  json_path: str | None = None
-  max_args: int = 12
-  agent: str = "tactic"
+  workload: Annotated[str, tyro.conf.Positional, tyro.conf.arg(
+      metavar="WORKLOAD", help=f"{WORKLOAD_HELP}; or package.module:function")] = "gpt"
+  mesh: MeshSpec = "data=2,model=4"
+  hardware: Hardware = "h100"
+  agent: Literal[("tactic", *AGENTS)] = "tactic"  # type: ignore[valid-type]
+  tactic: Tactic = "data_megatron"
   budget: str = "2000"
   seed: int = 0
-  plot_path: str | None = None
+  json: JsonPath = None
+  plot: PlotPath = None
+  max_args: int = 12
   progress: bool = True
   check_numerics: bool = False
-  check_model: str | None = None
+  check_workload: OptionalWorkload = None
 
 
 def is_user_function(model: str) -> bool:
@@ -109,9 +115,7 @@ def load(model: str) -> tuple[str, Any, tuple, ir.Program]:
 
 def search(problem: Problem, config: PartitionConfig):
   """Runs the configured search agent with a progress bar; returns its `SearchResult`."""
-  import agents
-
-  budget = agents.Budget.of(config.budget)
+  budget = Budget.of(config.budget)
   bar = tqdm(total=budget.simulations, desc=f"{config.agent} search", unit="sim", disable=not config.progress,
              dynamic_ncols=True)
 
@@ -120,29 +124,29 @@ def search(problem: Problem, config: PartitionConfig):
     bar.set_postfix_str(f"best {best_step_time * 1e3:.3f} ms", refresh=False)
 
   try:
-    return agents.run_agent(config.agent, problem, seed=config.seed, budget=budget, progress=progress)
+    return run_agent(config.agent, problem, seed=config.seed, budget=budget, progress=progress)
   finally:
     bar.close()
 
 
 def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, args) -> dict[str, Any]:
-  """Compiles the plan on the local devices and checks numerics (see `check_model`)."""
+  """Compiles the plan on the local devices and checks numerics (see `check_workload`)."""
   from automap_rl import plan as plan_lib
   from automap_rl.xla import hlo
   from automap_rl.xla.lower import check_numerics, lower
 
   start = time.perf_counter()
-  spec = config.check_model or config.model
+  spec = config.check_workload or config.workload
   if is_user_function(spec):
     name, fn, args, names, roles = load_user_function(spec)
-    target = problem if spec == config.model else Problem.build(ir.trace(fn, *args, arg_names=names, arg_roles=roles),
+    target = problem if spec == config.workload else Problem.build(ir.trace(fn, *args, arg_names=names, arg_roles=roles),
                                                                problem.mesh)
   else:
     workload = workloads.make_workload(spec)  # Real arrays.
     name, fn, args = workload.name, workload.step, workload.args
     target = Problem.build(workload.trace(), problem.mesh)
   moved = decisions if target is problem else plan_lib.transfer_decisions(decisions, problem, target)
-  if spec != config.model:
+  if spec != config.workload:
     print(f"\nlowering on {spec} with real arrays (a smaller copy: the full model is too slow to compile and run "
           f"on this machine's CPU cores); {len(moved)} of {len(decisions)} decisions carried over")
   lowered = lower(target, moved, fn, args)
@@ -157,11 +161,7 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
 
 
 def run(config: PartitionConfig) -> dict[str, Any]:
-  if config.agent not in AGENT_CHOICES:
-    raise ValueError(f"Unknown agent {config.agent!r}; valid: {', '.join(AGENT_CHOICES)}.")
-  if config.agent == "tactic" and config.tactic not in tactics.TACTICS:
-    raise ValueError(f"Unknown tactic {config.tactic!r}; valid: {', '.join(tactics.TACTICS)}.")
-  name, fn, args, program = load(config.model)
+  name, fn, args, program = load(config.workload)
   problem = Problem.build(program, make_mesh(config.mesh, config.hardware))
   start = time.perf_counter()
   if config.agent == "tactic":
@@ -193,30 +193,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     print(plan.diagram())
   if config.check_numerics:
     result["numerics"] = lower_and_check(config, problem, decisions, fn, args)
-  if config.plot_path:
-    print(f"shards drawn in {plan.plot(config.plot_path)}")
-  write_json(config.json_path, result)
+  if config.plot:
+    print(f"shards drawn in {plan.plot(config.plot)}")
+  write_json(config.json, result)
   return result
-
-
-def register(subparsers) -> None:
-  parser = subparsers.add_parser("partition", help="a plan for a model and its cost beside the expert tactics")
-  parser.add_argument("model", nargs="?", default="gpt",
-                      help="zoo spec (gpt:layers=8) or package.module:function returning (fn, args)")
-  parser.add_argument("--mesh", default="data=2,model=4")
-  parser.add_argument("--hardware", default="h100")
-  parser.add_argument("--tactic", default="data_megatron", choices=sorted(tactics.TACTICS))
-  parser.add_argument("--agent", default="tactic", choices=AGENT_CHOICES,
-                      help="tactic: the --tactic plan; else the search agent that finds one")
-  parser.add_argument("--budget", default="2000", help="simulator evaluations (2000) or seconds (30s)")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--plot", dest="plot_path", help="PNG of how the largest arguments are split")
-  parser.add_argument("--json", dest="json_path")
-  parser.add_argument("--no-progress", dest="progress", action="store_false")
-  parser.add_argument("--check-numerics", action="store_true",
-                      help="lower the plan on the local devices and check its numerics")
-  parser.add_argument("--check-model", help="lower and check on this (smaller) zoo spec instead")
-  parser.set_defaults(command=lambda a: run(PartitionConfig(
-      model=a.model, mesh=a.mesh, hardware=a.hardware, tactic=a.tactic, json_path=a.json_path,
-      agent=a.agent, budget=a.budget, seed=a.seed, plot_path=a.plot_path, progress=a.progress,
-      check_numerics=a.check_numerics, check_model=a.check_model)))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, Literal
+
 from experiments.cli import write_json
+from experiments.options import JsonPath, PlotPath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,14 +16,14 @@ class ValidateConfig:
   """What to validate.
 
   Attributes:
-    suite: `quick` (small models, a few minutes on CPU) or `full` (the zoo's defaults).
-    json_path: where to write `{cases, summary}`, or None.
-    plot_path: where to write the scatter plot PNG, or None.
+    suite: `quick` (small workloads, a few minutes on CPU) or `full` (the zoo's defaults).
+    json: where to write `{cases, summary}`.
+    plot: where to draw the simulated-vs-compiled scatter plots (PNG).
   """
 
-  suite: str = "quick"
-  json_path: str | None = None
-  plot_path: str | None = None
+  suite: Literal["quick", "full"] = "quick"
+  json: JsonPath = None
+  plot: PlotPath = None
 
 
 def _mb(x: float) -> str:
@@ -59,15 +61,7 @@ def run(config: ValidateConfig) -> dict[str, Any]:
     if not case.numerics_ok:
       print(f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan}: {case.numerics_error}")
   document = validate.to_json(cases, summary)
-  write_json(config.json_path, document)
-  if config.plot_path:
-    validate.plot(cases, config.plot_path)
+  write_json(config.json, document)
+  if config.plot:
+    validate.plot(cases, config.plot)
   return document
-
-
-def register(subparsers) -> None:
-  parser = subparsers.add_parser("validate", help="simulator vs XLA: comm bytes, flops, memory, numerics")
-  parser.add_argument("--suite", default="quick", choices=("quick", "full"))
-  parser.add_argument("--json", dest="json_path")
-  parser.add_argument("--plot", dest="plot_path")
-  parser.set_defaults(command=lambda a: run(ValidateConfig(a.suite, a.json_path, a.plot_path)))

@@ -61,7 +61,7 @@ def test_shard_blocks_map_devices_row_major():
 def test_partition_command_with_mcts_and_a_user_function(tmp_path):
   out = tmp_path / "plan.json"
   result = partition_cmd.run(partition_cmd.PartitionConfig(
-      model="test_api:user_mlp", mesh="data=8", agent="mcts", budget="100", seed=1, json_path=str(out),
+      workload="test_api:user_mlp", mesh="data=8", agent="mcts", budget="100", seed=1, json=str(out),
       progress=False))
   saved = json.loads(out.read_text())
   for key in ("step_time_s", "peak_memory_bytes", "fits", "comm_bytes", "comm_count", "decisions", "baselines",
@@ -72,13 +72,41 @@ def test_partition_command_with_mcts_and_a_user_function(tmp_path):
 
 
 def test_partition_command_tactic_keeps_its_behaviour(tmp_path):
-  result = partition_cmd.run(partition_cmd.PartitionConfig(model=GPT, tactic="megatron"))
+  result = partition_cmd.run(partition_cmd.PartitionConfig(workload=GPT, tactic="megatron"))
   assert result["trace"] == [] and result["agent"] == "tactic"
   assert result["step_time_s"] == pytest.approx(result["baselines"]["megatron"]["step_time_s"])
 
 
 def test_command_line_reports_bad_input_without_a_traceback(capsys):
-  assert cli.main(["bench", "simulator", "--model", "gpt:layerz=2"]) == 2
+  assert cli.main(["bench", "simulator", "--workload", "gpt:layerz=2"]) == 2
   err = capsys.readouterr().err
-  assert err.startswith("automap-rl bench: error: unknown key 'layerz' for model 'gpt'")
+  assert err.startswith("automap-rl bench simulator: error: unknown key 'layerz' for model 'gpt'")
   assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["partition", "--hardware", "v100"], "invalid choice 'v100' for argument '--hardware'"),
+    (["partition", "--seed", "abc"], "Error parsing --seed"),
+    (["partition", "--agent", "alphazero"], "invalid choice 'alphazero' for argument '--agent'"),
+    (["bench"], "bench needs one of: simulator, env, search"),
+    (["frobnicate"], "unknown command 'frobnicate'"),
+    (["validate", "--suite", "huge"], "invalid choice 'huge' for argument '--suite'"),
+])
+def test_bad_options_give_one_line_and_exit_2(capsys, argv, message):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_help_lists_hardware_profiles_and_workload_families(capsys):
+  from automap_rl import mesh
+
+  assert cli.main(["--help"]) == 0
+  top = capsys.readouterr().out
+  assert cli.main(["partition", "--help"]) == 0
+  partition = capsys.readouterr().out
+  for text in (top, partition):
+    assert all(name in text for name in mesh.HARDWARE) and all(name in text for name in workloads.FAMILIES)
+  for flag in ("--mesh", "--agent", "--tactic", "--budget", "--seed", "--json", "--plot", "--check-numerics",
+               "--check-workload", "(default: data=2,model=4)"):
+    assert flag in partition

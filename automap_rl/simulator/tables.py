@@ -243,7 +243,7 @@ def _factor_indices(tables: list[np.ndarray], rv: int, rf: int) -> np.ndarray:
   return out
 
 
-def build(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
+def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
   """Aggregates per-op costs onto signatures and lays out the edges."""
   hw = mesh.hardware
   num_ops = len(sigs.op_keys)
