@@ -46,8 +46,11 @@ class Budget:
   def __post_init__(self):
     if self.simulations is None and self.seconds is None:
       raise ValueError("A budget needs simulations or seconds.")
-    if self.simulations is not None and self.simulations < 0:
-      raise ValueError("simulations must be >= 0.")
+    if self.simulations is not None and self.simulations < 1:
+      raise ValueError(f"a budget of {self.simulations} simulations searches nothing; give at least 1 "
+                       "(or use an expert tactic).")
+    if self.seconds is not None and not self.seconds > 0:
+      raise ValueError(f"a budget of {self.seconds} seconds searches nothing; give more than 0.")
 
   @classmethod
   def of(cls, budget: Budget | int | float | str) -> Budget:
@@ -55,7 +58,12 @@ class Budget:
     if isinstance(budget, Budget):
       return budget
     if isinstance(budget, str):
-      return cls(seconds=float(budget[:-1])) if budget.endswith("s") else cls(simulations=int(budget))
+      try:
+        return cls(seconds=float(budget[:-1])) if budget.endswith("s") else cls(simulations=int(budget))
+      except ValueError as e:
+        if "searches nothing" in str(e):
+          raise
+        raise ValueError(f"bad budget {budget!r}: expected simulator evaluations (2000) or seconds (30s).") from None
     if isinstance(budget, bool):
       raise TypeError("A budget is an int (simulations) or a float (seconds).")
     return cls(simulations=budget) if isinstance(budget, int) else cls(seconds=float(budget))

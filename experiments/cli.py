@@ -72,6 +72,24 @@ def write_json(path: str | None, document: Any) -> None:
       json.dump(document, f, indent=1)
 
 
+OUTPUT_FIELDS = ("json", "plot")  # Config fields that name files a command writes.
+
+
+def check_outputs(config: Any) -> None:
+  """Fails before any work when a file the command would write cannot be written."""
+  for field in OUTPUT_FIELDS:
+    path = getattr(config, field, None)
+    if path is None:
+      continue
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+      raise ValueError(f"--{field} {path} is a directory; give a file path.")
+    if not os.path.isdir(folder):
+      raise ValueError(f"cannot write --{field} {path}: the directory {folder} does not exist.")
+    if not os.access(folder, os.W_OK):
+      raise ValueError(f"cannot write --{field} {path}: the directory {folder} is not writable.")
+
+
 def usage() -> str:
   """`automap-rl --help`: the commands, the hardware profiles and the workload families."""
   from automap_rl import mesh, workloads
@@ -153,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   command = COMMANDS[name]
   run = getattr(importlib.import_module(f"experiments.{command.module}"), command.run)
   try:
+    check_outputs(config)
     run(config)
   except (ValueError, OSError) as e:  # Bad input (a workload spec, a mesh, a path): the message names it.
     if debug:

@@ -51,7 +51,8 @@ class PartitionConfig:
     mesh: the mesh spec.
     hardware: the hardware profile.
     agent: `tactic` (the plan of `--tactic`), or the search agent that finds the plan.
-    tactic: the expert tactic that makes the plan when `--agent tactic`.
+    tactic: the expert tactic that makes the plan (only with `--agent tactic`; default
+      data_megatron).
     budget: the search budget: simulator evaluations (`2000`) or seconds (`30s`).
     seed: the search seed (the same seed and a simulations budget give the same plan).
     json: where to write the figures.
@@ -70,7 +71,7 @@ class PartitionConfig:
   mesh: MeshSpec = "data=2,model=4"
   hardware: Hardware = "h100"
   agent: Literal[("tactic", *AGENTS)] = "tactic"  # type: ignore[valid-type]
-  tactic: Tactic = "data_megatron"
+  tactic: Tactic | None = None
   budget: str = "2000"
   seed: int = 0
   json: JsonPath = None
@@ -160,7 +161,16 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
           "collectives": {k: int(n) for k, (n, _) in summary.items()}}
 
 
+DEFAULT_TACTIC = "data_megatron"
+
+
 def run(config: PartitionConfig) -> dict[str, Any]:
+  if config.agent != "tactic" and config.tactic is not None:
+    raise ValueError(f"--tactic {config.tactic} applies only with --agent tactic (the agent {config.agent} "
+                     "searches its own plan; the experts are reported beside it).")
+  if config.agent != "tactic":
+    Budget.of(config.budget)  # Bad budgets fail before tracing.
+  config = dataclasses.replace(config, tactic=config.tactic or DEFAULT_TACTIC)
   name, fn, args, program = load(config.workload)
   problem = Problem.build(program, make_mesh(config.mesh, config.hardware))
   start = time.perf_counter()
