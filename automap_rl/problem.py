@@ -7,6 +7,7 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from automap_rl import ir, sharding, simulator
 from automap_rl.mesh import Mesh
@@ -56,19 +57,31 @@ class Problem:
   def evaluate_jit(self):
     return jax.jit(self.evaluate)
 
+  @functools.cached_property
+  def _resolve_jit(self):
+    return jax.jit(self.resolve)
+
+  @functools.cached_property
+  def _terms_jit(self):
+    return jax.jit(lambda dec_class, dec_axis: simulator.terms(self.tables, self.resolve(dec_class, dec_axis)))
+
+  def encode_padded(self, decisions: Sequence[sharding.Decision]) -> tuple[np.ndarray, np.ndarray]:
+    """`encode` padded to a power of two (at least 16) entries, so that jitted calls on
+    plans of any length compile once per bucket, not once per length."""
+    dec_class, _ = self.encode(decisions)
+    return self.encode(decisions, max(16, 1 << max(len(dec_class) - 1, 0).bit_length()))
+
   def cost(self, decisions: Sequence[sharding.Decision]) -> simulator.Cost:
-    """The cost of a decision list (jitted; one compile per distinct length)."""
-    dec_class, dec_axis = self.encode(decisions)
-    return jax.device_get(self.evaluate_jit(dec_class, dec_axis))
+    """The cost of a decision list (jitted)."""
+    return jax.device_get(self.evaluate_jit(*self.encode_padded(decisions)))
 
   def cost_terms(self, decisions: Sequence[sharding.Decision]) -> simulator.CostTerms:
     """The named per-op and per-edge terms of a decision list's cost (see
     `simulator.CostTerms`); `simulator.total(self.tables, terms)` is `self.cost(decisions)`."""
-    dec_class, dec_axis = self.encode(decisions)
-    return jax.device_get(simulator.terms(self.tables, self.resolve(dec_class, dec_axis)))
+    return jax.device_get(self._terms_jit(*self.encode_padded(decisions)))
 
   def partition_specs(self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int]):
     """`PartitionSpec`s of the given values under `decisions`."""
-    dec_class, dec_axis = self.encode(decisions)
-    resolution = jax.device_get(self.resolve(dec_class, dec_axis))
+    dec_class, dec_axis = self.encode_padded(decisions)
+    resolution = jax.device_get(self._resolve_jit(dec_class, dec_axis))
     return [sharding.partition_spec(v, self.sigs, resolution, dec_class, dec_axis, self.mesh) for v in value_ids]
