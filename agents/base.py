@@ -98,6 +98,9 @@ class SearchResult:
     simulations: simulator evaluations used.
     seconds: wall-clock seconds, environment build and compiles included.
     actions: the plan as readable actions (`shard group 8 (batch/inputs:0, x1) on data`).
+    action_ids: the plan as the environment's encoded actions (`target * max_axes + axis`),
+      how plans travel between agents, training and evaluation: replaying them through
+      the same environment reproduces the plan.
     objective: the environment objective of the plan (1.0 is the replicated plan).
     setup_seconds: of `seconds`, how many went to building the environment and compiling.
   """
@@ -110,6 +113,7 @@ class SearchResult:
   actions: list[str]
   objective: float
   setup_seconds: float = 0.0
+  action_ids: tuple[int, ...] = ()
 
   @property
   def step_time(self) -> float:
@@ -281,7 +285,7 @@ class Tracker:
     self.trace.append(TracePoint(self.simulations, seconds, self.best_step_time, self.best_objective))
     return SearchResult(decisions=decisions, cost=cost, trace=self.trace, simulations=self.simulations,
                         seconds=seconds, actions=names, objective=self.best_objective,
-                        setup_seconds=self.setup_seconds)
+                        setup_seconds=self.setup_seconds, action_ids=tuple(self.best_actions))
 
 
 def start(problem: Problem, action_space: str, max_decisions: int, budget, progress: Progress | None

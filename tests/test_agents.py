@@ -6,6 +6,7 @@ import pytest
 
 import agents
 from agents import Budget
+from agents import base as agents_base
 from automap_rl import workloads, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
@@ -36,7 +37,10 @@ def test_same_seed_same_plan_and_budget_respected(name):
   times = [t.step_time for t in a.trace]
   assert times == sorted(times, reverse=True)
   assert all(t.simulations <= a.simulations for t in a.trace)
-  assert len(a.actions) == len(a.decisions)
+  assert len(a.actions) == len(a.decisions) == len(a.action_ids)
+  # The encoded action list carries the plan: replayed through the environment it gives the same cost.
+  search = agents_base.searcher(p, agents_base.env_config(p, "groups", 256))
+  assert float(search.cost(a.action_ids).step_time) == pytest.approx(float(a.cost.step_time), rel=1e-6)
 
 
 def test_seconds_budget_stops_the_search():
