@@ -1,0 +1,37 @@
+"""Solvers for intra-op sharding problems posed as strategy graphs.
+
+`StrategyGraph` is the generic problem (one strategy per node, node and edge
+costs, a memory limit over live intervals); `iopddl` reads and scores the
+ASPLOS/EuroSys 2025 IOPDDL contest format; `solve` finds a low-cost plan
+within the limit; `bench_iopddl` runs the solver on the contest instances.
+"""
+
+from automap_rl.solver.bench import bench_iopddl, geometric_mean
+from automap_rl.solver.graph import (
+    FORBIDDEN,
+    StrategyGraph,
+    is_feasible,
+    peak_usage,
+    plan_cost,
+    usage_profile,
+)
+from automap_rl.solver.iopddl import Evaluation, evaluate, load_problem, read_solution, write_solution
+from automap_rl.solver.solve import SolveResult, solve
+
+__all__ = [
+    "FORBIDDEN",
+    "Evaluation",
+    "SolveResult",
+    "StrategyGraph",
+    "bench_iopddl",
+    "evaluate",
+    "geometric_mean",
+    "is_feasible",
+    "load_problem",
+    "peak_usage",
+    "plan_cost",
+    "read_solution",
+    "solve",
+    "usage_profile",
+    "write_solution",
+]

@@ -1,0 +1,304 @@
+"""The solver: exact reductions, Lagrangian pricing, MIP crossover and LNS.
+
+1. `reduce_graph` shrinks the graph exactly (forbidden strategies, determined
+   nodes merged into groups, parallel edges summed): the contest instances go
+   from ~30k nodes to 230-6500 groups.
+2. Pricing (`dual.py`): usage is priced per time segment and the priced,
+   unconstrained problem is solved by TRW-S message passing. Each round
+   decodes a plan; prices rise where it breaks the limit and decay where
+   there is room. Plans within the limit, and plans built greedily within a
+   usage budget in the decoding order, are polished by coordinate descent.
+3. Crossover (`mip.py`): the best plan within the limit and a cheaper decoded
+   plan that breaks it are merged optimally: the groups where they differ are
+   re-chosen among the two plans' strategies by a MIP (HiGHS) that has the
+   usage rows.
+4. Polish: small problems are solved whole by the MIP (proving optimality on
+   most contest instances); large ones by large-neighbourhood search, each
+   step re-solving ~100-400 groups (around a tight time segment or a ball in
+   the graph) exactly.
+
+Every stage only ever keeps plans that are within the limit, so the result is
+feasible; it is checked on the original graph before it is returned.
+Randomness comes from `seed` only, but stages stop on the wall clock, so
+results can differ between runs on a busy machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from automap_rl.solver.dual import Dual
+from automap_rl.solver.graph import StrategyGraph
+from automap_rl.solver.iopddl import evaluate
+from automap_rl.solver.local import Budget, Layout, Plan
+from automap_rl.solver.memory import Memory, build_memory
+from automap_rl.solver.mip import group_cost, reoptimize
+from automap_rl.solver.reduce import Reduced, reduce_graph
+
+__all__ = ["SolveResult", "solve"]
+
+Progress = Callable[[float, float, str], None]
+
+# A problem whose whole MIP has at most this many pair-cost entries is solved
+# whole in the polish stage; larger ones get large-neighbourhood search.
+_WHOLE_MIP_ENTRIES = 150_000
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveResult:
+  """A plan and how it was found.
+
+  Attributes:
+    choice: [N] int64 strategy per node.
+    cost: Its exact cost (an int for integer graphs).
+    feasible: Whether it is within the usage limit with no forbidden cost
+      (always True for a returned result).
+    seconds: Wall time spent in `solve`.
+    lower_bound: A proven lower bound on the optimal cost, when the whole
+      problem went through the MIP; else None.
+    log: One line per stage: what it did and the best cost after it.
+  """
+
+  choice: np.ndarray
+  cost: int | float
+  feasible: bool
+  seconds: float
+  lower_bound: float | None
+  log: tuple[str, ...]
+
+
+def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
+          warm_start: Sequence[int] | np.ndarray | None = None,
+          progress: Progress | None = None) -> SolveResult:
+  """Finds a low-cost plan within the usage limit in about `timeout_s` seconds.
+
+  Args:
+    graph: The problem.
+    timeout_s: Wall-clock budget; the solver stops a little before it.
+    seed: Seed of every random choice.
+    warm_start: An [N] plan to start from (used if it is feasible).
+    progress: Called as progress(seconds, cost, stage) whenever the best
+      plan improves (cost of the reduced problem, equal to the plan's cost).
+
+  Raises:
+    RuntimeError: if no plan within the usage limit was found.
+  """
+  started = time.monotonic()
+  deadline = started + 0.93 * timeout_s - 0.5
+  search = _Search(graph, started, deadline, seed, progress)
+  search.run(warm_start)
+  choice = search.best_plan()
+  verdict = evaluate(graph, choice)
+  if not verdict.feasible:
+    raise RuntimeError(f"solver: no feasible plan found for {graph.name or 'the graph'} ({verdict.reason})")
+  return SolveResult(choice=choice, cost=verdict.cost, feasible=True, seconds=time.monotonic() - started,
+                     lower_bound=search.lower_bound, log=tuple(search.log))
+
+
+class _Search:
+  """State shared by the stages: the problem views, the best plan, the log."""
+
+  def __init__(self, graph: StrategyGraph, started: float, deadline: float, seed: int,
+               progress: Progress | None):
+    self.graph, self.started, self.deadline, self.progress = graph, started, deadline, progress
+    self.rng = np.random.default_rng(seed)
+    self.seed = seed
+    self.log: list[str] = []
+    self.best: np.ndarray | None = None
+    self.best_cost = np.inf
+    self.lower_bound: float | None = None
+    self.reduced: Reduced
+    self.memory: Memory
+
+  def elapsed(self) -> float:
+    return time.monotonic() - self.started
+
+  def left(self) -> float:
+    return self.deadline - time.monotonic()
+
+  def note(self, line: str) -> None:
+    self.log.append(f"{self.elapsed():6.2f}s {line}")
+
+  def offer(self, choice: np.ndarray, stage: str) -> bool:
+    """Keeps `choice` if it is within the limit and the cheapest so far."""
+    if np.any(self.memory.excess(choice) > 0):
+      return False
+    cost = group_cost(self.reduced, choice)
+    if cost >= self.best_cost:
+      return False
+    self.best, self.best_cost = np.array(choice), cost
+    if self.progress is not None:
+      self.progress(self.elapsed(), cost, stage)
+    return True
+
+  def best_plan(self) -> np.ndarray:
+    if self.best is None:
+      raise RuntimeError(f"solver: no plan within the usage limit found for {self.graph.name or 'the graph'}")
+    return self.reduced.expand(self.best)
+
+  def run(self, warm_start: Sequence[int] | np.ndarray | None) -> None:
+    graph = self.graph
+    self.reduced = reduce_graph(graph)
+    self.memory = build_memory(graph, self.reduced)
+    reduced = self.reduced
+    self.note(f"reduce: {graph.num_nodes} nodes, {graph.num_edges} edges -> {reduced.num_groups} groups, "
+              f"{len(reduced.pairs)} pairs, {self.memory.num_segments} time segments")
+    self.layout = Layout(reduced, self.memory)
+    if warm_start is not None:
+      start = reduced.node_choice_to_group(np.asarray(warm_start, dtype=np.int64))
+      if start is not None and self.offer(start, "warm start"):
+        self.note(f"warm start: {self.best_cost:.6g}")
+    decoded = self.price()
+    if self.best is None:
+      return
+    self.crossover(decoded, until=self.deadline - 0.45 * max(self.left(), 0.0))
+    if len(reduced.pair_costs) <= _WHOLE_MIP_ENTRIES and self.whole_mip():
+      return
+    self.neighbourhoods()
+
+  def price(self) -> list[tuple[float, np.ndarray]]:
+    """Pricing rounds; returns the decoded plans that break the limit but are
+    cheaper than the best one, cheapest first."""
+    reduced, memory = self.reduced, self.memory
+    dual = Dual(reduced, memory)
+    until = self.deadline - 0.75 * max(self.left(), 0.0)
+    prices = np.zeros(memory.num_segments)
+    capacity = np.maximum(memory.capacity.astype(np.float64), 1.0)
+    decoded: list[tuple[float, np.ndarray]] = []
+    rounds = 0
+    while rounds < 2 or (time.monotonic() < until and rounds < 400):
+      dual.set_prices(prices)
+      dual.sweep(forward=True)
+      dual.sweep(forward=False)
+      choice = dual.decode()
+      cost = group_cost(reduced, choice)
+      excess = memory.excess(choice).astype(np.float64)
+      if rounds == 0:
+        base = max(abs(cost), 1.0) / float(capacity.sum())
+      if np.all(excess <= 0):
+        if cost < 1.5 * self.best_cost:
+          self.polish(choice, "pricing")
+      else:
+        decoded.append((cost, choice))
+      if rounds % 16 == 1 or self.best is None:
+        self.polish(dual.decode(Budget(self.layout).pick), "pricing within budget")
+      over = excess > 0
+      prices = np.where(over, np.maximum(prices * 1.5, base),
+                        np.where(excess < -0.01 * capacity, prices * 0.8, prices))
+      rounds += 1
+    self.note(f"pricing: {rounds} rounds, {dual.num_colors} colours, best {self.best_cost:.6g}")
+    decoded.sort(key=lambda item: item[0])
+    return [item for item in decoded if item[0] < self.best_cost]
+
+  def polish(self, choice: np.ndarray, stage: str) -> None:
+    """Coordinate descent until no single switch helps, then offers it."""
+    plan = Plan(self.layout, choice)
+    if np.any(plan.excess() > 0):
+      return
+    order = self.rng.permutation(self.reduced.num_groups)
+    tolerance = 1e-12 * max(abs(plan.cost), 1.0)
+    for _ in range(20):
+      if not plan.descend(order, min_gain=tolerance):
+        break
+    self.offer(plan.choice, stage)
+
+  def crossover(self, decoded: list[tuple[float, np.ndarray]], until: float) -> None:
+    """Merges the best plan with cheaper decoded ones, cheapest first."""
+    reduced = self.reduced
+    merged = 0
+    seen = set()
+    for cost, other in decoded:
+      left = until - time.monotonic()
+      if left <= 0.2:
+        break
+      if cost >= self.best_cost:
+        continue
+      free = other != self.best
+      key = free.tobytes()
+      if not free.any() or key in seen:
+        continue
+      seen.add(key)
+      allowed = np.zeros(len(reduced.unary), bool)
+      allowed[reduced.offsets[:-1] + self.best] = True
+      allowed[reduced.offsets[:-1] + other] = True
+      result = reoptimize(reduced, self.memory, self.best, free, time_limit=min(left, max(2.0, 0.25 * left)),
+                          seed=self.seed + merged, allowed=allowed)
+      if self.offer(result.choice, "crossover"):
+        merged += 1
+    self.note(f"crossover: {merged} improving merges, best {self.best_cost:.6g}")
+
+  def whole_mip(self) -> bool:
+    """The whole problem as one MIP, from the best plan; True if optimal."""
+    if self.left() <= 0.5:
+      return False
+    everything = np.ones(self.reduced.num_groups, bool)
+    result = reoptimize(self.reduced, self.memory, self.best, everything, time_limit=self.left() - 0.3,
+                        seed=self.seed)
+    self.offer(result.choice, "whole MIP")
+    if np.isfinite(result.bound):
+      self.lower_bound = min(result.bound, self.best_cost)
+    self.note(f"whole MIP: {'optimal' if result.optimal else 'stopped'}, best {self.best_cost:.6g}, "
+              f"bound {result.bound:.6g}")
+    return result.optimal
+
+  def neighbourhoods(self) -> None:
+    """Large-neighbourhood search: re-solves groups around a tight segment
+    or a ball in the pair graph, growing the neighbourhood while steps end
+    optimal and shrinking it when they time out."""
+    reduced, memory = self.reduced, self.memory
+    neighbours = [[] for _ in range(reduced.num_groups)]
+    for g, h in reduced.pairs.tolist():
+      neighbours[g].append(h)
+      neighbours[h].append(g)
+    size, steps, improved = 100, 0, 0
+    while self.left() > 0.5:
+      if steps % 2 == 0:
+        free = self._around_tight_segment(size, neighbours)
+      else:
+        free = self._ball(size, neighbours)
+      limit = min(self.left() - 0.3, 3.0)
+      result = reoptimize(reduced, memory, self.best, free, time_limit=limit, seed=self.seed + steps)
+      if self.offer(result.choice, "neighbourhood"):
+        improved += 1
+      size = min(int(size * 1.25), reduced.num_groups) if result.optimal else max(int(size * 0.7), 20)
+      steps += 1
+    self.note(f"neighbourhoods: {steps} steps, {improved} improving, best {self.best_cost:.6g}")
+
+  def _around_tight_segment(self, size: int, neighbours: list[list[int]]) -> np.ndarray:
+    memory = self.memory
+    free = np.zeros(self.reduced.num_groups, bool)
+    slack = -memory.excess(self.best)
+    if not len(slack):
+      return self._ball(size, neighbours)
+    tight = np.argsort(slack, kind="stable")[:64]
+    segment = int(self.rng.choice(tight))
+    live = np.unique(memory.member_group[(memory.member_first <= segment) & (memory.member_last > segment)])
+    picked = self.rng.permutation(live)[:max(size // 2, 1)]
+    free[picked] = True
+    count = len(picked)
+    for g in picked.tolist():
+      for h in neighbours[g]:
+        if count >= size:
+          return free
+        count += not free[h]
+        free[h] = True
+    return free
+
+  def _ball(self, size: int, neighbours: list[list[int]]) -> np.ndarray:
+    free = np.zeros(self.reduced.num_groups, bool)
+    queue = [int(self.rng.integers(self.reduced.num_groups))]
+    free[queue[0]] = True
+    count, head = 1, 0
+    while head < len(queue) and count < size:
+      g = queue[head]
+      head += 1
+      for h in self.rng.permutation(neighbours[g]).tolist() if neighbours[g] else []:
+        if not free[h] and count < size:
+          free[h] = True
+          count += 1
+          queue.append(h)
+    return free
