@@ -135,7 +135,7 @@ def api_test(env: Env, *, num_episodes: int = 3, max_steps: int = 40, batch: int
     if not (bool(last.terminated) or bool(last.truncated)):
       last = step(last, jnp.int32(env.num_actions - 1))
       states.append(last)
-    _check_episode(init, step, states)
+    _check_episode(env, step, states)
     _check_terminal(env, step, last)
   assert len(traces) == 1, "step recompiled during episodes"
 
