@@ -22,7 +22,7 @@ demo: $(BIN)/automap-rl
 
 test: $(BIN)/automap-rl
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
 
 clean:
 	rm -rf $(VENV) *.egg-info
