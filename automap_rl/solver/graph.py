@@ -229,8 +229,11 @@ def _exact_sum(values: np.ndarray) -> int | float:
 
 
 def _flat(lists: Sequence[Sequence[float]]) -> np.ndarray:
-  array = np.asarray([x for row in lists for x in row])
-  if array.dtype.kind not in "iuf" and len(array):
+  values = [x for row in lists for x in row]
+  if not values:
+    return np.zeros(0, np.int64)
+  array = np.asarray(values)
+  if array.dtype.kind not in "iuf":
     raise ValueError("StrategyGraph: costs and usages must be numbers within int64 or float64")
   return array.astype(np.float64 if array.dtype.kind == "f" else np.int64)
 

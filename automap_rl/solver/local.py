@@ -67,12 +67,17 @@ class Plan:
     reduced, memory = layout.reduced, layout.memory
     self.choice = np.array(choice, dtype=np.int64)
     self.profile = memory.profile(self.choice)
-    self.local = self._local_costs()
+    # Switch costs are kept as a finite part plus a count of forbidden
+    # (infinite) terms, so that they can be updated by differences.
+    self._finite, self._forbidden = self._local_costs()
+    self.local = np.where(self._forbidden > 0, np.inf, self._finite)
 
-  def _local_costs(self) -> np.ndarray:
-    """[V] unary cost plus pair costs against the neighbours' current strategies."""
+  def _local_costs(self) -> tuple[np.ndarray, np.ndarray]:
+    """[V] unary cost plus pair costs against the neighbours' current
+    strategies: (sum of the finite terms, number of infinite terms)."""
     reduced, z = self.layout.reduced, self.choice
-    local = reduced.unary.copy()
+    finite = reduced.unary.copy()
+    forbidden = np.zeros(len(finite))
     k_h = reduced.counts[reduced.pairs[:, 1]]
     for side in (0, 1):
       mine, other = reduced.pairs[:, side], reduced.pairs[:, 1 - side]
@@ -81,8 +86,11 @@ class Plan:
       s = np.arange(len(p)) - np.repeat(np.cumsum(k) - k, k)
       row, col = (s, z[other[p]]) if side == 0 else (z[other[p]], s)
       entry = reduced.pair_offsets[p] + row * k_h[p] + col
-      local += np.bincount(reduced.offsets[mine[p]] + s, weights=reduced.pair_costs[entry], minlength=len(local))
-    return local
+      cost, var = reduced.pair_costs[entry], reduced.offsets[mine[p]] + s
+      blocked = np.isinf(cost)
+      finite += np.bincount(var, weights=np.where(blocked, 0.0, cost), minlength=len(finite))
+      forbidden += np.bincount(var, weights=blocked, minlength=len(finite))
+    return finite, forbidden
 
   @property
   def cost(self) -> float:
@@ -100,7 +108,10 @@ class Plan:
     """[k] cost change of switching group g to each strategy."""
     offsets = self.layout.reduced.offsets
     local = self.local[offsets[g]:offsets[g + 1]]
-    return local - local[self.choice[g]]
+    current = local[self.choice[g]]
+    if np.isinf(current):  # leaving a forbidden strategy: any finite one is better
+      return np.where(np.isinf(local), 0.0, -np.inf)
+    return local - current
 
   def usage_change(self, g: int) -> tuple[np.ndarray, np.ndarray]:
     """([pieces, k] usage change per piece and strategy, [pieces] slack of
@@ -128,10 +139,12 @@ class Plan:
     for p, side in self.layout.incident[g]:
       matrix = reduced.pair_matrix(p)
       other = int(reduced.pairs[p, 1 - side])
-      if side == 0:
-        self.local[offsets[other]:offsets[other + 1]] += matrix[s] - matrix[old]
-      else:
-        self.local[offsets[other]:offsets[other + 1]] += matrix[:, s] - matrix[:, old]
+      new, before = (matrix[s], matrix[old]) if side == 0 else (matrix[:, s], matrix[:, old])
+      span = slice(offsets[other], offsets[other + 1])
+      new_blocked, old_blocked = np.isinf(new), np.isinf(before)
+      self._finite[span] += np.where(new_blocked, 0.0, new) - np.where(old_blocked, 0.0, before)
+      self._forbidden[span] += new_blocked.astype(np.float64) - old_blocked
+      self.local[span] = np.where(self._forbidden[span] > 0, np.inf, self._finite[span])
     cuts, usage = self.layout.cuts[g], self.layout.usage[g]
     if len(usage):
       self.profile[cuts[0]:cuts[-1]] += np.repeat(usage[:, s] - usage[:, old], np.diff(cuts))

@@ -99,7 +99,7 @@ def build_memory(graph: StrategyGraph, reduced: Reduced) -> Memory:
 
   members = np.flatnonzero(varying)
   cuts = np.unique(np.concatenate([start[members], end[members]]))
-  capacity = limit - np.maximum.reduceat(base, cuts[:-1]) if len(cuts) > 1 else np.zeros(0, usage.dtype)
+  capacity = limit - np.maximum.reduceat(base[:cuts[-1]], cuts[:-1]) if len(cuts) > 1 else np.zeros(0, usage.dtype)
   first = np.searchsorted(cuts, start[members])
   last = np.searchsorted(cuts, end[members])
   starts_at = np.bincount(first, minlength=len(cuts)) > 0

@@ -29,8 +29,6 @@ from automap_rl.solver.reduce import Reduced
 
 __all__ = ["SubResult", "group_cost", "reoptimize"]
 
-_MARGIN = 1e-7  # Usage rows are scaled to capacity ~1 and tightened by this much.
-
 
 @dataclasses.dataclass(frozen=True)
 class SubResult:
@@ -234,7 +232,7 @@ class _Model:
     return breakable[slack[breakable] <= np.quantile(slack, 0.01)] if len(breakable) else breakable
 
   def usage_rows(self, segments: np.ndarray) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:
-    """Rows sum usage * x <= capacity - fixed usage, scaled to capacity ~ 1."""
+    """Rows sum usage * x <= capacity - fixed usage, scaled down by a power of two."""
     memory, reduced = self.memory, self.reduced
     segments = np.sort(segments)
     free_member = self.free[memory.member_group]
@@ -253,8 +251,11 @@ class _Model:
     val = memory.member_usage[memory.member_offsets[em] + s].astype(np.float64)
     used = col >= 0
     matrix = scipy.sparse.csr_matrix((val[used], (er[used], col[used])), shape=(len(segments), self.num_x))
-    scale = max(float(np.abs(memory.capacity).max(initial=1)), 1.0)
-    return matrix / scale, upper / scale - _MARGIN
+    # A power of two keeps the coefficients exact; integer usages are at most
+    # half a unit from breaking a row, far above HiGHS's tolerance of 1e-6.
+    scale = 2.0 ** np.floor(np.log2(max(float(np.abs(memory.capacity).max(initial=1)) / 1e6, 1.0)))
+    slack = 0.5 if memory.capacity.dtype.kind == "i" else 0.0
+    return matrix / scale, (upper + slack) / scale
 
 
 def _local_index(lengths: np.ndarray) -> np.ndarray:

@@ -120,12 +120,13 @@ def reduce_graph(graph: StrategyGraph) -> Reduced:
       members={i: [i] for i in range(n)})
   while True:
     reduced = _build(graph, node_costs, edge_costs, state)
-    allowed = _arc_consistent(reduced)
-    if not np.all(allowed):
-      _restrict(reduced, state, allowed)
-      continue
-    if not _merge_determined(reduced, state):
+    entries = _Entries(reduced)
+    allowed = _arc_consistent(reduced, entries)
+    keep = {int(r): allowed[reduced.offsets[g]:reduced.offsets[g + 1]] for g, r in enumerate(np.unique(state.root))}
+    merged = _merge_determined(reduced, entries, allowed, state, keep)
+    if not merged and np.all(allowed):
       return reduced
+    _restrict(state, keep)
 
 
 def _as_cost(costs: np.ndarray) -> np.ndarray:
@@ -150,7 +151,7 @@ def _build(graph: StrategyGraph, node_costs: np.ndarray, edge_costs: np.ndarray,
   local = np.arange(len(node_map)) - map_offsets[entry_node]
   unary_var = offsets[node_group[entry_node]] + local
   unary = np.bincount(unary_var, weights=node_costs[graph.node_offsets[entry_node] + node_map],
-                      minlength=offsets[-1])
+                      minlength=offsets[-1]).astype(np.float64)
 
   u, v = graph.edges[:, 0], graph.edges[:, 1]
   gu, gv = node_group[u], node_group[v]
@@ -180,89 +181,80 @@ def _build(graph: StrategyGraph, node_costs: np.ndarray, edge_costs: np.ndarray,
   row, col = np.where(flip, b, a), np.where(flip, a, b)
   p = np.repeat(pair_of_edge, sizes)
   slot = pair_offsets[p] + row * counts[pairs[p, 1]] + col
-  pair_costs = np.bincount(slot, weights=cost, minlength=pair_offsets[-1])
+  pair_costs = np.bincount(slot, weights=cost, minlength=pair_offsets[-1]).astype(np.float64)
   pair_costs[np.isnan(pair_costs)] = np.inf
   return Reduced(counts=counts, offsets=offsets, unary=unary, pairs=pairs, pair_offsets=pair_offsets,
                  pair_costs=pair_costs, node_group=node_group, node_map_offsets=map_offsets, node_map=node_map)
 
 
-def _pair_entries(reduced: Reduced) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Per pair-cost entry: (pair, row variable, column variable)."""
-  sizes = np.diff(reduced.pair_offsets)
-  p = np.repeat(np.arange(len(reduced.pairs)), sizes)
-  k = np.arange(len(p)) - reduced.pair_offsets[p]
-  g, h = reduced.pairs[p, 0], reduced.pairs[p, 1]
-  kh = reduced.counts[h]
-  return p, reduced.offsets[g] + k // kh, reduced.offsets[h] + k % kh
+class _Entries:
+  """Per pair-cost entry: its pair, row and column variables and slots.
+
+  A slot is (pair, strategy of one side): rows are side 0, columns side 1.
+  """
+
+  def __init__(self, reduced: Reduced):
+    counts, pairs = reduced.counts, reduced.pairs
+    sizes = np.diff(reduced.pair_offsets)
+    self.pair = np.repeat(np.arange(len(pairs)), sizes)
+    k = np.arange(len(self.pair)) - reduced.pair_offsets[self.pair]
+    k_h = counts[pairs[self.pair, 1]]
+    self.row_local, self.col_local = k // k_h, k % k_h
+    self.slot_offsets = (offsets_from_counts(counts[pairs[:, 0]]), offsets_from_counts(counts[pairs[:, 1]]))
+    self.row_slot = self.slot_offsets[0][self.pair] + self.row_local
+    self.col_slot = self.slot_offsets[1][self.pair] + self.col_local
+    self.row = reduced.offsets[pairs[self.pair, 0]] + self.row_local
+    self.col = reduced.offsets[pairs[self.pair, 1]] + self.col_local
+    self.slot_var = tuple(_ranges(reduced.offsets[pairs[:, side]], counts[pairs[:, side]]) for side in (0, 1))
+    self.slot_pair = tuple(np.repeat(np.arange(len(pairs)), counts[pairs[:, side]]) for side in (0, 1))
+    self.finite = np.isfinite(reduced.pair_costs)
 
 
-def _arc_consistent(reduced: Reduced) -> np.ndarray:
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """Concatenation of arange(start, start + length) for each pair."""
+  return np.repeat(starts, lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
+def _arc_consistent(reduced: Reduced, e: _Entries) -> np.ndarray:
   """[V] bool: variables that survive arc consistency."""
   allowed = np.isfinite(reduced.unary)
-  p, row, col = _pair_entries(reduced)
-  finite = np.isfinite(reduced.pair_costs)
-  row_slot = _slot(reduced, p, row, side=0)
-  col_slot = _slot(reduced, p, col, side=1)
   while True:
-    ok = finite & allowed[row] & allowed[col]
-    row_support = np.bincount(row_slot, weights=ok, minlength=_slots(reduced, 0)[-1]) > 0
-    col_support = np.bincount(col_slot, weights=ok, minlength=_slots(reduced, 1)[-1]) > 0
+    ok = e.finite & allowed[e.row] & allowed[e.col]
     dead = np.zeros(len(allowed), bool)
-    dead[_slot_var(reduced, 0)[~row_support]] = True
-    dead[_slot_var(reduced, 1)[~col_support]] = True
+    for side, slot in ((0, e.row_slot), (1, e.col_slot)):
+      support = np.bincount(slot, weights=ok, minlength=len(e.slot_var[side])) > 0
+      dead[e.slot_var[side][~support]] = True
     new = allowed & ~dead
     if np.array_equal(new, allowed):
       return allowed
     allowed = new
 
 
-def _slots(reduced: Reduced, side: int) -> np.ndarray:
-  """Offsets of per-pair rows (side 0) or columns (side 1)."""
-  return offsets_from_counts(reduced.counts[reduced.pairs[:, side]])
+def _restrict(state: _Grouping, keep: dict[int, np.ndarray]) -> None:
+  """Drops the strategies `keep` rules out (per root) from every member's map."""
+  for root, mask in keep.items():
+    if not mask.all():
+      for m in state.members[root]:
+        state.maps[m] = state.maps[m][mask]
 
 
-def _slot(reduced: Reduced, p: np.ndarray, var: np.ndarray, side: int) -> np.ndarray:
-  """Index of (pair, strategy on `side`) for each entry."""
-  group = reduced.pairs[p, side]
-  return _slots(reduced, side)[p] + var - reduced.offsets[group]
+def _merge_determined(reduced: Reduced, e: _Entries, allowed: np.ndarray, state: _Grouping,
+                      keep: dict[int, np.ndarray]) -> bool:
+  """Merges groups determined by a neighbour across one pair; True if any.
 
-
-def _slot_var(reduced: Reduced, side: int) -> np.ndarray:
-  """Variable of each (pair, strategy on `side`) slot."""
-  groups = reduced.pairs[:, side]
-  sizes = reduced.counts[groups]
-  first = np.repeat(reduced.offsets[groups], sizes)
-  return first + np.arange(sizes.sum()) - np.repeat(offsets_from_counts(sizes)[:-1], sizes)
-
-
-def _restrict(reduced: Reduced, state: _Grouping, allowed: np.ndarray) -> None:
-  """Drops disallowed group strategies from every member's map."""
-  roots = np.unique(state.root)
-  for g, r in enumerate(roots):
-    keep = allowed[reduced.offsets[g]:reduced.offsets[g + 1]]
-    if not keep.all():
-      for m in state.members[int(r)]:
-        state.maps[m] = state.maps[m][keep]
-
-
-def _merge_determined(reduced: Reduced, state: _Grouping) -> bool:
-  """Merges groups determined by a neighbour across one pair; True if any."""
-  p, row, col = _pair_entries(reduced)
-  finite = np.isfinite(reduced.pair_costs)
-  row_slot, col_slot = _slot(reduced, p, row, 0), _slot(reduced, p, col, 1)
-  row_count = np.bincount(row_slot, weights=finite, minlength=_slots(reduced, 0)[-1])
-  col_count = np.bincount(col_slot, weights=finite, minlength=_slots(reduced, 1)[-1])
+  Only allowed strategies count; `keep` (allowed strategies per root) is
+  updated for the merged groups.
+  """
+  ok = e.finite & allowed[e.row] & allowed[e.col]
   num_pairs = len(reduced.pairs)
-  row_pair = np.repeat(np.arange(num_pairs), reduced.counts[reduced.pairs[:, 0]])
-  col_pair = np.repeat(np.arange(num_pairs), reduced.counts[reduced.pairs[:, 1]])
-  g_decides = np.bincount(row_pair, weights=row_count != 1, minlength=num_pairs) == 0
-  h_decides = np.bincount(col_pair, weights=col_count != 1, minlength=num_pairs) == 0
-  # The partner of each row (column) when it is unique.
-  row_partner = np.zeros(len(row_count), np.int64)
-  row_partner[row_slot[finite]] = (col - reduced.offsets[reduced.pairs[p, 1]])[finite]
-  col_partner = np.zeros(len(col_count), np.int64)
-  col_partner[col_slot[finite]] = (row - reduced.offsets[reduced.pairs[p, 0]])[finite]
-  rows, cols = _slots(reduced, 0), _slots(reduced, 1)
+  decides, partner = [], []
+  for side, slot, other_local in ((0, e.row_slot, e.col_local), (1, e.col_slot, e.row_local)):
+    count = np.bincount(slot, weights=ok, minlength=len(e.slot_var[side]))
+    bad = (count != 1) & allowed[e.slot_var[side]]
+    decides.append(np.bincount(e.slot_pair[side], weights=bad, minlength=num_pairs) == 0)
+    unique = np.zeros(len(count), np.int64)
+    unique[slot[ok]] = other_local[ok]
+    partner.append(unique)
 
   roots = np.unique(state.root)
   size = [len(state.members[int(r)]) for r in roots]
@@ -272,20 +264,21 @@ def _merge_determined(reduced: Reduced, state: _Grouping) -> bool:
   absorbed = [[] for _ in roots]
   via = {}
   merged = False
-  for q in np.flatnonzero(g_decides | h_decides):
+  for q in np.flatnonzero(decides[0] | decides[1]).tolist():
     g, h = (int(x) for x in reduced.pairs[q])
     options = []
-    if g_decides[q]:
-      options.append((g, h, row_partner[rows[q]:rows[q + 1]]))
-    if h_decides[q]:
-      options.append((h, g, col_partner[cols[q]:cols[q + 1]]))
+    for side, (decider, decided) in enumerate(((g, h), (h, g))):
+      if decides[side][q]:
+        options.append((decider, decided, partner[side][e.slot_offsets[side][q]:e.slot_offsets[side][q + 1]]))
     options.sort(key=lambda o: -size[owner[o[0]]])
-    for decider, decided, partner in options:
+    for decider, decided, choice in options:
       top = owner[decider]
       if owner[decided] != decided or top == decided:
         continue
-      new_map = partner if decider == top else partner[via[decider]]
-      _absorb(state, int(roots[top]), int(roots[decided]), new_map)
+      new_map = choice if decider == top else choice[via[decider]]
+      top_root, decided_root = int(roots[top]), int(roots[decided])
+      keep[top_root] = keep[top_root] & keep.pop(decided_root)[new_map]
+      _absorb(state, top_root, decided_root, new_map)
       for child in absorbed[decided]:
         via[child] = via[child][new_map]
         owner[child] = top

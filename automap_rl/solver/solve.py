@@ -46,6 +46,9 @@ Progress = Callable[[float, float, str], None]
 # A problem whose whole MIP has at most this many pair-cost entries is solved
 # whole in the polish stage; larger ones get large-neighbourhood search.
 _WHOLE_MIP_ENTRIES = 150_000
+# Pricing rounds at most, before the whole MIP (small) or the search (large).
+_SMALL_ROUNDS = 200
+_LARGE_ROUNDS = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,25 +155,26 @@ class _Search:
       start = reduced.node_choice_to_group(np.asarray(warm_start, dtype=np.int64))
       if start is not None and self.offer(start, "warm start"):
         self.note(f"warm start: {self.best_cost:.6g}")
-    decoded = self.price()
+    small = len(reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
+    self.price(until=self.deadline - (0.8 if small else 0.15) * max(self.left(), 0.0),
+               max_rounds=_SMALL_ROUNDS if small else _LARGE_ROUNDS)
     if self.best is None:
       return
-    self.crossover(decoded, until=self.deadline - 0.45 * max(self.left(), 0.0))
-    if len(reduced.pair_costs) <= _WHOLE_MIP_ENTRIES and self.whole_mip():
+    if small and self.whole_mip():
       return
     self.neighbourhoods()
 
-  def price(self) -> list[tuple[float, np.ndarray]]:
-    """Pricing rounds; returns the decoded plans that break the limit but are
-    cheaper than the best one, cheapest first."""
+  def price(self, until: float, max_rounds: int) -> None:
+    """Pricing rounds until `until` (at most `max_rounds`). Every few rounds
+    the best plan is crossed with the cheapest plan decoded since the last
+    crossover."""
     reduced, memory = self.reduced, self.memory
     dual = Dual(reduced, memory)
-    until = self.deadline - 0.75 * max(self.left(), 0.0)
     prices = np.zeros(memory.num_segments)
     capacity = np.maximum(memory.capacity.astype(np.float64), 1.0)
-    decoded: list[tuple[float, np.ndarray]] = []
-    rounds = 0
-    while rounds < 2 or (time.monotonic() < until and rounds < 400):
+    pending: tuple[float, np.ndarray] | None = None
+    rounds = merges = crossings = 0
+    while rounds < 2 or (time.monotonic() < until and rounds < max_rounds):
       dual.set_prices(prices)
       dual.sweep(forward=True)
       dual.sweep(forward=False)
@@ -178,21 +182,26 @@ class _Search:
       cost = group_cost(reduced, choice)
       excess = memory.excess(choice).astype(np.float64)
       if rounds == 0:
-        base = max(abs(cost), 1.0) / float(capacity.sum())
+        base = max(abs(cost), 1.0) / max(float(capacity.sum()), 1.0)
       if np.all(excess <= 0):
         if cost < 1.5 * self.best_cost:
           self.polish(choice, "pricing")
-      else:
-        decoded.append((cost, choice))
+      elif pending is None or cost < pending[0]:
+        pending = (cost, choice)
       if rounds % 16 == 1 or self.best is None:
         self.polish(dual.decode(Budget(self.layout).pick), "pricing within budget")
+      if rounds % 4 == 3 and pending is not None and self.best is not None:
+        left = until - time.monotonic()
+        if left > 0.3:
+          merges += self.crossover(pending[1], time_limit=min(left, 4.0))
+          crossings += 1
+        pending = None
       over = excess > 0
       prices = np.where(over, np.maximum(prices * 1.5, base),
                         np.where(excess < -0.01 * capacity, prices * 0.8, prices))
       rounds += 1
-    self.note(f"pricing: {rounds} rounds, {dual.num_colors} colours, best {self.best_cost:.6g}")
-    decoded.sort(key=lambda item: item[0])
-    return [item for item in decoded if item[0] < self.best_cost]
+    self.note(f"pricing: {rounds} rounds, {dual.num_colors} colours, {crossings} crossovers "
+              f"({merges} improving), best {self.best_cost:.6g}")
 
   def polish(self, choice: np.ndarray, stage: str) -> None:
     """Coordinate descent until no single switch helps, then offers it."""
@@ -200,36 +209,24 @@ class _Search:
     if np.any(plan.excess() > 0):
       return
     order = self.rng.permutation(self.reduced.num_groups)
-    tolerance = 1e-12 * max(abs(plan.cost), 1.0)
-    for _ in range(20):
-      if not plan.descend(order, min_gain=tolerance):
-        break
+    tolerance = 1e-12 * max(float(np.abs(self.reduced.unary).max(initial=1.0)), 1.0)
+    while self.left() > 0 and plan.descend(order, min_gain=tolerance):
+      pass
     self.offer(plan.choice, stage)
 
-  def crossover(self, decoded: list[tuple[float, np.ndarray]], until: float) -> None:
-    """Merges the best plan with cheaper decoded ones, cheapest first."""
+  def crossover(self, other: np.ndarray, time_limit: float) -> bool:
+    """Re-chooses the groups where `other` differs from the best plan, each
+    between the two plans' strategies; True if that improved the best."""
     reduced = self.reduced
-    merged = 0
-    seen = set()
-    for cost, other in decoded:
-      left = until - time.monotonic()
-      if left <= 0.2:
-        break
-      if cost >= self.best_cost:
-        continue
-      free = other != self.best
-      key = free.tobytes()
-      if not free.any() or key in seen:
-        continue
-      seen.add(key)
-      allowed = np.zeros(len(reduced.unary), bool)
-      allowed[reduced.offsets[:-1] + self.best] = True
-      allowed[reduced.offsets[:-1] + other] = True
-      result = reoptimize(reduced, self.memory, self.best, free, time_limit=min(left, max(2.0, 0.25 * left)),
-                          seed=self.seed + merged, allowed=allowed)
-      if self.offer(result.choice, "crossover"):
-        merged += 1
-    self.note(f"crossover: {merged} improving merges, best {self.best_cost:.6g}")
+    free = other != self.best
+    if not free.any():
+      return False
+    allowed = np.zeros(len(reduced.unary), bool)
+    allowed[reduced.offsets[:-1] + self.best] = True
+    allowed[reduced.offsets[:-1] + other] = True
+    result = reoptimize(reduced, self.memory, self.best, free, time_limit=time_limit,
+                        seed=self.seed + len(self.log), allowed=allowed)
+    return self.offer(result.choice, "crossover")
 
   def whole_mip(self) -> bool:
     """The whole problem as one MIP, from the best plan; True if optimal."""
