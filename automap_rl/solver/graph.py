@@ -127,9 +127,6 @@ class StrategyGraph:
     """[N] int64, how many strategies each node has."""
     return np.diff(self.node_offsets)
 
-  def node_slice(self, i: int) -> slice:
-    return slice(int(self.node_offsets[i]), int(self.node_offsets[i + 1]))
-
   def edge_matrix(self, e: int) -> np.ndarray:
     """[n_u, n_v] view of edge e's costs."""
     u, v = self.edges[e]

@@ -92,14 +92,6 @@ class Plan:
       forbidden += np.bincount(var, weights=blocked, minlength=len(finite))
     return finite, forbidden
 
-  @property
-  def cost(self) -> float:
-    """Total cost (unary plus pairs), recomputed exactly."""
-    reduced, z = self.layout.reduced, self.choice
-    g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
-    pair = reduced.pair_costs[reduced.pair_offsets[:-1] + z[g] * reduced.counts[h] + z[h]]
-    return float(reduced.unary[reduced.offsets[:-1] + z].sum() + pair.sum())
-
   def excess(self) -> np.ndarray:
     """[S] usage above capacity per segment."""
     return self.profile - self.layout.memory.capacity

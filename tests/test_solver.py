@@ -1,0 +1,203 @@
+"""Tests for automap_rl.solver: strategy graphs, the IOPDDL format and the solver."""
+
+import gzip
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from automap_rl.solver import (
+    FORBIDDEN,
+    StrategyGraph,
+    evaluate,
+    is_feasible,
+    load_problem,
+    peak_usage,
+    plan_cost,
+    read_solution,
+    solve,
+    write_solution,
+)
+from automap_rl.solver import iopddl
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "iopddl"
+needs_data = pytest.mark.skipif(not (DATA / "example.json").exists(),
+                                reason=f"IOPDDL instances not found in {DATA}")
+
+
+def brute_force(graph: StrategyGraph) -> tuple[int | float | None, list[int] | None]:
+  """Cheapest feasible plan by enumeration: (cost, plan), (None, None) if none."""
+  best = (None, None)
+  for plan in itertools.product(*(range(k) for k in graph.num_strategies)):
+    verdict = evaluate(graph, list(plan))
+    if verdict.feasible and (best[0] is None or verdict.cost < best[0]):
+      best = (verdict.cost, list(plan))
+  return best
+
+
+def reference_cost(lists: dict, plan: list[int]) -> int:
+  """Plan cost straight from the nested lists, as the contest defines it."""
+  cost = sum(c[s] for c, s in zip(lists["costs"], plan))
+  for (u, v), costs in zip(lists["edges"], lists["edge_costs"]):
+    cost += costs[plan[u] * len(lists["costs"][v]) + plan[v]]
+  return cost
+
+
+def reference_peak(lists: dict, plan: list[int]) -> int:
+  horizon = max((end for _, end in lists["intervals"]), default=0)
+  return max((sum(u[s] for u, s, (a, b) in zip(lists["usages"], plan, lists["intervals"]) if a <= t < b)
+              for t in range(horizon)), default=0)
+
+
+@st.composite
+def graph_lists(draw, max_nodes: int = 5, forbidden: bool = True):
+  """Nested lists of a small random problem (parallel edges and self-loops included)."""
+  n = draw(st.integers(1, max_nodes))
+  ks = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+  value = st.integers(0, 70).map(lambda x: FORBIDDEN if forbidden and x > 60 else x)
+  costs = [draw(st.lists(value, min_size=k, max_size=k)) for k in ks]
+  usages = [draw(st.lists(st.integers(0, 9), min_size=k, max_size=k)) for k in ks]
+  intervals = [sorted(draw(st.lists(st.integers(0, 8), min_size=2, max_size=2))) for _ in range(n)]
+  edges = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2 * n))
+  edge_costs = [draw(st.lists(value, min_size=ks[u] * ks[v], max_size=ks[u] * ks[v])) for u, v in edges]
+  limit = draw(st.none() | st.integers(0, 25))
+  return dict(costs=costs, usages=usages, intervals=intervals, edges=[list(e) for e in edges],
+              edge_costs=edge_costs, limit=limit)
+
+
+def to_graph(lists: dict) -> StrategyGraph:
+  return StrategyGraph.from_lists(lists["costs"], lists["usages"], lists["intervals"], lists["edges"],
+                                  lists["edge_costs"], lists["limit"])
+
+
+@needs_data
+def test_example_optimum_matches_brute_force():
+  graph = load_problem(DATA / "example.json")
+  cost, plan = brute_force(graph)
+  assert cost == 445 and plan == [0, 0, 2, 1, 0]  # the contest's own example answer
+  result = solve(graph, timeout_s=5, seed=0)
+  assert result.feasible and result.cost == cost
+  assert evaluate(graph, result.choice).cost == cost
+  assert result.lower_bound is not None and result.lower_bound <= cost
+
+
+@needs_data
+def test_evaluate_rejects_with_the_contest_reason():
+  graph = load_problem(DATA / "example.json")
+  assert evaluate(graph, [0, 0, 2, 1]).reason == iopddl.REASON_SIZE
+  assert evaluate(graph, [0, 0, 3, 1, 0]).reason == iopddl.REASON_INDEX
+  assert evaluate(graph, [0, -1, 2, 1, 0]).reason == iopddl.REASON_INDEX
+  # Node 2's strategy 1 uses 20: 10 + 25 + 20 = 55 > 50 during [50, 70).
+  over = evaluate(graph, [0, 0, 1, 1, 0])
+  assert (over.feasible, over.reason, over.peak_usage, over.cost) == (False, iopddl.REASON_USAGE, 55, 415)
+  ok = evaluate(graph, [0, 0, 2, 1, 0])
+  assert (ok.feasible, ok.reason, ok.cost, ok.peak_usage) == (True, None, 445, 50)
+
+
+def test_evaluate_rejects_forbidden_strategies_and_pairs():
+  graph = StrategyGraph.from_lists([[1, FORBIDDEN], [2, 3]], [[0, 0], [0, 0]], [[0, 1], [0, 1]],
+                                   [[0, 1]], [[0, FORBIDDEN, 5, 6]], usage_limit=10)
+  assert evaluate(graph, [1, 0]).reason == iopddl.REASON_FORBIDDEN
+  bad_pair = evaluate(graph, [0, 1])
+  assert bad_pair.reason == iopddl.REASON_FORBIDDEN and bad_pair.cost == 1 + 3 + FORBIDDEN
+  assert evaluate(graph, [0, 0]) == iopddl.Evaluation(3, True, 0, None)
+  assert not is_feasible(graph, [0, 1]) and is_feasible(graph, [0, 0])
+
+
+def test_plan_cost_sums_forbidden_values_exactly():
+  # Two forbidden picks overflow int64; the contest sums them in 128 bits.
+  graph = StrategyGraph.from_lists([[FORBIDDEN * 5]] * 3, [[0]] * 3, [[0, 0]] * 3, [], [], None)
+  assert plan_cost(graph, [0, 0, 0]) == 15 * FORBIDDEN
+
+
+@settings(max_examples=60, deadline=None)
+@given(graph_lists(), st.data())
+def test_plan_cost_and_peak_match_a_direct_reference(lists, data):
+  graph = to_graph(lists)
+  plan = [data.draw(st.integers(0, len(c) - 1)) for c in lists["costs"]]
+  for e, (u, v) in enumerate(lists["edges"]):
+    assert graph.edge_matrix(e).shape == (len(lists["costs"][u]), len(lists["costs"][v]))
+  assert plan_cost(graph, plan) == reference_cost(lists, plan)
+  assert peak_usage(graph, plan) == reference_peak(lists, plan)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph_lists())
+def test_solve_finds_the_brute_force_optimum(lists):
+  graph = to_graph(lists)
+  cost, _ = brute_force(graph)
+  if cost is None:
+    with pytest.raises((RuntimeError, ValueError)):
+      solve(graph, timeout_s=2, seed=0)
+    return
+  result = solve(graph, timeout_s=2, seed=0)
+  assert result.cost == cost
+  assert evaluate(graph, result.choice).feasible
+
+
+def test_solve_handles_float_costs():
+  rng = np.random.default_rng(0)
+  lists = dict(costs=rng.uniform(0, 5, (4, 3)).tolist(), usages=rng.uniform(0, 3, (4, 3)).tolist(),
+               intervals=[[0, 3], [1, 4], [2, 5], [0, 5]], edges=[[0, 1], [1, 2], [2, 3], [3, 0]],
+               edge_costs=rng.uniform(0, 5, (4, 9)).tolist(), limit=6.0)
+  graph = to_graph(lists)
+  cost, _ = brute_force(graph)
+  result = solve(graph, timeout_s=2, seed=1)
+  assert result.cost == pytest.approx(cost)
+
+
+def test_solve_uses_a_feasible_warm_start():
+  lists = dict(costs=[[5, 1], [5, 1]], usages=[[1, 2], [1, 2]], intervals=[[0, 2], [1, 3]],
+               edges=[[0, 1]], edge_costs=[[0, 9, 9, 0]], limit=4)
+  graph = to_graph(lists)
+  seen = []
+  result = solve(graph, timeout_s=2, seed=0, warm_start=[0, 0], progress=lambda *a: seen.append(a))
+  assert seen[0][2] == "warm start" and seen[0][1] == 10
+  assert result.cost == brute_force(graph)[0] == 2
+
+
+def test_solution_files_round_trip(tmp_path):
+  path = tmp_path / "plan.txt"
+  write_solution(path, np.array([0, 2, 1]))
+  assert path.read_text() == "[0, 2, 1]\n"
+  path.write_text("# Found solution [0, 0, 0] with cost 9\n[0, 2, 1]\n")
+  assert read_solution(path) == [0, 2, 1]
+  path.write_text("no plan here\n")
+  with pytest.raises(ValueError, match="last line"):
+    read_solution(path)
+
+
+def test_load_problem_names_the_malformed_field(tmp_path):
+  problem = {"problem": {"name": "x", "nodes": {"intervals": [[0, 1]], "costs": [[1, 2]], "usages": [[1]]},
+                         "edges": {"nodes": [], "costs": []}, "usage_limit": 5}}
+  path = tmp_path / "bad.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump(problem, f)
+  with pytest.raises(ValueError, match=r"bad\.json\.gz: field problem\.nodes\.usages"):
+    load_problem(path)
+  problem["problem"]["nodes"]["usages"] = [[1, 1]]
+  problem["problem"]["edges"] = {"nodes": [[0, 0]], "costs": [[1, 2, 3]]}
+  path = tmp_path / "bad.json"
+  path.write_text(json.dumps(problem))
+  with pytest.raises(ValueError, match=r"field problem\.edges\.costs"):
+    load_problem(path)
+  del problem["problem"]["edges"]
+  path.write_text(json.dumps(problem))
+  with pytest.raises(ValueError, match=r"field problem\.edges is missing"):
+    load_problem(path)
+
+
+@needs_data
+@pytest.mark.parametrize("name", ["G"])
+def test_short_solve_of_a_contest_instance(name):
+  graph = load_problem(DATA / f"asplos-2025-iopddl-{name}.json.gz")
+  result = solve(graph, timeout_s=8, seed=0)
+  verdict = evaluate(graph, result.choice)
+  assert verdict.feasible and verdict.cost == result.cost
+  best = {row.split(",")[0]: int(row.split(",")[1]) for row in (DATA / "best_known.csv").read_text().split()[1:]}
+  assert result.cost <= 1.10 * best[name]
+  assert result.seconds < 8
