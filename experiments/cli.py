@@ -53,6 +53,13 @@ COMMANDS: dict[str, Command] = {
     "bench simulator": Command("bench_cmd", "SimulatorBenchConfig", "simulator evaluations per second",
                                run="run_simulator"),
     "bench env": Command("bench_cmd", "EnvBenchConfig", "environment steps per second", run="run_env"),
+    "bench iopddl": Command("iopddl_cmd", "IopddlBenchConfig",
+                            "the strategy-graph solver on the IOPDDL contest instances vs the best known costs",
+                            run="run_bench"),
+    "iopddl solve": Command("iopddl_cmd", "SolveConfig", "solve an IOPDDL contest problem, write its solution",
+                            run="run_solve"),
+    "iopddl evaluate": Command("iopddl_cmd", "EvaluateConfig", "check an IOPDDL solution as the contest does",
+                               run="run_evaluate"),
     "bench search": Command("bench_search", "SearchBenchConfig",
                             "search agents against the best expert tactic on the zoo"),
 }
