@@ -23,7 +23,7 @@ TOL = 1e-5
 
 @functools.cache
 def problem(model: str, mesh: str = "data=2,model=4") -> Problem:
-  return Problem.build(workloads.make_workload(model).trace(), mesh_lib.make_mesh(mesh, "h100"))
+  return Problem.build(workloads.make_workload(model, abstract=True).trace(), mesh_lib.make_mesh(mesh, "h100"))
 
 
 def random_episode(env: Env, seed: int, step=None, limit: int = 1000):
