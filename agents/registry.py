@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agents import greedy, mcts, random_search
+from agents import greedy, gumbel, mcts, random_search
 from agents.base import Budget, Progress, SearchResult
 from agents.greedy import GreedyConfig
+from agents.gumbel import GumbelConfig
 from agents.mcts import MCTSConfig
 from agents.random_search import RandomConfig
 from automap_rl.problem import Problem
@@ -15,6 +16,7 @@ AGENTS: dict[str, tuple[type, Callable[..., SearchResult]]] = {
     "random": (RandomConfig, random_search.search),
     "greedy": (GreedyConfig, greedy.search),
     "mcts": (MCTSConfig, mcts.search),
+    "gumbel": (GumbelConfig, gumbel.search),
 }
 
 

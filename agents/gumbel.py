@@ -1,0 +1,230 @@
+"""Gumbel MuZero search (mctx) over the partitioning environment, the environment being the model.
+
+`recurrent_fn` steps the environment exactly: the reward is the state's reward (the
+objective's decrease), the discount 1 (0 once the episode has ended), and the prior logits
+and value come from the network's head (`agents.network`) on the program's embeddings,
+encoded once per search and closed over. Without parameters the prior is uniform over the
+legal actions and every value is 0: the uniform-prior Gumbel baseline.
+
+`policy` is the pure, batched search (root and recurrent functions vmapped over episodes,
+and over programs when the tables are batched); `run_search` wraps it for self-play over
+a mixed batch of programs; `search` is the agent: it plays episodes from the replicated
+plan, one Gumbel search per step from the current state, taking the action it selects
+until stop or the end of the episode, then starts over, until the budget is spent.
+Every plan a search tree evaluated is a candidate (read from the tree's nodes), so the
+best plan seen at any depth of any tree is kept.
+
+A simulation is one environment step that evaluates a new plan (a node whose plan has more
+decisions than its parent's; stops and steps below an ended episode evaluate nothing), as
+for the other agents. A Gumbel search of `n` simulations evaluates at most `n` plans; the
+last search of a budget runs fewer (a traced loop bound, so no recompile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import mctx
+import numpy as np
+
+from agents.base import Budget, Progress, SearchResult, start
+from agents.network import MASKED_LOGIT, Embeddings, Network, NetworkConfig, state_features, static_graph
+from automap_rl.problem import Problem
+from envs import EnvConfig, State
+from envs import core
+from envs.tables import EnvTables
+
+
+@dataclasses.dataclass(frozen=True)
+class GumbelConfig:
+  """Gumbel MuZero search.
+
+  Attributes:
+    action_space: the environment's action space (`groups`, `arg_dims`, `named_dims`).
+    max_decisions: the environment's capacity in class decisions.
+    num_simulations: simulations per search (per step of an episode).
+    max_num_considered_actions: actions sampled (Gumbel top-k) at the root for
+      Sequential Halving.
+    gumbel_scale: scale of the root's Gumbel noise (0: deterministic given the prior).
+    episodes: episodes searched side by side (one vmapped search over all of them).
+    network: the network's sizes (used when parameters are given).
+  """
+
+  action_space: str = "groups"
+  max_decisions: int = 256
+  num_simulations: int = 32
+  max_num_considered_actions: int = 16
+  gumbel_scale: float = 1.0
+  episodes: int = 1
+  network: NetworkConfig = NetworkConfig()
+
+
+def _evaluate(network: Network, params: chex.ArrayTree | None, embeddings: Embeddings | None,
+              tables: EnvTables, state: State) -> tuple[jax.Array, jax.Array]:
+  """Prior logits f32 [A] and value f32 [] of one state: the network's head, or uniform
+  (legal actions 0, illegal `MASKED_LOGIT`, value 0) without parameters."""
+  if params is None:
+    return jnp.where(state.legal_action_mask, 0.0, MASKED_LOGIT), jnp.float32(0.0)
+  return network.head(params, embeddings, state_features(tables, state))
+
+
+def policy(params: chex.ArrayTree | None, embeddings: Embeddings | None, tables: EnvTables, states: State,
+           key: chex.PRNGKey, limit: jax.Array, config: GumbelConfig, env_config: EnvConfig,
+           batched: bool) -> mctx.PolicyOutput:
+  """One Gumbel MuZero search from each of `states` [B]. Pure.
+
+  Args:
+    params: the network's parameters, or None for the uniform prior.
+    embeddings: `Network.encode` of each state's program ([B, ...] if `batched`, else one
+      shared), or None without parameters.
+    tables: the environment's tables, [B, ...] if `batched` (a mixed batch, see
+      `envs.programs.batch_tables`), else one program's, shared by all states.
+    states: the roots, [B].
+    limit: run at most this many of the `config.num_simulations` simulations, int32 [].
+    batched: whether `tables` and `embeddings` have a leading batch axis.
+
+  Returns:
+    mctx's output: `action` int32 [B], `action_weights` f32 [B, A], `search_tree` (its
+    node embeddings are the environment states of the nodes).
+  """
+  network = Network(config.network)
+  axis = 0 if batched else None
+  evaluate = jax.vmap(functools.partial(_evaluate, network, params), in_axes=(axis, axis, 0))
+  step = jax.vmap(functools.partial(core.step, env_config), in_axes=(axis, 0, 0))
+
+  def recurrent_fn(_, key, action, state):
+    del key  # The environment is deterministic.
+    new = step(tables, state, action)
+    logits, value = evaluate(embeddings, tables, new)
+    ended = new.terminated | new.truncated
+    out = mctx.RecurrentFnOutput(reward=new.reward, discount=jnp.where(ended, 0.0, 1.0),
+                                 prior_logits=logits, value=jnp.where(ended, 0.0, value))
+    return out, new
+
+  def loop(lower, upper, body, init):
+    return jax.lax.fori_loop(lower, jnp.minimum(upper, limit), body, init)
+
+  logits, value = evaluate(embeddings, tables, states)
+  root = mctx.RootFnOutput(prior_logits=logits, value=value, embedding=states)
+  return mctx.gumbel_muzero_policy(
+      params=None, rng_key=key, root=root, recurrent_fn=recurrent_fn, num_simulations=config.num_simulations,
+      invalid_actions=~states.legal_action_mask, loop_fn=loop,
+      max_num_considered_actions=config.max_num_considered_actions, gumbel_scale=config.gumbel_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "env_config"))
+def run_search(params: chex.ArrayTree | None, tables: EnvTables, states: State, key: chex.PRNGKey,
+               config: GumbelConfig, env_config: EnvConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A full Gumbel search from each state of a batch that may mix programs. Pure (jitted).
+
+  Args:
+    params: the network's parameters, or None for the uniform prior.
+    tables: batched tables [B, ...] (`envs.programs.batch_tables`): row b is `states[b]`'s program.
+    states: the roots, [B].
+    env_config: the environment's configuration (the one the tables were built for).
+
+  Returns:
+    The selected actions int32 [B], the improved policy f32 [B, A] (a training target for
+    the logits) and the search's value of each root f32 [B].
+  """
+  embeddings = None
+  if params is not None:
+    network = Network(config.network)
+    embeddings = jax.vmap(network.encode, in_axes=(None, 0))(params, jax.vmap(static_graph)(tables, states))
+  out = policy(params, embeddings, tables, states, key, jnp.int32(config.num_simulations), config, env_config,
+               batched=True)
+  return out.action, out.action_weights, out.search_tree.summary().value
+
+
+@chex.dataclass(frozen=True)
+class _Nodes:
+  """What the host reads of the search trees [B, S + 1] (S = num_simulations).
+
+  Attributes:
+    objective, step_time: of each node's plan, f32.
+    evaluated: whether the node's step evaluated a new plan (a simulation), bool.
+    parent, action: the node's parent (-1 for the root and unused nodes) and the action
+      from it, int32.
+  """
+
+  objective: jax.Array
+  step_time: jax.Array
+  evaluated: jax.Array
+  parent: jax.Array
+  action: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("config", "env_config"))
+def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex.PRNGKey, limit: jax.Array,
+                 config: GumbelConfig, env_config: EnvConfig) -> tuple[jax.Array, State, _Nodes]:
+  """A search from each state of one program's episodes: the selected actions [B], the
+  states they lead to [B] (the selected child is always visited) and the trees' nodes."""
+  out = policy(params, embeddings, tables, states, key, limit, config, env_config, batched=False)
+  tree = out.search_tree
+  nodes = tree.embeddings
+  batch = jnp.arange(out.action.shape[0])
+  parent = tree.parents
+  parent_decisions = jnp.take_along_axis(nodes.num_decisions, jnp.maximum(parent, 0), axis=1)
+  evaluated = (parent >= 0) & (nodes.num_decisions > parent_decisions)
+  chosen = tree.children_index[batch, tree.ROOT_INDEX, out.action]
+  after = jax.tree.map(lambda x: x[batch, chosen], nodes)
+  return out.action, after, _Nodes(objective=nodes.objective, step_time=nodes.step_time, evaluated=evaluated,
+                                   parent=parent, action=tree.action_from_parent)
+
+
+@functools.partial(jax.jit, static_argnames="network")
+def _encode(network: Network, params: chex.ArrayTree, tables: EnvTables, state: State) -> Embeddings:
+  return network.encode(params, static_graph(tables, state))
+
+
+def _path(parent: np.ndarray, action: np.ndarray, node: int) -> list[int]:
+  """The actions from the root to `node` of one tree."""
+  out = []
+  while node > 0:
+    out.append(int(action[node]))
+    node = int(parent[node])
+  return out[::-1]
+
+
+def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 0,
+           budget: Budget | int | float = 1000, progress: Progress | None = None,
+           params: chex.ArrayTree | None = None) -> SearchResult:
+  """Plays Gumbel MuZero episodes until the budget is spent; returns the best plan any
+  search tree evaluated. `params`: the network's (`config.network`), or None for the
+  uniform prior. Deterministic for a given seed and a simulations budget."""
+  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress)
+  env = search_.env
+  if bool(search_.root.terminated):
+    return track.result()
+  embeddings = None if params is None else _encode(Network(config.network), params, env.tables, search_.root)
+  count = config.episodes
+  root = jax.tree.map(lambda x: np.stack([x] * count), search_.root)
+  states, paths = root, [[] for _ in range(count)]
+  key = jax.random.key(seed)
+  while not track.done:
+    limit = min(config.num_simulations, track.left // count)
+    if limit < 1:
+      break
+    key, sub = jax.random.split(key)
+    actions, after, nodes = jax.device_get(_search_step(
+        params, embeddings, env.tables, states, sub, jnp.int32(limit), config=config, env_config=env.config))
+    used = int(nodes.evaluated.sum())
+    if used == 0:  # The searches only stop: nothing is left that they would evaluate.
+      break
+    base = track.simulations
+    for e in range(count):
+      evaluated = nodes.evaluated[e]
+      if evaluated.any():
+        best = int(np.argmin(np.where(evaluated, nodes.objective[e], np.inf)))
+        at = base + int(nodes.evaluated[:e].sum()) + int(evaluated[:best + 1].sum())
+        track.offer(nodes.objective[e, best], nodes.step_time[e, best],
+                    paths[e] + _path(nodes.parent[e], nodes.action[e], best), at)
+    track.count(used)
+    ended = (actions == env.stop_action) | after.terminated | after.truncated
+    states = jax.tree.map(lambda r, a: np.where(ended.reshape((-1,) + (1,) * (a.ndim - 1)), r, a), root, after)
+    paths = [[] if ended[e] else paths[e] + [int(actions[e])] for e in range(count)]
+  return track.result()
