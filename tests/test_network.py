@@ -108,9 +108,11 @@ def test_outputs_do_not_depend_on_padding():
     x = e.config.max_axes
     t = (e.num_actions - 1) // x
     row = jax.tree.map(lambda a: a[b], features)
-    # Two envs bugs make padded observations differ from exact ones on the targets (the
-    # legal mask: `tables.pad` does not shift `slot_order`; the sharded fractions count
-    # class-less slots): take those rows from the exact observation.
+    # Two envs bugs make padded observations differ from exact ones on the targets: the
+    # legal mask (`tables.pad` keeps `slot_order`'s flat slot indices, which padding Uv, Rv
+    # or Rf moves) and the sharded fractions (`observe` counts every class-less slot for a
+    # target with fewer than M classes). Until they are fixed, those rows come from the
+    # exact observation.
     exact = observation(e.tables, state)[1]
     padded_rows = slice(num_nodes - 1 - num_targets, num_nodes - 1 - num_targets + t)
     legal = jnp.zeros(tables.num_actions, bool).at[-1].set(True)
