@@ -86,8 +86,9 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
   sharded, counts = [], []
   for classes, bits in ((tables.value_class, value_bits), (tables.op_class, op_bits)):
     ids = jnp.where(classes >= 0, classes, num_classes).reshape(-1)
-    sharded.append(jax.ops.segment_sum(bits.reshape(-1, x), ids, num_segments=num_classes + 1))
-    counts.append(jax.ops.segment_sum(jnp.ones(ids.shape), ids, num_segments=num_classes + 1))
+    # Segment C collects slots without a class (and targets' -1 padding reads it): empty.
+    for out, rows in ((sharded, bits.reshape(-1, x)), (counts, jnp.ones(ids.shape))):
+      out.append(jax.ops.segment_sum(rows, ids, num_segments=num_classes + 1).at[num_classes].set(0.0))
   covered = jnp.where(tables.target_classes >= 0, tables.target_classes, num_classes)
   target_sharded = (sharded[0] + sharded[1])[covered].sum(axis=1)
   target_slots = (counts[0] + counts[1])[covered].sum(axis=1)

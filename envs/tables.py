@@ -301,6 +301,16 @@ def bucket_sizes(size: Mapping[str, int]) -> dict[str, int]:
   return {d: 1 << max(n - 1, 0).bit_length() if d in BUCKETED else n for d, n in size.items()}
 
 
+def _remap_slots(tables: EnvTables, size: Mapping[str, int]) -> np.ndarray:
+  """`slot_order`'s flat indices into `[value dims | op factors]` for the padded layout
+  (the value block grows to Uv * Rv and every row to Rv or Rf entries), [Q, W]."""
+  (uv, rv), rf = np.shape(tables.value_class), np.shape(tables.op_class)[1]
+  order = np.asarray(tables.slot_order)
+  op = order - uv * rv
+  return np.where(op >= 0, size["Uv"] * size["Rv"] + op // rf * size["Rf"] + op % rf,
+                  order // rv * size["Rv"] + order % rv).astype(order.dtype)
+
+
 def pad(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
   """Pads every array to `size` (at least its own) with inert values."""
 
@@ -314,6 +324,7 @@ def pad(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
     return np.pad(array, widths, constant_values=_FILL.get(name, 0))
 
   fields = {name: padded(name, dims, getattr(tables, name)) for name, dims in DIMS.items()}
+  fields["slot_order"] = padded("slot_order", DIMS["slot_order"], _remap_slots(tables, size))
   fields["cost"] = simulator.CostTables(**{
       f.name: padded(f.name, cost_dims(f.name, np.ndim(a)), a)
       for f in dataclasses.fields(simulator.CostTables) for a in [getattr(tables.cost, f.name)]})

@@ -63,6 +63,30 @@ def test_every_environment_keeps_the_contract(name):
   testing.api_test(ENVIRONMENTS[name]())
 
 
+@pytest.mark.parametrize("model,mesh", [("mlp", "data=2,model=4"), ("gpt:layers=2", "data=2,fsdp=2,model=2")])
+def test_padded_tables_give_the_exact_masks_and_target_features(model, mesh):
+  exact = Env.build(problem(model, mesh), EnvConfig(action_space="named_dims"))
+  padded = Env.build(problem(model, mesh), EnvConfig(action_space="named_dims"), bucket=True)
+  real = len(exact.targets) * exact.config.max_axes
+  step_exact, step_padded = jax.jit(exact.step), jax.jit(padded.step)
+  observe_exact, observe_padded = jax.jit(exact.observe), jax.jit(padded.observe)
+  a, b = exact.init(jax.random.key(0)), padded.init(jax.random.key(0))
+  rng = np.random.default_rng(0)
+  for _ in range(6):
+    np.testing.assert_array_equal(a.legal_action_mask[:real], b.legal_action_mask[:real])
+    assert not b.legal_action_mask[real:-1].any()
+    targets = slice(observe_exact(a).nodes.shape[0] - 1 - len(exact.targets), -1)
+    padded_targets = observe_padded(b).nodes
+    start = padded_targets.shape[0] - 1 - padded.tables.target_classes.shape[0]
+    np.testing.assert_allclose(observe_exact(a).nodes[targets], padded_targets[start:start + len(exact.targets)],
+                               atol=1e-6)
+    legal = np.flatnonzero(np.asarray(a.legal_action_mask)[:-1])
+    if not len(legal):
+      break
+    action = jnp.int32(rng.choice(legal))
+    a, b = step_exact(a, action), step_padded(b, action)
+
+
 def test_the_gym_wrapper_keeps_its_contract():
   testing.gym_api_test(GymEnv(Env.build(problem("gpt:layers=2"))))
 
