@@ -70,7 +70,9 @@ class Dual:
             slots = receiving[starts]
             pair_of_slot = entry_pair[entries[starts]]
             pair_starts = np.flatnonzero(np.r_[True, pair_of_slot[1:] != pair_of_slot[:-1]])
-            steps.append((side, reduced.pair_costs[entries], self.slot[side][entries], starts, slots, pair_starts))
+            own_slot = self.slot[side][entries]
+            steps.append((side, reduced.pair_costs[entries], own_slot, self.slot_var[side][own_slot], starts, slots,
+                          self.slot_var[1 - side][slots], pair_starts, np.diff(np.r_[pair_starts, len(slots)])))
         self._steps[forward, c] = steps
     self.unary = reduced.unary.copy()
     self.prices = np.zeros(memory.num_segments)
@@ -91,20 +93,26 @@ class Dual:
   def sweep(self, forward: bool = True) -> None:
     """One TRW-S pass over the colours, forward or backward."""
     colors = range(self.num_colors) if forward else range(self.num_colors - 1, -1, -1)
+    incoming = self._incoming()
     for c in colors:
-      weighted = self.reparametrized_unary() * self._var_weight
-      for side, costs, own_slot, starts, slots, pair_starts in self._steps[forward, c]:
-        values = costs + weighted[self.slot_var[side][own_slot]] - self.messages[side][own_slot]
+      weighted = (self.unary + incoming) * self._var_weight
+      for side, costs, own_slot, own_var, starts, slots, slot_var, pair_starts, pair_sizes in self._steps[forward, c]:
+        values = costs + weighted[own_var] - self.messages[side][own_slot]
         message = np.minimum.reduceat(values, starts)
-        message -= np.repeat(np.minimum.reduceat(message, pair_starts), np.diff(np.r_[pair_starts, len(message)]))
+        message -= np.repeat(np.minimum.reduceat(message, pair_starts), pair_sizes)
+        incoming += np.bincount(slot_var, weights=message - self.messages[1 - side][slots], minlength=len(incoming))
         self.messages[1 - side][slots] = message
+
+  def _incoming(self) -> np.ndarray:
+    """[V] sum of the messages into each variable."""
+    total = np.zeros(len(self.unary))
+    for side in (0, 1):
+      total += np.bincount(self.slot_var[side], weights=self.messages[side], minlength=len(total))
+    return total
 
   def reparametrized_unary(self) -> np.ndarray:
     """[V] priced unary costs plus incoming messages."""
-    out = self.unary.copy()
-    for side in (0, 1):
-      out += np.bincount(self.slot_var[side], weights=self.messages[side], minlength=len(out))
-    return out
+    return self.unary + self._incoming()
 
   def decode(self, pick: Callable[[int, np.ndarray], int] | None = None) -> np.ndarray:
     """[G] plan: colour by colour, each group's cheapest strategy given the
@@ -145,12 +153,14 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _segment_argmin(values: np.ndarray, offsets: np.ndarray, groups: np.ndarray) -> np.ndarray:
-  """[len(groups)] argmin of values within [offsets[g], offsets[g + 1]) per group."""
+  """[len(groups)] argmin (first on ties) of values within [offsets[g], offsets[g + 1]) per group."""
   lengths = offsets[groups + 1] - offsets[groups]
   index = _ranges(offsets[groups], lengths)
-  owner = np.repeat(np.arange(len(groups)), lengths)
-  order = np.lexsort((values[index], owner))
-  return index[order[offsets_from_counts(lengths)[:-1]]] - offsets[groups]
+  starts = offsets_from_counts(lengths)[:-1]
+  local = values[index]
+  is_min = local == np.repeat(np.minimum.reduceat(local, starts), lengths)
+  hits = np.flatnonzero(is_min)
+  return hits[np.searchsorted(hits, starts)] - starts
 
 
 def _greedy_coloring(reduced: Reduced) -> np.ndarray:

@@ -19,6 +19,7 @@ reports a dual bound, and is a single pip wheel (highspy).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import highspy
 import numpy as np
@@ -63,6 +64,7 @@ def reoptimize(reduced: Reduced, memory: Memory, choice: np.ndarray, free: np.nd
   strategies (it must allow the current ones). `choice` must be within the
   limit; the result is too, and costs no more.
   """
+  deadline = time.monotonic() + time_limit
   model = _Model(reduced, memory, choice, free, allowed)
   cost = group_cost(reduced, choice)
   scale = model.cost_scale()
@@ -73,13 +75,12 @@ def reoptimize(reduced: Reduced, memory: Memory, choice: np.ndarray, free: np.nd
   highs.passModel(model.lp(scale))
   rows = model.initial_segments()
   _add_usage_rows(highs, model, rows)
-  deadline = highs.getRunTime() + time_limit
   start = highspy.HighsSolution()
   start.col_value = model.start_values()
   constant = cost - float(np.dot(np.concatenate([model.x_cost, model.y_cost]), start.col_value))
   best, best_cost, bound, optimal = choice, cost, -np.inf, False
-  while highs.getRunTime() < deadline:
-    highs.setOptionValue("time_limit", max(deadline - highs.getRunTime(), 0.01))
+  while time.monotonic() < deadline:
+    highs.setOptionValue("time_limit", max(deadline - time.monotonic(), 0.01))
     highs.setSolution(start)
     highs.run()
     info = highs.getInfo()
@@ -89,7 +90,7 @@ def reoptimize(reduced: Reduced, memory: Memory, choice: np.ndarray, free: np.nd
     excess = memory.excess(candidate)
     if np.any(excess > 0):
       new = np.setdiff1d(np.flatnonzero(excess > 0), rows)
-      if not len(new):
+      if not len(new) or highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit:
         break
       rows = np.union1d(rows, new)
       _add_usage_rows(highs, model, new)
