@@ -158,6 +158,8 @@ def test_solve_uses_a_feasible_warm_start():
   result = solve(graph, timeout_s=2, seed=0, warm_start=[0, 0], progress=lambda *a: seen.append(a))
   assert seen[0][2] == "warm start" and seen[0][1] == 10
   assert result.cost == brute_force(graph)[0] == 2
+  with pytest.raises(ValueError, match="warm_start"):
+    solve(graph, timeout_s=2, seed=0, warm_start=[0, 2])
 
 
 def test_solution_files_round_trip(tmp_path):

@@ -40,8 +40,8 @@ class Dual:
     k = np.arange(len(entry_pair)) - reduced.pair_offsets[entry_pair]
     self._slot_offsets = (offsets_from_counts(counts[g]), offsets_from_counts(k_h))
     # A "slot" is (pair, strategy of one side); messages live on slots, entries are row-major.
-    self.slot = (self._slot_offsets[0][entry_pair] + k // k_h[entry_pair],
-                 self._slot_offsets[1][entry_pair] + k % k_h[entry_pair])
+    slot = (self._slot_offsets[0][entry_pair] + k // k_h[entry_pair],
+            self._slot_offsets[1][entry_pair] + k % k_h[entry_pair])
     self.slot_var = (_ranges(reduced.offsets[g], counts[g]), _ranges(reduced.offsets[h], k_h))
     self.messages = [np.zeros(len(self.slot_var[0])), np.zeros(len(self.slot_var[1]))]
     self.color = _greedy_coloring(reduced)
@@ -51,9 +51,8 @@ class Dual:
     earlier = np.bincount(np.concatenate([g[color_g > color_h], h[color_h > color_g]]), minlength=groups)
     later = np.bincount(np.concatenate([g[color_g < color_h], h[color_h < color_g]]), minlength=groups)
     self._var_weight = (1.0 / np.maximum(np.maximum(earlier, later), 1))[reduced.var_group]
-    self._var_group = reduced.var_group
     self._steps = {}
-    by_column = np.argsort(self.slot[1], kind="stable")
+    by_column = np.argsort(slot[1], kind="stable")
     row_major = np.arange(len(entry_pair))
     for forward in (True, False):
       for c in range(self.num_colors):
@@ -65,17 +64,16 @@ class Dual:
           mine, theirs = self.color[pairs[entry_pair[order], side]], self.color[pairs[entry_pair[order], 1 - side]]
           entries = order[(mine == c) & ((theirs > c) if forward else (theirs < c))]
           if len(entries):
-            receiving = self.slot[1 - side][entries]
+            receiving = slot[1 - side][entries]
             starts = np.flatnonzero(np.r_[True, receiving[1:] != receiving[:-1]])
             slots = receiving[starts]
             pair_of_slot = entry_pair[entries[starts]]
             pair_starts = np.flatnonzero(np.r_[True, pair_of_slot[1:] != pair_of_slot[:-1]])
-            own_slot = self.slot[side][entries]
+            own_slot = slot[side][entries]
             steps.append((side, reduced.pair_costs[entries], own_slot, self.slot_var[side][own_slot], starts, slots,
                           self.slot_var[1 - side][slots], pair_starts, np.diff(np.r_[pair_starts, len(slots)])))
         self._steps[forward, c] = steps
     self.unary = reduced.unary.copy()
-    self.prices = np.zeros(memory.num_segments)
     member_entry = np.repeat(np.arange(len(memory.member_group)), np.diff(memory.member_offsets))
     self._usage_var = reduced.offsets[memory.member_group[member_entry]] + np.arange(len(member_entry)) \
         - memory.member_offsets[member_entry]
@@ -84,7 +82,6 @@ class Dual:
   def set_prices(self, prices: np.ndarray) -> None:
     """Prices usage at `prices` ([S], >= 0) per segment."""
     memory = self.memory
-    self.prices = prices
     cumulative = np.concatenate([[0.0], np.cumsum(prices)])
     per_member = cumulative[memory.member_last] - cumulative[memory.member_first]
     weights = memory.member_usage * per_member[self._usage_member]

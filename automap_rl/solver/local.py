@@ -1,10 +1,11 @@
-"""Local search over group plans: incremental costs, usage repair, descent.
+"""Local search over group plans: incremental costs, descent, budgeted plans.
 
 `Plan` keeps a group plan together with, for every group strategy, the cost
 of switching to it (its unary cost plus its pair costs against the current
 strategies of the neighbours), and the usage in every segment. A switch costs
 one small update per incident pair and one add over the switched group's time
-span, so coordinate descent over thousands of groups runs in Python.
+span, so coordinate descent over thousands of groups runs in Python. `Budget`
+builds a plan group by group that stays within the limit by construction.
 
 Usage checks are per "piece": the cuts between a group's members' first and
 last segments split its span into pieces within which the group's own usage
@@ -64,9 +65,8 @@ class Plan:
 
   def __init__(self, layout: Layout, choice: np.ndarray):
     self.layout = layout
-    reduced, memory = layout.reduced, layout.memory
     self.choice = np.array(choice, dtype=np.int64)
-    self.profile = memory.profile(self.choice)
+    self.profile = layout.memory.profile(self.choice)
     # Switch costs are kept as a finite part plus a count of forbidden
     # (infinite) terms, so that they can be updated by differences.
     self._finite, self._forbidden = self._local_costs()

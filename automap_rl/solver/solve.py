@@ -38,8 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from automap_rl.solver.dual import Dual
-from automap_rl.solver.graph import StrategyGraph
-from automap_rl.solver.iopddl import evaluate
+from automap_rl.solver.graph import StrategyGraph, is_feasible, plan_cost
 from automap_rl.solver.local import Budget, Layout, Plan
 from automap_rl.solver.memory import Memory, build_memory
 from automap_rl.solver.mip import group_cost, reoptimize
@@ -97,17 +96,22 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
       plan improves (cost of the reduced problem, equal to the plan's cost).
 
   Raises:
+    ValueError: if `warm_start` is not one strategy index per node.
     RuntimeError: if no plan within the usage limit was found.
   """
   started = time.monotonic()
+  if warm_start is not None:
+    warm_start = np.asarray(warm_start)
+    if (warm_start.shape != (graph.num_nodes,) or warm_start.dtype.kind not in "iu"
+        or np.any((warm_start < 0) | (warm_start >= graph.num_strategies))):
+      raise ValueError("solve: warm_start must hold one valid strategy index per node")
   deadline = started + 0.93 * timeout_s - 0.5
   search = _Search(graph, started, deadline, seed, progress)
   search.run(warm_start)
   choice = search.best_plan()
-  verdict = evaluate(graph, choice)
-  if not verdict.feasible:
-    raise RuntimeError(f"solver: no feasible plan found for {graph.name or 'the graph'} ({verdict.reason})")
-  return SolveResult(choice=choice, cost=verdict.cost, feasible=True, seconds=time.monotonic() - started,
+  if not is_feasible(graph, choice):
+    raise RuntimeError(f"solver: the plan found for {graph.name or 'the graph'} fails the original graph's check")
+  return SolveResult(choice=choice, cost=plan_cost(graph, choice), feasible=True, seconds=time.monotonic() - started,
                      lower_bound=search.lower_bound, log=tuple(search.log))
 
 
@@ -152,7 +156,7 @@ class _Search:
       raise RuntimeError(f"solver: no plan within the usage limit found for {self.graph.name or 'the graph'}")
     return self.reduced.expand(self.best)
 
-  def run(self, warm_start: Sequence[int] | np.ndarray | None) -> None:
+  def run(self, warm_start: np.ndarray | None) -> None:
     graph = self.graph
     self.reduced = reduce_graph(graph)
     self.memory = build_memory(graph, self.reduced)
@@ -161,7 +165,7 @@ class _Search:
               f"{len(reduced.pairs)} pairs, {self.memory.num_segments} time segments")
     self.layout = Layout(reduced, self.memory)
     if warm_start is not None:
-      start = reduced.node_choice_to_group(np.asarray(warm_start, dtype=np.int64))
+      start = reduced.node_choice_to_group(warm_start.astype(np.int64))
       if start is not None and self.offer(start, "warm start"):
         self.note(f"warm start: {self.best_cost:.6g}")
     small = len(reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
