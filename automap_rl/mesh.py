@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "HARDWARE",
+    "VARIANTS",
     "Hardware",
     "Link",
     "Mesh",
@@ -72,6 +73,43 @@ class Hardware:
 
 _GB = 1e9
 
+
+def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
+  """An A100 SXM in a DGX A100; the two memory sizes differ only in HBM."""
+  return Hardware(
+      name=name,
+      flops={
+          # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM columns, dense
+          # (without structured sparsity); the same for 40GB and 80GB.
+          "float32": 19.5e12,  # datasheet "FP32" (non-tensor-core).
+          "bfloat16": 312e12,  # datasheet "BFLOAT16 Tensor Core".
+          "float16": 312e12,  # datasheet "FP16 Tensor Core".
+          "int8": 624e12,  # datasheet "INT8 Tensor Core".
+      },
+      hbm_bytes=hbm_bytes,
+      hbm_bandwidth=hbm_bandwidth,
+      intra_node=Link(
+          name="nvlink3",
+          # A100 datasheet: NVLink 600 GB/s, bidirectional total -> 300 one way.
+          bandwidth=300 * _GB,
+          latency=2e-6,  # Estimate (order of NCCL small-message latency).
+      ),
+      inter_node=Link(
+          name="infiniband-hdr",
+          # NVIDIA DGX A100 user guide: one ConnectX-6 200 Gb/s HDR port per
+          # GPU -> 200e9 / 8 = 25 GB/s per device per direction.
+          bandwidth=25 * _GB,
+          latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
+      ),
+      devices_per_node=8,  # NVIDIA DGX A100 user guide: 8 GPUs per system.
+  )
+
+
+# A100 40GB SXM: A100 datasheet "40GB HBM2", "1,555 GB/s".
+_A100_40G = _a100("a100-40g", 40 * _GB, 1.555e12)
+# A100 80GB SXM: A100 datasheet "80GB HBM2e", "2,039 GB/s".
+_A100_80G = _a100("a100-80g", 80 * _GB, 2.039e12)
+
 HARDWARE: Mapping[str, Hardware] = {
     "h100": Hardware(
         name="h100",
@@ -100,32 +138,8 @@ HARDWARE: Mapping[str, Hardware] = {
         ),
         devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
     ),
-    "a100": Hardware(
-        name="a100",
-        flops={
-            # NVIDIA A100 Tensor Core GPU datasheet, SXM 80GB column, dense.
-            "float32": 19.5e12,  # datasheet "FP32".
-            "bfloat16": 312e12,  # datasheet "BFLOAT16 Tensor Core".
-            "float16": 312e12,  # datasheet "FP16 Tensor Core".
-            "int8": 624e12,  # datasheet "INT8 Tensor Core".
-        },
-        hbm_bytes=80 * _GB,  # A100 datasheet: 80 GB HBM2e.
-        hbm_bandwidth=2.039e12,  # A100 datasheet, 80GB SXM: 2,039 GB/s.
-        intra_node=Link(
-            name="nvlink3",
-            # A100 datasheet: NVLink 600 GB/s, bidirectional total -> 300 one way.
-            bandwidth=300 * _GB,
-            latency=2e-6,  # Estimate (order of NCCL small-message latency).
-        ),
-        inter_node=Link(
-            name="infiniband-hdr",
-            # NVIDIA DGX A100 user guide: one ConnectX-6 200 Gb/s HDR port per
-            # GPU -> 200e9 / 8 = 25 GB/s per device per direction.
-            bandwidth=25 * _GB,
-            latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
-        ),
-        devices_per_node=8,  # NVIDIA DGX A100 user guide: 8 GPUs per system.
-    ),
+    # The 80GB A100 (a100-80g's figures) under the name older specs use.
+    "a100": dataclasses.replace(_A100_80G, name="a100"),
     "tpu-v4": Hardware(
         name="tpu-v4",
         flops={
@@ -212,13 +226,23 @@ HARDWARE: Mapping[str, Hardware] = {
 }
 
 
+# Profiles of a device in `HARDWARE` by memory size; `get_hardware` (and so
+# `make_mesh`) accepts them by name too.
+VARIANTS: Mapping[str, Hardware] = {
+    "a100-40g": _A100_40G,
+    "a100-80g": _A100_80G,
+}
+
+
 def get_hardware(name: str) -> Hardware:
-  """Returns the hardware profile called `name` (a key of `HARDWARE`)."""
+  """Returns the hardware profile called `name` (a key of `HARDWARE` or
+  `VARIANTS`)."""
+  profiles = {**HARDWARE, **VARIANTS}
   try:
-    return HARDWARE[name]
+    return profiles[name]
   except KeyError:
     raise ValueError(
-        f"Unknown hardware {name!r}; valid names: {sorted(HARDWARE)}."
+        f"Unknown hardware {name!r}; valid names: {sorted(profiles)}."
     ) from None
 
 

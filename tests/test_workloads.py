@@ -1,48 +1,115 @@
 """Tests for the model zoo ``automap_rl.workloads``."""
 
-import functools
-
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from automap_rl.workloads import (FAMILIES, Workload, make_workload,
-                               parse_model_spec)
-from automap_rl.workloads import moe
+from automap_rl.workloads import FAMILIES, make_workload, parse_model_spec
+from automap_rl.workloads import moe, spec, ssm, vit
+
+# A tiny spec per family for the concrete tests (defaults where they are tiny).
+SMALL = {
+    "mlp": "mlp:width=32,batch=8",
+    "gpt": "gpt:layers=1,d_model=32,heads=2,seq=16,vocab=64,batch=4",
+    "moe": "moe:layers=1,d_model=32,seq=16,vocab=64,batch=8,experts=4",
+    "gnn": "gnn",
+    "resnet": "resnet:stages=2,width=8,groups=4,image_size=8,batch=8",
+    "unet": "unet:levels=1,base_channels=8,groups=4,image_size=8,batch=4",
+    "llama": "llama",
+    "t5": "t5:layers=1",
+    "vit": "vit:layers=1",
+    "wresnet": "wresnet:width=4,image_size=16",
+    "ssm": "ssm:layers=1",
+}
+# The largest preset of every family with presets.
+LARGEST = ("gpt:size=39b", "moe:size=70b", "llama:size=70b", "t5:size=xxl",
+           "vit:size=22b", "wresnet:size=13b", "unet:size=sd-1.5",
+           "gnn:size=graphcast", "ssm:size=2.8b")
 
 
 def _shapes(tree):
   return jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), tree)
 
 
-@functools.cache
-def _workload(spec: str) -> Workload:
-  """Default-seed workload, built once per test session."""
-  return make_workload(spec)
+def test_every_family_has_a_small_spec_and_a_style():
+  assert set(SMALL) == set(FAMILIES) == set(spec.STYLES)
+  assert set(spec.STYLES.values()) == {"flax.linen", "flax.nnx", "haiku", "equinox"}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_step_runs_and_preserves_structure(name):
-  w = _workload(name)
-  assert w.name == name
-  assert w.arg_names == ("params", "opt_state", "batch")
-  new_params, new_opt_state, loss = jax.jit(w.step)(*w.args)
-  assert _shapes(new_params) == _shapes(w.params)
-  assert _shapes(new_opt_state) == _shapes(w.opt_state)
+def test_step_runs_preserves_structure_and_lowers_the_loss(name):
+  w = make_workload(SMALL[name])
+  stateful = w.model_state is not None
+  assert w.arg_names == (("params", "opt_state", "model_state", "batch") if stateful
+                         else ("params", "opt_state", "batch"))
+  step = jax.jit(w.step)
+  out = step(*w.args)
+  assert _shapes(out[:-1]) == _shapes(w.args[:-1])
+  if stateful:  # Batch-norm statistics: state the step updates, not parameters.
+    assert w.arg_roles == ("parameter", "optimizer_state", "optimizer_state", "input")
+    before, after = jax.tree_util.tree_leaves(w.model_state), jax.tree_util.tree_leaves(out[2])
+    assert not all(np.allclose(a, b) for a, b in zip(before, after))
   for leaf in jax.tree_util.tree_leaves(w.params):
     assert leaf.dtype == jnp.float32
-  assert loss.shape == () and np.isfinite(loss)
+  losses = [out[-1]]
+  for _ in range(2):
+    out = step(*out[:-1], w.batch)
+    losses.append(out[-1])
+  assert all(loss.shape == () and np.isfinite(loss) for loss in losses)
+  assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt"])
-def test_two_steps_reduce_loss(name):
-  w = _workload(name)
-  step = jax.jit(w.step)
-  params, opt_state, first = step(*w.args)
-  params, opt_state, _ = step(params, opt_state, w.batch)
-  _, _, third = step(params, opt_state, w.batch)
-  assert third < first
+@pytest.mark.parametrize("spec_", LARGEST)
+def test_full_size_abstract_builds_allocate_nothing(spec_):
+  w = make_workload(spec_, abstract=True)
+  assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(w.args))
+  assert w.name == spec_
+
+
+def _paths(tree, is_leaf=None):
+  return {jax.tree_util.keystr(path, simple=True, separator="/")
+          for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+
+def test_flax_linen_trees_are_module_dicts_of_kernels():
+  for name in ("gpt", "moe", "unet", "wresnet"):
+    params = make_workload(SMALL[name], abstract=True).params
+    assert type(params) is dict
+    leaf_names = {p.rsplit("/", 1)[-1] for p in _paths(params)}
+    assert "kernel" in leaf_names and leaf_names <= {"kernel", "bias", "scale", "embedding",
+                                                     "pos_embed", "wi", "bi", "wo", "bo"}, name
+  state = make_workload(SMALL["wresnet"], abstract=True).model_state
+  assert {p.rsplit("/", 1)[-1] for p in _paths(state)} == {"mean", "var"}
+
+
+def test_flax_nnx_tree_is_a_state_of_params():
+  params = make_workload("llama", abstract=True).params
+  assert isinstance(params, nnx.State)
+  variables = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  assert variables and all(isinstance(v, nnx.Param) for v in variables)
+  assert "layers/attn/q_proj/kernel/value" in _paths(params)
+  assert params["layers"]["attn"]["k_proj"]["kernel"].shape == (2, 64, 32)  # GQA: 2 of 4 heads.
+
+
+def test_haiku_trees_map_module_paths_to_parameter_dicts():
+  for name in ("t5", "gnn", "mlp", "resnet"):
+    params = make_workload(SMALL[name], abstract=True).params
+    assert all(isinstance(v, dict) and all(not isinstance(x, dict) for x in v.values())
+               for v in params.values()), name
+  t5_params = make_workload("t5", abstract=True).params
+  assert t5_params["encoder/layer_stack/layer/self_attention/q"]["w"].shape == (2, 64, 64)
+
+
+def test_equinox_trees_are_modules_with_out_in_weights():
+  model = make_workload("vit", abstract=True).params
+  assert isinstance(model, vit.ViT)
+  assert model.blocks.mlp.fc1.weight.shape == (2, 64, 32)  # [layers, out, in]
+  mamba = make_workload("ssm", abstract=True).params
+  assert isinstance(mamba, ssm.Mamba) and isinstance(mamba, eqx.Module)
+  assert mamba.layers.mixer.in_proj.weight.shape == (2, 128, 32)
 
 
 def test_parse_model_spec_converts_types():
@@ -54,16 +121,33 @@ def test_parse_model_spec_converts_types():
   assert type(kwargs["capacity_factor"]) is float
 
 
-@pytest.mark.parametrize("spec, match", [
+def test_presets_expand_and_round_trip():
+  name, kwargs = parse_model_spec("gpt:batch=8,size=1.3b")
+  assert name == "gpt" and kwargs["d_model"] == 2048 and kwargs["batch"] == 8
+  assert parse_model_spec("gpt:size=1.3b,layers=2")[1]["layers"] == 2
+  w = make_workload("gpt:batch=8,size=1.3b", abstract=True)
+  assert w.name == "gpt:size=1.3b,batch=8"
+  assert make_workload(w.name, abstract=True).name == w.name
+  for family in FAMILIES:
+    for size in spec.presets(family):
+      assert spec.canonical_spec(f"{family}:size={size}") == f"{family}:size={size}"
+
+
+@pytest.mark.parametrize("spec_, match", [
     ("transformer:layers=2", r"unknown model 'transformer'.*gpt.*unet"),
-    ("gpt:depth=3", r"unknown key 'depth'.*valid keys: layers, d_model"),
+    ("gpt:depth=3", r"unknown key 'depth'.*valid keys: layers, d_model.*size"),
+    ("mlp:size=1b", r"unknown size '1b' for model 'mlp'; valid sizes: none"),
+    ("gpt:size=7b", r"unknown size '7b'.*350m, 1.3b"),
+    ("gpt:size=1.3b,size=350m", r"'size' given twice"),
+    ("gpt:layers=1,layers=2", r"'layers' given twice"),
     ("gpt:scan=yes", r"'yes'.*'scan'"),
     ("gpt:layers=two", r"'two'.*'layers'"),
     ("gpt:layers", r"key=value"),
+    ("gpt:dtype=float16", r"dtype='float16'.*float32, bfloat16"),
 ])
-def test_parse_model_spec_errors(spec, match):
+def test_parse_model_spec_errors(spec_, match):
   with pytest.raises(ValueError, match=match):
-    parse_model_spec(spec)
+    make_workload(spec_, abstract=True)
 
 
 def test_canonical_name_lists_non_default_fields():
@@ -73,13 +157,13 @@ def test_canonical_name_lists_non_default_fields():
 
 
 def test_gpt_param_paths():
-  params = _workload("gpt").params
+  params = make_workload("gpt", abstract=True).params
   assert params["block_0"]["attn"]["query"]["kernel"].shape == (128, 4, 32)
   assert set(params["block_1"]["mlp"]) == {"fc1", "fc2"}
 
 
 def test_gpt_scan_stacks_blocks_into_a_scan():
-  w = make_workload("gpt:scan=true")
+  w = make_workload("gpt:scan=true", abstract=True)
   assert "block_0" not in w.params
   assert w.params["blocks"]["attn"]["query"]["kernel"].shape == (2, 128, 4, 32)
   jaxpr = jax.make_jaxpr(w.step)(*w.args)
@@ -97,9 +181,21 @@ def test_seed_determinism():
 
 def test_moe_routing_respects_capacity():
   probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(0), (2, 16, 4)))
-  dispatch, combine, aux_loss = moe.route(probs, top_k=2, capacity=3)
+  dispatch, combine, aux_loss = jax.jit(moe.route, static_argnums=(1, 2))(probs, 2, 3)
   assert dispatch.shape == combine.shape == (2, 16, 4, 3)
   assert jnp.all(dispatch.sum(axis=1) <= 1)  # every slot holds <= 1 token
   assert jnp.all(dispatch.sum(axis=(2, 3)) <= 2)  # every token in <= top_k
   assert jnp.all((combine > 0) <= (dispatch > 0))
   assert np.isfinite(aux_loss)
+
+
+def test_ssm_scan_matches_the_recurrence():
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  u, b, c = (jax.random.normal(k, s) for k, s in zip(keys, [(5, 3), (5, 2), (5, 2)]))
+  dt = jax.nn.softplus(jax.random.normal(keys[3], (5, 3)))
+  a = -jnp.arange(1.0, 7.0).reshape(3, 2)
+  state, expected = jnp.zeros((3, 2)), []
+  for t in range(5):
+    state = jnp.exp(dt[t][:, None] * a) * state + (dt[t] * u[t])[:, None] * b[t]
+    expected.append(state @ c[t])
+  np.testing.assert_allclose(ssm.selective_scan(u, dt, a, b, c), jnp.stack(expected), rtol=1e-5)

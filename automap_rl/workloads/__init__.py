@@ -1,11 +1,20 @@
-"""Model zoo: full AdamW training steps at configurable sizes.
+"""Model zoo and task suite: full AdamW training steps at configurable sizes.
 
-``make_workload("gpt:layers=4,scan=true")`` returns a :class:`Workload` whose
-``step(params, opt_state, batch)`` computes the loss, its gradient and an
-optax AdamW update. Parameters and batches are random, built from the seed.
+``make_workload("gpt:layers=4,scan=true")`` or, at a published size,
+``make_workload("llama:size=8b,batch=16", abstract=True)`` returns a
+:class:`Workload` whose ``step(params, opt_state, batch)`` computes the loss,
+its gradient and an optax AdamW update (families with batch-norm statistics
+take and return them too). Parameters and batches are random, built from the
+seed. :func:`load_cases` reads the task suite (workload, mesh, hardware) by
+split.
 """
 
-from automap_rl.workloads.spec import FAMILIES, make_workload, parse_model_spec
+from automap_rl.workloads.spec import (FAMILIES, STYLES, canonical_spec,
+                                       make_workload, parse_model_spec)
+from automap_rl.workloads.suite import SPLITS, Case, load_cases
 from automap_rl.workloads.training import Workload
 
-__all__ = ["FAMILIES", "Workload", "make_workload", "parse_model_spec"]
+__all__ = [
+    "FAMILIES", "SPLITS", "STYLES", "Case", "Workload", "canonical_spec", "load_cases",
+    "make_workload", "parse_model_spec",
+]

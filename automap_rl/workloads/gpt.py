@@ -4,6 +4,11 @@ Parameter paths (unrolled): ``embed``, ``pos_embed``,
 ``block_{i}/{ln1,attn/{query,key,value,out},ln2,mlp/{fc1,fc2}}``, ``ln_f``,
 ``lm_head``. With ``scan=True`` the blocks live under ``blocks`` with a leading
 ``[layers]`` axis on every parameter.
+
+Presets (``gpt:size=1.3b``) are the GPT-3 shapes benchmarked by Alpa (Zheng et
+al., OSDI 2022, Table 4; alpa-projects/alpa benchmark/alpa/suite_manual_gpt.py)
+and Megatron-LM: sequence 1024, vocabulary 51200, blocks scanned, bfloat16
+compute.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class GPTConfig:
     vocab: vocabulary size.
     batch: sequences per batch.
     scan: stack the blocks with ``nn.scan`` instead of unrolling them.
+    remat: rematerialize each block in the backward pass (``nn.remat``).
+    dtype: compute dtype (float32 parameters are cast to it in the step).
   """
 
   layers: int = 2
@@ -47,8 +54,11 @@ class GPTConfig:
   vocab: int = 256
   batch: int = 16
   scan: bool = False
+  remat: bool = False
+  dtype: str = "float32"
 
   def __post_init__(self):
+    training.check_dtype(self.dtype)
     if self.d_model % self.heads:
       raise ValueError(
           f"d_model={self.d_model} is not divisible by heads={self.heads}")
@@ -57,6 +67,20 @@ class GPTConfig:
   def hidden(self) -> int:
     """Feed-forward hidden width with the ``d_ff=0`` default resolved."""
     return self.d_ff or 4 * self.d_model
+
+
+_GPT3 = {"seq": 1024, "vocab": 51200, "scan": True, "dtype": "bfloat16"}
+# Size label -> config fields: layers, d_model, heads as in Alpa's GPT table;
+# 13b is GPT-3 13B (Brown et al. 2020, Table 2.1: 40 layers, 40 heads, d_model
+# 5120; the table's 5140 is a typo that does not divide into 40 heads).
+PRESETS: dict[str, dict[str, Any]] = {
+    "350m": {"layers": 24, "d_model": 1024, "heads": 16, **_GPT3},
+    "1.3b": {"layers": 24, "d_model": 2048, "heads": 32, **_GPT3},
+    "2.6b": {"layers": 32, "d_model": 2560, "heads": 32, **_GPT3},
+    "6.7b": {"layers": 32, "d_model": 4096, "heads": 32, **_GPT3},
+    "13b": {"layers": 40, "d_model": 5120, "heads": 40, **_GPT3},
+    "39b": {"layers": 48, "d_model": 8192, "heads": 64, **_GPT3},
+}
 
 
 class CausalSelfAttention(nn.Module):
@@ -121,15 +145,16 @@ class Transformer(nn.Module):
     pos = self.param("pos_embed", nn.initializers.normal(0.02),
                      (cfg.seq, cfg.d_model))
     x = x + pos[: tokens.shape[-1]]
+    block_cls = nn.remat(Block) if cfg.remat else Block
     if cfg.scan:
-      blocks = nn.scan(Block, variable_axes={"params": 0},
+      blocks = nn.scan(block_cls, variable_axes={"params": 0},
                        split_rngs={"params": True}, length=cfg.layers)
       x, aux_losses = blocks(cfg.heads, self.ffn, name="blocks")(x, None)
       aux_loss = aux_losses.sum()
     else:
       aux_loss = jnp.zeros((), x.dtype)
       for i in range(cfg.layers):
-        x, aux = Block(cfg.heads, self.ffn, name=f"block_{i}")(x)
+        x, aux = block_cls(cfg.heads, self.ffn, name=f"block_{i}")(x)
         aux_loss = aux_loss + aux
     x = nn.LayerNorm(name="ln_f")(x)
     return nn.Dense(cfg.vocab, use_bias=False, name="lm_head")(x), aux_loss
@@ -151,10 +176,11 @@ def make_lm_workload(name: str, config: GPTConfig, ffn: FeedForwardFactory,
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
   def loss_fn(params, batch):
-    logits, aux_loss = model.apply({"params": params}, batch["inputs"])
+    logits, aux_loss = model.apply(
+        {"params": training.cast_floating(params, config.dtype)}, batch["inputs"])
     xent = optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["targets"]).mean()
-    return xent + aux_loss_weight * aux_loss
+        training.widen(logits), batch["targets"]).mean()
+    return xent + aux_loss_weight * training.widen(aux_loss)
 
   params = jax.jit(model.init)(params_key, batch["inputs"])["params"]
   return training.build_workload(name, loss_fn, params, batch)
@@ -162,5 +188,5 @@ def make_lm_workload(name: str, config: GPTConfig, ffn: FeedForwardFactory,
 
 def make(config: GPTConfig, seed: int = 0) -> training.Workload:
   """Builds the GPT training step (see :func:`make_lm_workload`)."""
-  return make_lm_workload(training.spec_string("gpt", config), config,
+  return make_lm_workload(training.spec_string("gpt", config, PRESETS), config,
                           functools.partial(MLP, config.hidden), seed)

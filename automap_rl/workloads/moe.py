@@ -5,6 +5,13 @@ token picks its ``top_k`` experts, each expert takes at most ``capacity``
 tokens per group (first choices have priority, overflow is dropped), and
 tokens are moved with one-hot dispatch/combine tensors
 [batch, seq, experts, capacity] contracted by einsum.
+
+Presets (``moe:size=1.3b``) are the GShard MoE shapes benchmarked by Alpa
+(Zheng et al., OSDI 2022, Table 4; alpa-projects/alpa
+benchmark/alpa/suite_manual_moe.py): every layer's MLP is routed, sequence
+1024, vocabulary 32000, 16 heads, top-2 routing with GShard's expert capacity
+``2 * seq / experts`` (Lepikhin et al. 2021, Sec. 2.2), blocks scanned,
+bfloat16 compute.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -48,6 +56,20 @@ class MoEConfig(gpt.GPTConfig):
   def capacity(self) -> int:
     return max(1, math.ceil(
         self.top_k * self.seq * self.capacity_factor / self.experts))
+
+
+_GSHARD = {"seq": 1024, "vocab": 32000, "heads": 16, "top_k": 2,
+           "capacity_factor": 1.0, "scan": True, "dtype": "bfloat16"}
+# Size label -> config fields (d_model, layers, experts from Alpa's table).
+PRESETS: dict[str, dict[str, Any]] = {
+    "380m": {"d_model": 768, "layers": 8, "experts": 8, **_GSHARD},
+    "690m": {"d_model": 768, "layers": 8, "experts": 16, **_GSHARD},
+    "1.3b": {"d_model": 768, "layers": 16, "experts": 16, **_GSHARD},
+    "2.4b": {"d_model": 1024, "layers": 16, "experts": 16, **_GSHARD},
+    "10b": {"d_model": 1536, "layers": 16, "experts": 32, **_GSHARD},
+    "27b": {"d_model": 2048, "layers": 16, "experts": 48, **_GSHARD},
+    "70b": {"d_model": 2048, "layers": 32, "experts": 64, **_GSHARD},
+}
 
 
 def route(probs: jax.Array, top_k: int, capacity: int
@@ -104,8 +126,11 @@ class MoEFeedForward(nn.Module):
     wo = self.param("wo", init, (self.experts, self.hidden, d_model))
     bo = self.param("bo", nn.initializers.zeros, (self.experts, d_model))
     logits = nn.Dense(self.experts, use_bias=False, name="router")(x)
+    # Routing in float32: slot positions are token counts, exact in float32.
     dispatch, combine, aux_loss = route(
-        jax.nn.softmax(logits, axis=-1), self.top_k, self.capacity)
+        jax.nn.softmax(training.widen(logits), axis=-1), self.top_k,
+        self.capacity)
+    dispatch, combine = dispatch.astype(x.dtype), combine.astype(x.dtype)
     expert_in = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
     h = nn.gelu(jnp.einsum("ebcd,edf->ebcf", expert_in, wi)
                 + bi[:, None, None])
@@ -117,5 +142,5 @@ def make(config: MoEConfig, seed: int = 0) -> training.Workload:
   """Builds the MoE LM training step (batch as in :mod:`gpt`)."""
   ffn = functools.partial(MoEFeedForward, config.experts, config.hidden,
                           config.top_k, config.capacity)
-  return gpt.make_lm_workload(training.spec_string("moe", config), config,
+  return gpt.make_lm_workload(training.spec_string("moe", config, PRESETS), config,
                               ffn, seed, config.aux_loss_weight)

@@ -1,4 +1,12 @@
-"""Model spec strings: ``"name"`` or ``"name:key=value,key=value"``."""
+"""Model spec strings: ``"name"``, ``"name:key=value,key=value"`` or with a
+preset, ``"name:size=label,key=value"``.
+
+``size=label`` selects a published shape of the family (the module's
+``PRESETS``: e.g. ``gpt:size=1.3b``, ``llama:size=8b``, ``moe:size=10b``,
+``t5:size=xl``, ``vit:size=h14``, ``wresnet:size=2b``,
+``unet:size=sd-1.5``, ``gnn:size=graphcast``, ``ssm:size=2.8b``); the other
+items override its fields (``gpt:size=1.3b,batch=32``), whatever their order.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +17,11 @@ from typing import Any
 
 import jax
 
-from automap_rl.workloads import gnn, gpt, mlp, moe, resnet, training, unet
+from automap_rl.workloads import (gnn, gpt, llama, mlp, moe, resnet, ssm, t5,
+                                  training, unet, vit, wide_resnet)
 
-# Model name -> (module with ``make(config, seed)``, config class).
+# Model name -> (module with ``make(config, seed)`` and ``PRESETS``, config
+# class).
 _MODELS: dict[str, tuple[ModuleType, type]] = {
     "mlp": (mlp, mlp.MLPConfig),
     "gpt": (gpt, gpt.GPTConfig),
@@ -19,8 +29,24 @@ _MODELS: dict[str, tuple[ModuleType, type]] = {
     "gnn": (gnn, gnn.GNNConfig),
     "resnet": (resnet, resnet.ResNetConfig),
     "unet": (unet, unet.UNetConfig),
+    "llama": (llama, llama.LlamaConfig),
+    "t5": (t5, t5.T5Config),
+    "vit": (vit, vit.ViTConfig),
+    "wresnet": (wide_resnet, wide_resnet.WideResNetConfig),
+    "ssm": (ssm, ssm.SSMConfig),
 }
 FAMILIES: tuple[str, ...] = tuple(_MODELS)
+# Family -> its framework style.
+STYLES: dict[str, str] = {
+    "mlp": "haiku", "gpt": "flax.linen", "moe": "flax.linen", "gnn": "haiku",
+    "resnet": "haiku", "unet": "flax.linen", "llama": "flax.nnx", "t5": "haiku",
+    "vit": "equinox", "wresnet": "flax.linen", "ssm": "equinox",
+}
+
+
+def presets(name: str) -> dict[str, dict[str, Any]]:
+  """Size label -> config fields of family ``name``."""
+  return getattr(_MODELS[name][0], "PRESETS", {})
 
 
 def _convert(key: str, value: str, kind: type) -> Any:
@@ -42,11 +68,12 @@ def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
   """Splits a spec into the model name and typed config overrides.
 
   Example: ``"gpt:layers=12,d_model=768,scan=true"`` ->
-  ``("gpt", {"layers": 12, "d_model": 768, "scan": True})``.
+  ``("gpt", {"layers": 12, "d_model": 768, "scan": True})``; a ``size``
+  item expands to its preset's fields, which the other items override.
 
   Raises:
-    ValueError: unknown model name or key, malformed item, or a value that
-      does not convert to the field's type.
+    ValueError: unknown model name, key or size, malformed or repeated item,
+      or a value that does not convert to the field's type.
   """
   name, _, overrides = spec.partition(":")
   name = name.strip()
@@ -55,36 +82,66 @@ def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
         f"unknown model {name!r}; valid models: {', '.join(FAMILIES)}")
   config_cls = _MODELS[name][1]
   types = typing.get_type_hints(config_cls)
-  kwargs = {}
+  kwargs, size = {}, {}
   for item in filter(None, (i.strip() for i in overrides.split(","))):
     key, sep, value = (s.strip() for s in item.partition("="))
     if not sep:
       raise ValueError(
           f"bad item {item!r} in spec {spec!r}: expected key=value")
-    if key not in types:
+    if key in kwargs or (key == "size" and size):
+      raise ValueError(f"key {key!r} given twice in spec {spec!r}")
+    if key == "size":
+      sizes = presets(name)
+      if value not in sizes:
+        raise ValueError(
+            f"unknown size {value!r} for model {name!r}; valid sizes: "
+            f"{', '.join(sizes) or 'none'}")
+      size = sizes[value]
+    elif key not in types:
+      keys = [f.name for f in dataclasses.fields(config_cls)]
       raise ValueError(
           f"unknown key {key!r} for model {name!r}; valid keys: "
-          f"{', '.join(f.name for f in dataclasses.fields(config_cls))}")
-    kwargs[key] = _convert(key, value, types[key])
-  return name, kwargs
+          f"{', '.join(keys + ['size'] * bool(presets(name)))}")
+    else:
+      kwargs[key] = _convert(key, value, types[key])
+  return name, {**size, **kwargs}
+
+
+def make_config(spec: str) -> tuple[str, Any]:
+  """The family name and its config dataclass described by ``spec``.
+
+  Raises:
+    ValueError: as :func:`parse_model_spec`, or a config the family rejects.
+  """
+  name, kwargs = parse_model_spec(spec)
+  return name, _MODELS[name][1](**kwargs)
+
+
+def canonical_spec(spec: str) -> str:
+  """The name :func:`make_workload` gives ``spec``'s workload, e.g.
+  ``"gpt:batch=8,size=1.3b"`` -> ``"gpt:size=1.3b,batch=8"``."""
+  name, config = make_config(spec)
+  return training.spec_string(name, config, presets(name))
 
 
 def make_workload(spec: str, seed: int = 0, abstract: bool = False) -> training.Workload:
   """Builds the workload described by ``spec`` with parameters from ``seed``.
 
   With ``abstract=True`` the arguments are ``jax.ShapeDtypeStruct``s and nothing is
-  allocated: enough to trace, analyse and simulate models of any size.
+  allocated: enough to trace, analyse and simulate models of any size. Either
+  way ``module.make`` runs once, under ``jax.eval_shape`` or ``jax.jit``.
   """
-  name, kwargs = parse_model_spec(spec)
-  module, config_cls = _MODELS[name]
-  config = config_cls(**kwargs)
-  if not abstract:
-    return module.make(config, seed)
+  name, config = make_config(spec)
+  module = _MODELS[name][0]
   built = []
 
   def build():
     built.append(module.make(config, seed))
     return built[0].args
 
-  params, opt_state, batch = jax.eval_shape(build)
-  return dataclasses.replace(built[0], params=params, opt_state=opt_state, batch=batch)
+  # One compile for the whole build (initializers, data, optimizer state)
+  # instead of one per eager op.
+  args = jax.eval_shape(build) if abstract else jax.jit(build)()
+  fields = ("params", "opt_state", "batch") if len(args) == 3 else (
+      "params", "opt_state", "model_state", "batch")
+  return dataclasses.replace(built[0], **dict(zip(fields, args)))

@@ -1,0 +1,110 @@
+"""The task suite: partitioning cases stored as data in ``suite.json``.
+
+A case is a workload spec (a family at a published size, see
+:mod:`automap_rl.workloads.spec`), a mesh spec of 8 to 64 devices with 2 or 3
+axes, and a hardware profile (:func:`automap_rl.mesh.get_hardware`).
+``make_mesh`` gives every axis its link from the hardware's node size
+(:func:`automap_rl.mesh.axis_links`): on GPUs (8 per node) the minor axes
+that fit in a node run over NVLink and the major ones over InfiniBand, so
+``data=8,model=8`` has a fast ``model`` axis and a slow ``data`` axis; TPU
+v5e slices of up to 256 chips are all ICI.
+
+Splits:
+
+* ``smoke``: a few tiny cases that trace in seconds, for tests.
+* ``train`` and ``test``: published sizes, disjoint by family. The test
+  families are T5 (an encoder-decoder with cross-attention), the diffusion
+  U-Net (convolutions, skips and attention at several resolutions) and the
+  Mamba SSM (a recurrence scanned over time): each recombines parts the train
+  families have (attention, gated MLPs, convolutions, normalization, scanned
+  layers) into a structure none of them has, and together they cover three
+  of the four framework styles (Haiku, Flax linen, Equinox), each of which
+  also appears in train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import json
+
+from automap_rl import mesh as mesh_lib
+from automap_rl.workloads import spec as spec_lib
+from automap_rl.workloads import training
+
+SPLITS: tuple[str, ...] = ("smoke", "train", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One partitioning task.
+
+  Attributes:
+    name: unique name, e.g. ``"gpt-1.3b-2x4-h100"``.
+    workload: workload spec, e.g. ``"gpt:size=1.3b,batch=16"``.
+    family: the spec's family, e.g. ``"gpt"``.
+    size: the spec's preset label, or ``"tiny"`` for smoke cases.
+    mesh: mesh spec, e.g. ``"data=2,model=4"``.
+    hardware: hardware profile name.
+    split: one of :data:`SPLITS`.
+  """
+
+  name: str
+  workload: str
+  family: str
+  size: str
+  mesh: str
+  hardware: str
+  split: str
+
+  def make_mesh(self) -> mesh_lib.Mesh:
+    """The case's mesh with its hardware and per-axis links."""
+    return mesh_lib.make_mesh(self.mesh, self.hardware)
+
+  def make_workload(self, abstract: bool = True) -> training.Workload:
+    """The case's workload; abstract (nothing allocated) by default."""
+    return spec_lib.make_workload(self.workload, abstract=abstract)
+
+
+def _size_label(workload: str) -> str:
+  for item in workload.partition(":")[2].split(","):
+    key, _, value = (s.strip() for s in item.partition("="))
+    if key == "size":
+      return value
+  return "tiny"
+
+
+def _case(entry: dict[str, str]) -> Case:
+  """A validated :class:`Case` from one ``suite.json`` entry."""
+  name = entry["name"]
+  if entry["split"] not in SPLITS:
+    raise ValueError(f"case {name!r}: unknown split {entry['split']!r}")
+  family, _ = spec_lib.parse_model_spec(entry["workload"])
+  mesh = mesh_lib.make_mesh(entry["mesh"], entry["hardware"])
+  if not 8 <= mesh.num_devices <= 64 or len(mesh.axis_names) not in (2, 3):
+    raise ValueError(f"case {name!r}: mesh {entry['mesh']!r} is not 8 to 64 devices on 2 or 3 axes")
+  return Case(name=name, workload=entry["workload"], family=family,
+              size=_size_label(entry["workload"]), mesh=entry["mesh"],
+              hardware=entry["hardware"], split=entry["split"])
+
+
+@functools.cache
+def _all_cases() -> tuple[Case, ...]:
+  text = importlib.resources.files(__package__).joinpath("suite.json").read_text()
+  cases = tuple(_case(entry) for entry in json.loads(text)["cases"])
+  names = [c.name for c in cases]
+  if len(set(names)) != len(names):
+    raise ValueError(f"duplicate case names: {sorted({n for n in names if names.count(n) > 1})}")
+  return cases
+
+
+def load_cases(split: str | None = None) -> list[Case]:
+  """The suite's cases of ``split`` (every split when None), in file order.
+
+  Raises:
+    ValueError: ``split`` is not one of :data:`SPLITS`.
+  """
+  if split is not None and split not in SPLITS:
+    raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+  return [c for c in _all_cases() if split is None or c.split == split]

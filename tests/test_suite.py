@@ -1,0 +1,59 @@
+"""Tests for the task suite ``automap_rl.workloads.suite``."""
+
+import warnings
+
+import jax
+import pytest
+
+from automap_rl import mesh as mesh_lib
+from automap_rl.problem import Problem
+from automap_rl.workloads import FAMILIES, SPLITS, canonical_spec, load_cases
+
+
+def test_registry_size_and_families():
+  train, test = load_cases("train"), load_cases("test")
+  assert len(train) + len(test) >= 60
+  families = {c.family for c in train + test}
+  assert len(families) >= 8 and families <= set(FAMILIES)
+  assert {c.family for c in train}.isdisjoint({c.family for c in test})
+  assert len(load_cases()) == sum(len(load_cases(s)) for s in SPLITS)
+
+
+def test_cases_are_well_formed():
+  cases = load_cases()
+  assert len({c.name for c in cases}) == len(cases)
+  hardware = set()
+  for case in cases:
+    assert canonical_spec(case.workload)  # Parses and builds a config.
+    assert case.workload.startswith(case.family)
+    mesh = case.make_mesh()
+    assert 8 <= mesh.num_devices <= 64 and len(mesh.axis_names) in (2, 3)
+    assert mesh_lib.get_hardware(case.hardware).name == case.hardware
+    hardware.add(case.hardware)
+    if case.split != "smoke":
+      assert f"size={case.size}" in case.workload
+  assert {"a100-40g", "a100-80g", "h100", "tpu-v5e"} <= hardware
+  assert any(len(mesh_lib.parse_mesh_spec(c.mesh)) == 3 for c in cases)
+
+
+def test_gpu_meshes_have_a_fast_inner_and_a_slow_outer_axis():
+  case = next(c for c in load_cases("train") if c.mesh == "data=8,model=8" and c.hardware == "h100")
+  mesh = case.make_mesh()
+  assert mesh.link("model").bandwidth > mesh.link("data").bandwidth
+
+
+def test_unknown_split_is_a_one_line_error():
+  with pytest.raises(ValueError, match=r"^unknown split 'dev'; valid splits: smoke, train, test$"):
+    load_cases("dev")
+
+
+@pytest.mark.parametrize("case", load_cases("smoke"), ids=lambda c: c.name)
+def test_smoke_cases_trace_abstractly_and_simulate(case):
+  workload = case.make_workload()
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(workload.args))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # An unknown primitive warns.
+    program = workload.trace()
+  assert program.unknown_primitives == ()
+  cost = Problem.build(program, case.make_mesh()).cost([])
+  assert float(cost.step_time) > 0 and bool(cost.fits)
