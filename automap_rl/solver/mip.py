@@ -9,11 +9,15 @@ costs towards fixed groups folded into x's costs, and one usage row per
 segment of time. Segment rows are added lazily: a solution that breaks the
 limit somewhere brings that segment's row in and the model is solved again.
 
-Why HiGHS and not CP-SAT: the sub-problems are small linear programs over
-one-hot choices whose LP relaxation (the local polytope) is nearly tight on
-these graphs, with costs and usages up to 1e12 that CP-SAT would need scaled
-to integers; HiGHS solves them as floats, warm-starts from the current plan,
-reports a dual bound, and is a single pip wheel (highspy).
+Why HiGHS (highspy) and not OR-tools CP-SAT: the sub-problems are one-hot
+choices whose LP relaxation (the local polytope plus usage rows) is nearly
+tight on these graphs, so an LP-based branch and bound mostly ends at the
+root, and rows can be added to a solved model. Costs reach 1e12 and usages
+1e10, which HiGHS takes as floats while CP-SAT would need them scaled to
+integers (losing exactness or blowing up its propagation). HiGHS also
+accepts the current plan as a start, reports a dual bound, is deterministic
+for a seed with one thread, and is one small MIT-licensed wheel, where
+OR-tools is a large dependency.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class SubResult:
     choice: [G] group strategies (the input plan when nothing better was found).
     cost: Its cost.
     bound: Lower bound on the cost of any feasible plan that agrees with the
-      input outside the free groups (-inf when HiGHS proved none).
+      input outside the free groups and uses allowed strategies (-inf when
+      HiGHS proved none).
     optimal: Whether `choice` is proven optimal for the sub-problem.
   """
 
@@ -57,7 +62,7 @@ def group_cost(reduced: Reduced, choice: np.ndarray) -> float:
 
 
 def reoptimize(reduced: Reduced, memory: Memory, choice: np.ndarray, free: np.ndarray, *,
-               time_limit: float, seed: int, allowed: np.ndarray | None = None, gap: float = 1e-6) -> SubResult:
+               time_limit: float, seed: int, allowed: np.ndarray | None = None, gap: float = 1e-7) -> SubResult:
   """Re-chooses the `free` groups ([G] bool) optimally; never returns worse.
 
   `allowed` ([V] bool), if given, restricts the free groups to some of their
@@ -69,8 +74,10 @@ def reoptimize(reduced: Reduced, memory: Memory, choice: np.ndarray, free: np.nd
   cost = group_cost(reduced, choice)
   scale = model.cost_scale()
   highs = highspy.Highs()
+  # Presolve stays off: with dense usage rows, HiGHS's root probing after it
+  # can run for tens of seconds without looking at the time limit.
   for name, value in (("output_flag", False), ("random_seed", int(seed) % 2**31), ("threads", 1),
-                      ("mip_rel_gap", gap), ("mip_abs_gap", 0.0)):
+                      ("mip_rel_gap", gap), ("mip_abs_gap", 0.0), ("presolve", "off")):
     highs.setOptionValue(name, value)
   highs.passModel(model.lp(scale))
   rows = model.initial_segments()

@@ -69,8 +69,8 @@ class SolveResult:
     feasible: Whether it is within the usage limit with no forbidden cost
       (always True for a returned result).
     seconds: Wall time spent in `solve`.
-    lower_bound: A proven lower bound on the optimal cost (within HiGHS's
-      gap of 1e-6) when the whole-problem MIP finished; else None.
+    lower_bound: HiGHS's proven lower bound on the optimal cost when the
+      whole-problem MIP finished (within a relative 1e-7 of `cost`); else None.
     log: One line per stage: what it did and the best cost after it.
   """
 
