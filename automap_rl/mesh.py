@@ -20,7 +20,6 @@ from typing import Any
 
 __all__ = [
     "HARDWARE",
-    "VARIANTS",
     "Hardware",
     "Link",
     "Mesh",
@@ -138,6 +137,8 @@ HARDWARE: Mapping[str, Hardware] = {
         ),
         devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
     ),
+    "a100-40g": _A100_40G,
+    "a100-80g": _A100_80G,
     # The 80GB A100 (a100-80g's figures) under the name older specs use.
     "a100": dataclasses.replace(_A100_80G, name="a100"),
     "tpu-v4": Hardware(
@@ -226,23 +227,13 @@ HARDWARE: Mapping[str, Hardware] = {
 }
 
 
-# Profiles of a device in `HARDWARE` by memory size; `get_hardware` (and so
-# `make_mesh`) accepts them by name too.
-VARIANTS: Mapping[str, Hardware] = {
-    "a100-40g": _A100_40G,
-    "a100-80g": _A100_80G,
-}
-
-
 def get_hardware(name: str) -> Hardware:
-  """Returns the hardware profile called `name` (a key of `HARDWARE` or
-  `VARIANTS`)."""
-  profiles = {**HARDWARE, **VARIANTS}
+  """Returns the hardware profile called `name` (a key of `HARDWARE`)."""
   try:
-    return profiles[name]
+    return HARDWARE[name]
   except KeyError:
     raise ValueError(
-        f"Unknown hardware {name!r}; valid names: {sorted(profiles)}."
+        f"Unknown hardware {name!r}; valid names: {sorted(HARDWARE)}."
     ) from None
 
 

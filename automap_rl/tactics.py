@@ -1,29 +1,113 @@
-"""Expert strategies, written as PartIR-style tactics over argument paths, then decisions.
+"""Expert strategies, found from the program's structure, never from parameter names.
 
-A tactic names argument dims by path pattern (`*/mlp/fc1/kernel`, dim 1) and a mesh axis;
-`to_decisions` turns them into `Decision`s in order. The data axis is the mesh axis named
-`data` (else the first); the model axis is `model` (else the last).
+Each tactic reads what the step does with each named dimension (`Structure`): which
+parameter dims belong to it, whether matmuls (dot_general, convolution) contract or carry
+it as a feature, whether they carry it as a batch dim, and whether anything else reduces
+over it (normalization statistics, softmax, the loss). The same rules then find the same
+dims in a Flax, Haiku or Equinox transformer, whatever its parameters are called:
+
+* tensor-parallel (Megatron) dims are parameter dims that matmuls use as features, that
+  no other op reduces over and that no input carries: the FFN hidden dim and the
+  attention heads, not the residual width (normalized), the vocabulary (softmax) or the
+  sequence. A parameter takes at most one of them, the most major (heads before the
+  head dim; in a chain of dense layers, every other hidden dim).
+* expert dims are parameter dims that matmuls carry as a batch dim and that something
+  reduces over (the router's softmax): the experts of a mixture of experts.
+* sequence dims are dim 1 of integer inputs of rank 2 or more (token ids `[batch, seq]`).
+
+The data axis is the mesh axis named `data` (else the first); the model axis is `model`
+(else the last); FSDP stores parameters over `fsdp` when the mesh has that axis.
 """
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Sequence
+import collections
+import dataclasses
+import weakref
+from collections.abc import Callable
 
-from automap_rl.ir import Role
+import numpy as np
+
+from automap_rl.ir import FactorKind, Role
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
 
-# Column-parallel dims of Megatron-style tensor parallelism (the row-parallel partner
-# dims share their named dimension, so one decision shards both): attention heads, the
-# FFN hidden dim, MoE experts, and the first of each pair of Haiku MLP layers.
-TENSOR_PARALLEL_DIMS: tuple[tuple[str, int], ...] = (
-    ("params/*attn/query/kernel", 1),
-    ("params/*mlp/fc1/kernel", -1),
-    ("params/*mlp/wi", 0),
-    ("params/*/linear_0/w", 1),
-    ("params/*/linear_2/w", 1),
-)
+MATMULS = ("dot_general", "conv_general_dilated")
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+  """What the step does with its named dimensions.
+
+  Attributes:
+    parameter_dims: class -> the `(path, dim)`s of parameters in it, in argument order.
+    tensor_parallel: Megatron's classes, in argument order.
+    experts: expert classes, in argument order.
+    sequence_dims: `(path, dim)` of the sequence dim of every token input.
+  """
+
+  parameter_dims: dict[int, tuple[tuple[str, int], ...]]
+  tensor_parallel: tuple[int, ...]
+  experts: tuple[int, ...]
+  sequence_dims: tuple[tuple[str, int], ...]
+
+
+def _uses(problem: Problem) -> tuple[set[int], set[int], set[int]]:
+  """(matmul feature classes, matmul batch classes, classes reduced by other ops)."""
+  features, batch, reduced = set(), set(), set()
+  for op in problem.program.ops:
+    classes = problem.named.op_factor_classes(op.id)
+    for factor, kind in enumerate(op.rule.factor_kinds):
+      cls = int(classes[factor])
+      if cls < 0:
+        continue
+      if op.primitive not in MATMULS:
+        if kind == FactorKind.REDUCTION:
+          reduced.add(cls)
+      elif kind == FactorKind.REDUCTION:
+        features.add(cls)
+      elif kind == FactorKind.PASS_THROUGH:
+        in_every_operand = all(any(factor in dim for dim in dims) for dims in op.rule.operand_dims)
+        (batch if in_every_operand else features).add(cls)
+  return features, batch, reduced
+
+
+_STRUCTURES: weakref.WeakKeyDictionary[Problem, Structure] = weakref.WeakKeyDictionary()
+
+
+def structure(problem: Problem) -> Structure:
+  """Reads `Structure` off the problem's ops and named dimensions (once per problem)."""
+  if problem not in _STRUCTURES:
+    _STRUCTURES[problem] = _read_structure(problem)
+  return _STRUCTURES[problem]
+
+
+def _read_structure(problem: Problem) -> Structure:
+  program, named = problem.program, problem.named
+  parameter_dims: dict[int, list[tuple[str, int]]] = collections.defaultdict(list)
+  parameter_classes: list[np.ndarray] = []
+  input_classes, sequence_dims = set(), []
+  for value_id in program.inputs:
+    value, classes = program.values[value_id], named.value_classes(value_id)
+    if value.role == Role.PARAMETER:
+      parameter_classes.append(classes)
+      for dim, cls in enumerate(classes):
+        if cls >= 0:
+          parameter_dims[int(cls)].append((value.path, dim))
+    elif value.role == Role.INPUT:
+      input_classes.update(int(c) for c in classes if c >= 0)
+      if len(value.shape) >= 2 and np.issubdtype(np.dtype(value.dtype), np.integer) and classes[1] >= 0:
+        sequence_dims.append((value.path, 1))
+  features, batch, reduced = _uses(problem)
+  candidates = {c for c in parameter_dims if c in features and c not in reduced and c not in input_classes}
+  tensor_parallel: list[int] = []
+  for classes in parameter_classes:
+    picked = [int(c) for c in classes if c in candidates]
+    if picked and picked[0] not in tensor_parallel and not set(tensor_parallel) & set(classes.tolist()):
+      tensor_parallel.append(picked[0])
+  experts = [c for c in parameter_dims if c in batch and c in reduced and c not in input_classes]
+  return Structure({c: tuple(dims) for c, dims in parameter_dims.items()}, tuple(tensor_parallel),
+                   tuple(experts), tuple(sequence_dims))
 
 
 def data_axis(problem: Problem) -> str:
@@ -36,18 +120,10 @@ def model_axis(problem: Problem) -> str:
   return "model" if "model" in names else names[-1]
 
 
-def _arguments(problem: Problem, role: Role):
-  return [problem.program.values[v] for v in problem.program.inputs if problem.program.values[v].role == role]
-
-
-def _matching(problem: Problem, patterns: Sequence[tuple[str, int]], axis: str) -> list[Decision]:
-  """Decisions for every parameter dim matched by (path pattern, dim)."""
-  decisions = []
-  for value in _arguments(problem, Role.PARAMETER):
-    for pattern, dim in patterns:
-      if fnmatch.fnmatchcase(value.path, pattern) and len(value.shape) > abs(dim) - (dim < 0):
-        decisions.append(Decision(ArgDim(value.path, dim % len(value.shape)), axis))
-  return decisions
+def _shard_classes(problem: Problem, classes: tuple[int, ...], axis: str) -> list[Decision]:
+  """One decision per class, on its first parameter dim (so plans read as paths)."""
+  dims = structure(problem).parameter_dims
+  return [Decision(ArgDim(*dims[c][0]), axis) for c in classes]
 
 
 def replicated(problem: Problem) -> list[Decision]:
@@ -58,32 +134,53 @@ def replicated(problem: Problem) -> list[Decision]:
 def data_parallel(problem: Problem) -> list[Decision]:
   """Shard dim 0 of every input (the batch) over the data axis."""
   axis = data_axis(problem)
-  return [Decision(ArgDim(v.path, 0), axis) for v in _arguments(problem, Role.INPUT) if v.shape]
+  return [Decision(ArgDim(problem.program.values[v].path, 0), axis)
+          for v in problem.program.inputs
+          if problem.program.values[v].role == Role.INPUT and problem.program.values[v].shape]
 
 
 def megatron(problem: Problem) -> list[Decision]:
-  """Megatron tensor parallelism on the model axis: heads, FFN hidden, experts."""
-  return _matching(problem, TENSOR_PARALLEL_DIMS, model_axis(problem))
+  """Megatron tensor parallelism on the model axis: heads and FFN hidden dims
+  (column-parallel into, row-parallel out of each block)."""
+  return _shard_classes(problem, structure(problem).tensor_parallel, model_axis(problem))
 
 
 def fsdp(problem: Problem) -> list[Decision]:
   """ZeRO-3/FSDP: data parallel, then every parameter (and with it its gradient and
-  optimizer state) stored sharded over the data axis on its largest divisible dim,
-  gathered at use."""
-  axis = data_axis(problem)
+  optimizer state) stored sharded on its largest divisible dim, gathered at use: over
+  the `fsdp` axis when the mesh has one (which then shards the batch too), else over
+  the data axis."""
+  axis = "fsdp" if "fsdp" in problem.mesh.axis_names else data_axis(problem)
   size = problem.mesh.axis_size(axis)
   decisions = data_parallel(problem)
-  for value in _arguments(problem, Role.PARAMETER):
+  if axis != data_axis(problem):
+    decisions += [Decision(d.target, axis) for d in data_parallel(problem)]
+  for value_id in problem.program.inputs:
+    value = problem.program.values[value_id]
     dims = [d for d in range(len(value.shape)) if value.shape[d] % size == 0]
-    if dims:
+    if value.role == Role.PARAMETER and dims:
       largest = max(dims, key=lambda d: value.shape[d])
       decisions.append(Decision(ArgDim(value.path, largest), axis))
   return decisions
 
 
 def data_megatron(problem: Problem) -> list[Decision]:
-  """Data parallel on the data axis and Megatron on the model axis (a 2-D mesh)."""
+  """Data parallel on the data axis and Megatron on the model axis (2-D data x tensor)."""
   return data_parallel(problem) + megatron(problem)
+
+
+def expert_parallel(problem: Problem) -> list[Decision]:
+  """GShard/Switch: data parallel, and the experts over the data axis (tokens reach
+  their experts by all-to-all), with Megatron inside the experts on the model axis."""
+  experts = _shard_classes(problem, structure(problem).experts, data_axis(problem))
+  return data_parallel(problem) + experts + megatron(problem)
+
+
+def sequence_parallel(problem: Problem) -> list[Decision]:
+  """Context parallelism: data parallel, and the sequence of every token input over the
+  model axis (attention gathers keys and values across it)."""
+  axis = model_axis(problem)
+  return data_parallel(problem) + [Decision(ArgDim(*dim), axis) for dim in structure(problem).sequence_dims]
 
 
 TACTICS: dict[str, Callable[[Problem], list[Decision]]] = {
@@ -92,12 +189,15 @@ TACTICS: dict[str, Callable[[Problem], list[Decision]]] = {
     "megatron": megatron,
     "fsdp": fsdp,
     "data_megatron": data_megatron,
+    "expert_parallel": expert_parallel,
+    "sequence_parallel": sequence_parallel,
 }
 
 
 def applicable(problem: Problem) -> dict[str, list[Decision]]:
-  """The tactics that apply to the problem's program (Megatron needs matching layers)."""
-  plans = {name: tactic(problem) for name, tactic in TACTICS.items()}
-  if not megatron(problem):
-    plans = {k: v for k, v in plans.items() if k not in ("megatron", "data_megatron")}
-  return plans
+  """The tactics that apply to the problem's program: Megatron needs tensor-parallel dims,
+  expert parallelism experts, sequence parallelism token inputs."""
+  found = structure(problem)
+  needs = {"megatron": found.tensor_parallel, "data_megatron": found.tensor_parallel,
+           "expert_parallel": found.experts, "sequence_parallel": found.sequence_dims}
+  return {name: tactic(problem) for name, tactic in TACTICS.items() if needs.get(name, True)}

@@ -62,6 +62,11 @@ COMMANDS: dict[str, Command] = {
                                run="run_evaluate"),
     "bench search": Command("bench_search", "SearchBenchConfig",
                             "search agents against the best expert tactic on the zoo"),
+    "suite list": Command("suite_cmd", "SuiteListConfig", "the task suite's cases (workload, mesh, hardware, split)",
+                          run="run_list"),
+    "bench suite": Command("suite_cmd", "SuiteBenchConfig",
+                           "experts, search agents and best-known plans on the task suite, and its difficulty",
+                           run="run_bench"),
 }
 DEBUG_FLAG = "--debug"
 

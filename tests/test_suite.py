@@ -57,3 +57,34 @@ def test_smoke_cases_trace_abstractly_and_simulate(case):
   assert program.unknown_primitives == ()
   cost = Problem.build(program, case.make_mesh()).cost([])
   assert float(cost.step_time) > 0 and bool(cost.fits)
+
+
+def test_suite_list_prints_every_case_of_the_split(capsys):
+  from experiments import cli
+  assert cli.main(["suite", "list", "--split", "test"]) == 0
+  out = capsys.readouterr().out
+  test = load_cases("test")
+  assert all(c.name in out for c in test) and not any(c.name in out for c in load_cases("train"))
+  assert f"{len(test)} cases (test {len(test)})" in out
+  assert cli.main(["suite", "list", "--split", "nope"]) == 2
+
+
+def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
+  from automap_rl.sharding import ArgDim, Decision
+  from experiments import suite_cmd
+  case = load_cases("smoke")[0]
+  config = suite_cmd.SuiteBenchConfig(agents=("random",), budget=40, best_known=str(tmp_path / "best.json"))
+  decision = Decision(ArgDim("batch/inputs", 0), "data")
+  stored = {"decisions": [suite_cmd.decision_to_json(decision)]}
+  assert suite_cmd.decision_from_json(stored["decisions"][0]) == decision
+  row = suite_cmd.bench_case(case, config, stored)
+  best = row["best_expert_step_time_s"]
+  assert row["experts"][row["best_expert"]]["ratio"] == pytest.approx(1.0)
+  assert all(s["ratio"] >= 1.0 - 1e-6 for s in row["experts"].values() if s["fits"])
+  # The best-known plan is the best plan of the row, stored plans included.
+  scores = [*row["experts"].values(), *row["agents"].values()]
+  assert row["best_known"]["step_time_s"] == min(s["step_time_s"] for s in scores + [row["best_known"]])
+  assert row["best_known"]["ratio"] == pytest.approx(row["best_known"]["step_time_s"] / best)
+  assert suite_cmd.update_best_known([row], config.best_known, "cmd") == (row["best_known"]["source"] != "stored")
+  summary = suite_cmd.summarize([row, {**row, "best_known": {**row["best_known"], "ratio": 0.5}}])
+  assert summary["cases"] == 2 and summary["best_known_beats_best_expert_by_5pct_or_only_it_fits"] == 0.5

@@ -1,0 +1,185 @@
+"""Expert tactics find their dims from the program's structure, in every framework style."""
+
+import collections
+import math
+
+import equinox as eqx
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from automap_rl import tactics
+from automap_rl.ir import Role
+from automap_rl.mesh import make_mesh
+from automap_rl.problem import Problem
+from automap_rl.workloads import make_workload, training
+
+VOCAB, D, HEADS, FF, SEQ, BATCH, LAYERS = 128, 64, 4, 256, 16, 8, 2
+
+
+def _batch():
+  tokens = jax.random.randint(jax.random.key(0), (BATCH, SEQ + 1), 0, VOCAB)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _xent(logits, batch):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+class _FlaxBlock(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS)(nn.LayerNorm()(x))
+    h = nn.gelu(nn.Dense(FF)(nn.LayerNorm()(x)))
+    return x + nn.Dense(D)(h)
+
+
+class _FlaxTransformer(nn.Module):
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, D)(tokens)
+    for _ in range(LAYERS):
+      x = _FlaxBlock()(x)
+    return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+def _flax():
+  model, batch = _FlaxTransformer(), _batch()
+  params = model.init(jax.random.key(1), batch["inputs"])["params"]
+  return training.build_workload("flax", lambda p, b: _xent(model.apply({"params": p}, b["inputs"]), b),
+                                 params, batch)
+
+
+def _haiku_forward(tokens):
+  x = hk.Embed(VOCAB, D)(tokens)
+  for _ in range(LAYERS):
+    y = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
+    x = x + hk.MultiHeadAttention(HEADS, D // HEADS, w_init=hk.initializers.VarianceScaling())(y, y, y)
+    y = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
+    x = x + hk.Linear(D)(jax.nn.gelu(hk.Linear(FF)(y)))
+  return hk.Linear(VOCAB)(hk.LayerNorm(-1, create_scale=True, create_offset=True)(x))
+
+
+def _haiku():
+  model, batch = hk.without_apply_rng(hk.transform(_haiku_forward)), _batch()
+  params = model.init(jax.random.key(1), batch["inputs"])
+  return training.build_workload("haiku", lambda p, b: _xent(model.apply(p, b["inputs"]), b), params, batch)
+
+
+class _EqxBlock(eqx.Module):
+  norm1: eqx.nn.LayerNorm
+  attention: eqx.nn.MultiheadAttention
+  norm2: eqx.nn.LayerNorm
+  fc1: eqx.nn.Linear
+  fc2: eqx.nn.Linear
+
+  def __init__(self, key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    self.norm1, self.norm2 = eqx.nn.LayerNorm(D), eqx.nn.LayerNorm(D)
+    self.attention = eqx.nn.MultiheadAttention(HEADS, D, use_query_bias=True, use_key_bias=True,
+                                               use_value_bias=True, use_output_bias=True, key=k1)
+    self.fc1, self.fc2 = eqx.nn.Linear(D, FF, key=k2), eqx.nn.Linear(FF, D, key=k3)
+
+  def __call__(self, x):  # [seq, d]
+    y = jax.vmap(self.norm1)(x)
+    x = x + self.attention(y, y, y)
+    y = jax.vmap(self.norm2)(x)
+    return x + jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(y)))
+
+
+class _EqxTransformer(eqx.Module):
+  embed: eqx.nn.Embedding
+  blocks: list
+  norm: eqx.nn.LayerNorm
+  head: eqx.nn.Linear
+
+  def __init__(self, key):
+    keys = jax.random.split(key, LAYERS + 2)
+    self.embed = eqx.nn.Embedding(VOCAB, D, key=keys[0])
+    self.blocks = [_EqxBlock(k) for k in keys[1:-1]]
+    self.norm, self.head = eqx.nn.LayerNorm(D), eqx.nn.Linear(D, VOCAB, key=keys[-1])
+
+  def __call__(self, tokens):  # [seq]
+    x = jax.vmap(self.embed)(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+def _equinox():
+  params, static = eqx.partition(_EqxTransformer(jax.random.key(1)), eqx.is_inexact_array)
+  loss = lambda p, b: _xent(jax.vmap(eqx.combine(p, static))(b["inputs"]), b)
+  return training.build_workload("equinox", loss, params, _batch())
+
+
+STYLES = {"flax": _flax, "haiku": _haiku, "equinox": _equinox}
+MESH = "data=2,model=4"
+
+
+def _problem(workload) -> Problem:
+  return Problem.build(workload.trace(), make_mesh(MESH, "h100"))
+
+
+def _parameter_shards(problem: Problem, decisions) -> collections.Counter:
+  """Multiset of (parameter elements, elements per device): the same dims sharded the same
+  way give the same multiset whatever the parameters' names and layouts."""
+  ids = [v for v in problem.program.inputs if problem.program.values[v].role == Role.PARAMETER]
+  specs = problem.partition_specs(decisions, ids)
+  shards = collections.Counter()
+  for value_id, spec in zip(ids, specs):
+    size = problem.program.values[value_id].size
+    axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+    shards[(size, size // math.prod(problem.mesh.axis_size(a) for a in axes))] += 1
+  return shards
+
+
+@pytest.fixture(scope="module")
+def problems():
+  return {style: _problem(build()) for style, build in STYLES.items()}
+
+
+@pytest.mark.parametrize("tactic", ["megatron", "fsdp", "data_megatron", "sequence_parallel"])
+def test_each_tactic_shards_the_same_dims_in_flax_haiku_and_equinox(problems, tactic):
+  shards = {style: _parameter_shards(p, tactics.TACTICS[tactic](p)) for style, p in problems.items()}
+  assert shards["flax"] == shards["haiku"] == shards["equinox"]
+
+
+def test_megatron_shards_heads_and_ffn_hidden_not_the_residual_width(problems):
+  for problem in problems.values():
+    shards = _parameter_shards(problem, tactics.megatron(problem))
+    model = problem.mesh.axis_size("model")
+    # Per block: q, k, v, out and both FFN kernels (D*D and D*FF elements), and the q, k, v
+    # and FFN-hidden biases, are split over `model`; norms, the embedding, the head are not.
+    assert shards[(D * D, D * D // model)] == 4 * LAYERS
+    assert shards[(D * FF, D * FF // model)] == 2 * LAYERS
+    assert shards[(FF, FF // model)] == LAYERS
+    assert shards[(D, D // model)] == 3 * LAYERS
+    assert shards[(VOCAB * D, VOCAB * D)] == 2
+    # Unsplit width-D vectors: per block two norms' scales and offsets, the attention's
+    # output bias and the FFN's output bias; and the final norm's scale and offset.
+    assert shards[(D, D)] == 6 * LAYERS + 2
+
+
+TRANSFORMERS = ("gpt:layers=2", "llama", "moe", "t5", "vit")
+
+
+@pytest.mark.parametrize("spec", TRANSFORMERS)
+def test_every_expert_tactic_changes_the_plan_of_every_transformer_family(spec):
+  problem = _problem(make_workload(spec, abstract=True))
+  plans = tactics.applicable(problem)
+  expected = {"replicated", "data_parallel", "megatron", "fsdp", "data_megatron"}
+  expected |= {"expert_parallel"} if spec == "moe" else set()
+  expected |= {"sequence_parallel"} if spec != "vit" else set()
+  assert set(plans) == expected
+  replicated = _parameter_shards(problem, [])
+  for name, decisions in plans.items():
+    if name in ("replicated", "data_parallel", "sequence_parallel"):
+      continue
+    assert _parameter_shards(problem, decisions) != replicated, name
+  base = float(problem.cost([]).peak_memory)
+  assert all(float(problem.cost(d).peak_memory) < base for n, d in plans.items() if n != "replicated")
