@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +42,8 @@ from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, Cost
 
-__all__ = ["Plan", "baselines", "cost_dict", "format_arguments", "format_costs", "transfer_decisions"]
+__all__ = ["Plan", "baselines", "cost_dict", "fit_advice", "format_arguments", "format_costs", "shardable",
+           "transfer_decisions"]
 
 
 def cost_dict(cost: Cost) -> dict[str, Any]:
@@ -53,6 +55,27 @@ def cost_dict(cost: Cost) -> dict[str, Any]:
       "comm_bytes": {k: float(b) for k, b in zip(KINDS, np.asarray(cost.comm_bytes))},
       "comm_count": {k: int(round(float(c))) for k, c in zip(KINDS, np.asarray(cost.comm_count))},
   }
+
+
+def shardable(problem: Problem) -> bool:
+  """Whether some named dimension of the program divides by some mesh axis (of size > 1):
+  without one, every plan is the replicated plan."""
+  sizes = [s for s in problem.mesh.axis_sizes if s > 1]
+  return any(c.size % s == 0 for c in problem.named.classes for s in sizes)
+
+
+def fit_advice(problem: Problem, cost: Cost) -> str:
+  """What would make a plan of `cost` fit: more devices, a profile with more memory, or a
+  smaller batch (one line)."""
+  from automap_rl.mesh import HARDWARE
+
+  peak, capacity = float(cost.peak_memory), problem.mesh.hardware.hbm_bytes
+  larger = sorted((h.hbm_bytes, name) for name, h in HARDWARE.items() if h.hbm_bytes >= peak)
+  devices = problem.mesh.num_devices * int(np.ceil(peak / capacity))
+  return (f"peak {peak / 2**30:.1f} GiB per device > {capacity / 2**30:.1f} GiB of {problem.mesh.hardware.name}; "
+          f"would fit: about {devices} devices (memory sharded as this plan shards it)"
+          + (f", a profile with more memory ({', '.join(name for _, name in larger)})" if larger else "")
+          + ", or a smaller batch, or rematerialization (remat=true) where the family has it")
 
 
 def format_costs(rows: dict[str, dict[str, Any]]) -> str:
@@ -320,7 +343,17 @@ def transfer_decisions(decisions: Sequence[Decision], source: Problem, target: P
   """Maps a plan for `source` onto `target`, a smaller or larger copy of the same model
   (`gpt:layers=8,d_model=1024` -> `gpt:layers=2,d_model=128`): groups and named
   dimensions by their first example's name, argument dims by path. Decisions with no
-  counterpart (an argument of a layer the copy lacks) are dropped."""
+  counterpart (an argument of a layer the copy lacks) are dropped.
+
+  Raises:
+    ValueError: `target` is not a copy of `source`: their argument paths differ other
+      than in layer numbers.
+  """
+  shapes = [{re.sub(r"\d+", "#", p.program.values[v].path) for v in p.program.inputs} for p in (source, target)]
+  if shapes[0] != shapes[1]:
+    missing, extra = sorted(shapes[0] - shapes[1]), sorted(shapes[1] - shapes[0])
+    raise ValueError(f"the model to check is not a copy of the planned one: arguments missing {missing[:3]}"
+                     f"{'...' if len(missing) > 3 else ''}, extra {extra[:3]}{'...' if len(extra) > 3 else ''}")
   group_key = _structural_keys(source, source.named.groups)
   group_at = {k: g for g, k in enumerate(_structural_keys(target, target.named.groups))}
   class_key = _structural_keys(source, [(c.id,) for c in source.named.classes])

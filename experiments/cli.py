@@ -71,6 +71,11 @@ COMMANDS: dict[str, Command] = {
 DEBUG_FLAG = "--debug"
 
 
+class CommandFailed(RuntimeError):
+  """The command ran but its result is not what the user asked for (a plan that does not
+  fit): one line on stderr and exit status 1, after its outputs are written."""
+
+
 def virtual_devices(count: int = 8) -> None:
   """Gives jax `count` CPU devices unless the user set the flag; must run before jax imports."""
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -190,8 +195,15 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise
     print(f"automap-rl {name}: error: {e}", file=sys.stderr)
     return 2
+  except CommandFailed as e:
+    if debug:
+      raise
+    print(f"automap-rl {name}: FAILED: {e}", file=sys.stderr)
+    return 1
   return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  # Through the package, so that the commands' modules and this one share their classes
+  # (`CommandFailed`), rather than through this `__main__` copy.
+  sys.exit(importlib.import_module("experiments.cli").main())

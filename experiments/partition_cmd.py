@@ -31,12 +31,12 @@ import tyro
 from tqdm import tqdm
 
 from automap_rl import ir, workloads, tactics
-from automap_rl.plan import Plan, baselines, cost_dict, format_arguments, format_costs
+from automap_rl.plan import Plan, baselines, cost_dict, fit_advice, format_arguments, format_costs, shardable
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from agents.registry import AGENTS, run_agent
 from agents.base import Budget
-from experiments.cli import write_json
+from experiments.cli import CommandFailed, write_json
 from experiments.options import WORKLOAD_HELP, Hardware, JsonPath, MeshSpec, OptionalWorkload, PlotPath, Tactic
 
 
@@ -173,6 +173,9 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   config = dataclasses.replace(config, tactic=config.tactic or DEFAULT_TACTIC)
   name, fn, args, program = load(config.workload)
   problem = Problem.build(program, make_mesh(config.mesh, config.hardware))
+  if not shardable(problem):
+    raise ValueError(f"mesh {config.mesh}: no dimension of {name} divides by any axis size "
+                     f"({', '.join(map(str, problem.mesh.axis_sizes))}), so nothing can be sharded")
   start = time.perf_counter()
   if config.agent == "tactic":
     decisions, found, label = tactics.TACTICS[config.tactic](problem), None, config.tactic
@@ -206,4 +209,10 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   if config.plot:
     print(f"shards drawn in {plan.plot(config.plot)}")
   write_json(config.json, result)
+  if not decisions:
+    print(f"WARNING: the plan shards nothing: {label} found nothing better than replicating {name}", file=sys.stderr)
+  if not result["fits"]:
+    fitting = [n for n, b in result["baselines"].items() if b["fits"]]
+    raise CommandFailed(f"the plan does not fit in memory: {fit_advice(problem, plan.cost)}"
+                        + (f"; experts that fit: {', '.join(fitting)}" if fitting else "; no expert plan fits either"))
   return result

@@ -21,6 +21,15 @@ CASES = [
     (["partition", "--hardware", "v100"], "invalid choice 'v100' for argument '--hardware'"),
     (["env", "--action-space", "everything"], "invalid choice 'everything'"),
     (["bench", "simulator", "--batch", "many"], "Error parsing --batch"),
+    (["inspect", "gpt:layers=-1"], "gpt: layers=-1 must be a positive integer"),
+    (["inspect", "gpt:batch=0"], "gpt: batch=0 must be a positive integer"),
+    (["inspect", "gpt:heads=0"], "gpt: heads=0 must be a positive integer"),
+    (["inspect", "vit:image_size=0"], "vit: image_size=0 must be a positive integer"),
+    (["partition", "mlp", "--mesh", "data=7"], "mesh data=7: no dimension of mlp divides by any axis size (7)"),
+    (["partition", "gpt:layers=1,d_model=32,heads=2,seq=8,vocab=32,batch=4", "--agent", "tactic",
+      "--check-numerics", "--check-workload", "mlp"], "the model to check is not a copy of the planned one"),
+    (["suite", "list", "--split", "validation"], "invalid choice 'validation'"),
+    (["bench", "suite", "--best-known", "/nonexistent/best.json"], "--best-known /nonexistent/best.json: no such file"),
 ]
 
 
@@ -40,3 +49,20 @@ def test_wrong_input_is_one_line_and_exit_2(capsys, tmp_path, argv, message):
 def test_a_directory_is_not_an_output_file(capsys, tmp_path):
   assert cli.main(["inspect", "--json", str(tmp_path)]) == 2
   assert "is a directory" in capsys.readouterr().err
+
+
+def test_duplicate_argument_names_are_refused():
+  import jax.numpy as jnp
+  from automap_rl import ir
+  with pytest.raises(ValueError, match=r"arg_names repeat \['params'\]"):
+    ir.trace(lambda a, b: a + b, jnp.ones(2), jnp.ones(2), arg_names=("params", "params"))
+
+
+def test_a_plan_that_does_not_fit_fails_loudly_with_exit_1(capsys, tmp_path):
+  out = tmp_path / "plan.json"
+  argv = ["partition", "gpt:layers=2,d_model=4096,heads=32,seq=2048,vocab=512,batch=64", "--mesh", "data=2,model=4",
+          "--hardware", "tpu-v5e", "--agent", "tactic", "--json", str(out)]
+  assert cli.main(argv) == 1
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert err.startswith("automap-rl partition: FAILED: the plan does not fit in memory: peak") and "would fit" in err
+  assert out.exists()  # The figures are written before the failure.

@@ -234,6 +234,9 @@ def trace(
   roles = tuple(Role.parse(r) if isinstance(r, str) else r for r in (arg_roles or (Role.INPUT,) * len(args)))
   if len(names) != len(args) or len(roles) != len(args):
     raise ValueError(f"trace got {len(args)} arguments but {len(names)} names and {len(roles)} roles.")
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise ValueError(f"arg_names repeat {repeated}: every argument needs its own name (its paths start with it)")
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
   builder = _Builder()
   env: dict = {}

@@ -11,6 +11,7 @@ items override its fields (``gpt:size=1.3b,batch=32``), whatever their order.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from types import ModuleType
 from typing import Any
@@ -114,7 +115,25 @@ def make_config(spec: str) -> tuple[str, Any]:
     ValueError: as :func:`parse_model_spec`, or a config the family rejects.
   """
   name, kwargs = parse_model_spec(spec)
-  return name, _MODELS[name][1](**kwargs)
+  config_cls = _MODELS[name][1]
+  _check_sizes(name, config_cls, kwargs)
+  return name, config_cls(**kwargs)
+
+
+def _check_sizes(name: str, config_cls: type, kwargs: dict[str, Any]) -> None:
+  """Sizes are positive: an int field must be at least 1, or at least 0 where its
+  default is 0 or None (0 then means off or derived, like ``d_ff=0``); a float field
+  must be finite and positive where its default is."""
+  defaults = config_cls()
+  for key, value in kwargs.items():
+    default = getattr(defaults, key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      continue
+    least = 0 if default in (0, None) else 1
+    if isinstance(value, int) and value < least:
+      raise ValueError(f"{name}: {key}={value} must be {'>= 0' if least == 0 else 'a positive integer'}")
+    if isinstance(value, float) and (not math.isfinite(value) or (isinstance(default, float) and default > 0 >= value)):
+      raise ValueError(f"{name}: {key}={value} must be a finite positive number")
 
 
 def canonical_spec(spec: str) -> str:
