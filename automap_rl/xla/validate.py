@@ -79,7 +79,9 @@ SUITES: dict[str, Suite] = {
 @dataclasses.dataclass(frozen=True)
 class Case:
   """One validated plan: metrics are dicts of `comm_bytes` (total), `comm_bytes_by_kind`,
-  `comm_count_by_kind`, `flops` and `peak_memory`, per device."""
+  `comm_count_by_kind`, `flops` and `peak_memory`, per device; `differences` are the
+  values XLA shards otherwise than the plan (`Lowered.differences`, as dicts), empty when
+  the plan is realized as written."""
 
   model: str
   mesh: str
@@ -90,6 +92,7 @@ class Case:
   numerics_ok: bool
   numerics_error: str | None
   seconds: float
+  differences: tuple[dict[str, Any], ...] = ()
 
 
 # -- metrics ------------------------------------------------------------------------------
@@ -212,7 +215,8 @@ def run_case(problem: Problem, workload: workloads.Workload, mesh_spec: str, pla
   return Case(
       model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
       simulated=simulated_metrics(problem, decisions), compiled=compiled_metrics(lowered.stats),
-      numerics_ok=error is None, numerics_error=error, seconds=time.perf_counter() - start)
+      numerics_ok=error is None, numerics_error=error, seconds=time.perf_counter() - start,
+      differences=tuple(dataclasses.asdict(d) for d in lowered.differences))
 
 
 def trace_problem(workload: workloads.Workload, mesh_spec: str, hardware: str) -> Problem:
@@ -271,6 +275,7 @@ def summarize_cases(cases: Sequence[Case]) -> dict[str, float]:
       "memory_median_rel_error": _median_error(cases, "peak_memory"),
       "memory_spearman": spearman(column("simulated", "peak_memory"), column("compiled", "peak_memory")),
       "numerics_ok_fraction": float(np.mean([c.numerics_ok for c in cases])) if cases else math.nan,
+      "realized_fraction": float(np.mean([not c.differences for c in cases])) if cases else math.nan,
   }
 
 
