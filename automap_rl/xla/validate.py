@@ -148,22 +148,18 @@ def simulated_metrics(problem: Problem, decisions: Sequence[Decision]) -> dict[s
   }
 
 
-def _buffers(shape: tuple) -> int:
-  """How many arrays a collective moves (combined collectives carry a tuple of shapes)."""
-  return len(shape) if shape and isinstance(shape[0], tuple) else 1
-
-
 def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
-  """XLA's view of a plan (see `Case`). Counts are arrays moved, so that XLA's combining
-  of several collectives into one tuple-shaped instruction does not change them;
-  `collective-permute` (which the simulator does not model) is reported apart."""
+  """XLA's view of a plan (see `Case`). Counts are collective instructions: a combined
+  collective (several buffers, tuple-shaped) counts once, as the simulator counts what
+  XLA's combiners merge; `collective-permute` (which the simulator does not model) is
+  reported apart."""
   by_kind = {k: 0.0 for k in KINDS}
   count = {k: 0.0 for k in KINDS}
   permute_bytes = 0.0
   for c in stats.collectives:
     if c.kind in by_kind:
       by_kind[c.kind] += c.bytes
-      count[c.kind] += _buffers(c.shape)
+      count[c.kind] += 1
     else:
       permute_bytes += c.bytes
   return {
