@@ -59,6 +59,9 @@ class Hardware:
     intra_node: Link between devices of the same node.
     inter_node: Link between devices of different nodes.
     devices_per_node: How many devices share the intra-node link.
+    combine_threshold: Collective kind -> the most bytes XLA's combiner for that
+      kind merges into one collective (`inf`: no limit); kinds without a
+      combiner on this backend are absent.
   """
 
   name: str
@@ -68,9 +71,14 @@ class Hardware:
   intra_node: Link
   inter_node: Link
   devices_per_node: int
+  combine_threshold: Mapping[str, float]
 
 
 _GB = 1e9
+# XLA's GPU defaults of xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes
+# (xla/debug_options_flags.cc), kDefault{AllReduce,AllGather,ReduceScatter}CombineThreshold
+# = 30 * 1024 * 1024 + 7 bytes in xla/service/collective_utils.h.
+_GPU_COMBINE = {kind: 30 * 1024 * 1024 + 7 for kind in ("all-reduce", "all-gather", "reduce-scatter")}
 
 
 def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
@@ -101,6 +109,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
           latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
       ),
       devices_per_node=8,  # NVIDIA DGX A100 user guide: 8 GPUs per system.
+      combine_threshold=_GPU_COMBINE,
   )
 
 
@@ -136,6 +145,7 @@ HARDWARE: Mapping[str, Hardware] = {
             latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
         ),
         devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
+        combine_threshold=_GPU_COMBINE,
     ),
     "a100-40g": _A100_40G,
     "a100-80g": _A100_80G,
@@ -170,6 +180,9 @@ HARDWARE: Mapping[str, Hardware] = {
             latency=10e-6,  # Estimate (datacenter network round trip / 2).
         ),
         devices_per_node=4096,  # Cloud TPU v4 docs: TPU Pod size 4096 chips.
+        # Estimate, not a documented figure: libtpu's combine thresholds are not
+        # published; taken to be XLA's GPU defaults.
+        combine_threshold=_GPU_COMBINE,
     ),
     "tpu-v5e": Hardware(
         name="tpu-v5e",
@@ -200,6 +213,8 @@ HARDWARE: Mapping[str, Hardware] = {
             latency=10e-6,  # Estimate (datacenter network round trip / 2).
         ),
         devices_per_node=256,  # Cloud TPU v5e docs: up to 256 chips per Pod.
+        # Estimate, not a documented figure (see tpu-v4).
+        combine_threshold=_GPU_COMBINE,
     ),
     "cpu": Hardware(
         name="cpu",
@@ -223,6 +238,10 @@ HARDWARE: Mapping[str, Hardware] = {
             latency=50e-6,  # Estimate (TCP round trip / 2 on a LAN).
         ),
         devices_per_node=64,  # Assumed: virtual devices of one host process.
+        # XLA's CPU compiler (xla/service/cpu/cpu_compiler.cc) runs only an
+        # all-reduce combiner, CpuAllReduceCombiner(kCombineBytes = INT64_MAX,
+        # kCombineCount = 256): no byte limit.
+        combine_threshold={"all-reduce": float("inf")},
     ),
 }
 

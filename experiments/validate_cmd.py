@@ -32,7 +32,8 @@ def _mb(x: float) -> str:
 
 def _row(case) -> str:
   s, c = case.simulated, case.compiled
-  flag = "" if case.numerics_ok else "  NUMERICS MISMATCH"
+  flag = ("" if case.numerics_ok else "  NUMERICS MISMATCH") + (
+      f"  {len(case.differences)} SHARDING DIFFERENCES" if case.differences else "")
   return (f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} {_mb(s['comm_bytes'])} {_mb(c['comm_bytes'])} "
           f"{s['flops'] / 1e6:10.2f} {c['flops'] / 1e6:10.2f} {_mb(s['peak_memory'])} {_mb(c['peak_memory'])} "
           f"{case.seconds:6.1f}s{flag}")
@@ -60,6 +61,9 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   for case in cases:
     if not case.numerics_ok:
       print(f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan}: {case.numerics_error}")
+    for d in case.differences:
+      print(f"NOT REALIZED {case.model} {case.mesh} {case.plan}: value {d['value']} ({d['where']}) "
+            f"planned {d['expected']}, XLA {d['actual']}")
   document = validate.to_json(cases, summary)
   write_json(config.json, document)
   if config.plot:

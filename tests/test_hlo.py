@@ -54,6 +54,23 @@ def test_parse_instruction():
 # ---------------------------------------------------------------- groups ----
 
 
+def test_sharding_spec_maps_tiles_to_mesh_axes():
+  spec = lambda text, rank=2: hlo.sharding_spec(text, rank, NAMES, SIZES)
+  # Device order [2,4]T(1,0): the tile dim of 4 varies along `model`.
+  assert spec("{devices=[1,4,2]<=[2,4]T(1,0) last_tile_dim_replicate}") == ((), ("model",))
+  assert spec("{devices=[2,1,4]<=[8] last_tile_dim_replicate}") == (("data",), ())
+  assert spec("{devices=[2,4]<=[8]}") == (("data",), ("model",))
+  assert spec("{devices=[8,1]<=[2,4]T(1,0)}") == (("model", "data"), ())
+  assert spec("{devices=[2,1,4]0,2,1,3,4,5,6,7 last_tile_dims={replicated}}") == (("data",), ())
+  assert spec("{replicated}", 3) == ((), (), ())
+  assert spec("{maximal device=0}") is None
+  assert spec("{devices=[2,1,4]0,4,1,5,2,6,3,7 last_tile_dim_replicate}") is None  # Not a mesh axis.
+  text = ", sharding={{replicated}, {devices=[2,1,4]<=[8] last_tile_dim_replicate}}, metadata={op_name=\"x\"}"
+  assert hlo.split_tuple_sharding(hlo.sharding_attr(text)) == (
+      "{replicated}", "{devices=[2,1,4]<=[8] last_tile_dim_replicate}")
+  assert hlo.sharding_attr(", metadata={}") is None
+
+
 def test_parse_explicit_groups():
   assert hlo.parse_explicit_groups("{{0,1},{2,3}}") == ((0, 1), (2, 3))
   assert hlo.parse_explicit_groups("{}") == ()

@@ -14,6 +14,7 @@ from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
 from automap_rl.xla.lower import NumericsError, check_numerics, compare_leaf, lower
 from automap_rl.xla.hlo import summarize
+from automap_rl.xla.realized import Expected, compile_with_shardings, sharding_differences
 
 MLP = "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16"
 GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
@@ -40,8 +41,13 @@ def test_mlp_data_parallel_all_reduces_exactly_the_gradients():
   assert {c.mesh_axes for c in lowered.stats.collectives} == {("data",)}
   assert summarize(lowered.stats.collectives)["all-reduce"][1] == _nbytes(workload.params) + 4
   assert float(problem.cost(decisions).comm_bytes.sum()) == _nbytes(workload.params) + 4
+  # XLA's all-reduce combiner merges the 6 gradients and the loss into one instruction;
+  # the simulator combines them too (the cpu profile's combiner has no byte limit).
+  assert len(lowered.stats.collectives) == 1
+  assert float(problem.cost(decisions).comm_count[0]) == pytest.approx(1.0)
   batch_sharding = lowered.in_shardings[2]["inputs"]
   assert batch_sharding.spec == P("data", None)
+  assert lowered.differences == ()
   check_numerics(workload.step, workload.args, lowered)
 
 
@@ -51,6 +57,12 @@ def test_gpt_megatron_all_reduces_over_the_model_axis():
   axes = {(c.kind, c.mesh_axes) for c in lowered.stats.collectives}
   assert ("all-reduce", ("model",)) in axes
   assert ("all-reduce", ("data",)) in axes
+  assert lowered.differences == ()
+  # Megatron's activation all-reduces depend on each other and stay apart; the data-axis
+  # gradient all-reduces combine: the simulator's count is within 2x of XLA's instructions.
+  compiled = summarize(lowered.stats.collectives)["all-reduce"][0]
+  simulated = float(problem.cost(tactics.data_megatron(problem)).comm_count[0])
+  assert compiled / 2 <= simulated <= compiled * 2
   fc1 = lowered.in_shardings[0]["block_0"]["mlp"]["fc1"]["kernel"]
   assert fc1.spec == P(None, "model")
   check_numerics(workload.step, workload.args, lowered)
@@ -65,6 +77,10 @@ def test_gpt_megatron_all_reduce_bytes_match_the_simulator():
   lowered = lower(problem, decisions, workload.step, workload.args)
   activation = 8 * 16 * 32 * 4  # [batch, seq, d_model] f32
   assert summarize(lowered.stats.collectives)["all-reduce"] == (4, 6 * activation)
+  # Sharded only on `model`: every value is pinned replicated on `data`, and XLA moves
+  # nothing over it.
+  assert {c.mesh_axes for c in lowered.stats.collectives} == {("model",)}
+  assert lowered.differences == ()
   cost = problem.cost(decisions)
   assert (float(cost.comm_count[0]), float(cost.comm_bytes[0])) == (4, 6 * activation)
 
@@ -104,7 +120,33 @@ def test_intermediates_follow_the_plan():
   lowered = lower(problem, decisions, f, args)
   ((kind, axes, nbytes),) = [(c.kind, c.mesh_axes, c.bytes) for c in lowered.stats.collectives]
   assert (kind, axes, nbytes) == ("all-reduce", ("model",), 8 * 8 * 4)
+  assert lowered.differences == ()
   check_numerics(f, args, lowered)
+
+
+def test_sharding_differences_report_what_xla_decided_against_a_wrong_expectation():
+  """The same compiled module checked against a perturbed plan: w1's stored sharding and
+  the first product's result expected on `data` instead of XLA's (and the plan's)
+  `model` are both reported, with the value, where it is, and both shardings."""
+  def f(x, w1, w2):
+    return jnp.tanh(x @ w1) @ w2
+
+  args = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 8)))
+  program = ir.trace(f, *args, arg_names=("x", "w1", "w2"))
+  problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
+  lowered = lower(problem, [Decision(ArgDim("w1", 1), "model")], f, args)
+  _, text = compile_with_shardings(lowered.jitted.lower(*args))
+  w1 = program.inputs[1]
+  product = next(op for op in program.ops if op.primitive == "dot_general").results[0]
+  right = {"call_args[1]": Expected(w1, "argument w1", ((), ("model",)))}
+  assert sharding_differences(text, right, {product: Expected(product, "x @ w1", ((), ("model",)))}, [],
+                              ("data", "model"), (2, 4)) == ()
+  wrong = {"call_args[1]": Expected(w1, "argument w1", (("data",), ()))}
+  differences = sharding_differences(text, wrong, {product: Expected(product, "x @ w1", ((), ("data",)))}, [],
+                                     ("data", "model"), (2, 4))
+  assert [(d.value, d.where, d.expected, d.actual) for d in differences] == [
+      (w1, "argument w1", "P('data', None)", "P(None, 'model')"),
+      (product, "x @ w1", "P(None, 'data')", "P(None, 'model')")]
 
 
 def _simulated(problem, decisions):
@@ -116,6 +158,7 @@ def test_fsdp_gathers_each_parameter_once_as_xla_does():
   workload, problem = _setup(MLP, "data=8")
   decisions = tactics.fsdp(problem)
   lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1))
+  assert lowered.differences == ()
   gathers = [c for c in lowered.stats.collectives if c.kind == "all-gather"]
   sim = _simulated(problem, decisions)
   # XLA gathers every parameter once and reuses it in the backward pass: 6 gathers of
@@ -130,7 +173,9 @@ def test_fsdp_gathers_each_parameter_once_as_xla_does():
 def test_peak_memory_within_tolerance_of_memory_analysis(spec, mesh, plan):
   workload, problem = _setup(spec, mesh)
   decisions = tactics.TACTICS[plan](problem)
-  stats = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1)).stats
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1))
+  assert lowered.differences == ()
+  stats = lowered.stats
   # The validated figure: argument + output + temp - alias of `memory_analysis()`.
   assert stats.peak_bytes == stats.argument_bytes + stats.output_bytes + stats.temp_bytes - stats.alias_bytes
   assert _simulated(problem, decisions)["peak_memory"] == pytest.approx(stats.peak_bytes, rel=0.15)

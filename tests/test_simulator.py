@@ -37,11 +37,35 @@ def test_data_parallel_mlp_all_reduces_exactly_the_gradient_bytes():
   problem = zoo_problem("mlp", "data=8")
   workload = workloads.make_workload("mlp", abstract=True)
   grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(workload.params))
-  num_params = len(jax.tree_util.tree_leaves(workload.params))
   cost = problem.cost(tactics.data_parallel(problem))
   loss_bytes = 4  # The mean loss is a partial sum too.
   assert cost.comm_bytes[ALL_REDUCE] == grad_bytes + loss_bytes
-  assert cost.comm_count.tolist() == [num_params + 1, 0, 0, 0]
+  # The gradients and the loss depend on no other reduction: XLA's all-reduce combiner
+  # merges them into one collective (they are under the GPU's 30 MiB threshold).
+  assert grad_bytes < problem.mesh.hardware.combine_threshold["all-reduce"]
+  assert cost.comm_count.tolist() == pytest.approx([1, 0, 0, 0])
+
+
+def test_combined_gradient_all_reduces_pay_latency_per_combined_collective():
+  """Data-parallel GPT gradients: one combined all-reduce per `combine_threshold` bytes,
+  so the latency term is that many link latencies, not one per gradient; a threshold
+  with no limit (XLA on CPU) combines all of them into one."""
+  import dataclasses
+  workload = workloads.make_workload("gpt:layers=2", abstract=True)
+  program = workload.trace()
+  grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(workload.params))
+  counts = {}
+  for threshold in (grad_bytes / 3.5, float("inf")):
+    h100 = make_mesh("data=8", "h100").hardware
+    hardware = dataclasses.replace(h100, combine_threshold={"all-reduce": threshold})
+    problem = Problem.build(program, make_mesh("data=8", hardware))
+    terms = problem.cost_terms(tactics.data_parallel(problem))
+    reduce = terms.all_reduce
+    counts[threshold] = float(reduce.count.sum())
+    # Latency: (n - 1) hops of 2 rounds per combined collective (ring all-reduce, n = 8).
+    bandwidth_s = float((reduce.seconds - reduce.count * 2 * 7 * h100.intra_node.latency).sum())
+    assert bandwidth_s == pytest.approx(float(reduce.bytes.sum()) * 2 * 7 / 8 / h100.intra_node.bandwidth, rel=1e-4)
+  assert counts == pytest.approx({grad_bytes / 3.5: 4, float("inf"): 1})
 
 
 def test_megatron_gpt_all_reduces_twice_per_layer_forward_and_twice_backward():

@@ -20,11 +20,12 @@ def test_tiny_suite_json_and_plot(tmp_path, monkeypatch):
   assert set(document) == {"cases", "summary"}
   assert set(document["summary"]) == {
       "num_cases", "comm_bytes_median_rel_error", "comm_bytes_spearman", "flops_median_rel_error",
-      "memory_median_rel_error", "memory_spearman", "numerics_ok_fraction"}
+      "memory_median_rel_error", "memory_spearman", "numerics_ok_fraction", "realized_fraction"}
   assert document["summary"]["numerics_ok_fraction"] == 1
+  assert document["summary"]["realized_fraction"] == 1  # Every plan compiled as written.
   assert document["summary"]["num_cases"] == len(document["cases"]) >= 4
   case = document["cases"][0]
-  assert {"model", "mesh", "plan", "simulated", "compiled", "numerics_ok"} <= set(case)
+  assert {"model", "mesh", "plan", "simulated", "compiled", "numerics_ok", "differences"} <= set(case)
   by_plan = {c["plan"]: c for c in document["cases"]}
   dp = by_plan["data_parallel"]
   assert dp["simulated"]["comm_bytes"] == dp["compiled"]["comm_bytes"] > 0

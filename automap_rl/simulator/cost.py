@@ -10,6 +10,11 @@ the op's shard count. Per edge (an op using or making a value):
   reduces all their buffers in one collective, as XLA's combiner does); computed sharded
   on axes it is not stored on: all-gather.
 
+XLA's combiners merge independent reductions of one kind over the same axes (the
+gradients of data parallelism) into few collectives, up to the hardware profile's
+`combine_threshold` bytes each: those reductions pay latency per combined collective
+(`_combined_count`), bandwidth per byte as before.
+
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
 slowest link bounds the bandwidth). Bytes follow `automap_rl.xla.hlo`'s convention: the
 larger, group-level buffer per device. Peak memory is the largest live-bytes row of the
@@ -98,8 +103,10 @@ def _collective(t: CostTables, all_reduce: bool, axes: jax.Array,
 
 class EdgeTerms(NamedTuple):
   """One collective kind on a set of edges, each [N] (with a plan batch: [N, B] inside
-  the simulator, [B, N] from `terms`): seconds, bytes per device, count (runs per step),
-  and the per-device buffer moved per byte of the value (0 where none runs)."""
+  the simulator, [B, N] from `terms`): seconds, bytes per device, count (collectives per
+  step: the runs of the edge's own collectives, or for a reduction that XLA combines,
+  its share by bytes of the combined collectives), and the per-device buffer moved per
+  byte of the value (0 where none runs)."""
 
   seconds: jax.Array
   bytes: jax.Array
@@ -107,14 +114,47 @@ class EdgeTerms(NamedTuple):
   buffer: jax.Array
 
 
+# XLA's combiners merge at most this many collectives into one (`combine_threshold_count`
+# of the all-reduce, all-gather and reduce-scatter combiners in xla/service/gpu/ and of
+# `CpuAllReduceCombiner` in xla/service/cpu/cpu_compiler.cc).
+COMBINE_COUNT = 256.0
+
+
+def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.Array, combines: jax.Array,
+                    threshold: jax.Array) -> jax.Array:
+  """Collectives per step of edges whose collectives XLA's combiner merges.
+
+  The combining edges (`combines` [N], and `threshold` > 0: the backend combines this
+  kind) with collectives over the same axes (`axes` [N, B]) form one group per axes mask;
+  a group of total bytes T (`moved` [N, B]: bytes per device a step) and n collectives
+  (`runs` [N, B]) runs as `max(ceil(T / threshold), ceil(n / COMBINE_COUNT))` combined
+  collectives, which its members share by bytes. Other edges keep their `runs`.
+  Returns [N, B]."""
+  member = combines[:, None] & (axes != 0) & (threshold > 0)
+  masks = range(1, t.mask_group.shape[-1])
+  sums = _sum_rows(*[jnp.where(member & (axes == m), x, 0.0) for m in masks for x in (moved, runs)])
+  zero = jnp.zeros_like(sums[0])
+  totals, counts = jnp.stack([zero, *sums[0::2]]), jnp.stack([zero, *sums[1::2]])  # [2**X, B]
+  combined = jnp.where(totals > 0, jnp.maximum(jnp.ceil(totals / threshold), jnp.ceil(counts / COMBINE_COUNT)), 0.0)
+  index = axes.astype(jnp.int32)
+  share = (jnp.take_along_axis(combined, index, axis=0) * moved
+           / jnp.maximum(jnp.take_along_axis(totals, index, axis=0), jnp.finfo(jnp.float32).tiny))
+  return jnp.where(member, share, runs)
+
+
 def _edge_terms(t: CostTables, all_reduce: bool, axes: jax.Array, divisor: jax.Array, nbytes: jax.Array,
-                weight: jax.Array) -> EdgeTerms:
+                weight: jax.Array, combine: tuple[jax.Array, jax.Array] | None = None) -> EdgeTerms:
   """The terms of one collective kind over the axes `axes` [N, B] of edges moving values
-  of `nbytes` [N, 1], run `weight` [N] times a step (see `_collective`)."""
+  of `nbytes` [N, 1], run `weight` [N] times a step (see `_collective`): bandwidth per
+  byte moved, latency per collective. With `combine = (combines [N], threshold)`, the
+  collectives of the combining edges are merged as XLA's combiner does
+  (`_combined_count`), so latency is charged per combined collective."""
   per_byte, fixed, fraction = _collective(t, all_reduce, axes, divisor)
   runs = jnp.where(axes != 0, weight[:, None], 0.0)
-  return EdgeTerms(seconds=runs * (nbytes * per_byte + fixed), bytes=runs * nbytes * fraction, count=runs,
-                    buffer=nbytes * fraction)
+  moved = runs * nbytes * fraction
+  count = runs if combine is None else _combined_count(t, axes, moved, runs, *combine)
+  return EdgeTerms(seconds=runs * nbytes * per_byte + count * fixed, bytes=moved, count=count,
+                   buffer=nbytes * fraction)
 
 
 def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
@@ -216,9 +256,10 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
       op_compute_s=jnp.maximum(t.op_compute_s, t.op_memory_s)[:, None] / op_shards,
       gather=gather,
       all_to_all=to_all,
-      reduce_scatter=_edge_terms(t, False, scatter_axes, r_required, r_nbytes, t.reduction_weight),
+      reduce_scatter=_edge_terms(t, False, scatter_axes, r_required, r_nbytes, t.reduction_weight,
+                                 (t.reduction_combines, t.combine_bytes[1])),
       all_reduce=_edge_terms(t, True, r_reduced & ~r_stored, r_required | scatter_axes, r_nbytes,
-                             t.reduction_weight),
+                             t.reduction_weight, (t.reduction_combines, t.combine_bytes[0])),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), t.edge_buffers[:, None], 0.0) * gather.buffer,
       value_shards=value_shards,
   )

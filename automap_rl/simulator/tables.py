@@ -84,6 +84,13 @@ class CostTables:
     reduction_partial_sums: how many partial sums (one buffer each) the reduction carries
       in one collective: more than 1 for a linear combination of partial sums (see
       `sharding.pending_partial_sums`), [R].
+    reduction_combines: whether XLA's combiners may merge the reduction's collectives with
+      each other and with those of the other combining reductions, bool [R]: every op of
+      its signature runs once per step outside loops and reaches no op that can reduce
+      (see `_terminal_reductions`), so no two such collectives depend on each other
+      (the gradients of data parallelism and FSDP, the loss).
+    combine_bytes: the most bytes one combined all-reduce and one combined reduce-scatter
+      carry (`Hardware.combine_threshold`; 0: the backend does not combine), [2].
     edge_buffers: how many distinct buffers the edge's resharding materialises (its ops,
       not times their repeat counts; operand reads shared as in `edge_weight`), [E]: the
       simulator adds gathered operands to the peak memory.
@@ -111,6 +118,8 @@ class CostTables:
   reduction_edge: np.ndarray
   reduction_weight: np.ndarray
   reduction_partial_sums: np.ndarray
+  reduction_combines: np.ndarray
+  combine_bytes: np.ndarray
   live_bytes: np.ndarray
   mask_group: np.ndarray
   mask_seconds_per_byte: np.ndarray
@@ -232,6 +241,31 @@ def _operand_read_shares(program: Program, sigs: Signatures) -> dict[tuple[int, 
   return {read: 1.0 / counts[key] for read, key in keys.items()}
 
 
+def _terminal_reductions(program: Program, sigs: Signatures, reduces: np.ndarray) -> np.ndarray:
+  """Op signatures whose ops can all have their collectives combined, bool [Uo].
+
+  XLA's combiners merge collectives of one kind and replica groups that do not depend on
+  each other. An op that can reduce (its signature in `reduces`, [Uo]) and reaches no
+  other such op through its results' consumers is "terminal"; no terminal op reaches
+  another, so the collectives of terminal ops are mutually independent. A signature
+  combines when all its ops are terminal and run once per step outside loops.
+  """
+  consumers: dict[int, list[int]] = {}
+  for op in program.ops:
+    for v in set(op.operands):
+      consumers.setdefault(v, []).append(op.id)
+  can_reduce = np.array([sigs.op_sig[op.id] >= 0 and reduces[sigs.op_sig[op.id]] for op in program.ops], bool)
+  reaches = np.zeros(program.num_ops, bool)  # Reaches an op that can reduce, itself excluded.
+  for op in reversed(program.ops):  # Program order is a topological order.
+    reaches[op.id] = any(can_reduce[c] or reaches[c] for v in op.results for c in consumers.get(v, ()))
+  terminal = np.ones(len(sigs.op_keys), bool)
+  for op in program.ops:
+    sig = sigs.op_sig[op.id]
+    if sig >= 0:
+      terminal[sig] &= not reaches[op.id] and op.repeat == 1 and not op.scope
+  return terminal
+
+
 def _factor_indices(tables: list[np.ndarray], rv: int, rf: int) -> np.ndarray:
   """Bool [Rv, Rf] dim-to-factor tables as padded index lists, int32 [E, Rv, F]."""
   width = max([int(t.sum(axis=1).max()) for t in tables] + [1])
@@ -306,6 +340,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   edge_op = np.array(edge_op, np.int32)
   reduces = reduction.any(axis=1)[reduction_source] & ~deferred  # [Uo]
   reduction_edge = np.flatnonzero(np.array(edge_result, bool) & reduces[edge_op]).astype(np.int32)
+  terminal = _terminal_reductions(program, sigs, reduces)
   group, seconds_per_byte, latency = _mask_tables(mesh)
   return CostTables(
       value_bytes=np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32),
@@ -325,6 +360,9 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       reduction_edge=reduction_edge,
       reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
       reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
+      reduction_combines=terminal[edge_op[reduction_edge]],
+      combine_bytes=np.array([hw.combine_threshold.get(k, 0.0) for k in ("all-reduce", "reduce-scatter")],
+                             np.float32),
       live_bytes=_live_bytes(program, sigs),
       mask_group=group,
       mask_seconds_per_byte=seconds_per_byte,

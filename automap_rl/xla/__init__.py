@@ -9,12 +9,14 @@ from automap_rl.xla.lower import Lowered
 from automap_rl.xla.lower import NumericsError
 from automap_rl.xla.lower import check_numerics
 from automap_rl.xla.lower import lower
+from automap_rl.xla.realized import ShardingDifference
 
 __all__ = [
     "Collective",
     "CompiledStats",
     "Lowered",
     "NumericsError",
+    "ShardingDifference",
     "axes_for_groups",
     "check_numerics",
     "inspect_compiled",

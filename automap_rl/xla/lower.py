@@ -4,10 +4,13 @@
 `automap_rl.ir.trace` walks it: call-like primitives are inlined, so each equation's
 index path through them is the `Op.origin` of the program op it became; loops and
 `cond` are bound whole (their bodies have no origin). After every equation that is a
-program op, each result gets `jax.lax.with_sharding_constraint` to the `PartitionSpec`
-the plan resolves for it (see `CONSTRAIN`), so XLA's SPMD partitioner follows the plan
-rather than propagating shardings its own way. Arguments and outputs get the plan's
-`NamedSharding`s as `in_shardings` / `out_shardings`.
+program op, each array result gets `jax.lax.with_sharding_constraint` to the
+`PartitionSpec` the plan resolves for it, replicated ones included: every dim names its
+axes or `None` (replicated), never `PartitionSpec.UNCONSTRAINED`, so XLA's sharding
+propagation cannot spread an op over a mesh axis the plan leaves idle. Arguments and
+outputs get the plan's `NamedSharding`s as `in_shardings` / `out_shardings`. The compiled
+module's shardings are compared with the plan's (`automap_rl.xla.realized`):
+`Lowered.differences` lists every value XLA shards otherwise.
 
 `check_numerics` runs the partitioned and the unpartitioned program and raises
 `NumericsError` naming the first output leaf that differs beyond tolerance.
@@ -16,7 +19,6 @@ rather than propagating shardings its own way. Arguments and outputs get the pla
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,29 +32,12 @@ from automap_rl.mesh import to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.xla.hlo import CompiledStats, inspect_compiled
+from automap_rl.xla.realized import (Expected, ShardingDifference, compile_with_shardings, normalize, scope_name,
+                                     sharding_differences)
 
-__all__ = [
-    "CONSTRAIN", "Constrain", "Lowered", "NumericsError", "check_numerics", "compare_outputs", "lower",
-    "reference_outputs",
-]
+__all__ = ["Lowered", "NumericsError", "check_numerics", "compare_outputs", "lower", "reference_outputs"]
 
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-
-
-class Constrain(enum.Enum):
-  """Which intermediate results get a sharding constraint.
-
-  SHARDED: results whose spec shards some dim, plus contraction results even when
-    replicated (there the plan's choice of all-reduce vs keeping a partial sum matters).
-  ALL: every non-scalar result of every program op, replicated ones included.
-  """
-
-  SHARDED = "sharded"
-  ALL = "all"
-
-
-CONSTRAIN = Constrain.SHARDED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +51,9 @@ class Lowered:
     out_shardings: a `NamedSharding` per output leaf, as a pytree like the outputs.
     stats: collectives, flops and memory of the compiled module.
     mesh: the `jax.sharding.Mesh` it runs on.
+    differences: every argument, constrained result and output that the module entering
+      XLA's SPMD partitioner shards otherwise than the plan; empty when the plan is
+      realized as written.
   """
 
   jitted: Any
@@ -74,6 +62,7 @@ class Lowered:
   out_shardings: Any
   stats: CompiledStats
   mesh: jax.sharding.Mesh
+  differences: tuple[ShardingDifference, ...]
 
   def run(self, args: Sequence[Any]) -> Any:
     """Copies `args` onto the mesh with `in_shardings` and runs the compiled program.
@@ -86,21 +75,13 @@ class Lowered:
     return self.compiled(*placed)
 
 
-def _result_specs(problem: Problem, specs: Mapping[int, PartitionSpec], constrain: Constrain,
-                  ) -> dict[tuple[int, ...], tuple[PartitionSpec | None, ...]]:
-  """Origin -> the spec to constrain each result of its op to (None: leave it free)."""
+def _constrained(problem: Problem) -> dict[tuple[int, ...], tuple[int | None, ...]]:
+  """Origin -> the value id each result of its op is constrained as (None for scalars)."""
   out = {}
   for op in problem.program.ops:
-    if not op.origin:
-      continue
-    chosen = []
-    for v in op.results:
-      spec, rank = specs[v], len(problem.program.values[v].shape)
-      keep = rank > 0 and (constrain is Constrain.ALL or op.primitive in _CONTRACTIONS
-                           or any(a is not None for a in spec))
-      chosen.append(spec if keep else None)
-    if any(s is not None for s in chosen):
-      out[op.origin] = tuple(chosen)
+    chosen = tuple(v if problem.program.values[v].shape else None for v in op.results)
+    if op.origin and any(v is not None for v in chosen):
+      out[op.origin] = chosen
   return out
 
 
@@ -139,22 +120,46 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
   return lambda *args: walk(closed.jaxpr, closed.consts, args, ())
 
 
-def _constrainer(specs: Mapping[tuple[int, ...], Sequence[PartitionSpec | None]], mesh: jax.sharding.Mesh):
+def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], specs: Mapping[int, PartitionSpec],
+                 mesh: jax.sharding.Mesh):
+  """`constrain(origin, results)` for `interpret`: each array result of a program op
+  constrained to its value's spec, inside the named scope `realized` finds it by."""
+
+  def pin(x: Any, value: int) -> Any:
+    with jax.named_scope(scope_name(value)):
+      return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, specs[value]))
+
   def constrain(origin: tuple[int, ...], results: list[Any]) -> list[Any]:
-    chosen = specs.get(origin)
+    chosen = constrained.get(origin)
     if chosen is None:
       return results
     if len(chosen) != len(results):
       raise ValueError(f"Equation {origin} has {len(results)} results but its program op has {len(chosen)}; "
                        "was the program traced from the same function and arguments?")
-    return [x if s is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
-            for x, s in zip(results, chosen)]
+    return [x if v is None else pin(x, v) for x, v in zip(results, chosen)]
   return constrain
 
 
+def _expectations(problem: Problem, specs: Mapping[int, PartitionSpec], args: Sequence[Any],
+                  constrained: Mapping[tuple[int, ...], Sequence[int | None]]
+                  ) -> tuple[dict[str, Expected], dict[int, Expected], list[Expected]]:
+  """The plan's sharding of each argument (by the `op_name` jax gives its HLO parameter),
+  constrained result (by value id) and output, for `realized.sharding_differences`."""
+  program, shape = problem.program, problem.mesh.shape
+  expect = lambda v, where: Expected(v, where, normalize(specs[v], len(program.values[v].shape), shape))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tuple(args))[0]]
+  arguments = {f"call_args{path}": expect(v, f"argument {program.values[v].path or path}")
+               for path, v in zip(paths, program.inputs)}
+  ops = {v: op for op in program.ops for v in op.results}
+  results = {v: expect(v, f"result of {ops[v].primitive} (op {ops[v].id})")
+             for chosen in constrained.values() for v in chosen if v is not None}
+  outputs = [expect(v, f"output {i}" + (f" {program.values[v].path}" if program.values[v].path else ""))
+             for i, v in enumerate(program.outputs)]
+  return arguments, results, outputs
+
+
 def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any], args: Sequence[Any], *,
-          jax_mesh: jax.sharding.Mesh | None = None, donate_argnums: Sequence[int] = (),
-          constrain: Constrain = CONSTRAIN) -> Lowered:
+          jax_mesh: jax.sharding.Mesh | None = None, donate_argnums: Sequence[int] = ()) -> Lowered:
   """Compiles `fn(*args)` partitioned by `decisions`.
 
   Args:
@@ -164,10 +169,9 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
     args: example arguments (arrays or `jax.ShapeDtypeStruct`s), positional pytrees.
     jax_mesh: the mesh to run on; default `to_jax_mesh(problem.mesh)`.
     donate_argnums: positional arguments whose buffers the compiled program may reuse.
-    constrain: which intermediates get sharding constraints.
 
   Returns:
-    The compiled plan and its statistics.
+    The compiled plan, its statistics and its differences from the plan.
   """
   program = problem.program
   mesh = to_jax_mesh(problem.mesh) if jax_mesh is None else jax_mesh
@@ -175,7 +179,8 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   if len(closed.jaxpr.invars) != len(program.inputs) or len(closed.jaxpr.outvars) != len(program.outputs):
     raise ValueError(f"fn has {len(closed.jaxpr.invars)} inputs and {len(closed.jaxpr.outvars)} outputs but the "
                      f"program has {len(program.inputs)} and {len(program.outputs)}.")
-  results = [v for op in program.ops if op.origin for v in op.results]
+  constrained = _constrained(problem)
+  results = [v for chosen in constrained.values() for v in chosen if v is not None]
   value_ids = list(dict.fromkeys([*program.inputs, *program.outputs, *results]))
   specs = dict(zip(value_ids, problem.partition_specs(decisions, value_ids)))  # One resolution.
   in_leaves = [NamedSharding(mesh, specs[v]) for v in program.inputs]
@@ -184,7 +189,7 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   in_shardings = jax.tree_util.tree_unflatten(arg_tree, in_leaves)
   out_tree = jax.tree_util.tree_structure(out_shape)
   out_shardings = jax.tree_util.tree_unflatten(out_tree, out_leaves)
-  body = interpret(closed, _constrainer(_result_specs(problem, specs, constrain), mesh))
+  body = interpret(closed, _constrainer(constrained, specs, mesh))
 
   def interpreted(*call_args):
     flat = jax.tree_util.tree_leaves(call_args)
@@ -192,9 +197,12 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
 
   jitted = jax.jit(interpreted, in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=tuple(donate_argnums))
-  compiled = jitted.lower(*args).compile()
-  stats = inspect_compiled(compiled, problem.mesh.axis_names, problem.mesh.axis_sizes)
-  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh)
+  compiled, partitioned = compile_with_shardings(jitted.lower(*args))
+  axis_names, axis_sizes = problem.mesh.axis_names, problem.mesh.axis_sizes
+  stats = inspect_compiled(compiled, axis_names, axis_sizes)
+  differences = () if partitioned is None else sharding_differences(
+      partitioned, *_expectations(problem, specs, args, constrained), axis_names, axis_sizes)
+  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh, differences)
 
 
 class NumericsError(AssertionError):

@@ -79,7 +79,9 @@ SUITES: dict[str, Suite] = {
 @dataclasses.dataclass(frozen=True)
 class Case:
   """One validated plan: metrics are dicts of `comm_bytes` (total), `comm_bytes_by_kind`,
-  `comm_count_by_kind`, `flops` and `peak_memory`, per device."""
+  `comm_count_by_kind`, `flops` and `peak_memory`, per device; `differences` are the
+  values XLA shards otherwise than the plan (`Lowered.differences`, as dicts), empty when
+  the plan is realized as written."""
 
   model: str
   mesh: str
@@ -90,6 +92,7 @@ class Case:
   numerics_ok: bool
   numerics_error: str | None
   seconds: float
+  differences: tuple[dict[str, Any], ...] = ()
 
 
 # -- metrics ------------------------------------------------------------------------------
@@ -145,22 +148,18 @@ def simulated_metrics(problem: Problem, decisions: Sequence[Decision]) -> dict[s
   }
 
 
-def _buffers(shape: tuple) -> int:
-  """How many arrays a collective moves (combined collectives carry a tuple of shapes)."""
-  return len(shape) if shape and isinstance(shape[0], tuple) else 1
-
-
 def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
-  """XLA's view of a plan (see `Case`). Counts are arrays moved, so that XLA's combining
-  of several collectives into one tuple-shaped instruction does not change them;
-  `collective-permute` (which the simulator does not model) is reported apart."""
+  """XLA's view of a plan (see `Case`). Counts are collective instructions: a combined
+  collective (several buffers, tuple-shaped) counts once, as the simulator counts what
+  XLA's combiners merge; `collective-permute` (which the simulator does not model) is
+  reported apart."""
   by_kind = {k: 0.0 for k in KINDS}
   count = {k: 0.0 for k in KINDS}
   permute_bytes = 0.0
   for c in stats.collectives:
     if c.kind in by_kind:
       by_kind[c.kind] += c.bytes
-      count[c.kind] += _buffers(c.shape)
+      count[c.kind] += 1
     else:
       permute_bytes += c.bytes
   return {
@@ -212,7 +211,8 @@ def run_case(problem: Problem, workload: workloads.Workload, mesh_spec: str, pla
   return Case(
       model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
       simulated=simulated_metrics(problem, decisions), compiled=compiled_metrics(lowered.stats),
-      numerics_ok=error is None, numerics_error=error, seconds=time.perf_counter() - start)
+      numerics_ok=error is None, numerics_error=error, seconds=time.perf_counter() - start,
+      differences=tuple(dataclasses.asdict(d) for d in lowered.differences))
 
 
 def trace_problem(workload: workloads.Workload, mesh_spec: str, hardware: str) -> Problem:
@@ -271,6 +271,7 @@ def summarize_cases(cases: Sequence[Case]) -> dict[str, float]:
       "memory_median_rel_error": _median_error(cases, "peak_memory"),
       "memory_spearman": spearman(column("simulated", "peak_memory"), column("compiled", "peak_memory")),
       "numerics_ok_fraction": float(np.mean([c.numerics_ok for c in cases])) if cases else math.nan,
+      "realized_fraction": float(np.mean([not c.differences for c in cases])) if cases else math.nan,
   }
 
 

@@ -1,0 +1,166 @@
+"""Whether XLA realized a plan as written: the compiled module's shardings against the plan's.
+
+`lower` constrains every array result of every program op to the plan's sharding inside a
+named scope `scope_name(value id)`, and gives arguments and outputs the plan's shardings.
+XLA's sharding propagation then decides a sharding for every instruction, and the SPMD
+partitioner partitions each instruction by it. This module reads the module as it enters
+the partitioner (the `*before_spmd-partitioning.txt` HLO dump) and compares:
+
+* each entry parameter's `sharding=` (named by its `op_name`, `call_args` plus the pytree
+  key path of the argument) with the plan's sharding of that argument;
+* each sharding constraint's operand, the instruction computing the op's result, with
+  the plan's sharding of that result: where they differ, XLA computes the op sharded
+  otherwise and reshards into the constraint, which the plan (and the simulator) did not
+  write;
+* each element of the entry's root with the plan's sharding of that output.
+
+Shardings compare as mesh axes per dimension (`hlo.sharding_spec`), size-1 axes left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from automap_rl.xla import hlo
+
+__all__ = ["Expected", "ShardingDifference", "compile_with_shardings", "format_spec", "normalize", "scope_name",
+           "sharding_differences"]
+
+_SCOPE = "automap_value_"
+_CONSTRAINT_RE = re.compile(_SCOPE + r"(\d+)/sharding_constraint$")
+_OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_CONSTRAINT_OPCODES = frozenset({"copy", "custom-call"})  # Shardy's copy; GSPMD's custom-call @Sharding.
+
+
+def scope_name(value: int) -> str:
+  """The `jax.named_scope` that `lower` puts the constraint of program value `value` in."""
+  return f"{_SCOPE}{value}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+  """The plan's sharding of one value.
+
+  Attributes:
+    value: program value id.
+    where: what the value is, for reports: `argument params/...`, `output 3` or
+      `result of dot_general (op 12)`.
+    spec: mesh axes per dim (see `normalize`).
+  """
+
+  value: int
+  where: str
+  spec: hlo.Spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingDifference:
+  """A value XLA shards otherwise than the plan.
+
+  Attributes:
+    value: program value id.
+    where: see `Expected.where`.
+    expected: the plan's sharding, as a `PartitionSpec` string.
+    actual: XLA's, as a `PartitionSpec` string (the raw HLO sharding when no mesh axes
+      express it, `unannotated` when the instruction has none).
+  """
+
+  value: int
+  where: str
+  expected: str
+  actual: str
+
+
+def normalize(spec: PartitionSpec, rank: int, mesh_shape: Mapping[str, int]) -> hlo.Spec:
+  """A `PartitionSpec` as mesh axes per dim, `rank` dims, size-1 axes left out."""
+  entries = list(spec) + [None] * (rank - len(spec))
+  axes = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
+  return tuple(tuple(a for a in dim if mesh_shape[a] > 1) for dim in axes)
+
+
+def format_spec(spec: hlo.Spec) -> str:
+  """`(("data",), ())` -> `P('data', None)`."""
+  entry = lambda axes: "None" if not axes else repr(axes[0]) if len(axes) == 1 else repr(axes)
+  return f"P({', '.join(entry(axes) for axes in spec)})"
+
+
+def compile_with_shardings(stage: Any) -> tuple[Any, str | None]:
+  """Compiles a `jax.stages.Lowered` and returns `(compiled, hlo)`: `hlo` is the text of
+  the module entering the SPMD partitioner (XLA's `xla_dump_to` dump of the pass, in a
+  temporary directory), every instruction annotated with the sharding propagation
+  chose; None when the partitioner did not run (a single device)."""
+  with tempfile.TemporaryDirectory(prefix="automap_hlo_") as dump:
+    compiled = stage.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    paths = sorted(glob.glob(os.path.join(dump, "*before_spmd-partitioning.txt")))
+    if not paths:
+      return compiled, None
+    with open(paths[-1]) as f:
+      return compiled, f.read()
+
+
+def _op_name(attrs: str) -> str:
+  match = _OP_NAME_RE.search(attrs)
+  return "" if match is None else match.group(1).replace("\\'", "'").replace('\\"', '"')
+
+
+def sharding_differences(hlo_text: str, arguments: Mapping[str, Expected], constrained: Mapping[int, Expected],
+                         outputs: Sequence[Expected], axis_names: Sequence[str],
+                         axis_sizes: Sequence[int]) -> tuple[ShardingDifference, ...]:
+  """Every value of the plan that the module (before SPMD partitioning) shards otherwise.
+
+  Args:
+    hlo_text: the module's HLO text, with `sharding=` annotations.
+    arguments: the plan for each entry parameter, by its `op_name`.
+    constrained: the plan for each constrained result, by value id (see `scope_name`).
+    outputs: the plan for each element of the entry's root, in order.
+    axis_names, axis_sizes: the mesh; device i is row-major mesh position i.
+
+  Returns:
+    The differences in module text order (arguments, results, then outputs). Values
+    absent from the module (XLA removed them as dead) are not compared.
+  """
+  differences = []
+  types, shardings = {}, {}
+  entry, root = False, None
+
+  def compare(expected: Expected, rank: int, actual: str | None) -> None:
+    spec = None if actual is None else hlo.sharding_spec(actual, rank, axis_names, axis_sizes)
+    if spec != expected.spec:
+      shown = "unannotated" if actual is None else format_spec(spec) if spec is not None else actual
+      differences.append(ShardingDifference(expected.value, expected.where, format_spec(expected.spec), shown))
+
+  def rank(type_text: str) -> int:
+    return len(hlo.parse_shapes(type_text)[0][1])
+
+  for line in hlo_text.splitlines():
+    if line.startswith("ENTRY"):
+      entry = True
+    inst = hlo.parse_instruction(line)
+    if inst is None:
+      continue
+    types[inst.name] = inst.type
+    shardings[inst.name] = hlo.sharding_attr(inst.attrs)
+    op_name = _op_name(inst.attrs)
+    if entry and inst.opcode == "parameter" and op_name in arguments:
+      compare(arguments[op_name], rank(inst.type), shardings[inst.name])
+    match = _CONSTRAINT_RE.search(op_name)
+    if match and inst.opcode in _CONSTRAINT_OPCODES and int(match.group(1)) in constrained:
+      producer = inst.operands[0]
+      compare(constrained[int(match.group(1))], rank(types[producer]), shardings[producer])
+    if entry and line.lstrip().startswith("ROOT"):
+      root = inst
+  if root is not None and outputs:
+    is_tuple, whole = root.opcode == "tuple", shardings[root.name]
+    elements = root.operands if is_tuple else (root.name,)
+    parts = hlo.split_tuple_sharding(whole) if is_tuple and whole is not None else (whole,) * len(elements)
+    for expected, element, part in zip(outputs, elements, parts):
+      compare(expected, rank(types[element]), part)
+  return tuple(differences)
