@@ -290,20 +290,28 @@ def _build_site(spec: _SiteSpec, domains: Mapping[int, tuple[int, ...]], per_axi
     for bit, i in enumerate(able):
       subset |= (axis[:, i] == x).astype(np.int64) << bit
     masks |= features[subset]
-  _, first, inverse = np.unique(masks, axis=0, return_index=True, return_inverse=True)
+  _, inverse = np.unique(masks, axis=0, return_inverse=True)
   inverse = inverse.reshape(-1)
-  lookup = np.full(total, -1, np.int64)
-  strategies: list[np.ndarray] = []  # Member assignment indices of each strategy.
-  for group in np.argsort(first, kind="stable"):
-    members = np.flatnonzero(inverse == group)
-    product = np.prod([len(np.unique(digits[members, i])) for i in range(len(radix))])
-    for part in [members] if product == len(members) else [members[j:j + 1] for j in range(len(members))]:
-      lookup[part] = len(strategies)
-      strategies.append(part)
-  allowed = tuple(np.stack([np.isin(np.arange(size), digits[part, i]) for part in strategies])
-                  for i, size in enumerate(radix.tolist()))
+  groups = int(inverse.max()) + 1
+  product = np.ones(groups, np.int64)
+  for i, size in enumerate(radix.tolist()):
+    present = np.zeros((groups, size), bool)
+    present[inverse, digits[:, i]] = True
+    product *= present.sum(axis=1)
+  whole = product == np.bincount(inverse, minlength=groups)
+  # A product set is one strategy; any other group splits into single assignments.
+  key = np.where(whole[inverse], inverse, groups + np.arange(total))
+  _, first, lookup = np.unique(key, return_index=True, return_inverse=True)
+  rank = np.empty(len(first), np.int64)
+  rank[np.argsort(first, kind="stable")] = np.arange(len(first))  # Strategies by first assignment.
+  lookup = rank[lookup.reshape(-1)]
+  allowed = []
+  for i, size in enumerate(radix.tolist()):
+    table = np.zeros((len(first), size), bool)
+    table[lookup, digits[:, i]] = True
+    allowed.append(table)
   return Site(kind=spec.kind, index=spec.index, classes=np.array(spec.classes, np.int64), radix=radix,
-              lookup=lookup, allowed=allowed, masks=np.stack([masks[part[0]] for part in strategies]))
+              lookup=lookup, allowed=tuple(allowed), masks=masks[np.sort(first)])
 
 
 def _site_terms(problem: Problem, sites: Sequence[Site]) -> tuple[list[np.ndarray], list[np.ndarray]]:
