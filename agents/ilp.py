@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from agents.base import Budget, Progress, SearchResult, TracePoint, env_config
+from agents.base import Budget, Progress, SearchResult, TracePoint, env_config, searcher
 from automap_rl import simulator, solver, strategy_graph, tactics
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
@@ -41,14 +41,18 @@ class ILPConfig:
   """The ILP agent.
 
   Attributes:
-    seconds: the solver's time limit when the budget gives none (a simulations budget
-      does not bound this agent: it evaluates each site's strategies once, in batches).
+    seconds: the solver's time limit when the budget gives none.
     warm_start: start from the best expert plan (else from nothing; the class order is
       then by id).
+    action_space: the environment action space the result's `action_ids` are encoded in
+      (plans are named-dimension decisions).
+    max_decisions: that environment's capacity in class decisions.
   """
 
   seconds: float = 20.0
   warm_start: bool = True
+  action_space: str = "named_dims"
+  max_decisions: int = 256
 
 
 def best_expert(problem: Problem) -> tuple[str, list[Decision], simulator.Cost]:
@@ -73,7 +77,9 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   """Builds the strategy graph, solves it within the time limit (the budget's seconds,
   else `config.seconds`) from the best expert, and returns the solver's plan.
 
-  The seed drives the solver's random choices; its stages stop on the wall clock, so two
+  A simulation is a complete plan simulated: the experts and the result (the graph's
+  per-site terms, evaluated once in batches, are setup), so a simulations budget does not
+  bound this agent; its time limit does. The seed drives the solver's random choices; its stages stop on the wall clock, so two
   runs agree when the whole MIP is solved to optimality (small graphs) and can differ
   otherwise. When the graph has no plan within the memory limit (the solver finds none),
   the best expert plan is returned.
@@ -84,7 +90,7 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   _, expert, expert_cost = best_expert(problem)
   order = strategy_graph.order_from(problem, expert if config.warm_start else ())
   graph = strategy_graph.build(problem, order)
-  simulations = len(tactics.applicable(problem)) + sum(s.num_strategies for s in graph.sites)
+  simulations = len(tactics.applicable(problem)) + 1
   warm = graph.assignment_of(expert) if config.warm_start else None
   setup = time.perf_counter() - start
   trace = [TracePoint(0, setup, float(expert_cost.step_time), objective(problem, expert_cost))]
@@ -92,13 +98,17 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
     result = solver.solve(graph.graph, timeout_s=max(limit - setup, 1.0), seed=seed,
                           warm_start=None if warm is None else graph.choice(warm))
     decisions = graph.decisions(result.choice)
-  except RuntimeError:  # No plan of the graph fits in memory.
-    decisions = expert
+  except RuntimeError:  # No plan of the graph fits in memory: the expert, as class decisions.
+    dec_class, dec_axis = problem.encode(expert)
+    decisions = [Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(dec_class, dec_axis)]
   cost = problem.cost(decisions)
   if progress is not None:
     progress(simulations, float(cost.step_time))
   seconds = time.perf_counter() - start
   trace.append(TracePoint(simulations, seconds, float(cost.step_time), objective(problem, cost)))
+  env = searcher(problem, env_config(problem, config.action_space, config.max_decisions)).env
+  target = {t.target: i for i, t in enumerate(env.targets)}
+  action_ids = tuple(target[d.target] * env.config.max_axes + problem.mesh.axis_index(d.axis) for d in decisions)
   return SearchResult(decisions=decisions, cost=cost, trace=trace, simulations=simulations, seconds=seconds,
-                      actions=[f"shard named dim {d.target} on {d.axis}" for d in decisions], objective=trace[-1].objective,
-                      setup_seconds=setup)
+                      actions=[env.action_name(a) for a in action_ids], objective=trace[-1].objective,
+                      setup_seconds=setup, action_ids=action_ids)
