@@ -39,7 +39,8 @@ def test_same_seed_same_plan_and_budget_respected(name):
   assert all(t.simulations <= a.simulations for t in a.trace)
   assert len(a.actions) == len(a.decisions) == len(a.action_ids)
   # The encoded action list carries the plan: replayed through the environment it gives the same cost.
-  search = agents_base.searcher(p, agents_base.env_config(p, "groups", 256))
+  space = getattr(agents.AGENTS[name][0](), "action_space", "groups")  # The ILP's plans are named dims.
+  search = agents_base.searcher(p, agents_base.env_config(p, space, 256))
   assert float(search.cost(a.action_ids).step_time) == pytest.approx(float(a.cost.step_time), rel=1e-6)
 
 

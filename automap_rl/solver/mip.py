@@ -84,7 +84,8 @@ def reoptimize(reduced: Reduced, memory: Memory, choice: np.ndarray, free: np.nd
   _add_usage_rows(highs, model, rows)
   start = highspy.HighsSolution()
   start.col_value = model.start_values()
-  constant = cost - float(np.dot(np.concatenate([model.x_cost, model.y_cost]), start.col_value))
+  columns = np.concatenate([model.x_cost, model.y_cost])  # Banned (infinite) columns are 0 in the start.
+  constant = cost - float(np.dot(np.where(np.isfinite(columns), columns, 0.0), start.col_value))
   best, best_cost, bound, optimal = choice, cost, -np.inf, False
   while time.monotonic() < deadline:
     highs.setOptionValue("time_limit", max(deadline - time.monotonic(), 0.01))

@@ -1,0 +1,71 @@
+"""The strategy graph of a program: its cost of a plan is the simulator's, on every zoo family."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from automap_rl import solver, strategy_graph, tactics, workloads
+from automap_rl.mesh import make_mesh
+from automap_rl.problem import Problem
+from automap_rl.sharding import Decision
+
+MESHES = {"llama": "data=2,fsdp=2,model=2", "moe": "data=2,fsdp=2,model=2"}  # Others: data=2,model=2.
+
+
+def _random_assignments(graph: strategy_graph.ProgramGraph, rng: np.random.Generator, count: int):
+  for density in np.linspace(0.2, 0.8, count):
+    yield {c: int(rng.choice(d[1:])) for c, d in zip(graph.classes, graph.domains)
+           if len(d) > 1 and rng.random() < density}
+
+
+@pytest.mark.parametrize("family", workloads.FAMILIES)
+def test_graph_cost_of_a_plan_is_the_simulator_cost(family):
+  problem = Problem.build(workloads.make_workload(family, abstract=True).trace(),
+                          make_mesh(MESHES.get(family, "data=2,model=2"), "h100"))
+  experts = tactics.applicable(problem)
+  graph = strategy_graph.build(problem, strategy_graph.order_from(problem, experts["fsdp"]))
+  assignments = list(_random_assignments(graph, np.random.default_rng(0), 4))
+  assignments += [a for a in (graph.assignment_of(plan) for plan in experts.values()) if a is not None]
+  assert graph.assignment_of(experts["fsdp"]) is not None  # The order keeps FSDP's.
+  for assignment in assignments:
+    choice = graph.choice(assignment)
+    decisions = graph.decisions(choice)
+    assert graph.assignment(choice) == assignment
+    cost = problem.cost(decisions)
+    assert solver.plan_cost(graph.graph, choice) == pytest.approx(float(cost.step_time), rel=1e-5)
+    assert solver.peak_usage(graph.graph, choice) == pytest.approx(float(cost.peak_memory), rel=1e-5)
+    assert solver.is_feasible(graph.graph, choice) == bool(cost.fits)
+
+
+def test_an_expert_plan_maps_to_the_graph_plan_that_resolves_like_it():
+  problem = Problem.build(workloads.make_workload("gpt:layers=2,d_model=64,heads=4,seq=32,vocab=128,batch=8",
+                                                  abstract=True).trace(), make_mesh("data=2,model=4", "h100"))
+  plan = tactics.data_megatron(problem)
+  graph = strategy_graph.build(problem, strategy_graph.order_from(problem, plan))
+  choice = graph.choice(graph.assignment_of(plan))
+  assert solver.plan_cost(graph.graph, choice) == pytest.approx(float(problem.cost(plan).step_time), rel=1e-5)
+  # A class decided on two axes has no assignment; nor do decisions out of the graph's order.
+  cls = graph.classes[0]
+  assert graph.assignment_of([Decision(cls, "data"), Decision(cls, "model")]) is None
+  later, earlier = graph.order[-1], graph.order[0]
+  assert graph.assignment_of([Decision(later, "data"), Decision(earlier, "model")]) is None
+
+
+def test_every_graph_plan_without_forbidden_entries_is_an_assignment():
+  problem = Problem.build(workloads.make_workload("mlp", abstract=True).trace(), make_mesh("data=2,model=2", "h100"))
+  graph = strategy_graph.build(problem)
+  # A site strategy that disagrees with a class choice is forbidden on their edge.
+  choice = graph.choice({})
+  site = next(i for i, s in enumerate(graph.sites) if s.num_strategies > 1)
+  choice[len(graph.classes) + site] = 1
+  assert not solver.is_feasible(graph.graph, choice)
+
+
+def test_live_pieces_sum_to_the_profile():
+  profile = np.array([0.0, 3.0, 5.0, 2.0, 2.0, 7.0, 0.0, 1.0])
+  total = np.zeros_like(profile)
+  for start, end, amount in strategy_graph.live_pieces(profile):
+    assert amount > 0
+    total[start:end] += amount
+  np.testing.assert_allclose(total, profile)
