@@ -98,10 +98,16 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
     result = solver.solve(graph.graph, timeout_s=max(limit - setup, 1.0), seed=seed,
                           warm_start=None if warm is None else graph.choice(warm))
     decisions = graph.decisions(result.choice)
-  except RuntimeError:  # No plan of the graph fits in memory: the expert, as class decisions.
+  except RuntimeError:  # No plan of the graph fits in memory.
+    decisions = None
+  cost = None if decisions is None else problem.cost(decisions)
+  if cost is None or objective(problem, cost) > objective(problem, expert_cost):
+    # The expert, as class decisions: no graph plan fits, or the expert is outside the
+    # graph's plans (it gives a named dimension two axes, as FSDP does on a data x fsdp
+    # x model mesh) and beats what the solver found.
     dec_class, dec_axis = problem.encode(expert)
     decisions = [Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(dec_class, dec_axis)]
-  cost = problem.cost(decisions)
+    cost = problem.cost(decisions)
   if progress is not None:
     progress(simulations, float(cost.step_time))
   seconds = time.perf_counter() - start

@@ -402,9 +402,21 @@ def live_pieces(profile: np.ndarray) -> list[tuple[int, int, float]]:
   return pieces
 
 
+def without_combining(problem: Problem) -> Problem:
+  """`problem` with no reduction combined by XLA's combiners (`CostTables.reduction_combines`
+  off): every reduction then pays its own latency, a cost local to its edge. A graph's
+  costs are sums of per-node and per-edge terms, so the graph is built on this problem;
+  the plan cost it gives is exactly this problem's and an upper bound on `problem`'s
+  (combining only merges latencies)."""
+  tables = dataclasses.replace(problem.tables, reduction_combines=np.zeros_like(problem.tables.reduction_combines))
+  return Problem(problem.program, problem.named, problem.mesh, problem.sigs, tables)
+
+
 def build(problem: Problem, order: Sequence[int] | None = None) -> ProgramGraph:
   """The strategy graph of `problem` with class order `order` (default: by id; see
-  `order_from` to keep an expert plan's order)."""
+  `order_from` to keep an expert plan's order), costed without collective combining
+  (`without_combining`)."""
+  problem = without_combining(problem)
   order = tuple(range(len(problem.named.classes))) if order is None else tuple(int(c) for c in order)
   if sorted(order) != list(range(len(problem.named.classes))):
     raise ValueError(f"order must list each of the {len(problem.named.classes)} classes once")
