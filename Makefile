@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test clean
+.PHONY: demo test test-all clean
 
 $(BIN)/automap-rl: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,13 @@ demo: $(BIN)/automap-rl
 	  --agent mcts --budget 2000 --seed 0 --plot runs/demo_plan.png --json runs/demo_plan.json \
 	  --check-numerics --check-workload gpt:layers=2,d_model=128,heads=4,seq=32,vocab=256,batch=8
 
+# `make test` leaves out tests marked slow (the same properties on more models);
+# `make test-all` runs everything.
 test: $(BIN)/automap-rl
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -n 2 --durations=15 -m "not slow" tests
+
+test-all: $(BIN)/automap-rl
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
 

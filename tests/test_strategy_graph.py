@@ -19,7 +19,13 @@ def _random_assignments(graph: strategy_graph.ProgramGraph, rng: np.random.Gener
            if len(d) > 1 and rng.random() < density}
 
 
-@pytest.mark.parametrize("family", workloads.FAMILIES)
+# `make test` checks one dense transformer, the MoE on three axes and a convolutional
+# net; `make test-all` every family.
+QUICK = ("gpt", "moe", "resnet")
+
+
+@pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in workloads.FAMILIES])
 def test_graph_cost_of_a_plan_is_the_simulator_cost(family):
   problem = Problem.build(workloads.make_workload(family, abstract=True).trace(),
                           make_mesh(MESHES.get(family, "data=2,model=2"), "h100"))
