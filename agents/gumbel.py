@@ -185,7 +185,8 @@ def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex
 
 
 @functools.partial(jax.jit, static_argnames="network")
-def _encode(network: Network, params: chex.ArrayTree, tables: EnvTables, state: State) -> Embeddings:
+def encode(network: Network, params: chex.ArrayTree, tables: EnvTables, state: State) -> Embeddings:
+  """The embeddings of one program (from any of its states), jitted once per network."""
   return network.encode(params, static_graph(tables, state))
 
 
@@ -208,7 +209,7 @@ def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 
   env = search_.env
   if bool(search_.root.terminated):
     return track.result()
-  embeddings = None if params is None else _encode(Network(config.network), params, env.tables, search_.root)
+  embeddings = None if params is None else encode(Network(config.network), params, env.tables, search_.root)
   count = config.episodes
   root = jax.tree.map(lambda x: np.stack([x] * count), search_.root)
   states, paths = root, [[] for _ in range(count)]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agents import greedy, gumbel, mcts, random_search
+from agents import greedy, gumbel, learned, mcts, random_search
 from agents.base import Budget, Progress, SearchResult
 from agents.greedy import GreedyConfig
 from agents.gumbel import GumbelConfig
+from agents.learned import LearnedConfig
 from agents.mcts import MCTSConfig
 from agents.random_search import RandomConfig
 from automap_rl.problem import Problem
@@ -17,6 +18,7 @@ AGENTS: dict[str, tuple[type, Callable[..., SearchResult]]] = {
     "greedy": (GreedyConfig, greedy.search),
     "mcts": (MCTSConfig, mcts.search),
     "gumbel": (GumbelConfig, gumbel.search),
+    "learned": (LearnedConfig, learned.search),
 }
 
 
