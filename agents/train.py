@@ -163,7 +163,7 @@ def _update(config: TrainConfig, suite: Suite, carry, key: chex.PRNGKey):
   batch = replay.sample(buffer, key, config.batch_size)
   grads, parts = jax.grad(loss, has_aux=True)(params, suite, batch, config)
   updates, opt_state = optimizer(config).update(grads, opt_state, params)
-  parts["grad_norm"] = optax.global_norm(grads)
+  parts["grad_norm"] = optax.tree.norm(grads)
   return (optax.apply_updates(params, updates), opt_state, buffer), parts
 
 
