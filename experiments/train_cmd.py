@@ -156,6 +156,8 @@ def _wandb(config: TrainRunConfig):
     return None
   import wandb
 
+  # Our package named `agents` is no LLM-agents library: skip wandb's Weave suggestion.
+  os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
   return wandb.init(project="automap_rl", dir=os.path.abspath(config.run_dir), mode=config.wandb,
                     name=os.path.basename(os.path.abspath(config.run_dir)), config=dataclasses.asdict(config),
                     settings=wandb.Settings(silent=True))
