@@ -168,6 +168,19 @@ def test_learned_agent_partitions_a_workload(smoke_run):
   assert greedy.search.simulations <= 24 and len(greedy.search.action_ids) <= greedy.search.simulations
 
 
+def test_shipped_policy_partitions_from_the_command_line(tmp_path):
+  shipped = learned.policy_path(None)
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(shipped) for f in files)
+  assert size <= 10 * 2**20
+  out = tmp_path / "plan.json"
+  assert cli.main(["partition", "gpt:layers=1", "--mesh", "data=2,model=4", "--agent", "learned", "--budget", "16",
+                   "--seed", "1", "--no-progress", "--json", str(out)]) == 0
+  result = json.load(open(out))
+  assert result["agent"] == "learned" and 0 < result["simulations"] <= 16
+  assert len(result["decisions"]) == len(result["actions"])
+  assert result["step_time_s"] <= result["baselines"]["replicated"]["step_time_s"] * (1 + 1e-6)
+
+
 def test_train_command_presets_and_bad_input(capsys):
   config = cli.parse("train", ["--preset", "smoke", "--train.network.width", "8", "--iterations", "5"])
   assert config.train.network.width == 8 and config.iterations == 5
