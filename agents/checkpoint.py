@@ -27,7 +27,10 @@ CHECKPOINTS_DIR = "checkpoints"
 
 
 def _abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
-  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+  """Shapes and dtypes of `tree`, placed on this process's default device (a checkpoint
+  written on a CPU restores onto a GPU)."""
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
 
 
 class TrainCheckpoints:
