@@ -8,7 +8,8 @@ setuptools.setup(
     description="Search and learned policies that find sharding plans for JAX programs.",
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["automap_rl*", "envs*", "agents*", "experiments*"]),
-    package_data={"automap_rl.workloads": ["*.json"]},
+    package_data={"automap_rl.workloads": ["*.json"],
+                  "agents": ["checkpoints/*/*.json", "checkpoints/*/params/**/*"]},
     install_requires=[
         "jax==0.10.2",
         "jaxlib==0.10.2",
@@ -25,6 +26,7 @@ setuptools.setup(
         "numpy>=2",
         "scipy",
         "tqdm",
+        "rich",
         "gymnasium",
         "tyro",
         "highspy",

@@ -8,11 +8,12 @@ frozen config dataclass; `AGENTS` maps names to `(config class, search function)
 from agents.base import Budget, Progress, SearchResult, TracePoint
 from agents.greedy import GreedyConfig
 from agents.gumbel import GumbelConfig
+from agents.learned import LearnedConfig
 from agents.mcts import MCTSConfig
 from agents.partition import partition
 from agents.random_search import RandomConfig
 from agents.registry import AGENTS, run_agent
 from automap_rl.plan import Plan
 
-__all__ = ["AGENTS", "Budget", "GreedyConfig", "GumbelConfig", "MCTSConfig", "Plan", "Progress", "RandomConfig",
+__all__ = ["AGENTS", "Budget", "GreedyConfig", "GumbelConfig", "LearnedConfig", "MCTSConfig", "Plan", "Progress", "RandomConfig",
            "SearchResult", "TracePoint", "partition", "run_agent"]

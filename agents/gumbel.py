@@ -1,7 +1,9 @@
 """Gumbel MuZero search (mctx) over the partitioning environment, the environment being the model.
 
-`recurrent_fn` steps the environment exactly: the reward is the state's reward (the
-objective's decrease), the discount 1 (0 once the episode has ended), and the prior logits
+`recurrent_fn` steps the environment exactly: the reward is the decrease of the log
+objective (`log_reward`: summed over an episode, the log of the replicated plan's cost
+over the final plan's, so problems of any size weigh alike), the discount 1 (0 once the
+episode has ended), and the prior logits
 and value come from the network's head (`agents.network`) on the program's embeddings,
 encoded once per search and closed over. Without parameters the prior is uniform over the
 legal actions and every value is 0: the uniform-prior Gumbel baseline.
@@ -72,6 +74,12 @@ def _evaluate(network: Network, params: chex.ArrayTree | None, embeddings: Embed
   return network.head(params, embeddings, state_features(tables, state))
 
 
+def log_reward(before: State, after: State) -> jax.Array:
+  """The search's reward of a step: `log(before.objective / after.objective)`, f32 [...]
+  (0 for a stop or a step below an ended episode, which leave the plan as it is)."""
+  return jnp.log(before.objective) - jnp.log(after.objective)
+
+
 def policy(params: chex.ArrayTree | None, embeddings: Embeddings | None, tables: EnvTables, states: State,
            key: chex.PRNGKey, limit: jax.Array, config: GumbelConfig, env_config: EnvConfig,
            batched: bool) -> mctx.PolicyOutput:
@@ -101,7 +109,7 @@ def policy(params: chex.ArrayTree | None, embeddings: Embeddings | None, tables:
     new = step(tables, state, action)
     logits, value = evaluate(embeddings, tables, new)
     ended = new.terminated | new.truncated
-    out = mctx.RecurrentFnOutput(reward=new.reward, discount=jnp.where(ended, 0.0, 1.0),
+    out = mctx.RecurrentFnOutput(reward=log_reward(state, new), discount=jnp.where(ended, 0.0, 1.0),
                                  prior_logits=logits, value=jnp.where(ended, 0.0, value))
     return out, new
 
@@ -177,7 +185,8 @@ def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex
 
 
 @functools.partial(jax.jit, static_argnames="network")
-def _encode(network: Network, params: chex.ArrayTree, tables: EnvTables, state: State) -> Embeddings:
+def encode(network: Network, params: chex.ArrayTree, tables: EnvTables, state: State) -> Embeddings:
+  """The embeddings of one program (from any of its states), jitted once per network."""
   return network.encode(params, static_graph(tables, state))
 
 
@@ -200,7 +209,7 @@ def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 
   env = search_.env
   if bool(search_.root.terminated):
     return track.result()
-  embeddings = None if params is None else _encode(Network(config.network), params, env.tables, search_.root)
+  embeddings = None if params is None else encode(Network(config.network), params, env.tables, search_.root)
   count = config.episodes
   root = jax.tree.map(lambda x: np.stack([x] * count), search_.root)
   states, paths = root, [[] for _ in range(count)]

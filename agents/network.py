@@ -28,11 +28,12 @@ gives the encode/head split over one parameter tree, and its parameters are plai
 dicts that optax and orbax take as they are.
 
 Policy: one logit per action (`target * X + axis`, then stop), `MASKED_LOGIT` where the
-action is illegal. Value: the expected sum of the environment's future rewards (the
-objective's further decrease, in units of the replicated plan's objective), predicted as
-`objective * tanh(raw)`: a fraction of the current objective (no plan goes below zero, so
-no return exceeds it; negative when continuing makes the plan worse). Being in the
-rewards' units, `reward + value` is a consistent Q-value inside a search.
+action is illegal. Value: the expected sum of the search's future rewards, each the
+decrease of the log objective (`agents.gumbel.log_reward`), i.e. `log(objective now /
+objective of the final plan)`: size-free (a ratio), negative when continuing makes the
+plan worse. Being in the rewards' units, `reward + value` is a consistent Q-value inside a
+search, and with the exactly known `log(best expert / objective now)` it gives the
+training return `log(best expert / final plan)` (`agents.selfplay`).
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ class PolicyValueNet(nn.Module):
     summary = nn.gelu(self.summary(jnp.concatenate(
         [_mean(state, e.real), _mean(targets, e.targets[rows]), e.graph, features.globals])))
     logits = jnp.concatenate([self.move_logit(move).reshape(-1), self.stop_logit(summary)])
-    value = features.globals[0] * jnp.tanh(self.value(summary)[0])
+    value = self.value(summary)[0]
     return jnp.where(features.legal, logits, MASKED_LOGIT), value
 
   def __call__(self, graph: jraph.GraphsTuple, features: StateFeatures) -> tuple[jax.Array, jax.Array]:

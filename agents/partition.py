@@ -36,7 +36,9 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: str | Mesh = "data=2,mod
       searching; `Plan.check_numerics` needs arrays).
     mesh: a mesh spec (`data=2,model=4`) or an `automap_rl.mesh.Mesh`.
     hardware: the hardware profile of a mesh spec (`h100`, `a100`, ...).
-    agent: `mcts`, `greedy`, `random`, or an expert tactic name (`data_megatron`, ...).
+    agent: `mcts`, `greedy`, `random`, `gumbel`, `learned` (the shipped trained network guiding
+      Gumbel MuZero; `config=LearnedConfig(checkpoint=...)` for another), or an expert
+      tactic name (`data_megatron`, ...).
     budget: simulator evaluations (int), seconds (float) or an `agents.Budget`.
     seed: the search seed; the same seed and a simulations budget give the same plan.
     arg_names, arg_roles: a name and a role (`parameter`, `optimizer_state`, `input`)

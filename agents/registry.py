@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agents import greedy, gumbel, ilp, mcts, random_search
+from agents import greedy, gumbel, ilp, learned, mcts, random_search
 from agents.base import Budget, Progress, SearchResult
 from agents.greedy import GreedyConfig
 from agents.gumbel import GumbelConfig
 from agents.ilp import ILPConfig
+from agents.learned import LearnedConfig
 from agents.mcts import MCTSConfig
 from agents.random_search import RandomConfig
 from automap_rl.problem import Problem
@@ -19,6 +20,7 @@ AGENTS: dict[str, tuple[type, Callable[..., SearchResult]]] = {
     "mcts": (MCTSConfig, mcts.search),
     "gumbel": (GumbelConfig, gumbel.search),
     "ilp": (ILPConfig, ilp.search),
+    "learned": (LearnedConfig, learned.search),
 }
 
 

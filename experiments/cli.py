@@ -33,6 +33,9 @@ class Command:
     lowers: whether the command lowers plans onto devices (it then gets 8 virtual CPU
       devices; the others run on one, as the simulator and the environments need no
       more, and 8 virtual devices' runtimes share the host's cores).
+    defaults: a function in that module that takes the flags and returns the config whose
+      values are the flags' defaults (e.g. the one `--preset` names), or None for the
+      class's own defaults.
   """
 
   module: str
@@ -40,6 +43,7 @@ class Command:
   summary: str
   run: str = "run"
   lowers: bool = False
+  defaults: str | None = None
 
 
 COMMANDS: dict[str, Command] = {
@@ -67,6 +71,11 @@ COMMANDS: dict[str, Command] = {
     "bench suite": Command("suite_cmd", "SuiteBenchConfig",
                            "experts, search agents and best-known plans on the task suite, and its difficulty",
                            run="run_bench"),
+    "train": Command("train_cmd", "TrainRunConfig",
+                     "train the policy/value network by Gumbel MuZero self-play on the task suite",
+                     defaults="preset_defaults"),
+    "evaluate": Command("evaluate_cmd", "EvaluateConfig",
+                        "a trained policy with and without search against the baselines, per suite case"),
 }
 DEBUG_FLAG = "--debug"
 
@@ -140,11 +149,14 @@ def parse(name: str, argv: Sequence[str]):
   import tyro
 
   command = COMMANDS[name]
-  cls = getattr(importlib.import_module(f"experiments.{command.module}"), command.config)
+  module = importlib.import_module(f"experiments.{command.module}")
+  cls = getattr(module, command.config)
+  default = getattr(module, command.defaults)(argv) if command.defaults else None
   out = io.StringIO()
   try:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-      return tyro.cli(cls, args=list(argv), prog=f"automap-rl {name}", description=command.summary)
+      return tyro.cli(cls, args=list(argv), prog=f"automap-rl {name}", description=command.summary,
+                      default=default)
   except SystemExit as e:
     if e.code == 0:  # --help
       print(out.getvalue(), end="")

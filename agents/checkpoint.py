@@ -1,0 +1,93 @@
+"""Checkpoints with orbax: the whole training state (for exact resume) and policies (for agents).
+
+A run directory holds `checkpoints/<iteration>/` (orbax `CheckpointManager`, the whole
+`TrainState`: parameters, optimizer state, replay buffer, key) and `policy/`, the latest
+policy alone. A policy directory is what the `learned` agent and `evaluate` load:
+`network.json` (the `NetworkConfig`) and `params/` (orbax). Both restore WITH a target
+tree (the abstract state or parameters of a fresh initialisation), so arrays come back
+with their exact shapes, dtypes and pytree structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import chex
+import jax
+import orbax.checkpoint as ocp
+
+from agents.network import NetworkConfig
+
+NETWORK_FILE = "network.json"
+PARAMS_DIR = "params"
+POLICY_DIR = "policy"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def _abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
+  """Shapes and dtypes of `tree`, placed on this process's default device (a checkpoint
+  written on a CPU restores onto a GPU)."""
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+
+
+class TrainCheckpoints:
+  """The training states of a run directory, by iteration (keeps the latest `keep`)."""
+
+  def __init__(self, run_dir: str, keep: int = 2):
+    self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, CHECKPOINTS_DIR)),
+                                         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+  def latest(self) -> int | None:
+    """The iteration of the newest checkpoint, or None."""
+    return self.manager.latest_step()
+
+  def save(self, iteration: int, state: chex.ArrayTree) -> None:
+    """Saves `state` as iteration `iteration` and waits until it is on disk."""
+    self.manager.save(iteration, args=ocp.args.StandardSave(state), force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, iteration: int, target: chex.ArrayTree) -> chex.ArrayTree:
+    """The state saved at `iteration`, shaped as `target` (a state of the same run config)."""
+    return self.manager.restore(iteration, args=ocp.args.StandardRestore(_abstract(target)))
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def save_policy(path: str, params: chex.ArrayTree, network: NetworkConfig) -> None:
+  """Writes a policy directory (`network.json` and `params/`), replacing any there."""
+  path = os.path.abspath(path)
+  os.makedirs(path, exist_ok=True)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(os.path.join(path, PARAMS_DIR), params, force=True)
+  with open(os.path.join(path, NETWORK_FILE), "w") as f:
+    json.dump(dataclasses.asdict(network), f, indent=1)
+
+
+def policy_dir(path: str) -> str:
+  """The policy directory of `path`: `path` itself, or a run directory's `policy/`.
+
+  Raises:
+    ValueError: `path` is neither.
+  """
+  for candidate in (path, os.path.join(path, POLICY_DIR)):
+    if os.path.isfile(os.path.join(candidate, NETWORK_FILE)) and os.path.isdir(os.path.join(candidate, PARAMS_DIR)):
+      return os.path.abspath(candidate)
+  raise ValueError(f"{path} is no policy checkpoint (a directory with {NETWORK_FILE} and {PARAMS_DIR}/, "
+                   f"or a training run directory with {POLICY_DIR}/).")
+
+
+def read_network(path: str) -> NetworkConfig:
+  """The `NetworkConfig` of a policy directory."""
+  with open(os.path.join(policy_dir(path), NETWORK_FILE)) as f:
+    return NetworkConfig(**json.load(f))
+
+
+def load_params(path: str, target: chex.ArrayTree) -> chex.ArrayTree:
+  """The parameters of a policy directory, restored onto the structure of `target`
+  (parameters or their `jax.ShapeDtypeStruct`s from `Network.init`)."""
+  with ocp.StandardCheckpointer() as checkpointer:
+    return checkpointer.restore(os.path.join(policy_dir(path), PARAMS_DIR), _abstract(target))

@@ -1,0 +1,119 @@
+"""The `learned` agent: a trained policy/value network, alone (greedy) or guiding Gumbel MuZero.
+
+It loads a policy directory (`agents.checkpoint`: `network.json` and `params/`, as
+`automap-rl train` writes into its run directory's `policy/`); by default the small one
+shipped with the package (`DEFAULT_CHECKPOINT`, trained by `automap-rl train --preset
+small`). With `search` it runs `agents.gumbel.search` with the network's prior and value;
+without, it follows the network's most likely action from the replicated plan until it
+stops (one simulation per step; as for every agent, the best plan on the path is kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from agents import checkpoint, gumbel
+from agents.base import Budget, Progress, SearchResult, env_config, searcher, start
+from agents.gumbel import GumbelConfig
+from agents.network import Embeddings, Network, state_features
+from automap_rl.problem import Problem
+from envs import EnvConfig, State, core
+from envs.tables import EnvTables
+
+DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "small")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedConfig:
+  """The learned agent.
+
+  Attributes:
+    checkpoint: a policy directory or a training run directory; None: the shipped one.
+    search: guide Gumbel MuZero with the network (True) or follow its policy greedily (False).
+    action_space: the environment's action space (the one the network was trained on).
+    max_decisions: the environment's capacity in class decisions.
+    num_simulations: simulations per Gumbel search (one search per step of an episode).
+    max_num_considered_actions: root actions Sequential Halving considers.
+    gumbel_scale: scale of the root's Gumbel noise.
+  """
+
+  checkpoint: str | None = None
+  search: bool = True
+  action_space: str = "groups"
+  max_decisions: int = 256
+  num_simulations: int = 16
+  max_num_considered_actions: int = 4
+  gumbel_scale: float = 1.0
+
+
+_POLICIES: dict[str, tuple[Network, chex.ArrayTree]] = {}
+
+
+def policy_path(path: str | None) -> str:
+  """The policy directory of `path` (a policy or run directory; None: `DEFAULT_CHECKPOINT`).
+
+  Raises:
+    ValueError: it holds no policy (for the default: none was shipped with this copy).
+  """
+  return checkpoint.policy_dir(DEFAULT_CHECKPOINT if path is None else path)
+
+
+def load_policy(path: str | None, tables: EnvTables, root: State) -> tuple[Network, chex.ArrayTree]:
+  """The network and parameters of a policy (or run) directory, `DEFAULT_CHECKPOINT` for
+  None; loaded once per directory. `tables` and `root`, of any program, give the shapes
+  the parameters are restored onto."""
+  where = policy_path(path)
+  if where not in _POLICIES:
+    network = Network(checkpoint.read_network(where))
+    target = jax.eval_shape(network.init, jax.random.key(0), tables, root)
+    _POLICIES[where] = (network, checkpoint.load_params(where, target))
+  return _POLICIES[where]
+
+
+@functools.partial(jax.jit, static_argnames=("network", "env_config"))
+def _greedy_step(network: Network, env_config: EnvConfig, params: chex.ArrayTree, embeddings: Embeddings,
+                 tables: EnvTables, state: State) -> tuple[jax.Array, State]:
+  """The network's most likely action in `state` (int32 []) and the state it leads to."""
+  logits, _ = network.head(params, embeddings, state_features(tables, state))
+  action = jnp.argmax(logits).astype(jnp.int32)
+  return action, core.step(env_config, tables, state, action)
+
+
+def greedy(problem: Problem, network: Network, params: chex.ArrayTree, config: LearnedConfig = LearnedConfig(),
+           budget: Budget | int | float = 1000, progress: Progress | None = None) -> SearchResult:
+  """Follows the network's policy from the replicated plan until it stops, the episode
+  ends or the budget is spent; returns the best plan on the path."""
+  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress)
+  env = search_.env
+  state = search_.root
+  embeddings = gumbel.encode(network, params, env.tables, state)
+  actions: list[int] = []
+  while not track.done and not (bool(state.terminated) or bool(state.truncated)):
+    action, state = jax.device_get(_greedy_step(network, env.config, params, embeddings, env.tables, state))
+    if int(action) == env.stop_action:
+      break
+    actions.append(int(action))
+    track.offer(float(state.objective), float(state.step_time), actions)
+    track.count(1)
+  return track.result()
+
+
+def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int = 0,
+           budget: Budget | int | float = 1000, progress: Progress | None = None) -> SearchResult:
+  """The learned agent (see the module docstring). Deterministic for a given seed and a
+  simulations budget."""
+  search_ = searcher(problem, env_config(problem, config.action_space, config.max_decisions))
+  network, params = load_policy(config.checkpoint, search_.env.tables, search_.root)
+  if not config.search:
+    return greedy(problem, network, params, config, budget, progress)
+  search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
+                               num_simulations=config.num_simulations,
+                               max_num_considered_actions=config.max_num_considered_actions,
+                               gumbel_scale=config.gumbel_scale, network=network.config)
+  return gumbel.search(problem, search_config, seed, budget, progress, params=params)

@@ -1,0 +1,160 @@
+"""Self-play: the training problems laid out for batched search, episodes played by Gumbel
+MuZero from the network, and the training targets they give.
+
+Return. An episode's return is `log(best expert cost / final plan cost)` (costs are the
+environment's objective: step time, times the memory penalty when the plan overflows the
+device): 0 when the plan ties the best expert tactic, positive when it beats it, and the
+same for a 2-layer toy and a 70B model that are improved by the same factor. It splits
+exactly into the part already earned at step t, `log(best / objective_t)`, known from the
+state, and the part to come, `log(objective_t / objective_final)` = the sum of the
+search's future rewards (`agents.gumbel.log_reward`). The value head learns the second
+(it needs no knowledge of the experts), so search values and training targets agree.
+
+Memory. Plans that do not fit in device memory are penalised, not masked: the
+environment's objective multiplies the step time by `1 + memory_penalty * overflow`.
+Fitting is no property of an action: the replicated start of a large model does not fit
+and only sharding decisions make it fit, so a mask would forbid the very paths that lead
+to good plans. The penalty keeps every path open, ranks an overflowing plan behind one that
+fits at equal speed, and the best expert is scored by the same objective.
+"""
+
+from __future__ import annotations
+
+import functools
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agents import gumbel
+from agents.gumbel import GumbelConfig
+from agents.network import Network, StateFeatures, state_features, static_graph
+from automap_rl import tactics
+from automap_rl.problem import Problem
+from automap_rl.workloads.suite import Case
+from envs import EnvConfig, State, core
+from envs.programs import batch_tables
+from envs.tables import EnvTables, raw_objective
+
+
+@chex.dataclass(frozen=True)
+class Suite:
+  """P training problems laid out for batched self-play.
+
+  Attributes:
+    tables: the problems' tables, bucket-padded to common sizes and stacked, [P, ...].
+    roots: each problem's initial (replicated) state, [P].
+    best: each problem's best expert objective (the environment's objective of the best
+      applicable tactic, relative to the replicated plan), f32 [P].
+  """
+
+  tables: EnvTables
+  roots: State
+  best: jax.Array
+
+  @property
+  def size(self) -> int:
+    return self.best.shape[0]
+
+
+def expert_objective(problem: Problem, env_config: EnvConfig, tables: EnvTables) -> float:
+  """The environment's objective of the best expert tactic (`tactics.applicable`, the
+  replicated plan included) on `problem`, relative to the replicated plan (<= 1)."""
+  base = np.asarray(tables.base)
+  objectives = [float(raw_objective(env_config, problem.cost(plan), base, problem.tables.hbm_bytes) / base[2])
+                for plan in tactics.applicable(problem).values()]
+  return min(objectives)
+
+
+@functools.cache
+def case_problem(case: Case) -> Problem:
+  """The problem of a task-suite case (its abstract workload traced on its mesh), built once."""
+  return Problem.build(case.make_workload(abstract=True).trace(), case.make_mesh())
+
+
+@functools.lru_cache(maxsize=4)
+def build_suite(problems: tuple[Problem, ...], env_config: EnvConfig) -> Suite:
+  """The suite of `problems` under `env_config` (whose `max_axes` must cover every mesh);
+  the last few are kept, so runs in one process share their set-up."""
+  tables, _ = batch_tables(problems, env_config)
+  roots = jax.jit(jax.vmap(functools.partial(core.init, env_config), in_axes=(0, None)))(tables, jax.random.key(0))
+  best = [expert_objective(p, env_config, jax.tree.map(lambda x, i=i: x[i], tables)) for i, p in enumerate(problems)]
+  return Suite(tables=tables, roots=roots, best=jnp.asarray(best, jnp.float32))
+
+
+@chex.dataclass(frozen=True)
+class Samples:
+  """Training samples (leading axes [...], e.g. [L, B] from an episode, [N] in replay).
+
+  Attributes:
+    problem: the suite index of the sample's program, int32.
+    features: the head's input for the searched state (`agents.network.StateFeatures`).
+    policy: the search's improved policy (mctx's `action_weights`), the policy target, f32 [..., A].
+    value: the value target, `log(objective now / objective of the episode's final plan)`, f32.
+  """
+
+  problem: jax.Array
+  features: StateFeatures
+  policy: jax.Array
+  value: jax.Array
+
+
+@chex.dataclass(frozen=True)
+class Episodes:
+  """B self-play episodes of L steps.
+
+  Attributes:
+    samples: one per step and episode, [L, B].
+    active: whether the step searched a live state (an episode that has ended only
+      repeats its last state), bool [L, B].
+    final: the objective of each episode's final plan, f32 [B].
+    steps: actions each episode took before ending (or L), int32 [B].
+  """
+
+  samples: Samples
+  active: jax.Array
+  final: jax.Array
+  steps: jax.Array
+
+
+def _row(tree: chex.ArrayTree, index: jax.Array) -> chex.ArrayTree:
+  return jax.tree.map(lambda x: x[index], tree)
+
+
+def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PRNGKey, length: int,
+         config: GumbelConfig, env_config: EnvConfig) -> Episodes:
+  """Plays one episode per entry of `problems` (suite indices, int32 [B]) for `length`
+  steps, each step a Gumbel MuZero search from the network (`params`) that picks the
+  action (its root noise explores). Pure; jit it with `length` and the configs static.
+
+  The programs are encoded once per episode; the environment (`env_config`, the one the
+  suite's tables were built for) should truncate episodes at `length` steps (its
+  `max_steps`) so that the search and the targets see the same horizon.
+  """
+  chex.assert_rank(problems, 1)
+  network = Network(config.network)
+  tables, roots = _row(suite.tables, problems), _row(suite.roots, problems)
+  embeddings = jax.vmap(network.encode, in_axes=(None, 0))(params, jax.vmap(static_graph)(tables, roots))
+  features = jax.vmap(state_features)
+  batch = jnp.arange(problems.shape[0])
+
+  def body(states: State, key: chex.PRNGKey):
+    out = gumbel.policy(params, embeddings, tables, states, key, jnp.int32(config.num_simulations), config,
+                        env_config, batched=True)
+    record = (features(tables, states), out.action_weights, ~(states.terminated | states.truncated),
+              states.objective)
+    # The selected child is always visited: its state is in the tree (no second environment step to compile).
+    tree = out.search_tree
+    chosen = tree.children_index[batch, tree.ROOT_INDEX, out.action]
+    return jax.tree.map(lambda x: x[batch, chosen], tree.embeddings), record
+
+  last, (observed, policy, active, objective) = jax.lax.scan(body, roots, jax.random.split(key, length))
+  value = jnp.log(objective) - jnp.log(last.objective)[None]
+  samples = Samples(problem=jnp.broadcast_to(problems, active.shape), features=observed, policy=policy, value=value)
+  return Episodes(samples=samples, active=active, final=last.objective, steps=active.sum(axis=0, dtype=jnp.int32))
+
+
+def score(suite: Suite, problems: jax.Array, objective: jax.Array) -> jax.Array:
+  """The return of plans of objective `objective` f32 [B] on `problems` int32 [B]:
+  `log(best expert / plan)`, f32 [B] (positive: better than every expert)."""
+  return jnp.log(suite.best[problems]) - jnp.log(objective)

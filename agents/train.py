@@ -1,0 +1,197 @@
+"""AlphaZero-style training of the policy/value network by self-play over a suite of problems.
+
+One `iteration` is a pure, jitted function of the training state: B episodes of Gumbel
+MuZero self-play from the current network (`agents.selfplay.play`; episode b of
+iteration i plays suite problem `(i * B + b) mod P`, so every problem is visited in turn),
+their samples into the replay buffer (`agents.replay`), then `updates` optax steps on
+minibatches drawn from it. The loss is the cross-entropy of the network's policy to the
+search's improved policy plus `value_weight` times the squared error of its value to the
+episode's log-return to come (`agents.selfplay`); gradients are clipped by global norm.
+
+Everything random comes from the state's key, and the state (parameters, optimizer
+state, replay buffer, key, iteration) is one pytree: the same seed gives the same
+parameters, and a run restored from a checkpoint of its state continues exactly as an
+uninterrupted one (the learning rate depends only on the update count, never on the
+length of the run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from agents import replay, selfplay
+from agents.gumbel import GumbelConfig
+from agents.network import Network, NetworkConfig, state_features, static_graph
+from agents.selfplay import Samples, Suite
+from envs import EnvConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Self-play training.
+
+  Attributes:
+    seed: seeds the parameters and every random choice of the run.
+    episodes: B, episodes played side by side per iteration.
+    episode_length: L, steps per episode (the environment truncates there).
+    num_simulations: simulations per Gumbel search (one search per step of an episode).
+    max_num_considered_actions: root actions Sequential Halving considers.
+    gumbel_scale: scale of the root's Gumbel noise (the exploration of self-play).
+    max_decisions: the environment's capacity in class decisions.
+    max_axes: mesh axes the tables are laid out for (at least the suite's largest mesh).
+    action_space: the environment's action space.
+    memory_penalty: the environment's penalty factor on memory overflow.
+    replay_capacity: samples the replay buffer holds.
+    batch_size: samples per optimizer step.
+    updates: optimizer steps per iteration.
+    learning_rate: Adam's learning rate after warm-up.
+    warmup_updates: optimizer steps of linear learning-rate warm-up.
+    weight_decay: AdamW's decoupled weight decay.
+    max_grad_norm: gradients are clipped to this global norm.
+    value_weight: weight of the value loss beside the policy loss.
+    network: the network's sizes.
+  """
+
+  seed: int = 0
+  episodes: int = 8
+  episode_length: int = 12
+  num_simulations: int = 16
+  max_num_considered_actions: int = 8
+  gumbel_scale: float = 1.0
+  max_decisions: int = 256
+  max_axes: int = 3
+  action_space: str = "groups"
+  memory_penalty: float = 1.0
+  replay_capacity: int = 4096
+  batch_size: int = 64
+  updates: int = 8
+  learning_rate: float = 1e-3
+  warmup_updates: int = 50
+  weight_decay: float = 1e-4
+  max_grad_norm: float = 1.0
+  value_weight: float = 1.0
+  network: NetworkConfig = NetworkConfig()
+
+  @property
+  def env(self) -> EnvConfig:
+    """The environment self-play runs (truncated at `episode_length` steps)."""
+    return EnvConfig(action_space=self.action_space, max_decisions=self.max_decisions, max_axes=self.max_axes,
+                     objective="time", memory_penalty=self.memory_penalty, max_steps=self.episode_length)
+
+  @property
+  def search(self) -> GumbelConfig:
+    """The search self-play runs."""
+    return GumbelConfig(action_space=self.action_space, max_decisions=self.max_decisions,
+                        num_simulations=self.num_simulations,
+                        max_num_considered_actions=self.max_num_considered_actions,
+                        gumbel_scale=self.gumbel_scale, network=self.network)
+
+
+@chex.dataclass(frozen=True)
+class TrainState:
+  """Everything a run carries from one iteration to the next (a pytree; checkpointed whole).
+
+  Attributes:
+    params: the network's parameters.
+    opt_state: the optimizer's state.
+    buffer: the replay buffer of `Samples`.
+    key: the run's random key as raw key data (`jax.random.key_data`), uint32 [2].
+    iteration: iterations done, int32 [].
+  """
+
+  params: chex.ArrayTree
+  opt_state: chex.ArrayTree
+  buffer: replay.Buffer
+  key: jax.Array
+  iteration: jax.Array
+
+
+def optimizer(config: TrainConfig) -> optax.GradientTransformation:
+  """AdamW after global-norm clipping, with linear warm-up to a constant learning rate."""
+  schedule = optax.linear_schedule(0.0, config.learning_rate, max(config.warmup_updates, 1))
+  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                     optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+def _example(suite: Suite) -> Samples:
+  """One sample shaped as the suite's programs give them (for the buffer's layout)."""
+  root = jax.tree.map(lambda x: x[0], suite.roots)
+  tables = jax.tree.map(lambda x: x[0], suite.tables)
+  return Samples(problem=jnp.int32(0), features=state_features(tables, root),
+                 policy=jnp.zeros(tables.num_actions, jnp.float32), value=jnp.float32(0.0))
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def init(config: TrainConfig, suite: Suite) -> TrainState:
+  """The state before the first iteration: fresh parameters from `config.seed`, an empty
+  buffer. Pure (jitted)."""
+  key, init_key = jax.random.split(jax.random.key(config.seed))
+  tables = jax.tree.map(lambda x: x[0], suite.tables)
+  root = jax.tree.map(lambda x: x[0], suite.roots)
+  params = Network(config.network).init(init_key, tables, root)
+  return TrainState(params=params, opt_state=optimizer(config).init(params),
+                    buffer=replay.empty(_example(suite), config.replay_capacity),
+                    key=jax.random.key_data(key), iteration=jnp.int32(0))
+
+
+def loss(params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConfig
+         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The training loss on a batch [n] and its parts. The suite's P programs are encoded
+  once; each sample's head reads its program's embeddings."""
+  network = Network(config.network)
+  graphs = jax.vmap(static_graph)(suite.tables, suite.roots)
+  embeddings = jax.vmap(network.encode, in_axes=(None, 0))(params, graphs)
+  mine = jax.tree.map(lambda x: x[batch.problem], embeddings)
+  logits, value = jax.vmap(network.head, in_axes=(None, 0, 0))(params, mine, batch.features)
+  chex.assert_equal_shape([logits, batch.policy])
+  policy_loss = -(batch.policy * jax.nn.log_softmax(logits)).sum(axis=-1).mean()
+  entropy = -(batch.policy * jnp.log(jnp.where(batch.policy > 0, batch.policy, 1.0))).sum(axis=-1).mean()
+  value_loss = 0.5 * jnp.square(value - batch.value).mean()
+  total = policy_loss + config.value_weight * value_loss
+  return total, {"loss": total, "policy_loss": policy_loss, "policy_kl": policy_loss - entropy,
+                 "value_loss": value_loss}
+
+
+def _update(config: TrainConfig, suite: Suite, carry, key: chex.PRNGKey):
+  params, opt_state, buffer = carry
+  batch = replay.sample(buffer, key, config.batch_size)
+  grads, parts = jax.grad(loss, has_aux=True)(params, suite, batch, config)
+  updates, opt_state = optimizer(config).update(grads, opt_state, params)
+  parts["grad_norm"] = optax.tree.norm(grads)
+  return (optax.apply_updates(params, updates), opt_state, buffer), parts
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def iteration(state: TrainState, suite: Suite, config: TrainConfig) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One iteration (see the module docstring). Pure (jitted).
+
+  Returns:
+    The next state and the iteration's metrics (f32 scalars): `score` (mean return
+    `log(best expert / final plan)` of its episodes), `ratio` (mean final plan cost over
+    the best expert's), `beats_expert` (share of episodes whose plan beats every expert),
+    `steps` (mean episode length), the mean losses of its updates, `buffer` (samples held).
+  """
+  key = jax.random.wrap_key_data(state.key)
+  key, play_key, update_key = jax.random.split(key, 3)
+  b = config.episodes
+  problems = (state.iteration * b + jnp.arange(b, dtype=jnp.int32)) % suite.size
+  episodes = selfplay.play(state.params, suite, problems, play_key, config.episode_length, config.search,
+                           config.env)
+  flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), episodes.samples)
+  buffer = replay.add(state.buffer, flat, episodes.active.reshape(-1))
+  (params, opt_state, buffer), parts = jax.lax.scan(
+      functools.partial(_update, config, suite), (state.params, state.opt_state, buffer),
+      jax.random.split(update_key, config.updates))
+  returns = selfplay.score(suite, problems, episodes.final)
+  metrics = {name: value.mean() for name, value in parts.items()}
+  metrics.update(score=returns.mean(), ratio=jnp.exp(-returns).mean(), beats_expert=(returns > 1e-6).mean(),
+                 steps=episodes.steps.mean(dtype=jnp.float32), buffer=buffer.size.astype(jnp.float32))
+  new = TrainState(params=params, opt_state=opt_state, buffer=buffer, key=jax.random.key_data(key),
+                   iteration=state.iteration + 1)
+  return new, metrics

@@ -1,0 +1,193 @@
+"""`automap-rl evaluate --checkpoint PATH --split test`: a trained policy against the baselines, per case.
+
+For every case of the split (or one user model, `--workload module:function --mesh ...`):
+the cost of the plan each method finds over the best expert tactic's (the environment's
+objective: step time, penalised when memory overflows; below 1 beats every expert), for
+
+- `learned`: the network's policy alone, greedy, no search;
+- `learned+gumbel@N`: Gumbel MuZero guided by the network, N simulations in all;
+- `gumbel@N`: the same search with a uniform prior and zero values (no network);
+- `mcts@M`: UCT (Automap's search), and `random@M`: random episodes;
+
+with N in `--search-budgets` (16, 64, 256) and M = `--baseline-budget` (2000). Prints a
+table with the median ratio and the share of cases that beat the best expert, writes the
+figures as JSON (`--json`) and draws them (`--plot`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from agents import gumbel, learned, selfplay
+from agents.base import SearchResult, env_config, searcher
+from agents.gumbel import GumbelConfig
+from agents.learned import LearnedConfig
+from agents.registry import run_agent
+from automap_rl.mesh import make_mesh
+from automap_rl.problem import Problem
+from automap_rl.workloads.suite import load_cases
+from experiments.cli import write_json
+from experiments.options import Hardware, JsonPath, MeshSpec, OptionalWorkload, PlotPath
+from experiments.partition_cmd import load
+from experiments.train_cmd import pick_cases
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateConfig:
+  """What to evaluate and against what.
+
+  Attributes:
+    checkpoint: a policy directory or a training run directory (None: the policy shipped
+      with the package).
+    split: the task-suite split whose cases are evaluated.
+    max_cases: at most this many cases, one family after another in turn (None: all).
+    workload: evaluate this one workload spec or `package.module:function` (on `--mesh`
+      and `--hardware`) instead of the split.
+    mesh: the user workload's mesh.
+    hardware: the user workload's hardware profile.
+    search_budgets: simulation budgets of the Gumbel searches (learned and uniform prior).
+    baseline_budget: simulation budget of UCT and random search.
+    num_simulations: simulations per Gumbel search (one search per step of an episode).
+    max_num_considered_actions: root actions Gumbel's Sequential Halving considers.
+    seed: the seed of every search.
+    json: where to write the figures.
+    plot: where to draw the ratios (PNG).
+    progress: show a progress bar.
+  """
+
+  checkpoint: str | None = None
+  split: Literal["smoke", "train", "test"] = "test"
+  max_cases: int | None = None
+  workload: OptionalWorkload = None
+  mesh: MeshSpec = "data=2,model=4"
+  hardware: Hardware = "h100"
+  search_budgets: tuple[int, ...] = (16, 64, 256)
+  baseline_budget: int = 2000
+  num_simulations: int = 16
+  max_num_considered_actions: int = 4
+  seed: int = 0
+  json: JsonPath = None
+  plot: PlotPath = None
+  progress: bool = True
+
+
+Method = Callable[[Problem], SearchResult]
+
+
+def methods(config: EvaluateConfig) -> dict[str, Method]:
+  """Every method by name: a function of the problem that returns its search result."""
+  policy = LearnedConfig(checkpoint=config.checkpoint, num_simulations=config.num_simulations,
+                         max_num_considered_actions=config.max_num_considered_actions)
+  uniform = GumbelConfig(num_simulations=config.num_simulations,
+                         max_num_considered_actions=config.max_num_considered_actions)
+  out: dict[str, Method] = {
+      "learned": lambda p: learned.search(p, dataclasses.replace(policy, search=False), config.seed,
+                                          config.baseline_budget)}
+  for n in config.search_budgets:
+    out[f"learned+gumbel@{n}"] = lambda p, n=n: learned.search(p, policy, config.seed, n)
+  for n in config.search_budgets:
+    out[f"gumbel@{n}"] = lambda p, n=n: gumbel.search(p, uniform, config.seed, n)
+  for agent in ("mcts", "random"):
+    out[f"{agent}@{config.baseline_budget}"] = lambda p, a=agent: run_agent(a, p, config.seed,
+                                                                             config.baseline_budget)
+  return out
+
+
+def problems(config: EvaluateConfig) -> list[tuple[str, str, Problem]]:
+  """(name, family, problem) of every case evaluated."""
+  if config.workload is not None:
+    name, _, _, program = load(config.workload)
+    return [(name, name.partition(":")[0], Problem.build(program, make_mesh(config.mesh, config.hardware)))]
+  cases = pick_cases(load_cases(config.split), config.max_cases)
+  return [(c.name, c.family, selfplay.case_problem(c)) for c in cases]
+
+
+def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Method]) -> dict[str, Any]:
+  """Every method on one problem, as a JSON case."""
+  search = searcher(problem, env_config(problem, "groups", LearnedConfig.max_decisions))
+  best = selfplay.expert_objective(problem, search.env.config, search.env.tables)
+  case: dict[str, Any] = {"case": name, "family": family, "best_expert_objective": best, "methods": {}}
+  for method, fn in run.items():
+    start = time.perf_counter()
+    result = fn(problem)
+    case["methods"][method] = {
+        "ratio": float(result.objective) / best, "objective": float(result.objective),
+        "step_time_s": result.step_time,
+        "fits": bool(result.cost.fits), "simulations": result.simulations,
+        "seconds": time.perf_counter() - start, "actions": result.actions}
+  return case
+
+
+def summarize(cases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+  """Per method: the median ratio to the best expert and the share of cases below 1."""
+  names = list(cases[0]["methods"])
+  return {m: {"median_ratio": statistics.median(c["methods"][m]["ratio"] for c in cases),
+              "beats_expert": sum(c["methods"][m]["ratio"] < 1 - 1e-6 for c in cases) / len(cases)}
+          for m in names}
+
+
+def table(cases: list[dict[str, Any]], summary: dict[str, dict[str, float]]) -> Table:
+  """The ratios as a rich table: a row per case, a column per method, then the summary."""
+  out = Table(title="plan cost / best expert's (below 1 beats every expert)")
+  out.add_column("case")
+  for m in summary:
+    out.add_column(m, justify="right")
+  for c in cases:
+    out.add_row(c["case"], *(f"{c['methods'][m]['ratio']:.4f}" for m in summary))
+  out.add_section()
+  out.add_row("median", *(f"{s['median_ratio']:.4f}" for s in summary.values()))
+  out.add_row("beats expert", *(f"{s['beats_expert']:.0%}" for s in summary.values()))
+  return out
+
+
+def plot(cases: list[dict[str, Any]], summary: dict[str, dict[str, float]], path: str) -> None:
+  """Each method's ratios over the cases (dots) and their median (bar), PNG."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = list(summary)
+  fig, ax = plt.subplots(figsize=(1.1 * len(names) + 2, 4.5))
+  ax.bar(range(len(names)), [summary[m]["median_ratio"] for m in names], color="#9ecae1", label="median")
+  for i, m in enumerate(names):
+    ax.scatter([i] * len(cases), [c["methods"][m]["ratio"] for c in cases], s=10, color="#08519c", zorder=3)
+  ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+  ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+  ax.set_ylabel("plan cost / best expert")
+  ax.set_yscale("log")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def run(config: EvaluateConfig) -> dict[str, Any]:
+  if not config.search_budgets or min(config.search_budgets) < 1 or config.baseline_budget < 1:
+    raise ValueError("--search-budgets and --baseline-budget must be at least 1 simulation.")
+  checkpoint = learned.policy_path(config.checkpoint)  # A bad checkpoint fails before any tracing.
+  run_methods = methods(config)
+  chosen = problems(config)
+  bar = tqdm(chosen, desc="evaluate", unit="case", disable=not config.progress, dynamic_ncols=True)
+  cases = []
+  for name, family, problem in bar:
+    bar.set_postfix_str(name)
+    cases.append(evaluate_case(name, family, problem, run_methods))
+  bar.close()
+  summary = summarize(cases)
+  Console(width=None if sys.stdout.isatty() else 200).print(table(cases, summary))
+  document = {"checkpoint": checkpoint, "split": config.split,
+              "config": dataclasses.asdict(config), "cases": cases, "summary": summary}
+  write_json(config.json, document)
+  if config.plot:
+    plot(cases, summary, config.plot)
+  return document

@@ -1,0 +1,242 @@
+"""`automap-rl train --preset smoke|small|full [--FIELD VALUE ...]`: self-play training on the task suite.
+
+A preset gives every field a default (`PRESETS`); any flag overrides it, the training
+fields as `--train.FIELD` (`--train.network.width 32`). The run directory gets
+`config.json`, `metrics.jsonl` (one line per iteration), orbax checkpoints of the whole
+training state (`checkpoints/`), the latest policy (`policy/`, what `evaluate --checkpoint`
+and the `learned` agent load), a learning curve (`learning_curve.png`) and wandb's files
+(offline by default; nothing goes over the network unless `--wandb online`). Running again
+into a run directory that has checkpoints resumes from the newest one and continues
+exactly as the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+from tqdm import tqdm
+
+from agents import checkpoint, selfplay, train
+from agents.network import NetworkConfig
+from agents.train import TrainConfig, TrainState
+from automap_rl.workloads.suite import Case, load_cases
+
+Preset = Literal["smoke", "small", "full"]
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+CURVE_FILE = "learning_curve.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRunConfig:
+  """A training run.
+
+  Attributes:
+    preset: the preset whose values are the defaults of every other field (given first).
+    split: the task-suite split to train on.
+    max_cases: use at most this many cases of the split, taken in turn from each family
+      (None: all).
+    iterations: self-play iterations of the whole run (a resumed run counts the ones done).
+    run_dir: the run directory (created; a run in it with checkpoints is resumed).
+    checkpoint_every: save the training state and the policy every this many iterations
+      (and after the last).
+    wandb: wandb's mode: offline (local files only), disabled, or online (needs a login).
+    progress: show progress bars.
+    learning_curve: draw the learning curve into the run directory.
+    train: what self-play and the updates do (`agents.train.TrainConfig`).
+  """
+
+  preset: Preset = "small"
+  split: Literal["smoke", "train"] = "train"
+  max_cases: int | None = 12
+  iterations: int = 240
+  run_dir: str = "runs/small"
+  checkpoint_every: int = 20
+  wandb: Literal["offline", "disabled", "online"] = "offline"
+  progress: bool = True
+  learning_curve: bool = True
+  train: TrainConfig = TrainConfig()
+
+
+PRESETS: dict[str, TrainRunConfig] = {
+    "smoke": TrainRunConfig(
+        preset="smoke", split="smoke", max_cases=2, iterations=3, run_dir="runs/smoke", checkpoint_every=1,
+        train=TrainConfig(episodes=4, episode_length=4, num_simulations=8, max_num_considered_actions=4,
+                          replay_capacity=256, batch_size=16, updates=2, warmup_updates=4,
+                          network=NetworkConfig(width=32, rounds=2, state_width=16))),
+    "small": TrainRunConfig(),
+    "full": TrainRunConfig(
+        preset="full", max_cases=None, iterations=2000, run_dir="runs/full", checkpoint_every=50,
+        train=TrainConfig(episodes=16, episode_length=16, num_simulations=32, max_num_considered_actions=16,
+                          replay_capacity=16384, batch_size=128, updates=16)),
+}
+
+
+def preset_defaults(argv: Sequence[str]) -> TrainRunConfig:
+  """The preset `--preset NAME` (or `--preset=NAME`) in `argv` names; `small` without one.
+  An unknown name gives `small` here and tyro's one-line error on `--preset`."""
+  name = "small"
+  for i, arg in enumerate(argv):
+    if arg == "--preset" and i + 1 < len(argv):
+      name = argv[i + 1]
+    elif arg.startswith("--preset="):
+      name = arg.partition("=")[2]
+  return PRESETS.get(name, PRESETS["small"])
+
+
+def pick_cases(cases: Sequence[Case], limit: int | None) -> list[Case]:
+  """At most `limit` cases (None: all), one from each family in turn (file order within a family)."""
+  by_family: dict[str, list[Case]] = {}
+  for case in cases:
+    by_family.setdefault(case.family, []).append(case)
+  turns = itertools.zip_longest(*by_family.values())
+  return [case for turn in turns for case in turn if case is not None][:limit]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+  """What a run leaves: its directory, final state and every iteration's metrics."""
+
+  run_dir: str
+  state: TrainState
+  metrics: list[dict[str, Any]]
+
+
+def _check_config(config: TrainRunConfig) -> None:
+  if config.iterations < 1 or config.checkpoint_every < 1:
+    raise ValueError("--iterations and --checkpoint-every must be at least 1.")
+  t = config.train
+  if t.batch_size < 1 or t.episodes < 1 or t.episode_length < 1 or t.num_simulations < 1:
+    raise ValueError("--train.batch-size, episodes, episode-length and num-simulations must be at least 1.")
+  if t.episodes * t.episode_length > t.replay_capacity:
+    raise ValueError(f"an iteration's {t.episodes * t.episode_length} samples do not fit the replay buffer "
+                     f"of {t.replay_capacity}; raise --train.replay-capacity.")
+
+
+def _prepare_dir(config: TrainRunConfig) -> None:
+  """Creates the run directory; refuses one holding a run of another training config."""
+  os.makedirs(config.run_dir, exist_ok=True)
+  path = os.path.join(config.run_dir, CONFIG_FILE)
+  document = dataclasses.asdict(config)
+  if os.path.exists(path):
+    with open(path) as f:
+      before = json.load(f)
+    if before.get("train") != json.loads(json.dumps(document["train"])):
+      raise ValueError(f"{config.run_dir} holds a run with another --train config; give a new --run-dir.")
+  with open(path, "w") as f:
+    json.dump(document, f, indent=1)
+
+
+def _read_metrics(run_dir: str, upto: int) -> list[dict[str, Any]]:
+  """The metrics lines of iterations 1..`upto` (a run stopped after its last checkpoint
+  may have logged more; those iterations are run again)."""
+  path = os.path.join(run_dir, METRICS_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [r for r in rows if r["iteration"] <= upto]
+
+
+def _write_metrics(run_dir: str, rows: list[dict[str, Any]]) -> None:
+  with open(os.path.join(run_dir, METRICS_FILE), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _wandb(config: TrainRunConfig):
+  """A wandb run (offline: files under the run directory only), or None when disabled."""
+  if config.wandb == "disabled":
+    return None
+  import wandb
+
+  # Our package named `agents` is no LLM-agents library: skip wandb's Weave suggestion.
+  os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+  return wandb.init(project="automap_rl", dir=os.path.abspath(config.run_dir), mode=config.wandb,
+                    name=os.path.basename(os.path.abspath(config.run_dir)), config=dataclasses.asdict(config),
+                    settings=wandb.Settings(silent=True))
+
+
+def plot_curve(rows: list[dict[str, Any]], path: str) -> None:
+  """The learning curve: the episodes' mean return and the losses per iteration (PNG)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  x = [r["iteration"] for r in rows]
+  fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+  top.plot(x, [r["score"] for r in rows], label="mean return log(best expert / plan)")
+  top.axhline(0.0, color="gray", lw=0.8, ls="--")
+  top.set_ylabel("return")
+  top.legend(loc="lower right")
+  for name in ("policy_kl", "value_loss"):
+    bottom.plot(x, [r[name] for r in rows], label=name)
+  bottom.set_yscale("log")
+  bottom.set_xlabel("iteration")
+  bottom.set_ylabel("loss")
+  bottom.legend(loc="upper right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def build_suite(config: TrainRunConfig) -> tuple[list[Case], selfplay.Suite]:
+  """The run's cases and their suite (traced and built with a progress bar)."""
+  cases = pick_cases(load_cases(config.split), config.max_cases)
+  problems = [selfplay.case_problem(c) for c in tqdm(cases, desc="tracing cases", unit="case",
+                                                      disable=not config.progress, dynamic_ncols=True)]
+  return cases, selfplay.build_suite(tuple(problems), config.train.env)
+
+
+def run(config: TrainRunConfig) -> TrainResult:
+  _check_config(config)
+  _prepare_dir(config)
+  cases, suite = build_suite(config)
+  print(f"training on {len(cases)} {config.split} cases: {', '.join(c.name for c in cases)}")
+  state = train.init(config.train, suite)
+  checkpoints = checkpoint.TrainCheckpoints(config.run_dir)
+  done = checkpoints.latest() or 0
+  if done:
+    state = checkpoints.restore(done, state)
+    print(f"resumed {config.run_dir} at iteration {done}")
+  rows = _read_metrics(config.run_dir, done)
+  logger = _wandb(config)
+  bar = tqdm(total=config.iterations, initial=done, desc="self-play", unit="it", disable=not config.progress,
+             dynamic_ncols=True)
+  start = time.perf_counter()
+  try:
+    for i in range(done, config.iterations):
+      state, metrics = train.iteration(state, suite, config.train)
+      row = {"iteration": i + 1, "seconds": time.perf_counter() - start,
+             **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+      rows.append(row)
+      _write_metrics(config.run_dir, rows)
+      if logger is not None:
+        logger.log({k: v for k, v in row.items() if k != "iteration"}, step=i + 1)
+      bar.update()
+      bar.set_postfix_str(f"return {row['score']:+.3f} kl {row['policy_kl']:.3f} value {row['value_loss']:.4f}",
+                          refresh=False)
+      if (i + 1) % config.checkpoint_every == 0 or i + 1 == config.iterations:
+        checkpoints.save(i + 1, state)
+        checkpoint.save_policy(os.path.join(config.run_dir, checkpoint.POLICY_DIR), state.params,
+                               config.train.network)
+  finally:
+    bar.close()
+    checkpoints.close()
+    if logger is not None:
+      logger.finish()
+  if config.learning_curve and rows:
+    plot_curve(rows, os.path.join(config.run_dir, CURVE_FILE))
+  if rows:
+    last = rows[-1]
+    print(f"iteration {last['iteration']}: mean return {last['score']:+.4f} (plan / best expert "
+          f"{last['ratio']:.4f}), policy KL {last['policy_kl']:.4f}, value loss {last['value_loss']:.5f}; "
+          f"run in {config.run_dir}")
+  return TrainResult(run_dir=config.run_dir, state=state, metrics=rows)

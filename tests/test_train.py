@@ -1,0 +1,193 @@
+"""Self-play training, its command, evaluation and the learned agent.
+
+One smoke run (the `smoke` preset, 3 iterations) is shared by the tests: the same process
+reuses its suite and compiled iteration, so a second run costs no compile. The tests
+check numbers that must match: the replay buffer's contents, bit-for-bit parameters after
+a resume and from the same seed, returns recomputed from the plans, budgets respected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agents import checkpoint, learned, partition, replay, selfplay, train
+from agents.learned import LearnedConfig
+from automap_rl import tactics, workloads
+from automap_rl.problem import Problem
+from automap_rl.workloads.suite import load_cases
+from experiments import cli, evaluate_cmd, train_cmd
+
+SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], wandb="disabled", progress=False)
+
+
+def assert_trees_equal(a, b):
+  leaves_a, tree_a = jax.tree.flatten(a)
+  leaves_b, tree_b = jax.tree.flatten(b)
+  assert tree_a == tree_b
+  for x, y in zip(leaves_a, leaves_b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> train_cmd.TrainResult:
+  """The smoke preset end to end, wandb offline (files in the run directory only)."""
+  run_dir = tmp_path_factory.mktemp("smoke")
+  return train_cmd.run(dataclasses.replace(SMOKE, run_dir=str(run_dir), wandb="offline"))
+
+
+def test_replay_buffer_keeps_the_valid_samples_in_a_ring():
+  buffer = replay.empty(jnp.float32(0.0), capacity=4)
+  buffer = replay.add(buffer, jnp.arange(1.0, 4.0), jnp.array([True, False, True]))
+  np.testing.assert_array_equal(buffer.items, [1.0, 3.0, 0.0, 0.0])
+  assert int(buffer.size) == 2 and int(buffer.position) == 2
+  buffer = replay.add(buffer, jnp.arange(10.0, 13.0), jnp.ones(3, bool))
+  np.testing.assert_array_equal(buffer.items, [12.0, 3.0, 10.0, 11.0])  # The oldest (1.0) was overwritten.
+  assert int(buffer.size) == 4 and int(buffer.position) == 1
+  drawn = replay.sample(replay.add(replay.empty(jnp.float32(0.0), 8), jnp.array([5.0, 6.0]), jnp.ones(2, bool)),
+                        jax.random.key(0), 64)
+  assert set(np.asarray(drawn).tolist()) == {5.0, 6.0}  # Only filled slots are drawn.
+
+
+def test_smoke_preset_end_to_end(smoke_run):
+  run_dir = smoke_run.run_dir
+  config = SMOKE.train
+  rows = [json.loads(line) for line in open(os.path.join(run_dir, train_cmd.METRICS_FILE))]
+  assert [r["iteration"] for r in rows] == [1, 2, 3]
+  assert rows == smoke_run.metrics
+  # Every live step of every episode went into the buffer (capacity not reached).
+  steps = np.cumsum([r["steps"] * config.episodes for r in rows])
+  np.testing.assert_allclose([r["buffer"] for r in rows], steps)
+  assert int(smoke_run.state.buffer.size) == steps[-1] and int(smoke_run.state.iteration) == 3
+  for r in rows:
+    assert 0.0 <= r["beats_expert"] <= 1.0 and 1 <= r["steps"] <= config.episode_length
+    assert np.isfinite([r["loss"], r["policy_kl"], r["value_loss"], r["score"]]).all()
+  assert os.path.getsize(os.path.join(run_dir, train_cmd.CURVE_FILE)) > 0
+  assert os.path.isdir(os.path.join(run_dir, "wandb"))
+  assert sorted(os.listdir(os.path.join(run_dir, checkpoint.CHECKPOINTS_DIR)))[-1] == "3"
+  # The exported policy is the final parameters.
+  network, params = learned.load_policy(run_dir, *_tables_and_root())
+  assert network.config == config.network
+  assert_trees_equal(params, smoke_run.state.params)
+
+
+def smoke_suite() -> selfplay.Suite:
+  """The smoke preset's suite (built once per process)."""
+  problems = tuple(selfplay.case_problem(c) for c in train_cmd.pick_cases(load_cases(SMOKE.split), SMOKE.max_cases))
+  return selfplay.build_suite(problems, SMOKE.train.env)
+
+
+def _tables_and_root():
+  suite = smoke_suite()
+  return jax.tree.map(lambda x: x[0], suite.tables), jax.tree.map(lambda x: x[0], suite.roots)
+
+
+def test_returns_are_log_best_expert_over_plan():
+  problems = [selfplay.case_problem(c) for c in train_cmd.pick_cases(load_cases(SMOKE.split), SMOKE.max_cases)]
+  suite = smoke_suite()
+  for p, problem in enumerate(problems):  # The best expert, recomputed from the simulator's costs.
+    costs = [problem.cost(plan) for plan in tactics.applicable(problem).values()]
+    base = float(problem.cost([]).step_time)
+    want = min(float(c.step_time) * (1 + max(float(c.peak_memory) / float(problem.tables.hbm_bytes) - 1, 0)) / base
+               for c in costs)
+    np.testing.assert_allclose(float(suite.best[p]), want, rtol=1e-5)
+  state = train.init(SMOKE.train, suite)
+  problems_ids = jnp.arange(2, dtype=jnp.int32)
+  episodes = jax.jit(selfplay.play, static_argnums=(4, 5, 6))(
+      state.params, suite, problems_ids, jax.random.key(3), 4, SMOKE.train.search, SMOKE.train.env)
+  # Value targets: the log-objective still to gain; the earned part plus it is the return.
+  objective = np.exp(np.asarray(episodes.samples.value) + np.log(np.asarray(episodes.final))[None])
+  np.testing.assert_allclose(objective[0], 1.0, rtol=1e-5)  # Every episode starts replicated.
+  score = np.asarray(selfplay.score(suite, problems_ids, episodes.final))
+  np.testing.assert_allclose(score, np.log(np.asarray(suite.best)) - np.log(np.asarray(episodes.final)), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(episodes.samples.policy).sum(-1), 1.0, rtol=1e-5)
+
+
+def test_resume_is_bit_for_bit_and_the_seed_fixes_everything(smoke_run, tmp_path):
+  config = dataclasses.replace(SMOKE, run_dir=str(tmp_path / "resumed"))
+  stopped = train_cmd.run(dataclasses.replace(config, iterations=2))
+  assert int(stopped.state.iteration) == 2
+  # Same seed, same first iterations (everything but the clock).
+  strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+  assert strip(stopped.metrics) == strip(smoke_run.metrics[:2])
+  resumed = train_cmd.run(config)  # Restores iteration 2 and runs the third.
+  assert int(resumed.state.iteration) == 3
+  assert strip(resumed.metrics) == strip(smoke_run.metrics)
+  assert_trees_equal(resumed.state, smoke_run.state)  # Parameters, optimizer, buffer, key.
+  fresh, other = train.init(SMOKE.train, smoke_suite()), train.init(dataclasses.replace(SMOKE.train, seed=1),
+                                                                     smoke_suite())
+  assert_trees_equal(fresh, train.init(SMOKE.train, smoke_suite()))
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(fresh.params), jax.tree.leaves(other.params)))
+
+
+def test_evaluate_on_a_tiny_split(smoke_run, tmp_path):
+  config = evaluate_cmd.EvaluateConfig(checkpoint=smoke_run.run_dir, split="smoke", max_cases=1, search_budgets=(4,),
+                                       baseline_budget=8, json=str(tmp_path / "eval.json"),
+                                       plot=str(tmp_path / "eval.png"), progress=False)
+  document = evaluate_cmd.run(config)
+  assert json.load(open(config.json))["summary"] == document["summary"]
+  assert os.path.getsize(config.plot) > 0
+  (case,) = document["cases"]
+  problem = selfplay.case_problem(load_cases("smoke")[0])
+  assert case["case"] == load_cases("smoke")[0].name
+  # gpt-tiny: every expert is slower than replicated, which is the best expert. (The
+  # greedy policy may stop at once: no simulation.)
+  assert case["best_expert_objective"] == pytest.approx(1.0)
+  budgets = {"learned": 8, "learned+gumbel@4": 4, "gumbel@4": 4, "mcts@8": 8, "random@8": 8}
+  assert set(case["methods"]) == set(budgets)
+  base = float(problem.cost([]).step_time)
+  for name, figures in case["methods"].items():
+    assert (name == "learned" or figures["simulations"] > 0) and figures["simulations"] <= budgets[name]
+    assert figures["ratio"] == pytest.approx(figures["objective"] / case["best_expert_objective"])
+    assert figures["ratio"] <= 1.0 + 1e-6  # The replicated start is a candidate of every method.
+    assert figures["step_time_s"] == pytest.approx(figures["objective"] * base, rel=1e-4)  # Fits: no penalty.
+  for name, summary in document["summary"].items():
+    assert summary["median_ratio"] == pytest.approx(case["methods"][name]["ratio"])
+
+
+def test_learned_agent_partitions_a_workload(smoke_run):
+  w = workloads.make_workload("gpt:layers=1", abstract=True)
+  config = LearnedConfig(checkpoint=smoke_run.run_dir, num_simulations=8)
+  kwargs = dict(mesh="data=2,model=4", hardware="h100", agent="learned", budget=24, seed=4,
+                arg_names=w.arg_names, arg_roles=w.arg_roles, config=config)
+  plan = partition(w.step, *w.args, **kwargs)
+  again = partition(w.step, *w.args, **kwargs)
+  assert plan.decisions == again.decisions
+  assert 0 < plan.search.simulations <= 24
+  problem = Problem.build(w.trace(), plan.problem.mesh)
+  assert float(plan.cost.step_time) == pytest.approx(float(problem.cost(plan.decisions).step_time), rel=1e-4)
+  assert plan.search.objective <= 1.0
+  greedy = partition(w.step, *w.args, **{**kwargs, "config": dataclasses.replace(config, search=False)})
+  # Greedy: one simulation per step along the network's argmax path, the best plan on it kept.
+  assert greedy.search.simulations <= 24 and len(greedy.search.action_ids) <= greedy.search.simulations
+
+
+def test_shipped_policy_partitions_from_the_command_line(tmp_path):
+  shipped = learned.policy_path(None)
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(shipped) for f in files)
+  assert size <= 10 * 2**20
+  out = tmp_path / "plan.json"
+  assert cli.main(["partition", "gpt:layers=1", "--mesh", "data=2,model=4", "--agent", "learned", "--budget", "16",
+                   "--seed", "1", "--no-progress", "--json", str(out)]) == 0
+  result = json.load(open(out))
+  assert result["agent"] == "learned" and 0 < result["simulations"] <= 16
+  assert len(result["decisions"]) == len(result["actions"])
+  assert result["step_time_s"] <= result["baselines"]["replicated"]["step_time_s"] * (1 + 1e-6)
+
+
+def test_train_command_presets_and_bad_input(capsys):
+  config = cli.parse("train", ["--preset", "smoke", "--train.network.width", "8", "--iterations", "5"])
+  assert config.train.network.width == 8 and config.iterations == 5
+  assert config.train.episodes == SMOKE.train.episodes and config.split == "smoke"
+  assert cli.parse("train", []).preset == "small"
+  assert cli.main(["train", "--preset", "huge"]) == 2
+  assert cli.main(["evaluate", "--checkpoint", "/nonexistent/run"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 2 and all(line.startswith("automap-rl ") and "error:" in line for line in err)
+  assert "no policy checkpoint" in err[1]
