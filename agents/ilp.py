@@ -74,7 +74,9 @@ def objective(problem: Problem, cost: simulator.Cost) -> float:
 
 def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, budget: Budget | int | float = 20.0,
            progress: Progress | None = None) -> SearchResult:
-  """Builds the strategy graph, solves it within the time limit (the budget's seconds,
+  """Builds the strategy graph (setup, not counted against the limit, as other agents'
+  environment builds are not: a slow first compile must not change the plan), solves it
+  within the time limit (the budget's seconds,
   else `config.seconds`) from the best expert, and returns the solver's plan.
 
   A simulation is a complete plan simulated: the experts and the result (the graph's
@@ -95,7 +97,7 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   setup = time.perf_counter() - start
   trace = [TracePoint(0, setup, float(expert_cost.step_time), objective(problem, expert_cost))]
   try:
-    result = solver.solve(graph.graph, timeout_s=max(limit - setup, 1.0), seed=seed,
+    result = solver.solve(graph.graph, timeout_s=limit, seed=seed,
                           warm_start=None if warm is None else graph.choice(warm))
     decisions = graph.decisions(result.choice)
   except RuntimeError:  # No plan of the graph fits in memory.

@@ -57,7 +57,7 @@ DIMS: Mapping[str, tuple[str, ...]] = {
 }
 COST_DIMS: Mapping[str, tuple[str, ...]] = {
     "op_reduction": ("Uo", "Rf"), "edge_dim_factors": ("E", "Rv", "D"), "live_bytes": ("L", "Uv"),
-    "hbm_bytes": (),
+    "hbm_bytes": (), "combine_bytes": ("2",),
 }
 _PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "reduction": "R", "mask": "B"}
 
