@@ -136,16 +136,18 @@ def test_evaluate_on_a_tiny_split(smoke_run, tmp_path):
   (case,) = document["cases"]
   problem = selfplay.case_problem(load_cases("smoke")[0])
   assert case["case"] == load_cases("smoke")[0].name
-  # gpt-tiny: every expert is slower than replicated, which is the best expert. (The
-  # greedy policy may stop at once: no simulation.)
-  assert case["best_expert_objective"] == pytest.approx(1.0)
+  # The best expert's objective relative to the replicated plan (every expert fits on
+  # gpt-tiny, so no memory penalty). (The greedy policy may stop at once: no simulation.)
+  base = float(problem.cost([]).step_time)
+  experts = [problem.cost(plan) for plan in tactics.applicable(problem).values()]
+  assert all(bool(c.fits) for c in experts)
+  assert case["best_expert_objective"] == pytest.approx(min(float(c.step_time) for c in experts) / base, rel=1e-5)
   budgets = {"learned": 8, "learned+gumbel@4": 4, "gumbel@4": 4, "mcts@8": 8, "random@8": 8}
   assert set(case["methods"]) == set(budgets)
-  base = float(problem.cost([]).step_time)
   for name, figures in case["methods"].items():
     assert (name == "learned" or figures["simulations"] > 0) and figures["simulations"] <= budgets[name]
     assert figures["ratio"] == pytest.approx(figures["objective"] / case["best_expert_objective"])
-    assert figures["ratio"] <= 1.0 + 1e-6  # The replicated start is a candidate of every method.
+    assert figures["objective"] <= 1.0 + 1e-6  # The replicated start is a candidate of every method.
     assert figures["step_time_s"] == pytest.approx(figures["objective"] * base, rel=1e-4)  # Fits: no penalty.
   for name, summary in document["summary"].items():
     assert summary["median_ratio"] == pytest.approx(case["methods"][name]["ratio"])
