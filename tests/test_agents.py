@@ -23,7 +23,8 @@ def best_expert(p: Problem) -> float:
   return min(float(p.cost(plan).step_time) for plan in tactics.applicable(p).values())
 
 
-@pytest.mark.parametrize("name", sorted(agents.AGENTS))
+@pytest.mark.parametrize("name", [n if n != "ilp" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(agents.AGENTS)])  # The ILP's graph build is slow.
 def test_same_seed_same_plan_and_budget_respected(name):
   p = problem()
   a = agents.run_agent(name, p, seed=3, budget=150)

@@ -41,7 +41,12 @@ def play(env: Env, step, picks: list[int]):
 CASES = [(family, MESHES[i % len(MESHES)]) for i, family in enumerate(workloads.FAMILIES)] + [("gpt", MESHES[0])]
 
 
-@pytest.mark.parametrize("model,mesh", sorted(set(CASES)))
+# `make test`: the dense and MoE transformers, a U-Net and a scanned SSM; the rest is slow.
+QUICK = ("gpt", "moe", "unet", "ssm")
+
+
+@pytest.mark.parametrize("model,mesh", [c if c[0] in QUICK else pytest.param(*c, marks=pytest.mark.slow)
+                                        for c in sorted(set(CASES))])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(picks=st.lists(st.integers(0, 10_000), min_size=1, max_size=12))
 def test_environment_steps_end_in_the_resolution_of_their_decisions(model, mesh, picks):

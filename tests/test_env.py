@@ -196,7 +196,8 @@ def _batch_arg_action(env: Env) -> int:
   raise AssertionError("no batch target")
 
 
-@pytest.mark.parametrize("model", workloads.FAMILIES)
+@pytest.mark.parametrize("model", [m if m in ("gpt", "moe", "unet") else pytest.param(m, marks=pytest.mark.slow)
+                                   for m in workloads.FAMILIES])
 def test_random_and_expert_agents_on_the_zoo(model):
   env = Env.build(problem(model), EnvConfig(action_space="arg_dims"))
   gym = GymEnv(env)

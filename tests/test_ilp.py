@@ -13,8 +13,7 @@ from automap_rl.problem import Problem
 GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
 
 
-@pytest.mark.parametrize("case", [c if c.family == "llama" else pytest.param(c, marks=pytest.mark.slow)
-                                  for c in workloads.load_cases("smoke")], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) for c in workloads.load_cases("smoke")], ids=lambda c: c.name)
 def test_ilp_plan_is_at_least_as_good_as_the_best_expert(case):
   problem = Problem.build(case.make_workload().trace(), case.make_mesh())
   _, expert, expert_cost = ilp.best_expert(problem)

@@ -180,7 +180,8 @@ def test_resolution_follows_the_decision_semantics(spec, mesh, length):
 
 
 @pytest.mark.parametrize("spec,mesh", [("gpt:layers=2", "data=2,model=4"), ("moe", "data=2,fsdp=2,model=2"),
-                                       ("unet", "data=8"), ("gnn", "data=2,model=4")])
+                                       pytest.param("unet", "data=8", marks=pytest.mark.slow),
+                                       pytest.param("gnn", "data=2,model=4", marks=pytest.mark.slow)])
 def test_the_cost_is_the_sum_of_its_named_terms(spec, mesh):
   problem = zoo_problem(spec, mesh)
   for name, plan in tactics.applicable(problem).items():

@@ -126,6 +126,7 @@ def test_resume_is_bit_for_bit_and_the_seed_fixes_everything(smoke_run, tmp_path
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(fresh.params), jax.tree.leaves(other.params)))
 
 
+@pytest.mark.slow
 def test_evaluate_on_a_tiny_split(smoke_run, tmp_path):
   config = evaluate_cmd.EvaluateConfig(checkpoint=smoke_run.run_dir, split="smoke", max_cases=1, search_budgets=(4,),
                                        baseline_budget=8, json=str(tmp_path / "eval.json"),
@@ -153,6 +154,7 @@ def test_evaluate_on_a_tiny_split(smoke_run, tmp_path):
     assert summary["median_ratio"] == pytest.approx(case["methods"][name]["ratio"])
 
 
+@pytest.mark.slow
 def test_learned_agent_partitions_a_workload(smoke_run):
   w = workloads.make_workload("gpt:layers=1", abstract=True)
   config = LearnedConfig(checkpoint=smoke_run.run_dir, num_simulations=8)
