@@ -26,6 +26,7 @@ def test_ilp_plan_is_at_least_as_good_as_the_best_expert(case):
   assert result.objective <= 1.0 + 1e-6
 
 
+@pytest.mark.slow
 def test_ilp_plan_lowers_and_computes_the_same_numbers():
   assert "ilp" in AGENTS
   w = workloads.make_workload(GPT)
