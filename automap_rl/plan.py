@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from automap_rl import tactics
-from automap_rl.mesh import Mesh, to_jax_mesh
+from automap_rl.mesh import HARDWARE, Mesh, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, Cost
@@ -67,8 +67,6 @@ def shardable(problem: Problem) -> bool:
 def fit_advice(problem: Problem, cost: Cost) -> str:
   """What would make a plan of `cost` fit: more devices, a profile with more memory, or a
   smaller batch (one line)."""
-  from automap_rl.mesh import HARDWARE
-
   peak, capacity = float(cost.peak_memory), problem.mesh.hardware.hbm_bytes
   larger = sorted((h.hbm_bytes, name) for name, h in HARDWARE.items() if h.hbm_bytes >= peak)
   devices = problem.mesh.num_devices * int(np.ceil(peak / capacity))

@@ -154,7 +154,7 @@ def fsdp(problem: Problem) -> list[Decision]:
   size = problem.mesh.axis_size(axis)
   decisions = data_parallel(problem)
   if axis != data_axis(problem):
-    decisions += [Decision(d.target, axis) for d in data_parallel(problem)]
+    decisions += [Decision(d.target, axis) for d in decisions]
   for value_id in problem.program.inputs:
     value = problem.program.values[value_id]
     dims = [d for d in range(len(value.shape)) if value.shape[d] % size == 0]

@@ -145,7 +145,7 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
   """Every expert, every agent and the best-known plan on one case."""
   start = time.perf_counter()
   problem = Problem.build(case.make_workload().trace(), case.make_mesh())
-  plans = {name: decisions for name, decisions in tactics.applicable(problem).items()}
+  plans = dict(tactics.applicable(problem))
   experts = {name: _score(problem.cost(decisions)) for name, decisions in plans.items()}
   best_name, best_time, expert_fits = _best_expert(experts)
   searched = {}
@@ -153,7 +153,7 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
     result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget)
     searched[agent] = _score(result.cost)
     plans[agent] = result.decisions
-  candidates = {n: c for n, c in {**experts, **searched}.items()}
+  candidates = {**experts, **searched}
   if stored is not None:
     plans["stored"] = [decision_from_json(d) for d in stored["decisions"]]
     candidates["stored"] = _score(problem.cost(plans["stored"]))
