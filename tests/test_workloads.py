@@ -9,6 +9,7 @@ from flax import nnx
 
 from automap_rl.workloads import FAMILIES, make_workload, parse_model_spec
 from automap_rl.workloads import moe, spec, ssm, vit
+from automap_rl.xla.lower import reference_outputs
 
 # A tiny spec per family for the concrete tests (defaults where they are tiny).
 SMALL = {
@@ -60,6 +61,12 @@ def test_step_runs_preserves_structure_and_lowers_the_loss(name):
     losses.append(out[-1])
   assert all(loss.shape == () and np.isfinite(loss) for loss in losses)
   assert losses[-1] < losses[0]
+  # The numerics check's float64 reference runs in float64 throughout (nothing in the
+  # step narrows it back to float32) and agrees with the float32 step.
+  plain, reference = reference_outputs(w.step, w.args)
+  for p, r in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(reference)):
+    assert r.dtype == (np.float64 if jnp.issubdtype(p.dtype, jnp.floating) else p.dtype)
+  np.testing.assert_allclose(reference[-1], plain[-1], rtol=1e-3)
 
 
 @pytest.mark.parametrize("spec_", LARGEST)

@@ -130,8 +130,8 @@ def make(config: GNNConfig, seed: int = 0) -> training.Workload:
 
   def loss_fn(params, batch):
     graph = _graph(batch)
-    graph = graph._replace(nodes=graph.nodes.astype(config.dtype),
-                           edges=graph.edges.astype(config.dtype))
+    graph = graph._replace(nodes=training.cast_floating(graph.nodes, config.dtype),
+                           edges=training.cast_floating(graph.edges, config.dtype))
     predictions = net.apply(training.cast_floating(params, config.dtype), graph)
     return jnp.mean((training.widen(predictions) - batch["targets"]) ** 2)
 

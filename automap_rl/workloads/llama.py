@@ -170,7 +170,10 @@ class Llama(nnx.Module):
                     nnx.Linear(config.d_model, config.vocab, use_bias=False, rngs=rngs))
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    x = self.embed(tokens)
+    # A plain lookup, not `self.embed(tokens)`: nnx.Embed casts to its float32 default
+    # dtype, which would narrow the float64 numerics reference at the scan's carry.
+    table = self.embed.embedding[...]  # [vocab, d]
+    x = jnp.take(table, tokens, axis=0)
 
     def run(x: jax.Array, layer: DecoderLayer) -> jax.Array:
       return layer(x)
@@ -178,7 +181,7 @@ class Llama(nnx.Module):
     run = nnx.scan(nnx.remat(run) if self.remat else run,
                    in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
     x = self.norm(run(x, self.layers))
-    return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+    return x @ table.T if self.lm_head is None else self.lm_head(x)
 
 
 def make(config: LlamaConfig, seed: int = 0) -> training.Workload:

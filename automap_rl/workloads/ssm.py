@@ -206,7 +206,7 @@ def make(config: SSMConfig, seed: int = 0) -> training.Workload:
 
   def loss_fn(params, batch):
     model = eqx.combine(training.cast_floating(params, config.dtype), static)
-    logits = jax.vmap(model)(batch["inputs"]).astype(jnp.float32)
+    logits = training.widen(jax.vmap(model)(batch["inputs"]))
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, batch["targets"]).mean()
 

@@ -219,8 +219,8 @@ def make(config: UNetConfig, seed: int = 0) -> training.Workload:
     alpha = jnp.cos(0.5 * jnp.pi * batch["timesteps"])[:, None, None, None] ** 2
     images = jnp.sqrt(alpha) * batch["images"] + jnp.sqrt(1.0 - alpha) * batch["noise"]
     context = batch.get("context")
-    return (images.astype(config.dtype), batch["timesteps"],
-            None if context is None else context.astype(config.dtype))
+    return (training.cast_floating(images, config.dtype), batch["timesteps"],
+            None if context is None else training.cast_floating(context, config.dtype))
 
   def loss_fn(params, batch):
     predicted = model.apply({"params": training.cast_floating(params, config.dtype)}, *noisy(batch))

@@ -182,7 +182,7 @@ def make(config: ViTConfig, seed: int = 0) -> training.Workload:
 
   def loss_fn(params, batch):
     model = eqx.combine(training.cast_floating(params, config.dtype), static)
-    logits = jax.vmap(model)(batch["images"].astype(config.dtype))
+    logits = jax.vmap(model)(training.cast_floating(batch["images"], config.dtype))
     return optax.softmax_cross_entropy_with_integer_labels(
         training.widen(logits), batch["labels"]).mean()
 

@@ -149,7 +149,7 @@ def make(config: WideResNetConfig, seed: int = 0) -> training.Workload:
   def loss_fn(params, model_state, batch):
     variables = {"params": training.cast_floating(params, config.dtype), **model_state}
     logits, updates = model.apply(
-        variables, batch["images"].astype(config.dtype), mutable=["batch_stats"])
+        variables, training.cast_floating(batch["images"], config.dtype), mutable=["batch_stats"])
     loss = optax.softmax_cross_entropy_with_integer_labels(
         training.widen(logits), batch["labels"]).mean()
     return loss, jax.tree_util.tree_map(
