@@ -335,3 +335,29 @@ def test_parse_instruction_drops_index_comments():
   inst = hlo.parse_instruction(line)
   assert inst.operands == ("a", "b", "c", "d", "e", "f")
   assert inst.opcode == "tuple"
+
+
+def test_loop_iterations_are_counted(mesh):
+  """A scanned layer stack holds each instruction once; its flops equal those of the
+  unrolled twin, and its collectives run once per layer: per-step bytes grow linearly
+  with the depth while the module's text stays the same."""
+
+  def loss(ws, x, unroll):
+    def layer(x, w):
+      return jnp.tanh(x @ w) * 0.5 + x, None
+    return jax.lax.scan(layer, x, ws, unroll=unroll)[0].sum()
+
+  def stats(layers, unroll):
+    ws = _arg(mesh, (layers, 64, 64), P(None, None, "model"))
+    x = _arg(mesh, (32, 64), P("data", None))
+    # Gradients of both arguments: the unrolled module cannot drop the first layer's.
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2).lower(ws, x, unroll).compile()
+    return hlo.inspect_compiled(compiled, NAMES, SIZES)
+
+  scanned = {layers: stats(layers, 1) for layers in (2, 4, 6)}
+  assert scanned[4].flops == pytest.approx(stats(4, 4).flops, rel=0.02)
+  assert max(c.repeat for c in scanned[6].collectives) == 6
+  once = lambda s: sum(c.bytes for c in s.collectives)
+  per_step = lambda s: sum(c.repeat * c.bytes for c in s.collectives)
+  assert once(scanned[2]) == once(scanned[4]) == once(scanned[6])
+  assert per_step(scanned[6]) - per_step(scanned[4]) == per_step(scanned[4]) - per_step(scanned[2]) > 0

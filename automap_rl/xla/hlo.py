@@ -17,8 +17,16 @@ device, the size of the larger, group-level buffer of the collective:
 Combined collectives (several operands, tuple-shaped result) sum over their
 elements. Async pairs (`*-start` / `*-done`) are counted once, at the start;
 ops wrapped by `async-start` are counted where they appear, inside the wrapped
-computation. Every instruction is counted once as written: a collective inside
-a while-loop body is not multiplied by the trip count.
+computation. A collective inside a while-loop body runs once per iteration:
+`Collective.repeat` is the product of the `known_trip_count`s of the loops
+around it (1 where XLA did not annotate one).
+
+Flops. `cost_analysis()` counts a while body once. `CompiledStats.flops` adds
+the iterations it leaves out: `(repeat - 1)` times the flops of each looped
+computation, counted from the HLO text with `HloCostAnalysis`'s conventions for
+the instructions that carry nearly all of them (dots, convolutions, reductions
+and elementwise arithmetic; transcendentals, which it counts apart, are left
+out, as it does).
 
 Device ids. With `use_global_device_ids=true` groups hold flattened ids
 `replica * num_partitions + partition`; with a `channel_id` but no such flag
@@ -47,10 +55,13 @@ __all__ = [
     "Instruction",
     "axes_for_groups",
     "collectives_from_hlo",
+    "computation_repeats",
+    "computations",
     "device_groups",
     "element_bytes",
     "group_mode",
     "inspect_compiled",
+    "instruction_flops",
     "mesh_axes_groups",
     "parse_explicit_groups",
     "parse_instruction",
@@ -64,6 +75,7 @@ __all__ = [
     "sharding_spec",
     "split_tuple_sharding",
     "summarize",
+    "uncounted_loop_flops",
 ]
 
 COLLECTIVE_KINDS = (
@@ -95,6 +107,8 @@ class Collective:
       collectives of mixed types, the distinct types joined by ','.
     shape: Shape of the larger buffer; for combined collectives a tuple with
       one shape per element.
+    repeat: How many times it runs per call of the module (the trip counts of
+      the while loops around it).
   """
 
   kind: str
@@ -104,6 +118,7 @@ class Collective:
   mesh_axes: tuple[str, ...] | None
   dtype: str
   shape: tuple
+  repeat: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +127,10 @@ class CompiledStats:
 
   Attributes:
     collectives: Collectives in program text order.
-    flops: XLA's flop count for one device's program.
-    bytes_accessed: XLA's estimate of memory traffic, bytes.
+    flops: XLA's flop count for one device's program, every loop iteration
+      counted (see the module docstring).
+    bytes_accessed: XLA's estimate of memory traffic, bytes (loop bodies
+      counted once, as `cost_analysis()` does).
     argument_bytes: Size of the inputs.
     output_bytes: Size of the outputs.
     temp_bytes: Size of XLA's temporary allocations.
@@ -257,6 +274,117 @@ def _module_counts(hlo_text: str) -> tuple[int, int]:
   )
   counts = dict(_HEADER_INT_RE.findall(header))
   return int(counts.get("replica_count", 1)), int(counts.get("num_partitions", 1))
+
+
+# ----------------------------------------------------------------------------
+# Computations and loops.
+
+_COMPUTATION_RE = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_CALLED_RE = re.compile(
+    r"\b(?P<key>body|condition|calls|true_computation|false_computation)=%?(?P<name>[\w.\-]+)"
+)
+_BRANCHES_RE = re.compile(r"\bbranch_computations=\{(?P<names>[^}]*)\}")
+_TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONTRACTING_RE = re.compile(r"\blhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
+_DIM_LABELS_RE = re.compile(r"\bdim_labels=[^_]+_(?P<rhs>[^-]+)->")
+# Opcodes `HloCostAnalysis` charges one flop per result element (transcendentals
+# such as exp and tanh are counted apart, not as flops).
+_ELEMENTWISE_FLOPS = frozenset({
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
+    "compare", "select", "and", "or", "xor", "not", "sign", "floor", "ceil", "clamp",
+    "remainder",
+})
+
+
+def computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+  """The module's computations (name -> its instructions, in text order) and
+  the name of the entry computation. Instructions before any computation
+  header (a bare snippet of HLO) form a computation named `""`, the entry
+  unless an `ENTRY` header follows."""
+  bodies: dict[str, list[Instruction]] = {"": []}
+  entry = current = ""
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION_RE.match(line)
+    if header is not None and not line.startswith("HloModule"):
+      current = header["name"]
+      bodies[current] = []
+      entry = current if header["entry"] else entry
+    elif (inst := parse_instruction(line)) is not None:
+      bodies[current].append(inst)
+  return bodies, entry
+
+
+def _calls(inst: Instruction) -> list[tuple[str, int]]:
+  """(computation, runs per run of `inst`) for the computations `inst` calls;
+  reducers (`to_apply`) are part of the instruction and are not listed, nor is
+  the computation an `async-done` names (its `async-start` ran it)."""
+  if inst.opcode.endswith("-done"):
+    return []
+  trip = _TRIP_COUNT_RE.search(inst.attrs)
+  loop = int(trip.group(1)) if trip and inst.opcode == "while" else 1
+  called = [(m["name"], loop if m["key"] in ("body", "condition") else 1)
+            for m in _CALLED_RE.finditer(inst.attrs)]
+  branches = _BRANCHES_RE.search(inst.attrs)
+  if branches is not None:
+    called += [(name.strip().lstrip("%"), 1) for name in branches["names"].split(",") if name.strip()]
+  return called
+
+
+def computation_repeats(bodies: Mapping[str, Sequence[Instruction]], entry: str) -> dict[str, int]:
+  """How many times each computation runs per call of the module: the entry
+  once; a while loop's body and condition their caller's count times the
+  loop's `known_trip_count` (1 where XLA did not annotate one); fusions, calls
+  and branches their caller's count (a branch as if always taken)."""
+  callers: dict[str, list[tuple[str, int]]] = {}
+  for name, body in bodies.items():
+    for inst in body:
+      for callee, times in _calls(inst):
+        callers.setdefault(callee, []).append((name, times))
+  repeats: dict[str, int] = {entry: 1}
+
+  def count(name: str) -> int:
+    if name not in repeats:
+      repeats[name] = 0  # Guards against a cycle; HLO call graphs have none.
+      repeats[name] = sum(count(caller) * times for caller, times in callers.get(name, ()))
+    return repeats[name]
+
+  for name in bodies:
+    count(name)
+  return repeats
+
+
+def instruction_flops(inst: Instruction, types: Mapping[str, str]) -> float:
+  """Flops of one instruction as `HloCostAnalysis` counts them, for dots,
+  convolutions (every kernel tap; padding not discounted), reductions and
+  elementwise arithmetic; 0 for anything else (fusions count through their
+  computations)."""
+  result = parse_shapes(inst.type)
+  if not result:
+    return 0.0
+  elements = math.prod(result[0][1])
+  if inst.opcode == "dot":
+    lhs = parse_shapes(types[inst.operands[0]])[0][1]
+    dims = _CONTRACTING_RE.search(inst.attrs)
+    contracted = math.prod(lhs[int(d)] for d in dims["dims"].split(",") if d) if dims else 1
+    return 2.0 * elements * contracted
+  if inst.opcode == "convolution":
+    kernel = parse_shapes(types[inst.operands[1]])[0][1]
+    labels = _DIM_LABELS_RE.search(inst.attrs)
+    out_features = kernel[labels["rhs"].index("o")] if labels else 1
+    return 2.0 * elements * math.prod(kernel) / out_features
+  if inst.opcode == "reduce":
+    return float(math.prod(parse_shapes(types[inst.operands[0]])[0][1]))
+  return float(elements) if inst.opcode in _ELEMENTWISE_FLOPS else 0.0
+
+
+def uncounted_loop_flops(hlo_text: str) -> float:
+  """Flops of the loop iterations `cost_analysis()` leaves out: for every
+  computation that runs `r > 1` times, `(r - 1)` times its instructions' flops."""
+  bodies, entry = computations(hlo_text)
+  repeats = computation_repeats(bodies, entry)
+  types = {inst.name: inst.type for body in bodies.values() for inst in body}
+  return float(sum((repeats[name] - 1) * sum(instruction_flops(inst, types) for inst in body)
+                   for name, body in bodies.items() if repeats.get(name, 1) > 1))
 
 
 # ----------------------------------------------------------------------------
@@ -681,27 +809,30 @@ def _collective(
 def collectives_from_hlo(
     hlo_text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
 ) -> tuple[Collective, ...]:
-  """All collectives of an HLO module's text, in text order."""
-  instructions = [
-      inst
-      for inst in map(parse_instruction, hlo_text.splitlines())
-      if inst is not None
-  ]
-  types = {inst.name: inst.type for inst in instructions}
+  """All collectives of an HLO module's text, in text order, each with the
+  number of times it runs per call of the module."""
+  bodies, entry = computations(hlo_text)
+  repeats = computation_repeats(bodies, entry)
+  types = {inst.name: inst.type for body in bodies.values() for inst in body}
   counts = _module_counts(hlo_text)
   return tuple(
-      _collective(kind, inst, types, counts, axis_names, axis_sizes)
-      for inst in instructions
+      dataclasses.replace(
+          _collective(kind, inst, types, counts, axis_names, axis_sizes),
+          repeat=repeats.get(name, 1),
+      )
+      for name, body in bodies.items()
+      for inst in body
       if (kind := _kind(inst.opcode)) is not None
   )
 
 
 def summarize(collectives: Iterable[Collective]) -> dict[str, tuple[int, int]]:
-  """Kind -> (count, total bytes), for kinds that occur."""
+  """Kind -> (count, total bytes) per call of the module, loop iterations
+  included, for kinds that occur."""
   summary: dict[str, tuple[int, int]] = {}
   for c in collectives:
     count, total = summary.get(c.kind, (0, 0))
-    summary[c.kind] = (count + 1, total + c.bytes)
+    summary[c.kind] = (count + c.repeat, total + c.repeat * c.bytes)
   return summary
 
 
@@ -726,15 +857,14 @@ def inspect_compiled(
   """
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
+  text = compiled.as_text()
   argument = int(memory.argument_size_in_bytes)
   output = int(memory.output_size_in_bytes)
   temp = int(memory.temp_size_in_bytes)
   alias = int(memory.alias_size_in_bytes)
   return CompiledStats(
-      collectives=collectives_from_hlo(
-          compiled.as_text(), axis_names, axis_sizes
-      ),
-      flops=_cost(cost, "flops"),
+      collectives=collectives_from_hlo(text, axis_names, axis_sizes),
+      flops=_cost(cost, "flops") + uncounted_loop_flops(text),
       bytes_accessed=_cost(cost, "bytes accessed"),
       argument_bytes=argument,
       output_bytes=output,

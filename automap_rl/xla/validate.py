@@ -149,24 +149,33 @@ def simulated_metrics(problem: Problem, decisions: Sequence[Decision]) -> dict[s
 
 
 def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
-  """XLA's view of a plan (see `Case`). Counts are collective instructions: a combined
-  collective (several buffers, tuple-shaped) counts once, as the simulator counts what
-  XLA's combiners merge; `collective-permute` (which the simulator does not model) is
-  reported apart."""
+  """XLA's view of a plan (see `Case`), loop iterations included (`Collective.repeat`).
+  Counts are collective instructions run: a combined collective (several buffers,
+  tuple-shaped) counts once, as the simulator counts what XLA's combiners merge;
+  `collective-permute` (which the simulator does not model) is reported apart.
+  `comm_bytes_by_axes` keys are the mesh axes a collective spans joined by `+`
+  (`?` where its groups match no set of axes)."""
   by_kind = {k: 0.0 for k in KINDS}
   count = {k: 0.0 for k in KINDS}
-  permute_bytes = 0.0
+  by_axes: dict[str, float] = {}
+  permute_bytes = permute_count = 0.0
   for c in stats.collectives:
+    moved = float(c.repeat * c.bytes)
+    axes = "?" if c.mesh_axes is None else "+".join(c.mesh_axes)
+    by_axes[axes] = by_axes.get(axes, 0.0) + moved
     if c.kind in by_kind:
-      by_kind[c.kind] += c.bytes
-      count[c.kind] += 1
+      by_kind[c.kind] += moved
+      count[c.kind] += c.repeat
     else:
-      permute_bytes += c.bytes
+      permute_bytes += moved
+      permute_count += c.repeat
   return {
       "comm_bytes": sum(by_kind.values()),
       "comm_bytes_by_kind": by_kind,
       "comm_count_by_kind": count,
+      "comm_bytes_by_axes": by_axes,
       "collective_permute_bytes": permute_bytes,
+      "collective_permute_count": permute_count,
       "flops": stats.flops,
       "peak_memory": float(stats.peak_bytes),
   }
