@@ -4,7 +4,7 @@
 per-op and per-edge `CostTerms`, which `total` sums to the same `Cost`.
 """
 
-from automap_rl.simulator.cost import KINDS, Cost, CostTerms, EdgeTerms, simulate, terms, total
+from automap_rl.simulator.cost import KINDS, Cost, CostTerms, EdgeTerms, collective_seconds, simulate, terms, total
 from automap_rl.simulator.tables import CostTables, build_cost_tables
 
-__all__ = ["KINDS", "Cost", "CostTables", "CostTerms", "EdgeTerms", "build_cost_tables", "simulate", "terms", "total"]
+__all__ = ["KINDS", "Cost", "CostTables", "CostTerms", "EdgeTerms", "build_cost_tables", "collective_seconds", "simulate", "terms", "total"]

@@ -101,6 +101,20 @@ def _collective(t: CostTables, all_reduce: bool, axes: jax.Array,
   return per_byte[axes] * fraction, fixed[axes], fraction
 
 
+def collective_seconds(t: CostTables, kind: str, buffer_bytes: float, axes: int) -> float:
+  """Seconds of one collective of `kind` (`KINDS` or `collective-permute`) over the mesh
+  axes of bit mask `axes`, moving a group-level buffer of `buffer_bytes` per device (the
+  `automap_rl.xla.hlo` convention), in the model `_collective` charges plans; a
+  collective-permute is one hop of the whole buffer at the slowest link of its axes. For
+  costing what XLA compiled with the simulator's own alpha-beta model."""
+  if kind == "collective-permute":
+    return float(buffer_bytes * t.mask_seconds_per_byte[axes] + t.mask_latency[axes]) if axes else 0.0
+  if kind not in KINDS:
+    raise ValueError(f"Unknown collective kind {kind!r}; expected one of {KINDS} or 'collective-permute'.")
+  per_byte, fixed, _ = _collective(t, kind == "all-reduce", jnp.asarray(axes), jnp.asarray(0))
+  return float(buffer_bytes * per_byte + fixed)
+
+
 class EdgeTerms(NamedTuple):
   """One collective kind on a set of edges, each [N] (with a plan batch: [N, B] inside
   the simulator, [B, N] from `terms`): seconds, bytes per device, count (collectives per

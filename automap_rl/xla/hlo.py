@@ -21,12 +21,13 @@ computation. A collective inside a while-loop body runs once per iteration:
 `Collective.repeat` is the product of the `known_trip_count`s of the loops
 around it (1 where XLA did not annotate one).
 
-Flops. `cost_analysis()` counts a while body once. `CompiledStats.flops` adds
-the iterations it leaves out: `(repeat - 1)` times the flops of each looped
-computation, counted from the HLO text with `HloCostAnalysis`'s conventions for
-the instructions that carry nearly all of them (dots, convolutions, reductions
-and elementwise arithmetic; transcendentals, which it counts apart, are left
-out, as it does).
+Flops and bytes accessed. `cost_analysis()` counts a while body once.
+`CompiledStats` adds the iterations it leaves out: `(repeat - 1)` times the
+flops and bytes of each looped computation, counted from the HLO text with
+`HloCostAnalysis`'s conventions for the instructions that carry nearly all of
+them (flops: dots, convolutions, reductions and elementwise arithmetic, not
+transcendentals, which it counts apart; bytes: operands and result of every
+unfused instruction).
 
 Device ids. With `use_global_device_ids=true` groups hold flattened ids
 `replica * num_partitions + partition`; with a `channel_id` but no such flag
@@ -75,7 +76,8 @@ __all__ = [
     "sharding_spec",
     "split_tuple_sharding",
     "summarize",
-    "uncounted_loop_flops",
+    "instruction_bytes",
+    "uncounted_loop_cost",
 ]
 
 COLLECTIVE_KINDS = (
@@ -129,8 +131,8 @@ class CompiledStats:
     collectives: Collectives in program text order.
     flops: XLA's flop count for one device's program, every loop iteration
       counted (see the module docstring).
-    bytes_accessed: XLA's estimate of memory traffic, bytes (loop bodies
-      counted once, as `cost_analysis()` does).
+    bytes_accessed: XLA's estimate of memory traffic, bytes, every loop
+      iteration counted.
     argument_bytes: Size of the inputs.
     output_bytes: Size of the outputs.
     temp_bytes: Size of XLA's temporary allocations.
@@ -377,14 +379,55 @@ def instruction_flops(inst: Instruction, types: Mapping[str, str]) -> float:
   return float(elements) if inst.opcode in _ELEMENTWISE_FLOPS else 0.0
 
 
-def uncounted_loop_flops(hlo_text: str) -> float:
-  """Flops of the loop iterations `cost_analysis()` leaves out: for every
-  computation that runs `r > 1` times, `(r - 1)` times its instructions' flops."""
+# Instructions that move no data of their own (`HloCostAnalysis` charges them no bytes).
+_FREE_OPCODES = frozenset({
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call",
+    "conditional", "after-all", "partition-id", "replica-id",
+})
+
+
+def instruction_bytes(inst: Instruction, types: Mapping[str, str],
+                      bodies: Mapping[str, Sequence[Instruction]]) -> float:
+  """Bytes an unfused instruction reads and writes, as `HloCostAnalysis` counts a
+  fusion from its boundary: its operands and its result, except that a fusion operand
+  read only through (dynamic-)slices counts the slices, and a fusion whose root
+  updates a parameter in place (`dynamic-update-slice`) counts the update twice
+  instead of the whole buffer in and out."""
+  if inst.opcode in _FREE_OPCODES:
+    return 0.0
+  operand_bytes = [shape_bytes(types[name]) if name in types else 0 for name in inst.operands]
+  result_bytes = shape_bytes(inst.type)
+  body = next((bodies.get(callee, ()) for callee, _ in _calls(inst)), ()) if inst.opcode == "fusion" else ()
+  params = {i.name: int(i.operands[0]) for i in body if i.opcode == "parameter" and i.operands}
+  for name, index in params.items():
+    users = [i for i in body if name in i.operands]
+    if users and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == name for u in users):
+      operand_bytes[index] = sum(shape_bytes(u.type) for u in users)
+  root = body[-1] if body else None
+  if root is not None and root.opcode == "dynamic-update-slice" and root.operands[0] in params:
+    update = 2 * shape_bytes(types[root.operands[1]])
+    operand_bytes[params[root.operands[0]]] = 0
+    result_bytes = update
+  return float(result_bytes + sum(operand_bytes))
+
+
+def uncounted_loop_cost(hlo_text: str) -> tuple[float, float]:
+  """`(flops, bytes accessed)` of the loop iterations `cost_analysis()` leaves out:
+  for every computation that runs `r > 1` times, `(r - 1)` times its instructions'
+  flops, and for the unfused ones among them (not the body of a fusion), their bytes."""
   bodies, entry = computations(hlo_text)
   repeats = computation_repeats(bodies, entry)
   types = {inst.name: inst.type for body in bodies.values() for inst in body}
-  return float(sum((repeats[name] - 1) * sum(instruction_flops(inst, types) for inst in body)
-                   for name, body in bodies.items() if repeats.get(name, 1) > 1))
+  fused = {callee for body in bodies.values() for inst in body if inst.opcode == "fusion"
+           for callee, _ in _calls(inst)}
+  flops = nbytes = 0.0
+  for name, body in bodies.items():
+    extra = repeats.get(name, 1) - 1
+    if extra > 0:
+      flops += extra * sum(instruction_flops(inst, types) for inst in body)
+      if name not in fused:
+        nbytes += extra * sum(instruction_bytes(inst, types, bodies) for inst in body)
+  return flops, nbytes
 
 
 # ----------------------------------------------------------------------------
@@ -858,14 +901,15 @@ def inspect_compiled(
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   text = compiled.as_text()
+  loop_flops, loop_bytes = uncounted_loop_cost(text)
   argument = int(memory.argument_size_in_bytes)
   output = int(memory.output_size_in_bytes)
   temp = int(memory.temp_size_in_bytes)
   alias = int(memory.alias_size_in_bytes)
   return CompiledStats(
       collectives=collectives_from_hlo(text, axis_names, axis_sizes),
-      flops=_cost(cost, "flops") + uncounted_loop_flops(text),
-      bytes_accessed=_cost(cost, "bytes accessed"),
+      flops=_cost(cost, "flops") + loop_flops,
+      bytes_accessed=_cost(cost, "bytes accessed") + loop_bytes,
       argument_bytes=argument,
       output_bytes=output,
       temp_bytes=temp,
