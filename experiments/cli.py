@@ -30,9 +30,10 @@ class Command:
     config: the config dataclass's name in that module.
     summary: one line for `automap-rl --help`.
     run: the function in that module that runs the config.
-    lowers: whether the command lowers plans onto devices (it then gets 8 virtual CPU
-      devices; the others run on one, as the simulator and the environments need no
-      more, and 8 virtual devices' runtimes share the host's cores).
+    devices: virtual CPU devices the command gets (8 for commands that lower plans onto
+      devices, 64 for validation on 64-device meshes; the others run on one, as the
+      simulator and the environments need no more, and virtual devices' runtimes share
+      the host's cores).
     defaults: a function in that module that takes the flags and returns the config whose
       values are the flags' defaults (e.g. the one `--preset` names), or None for the
       class's own defaults.
@@ -42,7 +43,7 @@ class Command:
   config: str
   summary: str
   run: str = "run"
-  lowers: bool = False
+  devices: int = 1
   defaults: str | None = None
 
 
@@ -50,9 +51,10 @@ COMMANDS: dict[str, Command] = {
     "inspect": Command("inspect_cmd", "InspectConfig", "program size and named dimensions of a workload"),
     "partition": Command("partition_cmd", "PartitionConfig",
                          "a plan for a workload (search or expert tactic) and its cost beside every expert",
-                         lowers=True),
+                         devices=8),
     "validate": Command("validate_cmd", "ValidateConfig",
-                        "simulator vs XLA compiles: comm bytes, flops, memory, numerics", lowers=True),
+                        "simulator vs XLA compiles: comm bytes, flops, memory, numerics, plan rankings",
+                        devices=64),
     "env": Command("env_cmd", "EnvEpisodeConfig", "one random episode of the partitioning environment"),
     "bench simulator": Command("bench_cmd", "SimulatorBenchConfig", "simulator evaluations per second",
                                run="run_simulator"),
@@ -191,8 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       problem = f"unknown command {argv[0]!r}; commands: {', '.join(dict.fromkeys(n.split()[0] for n in COMMANDS))}"
     print(f"automap-rl: error: {problem} (see automap-rl --help)", file=sys.stderr)
     return 2
-  if COMMANDS[name].lowers:
-    virtual_devices()
+  if COMMANDS[name].devices > 1:
+    virtual_devices(COMMANDS[name].devices)
   try:
     config = parse(name, argv[len(name.split()):])
   except SystemExit as e:

@@ -1,4 +1,9 @@
-"""`automap-rl validate --suite quick|full`: the simulator against XLA compiles."""
+"""`automap-rl validate --suite quick|full|fullsize`: the simulator against XLA compiles.
+
+`quick` and `full` lower, run and check the numerics of expert and random plans on small
+zoo models; `fullsize` compiles (without running) expert and searched plans of models at
+published sizes on 8 and 64 devices and asks whether the simulator ranks plans as the
+compiled modules do (`automap_rl.xla.fullsize`)."""
 
 from __future__ import annotations
 
@@ -16,12 +21,22 @@ class ValidateConfig:
   """What to validate.
 
   Attributes:
-    suite: `quick` (small workloads, a few minutes on CPU) or `full` (the zoo's defaults).
+    suite: `quick` (small workloads, a few minutes on CPU), `full` (the zoo's defaults)
+      or `fullsize` (compile-only at published sizes, 8 and 64 devices; about half a
+      minute per plan on 2 CPU cores).
+    cases: for `fullsize`, the cases to check (default: all of `FULLSIZE_CASES`).
+    agents: for `fullsize`, the search agents whose plans are checked beside the experts.
+    budget: for `fullsize`, each search's simulator evaluations.
+    seed: for `fullsize`, the searches' seed.
     json: where to write `{cases, summary}`.
     plot: where to draw the simulated-vs-compiled scatter plots (PNG).
   """
 
-  suite: Literal["quick", "full"] = "quick"
+  suite: Literal["quick", "full", "fullsize"] = "quick"
+  cases: tuple[str, ...] = ()
+  agents: tuple[str, ...] = ("mcts", "random")
+  budget: int = 2000
+  seed: int = 0
   json: JsonPath = None
   plot: PlotPath = None
 
@@ -49,6 +64,8 @@ def _summary_text(summary: dict[str, float]) -> str:
 
 
 def run(config: ValidateConfig) -> dict[str, Any]:
+  if config.suite == "fullsize":
+    return run_fullsize(config)
   from automap_rl.xla import validate  # Imported late: jax must see the CLI's XLA_FLAGS.
 
   if config.suite not in validate.SUITES:
@@ -68,4 +85,62 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   write_json(config.json, document)
   if config.plot:
     validate.plot(cases, config.plot)
+  return document
+
+
+FULLSIZE_HEADER = (f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {'xla':>9} {'perm':>7} "
+                   f"{'count sim':>9} {'xla':>5} {'TFlop sim':>9} {'xla':>7} {'mem GB sim':>10} {'xla':>6} "
+                   f"{'ms sim':>8} {'implied':>8} {'s':>5}")
+
+
+def _fullsize_row(check) -> str:
+  s, c = check.simulated, check.compiled
+  count = lambda m: sum(m["comm_count_by_kind"].values())
+  return (f"{check.case:<31} {check.plan:<18} {check.differences:>4} {s['comm_bytes'] / 1e6:11.1f} "
+          f"{c['comm_bytes'] / 1e6:9.1f} {c['collective_permute_bytes'] / 1e6:7.1f} {count(s):9.0f} {count(c):5.0f} "
+          f"{s['flops'] / 1e12:9.2f} {c['flops'] / 1e12:7.2f} {s['peak_memory'] / 1e9:10.2f} "
+          f"{c['peak_memory'] / 1e9:6.2f} {s['step_time'] * 1e3:8.2f} {c['step_time'] * 1e3:8.2f} {check.seconds:5.0f}")
+
+
+def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
+  """Compile-only validation at published sizes; see `automap_rl.xla.fullsize`."""
+  from agents.registry import AGENTS, run_agent
+  from automap_rl.xla import fullsize
+
+  names = config.cases or fullsize.FULLSIZE_CASES
+  for name in names:
+    fullsize.validation_case(name)  # Unknown names fail before any work.
+  for agent in config.agents:
+    if agent not in AGENTS:
+      raise ValueError(f"Unknown agent {agent!r}; valid: {', '.join(AGENTS)}.")
+
+  def search(problem, seed):
+    plans = {}
+    for agent in config.agents:
+      print(f"  searching: {agent}@{config.budget} ...", flush=True)
+      plans[f"{agent}@{config.budget}"] = run_agent(agent, problem, seed=seed, budget=config.budget).decisions
+    return plans
+
+  start = time.perf_counter()
+  print(FULLSIZE_HEADER, flush=True)
+  checks = []
+  for name in names:
+    print(f"{name}: tracing, then one compile per plan ...", flush=True)
+    checks += fullsize.check_case(name, search if config.agents else None, seed=config.seed,
+                                  report=lambda check: print(_fullsize_row(check), flush=True))
+  summary = fullsize.summarize(checks)
+  gaps = fullsize.exploit_gaps(checks)
+  print(f"\n{len(checks)} plans of {len(names)} cases in {time.perf_counter() - start:.0f}s")
+  for g in gaps:
+    print(f"  exploit {g['case']:<31} {g['plan']:<12} vs {g['best_expert']:<16} simulated {g['simulated_ratio']:.3f}"
+          f"  compiled-implied {g['compiled_ratio']:.3f}  gap {g['gap']:+.3f}")
+  print(_summary_text(summary))
+  unrealized = [c for c in checks if c.differences]
+  if unrealized:
+    print(f"NOT REALIZED AS WRITTEN: {', '.join(f'{c.case}/{c.plan} ({c.differences} values)' for c in unrealized)}")
+  document = {"checks": [dataclasses.asdict(c) for c in checks], "exploit": gaps,
+              "summary": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}}
+  write_json(config.json, document)
+  if config.plot:
+    fullsize.plot(checks, config.plot)
   return document

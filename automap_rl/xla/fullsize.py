@@ -1,0 +1,263 @@
+"""Compile-only validation at published sizes: does the simulator rank plans as XLA's
+compiled modules do, and does a search exploit the difference?
+
+For each case (a task-suite case, or the demo model) every applicable expert plan and the
+plans a caller's searches find are lowered with abstract arguments (nothing allocated,
+nothing run), compiled for the case's mesh on virtual CPU devices, and compared with the
+simulator: comm bytes by kind and mesh axes, collective counts, flops, peak memory, and
+whether the compiled module shards every value as the plan says (`Lowered.differences`).
+
+The compiled-implied cost prices what XLA compiled with the simulator's own model:
+every compiled collective (collective-permutes included) in the alpha-beta model of
+`simulator.collective_seconds`, times the loop trip counts around it, plus compute as the
+module's flops at the hardware's peak plus its bytes accessed at HBM bandwidth (a sum, so
+an upper bound of the per-kernel roofline the simulator charges per op).
+
+Two adjustments make the simulator and the CPU compile describe the same program: the
+cases compile in float32 (the CPU backend carries bfloat16 collectives in float32, which
+would double every compiled byte), and the simulator uses the CPU backend's combiner
+(`HARDWARE["cpu"].combine_threshold`) with the case hardware's links and peaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from automap_rl import tactics, workloads
+from automap_rl.mesh import HARDWARE, Mesh, make_mesh
+from automap_rl.problem import Problem
+from automap_rl.sharding import Decision
+from automap_rl.simulator import collective_seconds
+from automap_rl.simulator.tables import program_flops
+from automap_rl.xla.hlo import CompiledStats
+from automap_rl.xla.lower import lower
+from automap_rl.xla.validate import DONATE_ARGNUMS, compiled_metrics, relative_error, simulated_metrics, trace_problem
+
+__all__ = [
+    "FULLSIZE_CASES", "PlanCheck", "Search", "check_case", "exploit_gaps", "implied_cost", "pairwise_agreement",
+    "plot", "summarize", "validation_case", "validation_mesh",
+]
+
+# Cases at published sizes on 8 and 64 devices: the demo's model on both of the issue's
+# meshes, then GPT, MoE and U-Net cases of the task suite.
+FULLSIZE_CASES = (
+    "demo-gpt-2x4-h100", "demo-gpt-8x8-h100",
+    "gpt-1.3b-2x4-h100", "moe-380m-2x4-a100-40g", "unet-ddpm-cifar10-4x2-a100-40g",
+    "gpt-6.7b-8x8-h100", "moe-27b-8x8-a100-80g", "unet-sd-1.5-8x8-h100",
+)
+_DEMO = {"demo-gpt-2x4-h100": "data=2,model=4", "demo-gpt-8x8-h100": "data=8,model=8"}
+DEMO_WORKLOAD = "gpt:layers=8,d_model=1024"
+
+# A search: (problem, seed) -> {plan name: decisions}, e.g. UCT and random at 2000.
+Search = Callable[[Problem, int], Mapping[str, Sequence[Decision]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCheck:
+  """One plan of one case, simulated and compiled.
+
+  Attributes:
+    case: the case name.
+    devices: devices of its mesh.
+    plan: an expert tactic name or a search's name.
+    searched: whether a search found it.
+    decisions: the plan, as text.
+    simulated: `validate.simulated_metrics` plus `step_time` (seconds) and `fits`.
+    compiled: `validate.compiled_metrics` plus the compiled-implied `step_time`,
+      `compute_time` and `comm_time` (seconds).
+    differences: values the compiled module shards otherwise than the plan.
+    seconds: wall time of lowering and compiling.
+  """
+
+  case: str
+  devices: int
+  plan: str
+  searched: bool
+  decisions: tuple[str, ...]
+  simulated: dict[str, Any]
+  compiled: dict[str, Any]
+  differences: int
+  seconds: float
+
+
+def validation_case(name: str) -> workloads.Case:
+  """The case called `name` (`FULLSIZE_CASES`, or any task-suite case) in float32."""
+  if name in _DEMO:
+    case = workloads.Case(name=name, workload=DEMO_WORKLOAD, family="gpt", size="demo", mesh=_DEMO[name],
+                          hardware="h100", split="validate")
+  else:
+    known = {c.name: c for c in workloads.load_cases()}
+    if name not in known:
+      raise ValueError(f"Unknown validation case {name!r}; valid: {', '.join(FULLSIZE_CASES)} or a suite case.")
+    case = known[name]
+  return dataclasses.replace(case, workload=f"{case.workload},dtype=float32")
+
+
+def validation_mesh(case: workloads.Case) -> Mesh:
+  """The case's mesh and hardware, with the CPU backend's collective combiner."""
+  hardware = dataclasses.replace(HARDWARE[case.hardware], combine_threshold=HARDWARE["cpu"].combine_threshold)
+  return make_mesh(case.mesh, hardware)
+
+
+def _axes_mask(mesh: Mesh, axes: Sequence[str] | None) -> int:
+  """Bit mask of mesh axes; every axis where XLA's groups match no set of axes."""
+  names = mesh.axis_names if axes is None else axes
+  return sum(1 << mesh.axis_names.index(a) for a in names)
+
+
+def _compute_dtype(problem: Problem) -> str:
+  """The result dtype of the op with the most flops (the matmuls' dtype)."""
+  program = problem.program
+  flops = program_flops(program)
+  heaviest = max(program.ops, key=lambda op: op.repeat * flops[op.id])
+  return program.values[heaviest.results[0]].dtype if heaviest.results else "float32"
+
+
+def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, float]:
+  """The compiled module priced with the simulator's model (see the module docstring):
+  `step_time = compute_time + comm_time`, seconds per step per device."""
+  hardware = problem.mesh.hardware
+  comm = sum(c.repeat * collective_seconds(problem.tables, c.kind, c.bytes, _axes_mask(problem.mesh, c.mesh_axes))
+             for c in stats.collectives)
+  peak = hardware.flops.get(_compute_dtype(problem), hardware.flops["float32"])
+  compute = stats.flops / peak + stats.bytes_accessed / hardware.hbm_bandwidth
+  return {"step_time": compute + comm, "compute_time": compute, "comm_time": comm}
+
+
+def check_plan(case: str, problem: Problem, workload: workloads.Workload, plan: str, decisions: Sequence[Decision],
+               searched: bool) -> PlanCheck:
+  """Lowers and compiles one plan (abstract arguments) and measures both sides."""
+  start = time.perf_counter()
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS)
+  cost = problem.cost(decisions)
+  simulated = {**simulated_metrics(problem, decisions), "step_time": float(cost.step_time), "fits": bool(cost.fits)}
+  compiled = {**compiled_metrics(lowered.stats), **implied_cost(problem, lowered.stats)}
+  return PlanCheck(case=case, devices=problem.mesh.num_devices, plan=plan, searched=searched,
+                   decisions=tuple(map(str, decisions)), simulated=simulated, compiled=compiled,
+                   differences=len(lowered.differences), seconds=time.perf_counter() - start)
+
+
+def check_case(name: str, search: Search | None = None, seed: int = 0,
+               report: Callable[[PlanCheck], None] = lambda check: None) -> list[PlanCheck]:
+  """Every applicable expert plan of case `name` and the plans `search` finds."""
+  case = validation_case(name)
+  workload = case.make_workload(abstract=True)
+  problem = trace_problem(workload, case.mesh, validation_mesh(case).hardware)
+  plans = [(plan, decisions, False) for plan, decisions in tactics.applicable(problem).items()]
+  if search is not None:
+    plans += [(plan, list(decisions), True) for plan, decisions in search(problem, seed).items()]
+  checks = []
+  for plan, decisions, searched in plans:
+    checks.append(check_plan(name, problem, workload, plan, decisions, searched))
+    report(checks[-1])
+  return checks
+
+
+# -- summary ------------------------------------------------------------------------------
+
+
+def pairwise_agreement(checks: Sequence[PlanCheck]) -> float:
+  """Over pairs of plans of one case, the fraction the simulator orders as the
+  compiled-implied costs do (pairs the compiled side ties within 0.1% left out)."""
+  agree = total = 0
+  by_case: dict[str, list[PlanCheck]] = {}
+  for check in checks:
+    by_case.setdefault(check.case, []).append(check)
+  for group in by_case.values():
+    for i, a in enumerate(group):
+      for b in group[i + 1:]:
+        compiled = a.compiled["step_time"] - b.compiled["step_time"]
+        if abs(compiled) <= 1e-3 * max(a.compiled["step_time"], b.compiled["step_time"]):
+          continue
+        total += 1
+        agree += (a.simulated["step_time"] - b.simulated["step_time"]) * compiled > 0
+  return agree / total if total else math.nan
+
+
+def exploit_gaps(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
+  """Per searched plan: its simulated ratio to the best expert (by the simulator,
+  among those that fit), its compiled-implied ratio to the same expert, and the gap,
+  compiled-implied minus simulated ratio: positive where the simulator flatters the
+  searched plan (the search exploited the simulator), negative where it undersells it."""
+  gaps = []
+  for name in dict.fromkeys(c.case for c in checks):
+    experts = [c for c in checks if c.case == name and not c.searched]
+    fitting = [c for c in experts if c.simulated["fits"]] or experts
+    if not fitting:
+      continue
+    best = min(fitting, key=lambda c: c.simulated["step_time"])
+    for found in (c for c in checks if c.case == name and c.searched):
+      simulated = found.simulated["step_time"] / best.simulated["step_time"]
+      compiled = found.compiled["step_time"] / best.compiled["step_time"]
+      gaps.append({"case": name, "plan": found.plan, "best_expert": best.plan, "simulated_ratio": simulated,
+                   "compiled_ratio": compiled, "gap": compiled - simulated})
+  return gaps
+
+
+def summarize(checks: Sequence[PlanCheck]) -> dict[str, float]:
+  """The acceptance figures over all plans of all cases."""
+  median = lambda xs: float(np.median(xs)) if len(xs) else math.nan
+  error = lambda key: median([relative_error(c.simulated[key], c.compiled[key]) for c in checks])
+  count_ratio = []
+  for c in checks:
+    simulated, compiled = sum(c.simulated["comm_count_by_kind"].values()), sum(c.compiled["comm_count_by_kind"].values())
+    if simulated or compiled:
+      count_ratio.append(max(simulated, compiled) / max(min(simulated, compiled), 1e-9))
+  gaps = [g["gap"] for g in exploit_gaps(checks)]
+  return {
+      "plans": len(checks),
+      "realized_fraction": float(np.mean([c.differences == 0 for c in checks])) if checks else math.nan,
+      "comm_bytes_median_rel_error": error("comm_bytes"),
+      "collective_counts_within_2x_fraction": float(np.mean([r <= 2.0 for r in count_ratio])) if count_ratio else math.nan,
+      "flops_median_rel_error": error("flops"),
+      "memory_median_rel_error": error("peak_memory"),
+      "pairwise_rank_agreement": pairwise_agreement(checks),
+      "exploit_gap_median": median(gaps),
+      "exploit_gap_median_abs": median(np.abs(gaps)),
+  }
+
+
+def plot(checks: Sequence[PlanCheck], path: str) -> None:
+  """Four log-log panels of simulated against compiled: comm bytes, flops and peak memory
+  per device, and each plan's step time over its case's best expert (the simulator's
+  ratio against the compiled-implied one); searched plans drawn as crosses."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  best = {g["case"]: g["best_expert"] for g in exploit_gaps(checks)}
+  expert = {(c.case, c.plan): c for c in checks if not c.searched}
+  panels = (("comm_bytes", "comm bytes / device"), ("flops", "flops / device"), ("peak_memory", "peak memory / device"),
+            ("ratio", "step time / best expert's"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(20, 5))
+  for ax, (key, title) in zip(axes, panels):
+    points = []
+    for c in checks:
+      if key == "ratio":
+        reference = expert.get((c.case, best.get(c.case, "")))
+        if reference is None:
+          continue
+        x = c.compiled["step_time"] / reference.compiled["step_time"]
+        y = c.simulated["step_time"] / reference.simulated["step_time"]
+      else:
+        x, y = c.compiled[key], c.simulated[key]
+      if x > 0 and y > 0:
+        points.append((x, y, c.searched))
+    for searched, marker, label in ((False, "o", "expert plans"), (True, "x", "searched plans")):
+      mine = [(x, y) for x, y, s in points if s == searched]
+      if mine:
+        ax.scatter(*zip(*mine), marker=marker, s=24, label=label)
+    values = [v for x, y, _ in points for v in (x, y)] or [1.0, 10.0]
+    line = np.geomspace(min(values) / 1.5, max(values) * 1.5, 2)
+    ax.plot(line, line, "k--", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="compiled (XLA)", ylabel="simulator", title=title)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
