@@ -36,6 +36,7 @@ from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from agents.registry import AGENTS, run_agent
 from agents.base import Budget
+from experiments.progress import phase, ticking
 from experiments.cli import CommandFailed, write_json
 from experiments.options import WORKLOAD_HELP, Hardware, JsonPath, MeshSpec, OptionalWorkload, PlotPath, Tactic
 
@@ -125,7 +126,8 @@ def search(problem: Problem, config: PartitionConfig):
     bar.set_postfix_str(f"best {best_step_time * 1e3:.3f} ms", refresh=False)
 
   try:
-    return run_agent(config.agent, problem, seed=config.seed, budget=budget, progress=progress)
+    with ticking(bar.refresh):  # The bar's clock runs while the environment is built.
+      return run_agent(config.agent, problem, seed=config.seed, budget=budget, progress=progress)
   finally:
     bar.close()
 
@@ -138,20 +140,25 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
 
   start = time.perf_counter()
   spec = config.check_workload or config.workload
-  if is_user_function(spec):
-    name, fn, args, names, roles = load_user_function(spec)
-    target = problem if spec == config.workload else Problem.build(ir.trace(fn, *args, arg_names=names, arg_roles=roles),
-                                                               problem.mesh)
-  else:
-    workload = workloads.make_workload(spec)  # Real arrays.
-    name, fn, args = workload.name, workload.step, workload.args
-    target = Problem.build(workload.trace(), problem.mesh)
-  moved = decisions if target is problem else plan_lib.transfer_decisions(decisions, problem, target)
   if spec != config.workload:
-    print(f"\nlowering on {spec} with real arrays (a smaller copy: the full model is too slow to compile and run "
-          f"on this machine's CPU cores); {len(moved)} of {len(decisions)} decisions carried over")
-  lowered = lower(target, moved, fn, args)
-  check_numerics(fn, args, lowered)
+    print(f"\nlowering on {spec} with real arrays, a smaller copy of {config.workload} (the full model is too "
+          "slow to compile and run on this machine's CPU cores)", flush=True)
+  with phase(f"building and tracing {spec} with real arrays", config.progress):
+    if is_user_function(spec):
+      name, fn, args, names, roles = load_user_function(spec)
+      target = problem if spec == config.workload else Problem.build(
+          ir.trace(fn, *args, arg_names=names, arg_roles=roles), problem.mesh)
+    else:
+      workload = workloads.make_workload(spec)  # Real arrays.
+      name, fn, args = workload.name, workload.step, workload.args
+      target = Problem.build(workload.trace(), problem.mesh)
+    moved = decisions if target is problem else plan_lib.transfer_decisions(decisions, problem, target)
+  if spec != config.workload:
+    print(f"{len(moved)} of {len(decisions)} decisions carried over to {name}")
+  with phase(f"compiling the plan for {len(jax.devices())} devices", config.progress):
+    lowered = lower(target, moved, fn, args)
+  with phase("checking numerics against the unpartitioned step (float64 reference)", config.progress):
+    check_numerics(fn, args, lowered)
   summary = hlo.summarize(lowered.stats.collectives)
   seconds = time.perf_counter() - start
   print(f"lowered on {len(jax.devices())} {jax.devices()[0].platform.upper()} devices: "
@@ -171,8 +178,9 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   if config.agent != "tactic":
     Budget.of(config.budget)  # Bad budgets fail before tracing.
   config = dataclasses.replace(config, tactic=config.tactic or DEFAULT_TACTIC)
-  name, fn, args, program = load(config.workload)
-  problem = Problem.build(program, make_mesh(config.mesh, config.hardware))
+  with phase(f"tracing {config.workload} and building its cost tables", config.progress):
+    name, fn, args, program = load(config.workload)
+    problem = Problem.build(program, make_mesh(config.mesh, config.hardware))
   if not shardable(problem):
     raise ValueError(f"mesh {config.mesh}: no dimension of {name} divides by any axis size "
                      f"({', '.join(map(str, problem.mesh.axis_sizes))}), so nothing can be sharded")
@@ -186,7 +194,8 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   plan = Plan(fn, tuple(args), problem, decisions, agent=label, search=found)
   result = cost_dict(plan.cost)
   result["decisions"] = [str(d) for d in decisions]
-  result["baselines"] = baselines(problem)
+  with phase("costing the expert plans", config.progress):
+    result["baselines"] = baselines(problem)
   result["agent"] = config.agent
   result["search_seconds"] = search_seconds
   result["trace"] = [] if found is None else found.trace_dicts()

@@ -1,0 +1,41 @@
+"""Progress for phases that report nothing themselves (tracing, compiling, checking
+numerics): a line that counts the seconds, refreshed every second, so a command is never
+silent for long."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+from tqdm import tqdm
+
+
+@contextlib.contextmanager
+def ticking(refresh: Callable[[], None], interval: float = 1.0) -> Iterator[None]:
+  """Calls `refresh()` every `interval` seconds on a background thread while the block runs."""
+  stop = threading.Event()
+
+  def tick() -> None:
+    while not stop.wait(interval):
+      refresh()
+
+  thread = threading.Thread(target=tick, daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    stop.set()
+    thread.join()
+
+
+@contextlib.contextmanager
+def phase(label: str, enabled: bool = True) -> Iterator[None]:
+  """Shows `label` with the seconds spent in it, refreshed every second, and leaves the
+  final time on its line."""
+  bar = tqdm(desc=label, bar_format="{desc}: {elapsed}", disable=not enabled, dynamic_ncols=True)
+  with ticking(bar.refresh):
+    try:
+      yield
+    finally:
+      bar.close()
