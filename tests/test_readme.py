@@ -21,3 +21,26 @@ def test_readme_snippet_runs_as_written(index, tmp_path):
   result = subprocess.run([sys.executable, "-c", SNIPPETS[index]], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _flags(config_cls) -> list[str]:
+  """The command-line flags of a config dataclass (nested configs by their prefix;
+  positional arguments, which the README names in capitals, left out)."""
+  import dataclasses
+  import typing
+  hints = typing.get_type_hints(config_cls, include_extras=True)
+  positional = lambda f: "Positional" in repr(hints[f.name])
+  return [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(config_cls) if not positional(f)]
+
+
+def test_every_command_and_flag_is_in_the_readme():
+  import importlib
+  from experiments import cli
+  readme = README.read_text()
+  missing = []
+  for name, command in cli.COMMANDS.items():
+    if f"automap-rl {name}" not in readme:
+      missing.append(f"automap-rl {name}")
+    config_cls = getattr(importlib.import_module(f"experiments.{command.module}"), command.config)
+    missing += [f"{name} {flag}" for flag in _flags(config_cls) if flag not in readme]
+  assert not missing, f"not documented in README.md: {missing}"
