@@ -240,8 +240,9 @@ HARDWARE: Mapping[str, Hardware] = {
         devices_per_node=64,  # Assumed: virtual devices of one host process.
         # XLA's CPU compiler (xla/service/cpu/cpu_compiler.cc) runs only an
         # all-reduce combiner, CpuAllReduceCombiner(kCombineBytes = INT64_MAX,
-        # kCombineCount = 256): no byte limit.
-        combine_threshold={"all-reduce": float("inf")},
+        # kCombineCount = 256): no byte limit. It writes a reduce-scatter as an
+        # all-reduce and a dynamic slice, so reduce-scatters combine with it too.
+        combine_threshold={"all-reduce": float("inf"), "reduce-scatter": float("inf")},
     ),
 }
 

@@ -24,21 +24,21 @@ class ValidateConfig:
     suite: `quick` (small workloads, a few minutes on CPU), `full` (the zoo's defaults)
       or `fullsize` (compile-only at published sizes, 8 and 64 devices; about half a
       minute per plan on 2 CPU cores).
+    json: where to write `{cases, summary}`.
+    plot: where to draw the simulated-vs-compiled scatter plots (PNG).
     cases: for `fullsize`, the cases to check (default: all of `FULLSIZE_CASES`).
     agents: for `fullsize`, the search agents whose plans are checked beside the experts.
     budget: for `fullsize`, each search's simulator evaluations.
     seed: for `fullsize`, the searches' seed.
-    json: where to write `{cases, summary}`.
-    plot: where to draw the simulated-vs-compiled scatter plots (PNG).
   """
 
   suite: Literal["quick", "full", "fullsize"] = "quick"
+  json: JsonPath = None
+  plot: PlotPath = None
   cases: tuple[str, ...] = ()
   agents: tuple[str, ...] = ("mcts", "random")
   budget: int = 2000
   seed: int = 0
-  json: JsonPath = None
-  plot: PlotPath = None
 
 
 def _mb(x: float) -> str:

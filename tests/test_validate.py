@@ -54,3 +54,20 @@ def test_simulated_flops_follow_xla_fusion_on_per_device_shapes():
   for name in ("replicated", "data_parallel"):
     case = validate.run_case(problem, workload, "data=8", name, plans[name], reference)
     assert validate.relative_error(case.simulated["flops"], case.compiled["flops"]) < 0.015, name
+
+
+def test_collectives_combine_per_loop_iteration_as_xla_does():
+  """Layers in a scan: XLA's combiner merges one iteration's independent gradient
+  reductions (the loop body is one computation), and the simulator counts the same
+  collectives of every kind, and the same bytes."""
+  from automap_rl.xla.lower import lower
+  workload = workloads.make_workload("gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=True",
+                                     abstract=True)
+  problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
+  plans = tactics.applicable(problem)
+  for name in ("data_parallel", "data_megatron"):
+    lowered = lower(problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
+    simulated, compiled = validate.simulated_metrics(problem, plans[name]), validate.compiled_metrics(lowered.stats)
+    assert compiled["comm_count_by_kind"]["all-reduce"] > 4  # One per iteration at least, and the rest.
+    assert {k: round(v, 3) for k, v in simulated["comm_count_by_kind"].items()} == compiled["comm_count_by_kind"], name
+    assert math.isclose(simulated["comm_bytes"], compiled["comm_bytes"], rel_tol=1e-6), name

@@ -138,22 +138,32 @@ def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.
                     threshold: jax.Array) -> jax.Array:
   """Collectives per step of edges whose collectives XLA's combiner merges.
 
-  The combining edges (`combines` [N], and `threshold` > 0: the backend combines this
-  kind) with collectives over the same axes (`axes` [N, B]) form one group per axes mask;
-  a group of total bytes T (`moved` [N, B]: bytes per device a step) and n collectives
-  (`runs` [N, B]) runs as `max(ceil(T / threshold), ceil(n / COMBINE_COUNT))` combined
-  collectives, which its members share by bytes. Other edges keep their `runs`.
+  The combining edges (`combines` [N] > 0, see `CostTables.reduction_combines`, and
+  `threshold` > 0: the backend combines this kind) with collectives over the same axes
+  (`axes` [N, B]) form one group per axes mask outside loops and one per axes mask inside
+  loops, counted per iteration (each edge's `moved` [N, B], bytes per device a step, and
+  `runs` [N, B], collectives a step, divided by its loop's repeat count). A group of total
+  bytes T and n collectives (per iteration) runs `max(ceil(T / threshold), ceil(n /
+  COMBINE_COUNT))` combined collectives (per iteration), which its members share by bytes
+  (a member's share times its repeat count: per step). Other edges keep their `runs`.
   Returns [N, B]."""
-  member = combines[:, None] & (axes != 0) & (threshold > 0)
+  member = (combines[:, None] > 0) & (axes != 0) & (threshold > 0)
+  in_loop = combines[:, None] > 1
+  repeat = jnp.maximum(combines, 1.0)[:, None]
+  moved_once, runs_once = moved / repeat, runs / repeat  # Per iteration (the step, outside loops).
   masks = range(1, t.mask_group.shape[-1])
-  sums = _sum_rows(*[jnp.where(member & (axes == m), x, 0.0) for m in masks for x in (moved, runs)])
+  sums = _sum_rows(*[jnp.where(member & (axes == m) & (in_loop == loop), x, 0.0)
+                     for loop in (False, True) for m in masks for x in (moved_once, runs_once)])
   zero = jnp.zeros_like(sums[0])
-  totals, counts = jnp.stack([zero, *sums[0::2]]), jnp.stack([zero, *sums[1::2]])  # [2**X, B]
-  combined = jnp.where(totals > 0, jnp.maximum(jnp.ceil(totals / threshold), jnp.ceil(counts / COMBINE_COUNT)), 0.0)
-  index = axes.astype(jnp.int32)
-  share = (jnp.take_along_axis(combined, index, axis=0) * moved
-           / jnp.maximum(jnp.take_along_axis(totals, index, axis=0), jnp.finfo(jnp.float32).tiny))
-  return jnp.where(member, share, runs)
+  per_mask = len(masks) * 2
+  shares = []
+  for group in (sums[:per_mask], sums[per_mask:]):
+    totals, counts = jnp.stack([zero, *group[0::2]]), jnp.stack([zero, *group[1::2]])  # [2**X, B]
+    combined = jnp.where(totals > 0, jnp.maximum(jnp.ceil(totals / threshold), jnp.ceil(counts / COMBINE_COUNT)), 0.0)
+    index = axes.astype(jnp.int32)
+    shares.append(jnp.take_along_axis(combined, index, axis=0) * moved
+                  / jnp.maximum(jnp.take_along_axis(totals, index, axis=0), jnp.finfo(jnp.float32).tiny))
+  return jnp.where(member, jnp.where(in_loop, shares[1], shares[0]), runs)
 
 
 def _edge_terms(t: CostTables, all_reduce: bool, axes: jax.Array, divisor: jax.Array, nbytes: jax.Array,

@@ -84,11 +84,13 @@ class CostTables:
     reduction_partial_sums: how many partial sums (one buffer each) the reduction carries
       in one collective: more than 1 for a linear combination of partial sums (see
       `sharding.pending_partial_sums`), [R].
-    reduction_combines: whether XLA's combiners may merge the reduction's collectives with
-      each other and with those of the other combining reductions, bool [R]: every op of
-      its signature runs once per step outside loops and reaches no op that can reduce
-      (see `_terminal_reductions`), so no two such collectives depend on each other
-      (the gradients of data parallelism and FSDP, the loss).
+    reduction_combines: how XLA's combiners treat the reduction's collectives, [R]: 0, not
+      combined; 1, merged with those of the other combining reductions outside loops; r >
+      1, merged with those of the other combining reductions of the same loop iteration,
+      the loop running r times a step. A reduction combines when every op of its signature
+      reaches no op that can reduce (see `_terminal_reductions`), so no two such
+      collectives depend on each other (the gradients of data parallelism and FSDP, the
+      loss), outside branches (with the loop if some run in one and some outside).
     combine_bytes: the most bytes one combined all-reduce and one combined reduce-scatter
       carry (`Hardware.combine_threshold`; 0: the backend does not combine), [2].
     edge_buffers: how many distinct buffers the edge's resharding materialises (its ops,
@@ -242,13 +244,15 @@ def _operand_read_shares(program: Program, sigs: Signatures) -> dict[tuple[int, 
 
 
 def _terminal_reductions(program: Program, sigs: Signatures, reduces: np.ndarray) -> np.ndarray:
-  """Op signatures whose ops can all have their collectives combined, bool [Uo].
+  """How the collectives of each op signature's ops combine, float [Uo]: 0, not at all;
+  else the repeat count of the loop iteration (1: the step) they combine within.
 
   XLA's combiners merge collectives of one kind and replica groups that do not depend on
-  each other. An op that can reduce (its signature in `reduces`, [Uo]) and reaches no
-  other such op through its results' consumers is "terminal"; no terminal op reaches
-  another, so the collectives of terminal ops are mutually independent. A signature
-  combines when all its ops are terminal and run once per step outside loops.
+  each other, within one computation: a loop body's are merged per iteration. An op that
+  can reduce (its signature in `reduces`, [Uo]) and reaches no other such op through its
+  results' consumers is "terminal"; no terminal op reaches another, so the collectives of
+  terminal ops are mutually independent. A signature combines when all its ops are
+  terminal, run the same number of times a step and none sits in a branch (`cond`).
   """
   consumers: dict[int, list[int]] = {}
   for op in program.ops:
@@ -258,12 +262,14 @@ def _terminal_reductions(program: Program, sigs: Signatures, reduces: np.ndarray
   reaches = np.zeros(program.num_ops, bool)  # Reaches an op that can reduce, itself excluded.
   for op in reversed(program.ops):  # Program order is a topological order.
     reaches[op.id] = any(can_reduce[c] or reaches[c] for v in op.results for c in consumers.get(v, ()))
-  terminal = np.ones(len(sigs.op_keys), bool)
+  repeat = np.full(len(sigs.op_keys), np.nan)
+  combines = np.ones(len(sigs.op_keys), bool)
   for op in program.ops:
     sig = sigs.op_sig[op.id]
     if sig >= 0:
-      terminal[sig] &= not reaches[op.id] and op.repeat == 1 and not op.scope
-  return terminal
+      combines[sig] &= not reaches[op.id] and "cond" not in op.scope.split("/")
+      repeat[sig] = np.fmax(repeat[sig], op.repeat)
+  return np.where(combines & ~np.isnan(repeat), repeat, 0.0).astype(np.float32)
 
 
 def _factor_indices(tables: list[np.ndarray], rv: int, rf: int) -> np.ndarray:
