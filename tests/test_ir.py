@@ -9,7 +9,7 @@ import pytest
 
 from automap_rl import ir, workloads
 from automap_rl.ir import FactorKind
-from automap_rl.ir.flops import fusion_copies
+from automap_rl.ir.flops import fusion_copies, memory_bytes
 from experiments.inspect_cmd import summarize
 
 ZOO = ("mlp", "gpt", "gpt:scan=true", "moe", "gnn", "resnet", "unet")
@@ -234,3 +234,18 @@ def test_fused_flops_of_training_steps_follow_the_compiled_module(fn, args):
   program = ir.trace(step, *args)
   compiled = _xla_flops(step, *args)
   assert abs(_fused_flops(program) - compiled) <= 0.005 * compiled
+
+
+def test_memory_traffic_of_a_fused_elementwise_chain_is_its_ends():
+  """x @ w feeds a chain of elementwise ops that XLA fuses into one loop: the dot reads
+  its operands and writes its result; the chain reads the dot's result once and writes
+  only what the program returns."""
+  x, w = jnp.ones((32, 64)), jnp.ones((64, 16))
+  program = ir.trace(lambda x, w: jnp.tanh(x @ w) * 2.0 + 1.0, x, w)
+  traffic = memory_bytes(program)
+  by_primitive = {op.primitive: traffic[op.id] for op in program.ops}
+  out_bytes = 32 * 16 * 4
+  assert by_primitive["dot_general"] == x.nbytes + w.nbytes + out_bytes
+  assert by_primitive["tanh"] == out_bytes  # Reads the dot's result, writes into the fusion.
+  assert by_primitive["mul"] == 0.0  # Inside the fusion.
+  assert by_primitive["add"] == out_bytes  # Writes the program's output.

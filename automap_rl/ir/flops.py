@@ -190,6 +190,30 @@ def _loop_fusible(op: Op) -> bool:
   return _elementwise(op) or op.primitive in MOVEMENT or op.primitive in FUSED_REDUCTIONS
 
 
+def memory_bytes(program: Program) -> list[float]:
+  """Bytes each op reads from and writes to memory once XLA has fused loop-fusible
+  chains (elementwise ops, data movement, reductions): a loop-fusible op reads an operand
+  that a loop-fusible op produced from the fusion, not from memory, and writes a result
+  that only loop-fusible ops read (and the program does not return) into it. Dots,
+  convolutions, and everything else read and write their values whole. Per op, [num_ops]."""
+  producer = {v: op for op in program.ops for v in op.results}
+  consumers: dict[int, list[Op]] = {}
+  for op in program.ops:
+    for v in set(op.operands):
+      consumers.setdefault(v, []).append(op)
+  outputs = set(program.outputs)
+  fused = lambda op: op is not None and _loop_fusible(op)
+  out = []
+  for op in program.ops:
+    reads = sum(program.values[v].nbytes for v in op.operands
+                if not (fused(op) and fused(producer.get(v))))
+    writes = sum(program.values[v].nbytes for v in op.results
+                 if not (fused(op) and v not in outputs and consumers.get(v)
+                         and all(fused(c) for c in consumers[v])))
+    out.append(float(reads + writes))
+  return out
+
+
 def _expensive(op: Op) -> bool:
   """Worth materialising rather than recomputing (`CpuInstructionFusion::IsExpensive`)."""
   if op.primitive in DIVISIONS:

@@ -9,7 +9,7 @@ import chex
 import numpy as np
 
 from automap_rl.ir import FactorKind, Op, Program
-from automap_rl.ir.flops import fusion_copies
+from automap_rl.ir.flops import fusion_copies, memory_bytes
 from automap_rl.mesh import Mesh
 from automap_rl.sharding import Signatures
 
@@ -297,12 +297,12 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   operand_weight: dict[int, np.ndarray] = {}  # Op signature -> gather weight of each operand.
   read_share = _operand_read_shares(program, sigs)
   flops = program_flops(program)
+  traffic = memory_bytes(program)
   for op in program.ops:
     sig = sigs.op_sig[op.id]
     dtype = program.values[op.results[0]].dtype if op.results else "float32"
     flop_s = op.repeat * flops[op.id] / hw.flops.get(dtype, hw.flops["float32"])
-    io_bytes = sum(program.values[v].nbytes for v in (*op.operands, *op.results))
-    memory_s = op.repeat * io_bytes / hw.hbm_bandwidth
+    memory_s = op.repeat * traffic[op.id] / hw.hbm_bandwidth
     if sig < 0:  # Sharded like its values: charged to its first result.
       value_compute[sigs.value_sig[op.results[0]]] += flop_s
       value_memory[sigs.value_sig[op.results[0]]] += memory_s
