@@ -52,3 +52,53 @@ def batch_last(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     return out, jax.tree.map(lambda _: True, out)
 
   return wrapped
+
+
+def only_where(fn: Callable[[Any, Any], Any], fill: Callable[[Any], Any]) -> Callable[[Any, Any, jax.Array], Any]:
+  """Wraps `fn(static, arrays)` into `f(static, arrays, needed)`: `fn`'s result where
+  `needed` (bool []), else `fill(static)` (a pytree of `fn`'s output structure).
+
+  Called plainly it is a `lax.cond`. Vmapped over `arrays` and `needed` (not over
+  `static`), where a cond would become a select that runs `fn` on every row, the rows
+  that need it are gathered into the smallest of the power-of-two capacities B/16, B/8,
+  ..., B that holds them, and `fn` runs vmapped on those alone (a `lax.switch` between
+  the capacities, a real branch); the result is scattered back. Padding rows of a
+  capacity repeat the first needed row and write back its own result. Vmapped over
+  `static` too (a batch of different programs), every row runs `fn` and selects.
+  """
+
+  def plain(static, arrays, needed):
+    return jax.lax.cond(needed, lambda: fn(static, arrays), lambda: fill(static))
+
+  def select(static, arrays, needed):
+    return jax.tree.map(lambda a, b: jnp.where(needed, a, b), fn(static, arrays), fill(static))
+
+  @jax.custom_batching.custom_vmap
+  def wrapped(static, arrays, needed):
+    return plain(static, arrays, needed)
+
+  @wrapped.def_vmap
+  def rule(axis_size, in_batched, static, arrays, needed):
+    static_batched, arrays_batched, needed_batched = in_batched
+    if any(jax.tree.leaves(static_batched)):
+      axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
+      out = jax.vmap(select, in_axes=tuple(axes))(static, arrays, needed)
+      return out, jax.tree.map(lambda _: True, out)
+    arrays = jax.tree.map(lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape)), arrays, arrays_batched)
+    needed = needed if needed_batched else jnp.broadcast_to(needed, (axis_size,))
+    default = jax.tree.map(lambda x: jnp.broadcast_to(x, (axis_size, *jnp.shape(x))), fill(static))
+    capacities = sorted({max(axis_size >> shift, 1) for shift in range(5)})
+
+    def run(capacity: int):
+      def branch(arrays, needed):
+        index = jnp.nonzero(needed, size=capacity, fill_value=jnp.argmax(needed))[0]
+        part = jax.vmap(fn, in_axes=(None, 0))(static, jax.tree.map(lambda x: x[index], arrays))
+        return jax.tree.map(lambda d, p: d.at[index].set(p.astype(d.dtype)), default, part)
+      return branch
+
+    count = needed.sum()
+    which = jnp.where(count == 0, 0, 1 + jnp.searchsorted(jnp.array(capacities), count))
+    out = jax.lax.switch(which, [lambda *_: default] + [run(c) for c in capacities], arrays, needed)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return wrapped
