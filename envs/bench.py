@@ -7,8 +7,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-from automap_rl import mesh as mesh_lib
-from automap_rl import workloads
 from automap_rl.problem import Problem
 from envs.config import EnvConfig
 from envs.env import Env
@@ -53,20 +51,17 @@ def _rate(run, steps: int, seconds: float) -> float:
       return calls * steps / elapsed
 
 
-def bench_env(model: str, mesh: str = "data=2,model=4", hardware: str = "h100", batch: int = 256,
-              seconds: float = 5.0, config: EnvConfig = EnvConfig()) -> dict:
-  """Random-agent environment steps per second, after warm-up, of one env (a jitted scan)
-  and of `batch` envs (a vmapped scan), each measured for about `seconds`."""
-  program = workloads.make_workload(model).trace()
-  env = Env.build(Problem.build(program, mesh_lib.make_mesh(mesh, hardware)), config)
+def bench_env(problem: Problem, batch: int = 256, seconds: float = 5.0, config: EnvConfig = EnvConfig(),
+              single: bool = True) -> dict:
+  """Random-agent environment steps per second, after warm-up, of `batch` envs (a vmapped
+  scan) and, if `single`, of one env (a jitted scan), each measured for about `seconds`.
+  Episodes that end restart from the replicated plan."""
+  env = Env.build(problem, config)
   single_steps, batched_steps = 256, 16
-  return {
-      "model": model,
-      "mesh": mesh,
-      "hardware": hardware,
-      "action_space": config.action_space,
-      "num_actions": env.num_actions,
-      "steps_per_second_single": _rate(_rollout(env, None, single_steps), single_steps, seconds),
-      "steps_per_second_batched": _rate(_rollout(env, batch, batched_steps), batched_steps * batch, seconds),
-      "batch": batch,
-  }
+  out = {"reward": config.reward, "action_space": config.action_space, "num_actions": env.num_actions,
+         "batch": batch,
+         "steps_per_second_batched": _rate(_rollout(env, batch, batched_steps), batched_steps * batch, seconds)}
+  if single:
+    out["steps_per_second_single"] = _rate(_rollout(env, None, single_steps), single_steps, seconds)
+  return out
+
