@@ -13,8 +13,12 @@ from envs.env import Env
 
 
 def random_actions(key: jax.Array, legal: jax.Array) -> jax.Array:
-  """A uniformly random legal action per row of `legal` (bool [..., A]), int32 [...]."""
-  return jax.random.categorical(key, jnp.where(legal, 0.0, -jnp.inf)).astype(jnp.int32)
+  """A uniformly random legal action per row of `legal` (bool [..., A]), int32 [...]: the
+  k-th legal one for k uniform below their count (one random number a row, where a
+  categorical draws one per action, a tenth of the environment's step)."""
+  count = legal.sum(axis=-1)
+  k = jnp.minimum(jnp.floor(jax.random.uniform(key, count.shape) * count), count - 1)
+  return jnp.argmax(jnp.cumsum(legal, axis=-1) > k[..., None], axis=-1).astype(jnp.int32)
 
 
 def _rollout(env: Env, batch: int | None, steps: int):
