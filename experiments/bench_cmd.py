@@ -154,6 +154,7 @@ def plot(rows: list[dict[str, Any]], unit: str, title: str, path: str) -> None:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
 
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
   for ax, varies in zip(axes, ("ops", "devices")):
@@ -167,6 +168,7 @@ def plot(rows: list[dict[str, Any]], unit: str, title: str, path: str) -> None:
       ax.annotate(r["workload"] if varies == "ops" else r["mesh"], (r[varies], r["us_per_eval"]), fontsize=6)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel(varies)
     ax.set_ylabel(f"us per {unit} (batched)")
     ax.legend(fontsize=7)
