@@ -160,12 +160,12 @@ def _reward_modes(max_steps: int | None) -> tuple[Env, Env, object, object]:
   return (*envs, *(jax.jit(jax.vmap(env.step)) for env in envs))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(picks=st.lists(st.lists(st.integers(0, 10_000), min_size=1, max_size=12), min_size=1, max_size=6),
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(picks=st.lists(st.lists(st.integers(0, 10_000), max_size=12), min_size=4, max_size=4),
        max_steps=st.sampled_from([None, 3]))
 def test_terminal_reward_ends_where_the_shaped_one_does(picks, max_steps):
-  """Random decision sequences, a batch of them at once (the terminal env simulates only
-  the rows whose episode ends): the terminal env keeps the replicated figures and rewards
+  """Random decision sequences, a batch of four at once (one compile; the terminal env
+  simulates only the rows whose episode ends): the terminal env keeps the replicated figures and rewards
   0 until the episode ends, then reports the plan's simulated objective, step time and
   peak memory (those of the shaped env and of `Problem.cost`) and the whole return."""
   shaped, terminal, step_shaped, step_terminal = _reward_modes(max_steps)
