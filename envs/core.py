@@ -20,6 +20,12 @@ that per-slot test over classes, not a re-resolution per action. A target is als
 illegal if its classes do not fit in the remaining capacity; padded targets and padded
 mesh axes never are. The stop action (the last) is always legal, and in a terminal state
 the only legal one. Taking an illegal action acts as stop.
+
+Rewards (`EnvConfig.reward`): shaped (the default) simulates every move's plan, and the
+reward is the objective's decrease; terminal simulates only on the step that ends the
+episode, whose reward is the whole decrease, and under `vmap` only the rows whose episode
+ends run the simulator (`batching.only_where`). Either way the return is
+`1 - final objective`.
 """
 
 from __future__ import annotations
