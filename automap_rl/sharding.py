@@ -456,9 +456,10 @@ def _resolve_batch(owners: Owners, num_classes: int, decisions: tuple[jax.Array,
 
 def resolve(owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: jax.Array) -> Resolution:
   """Resolves encoded decisions (see `encode`) on the compressed program with `num_classes`
-  named dimensions. Pure; jittable; vmapped over decisions, the batch runs in one call laid
+  named dimensions. Pure; jittable; vmapped over decisions, the batch runs in calls laid
   out last (see `automap_rl.batching`), which is what XLA on CPU vectorises."""
-  resolve_batch = batching.batch_last(lambda _, decisions: _resolve_batch(owners, num_classes, decisions))
+  resolve_batch = batching.batch_last(lambda _, decisions: _resolve_batch(owners, num_classes, decisions),
+                                      lambda _: batching.tile_for(owners.classes.size))
   return resolve_batch((), (jnp.asarray(dec_class, jnp.int32), jnp.asarray(dec_axis, jnp.int32)))
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 
 ActionSpace = Literal["arg_dims", "named_dims", "groups"]
 Objective = Literal["time", "memory", "mix"]
+Reward = Literal["shaped", "terminal"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,13 @@ class EnvConfig:
     memory_penalty: the step time is multiplied by `1 + memory_penalty * overflow`, where
       overflow is the peak memory's relative excess over the device's memory.
     max_steps: episodes longer than this are truncated; None: only capacity ends them.
+    reward: `shaped`: every step simulates its plan; the state carries its objective and
+      the reward is the objective's decrease (what search agents that compare the plans of
+      inner nodes need: greedy, UCT, random rollouts). `terminal`: a step only applies its
+      decision; the plan is simulated once, on the step that ends the episode, whose reward
+      is the whole decrease `1 - objective`; until then the state carries the replicated
+      plan's figures (objective 1) and rewards 0. Both give every episode the same return,
+      and `reward = before.objective - after.objective` holds in both.
   """
 
   action_space: ActionSpace = "groups"
@@ -37,12 +45,15 @@ class EnvConfig:
   memory_weight: float = 0.5
   memory_penalty: float = 1.0
   max_steps: int | None = None
+  reward: Reward = "shaped"
 
   def __post_init__(self):
     if self.action_space not in ("arg_dims", "named_dims", "groups"):
       raise ValueError(f"Unknown action space {self.action_space!r}; valid: arg_dims, named_dims, groups.")
     if self.objective not in ("time", "memory", "mix"):
       raise ValueError(f"Unknown objective {self.objective!r}; valid: time, memory, mix.")
+    if self.reward not in ("shaped", "terminal"):
+      raise ValueError(f"Unknown reward {self.reward!r}; valid: shaped, terminal.")
     if self.max_decisions < 1 or self.max_axes < 1:
       raise ValueError("max_decisions and max_axes must be positive.")
 

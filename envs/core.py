@@ -20,15 +20,23 @@ that per-slot test over classes, not a re-resolution per action. A target is als
 illegal if its classes do not fit in the remaining capacity; padded targets and padded
 mesh axes never are. The stop action (the last) is always legal, and in a terminal state
 the only legal one. Taking an illegal action acts as stop.
+
+Rewards (`EnvConfig.reward`): shaped (the default) simulates every move's plan, and the
+reward is the objective's decrease; terminal simulates only on the step that ends the
+episode, whose reward is the whole decrease, and under `vmap` only the rows whose episode
+ends run the simulator (`batching.only_where`). Either way the return is
+`1 - final objective`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import chex
 import jax
 import jax.numpy as jnp
 
-from automap_rl import sharding, simulator
+from automap_rl import batching, sharding, simulator
 from envs.config import EnvConfig
 from envs.tables import EnvTables, raw_objective
 
@@ -90,11 +98,26 @@ def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, 
   return jnp.concatenate([legal.reshape(-1), jnp.ones(1, bool)])
 
 
-def _evaluate(config: EnvConfig, tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array):
+def _evaluate(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+  """The objective, step time and peak memory of the plan of resolved `masks` (value and
+  op masks), f32 [] each."""
+  value_mask, op_mask = masks
   resolution = sharding.Resolution(value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32))
   cost = simulator.simulate(tables.cost, resolution)
   objective = raw_objective(config, cost, tables.base, tables.cost.hbm_bytes) / tables.base[2]
-  return cost, objective
+  return objective, cost.step_time, cost.peak_memory
+
+
+def _replicated(tables: EnvTables) -> tuple[jax.Array, ...]:
+  """`_evaluate`'s figures of the replicated plan (objective 1)."""
+  return jnp.float32(1.0), jnp.asarray(tables.base[0], jnp.float32), jnp.asarray(tables.base[1], jnp.float32)
+
+
+def _figures(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array],
+             needed: jax.Array) -> tuple[jax.Array, ...]:
+  """`_evaluate` where `needed`, else the replicated plan's figures: under `vmap` only the
+  rows that need it are simulated (see `batching.only_where`)."""
+  return batching.only_where(functools.partial(_evaluate, config), _replicated)(tables, masks, needed)
 
 
 def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:
@@ -121,7 +144,6 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   axis = action % num_axes
   value_mask = sharding.apply_decision(tables.value_divisible, state.value_mask, tables.value_rank[target], axis)
   op_mask = sharding.apply_decision(tables.op_divisible, state.op_mask, tables.op_rank[target], axis)
-  cost, objective = _evaluate(config, tables, value_mask, op_mask)
 
   classes = tables.target_classes[target]
   offset = jnp.arange(config.max_decisions) - state.num_decisions
@@ -131,19 +153,25 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   dec_axis = jnp.where(new, axis, state.dec_axis)
   num_decisions = state.num_decisions + (classes >= 0).sum()
   legal = legal_actions(tables, value_mask, op_mask, num_decisions, config.max_decisions)
-  moved = State(
+  moved = state.replace(
       dec_class=dec_class, dec_axis=dec_axis, num_decisions=num_decisions, value_mask=value_mask,
-      op_mask=op_mask, objective=objective, step_time=cost.step_time, peak_memory=cost.peak_memory,
-      reward=state.objective - objective, terminated=~legal[:-1].any(), truncated=state.truncated,
-      legal_action_mask=legal, step_count=state.step_count)
-  stopped = state.replace(reward=jnp.float32(0.0), terminated=jnp.bool_(True))
+      op_mask=op_mask, terminated=~legal[:-1].any(), legal_action_mask=legal)
+  stopped = state.replace(terminated=jnp.bool_(True))
   out = jax.tree.map(lambda a, b: jnp.where(stop, a, b), stopped, moved)
   step_count = state.step_count + 1
   truncated = ~out.terminated & (step_count >= (config.max_steps or jnp.iinfo(jnp.int32).max))
+  ends = out.terminated | truncated
+  # Shaped: every move simulates its plan (a stop keeps the figures). Terminal: only the
+  # step that ends the episode does.
+  changed = ~stop if config.reward == "shaped" else ends
+  live = ~(state.terminated | state.truncated)  # `step` keeps a terminal state whatever this returns.
+  figures = _figures(config, tables, (out.value_mask, out.op_mask), changed & live)
+  objective, step_time, peak_memory = (jnp.where(changed, new, old) for new, old in zip(
+      figures, (state.objective, state.step_time, state.peak_memory)))
   only_stop = jnp.zeros_like(legal).at[-1].set(True)
-  done = out.terminated | truncated
-  return out.replace(step_count=step_count, truncated=truncated,
-                     legal_action_mask=jnp.where(done, only_stop, out.legal_action_mask))
+  return out.replace(objective=objective, step_time=step_time, peak_memory=peak_memory,
+                     reward=state.objective - objective, step_count=step_count, truncated=truncated,
+                     legal_action_mask=jnp.where(ends, only_stop, out.legal_action_mask))
 
 
 def step(config: EnvConfig, tables: EnvTables, state: State, action: jax.Array) -> State:

@@ -88,7 +88,8 @@ class EnvTables:
     value_class, value_divisible: class (-1: none) and `sharding.divisibility_bits` of the
       size of each value-signature dim, over the X (padded) axes, [Uv, Rv].
     op_class, op_divisible: the same for op-signature factors, [Uo, Rf].
-    slot_order: the slots with a class in chunks of one class each, sorted by class, as
+    slot_order: one slot with a class per owner slot (`sharding.Owners`: signatures that
+      share an owner resolve alike) in chunks of one class each, sorted by class, as
       indices into the value dims then op factors flattened (`value_class.ravel()` then
       `op_class.ravel()`), [Q, W]; padding slots have size 1 (never open on an axis).
     slot_divisible: their divisibility bits, [Q, W]; chunk_class: the class of each chunk
@@ -162,6 +163,21 @@ def _slot_rank(target_rank: np.ndarray, classes: np.ndarray) -> np.ndarray:
     raise ValueError(f"A target covers more than {sharding.NO_SLOT_RANK} classes.")
   ranks = np.minimum(target_rank[:, np.maximum(classes, 0)], sharding.NO_SLOT_RANK)
   return np.where(classes >= 0, ranks, sharding.NO_SLOT_RANK).astype(np.int16)
+
+
+def _representative_slots(owners: sharding.Owners) -> np.ndarray:
+  """One slot (value dim or op factor, flattened as `value_class.ravel()` then
+  `op_class.ravel()`) for each owner slot: signatures that share an owner resolve alike,
+  so the legal mask tests one of them for all (half the slots of a 12-layer GPT). Bool
+  [Uv * Rv + Uo * Rf]."""
+  flat = [(owner.ravel(), slot.ravel()) for owner, slot in ((owners.value_owner, owners.value_slot),
+                                                             (owners.op_owner, owners.op_slot))]
+  owner, slot = (np.concatenate(parts) for parts in zip(*flat))
+  key = np.where(owner >= 0, owner * owners.classes.shape[1] + slot, -1)
+  first = np.zeros(len(key), bool)
+  _, index = np.unique(key, return_index=True)
+  first[index] = True
+  return first & (key >= 0)
 
 
 def _value_features(problem: Problem) -> np.ndarray:
@@ -244,8 +260,9 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
   value_divisible = sharding.divisibility_bits(sigs.value_size, sizes)
   op_divisible = sharding.divisibility_bits(sigs.op_size, sizes)
   flat_divisible = np.concatenate([value_divisible.ravel(), op_divisible.ravel()])
+  representative = _representative_slots(problem.owners)
   chunks = [(c, members[i:i + CHUNK]) for c in range(num_classes)
-            for members in [np.flatnonzero(flat_class == c)] for i in range(0, len(members), CHUNK)]
+            for members in [np.flatnonzero((flat_class == c) & representative)] for i in range(0, len(members), CHUNK)]
   slot_order = np.zeros((len(chunks), CHUNK), np.int64)
   slot_divisible = np.ones((len(chunks), CHUNK), np.int64)
   for q, (_, members) in enumerate(chunks):

@@ -1,9 +1,15 @@
-"""`automap-rl bench simulator|env ...`: throughput benchmarks, ratios measured in one run."""
+"""`automap-rl bench simulator|env ...`: throughput benchmarks, ratios measured in one run.
+
+Each prints the headline figures of one workload on one mesh, then how the time per
+evaluation (step) grows with the program's size (ops, at the headline mesh) and with the
+mesh's (devices, at the headline workload), as a table and, with `--plot`, a log-log plot.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,22 +21,32 @@ from automap_rl import workloads
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from envs.bench import bench_env
+from envs.config import EnvConfig
 from experiments.cli import write_json
-from experiments.options import Hardware, JsonPath, MeshSpec, Workload
+from experiments.options import Hardware, JsonPath, MeshSpec, PlotPath, Workload
+
+SCALE_WORKLOADS = ("gpt:layers=2", "gpt:layers=4", "gpt:layers=8", "gpt:layers=12", "gpt:layers=24")
+SCALE_MESHES = ("data=2,model=2", "data=2,model=4", "data=4,model=4", "data=4,model=8", "data=8,model=8")
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvBenchConfig:
-  """Environment steps per second: one environment, and a vmapped batch of them.
+  """Environment steps per second: one environment, and a vmapped batch of them, with
+  terminal rewards (a step simulates only when its episode ends) and, for the ratio,
+  shaped ones (every step simulates).
 
   Attributes:
     workload: the workload spec.
     mesh: the mesh spec.
     hardware: the hardware profile.
-    batch: environments per vmapped call.
-    seconds: how long to time each mode.
-    seed: seed of the random actions.
+    batch: environments (plans) per vmapped call.
+    seconds: how long to time each headline figure.
+    seed: seed of the random actions (plans).
     json: where to write the figures.
+    scale_workloads: workloads of the program-size scaling rows (at `mesh`).
+    scale_meshes: meshes of the mesh-size scaling rows (at `workload`).
+    scale_seconds: how long to time each scaling row (batched only).
+    plot: where to draw the scaling plot.
   """
 
   workload: Workload = "gpt:layers=12"
@@ -40,6 +56,10 @@ class EnvBenchConfig:
   seconds: float = 3.0
   seed: int = 0
   json: JsonPath = None
+  scale_workloads: tuple[str, ...] = SCALE_WORKLOADS
+  scale_meshes: tuple[str, ...] = SCALE_MESHES
+  scale_seconds: float = 1.0
+  plot: PlotPath = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +67,7 @@ class SimulatorBenchConfig(EnvBenchConfig):
   """Simulator evaluations per second: one plan per call, and a vmapped batch of plans.
 
   Attributes:
-    batch: plans per vmapped call.
     decisions: decisions per random plan.
-    seed: seed of the random plans.
   """
 
   decisions: int = 16
@@ -73,34 +91,132 @@ def random_plans(problem: Problem, key: jax.Array, batch: int, length: int) -> t
   return classes.astype(jnp.int32), axes.astype(jnp.int32)
 
 
-def bench_simulator(config: SimulatorBenchConfig) -> dict[str, Any]:
-  """Cost evaluations per second, one plan per call and a vmapped batch per call."""
-  workload = workloads.make_workload(config.workload, abstract=True)
-  problem = Problem.build(workload.trace(), make_mesh(config.mesh, config.hardware))
+def build_problem(workload: str, mesh: str, hardware: str) -> Problem:
+  return Problem.build(workloads.make_workload(workload, abstract=True).trace(), make_mesh(mesh, hardware))
+
+
+def _size(problem: Problem) -> dict[str, Any]:
+  return {"ops": problem.program.num_ops, "value_signatures": len(problem.sigs.value_keys),
+          "op_signatures": len(problem.sigs.op_keys), "devices": problem.mesh.num_devices}
+
+
+def simulator_rates(problem: Problem, config: SimulatorBenchConfig, seconds: float, single: bool) -> dict[str, float]:
+  """Evaluations (resolution and simulation) per second of `config.batch` random plans
+  per vmapped call and, if `single`, of one plan per call."""
   classes, axes = random_plans(problem, jax.random.key(config.seed), config.batch, config.decisions)
-  single = jax.jit(problem.evaluate)
   batched = jax.jit(jax.vmap(problem.evaluate))
-  return {
-      "model": workload.name,
-      "mesh": config.mesh,
-      "evals_per_second_single": calls_per_second(lambda: single(classes[0], axes[0]), config.seconds),
-      "evals_per_second_batched": config.batch * calls_per_second(lambda: batched(classes, axes), config.seconds),
-      "batch": config.batch,
-      "value_signatures": len(problem.sigs.value_keys),
-      "op_signatures": len(problem.sigs.op_keys),
-  }
+  out = {"per_second_batched": config.batch * calls_per_second(lambda: batched(classes, axes), seconds)}
+  if single:
+    one = jax.jit(problem.evaluate)
+    out["per_second_single"] = calls_per_second(lambda: one(classes[0], axes[0]), seconds)
+  return out
 
 
-def report(result: dict[str, Any], json_path: str | None) -> dict[str, Any]:
-  print(json.dumps(result, indent=1))
-  write_json(json_path, result)
+def _scaling(rate: Callable[[Problem], float], config: EnvBenchConfig) -> list[dict[str, Any]]:
+  """One row per scaling workload (at `config.mesh`) and mesh (at `config.workload`):
+  sizes, the batched rate, microseconds per evaluation and nanoseconds per op."""
+  rows = []
+  cases = [(w, config.mesh, "ops") for w in config.scale_workloads]
+  cases += [(config.workload, m, "devices") for m in config.scale_meshes]
+  for workload, mesh, varies in cases:
+    problem = build_problem(workload, mesh, config.hardware)
+    per_second = rate(problem)
+    size = _size(problem)
+    rows.append({"varies": varies, "workload": workload, "mesh": mesh, **size, "per_second_batched": per_second,
+                 "us_per_eval": 1e6 / per_second, "ns_per_op": 1e9 / per_second / size["ops"]})
+    print(f"  {varies:>7}  {workload:<16} {mesh:<16} {size['ops']:>6} ops {size['devices']:>3} devices "
+          f"{per_second:>12,.0f}/s {1e6 / per_second:8.2f} us {rows[-1]['ns_per_op']:7.2f} ns/op", flush=True)
+  return rows
+
+
+def growth(rows: list[dict[str, Any]], varies: str) -> float:
+  """The exponent k of time per evaluation ~ size**k between the smallest and the largest
+  row that vary `varies` (1: linear)."""
+  part = sorted((r for r in rows if r["varies"] == varies), key=lambda r: r[varies])
+  if len(part) < 2 or part[0][varies] == part[-1][varies]:
+    return float("nan")
+  return math.log(part[-1]["us_per_eval"] / part[0]["us_per_eval"]) / math.log(part[-1][varies] / part[0][varies])
+
+
+def table(rows: list[dict[str, Any]], unit: str) -> str:
+  """The scaling rows as a Markdown table."""
+  lines = [f"| workload | mesh | ops | devices | {unit}/s batched | us per {unit} | ns per op |", "|---" * 7 + "|"]
+  for r in rows:
+    lines.append(f"| {r['workload']} | {r['mesh']} | {r['ops']} | {r['devices']} | {r['per_second_batched']:,.0f} "
+                 f"| {r['us_per_eval']:.2f} | {r['ns_per_op']:.2f} |")
+  return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], unit: str, title: str, path: str) -> None:
+  """Microseconds per evaluation against ops and against devices (log-log), each with the
+  linear growth through its first point for reference."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker
+
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+  for ax, varies in zip(axes, ("ops", "devices")):
+    part = sorted((r for r in rows if r["varies"] == varies), key=lambda r: r[varies])
+    if not part:
+      continue
+    xs, ys = [r[varies] for r in part], [r["us_per_eval"] for r in part]
+    ax.plot(xs, ys, "o-", label=f"measured (exponent {growth(rows, varies):.2f})")
+    ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "--", color="gray", label="linear")
+    for r in part:
+      ax.annotate(r["workload"] if varies == "ops" else r["mesh"], (r[varies], r["us_per_eval"]), fontsize=6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel(varies)
+    ax.set_ylabel(f"us per {unit} (batched)")
+    ax.legend(fontsize=7)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _finish(result: dict[str, Any], unit: str, title: str, config: EnvBenchConfig) -> dict[str, Any]:
+  rows = result["scaling"]
+  result["growth_exponent"] = {"ops": growth(rows, "ops"), "devices": growth(rows, "devices")}
+  print(table(rows, unit))
+  print(json.dumps({k: v for k, v in result.items() if k != "scaling"}, indent=1))
+  write_json(config.json, result)
+  if config.plot:
+    plot(rows, unit, title, config.plot)
   return result
 
 
 def run_simulator(config: SimulatorBenchConfig) -> dict[str, Any]:
-  return report(bench_simulator(config), config.json)
+  """Cost evaluations per second, one plan per call and a vmapped batch per call, then the
+  scaling rows."""
+  problem = build_problem(config.workload, config.mesh, config.hardware)
+  rates = simulator_rates(problem, config, config.seconds, single=True)
+  result = {"workload": config.workload, "mesh": config.mesh, "batch": config.batch, "decisions": config.decisions,
+            **_size(problem), "evals_per_second_single": rates["per_second_single"],
+            "evals_per_second_batched": rates["per_second_batched"]}
+  result["scaling"] = _scaling(
+      lambda p: simulator_rates(p, config, config.scale_seconds, single=False)["per_second_batched"], config)
+  return _finish(result, "eval", f"simulator, batch {config.batch}, {config.decisions} decisions", config)
 
 
 def run_env(config: EnvBenchConfig) -> dict[str, Any]:
-  return report(bench_env(config.workload, config.mesh, config.hardware, batch=config.batch, seconds=config.seconds),
-                config.json)
+  """Random-agent environment steps per second with terminal and with shaped rewards (the
+  ratio from this one run), then the scaling rows (terminal rewards)."""
+  problem = build_problem(config.workload, config.mesh, config.hardware)
+  env_config = EnvConfig()
+  result = {"workload": config.workload, "mesh": config.mesh, "batch": config.batch, **_size(problem),
+            "action_space": env_config.action_space}
+  for reward in ("terminal", "shaped"):
+    rates = bench_env(problem, config.batch, config.seconds, dataclasses.replace(env_config, reward=reward))
+    result[f"steps_per_second_single_{reward}"] = rates["steps_per_second_single"]
+    result[f"steps_per_second_batched_{reward}"] = rates["steps_per_second_batched"]
+  result["batched_terminal_over_shaped"] = (result["steps_per_second_batched_terminal"]
+                                            / result["steps_per_second_batched_shaped"])
+  terminal = dataclasses.replace(env_config, reward="terminal")
+  result["scaling"] = _scaling(
+      lambda p: bench_env(p, config.batch, config.scale_seconds, terminal, single=False)["steps_per_second_batched"],
+      config)
+  return _finish(result, "step", f"environment (terminal rewards, groups), batch {config.batch}", config)

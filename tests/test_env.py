@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from automap_rl import mesh as mesh_lib
 from automap_rl import workloads, sharding
@@ -54,6 +56,7 @@ ENVIRONMENTS = {
     "gpt-groups": lambda: Env.build(problem("gpt:layers=2")),
     "gpt-groups-bucketed": lambda: Env.build(problem("gpt:layers=2"), bucket=True),
     "gpt-truncated": lambda: Env.build(problem("gpt:layers=2"), EnvConfig(action_space="named_dims", max_steps=3)),
+    "gpt-terminal-reward": lambda: Env.build(problem("gpt:layers=2"), EnvConfig(reward="terminal")),
     "mixed-batch-row": lambda: _mixed_batch_row(1),
 }
 
@@ -146,6 +149,52 @@ def test_returns_sum_to_the_simulated_improvement(objective):
     raw = lambda c: float(tables.raw_objective(config, c, ref, prob.tables.hbm_bytes))
     np.testing.assert_allclose(total, 1.0 - raw(final) / raw(base), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(states[-1].step_time, final.step_time, rtol=1e-5)
+
+
+@functools.cache
+def _reward_modes(max_steps: int | None) -> tuple[Env, Env, object, object]:
+  """The same environment with shaped and terminal rewards, and their vmapped jitted steps."""
+  prob = problem("gpt:layers=2")
+  envs = [Env.build(prob, EnvConfig(action_space="named_dims", max_steps=max_steps, reward=reward))
+          for reward in ("shaped", "terminal")]
+  return (*envs, *(jax.jit(jax.vmap(env.step)) for env in envs))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(picks=st.lists(st.lists(st.integers(0, 10_000), max_size=12), min_size=4, max_size=4),
+       max_steps=st.sampled_from([None, 3]))
+def test_terminal_reward_ends_where_the_shaped_one_does(picks, max_steps):
+  """Random decision sequences, a batch of four at once (one compile; the terminal env
+  simulates only the rows whose episode ends): the terminal env keeps the replicated figures and rewards
+  0 until the episode ends, then reports the plan's simulated objective, step time and
+  peak memory (those of the shaped env and of `Problem.cost`) and the whole return."""
+  shaped, terminal, step_shaped, step_terminal = _reward_modes(max_steps)
+  batch, length = len(picks), max(len(p) for p in picks)
+  a = b = jax.vmap(shaped.init)(jax.random.split(jax.random.key(0), batch))
+  returns = np.zeros(batch)
+  for i in range(length + 1):
+    legal = np.asarray(a.legal_action_mask)
+    actions = np.array([
+        np.flatnonzero(legal[row])[p[i] % legal[row].sum()] if i < len(p) else shaped.stop_action
+        for row, p in enumerate(picks)], np.int32)
+    ended = np.asarray(b.terminated | b.truncated)
+    a, b = step_shaped(a, actions), step_terminal(b, actions)
+    returns += np.asarray(b.reward)
+    np.testing.assert_array_equal(b.legal_action_mask, a.legal_action_mask)
+    np.testing.assert_array_equal(b.dec_class, a.dec_class)
+    now = np.asarray(b.terminated | b.truncated)
+    live = ~now
+    np.testing.assert_array_equal(np.asarray(b.objective)[live], 1.0)
+    np.testing.assert_array_equal(np.asarray(b.reward)[live | ended], 0.0)
+  assert bool((b.terminated | b.truncated).all())
+  for name in ("objective", "step_time", "peak_memory"):
+    np.testing.assert_allclose(getattr(b, name), getattr(a, name), rtol=1e-6, err_msg=name)
+  np.testing.assert_allclose(returns, 1.0 - np.asarray(b.objective), atol=1e-6)
+  for row in range(batch):
+    state = jax.tree.map(lambda x, row=row: x[row], b)
+    cost = shaped.problem.cost(terminal.decisions(state))
+    np.testing.assert_allclose(state.step_time, cost.step_time, rtol=1e-5)
+    np.testing.assert_allclose(state.peak_memory, cost.peak_memory, rtol=1e-5)
 
 
 def test_capacity_ends_episodes_and_truncation():

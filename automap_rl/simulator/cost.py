@@ -319,17 +319,21 @@ def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   return _total(t, _terms(t, masks))
 
 
-_simulate_one_or_many = batching.batch_last(_simulate)
+def _tile(t: CostTables) -> int:
+  return batching.tile_for(t.edge_op.shape[0])
+
+
+_simulate_one_or_many = batching.batch_last(_simulate, _tile)
 
 
 def simulate(tables: CostTables, resolution: Resolution) -> Cost:
   """Costs one resolved plan. Vmap over resolutions for a batch of plans: the batch then
-  runs in one batch-last call (see `automap_rl.batching`)."""
+  runs in batch-last calls of `batching.tile_for(edges)` plans (see `automap_rl.batching`)."""
   return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
 
 
 _terms_one_or_many = batching.batch_last(
-    lambda t, masks: jax.tree.map(lambda x: jnp.moveaxis(x, -1, 0), _terms(t, masks)))
+    lambda t, masks: jax.tree.map(lambda x: jnp.moveaxis(x, -1, 0), _terms(t, masks)), _tile)
 
 
 def terms(tables: CostTables, resolution: Resolution) -> CostTerms:
