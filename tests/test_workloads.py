@@ -40,7 +40,12 @@ def test_every_family_has_a_small_spec_and_a_style():
   assert set(spec.STYLES.values()) == {"flax.linen", "flax.nnx", "haiku", "equinox"}
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+# One family per framework style in `make test`; every family in `make test-all`.
+ONE_PER_STYLE = ("gpt", "llama", "t5", "vit", "wresnet")
+
+
+@pytest.mark.parametrize("name", [n if n in ONE_PER_STYLE else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in FAMILIES])
 def test_step_runs_preserves_structure_and_lowers_the_loss(name):
   w = make_workload(SMALL[name])
   stateful = w.model_state is not None
@@ -69,7 +74,8 @@ def test_step_runs_preserves_structure_and_lowers_the_loss(name):
   np.testing.assert_allclose(reference[-1], plain[-1], rtol=1e-3)
 
 
-@pytest.mark.parametrize("spec_", LARGEST)
+@pytest.mark.parametrize("spec_", [s if s.split(":")[0] in ONE_PER_STYLE else pytest.param(s, marks=pytest.mark.slow)
+                                   for s in LARGEST])
 def test_full_size_abstract_builds_allocate_nothing(spec_):
   w = make_workload(spec_, abstract=True)
   assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(w.args))
