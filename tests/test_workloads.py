@@ -7,23 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from automap_rl.workloads import FAMILIES, make_workload, parse_model_spec
+from automap_rl.workloads import FAMILIES, SMALL, make_workload, parse_model_spec
 from automap_rl.workloads import moe, spec, ssm, vit
 
-# A tiny spec per family for the concrete tests (defaults where they are tiny).
-SMALL = {
-    "mlp": "mlp:width=32,batch=8",
-    "gpt": "gpt:layers=1,d_model=32,heads=2,seq=16,vocab=64,batch=4",
-    "moe": "moe:layers=1,d_model=32,seq=16,vocab=64,batch=8,experts=4",
-    "gnn": "gnn",
-    "resnet": "resnet:stages=2,width=8,groups=4,image_size=8,batch=8",
-    "unet": "unet:levels=1,base_channels=8,groups=4,image_size=8,batch=4",
-    "llama": "llama",
-    "t5": "t5:layers=1",
-    "vit": "vit:layers=1",
-    "wresnet": "wresnet:width=4,image_size=16",
-    "ssm": "ssm:layers=1",
-}
 # The largest preset of every family with presets.
 LARGEST = ("gpt:size=39b", "moe:size=70b", "llama:size=70b", "t5:size=xxl",
            "vit:size=22b", "wresnet:size=13b", "unet:size=sd-1.5",

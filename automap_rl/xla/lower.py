@@ -7,7 +7,11 @@ index path through them is the `Op.origin` of the program op it became; loops an
 program op, each array result gets `jax.lax.with_sharding_constraint` to the
 `PartitionSpec` the plan resolves for it, replicated ones included: every dim names its
 axes or `None` (replicated), never `PartitionSpec.UNCONSTRAINED`, so XLA's sharding
-propagation cannot spread an op over a mesh axis the plan leaves idle. Arguments and
+propagation cannot spread an op over a mesh axis the plan leaves idle. Convolutions and
+windowed reductions (`PINNED_PRIMITIVES`) also get their operands and results constrained to
+the shardings their rule computes on, so that XLA never splits a window (a spatial dim): a
+spatially sharded activation is gathered before the convolution, as the simulator prices
+it, and a grouped convolution is split only by whole groups. Arguments and
 outputs get the plan's `NamedSharding`s as `in_shardings` / `out_shardings`. The compiled
 module's shardings are compared with the plan's (`automap_rl.xla.realized`):
 `Lowered.differences` lists every value XLA shards otherwise.
@@ -89,11 +93,13 @@ def _call_body(eqn) -> Any:
   return next(eqn.params[k] for k in _CALL_JAXPR_PARAMS if k in eqn.params)
 
 
-def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...], list[Any]], list[Any]]
+def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...], list[Any]], list[Any]],
+              before: Callable[[tuple[int, ...], list[Any]], list[Any]] = lambda origin, operands: operands
               ) -> Callable[..., list[Any]]:
-  """A function evaluating `closed` equation by equation, calling `constrain(origin,
-  results)` after every equation outside loop and branch bodies (calls are inlined, so
-  origins are index paths through them, as in `automap_rl.ir.trace`)."""
+  """A function evaluating `closed` equation by equation, calling `before(origin, operands)`
+  on each equation's array (non-literal) operands and `constrain(origin, results)` on its
+  results, for every equation outside loop and branch bodies (calls are inlined, so origins
+  are index paths through them, as in `automap_rl.ir.trace`)."""
 
   def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...]):
     env: dict = {}
@@ -107,6 +113,9 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
         body = _call_body(eqn)
         outs = walk(getattr(body, "jaxpr", body), getattr(body, "consts", ()), invals, origin)
       else:
+        arrays = [i for i, v in enumerate(eqn.invars) if not isinstance(v, jax_core.Literal)]
+        for i, x in zip(arrays, before(origin, [invals[i] for i in arrays])):
+          invals[i] = x
         params = eqn.primitive.get_bind_params(eqn.params)
         with eqn.ctx.manager:
           outs = eqn.primitive.bind(*invals, **params)
@@ -120,16 +129,40 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
   return lambda *args: walk(closed.jaxpr, closed.consts, args, ())
 
 
+# Ops XLA would partition along a window (halo exchanges) if it saw their operands sharded
+# there: `lower` pins their operands and results to the shardings their rule computes on.
+PINNED_PRIMITIVES = frozenset({
+    "conv_general_dilated", "reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+    "select_and_scatter_add", "select_and_gather_add",
+})
+
+
+def _pinned(problem: Problem) -> dict[tuple[int, ...], int]:
+  """Origin -> op id of every program op in `PINNED_PRIMITIVES`."""
+  return {op.origin: op.id for op in problem.program.ops if op.origin and op.primitive in PINNED_PRIMITIVES}
+
+
 def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], specs: Mapping[int, PartitionSpec],
+                 pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
                  mesh: jax.sharding.Mesh):
-  """`constrain(origin, results)` for `interpret`: each array result of a program op
-  constrained to its value's spec, inside the named scope `realized` finds it by."""
+  """`(before, constrain)` for `interpret`: each pinned op's operands and results are
+  constrained to the shardings it computes on (`pinned`: origin -> (operand specs, result
+  specs)); then each array result of a program op is constrained to its value's spec,
+  inside the named scope `realized` finds it by."""
 
   def pin(x: Any, value: int) -> Any:
     with jax.named_scope(scope_name(value)):
       return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, specs[value]))
 
+  def to(xs: list[Any], specs_: Sequence[PartitionSpec]) -> list[Any]:
+    return [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)) for x, spec in zip(xs, specs_, strict=True)]
+
+  def before(origin: tuple[int, ...], operands: list[Any]) -> list[Any]:
+    return to(operands, pinned[origin][0]) if origin in pinned else operands
+
   def constrain(origin: tuple[int, ...], results: list[Any]) -> list[Any]:
+    if origin in pinned:
+      results = to(results, pinned[origin][1])
     chosen = constrained.get(origin)
     if chosen is None:
       return results
@@ -137,21 +170,22 @@ def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], sp
       raise ValueError(f"Equation {origin} has {len(results)} results but its program op has {len(chosen)}; "
                        "was the program traced from the same function and arguments?")
     return [x if v is None else pin(x, v) for x, v in zip(results, chosen)]
-  return constrain
+  return before, constrain
 
 
 def _expectations(problem: Problem, specs: Mapping[int, PartitionSpec], args: Sequence[Any],
-                  constrained: Mapping[tuple[int, ...], Sequence[int | None]]
+                  constrained: Mapping[tuple[int, ...], Sequence[int | None]], computed: Mapping[int, PartitionSpec]
                   ) -> tuple[dict[str, Expected], dict[int, Expected], list[Expected]]:
   """The plan's sharding of each argument (by the `op_name` jax gives its HLO parameter),
-  constrained result (by value id) and output, for `realized.sharding_differences`."""
+  constrained result (by value id; a pinned op's result as its op computes it, `computed`)
+  and output, for `realized.sharding_differences`."""
   program, shape = problem.program, problem.mesh.shape
-  expect = lambda v, where: Expected(v, where, normalize(specs[v], len(program.values[v].shape), shape))
+  expect = lambda v, where, s=specs: Expected(v, where, normalize(s[v], len(program.values[v].shape), shape))
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tuple(args))[0]]
   arguments = {f"call_args{path}": expect(v, f"argument {program.values[v].path or path}")
                for path, v in zip(paths, program.inputs)}
   ops = {v: op for op in program.ops for v in op.results}
-  results = {v: expect(v, f"result of {ops[v].primitive} (op {ops[v].id})")
+  results = {v: expect(v, f"result of {ops[v].primitive} (op {ops[v].id})", {**specs, **computed})
              for chosen in constrained.values() for v in chosen if v is not None}
   outputs = [expect(v, f"output {i}" + (f" {program.values[v].path}" if program.values[v].path else ""))
              for i, v in enumerate(program.outputs)]
@@ -182,14 +216,20 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   constrained = _constrained(problem)
   results = [v for chosen in constrained.values() for v in chosen if v is not None]
   value_ids = list(dict.fromkeys([*program.inputs, *program.outputs, *results]))
-  specs = dict(zip(value_ids, problem.partition_specs(decisions, value_ids)))  # One resolution.
+  pinned = _pinned(problem)
+  value_specs, op_specs = problem.value_and_op_specs(decisions, value_ids, list(pinned.values()))  # One resolution.
+  specs = dict(zip(value_ids, value_specs))
+  pinned_specs = dict(zip(pinned, op_specs))
+  computed = {v: spec for op, (_, result_specs) in zip(pinned.values(), op_specs)
+              for v, spec in zip(program.ops[op].results, result_specs)}
   in_leaves = [NamedSharding(mesh, specs[v]) for v in program.inputs]
   out_leaves = [NamedSharding(mesh, specs[v]) for v in program.outputs]
   arg_tree = jax.tree_util.tree_structure(tuple(args))
   in_shardings = jax.tree_util.tree_unflatten(arg_tree, in_leaves)
   out_tree = jax.tree_util.tree_structure(out_shape)
   out_shardings = jax.tree_util.tree_unflatten(out_tree, out_leaves)
-  body = interpret(closed, _constrainer(constrained, specs, mesh))
+  before, constrain = _constrainer(constrained, specs, pinned_specs, mesh)
+  body = interpret(closed, constrain, before)
 
   def interpreted(*call_args):
     flat = jax.tree_util.tree_leaves(call_args)
@@ -201,7 +241,7 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   axis_names, axis_sizes = problem.mesh.axis_names, problem.mesh.axis_sizes
   stats = inspect_compiled(compiled, axis_names, axis_sizes)
   differences = () if partitioned is None else sharding_differences(
-      partitioned, *_expectations(problem, specs, args, constrained), axis_names, axis_sizes)
+      partitioned, *_expectations(problem, specs, args, constrained, computed), axis_names, axis_sizes)
   return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh, differences)
 
 
