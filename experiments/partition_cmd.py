@@ -151,13 +151,13 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
     print(f"\nlowering on {spec} with real arrays (a smaller copy: the full model is too slow to compile and run "
           f"on this machine's CPU cores); {len(moved)} of {len(decisions)} decisions carried over")
   lowered = lower(target, moved, fn, args)
-  check_numerics(fn, args, lowered)
+  reference = check_numerics(fn, args, lowered)
   summary = hlo.summarize(lowered.stats.collectives)
   seconds = time.perf_counter() - start
   print(f"lowered on {len(jax.devices())} {jax.devices()[0].platform.upper()} devices: "
         + (", ".join(f"{k} {n}x" for k, (n, _) in summary.items()) or "no collectives")
-        + f"; numerics match the unpartitioned step ({seconds:.1f}s)")
-  return {"model": name, "decisions": [str(d) for d in moved], "ok": True, "seconds": seconds,
+        + f"; numerics match the unpartitioned step, compared in {reference.note} ({seconds:.1f}s)")
+  return {"model": name, "decisions": [str(d) for d in moved], "ok": True, "reference": reference.note, "seconds": seconds,
           "collectives": {k: int(n) for k, (n, _) in summary.items()}}
 
 

@@ -12,7 +12,8 @@ from automap_rl import ir, workloads, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
-from automap_rl.xla.lower import NumericsError, check_numerics, compare_leaf, lower
+from automap_rl.xla.lower import (NumericsError, check_numerics, compare_leaf, compare_outputs, lower,
+                                  reference_outputs)
 from automap_rl.xla.hlo import summarize
 from automap_rl.xla.realized import Expected, compile_with_shardings, sharding_differences
 
@@ -67,6 +68,10 @@ def test_gpt_megatron_all_reduces_over_the_model_axis():
   assert fc1.spec == P(None, "model")
   check_numerics(workload.step, workload.args, lowered)
   assert all(not x.is_deleted() for x in jax.tree_util.tree_leaves(workload.args))
+  # Without a float64 reference (depth-scaled float32 tolerances) the AdamW step passes too.
+  reference = reference_outputs(workload.step, workload.args, float64=False)
+  assert reference.note == "float32 (no float64 reference: not asked for)"
+  compare_outputs(reference, lowered.run(workload.args), lowered.depth)
 
 
 def test_gpt_megatron_all_reduce_bytes_match_the_simulator():
@@ -105,6 +110,66 @@ def test_compare_leaf_tolerates_reference_noise_only():
     compare_leaf("x", ref, ref.astype(np.float32), noisy)
   with pytest.raises(NumericsError, match="2 of 3 elements differ"):
     compare_leaf("i", np.arange(3), np.arange(3, dtype=np.int32), np.array([0, 2, 3], np.int32))
+
+
+def test_compare_leaf_without_a_reference_scales_float32_tolerances_by_depth():
+  plain = np.linspace(-1, 1, 64).astype(np.float32)
+  off = plain + np.float32(5e-4) * np.sign(plain)  # A relative error of 5e-4.
+  compare_leaf("x", None, plain, off, depth=100)  # Allowed: 10 * 1e-4 relative.
+  with pytest.raises(NumericsError, match=r"Output x: .*no float64 reference.*depth 4"):
+    compare_leaf("x", None, plain, off, depth=4)  # Allowed: 2 * 1e-4 relative.
+
+
+def _keyed_step(params, state, x):
+  """A dropout step whose state holds a typed PRNG key, an int32 counter and a flag."""
+  key, sub = jax.random.split(state["key"])
+  keep = jax.random.bernoulli(sub, 0.9, x.shape)
+  loss, grad = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(jnp.where(keep, x, 0.0) @ w) ** 2))(params)
+  return params - 0.1 * grad, {"key": key, "count": state["count"] + 1, "done": state["done"] | (loss < 0.01)}, loss
+
+
+def test_typed_prng_keys_integer_and_boolean_state_lower_and_check_numerics():
+  args = (jnp.full((16, 8), 0.1), {"key": jax.random.key(0), "count": jnp.int32(3), "done": jnp.bool_(False)},
+          jnp.asarray(np.random.default_rng(0).normal(size=(32, 16)), jnp.float32))
+  program = ir.trace(_keyed_step, *args, arg_names=("params", "state", "x"))
+  problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
+  lowered = lower(problem, [Decision(ArgDim("x", 0), "data"), Decision(ArgDim("params", 1), "model")],
+                  _keyed_step, args)
+  assert check_numerics(_keyed_step, args, lowered).note == "float64"  # Keys are never cast.
+  _, state, _ = lowered.run(args)
+  assert int(state["count"]) == 4 and state["key"].dtype == args[1]["key"].dtype
+  assert args[1]["key"].dtype == jax.random.key(0).dtype  # The arguments are untouched.
+
+  def other_key(params, state, x):
+    new_params, new_state, loss = _keyed_step(params, state, x)
+    return new_params, {**new_state, "key": jax.random.fold_in(new_state["key"], 1)}, loss
+
+  with pytest.raises(NumericsError, match=r"Output \[1\]\['key'\]: 2 of 2 elements differ"):
+    check_numerics(other_key, args, lowered)
+
+
+def test_a_model_that_cannot_run_in_float64_is_checked_in_float32():
+  """`flax.linen.RNN` fixes its carry's dtype, so its float64 run fails: the check falls
+  back to the unpartitioned float32 run, says so, and still catches a wrong output."""
+  import flax.linen as nn
+
+  model = nn.RNN(nn.LSTMCell(8))
+  xs = jnp.asarray(np.random.default_rng(0).normal(size=(8, 5, 4)), jnp.float32)
+  params = model.init(jax.random.key(0), xs)
+
+  def step(params, xs):
+    loss, grad = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, xs) ** 2))(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grad), loss
+
+  program = ir.trace(step, params, xs, arg_names=("params", "xs"))
+  problem = Problem.build(program, make_mesh("data=8", "cpu"))
+  lowered = lower(problem, [Decision(ArgDim("xs", 0), "data")], step, (params, xs))
+  note = check_numerics(step, (params, xs), lowered).note
+  assert note.startswith("float32 (no float64 reference: TypeError: scan body function carry"), note
+  assert lowered.depth > len(program.ops) / 10  # The 5-step loop body counts 5 times.
+  wrong = lambda params, xs: (lambda out: (out[0], out[1] * 1.01))(step(params, xs))
+  with pytest.raises(NumericsError, match=r"Output \[1\].*no float64 reference"):
+    check_numerics(wrong, (params, xs), lowered)
 
 
 def test_intermediates_follow_the_plan():

@@ -17,7 +17,11 @@ module's shardings are compared with the plan's (`automap_rl.xla.realized`):
 `Lowered.differences` lists every value XLA shards otherwise.
 
 `check_numerics` runs the partitioned and the unpartitioned program and raises
-`NumericsError` naming the first output leaf that differs beyond tolerance.
+`NumericsError` naming the first output leaf that differs beyond tolerance. Typed PRNG keys
+(`jax.random.key`), integer and boolean leaves are never cast and must match exactly (keys
+by their key data); float leaves are compared with a float64 run of the function, or, where
+that cannot run (a model that fixes a dtype), with the unpartitioned run in its own dtype
+under tolerances scaled by the program's depth (`compare_leaf`), and the report says which.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.sharding import NamedSharding, PartitionSpec
 
+from automap_rl.ir import Program
 from automap_rl.ir.trace import CALL_PRIMITIVES
 from automap_rl.mesh import to_jax_mesh
 from automap_rl.problem import Problem
@@ -39,7 +44,8 @@ from automap_rl.xla.hlo import CompiledStats, inspect_compiled
 from automap_rl.xla.realized import (Expected, ShardingDifference, compile_with_shardings, normalize, scope_name,
                                      sharding_differences)
 
-__all__ = ["Lowered", "NumericsError", "check_numerics", "compare_outputs", "lower", "reference_outputs"]
+__all__ = ["Lowered", "NumericsError", "Reference", "check_numerics", "compare_outputs", "lower", "program_depth",
+           "reference_outputs"]
 
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
@@ -58,6 +64,7 @@ class Lowered:
     differences: every argument, constrained result and output that the module entering
       XLA's SPMD partitioner shards otherwise than the plan; empty when the plan is
       realized as written.
+    depth: the program's op depth (`program_depth`), for numerics tolerances.
   """
 
   jitted: Any
@@ -67,6 +74,7 @@ class Lowered:
   stats: CompiledStats
   mesh: jax.sharding.Mesh
   differences: tuple[ShardingDifference, ...]
+  depth: int
 
   def run(self, args: Sequence[Any]) -> Any:
     """Copies `args` onto the mesh with `in_shardings` and runs the compiled program.
@@ -75,7 +83,7 @@ class Lowered:
     reuses a device-0 buffer as the first shard of a replicated array (jax 0.10), which
     donation would then delete under the caller.
     """
-    placed = jax.device_put(jax.tree.map(np.array, tuple(args)), self.in_shardings)
+    placed = jax.device_put(jax.tree.map(host_copy, tuple(args)), self.in_shardings)
     return self.compiled(*placed)
 
 
@@ -242,7 +250,7 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   stats = inspect_compiled(compiled, axis_names, axis_sizes)
   differences = () if partitioned is None else sharding_differences(
       partitioned, *_expectations(problem, specs, args, constrained, computed), axis_names, axis_sizes)
-  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh, differences)
+  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh, differences, program_depth(program))
 
 
 class NumericsError(AssertionError):
@@ -258,8 +266,39 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 }
 
 
-def compare_leaf(path: str, reference: np.ndarray, plain: np.ndarray, actual: np.ndarray,
-                 tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
+def is_key(x: Any) -> bool:
+  """Whether `x` is a typed PRNG key array (`jax.random.key`)."""
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def host_copy(x: Any) -> Any:
+  """A host copy of an array leaf, keys included (as keys of the same implementation)."""
+  if is_key(x):
+    return jax.random.wrap_key_data(np.array(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+  return np.array(x)
+
+
+def _comparable(x: Any) -> np.ndarray:
+  """A leaf as a host array: keys by their key data (bits compare exactly)."""
+  return np.asarray(jax.random.key_data(x) if is_key(x) else x)
+
+
+def program_depth(program: Program) -> int:
+  """The longest chain of dependent op executions from the arguments to an output: a loop
+  body's ops count once per trip (`Op.repeat`), as they run unrolled."""
+  depth = np.zeros(program.num_values, np.int64)
+  for op in program.ops:
+    start = max((int(depth[v]) for v in op.operands), default=0)
+    for v in op.results:
+      depth[v] = max(int(depth[v]), start + op.repeat)
+  for a, b in program.ties:  # A carry's depth is its body's.
+    depth[a] = depth[b] = max(depth[a], depth[b])
+  return int(max((depth[v] for v in program.outputs), default=0)) or 1
+
+
+def compare_leaf(path: str, reference: np.ndarray | None, plain: np.ndarray, actual: np.ndarray,
+                 tolerances: Mapping[str, tuple[float, float]] = TOLERANCES, depth: int = 1,
+                 perturbed: np.ndarray | None = None) -> None:
   """Raises `NumericsError` naming `path` and the errors unless `actual` (partitioned)
   is about as close to `reference` (float64) as `plain` (unpartitioned, same dtype) is.
 
@@ -269,7 +308,16 @@ def compare_leaf(path: str, reference: np.ndarray, plain: np.ndarray, actual: np
   a tiny gradient element into an O(lr) difference (a key bias under softmax has a
   gradient of zero in exact arithmetic: its whole update is noise); the float64
   reference measures that noise, so the bound stays tight where the step is well
-  conditioned. Integer leaves must match exactly.
+  conditioned.
+
+  Without a float64 reference (`reference` None: the function cannot run in float64), the
+  partitioned run is compared with the unpartitioned one in their own dtype; tolerances
+  scale with `sqrt(depth)` (the program's op depth, `program_depth`: rounding errors of a
+  chain of `depth` ops add up like a random walk), and the noise is measured by
+  `perturbed`, the unpartitioned run on arguments perturbed in their last bit:
+  `|actual - plain| <= sqrt(depth) (rtol |plain| + atol sqrt(n)) + 2 |perturbed - plain|`.
+
+  Integer, boolean and key leaves (compared by their key data) must match exactly.
   """
   if plain.shape != actual.shape or plain.dtype != actual.dtype:
     raise NumericsError(f"Output {path}: expected {plain.dtype}{list(plain.shape)}, "
@@ -280,6 +328,16 @@ def compare_leaf(path: str, reference: np.ndarray, plain: np.ndarray, actual: np
       raise NumericsError(f"Output {path}: {int(bad.sum())} of {bad.size} elements differ.")
     return
   rtol, atol = tolerances.get(str(plain.dtype), tolerances["float32"])
+  if reference is None:
+    base = plain.astype(np.float64)
+    error = np.linalg.norm(actual.astype(np.float64) - base)
+    noise = 0.0 if perturbed is None else np.linalg.norm(perturbed.astype(np.float64) - base)
+    allowed = np.sqrt(depth) * (rtol * np.linalg.norm(base) + atol * np.sqrt(base.size)) + 2 * noise
+    if not error <= allowed:
+      raise NumericsError(f"Output {path}: |partitioned - unpartitioned| = {error:.3g} exceeds {allowed:.3g} "
+                          f"(no float64 reference; {plain.dtype} tolerances scaled by sqrt(depth {depth}), "
+                          f"perturbed-input noise {noise:.3g}).")
+    return
   ref = reference.astype(np.float64)
   error = actual.astype(np.float64) - ref
   noise = np.linalg.norm(plain - ref)
@@ -291,35 +349,80 @@ def compare_leaf(path: str, reference: np.ndarray, plain: np.ndarray, actual: np
 
 
 def _to_float64(tree: Any) -> Any:
-  return jax.tree.map(lambda x: np.asarray(x, np.float64) if np.issubdtype(x.dtype, np.floating) else np.asarray(x),
-                      tree)
+  """Float leaves as float64 host arrays; keys, integers and booleans as they are."""
+  return jax.tree.map(lambda x: x if is_key(x) else np.asarray(x, np.float64) if np.issubdtype(
+      x.dtype, np.floating) else np.asarray(x), tree)
 
 
-def reference_outputs(fn: Callable[..., Any], args: Sequence[Any]) -> tuple[Any, Any]:
-  """`(plain, reference)`: the host outputs of `jax.jit(fn)(*args)` and of `fn` on float64
-  copies of the floating arguments under `jax.enable_x64`. `args` are left untouched."""
-  plain = jax.device_get(jax.jit(fn)(*args))
-  with jax.enable_x64(True):
-    reference = jax.device_get(jax.jit(fn)(*_to_float64(tuple(args))))
-  return plain, reference
+def _perturbed(tree: Any, seed: int = 0) -> Any:
+  """Float leaves moved by one unit in the last place, up or down at random (seeded);
+  keys, integers and booleans as they are."""
+  rng = np.random.default_rng(seed)
+
+  def nudge(x):
+    if is_key(x) or not np.issubdtype(x.dtype, np.floating):
+      return x
+    x = np.asarray(x)
+    return np.nextafter(x, np.where(rng.random(x.shape) < 0.5, -np.inf, np.inf).astype(x.dtype))
+
+  return jax.tree.map(nudge, tree)
 
 
-def compare_outputs(plain: Any, reference: Any, actual: Any,
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """What the partitioned program is compared with.
+
+  Attributes:
+    plain: host outputs of `jax.jit(fn)(*args)`, keys as key data.
+    float64: host outputs of `fn` on float64 copies of the floating arguments under
+      `jax.enable_x64`, or None where that run fails (a model fixing a dtype, such as
+      `flax.linen.RNN`'s float32 carry).
+    perturbed: without `float64`, host outputs of `jax.jit(fn)` on the arguments moved by
+      one unit in the last place (the noise floor of the comparison), else None.
+    note: `float64`, or `float32 (no float64 reference: <why>)`, for reports.
+  """
+
+  plain: Any
+  float64: Any | None
+  perturbed: Any | None
+  note: str
+
+
+def reference_outputs(fn: Callable[..., Any], args: Sequence[Any], float64: bool = True) -> Reference:
+  """Runs `fn` unpartitioned, in its own dtypes and (unless `float64` is False) in float64;
+  see `Reference`. `args` are left untouched."""
+  run = lambda call_args: jax.tree.map(_comparable, jax.jit(fn)(*call_args))
+  plain = run(args)
+  why = "not asked for"
+  if float64:
+    try:
+      with jax.enable_x64(True):
+        return Reference(plain, run(_to_float64(tuple(args))), None, "float64")
+    except Exception as e:  # Any failure of the float64 run: compare in float32, and say so.
+      why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+  return Reference(plain, None, run(_perturbed(tuple(args))), f"float32 (no float64 reference: {why})")
+
+
+def compare_outputs(reference: Reference, actual: Any, depth: int,
                     tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
-  """Checks every leaf of the partitioned `actual` (see `compare_leaf`); raises
-  `NumericsError` naming the first leaf out of tolerance."""
-  flat_plain, _ = jax.tree_util.tree_flatten_with_path(plain)
-  flat_actual = jax.tree_util.tree_leaves(jax.device_get(actual))
-  flat_reference = jax.tree_util.tree_leaves(reference)
+  """Checks every leaf of the partitioned `actual` (see `compare_leaf`; `depth` scales the
+  tolerances where there is no float64 reference); raises `NumericsError` naming the first
+  leaf out of tolerance."""
+  flat_plain, _ = jax.tree_util.tree_flatten_with_path(reference.plain)
+  flat_actual = [_comparable(a) for a in jax.tree_util.tree_leaves(actual)]
   if len(flat_actual) != len(flat_plain):
     raise NumericsError(f"The partitioned program has {len(flat_actual)} outputs, the function {len(flat_plain)}.")
-  for (path, p), a, r in zip(flat_plain, flat_actual, flat_reference):
-    compare_leaf(jax.tree_util.keystr(path), np.asarray(r), np.asarray(p), np.asarray(a), tolerances)
+  leaves = lambda tree: [None] * len(flat_plain) if tree is None else jax.tree_util.tree_leaves(tree)
+  for (path, p), a, r, q in zip(flat_plain, flat_actual, leaves(reference.float64), leaves(reference.perturbed)):
+    compare_leaf(jax.tree_util.keystr(path), r, np.asarray(p), a, tolerances, depth, q)
 
 
 def check_numerics(fn: Callable[..., Any], args: Sequence[Any], lowered: Lowered,
-                   tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
+                   tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> Reference:
   """Runs the unpartitioned `fn`, a float64 reference and the partitioned program on
   `args` (concrete arrays, left untouched: the partitioned run copies them, so donation
-  is harmless) and compares every output leaf; raises `NumericsError` on a mismatch."""
-  compare_outputs(*reference_outputs(fn, args), lowered.run(args), tolerances)
+  is harmless) and compares every output leaf; raises `NumericsError` on a mismatch.
+  Returns the reference compared with (its `note` says whether it was float64)."""
+  reference = reference_outputs(fn, args)
+  compare_outputs(reference, lowered.run(args), lowered.depth, tolerances)
+  return reference

@@ -25,7 +25,7 @@ from automap_rl.sharding import Decision
 from automap_rl.simulator import KINDS
 from automap_rl.simulator.tables import program_flops
 from automap_rl.xla.hlo import CompiledStats
-from automap_rl.xla.lower import NumericsError, compare_outputs, lower, reference_outputs
+from automap_rl.xla.lower import NumericsError, Reference, compare_outputs, lower, reference_outputs
 
 __all__ = [
     "SUITES", "Case", "Suite", "compiled_metrics", "plans_for", "random_plan", "run_case", "run_suite",
@@ -81,7 +81,8 @@ class Case:
   """One validated plan: metrics are dicts of `comm_bytes` (total), `comm_bytes_by_kind`,
   `comm_count_by_kind`, `flops` and `peak_memory`, per device; `differences` are the
   values XLA shards otherwise than the plan (`Lowered.differences`, as dicts), empty when
-  the plan is realized as written."""
+  the plan is realized as written; `reference` is what the numerics were compared with
+  (`Reference.note`: `float64`, or float32 and why)."""
 
   model: str
   mesh: str
@@ -93,6 +94,7 @@ class Case:
   numerics_error: str | None
   seconds: float
   differences: tuple[dict[str, Any], ...] = ()
+  reference: str = "float64"
 
 
 # -- metrics ------------------------------------------------------------------------------
@@ -199,20 +201,20 @@ def plans_for(problem: Problem, suite: Suite, seed: int) -> dict[str, list[Decis
 
 
 def run_case(problem: Problem, workload: workloads.Workload, mesh_spec: str, plan: str,
-             decisions: Sequence[Decision], reference: tuple[Any, Any]) -> Case:
+             decisions: Sequence[Decision], reference: Reference) -> Case:
   """Lowers, compiles and runs one plan; `reference` is `reference_outputs` of the step."""
   start = time.perf_counter()
   lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS)
   error = None
   try:
-    compare_outputs(*reference, lowered.run(workload.args))
+    compare_outputs(reference, lowered.run(workload.args), lowered.depth)
   except NumericsError as e:
     error = str(e)
   return Case(
       model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
       simulated=simulated_metrics(problem, decisions), compiled=compiled_metrics(lowered.stats),
       numerics_ok=error is None, numerics_error=error, seconds=time.perf_counter() - start,
-      differences=tuple(dataclasses.asdict(d) for d in lowered.differences))
+      differences=tuple(dataclasses.asdict(d) for d in lowered.differences), reference=reference.note)
 
 
 def trace_problem(workload: workloads.Workload, mesh_spec: str, hardware: str) -> Problem:
