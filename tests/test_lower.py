@@ -1,20 +1,22 @@
 """Tests for automap_rl.xla.lower: plans compiled by XLA, their collectives and numerics."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from automap_rl import ir, workloads, tactics
-from automap_rl.mesh import make_mesh
+from automap_rl.mesh import make_mesh, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
 from automap_rl.xla.lower import (NumericsError, check_numerics, compare_leaf, compare_outputs, lower,
                                   reference_outputs)
 from automap_rl.xla.hlo import summarize
+from automap_rl.xla.isolated import CompileAborted, check_compiles
 from automap_rl.xla.realized import Expected, compile_with_shardings, sharding_differences
 
 MLP = "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16"
@@ -170,6 +172,76 @@ def test_a_model_that_cannot_run_in_float64_is_checked_in_float32():
   wrong = lambda params, xs: (lambda out: (out[0], out[1] * 1.01))(step(params, xs))
   with pytest.raises(NumericsError, match=r"Output \[1\].*no float64 reference"):
     check_numerics(wrong, (params, xs), lowered)
+
+
+def _grouped_conv_step(groups: int):
+  """A training step of one grouped convolution, NHWC, 16 channels in `groups` groups."""
+
+  def loss(kernel, x):
+    y = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                     feature_group_count=groups)
+    return jnp.sum(jnp.tanh(y) ** 2)
+
+  def step(kernel, x):
+    value, (grad_kernel, grad_x) = jax.value_and_grad(loss, argnums=(0, 1))(kernel, x)
+    return kernel - 0.01 * grad_kernel, grad_x, value
+
+  rng = np.random.default_rng(groups)
+  args = (jnp.asarray(rng.normal(size=(3, 3, 16 // groups, 16)) * 0.1, jnp.float32),
+          jnp.asarray(rng.normal(size=(8, 8, 8, 16)), jnp.float32))
+  program = ir.trace(step, *args, arg_names=("kernel", "x"))
+  return step, args, Problem.build(program, make_mesh("data=2,model=4", "cpu"))
+
+
+FEATURES_ON_MODEL = [Decision(ArgDim("x", 3), "model"), Decision(ArgDim("kernel", 3), "model")]
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_a_grouped_convolution_sharded_on_its_features_is_split_by_whole_groups(groups):
+  """Channels on a 4-way axis: 4 groups split one per device; 2 groups cannot be (XLA would
+  abort the process), so the op gathers its channels, as the simulator prices it."""
+  step, args, problem = _grouped_conv_step(groups)
+  lowered = lower(problem, FEATURES_ON_MODEL, step, args)
+  check_numerics(step, args, lowered)
+  (conv,) = [op for op in problem.program.ops if op.primitive == "conv_general_dilated"][:1]
+  _, ((operands, results),) = problem.value_and_op_specs(FEATURES_ON_MODEL, (), [conv.id])
+  split = P(None, None, None, "model") if groups == 4 else P(None, None, None, None)
+  assert (operands[0], results[0]) == (split, split)
+  assert lowered.differences == ()
+
+
+def test_an_xla_abort_kills_only_the_child_compile():
+  """Plain JAX: 2 groups split over 4 devices make XLA's partitioner abort (SIGABRT) on the
+  kernel gradient's convolution; compiled in a child process, it raises here instead."""
+  mesh = to_jax_mesh(make_mesh("data=2,model=4", "cpu"))
+  channels = NamedSharding(mesh, P(None, None, None, "model"))
+
+  def f(kernel, x):
+    def loss(kernel, x):
+      y = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                       feature_group_count=2)
+      return jnp.sum(jnp.tanh(jax.lax.with_sharding_constraint(y, channels)) ** 2)
+    return tuple(jax.lax.with_sharding_constraint(g, channels) for g in jax.grad(loss, argnums=(0, 1))(kernel, x))
+
+  stage = jax.jit(f, in_shardings=(channels, channels)).lower(jnp.ones((3, 3, 8, 16)), jnp.ones((8, 8, 8, 16)))
+  with pytest.raises(CompileAborted, match=r"^convolution_handler\.cc:\d+: Check failed") as error:
+    check_compiles(stage, mesh.devices)
+  assert error.value.where.startswith("convolution_handler.cc:")
+
+
+def test_a_plan_xla_cannot_compile_is_a_one_line_error_naming_the_op_and_its_sharding(monkeypatch):
+  """Without the pins that split grouped convolutions by whole groups, 2 groups with their
+  channels over all 8 devices make XLA reject the partitioned convolution."""
+  lower_module = importlib.import_module("automap_rl.xla.lower")  # The package exports `lower` the function.
+  monkeypatch.setattr(lower_module, "PINNED_PRIMITIVES", frozenset())
+  step, args, problem = _grouped_conv_step(2)
+  plan = [Decision(ArgDim("x", 3), "model"), Decision(ArgDim("x", 3), "data")]
+  with pytest.raises(lower_module.LoweringError) as error:
+    lower(problem, plan, step, args)
+  message = str(error.value)
+  assert "\n" not in message
+  assert message.startswith("XLA cannot compile the plan (INVALID_ARGUMENT: feature_group_count must be a positive")
+  assert "at conv_general_dilated (op " in message and "[8, 8, 8, 16] P(None, None, None, 'data')" in message
 
 
 def test_intermediates_follow_the_plan():

@@ -41,10 +41,11 @@ from automap_rl.mesh import to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.xla.hlo import CompiledStats, inspect_compiled
+from automap_rl.xla.isolated import CompileAborted, check_compiles
 from automap_rl.xla.realized import (Expected, ShardingDifference, compile_with_shardings, normalize, scope_name,
                                      sharding_differences)
 
-__all__ = ["Lowered", "NumericsError", "Reference", "check_numerics", "compare_outputs", "lower", "program_depth",
+__all__ = ["Lowered", "LoweringError", "NumericsError", "Reference", "check_numerics", "compare_outputs", "lower", "program_depth",
            "reference_outputs"]
 
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -200,8 +201,44 @@ def _expectations(problem: Problem, specs: Mapping[int, PartitionSpec], args: Se
   return arguments, results, outputs
 
 
+class LoweringError(RuntimeError):
+  """XLA cannot compile a plan: it aborted (in a child process, see `isolated`), timed out or
+  raised. The message names XLA's complaint and the program op and shardings it is about."""
+
+
+# Words of XLA's complaints (its SPMD handler's file, or the parameter it rejects) -> the
+# primitives they are about.
+_COMPLAINTS = {
+    "convolution": ("conv_general_dilated",),
+    "group_count": ("conv_general_dilated",),
+    "dot_handler": ("dot_general",),
+    "gather": ("gather",),
+    "scatter": ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"),
+}
+
+
+def _lowering_error(problem: Problem, decisions: Sequence[Decision], complaint: str) -> LoweringError:
+  """One line: XLA's complaint, then the first program op of the kind it is about that the
+  plan shards, with the shardings it computes on (and how many more there are)."""
+  kinds = {p for word, primitives in _COMPLAINTS.items() if word in complaint for p in primitives}
+  program = problem.program
+  ops = [op.id for op in program.ops if op.primitive in kinds]
+  _, specs = problem.value_and_op_specs(decisions, (), ops)
+  sharded = [(o, operands, results) for o, (operands, results) in zip(ops, specs)
+             if any(any(d is not None for d in spec) for spec in (*operands, *results))]
+  if not sharded:
+    return LoweringError(f"XLA cannot compile the plan ({complaint}); it does not say which op.")
+  o, operands, results = sharded[0]
+  op = program.ops[o]
+  shapes = lambda ids, specs_: ", ".join(f"{list(program.values[v].shape)} {spec}" for v, spec in zip(ids, specs_))
+  more = f" (and {len(sharded) - 1} more sharded {op.primitive} ops)" if len(sharded) > 1 else ""
+  return LoweringError(f"XLA cannot compile the plan ({complaint}) at {op.primitive} (op {o}): "
+                       f"{shapes(op.operands, operands)} -> {shapes(op.results, results)}{more}.")
+
+
 def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any], args: Sequence[Any], *,
-          jax_mesh: jax.sharding.Mesh | None = None, donate_argnums: Sequence[int] = ()) -> Lowered:
+          jax_mesh: jax.sharding.Mesh | None = None, donate_argnums: Sequence[int] = (),
+          isolated: bool = True) -> Lowered:
   """Compiles `fn(*args)` partitioned by `decisions`.
 
   Args:
@@ -211,9 +248,15 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
     args: example arguments (arrays or `jax.ShapeDtypeStruct`s), positional pytrees.
     jax_mesh: the mesh to run on; default `to_jax_mesh(problem.mesh)`.
     donate_argnums: positional arguments whose buffers the compiled program may reuse.
+    isolated: first compile the module in a child process (`isolated.check_compiles`,
+      a couple of seconds more), so that an XLA abort raises `LoweringError` here instead
+      of killing this process.
 
   Returns:
     The compiled plan, its statistics and its differences from the plan.
+
+  Raises:
+    LoweringError: XLA raised, or (isolated) aborted or timed out, compiling the plan.
   """
   program = problem.program
   mesh = to_jax_mesh(problem.mesh) if jax_mesh is None else jax_mesh
@@ -245,7 +288,15 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
 
   jitted = jax.jit(interpreted, in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=tuple(donate_argnums))
-  compiled, partitioned = compile_with_shardings(jitted.lower(*args))
+  stage = jitted.lower(*args)
+  try:
+    if isolated:
+      check_compiles(stage, mesh.devices)
+    compiled, partitioned = compile_with_shardings(stage)
+  except CompileAborted as e:
+    raise _lowering_error(problem, decisions, f"aborted: {e}") from None
+  except jax.errors.JaxRuntimeError as e:
+    raise _lowering_error(problem, decisions, str(e).strip().splitlines()[0]) from None
   axis_names, axis_sizes = problem.mesh.axis_names, problem.mesh.axis_sizes
   stats = inspect_compiled(compiled, axis_names, axis_sizes)
   differences = () if partitioned is None else sharding_differences(
