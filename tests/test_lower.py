@@ -38,7 +38,7 @@ def _nbytes(tree) -> int:
 def test_mlp_data_parallel_all_reduces_exactly_the_gradients():
   workload, problem = _setup(MLP, "data=8")
   decisions = tactics.data_parallel(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1))
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
   # One all-reduce over 'data' of every gradient plus the scalar loss (XLA combines them).
   assert {c.kind for c in lowered.stats.collectives} == {"all-reduce"}
   assert {c.mesh_axes for c in lowered.stats.collectives} == {("data",)}
@@ -56,7 +56,7 @@ def test_mlp_data_parallel_all_reduces_exactly_the_gradients():
 
 def test_gpt_megatron_all_reduces_over_the_model_axis():
   workload, problem = _setup(GPT, "data=2,model=4")
-  lowered = lower(problem, tactics.data_megatron(problem), workload.step, workload.args)
+  lowered = lower(problem, tactics.data_megatron(problem), workload.step, workload.args, isolated=False)
   axes = {(c.kind, c.mesh_axes) for c in lowered.stats.collectives}
   assert ("all-reduce", ("model",)) in axes
   assert ("all-reduce", ("data",)) in axes
@@ -81,7 +81,7 @@ def test_gpt_megatron_all_reduce_bytes_match_the_simulator():
   input gradients are three buffers of one combined all-reduce."""
   workload, problem = _setup(GPT, "data=2,model=4")
   decisions = tactics.megatron(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args)
+  lowered = lower(problem, decisions, workload.step, workload.args, isolated=False)
   activation = 8 * 16 * 32 * 4  # [batch, seq, d_model] f32
   assert summarize(lowered.stats.collectives)["all-reduce"] == (4, 6 * activation)
   # Sharded only on `model`: every value is pinned replicated on `data`, and XLA moves
@@ -94,7 +94,7 @@ def test_gpt_megatron_all_reduce_bytes_match_the_simulator():
 
 def test_check_numerics_names_the_wrong_leaf():
   workload, problem = _setup(MLP, "data=8")
-  lowered = lower(problem, tactics.data_parallel(problem), workload.step, workload.args)
+  lowered = lower(problem, tactics.data_parallel(problem), workload.step, workload.args, isolated=False)
 
   def wrong(params, opt_state, batch):
     new_params, new_opt_state, loss = workload.step(params, opt_state, batch)
@@ -136,7 +136,7 @@ def test_typed_prng_keys_integer_and_boolean_state_lower_and_check_numerics():
   program = ir.trace(_keyed_step, *args, arg_names=("params", "state", "x"))
   problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
   lowered = lower(problem, [Decision(ArgDim("x", 0), "data"), Decision(ArgDim("params", 1), "model")],
-                  _keyed_step, args)
+                  _keyed_step, args, isolated=False)
   assert check_numerics(_keyed_step, args, lowered).note == "float64"  # Keys are never cast.
   _, state, _ = lowered.run(args)
   assert int(state["count"]) == 4 and state["key"].dtype == args[1]["key"].dtype
@@ -165,7 +165,7 @@ def test_a_model_that_cannot_run_in_float64_is_checked_in_float32():
 
   program = ir.trace(step, params, xs, arg_names=("params", "xs"))
   problem = Problem.build(program, make_mesh("data=8", "cpu"))
-  lowered = lower(problem, [Decision(ArgDim("xs", 0), "data")], step, (params, xs))
+  lowered = lower(problem, [Decision(ArgDim("xs", 0), "data")], step, (params, xs), isolated=False)
   note = check_numerics(step, (params, xs), lowered).note
   assert note.startswith("float32 (no float64 reference: TypeError: scan body function carry"), note
   assert lowered.depth > len(program.ops) / 10  # The 5-step loop body counts 5 times.
@@ -254,7 +254,7 @@ def test_intermediates_follow_the_plan():
   program = ir.trace(f, *args, arg_names=("x", "w1", "w2"))
   problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
   decisions = [Decision(ArgDim("w1", 1), "model"), Decision(ArgDim("x", 0), "data")]
-  lowered = lower(problem, decisions, f, args)
+  lowered = lower(problem, decisions, f, args, isolated=False)
   ((kind, axes, nbytes),) = [(c.kind, c.mesh_axes, c.bytes) for c in lowered.stats.collectives]
   assert (kind, axes, nbytes) == ("all-reduce", ("model",), 8 * 8 * 4)
   assert lowered.differences == ()
@@ -271,7 +271,7 @@ def test_sharding_differences_report_what_xla_decided_against_a_wrong_expectatio
   args = (jnp.ones((16, 32)), jnp.ones((32, 64)), jnp.ones((64, 8)))
   program = ir.trace(f, *args, arg_names=("x", "w1", "w2"))
   problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
-  lowered = lower(problem, [Decision(ArgDim("w1", 1), "model")], f, args)
+  lowered = lower(problem, [Decision(ArgDim("w1", 1), "model")], f, args, isolated=False)
   _, text = compile_with_shardings(lowered.jitted.lower(*args))
   w1 = program.inputs[1]
   product = next(op for op in program.ops if op.primitive == "dot_general").results[0]
@@ -294,7 +294,7 @@ def _simulated(problem, decisions):
 def test_fsdp_gathers_each_parameter_once_as_xla_does():
   workload, problem = _setup(MLP, "data=8")
   decisions = tactics.fsdp(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1))
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
   assert lowered.differences == ()
   gathers = [c for c in lowered.stats.collectives if c.kind == "all-gather"]
   sim = _simulated(problem, decisions)
@@ -310,7 +310,7 @@ def test_fsdp_gathers_each_parameter_once_as_xla_does():
 def test_peak_memory_within_tolerance_of_memory_analysis(spec, mesh, plan):
   workload, problem = _setup(spec, mesh)
   decisions = tactics.TACTICS[plan](problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1))
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
   assert lowered.differences == ()
   stats = lowered.stats
   # The validated figure: argument + output + temp - alias of `memory_analysis()`.
@@ -324,6 +324,6 @@ def test_flops_match_cost_analysis_on_the_mlp_and_gpt():
   for spec, plan in ((MLP, "data_parallel"), (GPT, "replicated")):
     workload, problem = _setup(spec, "data=8")
     decisions = tactics.TACTICS[plan](problem)
-    stats = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1)).stats
+    stats = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False).stats
     resolution = problem.resolve(*problem.encode(decisions))
     assert simulated_flops(problem, resolution) == pytest.approx(stats.flops, rel=0.02)
