@@ -309,3 +309,12 @@ def test_fused_flops_of_training_steps_follow_the_compiled_module(fn, args):
   program = ir.trace(step, *args)
   compiled = _xla_flops(step, *args)
   assert abs(_fused_flops(program) - compiled) <= 0.005 * compiled
+
+
+def test_non_trainable_state_has_a_role_of_its_own():
+  """Batch-norm statistics are `state`: neither parameters (FSDP shards those) nor
+  optimizer state."""
+  program = workloads.make_workload(workloads.SMALL["wresnet"], abstract=True).trace()
+  roles = {program.values[v].path.split("/")[0]: program.values[v].role for v in program.inputs}
+  assert roles == {"params": ir.Role.PARAMETER, "opt_state": ir.Role.OPTIMIZER_STATE, "model_state": ir.Role.STATE,
+                   "batch": ir.Role.INPUT}

@@ -35,7 +35,7 @@ def test_step_runs_preserves_structure_and_lowers_the_loss(name):
   out = step(*w.args)
   assert _shapes(out[:-1]) == _shapes(w.args[:-1])
   if stateful:  # Batch-norm statistics: state the step updates, not parameters.
-    assert w.arg_roles == ("parameter", "optimizer_state", "optimizer_state", "input")
+    assert w.arg_roles == ("parameter", "optimizer_state", "state", "input")
     before, after = jax.tree_util.tree_leaves(w.model_state), jax.tree_util.tree_leaves(out[2])
     assert not all(np.allclose(a, b) for a, b in zip(before, after))
   for leaf in jax.tree_util.tree_leaves(w.params):

@@ -260,7 +260,11 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   """
   program = problem.program
   mesh = to_jax_mesh(problem.mesh) if jax_mesh is None else jax_mesh
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  if program.jaxpr is not None:  # The trace the program was built from: fn is not traced again.
+    closed, out_tree = program.jaxpr, program.out_tree
+  else:
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
   if len(closed.jaxpr.invars) != len(program.inputs) or len(closed.jaxpr.outvars) != len(program.outputs):
     raise ValueError(f"fn has {len(closed.jaxpr.invars)} inputs and {len(closed.jaxpr.outvars)} outputs but the "
                      f"program has {len(program.inputs)} and {len(program.outputs)}.")
@@ -277,7 +281,6 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   out_leaves = [NamedSharding(mesh, specs[v]) for v in program.outputs]
   arg_tree = jax.tree_util.tree_structure(tuple(args))
   in_shardings = jax.tree_util.tree_unflatten(arg_tree, in_leaves)
-  out_tree = jax.tree_util.tree_structure(out_shape)
   out_shardings = jax.tree_util.tree_unflatten(out_tree, out_leaves)
   before, constrain = _constrainer(constrained, specs, pinned_specs, mesh)
   body = interpret(closed, constrain, before)
