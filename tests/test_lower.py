@@ -14,7 +14,7 @@ from automap_rl.mesh import make_mesh, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
 from automap_rl.xla.lower import (NumericsError, check_numerics, compare_leaf, compare_outputs, lower,
-                                  reference_outputs)
+                                  program_depth, reference_outputs)
 from automap_rl.xla.hlo import summarize
 from automap_rl.xla.isolated import CompileAborted, check_compiles
 from automap_rl.xla.realized import Expected, compile_with_shardings, sharding_differences
@@ -120,6 +120,13 @@ def test_compare_leaf_without_a_reference_scales_float32_tolerances_by_depth():
   compare_leaf("x", None, plain, off, depth=100)  # Allowed: 10 * 1e-4 relative.
   with pytest.raises(NumericsError, match=r"Output x: .*no float64 reference.*depth 4"):
     compare_leaf("x", None, plain, off, depth=4)  # Allowed: 2 * 1e-4 relative.
+
+
+def test_program_depth_counts_a_loop_body_once_per_trip():
+  program = ir.trace(lambda x: jnp.cos(jax.lax.scan(lambda c, _: (jnp.sin(c) * 2, None), x, None, length=5)[0]),
+                     jnp.ones(3))
+  # Carry in, 5 trips of sin and mul, carry out, cos.
+  assert program_depth(program) == 1 + 5 * 2 + 1 + 1
 
 
 def _keyed_step(params, state, x):

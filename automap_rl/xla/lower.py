@@ -345,8 +345,6 @@ def program_depth(program: Program) -> int:
     start = max((int(depth[v]) for v in op.operands), default=0)
     for v in op.results:
       depth[v] = max(int(depth[v]), start + op.repeat)
-  for a, b in program.ties:  # A carry's depth is its body's.
-    depth[a] = depth[b] = max(depth[a], depth[b])
   return int(max((depth[v] for v in program.outputs), default=0)) or 1
 
 
