@@ -22,6 +22,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from automap_rl import batching, packing
 from automap_rl.ir import FactorKind, NamedDims, Op, Program
@@ -481,7 +482,7 @@ def partition_spec(value_id: int, sigs: Signatures, resolution: Resolution, dec_
 
 
 def op_partition_specs(op: Op, sigs: Signatures, resolution: Resolution, dec_class: np.ndarray, dec_axis: np.ndarray,
-                       mesh: Mesh) -> tuple[tuple[jax.sharding.PartitionSpec, ...], tuple[jax.sharding.PartitionSpec, ...]]:
+                       mesh: Mesh) -> tuple[tuple[PartitionSpec, ...], tuple[PartitionSpec, ...]]:
   """The `PartitionSpec`s the op computes on: `(operands, results)` as its factors are sharded.
 
   A dim takes the axes of its factors, major to minor; that is its sharding when at most
@@ -494,7 +495,7 @@ def op_partition_specs(op: Op, sigs: Signatures, resolution: Resolution, dec_cla
     return tuple(map(spec, op.operands)), tuple(map(spec, op.results))
   masks, classes = np.asarray(resolution.op_mask)[sig], sigs.op_class[sig]
 
-  def spec_of(dims) -> jax.sharding.PartitionSpec:
+  def spec_of(dims) -> PartitionSpec:
     entries = []
     for factors in dims:
       axes = []
@@ -502,6 +503,6 @@ def op_partition_specs(op: Op, sigs: Signatures, resolution: Resolution, dec_cla
         found = dim_axes(int(masks[f]), int(classes[f]), dec_class, dec_axis, mesh.axis_names)
         axes.extend(() if found is None else (found,) if isinstance(found, str) else found)
       entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
-    return jax.sharding.PartitionSpec(*entries)
+    return PartitionSpec(*entries)
 
   return tuple(map(spec_of, op.rule.operand_dims)), tuple(map(spec_of, op.rule.result_dims))

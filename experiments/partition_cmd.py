@@ -157,8 +157,8 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
   print(f"lowered on {len(jax.devices())} {jax.devices()[0].platform.upper()} devices: "
         + (", ".join(f"{k} {n}x" for k, (n, _) in summary.items()) or "no collectives")
         + f"; numerics match the unpartitioned step, compared in {reference.note} ({seconds:.1f}s)")
-  return {"model": name, "decisions": [str(d) for d in moved], "ok": True, "reference": reference.note, "seconds": seconds,
-          "collectives": {k: int(n) for k, (n, _) in summary.items()}}
+  return {"model": name, "decisions": [str(d) for d in moved], "ok": True, "reference": reference.note,
+          "seconds": seconds, "collectives": {k: int(n) for k, (n, _) in summary.items()}}
 
 
 DEFAULT_TACTIC = "data_megatron"

@@ -19,8 +19,9 @@ def test_tiny_suite_json_and_plot(tmp_path, monkeypatch):
   document = json.loads(json_path.read_text())
   assert set(document) == {"cases", "summary"}
   assert set(document["summary"]) == {
-      "num_cases", "lowering_errors", "xla_aborts", "comm_bytes_median_rel_error", "comm_bytes_spearman", "flops_median_rel_error",
-      "memory_median_rel_error", "memory_spearman", "numerics_ok_fraction", "realized_fraction"}
+      "num_cases", "lowering_errors", "xla_aborts", "comm_bytes_median_rel_error", "comm_bytes_spearman",
+      "flops_median_rel_error", "memory_median_rel_error", "memory_spearman", "numerics_ok_fraction",
+      "realized_fraction"}
   assert document["summary"]["numerics_ok_fraction"] == 1
   assert document["summary"]["realized_fraction"] == 1  # Every plan compiled as written.
   assert document["summary"]["num_cases"] == len(document["cases"]) >= 4

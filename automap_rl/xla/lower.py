@@ -45,8 +45,8 @@ from automap_rl.xla.isolated import CompileAborted, check_compiles
 from automap_rl.xla.realized import (Expected, ShardingDifference, compile_with_shardings, normalize, scope_name,
                                      sharding_differences)
 
-__all__ = ["Lowered", "LoweringError", "NumericsError", "Reference", "check_numerics", "compare_outputs", "lower", "program_depth",
-           "reference_outputs"]
+__all__ = ["Lowered", "LoweringError", "NumericsError", "Reference", "check_numerics", "compare_outputs", "lower",
+           "program_depth", "reference_outputs"]
 
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
