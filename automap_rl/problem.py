@@ -82,6 +82,16 @@ class Problem:
 
   def partition_specs(self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int]):
     """`PartitionSpec`s of the given values under `decisions`."""
+    return self.value_and_op_specs(decisions, value_ids, ())[0]
+
+  def value_and_op_specs(self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int],
+                         op_ids: Sequence[int]):
+    """`PartitionSpec`s of the given values under `decisions`, and for each of `op_ids` the
+    `(operand specs, result specs)` the op computes on (`sharding.op_partition_specs`);
+    one resolution for both."""
     dec_class, dec_axis = self.encode_padded(decisions)
     resolution = jax.device_get(self._resolve_jit(dec_class, dec_axis))
-    return [sharding.partition_spec(v, self.sigs, resolution, dec_class, dec_axis, self.mesh) for v in value_ids]
+    values = [sharding.partition_spec(v, self.sigs, resolution, dec_class, dec_axis, self.mesh) for v in value_ids]
+    ops = [sharding.op_partition_specs(self.program.ops[o], self.sigs, resolution, dec_class, dec_axis, self.mesh)
+           for o in op_ids]
+    return values, ops

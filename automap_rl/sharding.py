@@ -22,9 +22,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from automap_rl import batching, packing
-from automap_rl.ir import FactorKind, NamedDims, Program
+from automap_rl.ir import FactorKind, NamedDims, Op, Program
 from automap_rl.mesh import Mesh
 
 
@@ -479,3 +480,30 @@ def partition_spec(value_id: int, sigs: Signatures, resolution: Resolution, dec_
   rank = len(sigs.value_keys[sig][1])
   return jax.sharding.PartitionSpec(
       *(dim_axes(int(masks[d]), int(classes[d]), dec_class, dec_axis, mesh.axis_names) for d in range(rank)))
+
+
+def op_partition_specs(op: Op, sigs: Signatures, resolution: Resolution, dec_class: np.ndarray, dec_axis: np.ndarray,
+                       mesh: Mesh) -> tuple[tuple[PartitionSpec, ...], tuple[PartitionSpec, ...]]:
+  """The `PartitionSpec`s the op computes on: `(operands, results)` as its factors are sharded.
+
+  A dim takes the axes of its factors, major to minor; that is its sharding when at most
+  its major factor is sharded, as in the convolution and window rules `lower` pins by this.
+  An op without a signature of its own follows its values (see `_follows_its_values`).
+  """
+  sig = int(sigs.op_sig[op.id])
+  if sig < 0:
+    spec = lambda v: partition_spec(v, sigs, resolution, dec_class, dec_axis, mesh)
+    return tuple(map(spec, op.operands)), tuple(map(spec, op.results))
+  masks, classes = np.asarray(resolution.op_mask)[sig], sigs.op_class[sig]
+
+  def spec_of(dims) -> PartitionSpec:
+    entries = []
+    for factors in dims:
+      axes = []
+      for f in factors:
+        found = dim_axes(int(masks[f]), int(classes[f]), dec_class, dec_axis, mesh.axis_names)
+        axes.extend(() if found is None else (found,) if isinstance(found, str) else found)
+      entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*entries)
+
+  return tuple(map(spec_of, op.rule.operand_dims)), tuple(map(spec_of, op.rule.result_dims))

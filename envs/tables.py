@@ -38,7 +38,11 @@ _LAYOUT = frozenset({
     "slice", "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "scatter-add",
     "scatter_add", "pad", "rev", "copy", "copy_p", "convert_element_type", "select_n", "iota",
 })
-NUM_VALUE_FEATURES = 3 + len(Role)
+# Non-trainable state is observed as optimizer state (what the zoo called it before it had a
+# role of its own): the observation, and the networks trained on it, keep their width.
+_OBSERVED_ROLE = {Role.STATE: Role.OPTIMIZER_STATE}
+NUM_OBSERVED_ROLES = len(Role) - len(_OBSERVED_ROLE)
+NUM_VALUE_FEATURES = 3 + NUM_OBSERVED_ROLES
 NUM_OP_FEATURES = 8
 NUM_TARGET_FEATURES = 3
 
@@ -185,8 +189,8 @@ def _value_features(problem: Problem) -> np.ndarray:
   sigs, program = problem.sigs, problem.program
   nbytes = np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float64)
   rank = np.array([len(k[1]) for k in sigs.value_keys], np.float64)
-  roles = np.zeros((len(nbytes), len(Role)))
-  np.add.at(roles, (sigs.value_sig, [v.role for v in program.values]), 1.0)
+  roles = np.zeros((len(nbytes), NUM_OBSERVED_ROLES))
+  np.add.at(roles, (sigs.value_sig, [_OBSERVED_ROLE.get(v.role, v.role) for v in program.values]), 1.0)
   roles /= np.maximum(roles.sum(1, keepdims=True), 1.0)
   head = np.stack([np.log2(1.0 + nbytes) / 40.0, nbytes / max(nbytes.sum(), 1.0), rank / 8.0], 1)
   return np.concatenate([head, roles], 1).astype(np.float32)

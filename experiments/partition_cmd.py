@@ -157,15 +157,15 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
     print(f"{len(moved)} of {len(decisions)} decisions carried over to {name}")
   with phase(f"compiling the plan for {len(jax.devices())} devices", config.progress):
     lowered = lower(target, moved, fn, args)
-  with phase("checking numerics against the unpartitioned step (float64 reference)", config.progress):
-    check_numerics(fn, args, lowered)
+  with phase("checking numerics against the unpartitioned step", config.progress):
+    reference = check_numerics(fn, args, lowered)
   summary = hlo.summarize(lowered.stats.collectives)
   seconds = time.perf_counter() - start
   print(f"lowered on {len(jax.devices())} {jax.devices()[0].platform.upper()} devices: "
         + (", ".join(f"{k} {n}x" for k, (n, _) in summary.items()) or "no collectives")
-        + f"; numerics match the unpartitioned step ({seconds:.1f}s)")
-  return {"model": name, "decisions": [str(d) for d in moved], "ok": True, "seconds": seconds,
-          "collectives": {k: int(n) for k, (n, _) in summary.items()}}
+        + f"; numerics match the unpartitioned step, compared in {reference.note} ({seconds:.1f}s)")
+  return {"model": name, "decisions": [str(d) for d in moved], "ok": True, "reference": reference.note,
+          "seconds": seconds, "collectives": {k: int(n) for k, (n, _) in summary.items()}}
 
 
 DEFAULT_TACTIC = "data_megatron"

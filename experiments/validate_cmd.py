@@ -1,4 +1,5 @@
-"""`automap-rl validate --suite quick|full|fullsize`: the simulator against XLA compiles.
+"""`automap-rl validate --suite quick|full|fullsize`: the simulator against XLA compiles;
+`automap-rl validate --random N`: N random plans per model, numerics checked.
 
 `quick` and `full` lower, run and check the numerics of expert and random plans on small
 zoo models; `fullsize` compiles (without running) expert and searched plans of models at
@@ -30,6 +31,11 @@ class ValidateConfig:
     agents: for `fullsize`, the search agents whose plans are checked beside the experts.
     budget: for `fullsize`, each search's simulator evaluations.
     seed: for `fullsize`, the searches' seed.
+    random: instead of a suite, N random plans per model (on `data=8` and
+      `data=2,model=4` in turn), each compiled in a child process first (an XLA abort is a
+      failed plan, not the end of the command), run and checked against the unpartitioned
+      step; 0: run `suite`.
+    models: with `random`, the workloads; default every family at small size.
   """
 
   suite: Literal["quick", "full", "fullsize"] = "quick"
@@ -39,6 +45,8 @@ class ValidateConfig:
   agents: tuple[str, ...] = ("mcts", "random")
   budget: int = 2000
   seed: int = 0
+  random: int = 0
+  models: tuple[str, ...] = ()
 
 
 def _mb(x: float) -> str:
@@ -47,8 +55,11 @@ def _mb(x: float) -> str:
 
 def _row(case) -> str:
   s, c = case.simulated, case.compiled
+  if case.lowering_error is not None:
+    return f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} LOWERING ERROR {case.seconds:6.1f}s"
   flag = ("" if case.numerics_ok else "  NUMERICS MISMATCH") + (
-      f"  {len(case.differences)} SHARDING DIFFERENCES" if case.differences else "")
+      f"  {len(case.differences)} SHARDING DIFFERENCES" if case.differences else "") + (
+      "" if case.reference == "float64" else "  (float32 reference)")
   return (f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} {_mb(s['comm_bytes'])} {_mb(c['comm_bytes'])} "
           f"{s['flops'] / 1e6:10.2f} {c['flops'] / 1e6:10.2f} {_mb(s['peak_memory'])} {_mb(c['peak_memory'])} "
           f"{case.seconds:6.1f}s{flag}")
@@ -66,18 +77,32 @@ def _summary_text(summary: dict[str, float]) -> str:
 def run(config: ValidateConfig) -> dict[str, Any]:
   if config.suite == "fullsize":
     return run_fullsize(config)
-  from automap_rl.xla import validate  # Imported late: jax must see the CLI's XLA_FLAGS.
+  from automap_rl import workloads  # Imported late: jax must see the CLI's XLA_FLAGS.
+  from automap_rl.xla import validate
 
   if config.suite not in validate.SUITES:
     raise ValueError(f"Unknown suite {config.suite!r}; valid suites: {sorted(validate.SUITES)}.")
+  if config.random < 0 or (config.models and not config.random):
+    raise ValueError(f"--random {config.random}: give a positive number of plans per model"
+                     + (" (--models needs --random)" if config.models else "") + ".")
+  for spec in config.models:
+    workloads.canonical_spec(spec)  # A bad spec: one line naming it, before any work.
   start = time.perf_counter()
   print(HEADER)
-  cases = validate.run_suite(validate.SUITES[config.suite], report=lambda case: print(_row(case), flush=True))
+  report = lambda case: print(_row(case), flush=True)
+  if config.random:
+    random_suite = validate.RandomSuite(**({"models": config.models} if config.models else {}), plans=config.random)
+    cases = validate.run_random(random_suite, report)
+  else:
+    cases = validate.run_suite(validate.SUITES[config.suite], report)
   summary = validate.summarize_cases(cases)
   print(f"\n{len(cases)} cases in {time.perf_counter() - start:.0f}s\n{_summary_text(summary)}")
   for case in cases:
-    if not case.numerics_ok:
-      print(f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan}: {case.numerics_error}")
+    if case.lowering_error is not None:
+      print(f"LOWERING ERROR {case.model} {case.mesh} {case.plan} {list(case.decisions)}: {case.lowering_error}")
+    elif not case.numerics_ok:
+      print(f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan} {list(case.decisions)} ({case.reference}): "
+            f"{case.numerics_error}")
     for d in case.differences:
       print(f"NOT REALIZED {case.model} {case.mesh} {case.plan}: value {d['value']} ({d['where']}) "
             f"planned {d['expected']}, XLA {d['actual']}")

@@ -50,6 +50,26 @@ def test_partition_with_a_tactic_lowers_megatron():
   plan.check_numerics()
 
 
+def test_partition_traces_once_and_lowering_reuses_the_trace():
+  """Search and lowering share one trace of the user's function (a Python side effect in
+  it runs once); the numerics check's own reference runs are apart."""
+  import jax.numpy as jnp
+
+  traces = []
+
+  def step(w, x):
+    traces.append(1)
+    loss, grad = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+    return w - 0.1 * grad, loss
+
+  args = (jnp.ones((16, 8)) * 0.1, jnp.ones((32, 16)))
+  plan = agents.partition(step, *args, mesh="data=8", agent="data_parallel", arg_names=("w", "x"),
+                          arg_roles=("parameter", "input"))
+  assert plan.in_specs[1] == PartitionSpec("data", None)
+  plan.lower()
+  assert len(traces) == 1
+
+
 def test_shard_blocks_map_devices_row_major():
   counts, holders = shard_blocks((8, 4), PartitionSpec("model", None), ("data", "model"), (2, 4))
   assert counts == (4, 1)

@@ -29,6 +29,9 @@ CASES = [
     (["partition", "gpt:layers=1,d_model=32,heads=2,seq=8,vocab=32,batch=4", "--agent", "tactic",
       "--check-numerics", "--check-workload", "mlp"], "the model to check is not a copy of the planned one"),
     (["suite", "list", "--split", "validation"], "invalid choice 'validation'"),
+    (["validate", "--random", "-3"], "--random -3: give a positive number of plans per model"),
+    (["validate", "--models", "mlp"], "--models needs --random"),
+    (["validate", "--random", "2", "--models", "mlp:widht=3"], "unknown key 'widht' for model 'mlp'"),
     (["bench", "suite", "--best-known", "/nonexistent/best.json"], "--best-known /nonexistent/best.json: no such file"),
 ]
 

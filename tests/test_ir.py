@@ -6,13 +6,19 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from automap_rl import ir, workloads
 from automap_rl.ir import FactorKind
 from automap_rl.ir.flops import fusion_copies, memory_bytes
+from automap_rl.ir import FactorKind, rules
+from automap_rl.ir.flops import fusion_copies
 from experiments.inspect_cmd import summarize
 
 ZOO = ("mlp", "gpt", "gpt:scan=true", "moe", "gnn", "resnet", "unet")
+# Every family at small size (the primitives do not depend on the size) and the scanned GPT.
+EVERY_FAMILY = (*workloads.SMALL.values(), "gpt:scan=true")
 
 
 @functools.lru_cache(maxsize=None)
@@ -20,10 +26,8 @@ def traced(spec: str) -> ir.Program:
   return workloads.make_workload(spec, abstract=True).trace()
 
 
-@pytest.mark.parametrize("spec", ZOO)
-def test_zoo_traces_with_known_primitives_and_consistent_factor_sizes(spec):
-  program = traced(spec)
-  assert program.unknown_primitives == ()
+def _assert_factor_sizes_consistent(program: ir.Program) -> None:
+  """Every operand and result dim of every op is the product of its factors' sizes."""
   for op in program.ops:
     rule = op.rule
     for values, dims in ((op.operands, rule.operand_dims), (op.results, rule.result_dims)):
@@ -36,6 +40,79 @@ def test_zoo_traces_with_known_primitives_and_consistent_factor_sizes(spec):
           for f in factors:
             product *= rule.factor_sizes[f]
           assert product == size, (op.primitive, shape, factors, rule.factor_sizes)
+
+
+@pytest.mark.parametrize("spec", EVERY_FAMILY)
+def test_every_family_traces_with_known_primitives_and_consistent_factor_sizes(spec):
+  """The primitives every workload family emits all have rules: none falls back to the
+  conservative rule (which warns and replicates)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # A fallback warns: fail on it.
+    program = workloads.make_workload(spec, abstract=True).trace()
+  primitives = {op.primitive for op in program.ops}
+  assert program.unknown_primitives == ()
+  assert primitives <= set(rules.REGISTRY), sorted(primitives - set(rules.REGISTRY))
+  _assert_factor_sizes_consistent(program)
+
+
+# Functions emitting primitives that third-party models use and the zoo does not.
+THIRD_PARTY = {
+    "stack": lambda x: jnp.stack([x, 2 * x, x + 1], axis=1),
+    "unstack": lambda x: sum(jnp.unstack(x, axis=1)),
+    "tile": lambda x: jnp.tile(x, (2, 1, 3)),
+    "reduce": lambda x: jax.lax.reduce(  # A variadic arg-max: no gradient.
+        (x, x + 1), (-jnp.inf, 0.0), lambda a, b: tuple(jnp.where(a[0] > b[0], u, v) for u, v in zip(a, b)), (1,))[1],
+    "approx_top_k": lambda x: jax.lax.approx_max_k(x, 2)[0],
+    "le_to": lambda x: jnp.searchsorted(jnp.sort(x[0, 0]), x[0, 1]),
+    "bessel_i0e": jax.scipy.special.i0e,
+    "fft": lambda x: jnp.abs(jnp.fft.rfft(x)),
+    "cholesky": lambda x: jnp.linalg.cholesky(x[..., :3, :3] @ jnp.swapaxes(x[..., :3, :3], -1, -2) + jnp.eye(3)),
+    "scatter-sub": lambda x: x.at[:, 0].subtract(1.0),
+    "grouped conv": lambda x: jax.lax.conv_general_dilated(
+        x, jnp.ones((4, x.shape[1] // 2, 3)), (1,), "SAME", feature_group_count=2,
+        dimension_numbers=("NCH", "OIH", "NCH")),
+}
+
+
+@pytest.mark.parametrize("name", THIRD_PARTY)
+def test_third_party_primitives_have_rules_with_consistent_factor_sizes(name):
+  """Each function and its gradient (where it has one) trace with no fallback; the
+  primitive is in them."""
+  fn = THIRD_PARTY[name]
+  step = fn if name in ("le_to", "reduce") else jax.value_and_grad(lambda x: jnp.sum(jnp.abs(fn(x))))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    program = ir.trace(step, jnp.linspace(0.5, 1.5, 4 * 6 * 4).reshape(4, 6, 4))
+  assert name.split()[-1].replace("conv", "conv_general_dilated") in {op.primitive for op in program.ops}
+  _assert_factor_sizes_consistent(program)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), axis=st.integers(0, 3), count=st.integers(1, 3),
+       reps=st.lists(st.integers(1, 3), min_size=1, max_size=4))
+def test_stack_unstack_and_tile_rules_keep_every_dim_whole(shape, axis, count, reps):
+  """For any shapes: every dim is its factors' product, and a dim passes through exactly
+  when its size is unchanged and its data is not rearranged."""
+  x = jnp.ones(shape)
+  axis %= len(shape) + 1
+  stacked = _rule(lambda x: jnp.stack([x] * count, axis=axis), x, primitive="stack")
+  (out,) = stacked.result_dims
+  for dim, factors in enumerate(out):  # The new dim is the result's own; the rest are the operands'.
+    owners = [i for i, dims in enumerate(stacked.operand_dims) for d in dims if factors and d == factors]
+    assert len(owners) == (0 if dim == axis or shape[dim - (dim > axis)] == 1 else count)
+  for program in (ir.trace(lambda x: jnp.stack([x] * count, axis=axis), x),
+                  ir.trace(lambda x: jnp.tile(x, reps), x),
+                  ir.trace(lambda x: jnp.unstack(x, axis=axis % len(shape)), x)):
+    _assert_factor_sizes_consistent(program)
+  tiled = _rule(lambda x: jnp.tile(x, reps), x, primitive="tile") if len(reps) <= len(shape) and any(
+      r > 1 for r in reps) else None
+  if tiled is not None:
+    reps_ = (1,) * (len(shape) - len(reps)) + tuple(reps)
+    for dim, (size, rep) in enumerate(zip(shape, reps_)):
+      factors = tiled.result_dims[0][dim]
+      assert [tiled.factor_sizes[f] for f in factors] == [n for n in (rep, size) if n > 1]
+      if size > 1:  # The operand's dim is the minor factor: a shard of it is never a block of the result.
+        assert tiled.operand_dims[0][dim] == factors[-1:]
 
 
 def _rule(fn, *args, primitive=None):
@@ -249,3 +326,10 @@ def test_memory_traffic_of_a_fused_elementwise_chain_is_its_ends():
   assert by_primitive["tanh"] == out_bytes  # Reads the dot's result, writes into the fusion.
   assert by_primitive["mul"] == 0.0  # Inside the fusion.
   assert by_primitive["add"] == out_bytes  # Writes the program's output.
+def test_non_trainable_state_has_a_role_of_its_own():
+  """Batch-norm statistics are `state`: neither parameters (FSDP shards those) nor
+  optimizer state."""
+  program = workloads.make_workload(workloads.SMALL["wresnet"], abstract=True).trace()
+  roles = {program.values[v].path.split("/")[0]: program.values[v].role for v in program.inputs}
+  assert roles == {"params": ir.Role.PARAMETER, "opt_state": ir.Role.OPTIMIZER_STATE, "model_state": ir.Role.STATE,
+                   "batch": ir.Role.INPUT}

@@ -9,7 +9,7 @@ from automap_rl.xla.lower import reference_outputs
 from experiments import validate_cmd
 
 TINY = validate.Suite(models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",), meshes=("data=8",),
-                      random_plans=1)
+                      random_plans=1, isolated=False)
 
 
 def test_tiny_suite_json_and_plot(tmp_path, monkeypatch):
@@ -19,8 +19,9 @@ def test_tiny_suite_json_and_plot(tmp_path, monkeypatch):
   document = json.loads(json_path.read_text())
   assert set(document) == {"cases", "summary"}
   assert set(document["summary"]) == {
-      "num_cases", "comm_bytes_median_rel_error", "comm_bytes_spearman", "flops_median_rel_error",
-      "memory_median_rel_error", "memory_spearman", "numerics_ok_fraction", "realized_fraction"}
+      "num_cases", "lowering_errors", "xla_aborts", "comm_bytes_median_rel_error", "comm_bytes_spearman",
+      "flops_median_rel_error", "memory_median_rel_error", "memory_spearman", "numerics_ok_fraction",
+      "realized_fraction"}
   assert document["summary"]["numerics_ok_fraction"] == 1
   assert document["summary"]["realized_fraction"] == 1  # Every plan compiled as written.
   assert document["summary"]["num_cases"] == len(document["cases"]) >= 4
@@ -52,7 +53,7 @@ def test_simulated_flops_follow_xla_fusion_on_per_device_shapes():
   problem = validate.trace_problem(workload, "data=8", "cpu")
   plans = tactics.applicable(problem)
   for name in ("replicated", "data_parallel"):
-    case = validate.run_case(problem, workload, "data=8", name, plans[name], reference)
+    case = validate.run_case(problem, workload, "data=8", name, plans[name], reference, isolated=False)
     assert validate.relative_error(case.simulated["flops"], case.compiled["flops"]) < 0.015, name
 
 
@@ -71,3 +72,33 @@ def test_collectives_combine_per_loop_iteration_as_xla_does():
     assert compiled["comm_count_by_kind"]["all-reduce"] > 4  # One per iteration at least, and the rest.
     assert {k: round(v, 3) for k, v in simulated["comm_count_by_kind"].items()} == compiled["comm_count_by_kind"], name
     assert math.isclose(simulated["comm_bytes"], compiled["comm_bytes"], rel_tol=1e-6), name
+def test_random_plans_are_lowered_in_isolation_and_checked(tmp_path, capsys):
+  """`validate --random 2` on one model: two plans, one per mesh, every one compiled in a
+  child process first, run and checked; the JSON counts lowering errors and aborts."""
+  json_path = tmp_path / "r.json"
+  validate_cmd.run(validate_cmd.ValidateConfig(random=2, models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",),
+                                               json=str(json_path)))
+  document = json.loads(json_path.read_text())
+  assert [c["mesh"] for c in document["cases"]] == ["data=8", "data=2,model=4"]
+  assert [c["plan"] for c in document["cases"]] == ["random_0", "random_1"]
+  assert all(c["numerics_ok"] and c["reference"] == "float64" and c["lowering_error"] is None
+             for c in document["cases"])
+  summary = document["summary"]
+  assert (summary["num_cases"], summary["lowering_errors"], summary["xla_aborts"]) == (2, 0, 0)
+  assert summary["numerics_ok_fraction"] == 1
+
+
+def test_a_plan_that_does_not_lower_is_a_failed_case_not_a_crash(monkeypatch):
+  workload = workloads.make_workload("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8")
+  problem = validate.trace_problem(workload, "data=8", "cpu")
+
+  def refuse(*args, **kwargs):
+    raise validate.LoweringError("XLA cannot compile the plan (aborted: x.cc:1: Check failed: no) at dot_general.")
+
+  monkeypatch.setattr(validate, "lower", refuse)
+  case = validate.run_case(problem, workload, "data=8", "p", tactics.data_parallel(problem),
+                           reference_outputs(workload.step, workload.args))
+  assert (case.numerics_ok, case.compiled) == (False, {})
+  assert case.lowering_error == "XLA cannot compile the plan (aborted: x.cc:1: Check failed: no) at dot_general."
+  summary = validate.summarize_cases([case])
+  assert (summary["lowering_errors"], summary["xla_aborts"], summary["numerics_ok_fraction"]) == (1, 1, 0.0)

@@ -7,24 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from automap_rl.workloads import FAMILIES, make_workload, parse_model_spec
+from automap_rl.workloads import FAMILIES, SMALL, make_workload, parse_model_spec
 from automap_rl.workloads import moe, spec, ssm, vit
 from automap_rl.xla.lower import reference_outputs
 
-# A tiny spec per family for the concrete tests (defaults where they are tiny).
-SMALL = {
-    "mlp": "mlp:width=32,batch=8",
-    "gpt": "gpt:layers=1,d_model=32,heads=2,seq=16,vocab=64,batch=4",
-    "moe": "moe:layers=1,d_model=32,seq=16,vocab=64,batch=8,experts=4",
-    "gnn": "gnn",
-    "resnet": "resnet:stages=2,width=8,groups=4,image_size=8,batch=8",
-    "unet": "unet:levels=1,base_channels=8,groups=4,image_size=8,batch=4",
-    "llama": "llama",
-    "t5": "t5:layers=1",
-    "vit": "vit:layers=1",
-    "wresnet": "wresnet:width=4,image_size=16",
-    "ssm": "ssm:layers=1",
-}
 # The largest preset of every family with presets.
 LARGEST = ("gpt:size=39b", "moe:size=70b", "llama:size=70b", "t5:size=xxl",
            "vit:size=22b", "wresnet:size=13b", "unet:size=sd-1.5",
@@ -55,7 +41,7 @@ def test_step_runs_preserves_structure_and_lowers_the_loss(name):
   out = step(*w.args)
   assert _shapes(out[:-1]) == _shapes(w.args[:-1])
   if stateful:  # Batch-norm statistics: state the step updates, not parameters.
-    assert w.arg_roles == ("parameter", "optimizer_state", "optimizer_state", "input")
+    assert w.arg_roles == ("parameter", "optimizer_state", "state", "input")
     before, after = jax.tree_util.tree_leaves(w.model_state), jax.tree_util.tree_leaves(out[2])
     assert not all(np.allclose(a, b) for a, b in zip(before, after))
   for leaf in jax.tree_util.tree_leaves(w.params):

@@ -43,7 +43,7 @@ ZERO_FLOP = frozenset({
     "select_and_gather_add", "stop_gradient", "device_put", "sharding_constraint", "optimization_barrier",
     "random_seed", "random_wrap", "random_unwrap", "random_key_data", "bitcast_convert_type",
     "scan_slice", "scan_stack", "scan_carry", "cond_merge", "split", "squeeze_p", "real", "imag",
-    "empty", "zeros_like", "broadcast",
+    "empty", "zeros_like", "broadcast", "stack", "unstack", "tile",
 })
 TRANSCENDENTAL = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "tanh", "sin", "cos", "tan", "asin", "acos", "atan",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ class Role(enum.IntEnum):
   INTERMEDIATE = 3
   OUTPUT = 4
   CONSTANT = 5
+  STATE = 6  # Non-trainable state the step reads and replaces: batch-norm statistics, caches, counters.
 
   @classmethod
   def parse(cls, name: str) -> Role:
@@ -139,6 +141,9 @@ class Program:
     donated: per input, whether the caller donates its buffer.
     ties: pairs of values that must share sharding (loop carries in and out).
     unknown_primitives: primitives that got the conservative rule.
+    jaxpr: the closed jaxpr it was traced from, and `out_tree` the treedef of the
+      function's outputs: `automap_rl.xla.lower` interprets them instead of tracing the
+      function again (None for hand-built programs). Not compared.
   """
 
   values: tuple[Value, ...]
@@ -148,6 +153,8 @@ class Program:
   donated: tuple[bool, ...]
   ties: tuple[tuple[int, int], ...]
   unknown_primitives: tuple[str, ...]
+  jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False)
+  out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
   def num_ops(self) -> int:

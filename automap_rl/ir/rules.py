@@ -137,6 +137,24 @@ def _reduce(kind: FactorKind) -> RuleBuilder:
   return build
 
 
+def reduce(operand_shapes, result_shapes, params) -> Rule:
+  """`reduce` with a user computation over `n` arrays and their `n` scalar inits: kept dims
+  pass through the arrays and results, reduced dims need replication (the computation is
+  not known to be a sum, so partial results cannot be priced as one)."""
+  arrays = operand_shapes[:len(result_shapes)]
+  axes = set(params["dimensions"])
+  f = _Factors(operand_shapes, result_shapes)
+  out_dim = 0
+  for dim, size in enumerate(arrays[0]):
+    if dim in axes:
+      for index in range(len(arrays)):
+        f.add(size, REPLICATE, [(index, dim)])
+    else:
+      f.add(size, PASS, [(i, dim) for i in range(len(arrays))], [(i, out_dim) for i in range(len(result_shapes))])
+      out_dim += 1
+  return f.build()
+
+
 def broadcast_in_dim(operand_shapes, result_shapes, params) -> Rule:
   """Mapped dims of equal size pass through; new and size-1-expanded dims are result-only."""
   (operand,), (result,) = operand_shapes[:1], result_shapes
@@ -343,6 +361,7 @@ def gather(operand_shapes, result_shapes, params) -> Rule:
   for src in range(len(operand)):
     if src not in window_operand_dims and src not in operand_batching:
       f.add(operand[src], REPLICATE, [(0, src)])
+  f.add(indices[-1], REPLICATE, [(1, len(indices) - 1)])  # The index vector.
   return f.build()
 
 
@@ -384,31 +403,120 @@ def _scatter(batch_kind: FactorKind) -> RuleBuilder:
         f.add(updates[upd_dim], PASS, [(2, upd_dim), (1, idx_dim), (0, op_dim)], [(0, op_dim)])
       else:
         f.add(updates[upd_dim], batch_kind, [(2, upd_dim), (1, idx_dim)])
+    f.add(indices[-1], REPLICATE, [(1, len(indices) - 1)])  # The index vector.
     return f.build()
 
   return build
 
 
 def conv_general_dilated(operand_shapes, result_shapes, params) -> Rule:
-  """Batch and output features pass through, input features are a reduction, spatial
-  dims need replication (halo exchange is not modelled). Grouped convolutions need
-  replication on their feature dims."""
+  """Convolution, including grouped ones; spatial dims need replication.
+
+  Ungrouped: lhs `[N, C, *S]`, rhs `[O, C, *K]` (in the dimension numbers' order), out
+  `[N, O, *S']`: N and O pass through, C is a reduction.
+
+  `feature_group_count = G`: C is `G` groups of `C/G` (factors `(G, C/G)`, major to minor)
+  and so are O `(G, O/G)` and the output features; the group factor passes through all
+  three and is the only one sharded (a grouped or depthwise conv splits by whole groups,
+  which is how XLA partitions it). The per-group input factor, a minor one, needs
+  replication (sharding it would split each group's channels, a strided sharding of C).
+
+  `batch_group_count = B` (the kernel gradient of a grouped conv): N is `B` groups of
+  `N/B`, O is `(B, O/B)`; the group factor passes through N, O and the output features,
+  the per-group batch factor needs replication and C is an ordinary reduction.
+
+  A group factor that an axis does not divide is simply not sharded; the operands are
+  then gathered (and XLA never sees a grouped conv split across a group, which makes it
+  abort, see tests/test_lower.py).
+
+  Spatial dims need replication: sharding them needs halo exchanges, which neither the
+  simulator prices nor the lowering offers (XLA's CPU partitioner computes some of them
+  wrongly); `automap_rl.xla.lower` pins a convolution's operands and results to this rule,
+  so a spatially sharded activation is gathered before the convolution.
+  """
   lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
   lhs, rhs = operand_shapes
   (out,) = result_shapes
   f = _Factors(operand_shapes, result_shapes)
-  grouped = params.get("feature_group_count", 1) > 1 or params.get("batch_group_count", 1) > 1
-  if params.get("batch_group_count", 1) > 1:
-    f.own(REPLICATE, operand_shapes, result_shapes, {0: [lhs_spec[0]]}, {0: [out_spec[0]]})
+  features, batches = params.get("feature_group_count", 1), params.get("batch_group_count", 1)
+  n, c, o = (0, lhs_spec[0]), (0, lhs_spec[1]), (1, rhs_spec[0])
+  out_n, out_c, rhs_c = (0, out_spec[0]), (0, out_spec[1]), (1, rhs_spec[1])
+  if batches > 1:
+    f.add(batches, PASS, [n, o], [out_c])
+    f.add(lhs[n[1]] // batches, REPLICATE, [n], [out_n])
+    f.add(rhs[o[1]] // batches, PASS, [o], [out_c])
+    f.add(lhs[c[1]], REDUCTION, [c, rhs_c])
   else:
-    f.add(lhs[lhs_spec[0]], PASS, [(0, lhs_spec[0])], [(0, out_spec[0])])
-  if grouped:
-    f.own(REPLICATE, operand_shapes, result_shapes, {0: [lhs_spec[1]], 1: rhs_spec[:2]}, {0: [out_spec[1]]})
-  else:
-    f.add(rhs[rhs_spec[0]], PASS, [(1, rhs_spec[0])], [(0, out_spec[1])])
-    f.add(lhs[lhs_spec[1]], REDUCTION, [(0, lhs_spec[1]), (1, rhs_spec[1])])
+    f.add(lhs[n[1]], PASS, [n], [out_n])
+    if features > 1:
+      f.add(features, PASS, [c, o], [out_c])
+      f.add(lhs[c[1]] // features, REPLICATE, [c, rhs_c])
+      f.add(rhs[o[1]] // features, PASS, [o], [out_c])
+    else:
+      f.add(rhs[o[1]], PASS, [o], [out_c])
+      f.add(lhs[c[1]], REDUCTION, [c, rhs_c])
   f.own(REPLICATE, operand_shapes, result_shapes, {0: lhs_spec[2:], 1: rhs_spec[2:]}, {0: out_spec[2:]})
   return f.build()
+
+
+def stack(operand_shapes, result_shapes, params) -> Rule:
+  """`stack[axis]`: every operand's dims pass through to the result's other dims; the new
+  dim is the result's own (a shard of it is a local choice of whole operands, as a
+  `broadcast_in_dim`'s new dim is)."""
+  (out,) = result_shapes
+  axis = params["axis"] % len(out)
+  f = _Factors(operand_shapes, result_shapes)
+  for dim, size in enumerate(out):
+    if dim == axis:
+      f.add(size, PASS, results=[(0, dim)])
+    else:
+      src = dim - (dim > axis)
+      f.add(size, PASS, [(i, src) for i in range(len(operand_shapes))], [(0, dim)])
+  return f.build()
+
+
+def unstack(operand_shapes, result_shapes, params) -> Rule:
+  """`unstack[axis]`: the unstacked dim needs replication (every result is one slice of it),
+  the others pass through the operand and every result."""
+  (operand,) = operand_shapes
+  axis = params["axis"] % len(operand)
+  f = _Factors(operand_shapes, result_shapes)
+  f.add(operand[axis], REPLICATE, [(0, axis)])
+  for dim, size in enumerate(operand):
+    if dim != axis:
+      out = dim - (dim > axis)
+      f.add(size, PASS, [(0, dim)], [(i, out) for i in range(len(result_shapes))])
+  return f.build()
+
+
+def tile(operand_shapes, result_shapes, params) -> Rule:
+  """`tile[reps]`: result dim d is `reps[d]` copies of operand dim d, factors `(reps, size)`
+  major to minor, as `broadcast_in_dim` to `[reps, size]` and a merging `reshape` give it."""
+  (operand,) = operand_shapes
+  f = _Factors(operand_shapes, result_shapes)
+  for dim, (size, rep) in enumerate(zip(operand, params["reps"])):
+    f.add(rep, PASS, results=[(0, dim)])
+    f.add(size, PASS, [(0, dim)], [(0, dim)])
+  return f.build()
+
+
+def fft(operand_shapes, result_shapes, params) -> Rule:
+  """`fft`: the transformed (trailing `len(fft_lengths)`) dims need replication, the
+  leading batch dims pass through."""
+  rank, transformed = len(result_shapes[0]), len(params["fft_lengths"])
+  return _per_dim(lambda o, r, p: {d: REPLICATE for d in range(rank - transformed, rank)})(
+      operand_shapes, result_shapes, params)
+
+
+def _matrix_dims(operand_shapes, result_shapes, params):
+  """Linear algebra on the trailing two dims (`cholesky`, `triangular_solve`, ...): they need
+  replication, leading batch dims pass through."""
+  rank = len(result_shapes[0])
+  return {d: REPLICATE for d in range(max(rank - 2, 0), rank)}
+
+
+def _approx_top_k_dims(operand_shapes, result_shapes, params):
+  return {params["reduction_dimension"] % len(operand_shapes[0]): REPLICATE}
 
 
 ELEMENTWISE = (
@@ -420,7 +528,8 @@ ELEMENTWISE = (
     # Binary, compare, select.
     "add sub mul div rem pow max min atan2 nextafter and or xor add_any shift_left "
     "shift_right_logical shift_right_arithmetic complex igamma igammac polygamma "
-    "random_gamma_grad eq ne lt le gt ge select_n clamp "
+    "random_gamma_grad eq ne lt le gt ge eq_to lt_to le_to select_n clamp mulhi zeta igamma_grad_a "
+    "regularized_incomplete_beta bessel_i0e bessel_i1e "
     # PRNG.
     "random_fold_in random_seed threefry2x32 random_clone"
 ).split()
@@ -441,6 +550,7 @@ REGISTRY.update(
         "reduce_and": _reduce(REDUCTION),
         "reduce_or": _reduce(REDUCTION),
         "reduce_xor": _reduce(REDUCTION),
+        "reduce": reduce,
         "argmax": _reduce(REPLICATE),
         "argmin": _reduce(REPLICATE),
         "broadcast_in_dim": broadcast_in_dim,
@@ -449,6 +559,9 @@ REGISTRY.update(
         "transpose": transpose,
         "rev": _per_dim(_rev_dims),
         "concatenate": concatenate,
+        "stack": stack,
+        "unstack": unstack,
+        "tile": tile,
         "split": split,
         "pad": _per_dim(_padded_dims),
         "slice": _per_dim(_changed_dims),
@@ -460,6 +573,8 @@ REGISTRY.update(
         "scatter_add": _scatter(REDUCTION),
         "scatter-mul": _scatter(REPLICATE),
         "scatter_mul": _scatter(REPLICATE),
+        "scatter-sub": _scatter(REDUCTION),
+        "scatter_sub": _scatter(REDUCTION),
         "scatter-min": _scatter(REPLICATE),
         "scatter_min": _scatter(REPLICATE),
         "scatter-max": _scatter(REPLICATE),
@@ -479,6 +594,10 @@ REGISTRY.update(
         "cumlogsumexp": _per_dim(_axis("axis")),
         "sort": _per_dim(_axis("dimension")),
         "top_k": _per_dim(_last_dim),
+        "approx_top_k": _per_dim(_approx_top_k_dims),
+        "fft": fft,
+        "cholesky": _per_dim(_matrix_dims),
+        "triangular_solve": _per_dim(_matrix_dims),
         "random_bits": _trailing_extra,
         "random_split": _trailing_extra,
         "random_wrap": _trailing_extra,

@@ -223,7 +223,8 @@ def trace(
     *args: example arguments (arrays or `jax.ShapeDtypeStruct`s), any pytrees.
     arg_names: a name per positional argument, the first element of every argument path
       (default `arg0`, `arg1`, ...).
-    arg_roles: a role per positional argument (`parameter`, `optimizer_state`, `input`, ...);
+    arg_roles: a role per positional argument (`parameter`, `optimizer_state`, `state` for
+      non-trainable state such as batch-norm statistics, caches and step counters, `input`);
       default `input`.
     donate_argnums: positional arguments whose buffers the caller donates.
 
@@ -267,4 +268,6 @@ def trace(
       donated=tuple(donated),
       ties=tuple(builder.ties),
       unknown_primitives=tuple(builder.unknown),
+      jaxpr=closed,
+      out_tree=jax.tree_util.tree_structure(out_shape),
   )

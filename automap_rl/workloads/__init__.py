@@ -9,12 +9,12 @@ seed. :func:`load_cases` reads the task suite (workload, mesh, hardware) by
 split.
 """
 
-from automap_rl.workloads.spec import (FAMILIES, STYLES, canonical_spec,
+from automap_rl.workloads.spec import (FAMILIES, SMALL, STYLES, canonical_spec,
                                        make_workload, parse_model_spec)
 from automap_rl.workloads.suite import SPLITS, Case, load_cases
 from automap_rl.workloads.training import Workload
 
 __all__ = [
-    "FAMILIES", "SPLITS", "STYLES", "Case", "Workload", "canonical_spec", "load_cases",
+    "FAMILIES", "SMALL", "SPLITS", "STYLES", "Case", "Workload", "canonical_spec", "load_cases",
     "make_workload", "parse_model_spec",
 ]

@@ -44,6 +44,22 @@ STYLES: dict[str, str] = {
     "vit": "equinox", "wresnet": "flax.linen", "ssm": "equinox",
 }
 
+# A tiny spec per family, for numerics (`automap-rl validate --random`) and concrete tests:
+# seconds to build, trace and compile on CPU, every dim still divisible by 8.
+SMALL: dict[str, str] = {
+    "mlp": "mlp:width=32,batch=8",
+    "gpt": "gpt:layers=1,d_model=32,heads=2,seq=16,vocab=64,batch=4",
+    "moe": "moe:layers=1,d_model=32,seq=16,vocab=64,batch=8,experts=4",
+    "gnn": "gnn",
+    "resnet": "resnet:stages=2,width=8,groups=4,image_size=8,batch=8",
+    "unet": "unet:levels=1,base_channels=8,groups=4,image_size=8,batch=4",
+    "llama": "llama",
+    "t5": "t5:layers=1",
+    "vit": "vit:layers=1",
+    "wresnet": "wresnet:width=4,image_size=16",
+    "ssm": "ssm:layers=1",
+}
+
 
 def presets(name: str) -> dict[str, dict[str, Any]]:
   """Size label -> config fields of family ``name``."""

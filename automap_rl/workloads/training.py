@@ -74,11 +74,11 @@ class Workload:
 
   @property
   def arg_roles(self) -> tuple[str, ...]:
-    """Role of each element of :attr:`args`; model state is state the step
-    replaces, like optimizer state (there is no separate role for it)."""
+    """Role of each element of :attr:`args`; model state (batch-norm
+    statistics) is non-trainable ``state``."""
     if self.model_state is None:
       return ("parameter", "optimizer_state", "input")
-    return ("parameter", "optimizer_state", "optimizer_state", "input")
+    return ("parameter", "optimizer_state", "state", "input")
 
   def trace(self) -> ir.Program:
     """The training step as a `Program`, with argument names and roles; every

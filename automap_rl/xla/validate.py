@@ -25,11 +25,11 @@ from automap_rl.sharding import Decision
 from automap_rl.simulator import KINDS
 from automap_rl.simulator.tables import program_flops
 from automap_rl.xla.hlo import CompiledStats
-from automap_rl.xla.lower import NumericsError, compare_outputs, lower, reference_outputs
+from automap_rl.xla.lower import LoweringError, NumericsError, Reference, compare_outputs, lower, reference_outputs
 
 __all__ = [
-    "SUITES", "Case", "Suite", "compiled_metrics", "plans_for", "random_plan", "run_case", "run_suite",
-    "simulated_flops", "simulated_metrics", "summarize_cases",
+    "SUITES", "Case", "RandomSuite", "Suite", "compiled_metrics", "plans_for", "random_plan", "run_case", "run_random",
+    "run_suite", "simulated_flops", "simulated_metrics", "summarize_cases",
 ]
 
 DONATE_ARGNUMS = (0, 1)  # params and optimizer state, as `experiments.inspect_cmd` traces them.
@@ -48,6 +48,7 @@ class Suite:
     hardware: the simulator's hardware profile (irrelevant to bytes, flops and memory).
     skip: (mesh, plan) pairs not run, e.g. a replicated plan already run on another mesh
       (it compiles to the same program).
+    isolated: compile each plan in a child process first (see `lower`).
   """
 
   models: tuple[str, ...]
@@ -57,6 +58,7 @@ class Suite:
   seed: int = 0
   hardware: str = "cpu"
   skip: tuple[tuple[str, str], ...] = ()
+  isolated: bool = True
 
 
 SUITES: dict[str, Suite] = {
@@ -81,7 +83,9 @@ class Case:
   """One validated plan: metrics are dicts of `comm_bytes` (total), `comm_bytes_by_kind`,
   `comm_count_by_kind`, `flops` and `peak_memory`, per device; `differences` are the
   values XLA shards otherwise than the plan (`Lowered.differences`, as dicts), empty when
-  the plan is realized as written."""
+  the plan is realized as written; `reference` is what the numerics were compared with
+  (`Reference.note`: `float64`, or float32 and why); `lowering_error` is the
+  `LoweringError` of a plan XLA could not compile (then `compiled` is empty)."""
 
   model: str
   mesh: str
@@ -93,6 +97,8 @@ class Case:
   numerics_error: str | None
   seconds: float
   differences: tuple[dict[str, Any], ...] = ()
+  reference: str = "float64"
+  lowering_error: str | None = None
 
 
 # -- metrics ------------------------------------------------------------------------------
@@ -208,26 +214,37 @@ def plans_for(problem: Problem, suite: Suite, seed: int) -> dict[str, list[Decis
 
 
 def run_case(problem: Problem, workload: workloads.Workload, mesh_spec: str, plan: str,
-             decisions: Sequence[Decision], reference: tuple[Any, Any]) -> Case:
-  """Lowers, compiles and runs one plan; `reference` is `reference_outputs` of the step."""
+             decisions: Sequence[Decision], reference: Reference, isolated: bool = True) -> Case:
+  """Lowers (`isolated`: compiling in a child process first, see `lower`), compiles and
+  runs one plan; `reference` is `reference_outputs` of the step. A plan XLA cannot compile
+  is a failed case with its `lowering_error`."""
   start = time.perf_counter()
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS)
+  try:
+    lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS,
+                    isolated=isolated)
+  except LoweringError as e:
+    return Case(model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
+                simulated=simulated_metrics(problem, decisions), compiled={}, numerics_ok=False, numerics_error=None,
+                seconds=time.perf_counter() - start, reference=reference.note, lowering_error=str(e))
   error = None
   try:
-    compare_outputs(*reference, lowered.run(workload.args))
+    compare_outputs(reference, lowered.run(workload.args), lowered.depth)
   except NumericsError as e:
     error = str(e)
   return Case(
       model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
       simulated=simulated_metrics(problem, decisions), compiled=compiled_metrics(lowered.stats),
       numerics_ok=error is None, numerics_error=error, seconds=time.perf_counter() - start,
-      differences=tuple(dataclasses.asdict(d) for d in lowered.differences))
+      differences=tuple(dataclasses.asdict(d) for d in lowered.differences), reference=reference.note)
+
+
+def trace_workload(workload: workloads.Workload) -> ir.Program:
+  return ir.trace(workload.step, *workload.args, arg_names=workload.arg_names, arg_roles=workload.arg_roles,
+                  donate_argnums=DONATE_ARGNUMS)
 
 
 def trace_problem(workload: workloads.Workload, mesh_spec: str, hardware: str) -> Problem:
-  program = ir.trace(workload.step, *workload.args, arg_names=workload.arg_names,
-                     arg_roles=workload.arg_roles, donate_argnums=DONATE_ARGNUMS)
-  return Problem.build(program, make_mesh(mesh_spec, hardware))
+  return Problem.build(trace_workload(workload), make_mesh(mesh_spec, hardware))
 
 
 def run_suite(suite: Suite, report: Callable[[Case], None] = lambda case: None) -> list[Case]:
@@ -236,13 +253,56 @@ def run_suite(suite: Suite, report: Callable[[Case], None] = lambda case: None) 
   for m, spec in enumerate(suite.models):
     workload = workloads.make_workload(spec, seed=suite.seed)
     reference = reference_outputs(workload.step, workload.args)
+    program = trace_workload(workload)
     for mesh_spec in suite.meshes:
-      problem = trace_problem(workload, mesh_spec, suite.hardware)
+      problem = Problem.build(program, make_mesh(mesh_spec, suite.hardware))
       for plan, decisions in plans_for(problem, suite, seed=suite.seed * 1000 + m).items():
         if (mesh_spec, plan) in suite.skip:
           continue
-        cases.append(run_case(problem, workload, mesh_spec, plan, decisions, reference))
+        cases.append(run_case(problem, workload, mesh_spec, plan, decisions, reference, suite.isolated))
         report(cases[-1])
+  return cases
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomSuite:
+  """`automap-rl validate --random N`: random plans, numerics first.
+
+  Attributes:
+    models: workload specs; default every family at small size (`workloads.SMALL`).
+    plans: random plans per model, on the meshes in turn.
+    meshes: the meshes (8 devices each).
+    max_random_decisions: decisions per plan, 1 to this many (`random_plan`).
+    seed: seeds the workloads and the plans.
+    hardware: the simulator's hardware profile.
+  """
+
+  models: tuple[str, ...] = tuple(workloads.SMALL.values())
+  plans: int = 10
+  meshes: tuple[str, ...] = ("data=8", "data=2,model=4")
+  max_random_decisions: int = 4
+  seed: int = 0
+  hardware: str = "cpu"
+
+
+def run_random(suite: RandomSuite, report: Callable[[Case], None] = lambda case: None) -> list[Case]:
+  """`suite.plans` random plans per model, each lowered (compiled in a child process first:
+  an XLA abort is a failed case, never the end of this process), run and compared with the
+  unpartitioned step; one trace per model. `report` sees each case as it finishes."""
+  if suite.plans < 1:
+    raise ValueError(f"--random {suite.plans}: give a positive number of plans per model.")
+  cases = []
+  for m, spec in enumerate(suite.models):
+    workload = workloads.make_workload(spec, seed=suite.seed)
+    reference = reference_outputs(workload.step, workload.args)
+    program = trace_workload(workload)
+    problems = {mesh: Problem.build(program, make_mesh(mesh, suite.hardware)) for mesh in suite.meshes}
+    rng = np.random.default_rng(suite.seed * 1000 + m)
+    for i in range(suite.plans):
+      mesh = suite.meshes[i % len(suite.meshes)]
+      decisions = random_plan(problems[mesh], rng, suite.max_random_decisions)
+      cases.append(run_case(problems[mesh], workload, mesh, f"random_{i}", decisions, reference))
+      report(cases[-1])
   return cases
 
 
@@ -270,16 +330,21 @@ def _median_error(cases: Sequence[Case], key: str) -> float:
 
 
 def summarize_cases(cases: Sequence[Case]) -> dict[str, float]:
-  """The headline figures over all cases."""
+  """The headline figures: numerics over all cases (a plan that does not compile fails),
+  the simulator's errors over the compiled ones; `xla_aborts` counts plans XLA aborted on
+  (in the child process)."""
+  everything, cases = cases, [c for c in cases if c.lowering_error is None]
   column = lambda side, key: [getattr(c, side)[key] for c in cases]
   return {
-      "num_cases": len(cases),
+      "num_cases": len(everything),
+      "lowering_errors": len(everything) - len(cases),
+      "xla_aborts": sum("(aborted:" in (c.lowering_error or "") for c in everything),
       "comm_bytes_median_rel_error": _median_error(cases, "comm_bytes"),
       "comm_bytes_spearman": spearman(column("simulated", "comm_bytes"), column("compiled", "comm_bytes")),
       "flops_median_rel_error": _median_error(cases, "flops"),
       "memory_median_rel_error": _median_error(cases, "peak_memory"),
       "memory_spearman": spearman(column("simulated", "peak_memory"), column("compiled", "peak_memory")),
-      "numerics_ok_fraction": float(np.mean([c.numerics_ok for c in cases])) if cases else math.nan,
+      "numerics_ok_fraction": float(np.mean([c.numerics_ok for c in everything])) if everything else math.nan,
       "realized_fraction": float(np.mean([not c.differences for c in cases])) if cases else math.nan,
   }
 
@@ -307,7 +372,7 @@ def plot(cases: Sequence[Case], path: str) -> None:
   fig, axes = plt.subplots(1, len(panels), figsize=(16, 5))
   models = list(dict.fromkeys(c.model.split(":")[0] for c in cases))
   for ax, (key, title, unit) in zip(axes, panels):
-    shown = [c for c in cases if c.compiled[key] > 0 and c.simulated[key] > 0]
+    shown = [c for c in cases if c.compiled.get(key, 0) > 0 and c.simulated[key] > 0]
     for model in models:
       mine = [c for c in shown if c.model.split(":")[0] == model]
       ax.scatter([c.compiled[key] for c in mine], [c.simulated[key] for c in mine], label=model, s=18, alpha=0.8)

@@ -1,0 +1,96 @@
+"""Compiling in a child process, so that an XLA abort cannot kill the caller.
+
+XLA's SPMD partitioner checks its invariants with `CHECK`s: a sharding it cannot partition
+(a grouped convolution split across a group, for one) aborts the whole process (SIGABRT),
+and with it the user's session. `check_compiles` compiles the module of a
+`jax.stages.Lowered` (its StableHLO text, which carries the plan's shardings) in a fresh
+Python process with the same platform, device count and partitioner, through
+`jax.extend.backend`. A compile that dies there raises `CompileAborted` with XLA's own
+message; one that succeeds means the caller's compile of the same module will too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["CompileAborted", "check_compiles"]
+
+# The child: reads the module from stdin, compiles it with SPMD partitioning over the
+# devices named on the command line (in mesh order), exits 0; an XLA CHECK aborts it.
+_CHILD = """
+import sys
+import jax
+import jax.extend.backend as backend
+import numpy as np
+platform, shardy, ids = sys.argv[1], sys.argv[2] == "1", [int(i) for i in sys.argv[3:]]
+text = sys.stdin.read()
+by_id = {d.id: d for d in jax.devices(platform)}
+options = backend.get_compile_options(num_replicas=1, num_partitions=len(ids),
+                                      device_assignment=np.array(ids).reshape(1, len(ids)))
+options.executable_build_options.use_spmd_partitioning = True
+options.executable_build_options.use_shardy_partitioner = shardy
+backend.get_backend(platform).compile_and_load(text, [by_id[i] for i in ids], options)
+"""
+
+# glog's fatal line: `F1123 13:56:07.484964   20148 convolution_handler.cc:984] Check failed: ...`.
+_FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ ([\w.]+:\d+)\] (.*)$")
+
+
+class CompileAborted(RuntimeError):
+  """XLA aborted (or timed out) compiling a module in the child process.
+
+  Attributes:
+    where: XLA's source location of the failed check (`convolution_handler.cc:984`), or ''.
+    message: XLA's message (`Check failed: ...`), or the child's last words.
+  """
+
+  def __init__(self, where: str, message: str):
+    super().__init__(f"{where}: {message}" if where else message)
+    self.where = where
+    self.message = message
+
+
+def _child_env(num_devices: int, platform: str) -> dict[str, str]:
+  """The caller's environment with at least `num_devices` host devices on CPU."""
+  env = dict(os.environ)
+  if platform == "cpu":
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(num_devices, jax.device_count())}".strip()
+  env["JAX_PLATFORMS"] = platform
+  return env
+
+
+def check_compiles(stage: Any, devices: np.ndarray, timeout_s: float = 600.0) -> None:
+  """Compiles `stage` (a `jax.stages.Lowered`) in a child process over `devices` (the
+  mesh's devices, in mesh order); raises `CompileAborted` if XLA aborts the child (a
+  fatal check or a signal) or it times out. A compile that raises an ordinary error there
+  is left to the caller's compile to raise.
+
+  Costs a Python start and an import of jax (about two seconds) plus one compile.
+  """
+  flat = list(np.asarray(devices).flat)
+  platform = flat[0].platform
+  shardy = "1" if jax.config.jax_use_shardy_partitioner else "0"
+  command = [sys.executable, "-c", _CHILD, platform, shardy, *(str(d.id) for d in flat)]
+  try:
+    done = subprocess.run(command, input=stage.as_text(), capture_output=True, text=True, timeout=timeout_s,
+                          env=_child_env(len(flat), platform))
+  except subprocess.TimeoutExpired:
+    raise CompileAborted("", f"the compile did not finish in {timeout_s:.0f}s") from None
+  lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+  for line in lines:
+    match = _FATAL.match(line)
+    if match:
+      raise CompileAborted(match.group(1), match.group(2))
+  if done.returncode < 0:
+    raise CompileAborted("", f"the compile was killed by {signal.Signals(-done.returncode).name}: "
+                             f"{lines[-1] if lines else 'no message'}")
+  # Exit 0, or a Python exception: the caller's own compile succeeds or raises it.
