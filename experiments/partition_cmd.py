@@ -115,6 +115,12 @@ def load(model: str) -> tuple[str, Any, tuple, ir.Program]:
   return workload.name, workload.step, workload.args, workload.trace()
 
 
+def _clocks(config: PartitionConfig) -> bool:
+  """Whether the phases show their clocks: asked for, and stderr is a terminal (piped or
+  captured output, like an error a script reads, stays one line)."""
+  return config.progress and sys.stderr.isatty()
+
+
 def search(problem: Problem, config: PartitionConfig):
   """Runs the configured search agent with a progress bar; returns its `SearchResult`."""
   budget = Budget.of(config.budget)
@@ -143,7 +149,7 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
   if spec != config.workload:
     print(f"\nlowering on {spec} with real arrays, a smaller copy of {config.workload} (the full model is too "
           "slow to compile and run on this machine's CPU cores)", flush=True)
-  with phase(f"building and tracing {spec} with real arrays", config.progress):
+  with phase(f"building and tracing {spec} with real arrays", _clocks(config)):
     if is_user_function(spec):
       name, fn, args, names, roles = load_user_function(spec)
       target = problem if spec == config.workload else Problem.build(
@@ -155,9 +161,9 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
     moved = decisions if target is problem else plan_lib.transfer_decisions(decisions, problem, target)
   if spec != config.workload:
     print(f"{len(moved)} of {len(decisions)} decisions carried over to {name}")
-  with phase(f"compiling the plan for {len(jax.devices())} devices", config.progress):
+  with phase(f"compiling the plan for {len(jax.devices())} devices", _clocks(config)):
     lowered = lower(target, moved, fn, args)
-  with phase("checking numerics against the unpartitioned step", config.progress):
+  with phase("checking numerics against the unpartitioned step", _clocks(config)):
     reference = check_numerics(fn, args, lowered)
   summary = hlo.summarize(lowered.stats.collectives)
   seconds = time.perf_counter() - start
@@ -178,7 +184,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   if config.agent != "tactic":
     Budget.of(config.budget)  # Bad budgets fail before tracing.
   config = dataclasses.replace(config, tactic=config.tactic or DEFAULT_TACTIC)
-  with phase(f"tracing {config.workload} and building its cost tables", config.progress):
+  with phase(f"tracing {config.workload} and building its cost tables", _clocks(config)):
     name, fn, args, program = load(config.workload)
     problem = Problem.build(program, make_mesh(config.mesh, config.hardware))
   if not shardable(problem):
@@ -194,7 +200,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   plan = Plan(fn, tuple(args), problem, decisions, agent=label, search=found)
   result = cost_dict(plan.cost)
   result["decisions"] = [str(d) for d in decisions]
-  with phase("costing the expert plans", config.progress):
+  with phase("costing the expert plans", _clocks(config)):
     result["baselines"] = baselines(problem)
   result["agent"] = config.agent
   result["search_seconds"] = search_seconds
