@@ -99,10 +99,11 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   print(f"\n{len(cases)} cases in {time.perf_counter() - start:.0f}s\n{_summary_text(summary)}")
   for case in cases:
     if case.lowering_error is not None:
-      print(f"LOWERING ERROR {case.model} {case.mesh} {case.plan} {list(case.decisions)}: {case.lowering_error}")
+      print(f"LOWERING ERROR {case.model} {case.mesh} {case.plan} ({len(case.decisions)} decisions): "
+            f"{case.lowering_error}")
     elif not case.numerics_ok:
-      print(f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan} {list(case.decisions)} ({case.reference}): "
-            f"{case.numerics_error}")
+      print(f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan} ({len(case.decisions)} decisions, "
+            f"{case.reference}): {case.numerics_error}")
     for d in case.differences:
       print(f"NOT REALIZED {case.model} {case.mesh} {case.plan}: value {d['value']} ({d['where']}) "
             f"planned {d['expected']}, XLA {d['actual']}")
