@@ -76,6 +76,7 @@ def test_greedy_improves_on_replicated():
   assert result.objective < 1.0
 
 
+@pytest.mark.slow
 def test_agents_on_a_flat_mesh_and_other_action_spaces():
   p = problem("mlp:layers=2,width=512,batch=256", "data=8")
   result = agents.run_agent("mcts", p, budget=100, config=agents.MCTSConfig(action_space="arg_dims"))

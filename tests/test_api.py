@@ -41,6 +41,7 @@ def test_partition_end_to_end_lowers_and_checks_numerics(tmp_path):
   assert callable(plan.jit())
 
 
+@pytest.mark.slow
 def test_partition_with_a_tactic_lowers_megatron():
   w = workloads.make_workload(GPT)
   plan = agents.partition(w.step, *w.args, agent="data_megatron", arg_names=w.arg_names,

@@ -61,7 +61,8 @@ ENVIRONMENTS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
+@pytest.mark.parametrize("name", [n if n not in ("gpt-groups-bucketed", "gpt-truncated")
+                                  else pytest.param(n, marks=pytest.mark.slow) for n in sorted(ENVIRONMENTS)])
 def test_every_environment_keeps_the_contract(name):
   testing.api_test(ENVIRONMENTS[name]())
 
@@ -208,6 +209,7 @@ def test_capacity_ends_episodes_and_truncation():
   assert state.truncated and not state.terminated
 
 
+@pytest.mark.slow
 def test_mixed_batch_is_inert_padding():
   probs = [problem("mlp"), problem("gpt:layers=2", "data=8"), problem("mlp", "data=2,fsdp=2,model=2")]
   config = EnvConfig(action_space="named_dims")

@@ -86,6 +86,7 @@ def test_head_on_cached_embeddings_is_the_full_forward():
   assert not np.allclose(np.asarray(cached[0]), np.asarray(forward(GPT, 1)[0]))  # The head reads the state.
 
 
+@pytest.mark.slow
 def test_outputs_do_not_depend_on_padding():
   """Bucket-padded tables in a mixed batch (padded nodes, edges, targets, and for the
   1-axis mesh a padded axis) give each program's logits and value."""
@@ -126,6 +127,7 @@ def test_outputs_do_not_depend_on_padding():
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_uniform_gumbel_is_seeded_budgeted_and_matches_data_parallel():
   p = problem(*GPT)
   a = gumbel.search(p, CONFIG, seed=5, budget=120)

@@ -88,6 +88,7 @@ def _tables_and_root():
   return jax.tree.map(lambda x: x[0], suite.tables), jax.tree.map(lambda x: x[0], suite.roots)
 
 
+@pytest.mark.slow
 def test_returns_are_log_best_expert_over_plan():
   problems = [selfplay.case_problem(c) for c in train_cmd.pick_cases(load_cases(SMOKE.split), SMOKE.max_cases)]
   suite = smoke_suite()
@@ -109,6 +110,7 @@ def test_returns_are_log_best_expert_over_plan():
   np.testing.assert_allclose(np.asarray(episodes.samples.policy).sum(-1), 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_for_bit_and_the_seed_fixes_everything(smoke_run, tmp_path):
   config = dataclasses.replace(SMOKE, run_dir=str(tmp_path / "resumed"))
   stopped = train_cmd.run(dataclasses.replace(config, iterations=2))
@@ -172,6 +174,7 @@ def test_learned_agent_partitions_a_workload(smoke_run):
   assert greedy.search.simulations <= 24 and len(greedy.search.action_ids) <= greedy.search.simulations
 
 
+@pytest.mark.slow
 def test_shipped_policy_partitions_from_the_command_line(tmp_path):
   shipped = learned.policy_path(None)
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(shipped) for f in files)

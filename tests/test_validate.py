@@ -1,3 +1,4 @@
+import pytest
 """Tests for automap_rl.xla.validate and `automap-rl validate`."""
 
 import json
@@ -42,6 +43,7 @@ def test_summary_statistics():
   assert math.isnan(validate.spearman([1, 2], [1, 2]))
 
 
+@pytest.mark.slow
 def test_simulated_flops_follow_xla_fusion_on_per_device_shapes():
   """XLA clones cheap producers (LayerNorm, GELU, their gradients) into every fusion that
   reads them, and whether a reduction is a library call depends on its per-device size:
@@ -66,7 +68,7 @@ def test_collectives_combine_per_loop_iteration_as_xla_does():
                                      abstract=True)
   problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
   plans = tactics.applicable(problem)
-  for name in ("data_parallel", "data_megatron"):
+  for name in ("data_megatron",):  # Gradient reductions combined per iteration; activations' not.
     lowered = lower(problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
     simulated, compiled = validate.simulated_metrics(problem, plans[name]), validate.compiled_metrics(lowered.stats)
     assert compiled["comm_count_by_kind"]["all-reduce"] > 4  # One per iteration at least, and the rest.
