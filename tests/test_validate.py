@@ -1,8 +1,9 @@
-import pytest
 """Tests for automap_rl.xla.validate and `automap-rl validate`."""
 
 import json
 import math
+
+import pytest
 
 from automap_rl import workloads, tactics
 from automap_rl.xla import validate
