@@ -22,6 +22,7 @@ would double every compiled byte), and the simulator uses the CPU backend's comb
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -111,6 +112,7 @@ def _axes_mask(mesh: Mesh, axes: Sequence[str] | None) -> int:
   return sum(1 << mesh.axis_names.index(a) for a in names)
 
 
+@functools.cache
 def _compute_dtype(problem: Problem) -> str:
   """The result dtype of the op with the most flops (the matmuls' dtype)."""
   program = problem.program

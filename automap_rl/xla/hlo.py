@@ -54,6 +54,7 @@ __all__ = [
     "Collective",
     "CompiledStats",
     "Instruction",
+    "Module",
     "axes_for_groups",
     "collectives_from_hlo",
     "computation_repeats",
@@ -63,11 +64,13 @@ __all__ = [
     "group_mode",
     "inspect_compiled",
     "instruction_flops",
+    "module_collectives",
     "mesh_axes_groups",
     "parse_explicit_groups",
     "parse_instruction",
     "parse_iota_groups",
     "parse_mesh_groups",
+    "parse_module",
     "parse_replica_groups",
     "parse_shapes",
     "permute_groups",
@@ -355,6 +358,24 @@ def computation_repeats(bodies: Mapping[str, Sequence[Instruction]], entry: str)
   return repeats
 
 
+class Module(NamedTuple):
+  """An HLO module's text parsed once: its computations (name -> instructions), how
+  many times each runs per call (`computation_repeats`), every instruction's type by
+  name, and `(replica_count, num_partitions)`."""
+
+  bodies: dict[str, list[Instruction]]
+  repeats: dict[str, int]
+  types: dict[str, str]
+  counts: tuple[int, int]
+
+
+def parse_module(hlo_text: str) -> Module:
+  """Parses an HLO module's text (see `Module`)."""
+  bodies, entry = computations(hlo_text)
+  return Module(bodies, computation_repeats(bodies, entry),
+                {inst.name: inst.type for body in bodies.values() for inst in body}, _module_counts(hlo_text))
+
+
 def instruction_flops(inst: Instruction, types: Mapping[str, str]) -> float:
   """Flops of one instruction as `HloCostAnalysis` counts them, for dots,
   convolutions (every kernel tap; padding not discounted), reductions and
@@ -411,18 +432,16 @@ def instruction_bytes(inst: Instruction, types: Mapping[str, str],
   return float(result_bytes + sum(operand_bytes))
 
 
-def uncounted_loop_cost(hlo_text: str) -> tuple[float, float]:
+def uncounted_loop_cost(module: Module) -> tuple[float, float]:
   """`(flops, bytes accessed)` of the loop iterations `cost_analysis()` leaves out:
   for every computation that runs `r > 1` times, `(r - 1)` times its instructions'
   flops, and for the unfused ones among them (not the body of a fusion), their bytes."""
-  bodies, entry = computations(hlo_text)
-  repeats = computation_repeats(bodies, entry)
-  types = {inst.name: inst.type for body in bodies.values() for inst in body}
+  bodies, types = module.bodies, module.types
   fused = {callee for body in bodies.values() for inst in body if inst.opcode == "fusion"
            for callee, _ in _calls(inst)}
   flops = nbytes = 0.0
   for name, body in bodies.items():
-    extra = repeats.get(name, 1) - 1
+    extra = module.repeats.get(name, 1) - 1
     if extra > 0:
       flops += extra * sum(instruction_flops(inst, types) for inst in body)
       if name not in fused:
@@ -854,16 +873,19 @@ def collectives_from_hlo(
 ) -> tuple[Collective, ...]:
   """All collectives of an HLO module's text, in text order, each with the
   number of times it runs per call of the module."""
-  bodies, entry = computations(hlo_text)
-  repeats = computation_repeats(bodies, entry)
-  types = {inst.name: inst.type for body in bodies.values() for inst in body}
-  counts = _module_counts(hlo_text)
+  return module_collectives(parse_module(hlo_text), axis_names, axis_sizes)
+
+
+def module_collectives(
+    module: Module, axis_names: Sequence[str], axis_sizes: Sequence[int]
+) -> tuple[Collective, ...]:
+  """`collectives_from_hlo` of a parsed module."""
   return tuple(
       dataclasses.replace(
-          _collective(kind, inst, types, counts, axis_names, axis_sizes),
-          repeat=repeats.get(name, 1),
+          _collective(kind, inst, module.types, module.counts, axis_names, axis_sizes),
+          repeat=module.repeats.get(name, 1),
       )
-      for name, body in bodies.items()
+      for name, body in module.bodies.items()
       for inst in body
       if (kind := _kind(inst.opcode)) is not None
   )
@@ -900,14 +922,14 @@ def inspect_compiled(
   """
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
-  text = compiled.as_text()
-  loop_flops, loop_bytes = uncounted_loop_cost(text)
+  module = parse_module(compiled.as_text())
+  loop_flops, loop_bytes = uncounted_loop_cost(module)
   argument = int(memory.argument_size_in_bytes)
   output = int(memory.output_size_in_bytes)
   temp = int(memory.temp_size_in_bytes)
   alias = int(memory.alias_size_in_bytes)
   return CompiledStats(
-      collectives=collectives_from_hlo(text, axis_names, axis_sizes),
+      collectives=module_collectives(module, axis_names, axis_sizes),
       flops=_cost(cost, "flops") + loop_flops,
       bytes_accessed=_cost(cost, "bytes accessed") + loop_bytes,
       argument_bytes=argument,
