@@ -58,7 +58,7 @@ class ILPConfig:
 def best_expert(problem: Problem) -> tuple[str, list[Decision], simulator.Cost]:
   """The applicable expert tactic with the lowest step time among those that fit (among
   all when none fits): its name, plan and cost."""
-  costs = {name: (plan, problem.cost(plan)) for name, plan in tactics.applicable(problem).items()}
+  costs = tactics.applicable_costs(problem)
   name = min(costs, key=lambda n: (not bool(costs[n][1].fits), float(costs[n][1].step_time)))
   return name, costs[name][0], costs[name][1]
 

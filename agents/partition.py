@@ -27,7 +27,8 @@ from automap_rl.problem import Problem
 def partition(fn: Callable[..., Any], *args: Any, mesh: str | Mesh = "data=2,model=4", hardware: str = "h100",
               agent: str = "mcts", budget: Any = 2000, seed: int = 0, arg_names: Sequence[str] | None = None,
               arg_roles: Sequence[str] | None = None, config: Any = None,
-              progress: Callable[[int, float], None] | None = None) -> Plan:
+              progress: Callable[[int, float], None] | None = None,
+              phase: Callable[[str], None] | None = None) -> Plan:
   """Finds a sharding plan for `fn(*args)` on `mesh` by search.
 
   Args:
@@ -46,14 +47,22 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: str | Mesh = "data=2,mod
       (data parallel shards `input` arguments, Megatron and FSDP `parameter`s).
     config: the agent's config dataclass (default: its defaults).
     progress: called as `progress(simulations, best_step_time_s)` during the search.
+    phase: called with each phase's name as it starts: `tracing`, `building cost tables`,
+      then `searching` (or `applying the tactic`); for a progress display of the parts
+      before the search's own progress.
 
   Returns:
     The plan.
   """
+  started = phase or (lambda name: None)
+  started("tracing")
   program = ir.trace(fn, *args, arg_names=arg_names, arg_roles=arg_roles)
   the_mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh, hardware)
+  started("building cost tables")
   problem = Problem.build(program, the_mesh)
   if agent in tactics.TACTICS:
+    started("applying the tactic")
     return Plan(fn, tuple(args), problem, tactics.TACTICS[agent](problem), agent=agent)
+  started("searching")
   result = run_agent(agent, problem, seed=seed, budget=budget, config=config, progress=progress)
   return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result)

@@ -61,8 +61,8 @@ def expert_objective(problem: Problem, env_config: EnvConfig, tables: EnvTables)
   """The environment's objective of the best expert tactic (`tactics.applicable`, the
   replicated plan included) on `problem`, relative to the replicated plan (<= 1)."""
   base = np.asarray(tables.base)
-  objectives = [float(raw_objective(env_config, problem.cost(plan), base, problem.tables.hbm_bytes) / base[2])
-                for plan in tactics.applicable(problem).values()]
+  objectives = [float(raw_objective(env_config, cost, base, problem.tables.hbm_bytes) / base[2])
+                for _, cost in tactics.applicable_costs(problem).values()]
   return min(objectives)
 
 

@@ -58,6 +58,10 @@ class Problem:
     return jax.jit(self.evaluate)
 
   @functools.cached_property
+  def _evaluate_many_jit(self):
+    return jax.jit(jax.vmap(self.evaluate))
+
+  @functools.cached_property
   def _resolve_jit(self):
     return jax.jit(self.resolve)
 
@@ -65,15 +69,26 @@ class Problem:
   def _terms_jit(self):
     return jax.jit(lambda dec_class, dec_axis: simulator.terms(self.tables, self.resolve(dec_class, dec_axis)))
 
-  def encode_padded(self, decisions: Sequence[sharding.Decision]) -> tuple[np.ndarray, np.ndarray]:
-    """`encode` padded to a power of two (at least 16) entries, so that jitted calls on
-    plans of any length compile once per bucket, not once per length."""
-    dec_class, _ = self.encode(decisions)
-    return self.encode(decisions, max(16, 1 << max(len(dec_class) - 1, 0).bit_length()))
+  def encode_padded(self, decisions: Sequence[sharding.Decision], at_least: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`encode` padded to a power of two (at least 16, and at least `at_least`) entries,
+    so that jitted calls on plans of any length compile once per bucket, not once per
+    length."""
+    length = max(len(self.encode(decisions)[0]), at_least)
+    return self.encode(decisions, max(16, 1 << max(length - 1, 0).bit_length()))
 
   def cost(self, decisions: Sequence[sharding.Decision]) -> simulator.Cost:
     """The cost of a decision list (jitted)."""
     return jax.device_get(self.evaluate_jit(*self.encode_padded(decisions)))
+
+  def costs(self, plans: Sequence[Sequence[sharding.Decision]]) -> list[simulator.Cost]:
+    """The cost of each of several decision lists, in one vmapped call: all are padded to
+    the longest one's bucket, so a set of plans (the expert tactics) compiles once."""
+    if not plans:
+      return []
+    longest = max(len(self.encode(p)[0]) for p in plans)
+    encoded = [self.encode_padded(p, longest) for p in plans]
+    batch = jax.device_get(self._evaluate_many_jit(np.stack([c for c, _ in encoded]), np.stack([a for _, a in encoded])))
+    return [jax.tree.map(lambda x, i=i: x[i], batch) for i in range(len(plans))]
 
   def cost_terms(self, decisions: Sequence[sharding.Decision]) -> simulator.CostTerms:
     """The named per-op and per-edge terms of a decision list's cost (see

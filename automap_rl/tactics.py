@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from automap_rl import simulator
 from automap_rl.ir import FactorKind, Role
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
@@ -201,3 +202,10 @@ def applicable(problem: Problem) -> dict[str, list[Decision]]:
   needs = {"megatron": found.tensor_parallel, "data_megatron": found.tensor_parallel,
            "expert_parallel": found.experts, "sequence_parallel": found.sequence_dims}
   return {name: tactic(problem) for name, tactic in TACTICS.items() if needs.get(name, True)}
+
+
+def applicable_costs(problem: Problem) -> dict[str, tuple[list[Decision], simulator.Cost]]:
+  """Each applicable tactic's plan and its simulated cost, all evaluated in one call
+  (`Problem.costs`: one compile for the set)."""
+  plans = applicable(problem)
+  return {name: (plan, cost) for (name, plan), cost in zip(plans.items(), problem.costs(list(plans.values())))}

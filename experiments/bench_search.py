@@ -87,7 +87,7 @@ def bench_search(config: SearchBenchConfig = SearchBenchConfig()) -> list[dict[s
     program = workloads.make_workload(model, abstract=True).trace()
     for mesh in config.meshes:
       problem = Problem.build(program, make_mesh(mesh, config.hardware))
-      experts = {name: float(problem.cost(plan).step_time) for name, plan in tactics.applicable(problem).items()}
+      experts = {name: float(cost.step_time) for name, (_, cost) in tactics.applicable_costs(problem).items()}
       for agent in config.agents:
         bar.set_postfix_str(f"{model} {mesh} {agent}")
         cases.append(bench_case(problem, model, mesh, agent, config.budget, config.seed, config.within, experts))

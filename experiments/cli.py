@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from experiments.progress import phase
+
 
 @dataclasses.dataclass(frozen=True)
 class Command:
@@ -93,6 +95,18 @@ def virtual_devices(count: int = 8) -> None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
 
 
+def compilation_cache() -> None:
+  """Keeps XLA's compiled programs between runs (JAX's persistent compilation cache), in
+  `$XDG_CACHE_HOME/automap_rl/xla` (default `~/.cache/automap_rl/xla`) unless the user
+  set `JAX_COMPILATION_CACHE_DIR` (empty: no cache). Set in the environment before jax
+  imports, so that child processes (isolated lowering) share it: a second run of the same
+  command compiles almost nothing."""
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(base, "automap_rl", "xla")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
 def write_json(path: str | None, document: Any) -> None:
   """Writes a command's figures to `path` (every command's `--json`), if one was given."""
   if path:
@@ -146,8 +160,12 @@ def _one_line(text: str) -> str:
   return re.sub(r"\s+", " ", " ".join(message or rows[:1])).strip()
 
 
+class UsageError(ValueError):
+  """Flags that do not parse: the one-line message to print, for exit status 2."""
+
+
 def parse(name: str, argv: Sequence[str]):
-  """The config of command `name` from its flags; `SystemExit(2)` with a one-line error."""
+  """The config of command `name` from its flags; `UsageError` with a one-line message."""
   import tyro
 
   command = COMMANDS[name]
@@ -163,9 +181,8 @@ def parse(name: str, argv: Sequence[str]):
     if e.code == 0:  # --help
       print(out.getvalue(), end="")
       raise
-    print(f"automap-rl {name}: error: {_one_line(out.getvalue())} (see automap-rl {name} --help)",
-          file=sys.stderr)
-    raise SystemExit(2) from None
+    raise UsageError(f"automap-rl {name}: error: {_one_line(out.getvalue())} (see automap-rl {name} --help)"
+                     ) from None
 
 
 def _command_name(argv: Sequence[str]) -> str | None:
@@ -195,11 +212,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   if COMMANDS[name].devices > 1:
     virtual_devices(COMMANDS[name].devices)
-  try:
-    config = parse(name, argv[len(name.split()):])
-  except SystemExit as e:
-    return int(e.code or 0)
+  compilation_cache()
   command = COMMANDS[name]
+  try:
+    helping = bool({"-h", "--help"} & set(argv))
+    with phase(f"loading {name}", enabled=sys.stderr.isatty() and not helping, leave=False):
+      config = parse(name, argv[len(name.split()):])
+  except UsageError as e:
+    print(e, file=sys.stderr)
+    return 2
+  except SystemExit as e:  # --help
+    return int(e.code or 0)
   run = getattr(importlib.import_module(f"experiments.{command.module}"), command.run)
   try:
     check_outputs(config)

@@ -181,8 +181,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   if config.agent != "tactic" and config.tactic is not None:
     raise ValueError(f"--tactic {config.tactic} applies only with --agent tactic (the agent {config.agent} "
                      "searches its own plan; the experts are reported beside it).")
-  if config.agent != "tactic":
-    Budget.of(config.budget)  # Bad budgets fail before tracing.
+  Budget.of(config.budget)  # Bad budgets fail before tracing, whichever the agent.
   config = dataclasses.replace(config, tactic=config.tactic or DEFAULT_TACTIC)
   with phase(f"tracing {config.workload} and building its cost tables", _clocks(config)):
     name, fn, args, program = load(config.workload)

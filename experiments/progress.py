@@ -30,10 +30,10 @@ def ticking(refresh: Callable[[], None], interval: float = 1.0) -> Iterator[None
 
 
 @contextlib.contextmanager
-def phase(label: str, enabled: bool = True) -> Iterator[None]:
+def phase(label: str, enabled: bool = True, leave: bool = True) -> Iterator[None]:
   """Shows `label` with the seconds spent in it, refreshed every second, and leaves the
-  final time on its line."""
-  bar = tqdm(desc=label, bar_format="{desc}: {elapsed}", disable=not enabled, dynamic_ncols=True)
+  final time on its line (or clears the line, `leave=False`)."""
+  bar = tqdm(desc=label, bar_format="{desc}: {elapsed}", disable=not enabled, dynamic_ncols=True, leave=leave)
   with ticking(bar.refresh):
     try:
       yield

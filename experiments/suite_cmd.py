@@ -145,8 +145,9 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
   """Every expert, every agent and the best-known plan on one case."""
   start = time.perf_counter()
   problem = Problem.build(case.make_workload().trace(), case.make_mesh())
-  plans = dict(tactics.applicable(problem))
-  experts = {name: _score(problem.cost(decisions)) for name, decisions in plans.items()}
+  expert_costs = tactics.applicable_costs(problem)
+  plans = {name: plan for name, (plan, _) in expert_costs.items()}
+  experts = {name: _score(cost) for name, (_, cost) in expert_costs.items()}
   best_name, best_time, expert_fits = _best_expert(experts)
   searched = {}
   for agent in config.agents:

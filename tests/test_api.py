@@ -22,9 +22,12 @@ def user_mlp():
 
 def test_partition_end_to_end_lowers_and_checks_numerics(tmp_path):
   w = workloads.make_workload(GPT)
+  phases, searched = [], []
   plan = agents.partition(w.step, *w.args, mesh="data=2,model=4", hardware="h100", agent="mcts",
-                              budget=200, seed=0, arg_names=w.arg_names, arg_roles=w.arg_roles)
-  assert plan.search.simulations <= 200
+                          budget=200, seed=0, arg_names=w.arg_names, arg_roles=w.arg_roles,
+                          phase=phases.append, progress=lambda sims, best: searched.append(sims))
+  assert phases == ["tracing", "building cost tables", "searching"]
+  assert searched and searched[-1] == plan.search.simulations <= 200
   assert jax.tree.structure(plan.in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)) == \
       jax.tree.structure(w.args)
   in_shardings = plan.in_shardings

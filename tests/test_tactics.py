@@ -183,3 +183,15 @@ def test_every_expert_tactic_changes_the_plan_of_every_transformer_family(spec):
     assert _parameter_shards(problem, decisions) != replicated, name
   base = float(problem.cost([]).peak_memory)
   assert all(float(problem.cost(d).peak_memory) < base for n, d in plans.items() if n != "replicated")
+
+
+def test_expert_costs_are_evaluated_together_with_one_compile(problems):
+  problem = problems["flax"]
+  evaluated = tactics.applicable_costs(problem)
+  lengths = {len(problem.encode(plan)[0]) for plan, _ in evaluated.values()}
+  assert len(lengths) > 1  # Plans of several lengths (buckets), compiled once for the set.
+  assert problem._evaluate_many_jit._cache_size() == 1
+  for name, (plan, cost) in evaluated.items():
+    alone = problem.cost(plan)
+    assert float(cost.step_time) == pytest.approx(float(alone.step_time), rel=1e-6), name
+    assert float(cost.peak_memory) == pytest.approx(float(alone.peak_memory), rel=1e-6), name
