@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import mctx
 import numpy as np
 
-from agents.base import Budget, Progress, SearchResult, start
+from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
 from agents.network import MASKED_LOGIT, Embeddings, Network, NetworkConfig, state_features, static_graph
 from automap_rl.problem import Problem
 from envs import EnvConfig, State
@@ -206,10 +206,18 @@ def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 
   search tree evaluated. `params`: the network's (`config.network`), or None for the
   uniform prior. Deterministic for a given seed and a simulations budget."""
   search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress)
+  embeddings = None if params is None else encode(Network(config.network), params, search_.env.tables, search_.root)
+  play(search_, track, config, seed, params, embeddings)
+  return track.result()
+
+
+def play(search_: Searcher, track: Tracker, config: GumbelConfig, seed: int, params: chex.ArrayTree | None,
+         embeddings: Embeddings | None) -> None:
+  """Plays Gumbel MuZero episodes from the replicated plan until `track`'s budget is spent,
+  offering every plan the trees evaluate to `track`."""
   env = search_.env
   if bool(search_.root.terminated):
-    return track.result()
-  embeddings = None if params is None else encode(Network(config.network), params, env.tables, search_.root)
+    return
   count = config.episodes
   root = jax.tree.map(lambda x: np.stack([x] * count), search_.root)
   states, paths = root, [[] for _ in range(count)]
@@ -236,4 +244,3 @@ def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 
     ended = (actions == env.stop_action) | after.terminated | after.truncated
     states = jax.tree.map(lambda r, a: np.where(ended.reshape((-1,) + (1,) * (a.ndim - 1)), r, a), root, after)
     paths = [[] if ended[e] else paths[e] + [int(actions[e])] for e in range(count)]
-  return track.result()

@@ -5,7 +5,8 @@ It loads a policy directory (`agents.checkpoint`: `network.json` and `params/`, 
 shipped with the package (`DEFAULT_CHECKPOINT`, trained by `automap-rl train --preset
 small`). With `search` it runs `agents.gumbel.search` with the network's prior and value;
 without, it follows the network's most likely action from the replicated plan until it
-stops (one simulation per step; as for every agent, the best plan on the path is kept).
+stops (one simulation per step; as for every agent, the best plan on the path is kept);
+with search, it follows that path first and searches with the rest of the budget.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from agents import checkpoint, gumbel
-from agents.base import Budget, Progress, SearchResult, env_config, searcher, start
+from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
 from agents.gumbel import GumbelConfig
 from agents.network import Embeddings, Network, state_features
 from automap_rl.problem import Problem
@@ -35,7 +36,12 @@ class LearnedConfig:
 
   Attributes:
     checkpoint: a policy directory or a training run directory; None: the shipped one.
-    search: guide Gumbel MuZero with the network (True) or follow its policy greedily (False).
+    search: guide Gumbel MuZero with the network (True) or only follow its policy greedily
+      (False).
+    greedy_first: with `search`, first follow the policy greedily (one simulation per
+      step; the path's plans are candidates), then search with what is left of the
+      budget: at small budgets a search plays only a few moves of an episode, while the
+      policy's path reaches a whole plan.
     action_space: the environment's action space (the one the network was trained on).
     max_decisions: the environment's capacity in class decisions.
     num_simulations: simulations per Gumbel search (one search per step of an episode).
@@ -45,6 +51,7 @@ class LearnedConfig:
 
   checkpoint: str | None = None
   search: bool = True
+  greedy_first: bool = True
   action_space: str = "groups"
   max_decisions: int = 256
   num_simulations: int = 16
@@ -85,14 +92,13 @@ def _greedy_step(network: Network, env_config: EnvConfig, params: chex.ArrayTree
   return action, core.step(env_config, tables, state, action)
 
 
-def greedy(problem: Problem, network: Network, params: chex.ArrayTree, config: LearnedConfig = LearnedConfig(),
-           budget: Budget | int | float = 1000, progress: Progress | None = None) -> SearchResult:
-  """Follows the network's policy from the replicated plan until it stops, the episode
-  ends or the budget is spent; returns the best plan on the path."""
-  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress)
+def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, search_: Searcher,
+           track: Tracker) -> None:
+  """Follows the network's most likely action from the replicated plan until it stops, the
+  episode ends or `track`'s budget is spent (one simulation per step), offering each plan
+  on the path to `track`."""
   env = search_.env
   state = search_.root
-  embeddings = gumbel.encode(network, params, env.tables, state)
   actions: list[int] = []
   while not track.done and not (bool(state.terminated) or bool(state.truncated)):
     action, state = jax.device_get(_greedy_step(network, env.config, params, embeddings, env.tables, state))
@@ -101,19 +107,21 @@ def greedy(problem: Problem, network: Network, params: chex.ArrayTree, config: L
     actions.append(int(action))
     track.offer(float(state.objective), float(state.step_time), actions)
     track.count(1)
-  return track.result()
 
 
 def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int = 0,
            budget: Budget | int | float = 1000, progress: Progress | None = None) -> SearchResult:
   """The learned agent (see the module docstring). Deterministic for a given seed and a
   simulations budget."""
-  search_ = searcher(problem, env_config(problem, config.action_space, config.max_decisions))
+  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress)
   network, params = load_policy(config.checkpoint, search_.env.tables, search_.root)
-  if not config.search:
-    return greedy(problem, network, params, config, budget, progress)
-  search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
-                               num_simulations=config.num_simulations,
-                               max_num_considered_actions=config.max_num_considered_actions,
-                               gumbel_scale=config.gumbel_scale, network=network.config)
-  return gumbel.search(problem, search_config, seed, budget, progress, params=params)
+  embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
+  if not config.search or config.greedy_first:
+    follow(network, params, embeddings, search_, track)
+  if config.search:
+    search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
+                                 num_simulations=config.num_simulations,
+                                 max_num_considered_actions=config.max_num_considered_actions,
+                                 gumbel_scale=config.gumbel_scale, network=network.config)
+    gumbel.play(search_, track, search_config, seed, params, embeddings)
+  return track.result()

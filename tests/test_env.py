@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -7,7 +7,6 @@ import equinox as eqx
 import flax.linen as nn
 import haiku as hk
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 

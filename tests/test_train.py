@@ -172,6 +172,8 @@ def test_learned_agent_partitions_a_workload(smoke_run):
   greedy = partition(w.step, *w.args, **{**kwargs, "config": dataclasses.replace(config, search=False)})
   # Greedy: one simulation per step along the network's argmax path, the best plan on it kept.
   assert greedy.search.simulations <= 24 and len(greedy.search.action_ids) <= greedy.search.simulations
+  # With search, the greedy path is followed first (greedy_first): its plans are candidates.
+  assert plan.search.objective <= greedy.search.objective + 1e-6
 
 
 @pytest.mark.slow
