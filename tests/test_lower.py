@@ -151,6 +151,7 @@ def test_typed_prng_keys_integer_and_boolean_state_lower_and_check_numerics():
   lowered = lower(problem, [Decision(ArgDim("x", 0), "data"), Decision(ArgDim("params", 1), "model")],
                   _keyed_step, args, isolated=False)
   assert check_numerics(_keyed_step, args, lowered).note == "float64"  # Keys are never cast.
+  assert lowered.differences == ()  # A key's trailing key-data dim in HLO is not the plan's.
   _, state, _ = lowered.run(args)
   assert int(state["count"]) == 4 and state["key"].dtype == args[1]["key"].dtype
   assert args[1]["key"].dtype == jax.random.key(0).dtype  # The arguments are untouched.
