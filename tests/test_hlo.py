@@ -337,6 +337,40 @@ def test_parse_instruction_drops_index_comments():
   assert inst.opcode == "tuple"
 
 
+_SLICED_STACK = """HloModule m
+
+%fused (p0: f32[24,8,4], p1: s32[], p2: f32[24,8,4]) -> (f32[4,8], f32[8,4]) {
+  %p0 = f32[24,8,4]{2,1,0} parameter(0)
+  %t = f32[24,4,8]{2,1,0} transpose(%p0), dimensions={0,2,1}
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,4,8]{2,1,0} dynamic-slice(%t, %p1, %z, %z), dynamic_slice_sizes={1,4,8}
+  %b = f32[4,8]{1,0} bitcast(%ds)
+  %p2 = f32[24,8,4]{2,1,0} parameter(2)
+  %n = f32[24,8,4]{2,1,0} negate(%p2)
+  %s = f32[1,8,4]{2,1,0} slice(%n), slice={[3:4], [0:8], [0:4]}
+  %c = f32[8,4]{1,0} bitcast(%s)
+  ROOT %r = (f32[4,8]{1,0}, f32[8,4]{1,0}) tuple(%b, %c)
+}
+
+ENTRY %main (a: f32[24,8,4], i: s32[], w: f32[24,8,4]) -> (f32[4,8], f32[8,4]) {
+  %a = f32[24,8,4]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %w = f32[24,8,4]{2,1,0} parameter(2)
+  ROOT %f = (f32[4,8]{1,0}, f32[8,4]{1,0}) fusion(%a, %i, %w), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_a_fusion_counts_the_slices_it_reads_of_a_transposed_or_computed_operand():
+  """A loop body's fusion slicing one layer out of a stacked buffer through a transpose
+  (or elementwise ops) reads that layer, as `HloCostAnalysis` counts it, not the stack."""
+  module = hlo.parse_module(_SLICED_STACK)
+  fusion = module.bodies["main"][-1]
+  layer = 8 * 4 * 4
+  assert hlo.instruction_bytes(fusion, module.types, module.bodies) == 2 * layer + 4 + 2 * layer
+
+
 def test_loop_iterations_are_counted(mesh):
   """A scanned layer stack holds each instruction once; its flops equal those of the
   unrolled twin, and its collectives run once per layer: per-step bytes grow linearly

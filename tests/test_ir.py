@@ -170,6 +170,9 @@ def test_scan_body_is_inlined_once_with_trip_count_and_tied_carries():
   program = ir.trace(fn, jnp.ones((8, 16)), jnp.ones((5, 16, 16)))
   dots = [op for op in program.ops if op.primitive == "dot_general"]
   assert len(dots) == 1 and dots[0].repeat == 5
+  # Body ops have origins through the scan's equation (eqn 0), as `lower` interprets it;
+  # the IR's own scan_* ops have none.
+  assert {op.primitive: op.origin for op in program.ops if op.origin} == {"dot_general": (0, 0), "tanh": (0, 1)}
   assert len(program.ties) == 1
   named = ir.analyze(program)
   x_in, ws = program.inputs

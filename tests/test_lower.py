@@ -151,6 +151,7 @@ def test_typed_prng_keys_integer_and_boolean_state_lower_and_check_numerics():
   lowered = lower(problem, [Decision(ArgDim("x", 0), "data"), Decision(ArgDim("params", 1), "model")],
                   _keyed_step, args, isolated=False)
   assert check_numerics(_keyed_step, args, lowered).note == "float64"  # Keys are never cast.
+  assert lowered.differences == ()  # A key's trailing key-data dim in HLO is not the plan's.
   _, state, _ = lowered.run(args)
   assert int(state["count"]) == 4 and state["key"].dtype == args[1]["key"].dtype
   assert args[1]["key"].dtype == jax.random.key(0).dtype  # The arguments are untouched.
@@ -272,6 +273,40 @@ def test_intermediates_follow_the_plan():
   assert (kind, axes, nbytes) == ("all-reduce", ("model",), 8 * 8 * 4)
   assert lowered.differences == ()
   check_numerics(f, args, lowered)
+
+
+def _scanned(x, w1, w2):
+  """Two matmuls per trip of a `jax.lax.scan` over stacked weights."""
+  def layer(h, ws):
+    a, b = ws
+    return jnp.tanh(h @ a) @ b, None
+
+  return jax.lax.scan(layer, x, (w1, w2))[0]
+
+
+def test_a_scan_body_follows_the_plan():
+  """The batch on `data` wins the body's dots, so the plan gathers each trip's weights
+  (stored sharded on `data`) in the loop: two all-gathers per trip, as the simulator
+  prices them. With the body bound whole XLA chose for itself and split the dots over
+  `model`, an axis the plan leaves idle. The realized check sees the in-body values."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  args = (jax.random.normal(keys[0], (16, 32)), jax.random.normal(keys[1], (3, 32, 64)) / 6,
+          jax.random.normal(keys[2], (3, 64, 32)) / 8)
+  program = ir.trace(_scanned, *args, arg_names=("x", "w1", "w2"))
+  problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
+  decisions = [Decision(ArgDim("x", 0), "data"), Decision(ArgDim("w1", 1), "data")]
+  lowered = lower(problem, decisions, _scanned, args, isolated=False)
+  layer = 32 * 64 * 4  # One trip's f32 weight matrix.
+  assert [(c.kind, c.mesh_axes, c.bytes, c.repeat) for c in lowered.stats.collectives] == [
+      ("all-gather", ("data",), layer, 3)] * 2
+  assert float(problem.cost(decisions).comm_bytes.sum()) == 2 * 3 * layer
+  assert lowered.differences == ()
+  check_numerics(_scanned, args, lowered)
+  _, text = compile_with_shardings(lowered.jitted.lower(*args))
+  tanh = next(op for op in program.ops if op.primitive == "tanh").results[0]
+  wrong = sharding_differences(text, {}, {tanh: Expected(tanh, "tanh", ((), ("data",)))}, [], ("data", "model"),
+                               (2, 4))
+  assert [(d.expected, d.actual) for d in wrong] == [("P(None, 'data')", "P('data', None)")]
 
 
 def test_sharding_differences_report_what_xla_decided_against_a_wrong_expectation():

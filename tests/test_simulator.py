@@ -33,6 +33,16 @@ def test_contracting_dim_sharded_costs_one_all_reduce_of_the_output():
   assert cost.compute_time < replicated.compute_time
 
 
+@pytest.mark.parametrize("kind", ["all-gather", "collective-permute"])
+def test_collective_seconds_are_linear_in_buffers_of_gibibytes(kind):
+  """Compiled collectives of 2 GiB and more (a stacked scan buffer) are priced, not overflowed."""
+  program = ir.trace(lambda x, w: x @ w, jnp.ones((64, 128)), jnp.ones((128, 32)))
+  tables = Problem.build(program, make_mesh("data=2,model=4", "h100")).tables
+  small, large = (simulator.collective_seconds(tables, kind, n, 1) for n in (2**30, 3 * 2**30))
+  assert large > small > 0
+  assert large - small == pytest.approx(2 * (small - simulator.collective_seconds(tables, kind, 0, 1)))
+
+
 def test_data_parallel_mlp_all_reduces_exactly_the_gradient_bytes():
   problem = zoo_problem("mlp", "data=8")
   workload = workloads.make_workload("mlp", abstract=True)

@@ -3,14 +3,17 @@
 Call-like primitives (`jit`, `closed_call`, `checkpoint`/`remat2`, `custom_jvp_call`,
 `custom_vjp_call`) are inlined. Control flow is kept compact rather than unrolled:
 
-* `scan`: the body is inlined once and its ops carry `repeat = length`. Each stacked
-  input gets a `scan_slice` op (the stacked dim needs replication, the rest passes
-  through), each stacked output a `scan_stack` op, and each carry a `scan_carry` op in
-  and out, with the carry's value in the body *tied* to its value out of the body, so
-  the two share named dimensions. A 48-layer `nn.scan` transformer therefore has the
-  size of one layer, and the simulator multiplies the body's costs by the trip count:
-  exactly what XLA's while loop does, where unrolling would not be.
-* `while`: the same, with `repeat = 1` since the trip count is not static in general.
+* `scan`: the body is inlined once and its ops carry `repeat = length` and, like the ops
+  of an inlined call, origins through the scan's equation (`automap_rl.xla.lower`
+  constrains them inside the loop body). Each stacked input gets a `scan_slice` op (the
+  stacked dim needs replication, the rest passes through), each stacked output a
+  `scan_stack` op, and each carry a `scan_carry` op in and out, with the carry's value in
+  the body *tied* to its value out of the body, so the two share named dimensions. A
+  48-layer `nn.scan` transformer therefore has the size of one layer, and the simulator
+  multiplies the body's costs by the trip count: exactly what XLA's while loop does,
+  where unrolling would not be.
+* `while`: the same, with `repeat = 1` since the trip count is not static in general,
+  and no origin (the lowering binds `while` whole).
 * `cond`: every branch is inlined (costs are an upper bound) and a `cond_merge` op
   joins the branch results, passing every dim through.
 """
@@ -90,14 +93,14 @@ class _Builder:
   # -- the walk ---------------------------------------------------------------------------
 
   def walk(self, jaxpr, env: dict, repeat: int, scope: str, prefix: tuple[int, ...] = ()) -> None:
-    """Adds the ops of `jaxpr`; `prefix` is its origin, None inside loop and branch bodies."""
+    """Adds the ops of `jaxpr`; `prefix` is its origin, None inside `while` and `cond` bodies."""
     for index, eqn in enumerate(jaxpr.eqns):
       name = eqn.primitive.name
       origin = None if prefix is None else (*prefix, index)
       if name in CALL_PRIMITIVES:
         self.inline_call(eqn, env, repeat, scope, origin)
       elif name == "scan":
-        self.inline_scan(eqn, env, repeat, scope)
+        self.inline_scan(eqn, env, repeat, scope, origin)
       elif name == "while":
         self.inline_while(eqn, env, repeat, scope)
       elif name == "cond":
@@ -162,7 +165,7 @@ class _Builder:
     self.ties.extend(zip(body_in, body_out))
     return [self.identity("scan_carry", v, var.aval, repeat, scope) for v, var in zip(body_out, outvars)]
 
-  def inline_scan(self, eqn, env: dict, repeat: int, scope: str) -> None:
+  def inline_scan(self, eqn, env: dict, repeat: int, scope: str, origin) -> None:
     params = eqn.params
     body = params["jaxpr"]
     length, num_consts, num_carry = params["length"], params["num_consts"], params["num_carry"]
@@ -177,7 +180,7 @@ class _Builder:
       sliced = self.new_value(var.aval)
       self.add_rule_op("scan_slice", [x], [sliced], inner_repeat, inner_scope)
       slices.append(sliced)
-    outs = self.inline(body, [*consts, *carries, *slices], inner_repeat, inner_scope)
+    outs = self.inline(body, [*consts, *carries, *slices], inner_repeat, inner_scope, origin)
     finals = self.carry_out(carries, outs[:num_carry], eqn.outvars[:num_carry], repeat, scope)
     stacked = []
     for y, var in zip(outs[num_carry:], eqn.outvars[num_carry:]):

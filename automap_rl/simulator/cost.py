@@ -106,13 +106,14 @@ def collective_seconds(t: CostTables, kind: str, buffer_bytes: float, axes: int)
   axes of bit mask `axes`, moving a group-level buffer of `buffer_bytes` per device (the
   `automap_rl.xla.hlo` convention), in the model `_collective` charges plans; a
   collective-permute is one hop of the whole buffer at the slowest link of its axes. For
-  costing what XLA compiled with the simulator's own alpha-beta model."""
+  costing what XLA compiled with the simulator's own alpha-beta model, in Python floats
+  (a buffer of 2 GiB or more would overflow a jax int32)."""
   if kind == "collective-permute":
-    return float(buffer_bytes * t.mask_seconds_per_byte[axes] + t.mask_latency[axes]) if axes else 0.0
+    return float(buffer_bytes) * float(t.mask_seconds_per_byte[axes]) + float(t.mask_latency[axes]) if axes else 0.0
   if kind not in KINDS:
     raise ValueError(f"Unknown collective kind {kind!r}; expected one of {KINDS} or 'collective-permute'.")
   per_byte, fixed, _ = _collective(t, kind == "all-reduce", jnp.asarray(axes), jnp.asarray(0))
-  return float(buffer_bytes * per_byte + fixed)
+  return float(buffer_bytes) * float(per_byte) + float(fixed)
 
 
 class EdgeTerms(NamedTuple):

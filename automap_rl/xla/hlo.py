@@ -407,23 +407,48 @@ _FREE_OPCODES = frozenset({
 })
 
 
+def _read_fraction(inst: Instruction, operand: int, types: Mapping[str, str]) -> float:
+  """The fraction of operand `operand` that `inst` reads: what a (dynamic-)slice keeps
+  of its sliced operand, else all of it."""
+  if inst.opcode not in ("slice", "dynamic-slice") or operand != 0:
+    return 1.0
+  elements = lambda type_text: math.prod(parse_shapes(type_text)[0][1])
+  return elements(inst.type) / max(elements(types[inst.operands[0]]), 1)
+
+
+def _parameter_utilization(body: Sequence[Instruction], types: Mapping[str, str]) -> dict[str, float]:
+  """The fraction of each parameter of a fused computation that it reads, propagated
+  from the root as `HloCostAnalysis` does: a (dynamic-)slice reads the fraction of its
+  operand that it keeps, any other instruction as much of its operands as is used of it
+  (so a slice of a transposed, copied or elementwise-computed parameter reads only its
+  share), users add up, at most 1."""
+  used = {body[-1].name: 1.0}
+  for inst in reversed(body):
+    if inst.opcode in ("parameter", "constant"):
+      continue
+    share = used.get(inst.name, 0.0)
+    for i, name in enumerate(inst.operands):
+      used[name] = min(1.0, used.get(name, 0.0) + share * _read_fraction(inst, i, types))
+  return {i.name: used.get(i.name, 0.0) for i in body if i.opcode == "parameter"}
+
+
 def instruction_bytes(inst: Instruction, types: Mapping[str, str],
                       bodies: Mapping[str, Sequence[Instruction]]) -> float:
   """Bytes an unfused instruction reads and writes, as `HloCostAnalysis` counts a
   fusion from its boundary: its operands and its result, except that a fusion operand
-  read only through (dynamic-)slices counts the slices, and a fusion whose root
-  updates a parameter in place (`dynamic-update-slice`) counts the update twice
-  instead of the whole buffer in and out."""
+  counts only the fraction its computation reads (`_parameter_utilization`: a slice of
+  it, even through a transpose or elementwise ops), and a fusion whose root updates a
+  parameter in place (`dynamic-update-slice`) counts the update twice instead of the
+  whole buffer in and out."""
   if inst.opcode in _FREE_OPCODES:
     return 0.0
   operand_bytes = [shape_bytes(types[name]) if name in types else 0 for name in inst.operands]
   result_bytes = shape_bytes(inst.type)
   body = next((bodies.get(callee, ()) for callee, _ in _calls(inst)), ()) if inst.opcode == "fusion" else ()
   params = {i.name: int(i.operands[0]) for i in body if i.opcode == "parameter" and i.operands}
-  for name, index in params.items():
-    users = [i for i in body if name in i.operands]
-    if users and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == name for u in users):
-      operand_bytes[index] = sum(shape_bytes(u.type) for u in users)
+  if body:
+    for name, used in _parameter_utilization(body, types).items():
+      operand_bytes[params[name]] *= used
   root = body[-1] if body else None
   if root is not None and root.opcode == "dynamic-update-slice" and root.operands[0] in params:
     update = 2 * shape_bytes(types[root.operands[1]])

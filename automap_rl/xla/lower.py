@@ -1,10 +1,13 @@
 """Lowering a plan to XLA: `jax.jit` with in/out shardings and sharding constraints.
 
 `lower(problem, decisions, fn, args)` re-interprets the closed jaxpr of `fn` the way
-`automap_rl.ir.trace` walks it: call-like primitives are inlined, so each equation's
-index path through them is the `Op.origin` of the program op it became; loops and
-`cond` are bound whole (their bodies have no origin). After every equation that is a
-program op, each array result gets `jax.lax.with_sharding_constraint` to the
+`automap_rl.ir.trace` walks it: call-like primitives are inlined and a `scan` is bound
+with its body interpreted the same way (a new closed jaxpr of the same signature), so
+each equation's index path through calls and scans is the `Op.origin` of the program op
+it became, and the ops of a loop body are constrained per iteration like any other.
+`while` and `cond` are bound whole (their bodies have no origin), so XLA's sharding
+propagation partitions them as it chooses. After every equation that is a program op,
+each array result gets `jax.lax.with_sharding_constraint` to the
 `PartitionSpec` the plan resolves for it, replicated ones included: every dim names its
 axes or `None` (replicated), never `PartitionSpec.UNCONSTRAINED`, so XLA's sharding
 propagation cannot spread an op over a mesh axis the plan leaves idle. Convolutions and
@@ -107,13 +110,22 @@ def _call_body(eqn) -> Any:
   return next(eqn.params[k] for k in _CALL_JAXPR_PARAMS if k in eqn.params)
 
 
+def _bind(eqn, invals: Sequence[Any], **replaced: Any) -> list[Any]:
+  """`eqn`'s primitive applied to `invals`, with its params but `replaced`."""
+  params = eqn.primitive.get_bind_params({**eqn.params, **replaced})
+  with eqn.ctx.manager:
+    outs = eqn.primitive.bind(*invals, **params)
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
 def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...], list[Any]], list[Any]],
               before: Callable[[tuple[int, ...], list[Any]], list[Any]] = lambda origin, operands: operands
               ) -> Callable[..., list[Any]]:
   """A function evaluating `closed` equation by equation, calling `before(origin, operands)`
   on each equation's array (non-literal) operands and `constrain(origin, results)` on its
-  results, for every equation outside loop and branch bodies (calls are inlined, so origins
-  are index paths through them, as in `automap_rl.ir.trace`)."""
+  results, for every equation outside `while` and `cond` bodies (calls are inlined and a
+  `scan` is bound with its body interpreted the same way, so origins are index paths
+  through calls and scans, as in `automap_rl.ir.trace`)."""
 
   def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...]):
     env: dict = {}
@@ -126,19 +138,24 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
       if eqn.primitive.name in CALL_PRIMITIVES:
         body = _call_body(eqn)
         outs = walk(getattr(body, "jaxpr", body), getattr(body, "consts", ()), invals, origin)
+      elif eqn.primitive.name == "scan":
+        outs = _bind(eqn, invals, jaxpr=scan_body(eqn.params["jaxpr"], origin))
       else:
         arrays = [i for i, v in enumerate(eqn.invars) if not isinstance(v, jax_core.Literal)]
         for i, x in zip(arrays, before(origin, [invals[i] for i in arrays])):
           invals[i] = x
-        params = eqn.primitive.get_bind_params(eqn.params)
-        with eqn.ctx.manager:
-          outs = eqn.primitive.bind(*invals, **params)
-        outs = list(outs) if eqn.primitive.multiple_results else [outs]
-        outs = constrain(origin, outs)
+        outs = constrain(origin, _bind(eqn, invals))
       for var, val in zip(eqn.outvars, outs):
         if not isinstance(var, jax_core.DropVar):
           env[var] = val
     return [read(v) for v in jaxpr.outvars]
+
+  def scan_body(body: jax_core.ClosedJaxpr, prefix: tuple[int, ...]) -> jax_core.ClosedJaxpr:
+    """A scan's body, interpreted with origins under `prefix` (the scan's): the same
+    inputs and outputs, so the scan's other params stay valid (constants the trace hoists
+    stay in the closed jaxpr, which `scan` accepts)."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in body.in_avals]
+    return jax.make_jaxpr(lambda *args: walk(body.jaxpr, body.consts, args, prefix))(*avals)
 
   return lambda *args: walk(closed.jaxpr, closed.consts, args, ())
 

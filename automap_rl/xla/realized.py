@@ -11,10 +11,13 @@ the partitioner (the `*before_spmd-partitioning.txt` HLO dump) and compares:
 * each sharding constraint's operand, the instruction computing the op's result, with
   the plan's sharding of that result: where they differ, XLA computes the op sharded
   otherwise and reshards into the constraint, which the plan (and the simulator) did not
-  write;
+  write. Inside a `scan`'s while loop body a result has its per-iteration shape, as its
+  program value does;
 * each element of the entry's root with the plan's sharding of that output.
 
-Shardings compare as mesh axes per dimension (`hlo.sharding_spec`), size-1 axes left out.
+Shardings compare as mesh axes per dimension of the plan's value (`hlo.sharding_spec`),
+size-1 axes left out; the trailing key-data dim that a PRNG key array has in HLO is not
+compared.
 """
 
 from __future__ import annotations
@@ -124,21 +127,20 @@ def sharding_differences(hlo_text: str, arguments: Mapping[str, Expected], const
     axis_names, axis_sizes: the mesh; device i is row-major mesh position i.
 
   Returns:
-    The differences in module text order (arguments, results, then outputs). Values
-    absent from the module (XLA removed them as dead) are not compared.
+    The differences in module text order (arguments, results, then outputs), each once: a
+    value constrained at several instructions (the copies of an unrolled `scan` body) is
+    reported once per sharding XLA gave it. Values absent from the module (XLA removed
+    them as dead) are not compared.
   """
   differences = []
-  types, shardings = {}, {}
+  shardings = {}
   entry, root = False, None
 
-  def compare(expected: Expected, rank: int, actual: str | None) -> None:
-    spec = None if actual is None else hlo.sharding_spec(actual, rank, axis_names, axis_sizes)
+  def compare(expected: Expected, actual: str | None) -> None:
+    spec = None if actual is None else hlo.sharding_spec(actual, len(expected.spec), axis_names, axis_sizes)
     if spec != expected.spec:
       shown = "unannotated" if actual is None else format_spec(spec) if spec is not None else actual
       differences.append(ShardingDifference(expected.value, expected.where, format_spec(expected.spec), shown))
-
-  def rank(type_text: str) -> int:
-    return len(hlo.parse_shapes(type_text)[0][1])
 
   for line in hlo_text.splitlines():
     if line.startswith("ENTRY"):
@@ -146,21 +148,19 @@ def sharding_differences(hlo_text: str, arguments: Mapping[str, Expected], const
     inst = hlo.parse_instruction(line)
     if inst is None:
       continue
-    types[inst.name] = inst.type
     shardings[inst.name] = hlo.sharding_attr(inst.attrs)
     op_name = _op_name(inst.attrs)
     if entry and inst.opcode == "parameter" and op_name in arguments:
-      compare(arguments[op_name], rank(inst.type), shardings[inst.name])
+      compare(arguments[op_name], shardings[inst.name])
     match = _CONSTRAINT_RE.search(op_name)
     if match and inst.opcode in _CONSTRAINT_OPCODES and int(match.group(1)) in constrained:
-      producer = inst.operands[0]
-      compare(constrained[int(match.group(1))], rank(types[producer]), shardings[producer])
+      compare(constrained[int(match.group(1))], shardings[inst.operands[0]])
     if entry and line.lstrip().startswith("ROOT"):
       root = inst
   if root is not None and outputs:
     is_tuple, whole = root.opcode == "tuple", shardings[root.name]
     elements = root.operands if is_tuple else (root.name,)
     parts = hlo.split_tuple_sharding(whole) if is_tuple and whole is not None else (whole,) * len(elements)
-    for expected, element, part in zip(outputs, elements, parts):
-      compare(expected, rank(types[element]), part)
-  return tuple(differences)
+    for expected, part in zip(outputs, parts):
+      compare(expected, part)
+  return tuple(dict.fromkeys(differences))
