@@ -10,10 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from automap_rl import ir, workloads
-from automap_rl.ir import FactorKind
-from automap_rl.ir.flops import fusion_copies, memory_bytes
 from automap_rl.ir import FactorKind, rules
-from automap_rl.ir.flops import fusion_copies
+from automap_rl.ir.flops import fusion_copies, memory_bytes
 from experiments.inspect_cmd import summarize
 
 ZOO = ("mlp", "gpt", "gpt:scan=true", "moe", "gnn", "resnet", "unet")
