@@ -196,11 +196,11 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     found = search(problem, config)
     decisions, label = found.decisions, config.agent
   search_seconds = time.perf_counter() - start
-  plan = Plan(fn, tuple(args), problem, decisions, agent=label, search=found)
-  result = cost_dict(plan.cost)
-  result["decisions"] = [str(d) for d in decisions]
-  with phase("costing the expert plans", _clocks(config)):
+  with phase("costing the plan and the expert plans", _clocks(config)):
+    plan = Plan(fn, tuple(args), problem, decisions, agent=label, search=found)
+    result = cost_dict(plan.cost)
     result["baselines"] = baselines(problem)
+  result["decisions"] = [str(d) for d in decisions]
   result["agent"] = config.agent
   result["search_seconds"] = search_seconds
   result["trace"] = [] if found is None else found.trace_dicts()
