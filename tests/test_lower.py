@@ -397,3 +397,21 @@ def test_a_reduce_scatter_costs_the_all_reduce_xla_on_cpu_runs():
   gpu = Problem.build(program, make_mesh("data=2,model=4", "h100"))
   assert float(gpu.cost(decisions).comm_time) == pytest.approx(
       simulator.collective_seconds(gpu.tables, "reduce-scatter", compiled.bytes, 0b10), rel=1e-6)
+
+
+def test_a_linear_combination_of_partial_sums_reduces_the_buffers_its_sources_made():
+  """`x @ w1 + x @ w2` contracted on `model`, the sum stored on `data` and `model` (a
+  sequence-parallel layer's query, key and value input gradients): XLA reduces the two
+  partial sums as the dots made them, [32, 32] each on `data`, in one collective; the
+  sum's own sharding over `model` as well does not divide their bytes."""
+  fn, args = (lambda x, w1, w2: x @ w1 + x @ w2), (jnp.ones((64, 128)), jnp.ones((128, 32)), jnp.ones((128, 32)))
+  problem = Problem.build(ir.trace(fn, *args), make_mesh("data=2,model=4", "cpu"))
+  decisions = [Decision(ArgDim("arg0", 0), "data"), Decision(ArgDim("arg0", 1), "model"),
+               Decision(ArgDim("arg0", 0), "model")]
+  lowered = lower(problem, decisions, fn, args, isolated=False)
+  assert lowered.differences == ()
+  (compiled,) = lowered.stats.collectives
+  assert (compiled.kind, compiled.mesh_axes, compiled.bytes) == ("all-reduce", ("model",), 2 * 32 * 32 * 4)
+  cost = problem.cost(decisions)
+  assert (cost.comm_bytes.tolist(), cost.comm_count.tolist()) == ([0, 0, compiled.bytes, 0], [0, 0, 1, 0])
+  assert float(cost.comm_time) == pytest.approx(implied_cost(problem, lowered.stats)["comm_time"], rel=1e-6)

@@ -7,8 +7,8 @@ the op's shard count. Per edge (an op using or making a value):
   the op shards on another dim: all-to-all; sharded where stored replicated: a free slice.
 * result with sharded reduction factors: a partial sum, reduce-scattered over the axes its
   stored sharding uses, all-reduced over the rest (a linear combination of partial sums
-  reduces all their buffers in one collective, as XLA's combiner does); computed sharded
-  on axes it is not stored on: all-gather.
+  reduces all their buffers in one collective, as XLA's combiner does, each as its source
+  computed it); computed sharded on axes it is not stored on: all-gather.
 
 XLA's combiners merge independent reductions of one kind over the same axes (the
 gradients of data parallelism) into few collectives, up to the hardware profile's
@@ -17,14 +17,15 @@ gradients of data parallelism) into few collectives, up to the hardware profile'
 
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
 slowest link bounds the bandwidth); a reduce-scatter costs an all-reduce on a backend that
-runs it as one (`Hardware.reduce_scatter`: XLA on CPU all-reduces and keeps its shard). Bytes follow `automap_rl.xla.hlo`'s convention: the
-larger, group-level buffer per device. Peak memory is the largest live-bytes row of the
-program (see `tables._live_bytes`) with every value divided by its shard count, plus the
-gathered copies of operands (once per value and sharding, as XLA reuses them), all taken
-to be live at the peak, as FSDP's gathered parameters live from the forward to the
-backward pass. (Full-size partial sums before a reduce-scatter are not added: on the
-validation suite that over-estimates FSDP plans.) It is compared with XLA's
-`memory_analysis()` figure `argument + output + temp - alias`.
+runs it as one (`Hardware.reduce_scatter`: XLA on CPU all-reduces and keeps its shard).
+Bytes follow `automap_rl.xla.hlo`'s convention: the larger, group-level buffer per device.
+Peak memory is the largest live-bytes row of the program (see `tables._live_bytes`) with
+every value divided by its shard count, plus the gathered copies of operands (once per
+value and sharding, as XLA reuses them), all taken to be live at the peak, as FSDP's
+gathered parameters live from the forward to the backward pass. (Full-size partial sums
+before a reduce-scatter are not added: on the validation suite that over-estimates FSDP
+plans.) It is compared with XLA's `memory_analysis()` figure `argument + output + temp -
+alias`.
 """
 
 from __future__ import annotations
@@ -275,6 +276,10 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
 
   r_stored, r_required, r_reduced = (x[t.reduction_edge] for x in (stored_all, required_all, reduced))  # [R, B]
   scatter_axes = r_reduced & r_stored
+  # The partial sums are sharded as their op computes less the axes they are pending over:
+  # a linear combination of partial sums may compute on those too, but XLA reduces the
+  # buffers its sources made.
+  partial_axes = r_required & ~r_reduced
   # A reduction may carry several partial sums' buffers in one collective.
   r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]][:, None] * t.reduction_partial_sums[:, None]
   return CostTerms(
@@ -282,9 +287,9 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
       op_compute_s=jnp.maximum(t.op_compute_s, t.op_memory_s)[:, None] / op_shards,
       gather=gather,
       all_to_all=to_all,
-      reduce_scatter=_edge_terms(t, t.scatter_rounds, scatter_axes, r_required, r_nbytes, t.reduction_weight,
+      reduce_scatter=_edge_terms(t, t.scatter_rounds, scatter_axes, partial_axes, r_nbytes, t.reduction_weight,
                                  (t.reduction_combines, t.combine_bytes[1])),
-      all_reduce=_edge_terms(t, 2.0, r_reduced & ~r_stored, r_required | scatter_axes, r_nbytes,
+      all_reduce=_edge_terms(t, 2.0, r_reduced & ~r_stored, partial_axes | scatter_axes, r_nbytes,
                              t.reduction_weight, (t.reduction_combines, t.combine_bytes[0])),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), t.edge_buffers[:, None], 0.0) * gather.buffer,
       value_shards=value_shards,
