@@ -62,6 +62,9 @@ class Hardware:
     combine_threshold: Collective kind -> the most bytes XLA's combiner for that
       kind merges into one collective (`inf`: no limit); kinds without a
       combiner on this backend are absent.
+    reduce_scatter: Whether XLA runs a reduce-scatter as one collective on this
+      backend; where not, it runs an all-reduce and keeps its shard (a dynamic
+      slice), which moves an all-reduce's bytes.
   """
 
   name: str
@@ -72,6 +75,7 @@ class Hardware:
   inter_node: Link
   devices_per_node: int
   combine_threshold: Mapping[str, float]
+  reduce_scatter: bool = True
 
 
 _GB = 1e9
@@ -243,6 +247,10 @@ HARDWARE: Mapping[str, Hardware] = {
         # kCombineCount = 256): no byte limit. It writes a reduce-scatter as an
         # all-reduce and a dynamic slice, so reduce-scatters combine with it too.
         combine_threshold={"all-reduce": float("inf"), "reduce-scatter": float("inf")},
+        # The SPMD partitioner writes a reduce-scatter as an all-reduce and a
+        # dynamic slice; only the GPU pipeline turns that back into one
+        # (ReduceScatterCreator, xla/service/gpu/transforms/).
+        reduce_scatter=False,
     ),
 }
 

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from automap_rl import ir, workloads, tactics
+from automap_rl import ir, simulator, tactics, workloads
 from automap_rl.mesh import make_mesh, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
 from automap_rl.xla.lower import (NumericsError, check_numerics, compare_leaf, compare_outputs, lower,
                                   program_depth, reference_outputs)
+from automap_rl.xla.fullsize import implied_cost
 from automap_rl.xla.hlo import summarize
 from automap_rl.xla.isolated import CompileAborted, check_compiles
 from automap_rl.xla.realized import Expected, compile_with_shardings, sharding_differences
@@ -375,3 +376,42 @@ def test_flops_match_cost_analysis_on_the_mlp_and_gpt():
     stats = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False).stats
     resolution = problem.resolve(*problem.encode(decisions))
     assert simulated_flops(problem, resolution) == pytest.approx(stats.flops, rel=0.02)
+
+
+def test_a_reduce_scatter_costs_the_all_reduce_xla_on_cpu_runs():
+  """A matmul sharded on its contraction whose result is stored sharded over the same axis
+  is a reduce-scatter. XLA on CPU runs it as an all-reduce that each device slices its
+  shard of: the cpu profile prices it as that all-reduce (two ring passes), a GPU profile
+  as one reduce-scatter (one pass, half the bandwidth time)."""
+  fn, args = (lambda x, w: x @ w), (jnp.ones((64, 128)), jnp.ones((128, 32)))
+  program = ir.trace(fn, *args)
+  decisions = [Decision(ArgDim("arg0", 1), "model"), Decision(ArgDim("arg0", 0), "model")]
+  cpu = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
+  lowered = lower(cpu, decisions, fn, args, isolated=False)
+  assert lowered.differences == ()
+  (compiled,) = lowered.stats.collectives
+  assert (compiled.kind, compiled.mesh_axes, compiled.bytes) == ("all-reduce", ("model",), 64 * 32 * 4)
+  cost = cpu.cost(decisions)
+  assert cost.comm_bytes.tolist() == [0, 0, compiled.bytes, 0]
+  assert float(cost.comm_time) == pytest.approx(implied_cost(cpu, lowered.stats)["comm_time"], rel=1e-6)
+  gpu = Problem.build(program, make_mesh("data=2,model=4", "h100"))
+  assert float(gpu.cost(decisions).comm_time) == pytest.approx(
+      simulator.collective_seconds(gpu.tables, "reduce-scatter", compiled.bytes, 0b10), rel=1e-6)
+
+
+def test_a_linear_combination_of_partial_sums_reduces_the_buffers_its_sources_made():
+  """`x @ w1 + x @ w2` contracted on `model`, the sum stored on `data` and `model` (a
+  sequence-parallel layer's query, key and value input gradients): XLA reduces the two
+  partial sums as the dots made them, [32, 32] each on `data`, in one collective; the
+  sum's own sharding over `model` as well does not divide their bytes."""
+  fn, args = (lambda x, w1, w2: x @ w1 + x @ w2), (jnp.ones((64, 128)), jnp.ones((128, 32)), jnp.ones((128, 32)))
+  problem = Problem.build(ir.trace(fn, *args), make_mesh("data=2,model=4", "cpu"))
+  decisions = [Decision(ArgDim("arg0", 0), "data"), Decision(ArgDim("arg0", 1), "model"),
+               Decision(ArgDim("arg0", 0), "model")]
+  lowered = lower(problem, decisions, fn, args, isolated=False)
+  assert lowered.differences == ()
+  (compiled,) = lowered.stats.collectives
+  assert (compiled.kind, compiled.mesh_axes, compiled.bytes) == ("all-reduce", ("model",), 2 * 32 * 32 * 4)
+  cost = problem.cost(decisions)
+  assert (cost.comm_bytes.tolist(), cost.comm_count.tolist()) == ([0, 0, compiled.bytes, 0], [0, 0, 1, 0])
+  assert float(cost.comm_time) == pytest.approx(implied_cost(problem, lowered.stats)["comm_time"], rel=1e-6)

@@ -7,8 +7,8 @@ the op's shard count. Per edge (an op using or making a value):
   the op shards on another dim: all-to-all; sharded where stored replicated: a free slice.
 * result with sharded reduction factors: a partial sum, reduce-scattered over the axes its
   stored sharding uses, all-reduced over the rest (a linear combination of partial sums
-  reduces all their buffers in one collective, as XLA's combiner does); computed sharded
-  on axes it is not stored on: all-gather.
+  reduces all their buffers in one collective, as XLA's combiner does, each as its source
+  computed it); computed sharded on axes it is not stored on: all-gather.
 
 XLA's combiners merge independent reductions of one kind over the same axes (the
 gradients of data parallelism) into few collectives, up to the hardware profile's
@@ -16,14 +16,16 @@ gradients of data parallelism) into few collectives, up to the hardware profile'
 (`_combined_count`), bandwidth per byte as before.
 
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
-slowest link bounds the bandwidth). Bytes follow `automap_rl.xla.hlo`'s convention: the
-larger, group-level buffer per device. Peak memory is the largest live-bytes row of the
-program (see `tables._live_bytes`) with every value divided by its shard count, plus the
-gathered copies of operands (once per value and sharding, as XLA reuses them), all taken
-to be live at the peak, as FSDP's gathered parameters live from the forward to the
-backward pass. (Full-size partial sums before a reduce-scatter are not added: on the
-validation suite that over-estimates FSDP plans.) It is compared with XLA's
-`memory_analysis()` figure `argument + output + temp - alias`.
+slowest link bounds the bandwidth); a reduce-scatter costs an all-reduce on a backend that
+runs it as one (`Hardware.reduce_scatter`: XLA on CPU all-reduces and keeps its shard).
+Bytes follow `automap_rl.xla.hlo`'s convention: the larger, group-level buffer per device.
+Peak memory is the largest live-bytes row of the program (see `tables._live_bytes`) with
+every value divided by its shard count, plus the gathered copies of operands (once per
+value and sharding, as XLA reuses them), all taken to be live at the peak, as FSDP's
+gathered parameters live from the forward to the backward pass. (Full-size partial sums
+before a reduce-scatter are not added: on the validation suite that over-estimates FSDP
+plans.) It is compared with XLA's `memory_analysis()` figure `argument + output + temp -
+alias`.
 """
 
 from __future__ import annotations
@@ -82,17 +84,17 @@ def _group_size(t: CostTables, on: list[jax.Array]) -> jax.Array:
   return n
 
 
-def _collective(t: CostTables, all_reduce: bool, axes: jax.Array,
+def _collective(t: CostTables, rounds: float | jax.Array, axes: jax.Array,
                 divisor: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Cost terms of ring collectives over the axes of bit masks `axes` [...] moving
   `nbytes / group(divisor)` bytes per device: each takes `nbytes * per_byte + fixed`
-  seconds and moves `nbytes * fraction` bytes, in `(n - 1)` hops (twice that for an
-  all-reduce) of `1/n` of the buffer at the slowest link's rate plus its latency per hop.
+  seconds and moves `nbytes * fraction` bytes, in `rounds` passes (2 for an all-reduce,
+  1 for an all-gather, `CostTables.scatter_rounds` for a reduce-scatter) of `(n - 1)`
+  hops of `1/n` of the buffer at the slowest link's rate plus its latency per hop.
   Three look-ups in per-mask tables [2**X]: the per-edge terms run inside the edge
   reduction, a loop XLA on CPU does not vectorise, where a look-up is one load and the
   same terms as products and maxima over the axes cost a dozen selects and two divisions
   (twice the time). Returns `(per_byte, fixed, fraction)`, each [...]."""
-  rounds = 2.0 if all_reduce else 1.0
   n = jnp.asarray(t.mask_group)
   per_byte = rounds * (1.0 - 1.0 / n) * jnp.asarray(t.mask_seconds_per_byte)
   fixed = rounds * (n - 1.0) * jnp.asarray(t.mask_latency)
@@ -112,7 +114,7 @@ def collective_seconds(t: CostTables, kind: str, buffer_bytes: float, axes: int)
     return float(buffer_bytes) * float(t.mask_seconds_per_byte[axes]) + float(t.mask_latency[axes]) if axes else 0.0
   if kind not in KINDS:
     raise ValueError(f"Unknown collective kind {kind!r}; expected one of {KINDS} or 'collective-permute'.")
-  per_byte, fixed, _ = _collective(t, kind == "all-reduce", jnp.asarray(axes), jnp.asarray(0))
+  per_byte, fixed, _ = _collective(t, 2.0 if kind == "all-reduce" else 1.0, jnp.asarray(axes), jnp.asarray(0))
   return float(buffer_bytes) * float(per_byte) + float(fixed)
 
 
@@ -167,14 +169,14 @@ def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.
   return jnp.where(member, jnp.where(in_loop, shares[1], shares[0]), runs)
 
 
-def _edge_terms(t: CostTables, all_reduce: bool, axes: jax.Array, divisor: jax.Array, nbytes: jax.Array,
+def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divisor: jax.Array, nbytes: jax.Array,
                 weight: jax.Array, combine: tuple[jax.Array, jax.Array] | None = None) -> EdgeTerms:
   """The terms of one collective kind over the axes `axes` [N, B] of edges moving values
   of `nbytes` [N, 1], run `weight` [N] times a step (see `_collective`): bandwidth per
   byte moved, latency per collective. With `combine = (combines [N], threshold)`, the
   collectives of the combining edges are merged as XLA's combiner does
   (`_combined_count`), so latency is charged per combined collective."""
-  per_byte, fixed, fraction = _collective(t, all_reduce, axes, divisor)
+  per_byte, fixed, fraction = _collective(t, rounds, axes, divisor)
   runs = jnp.where(axes != 0, weight[:, None], 0.0)
   moved = runs * nbytes * fraction
   count = runs if combine is None else _combined_count(t, axes, moved, runs, *combine)
@@ -267,13 +269,17 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
   # reduce) can reduce-scatter or all-reduce: those run over them alone.
   nbytes = t.value_bytes[t.edge_value][:, None]
   gather_axes = jnp.where(operand, gather_in, required_all & ~stored_all)
-  gather = _edge_terms(t, False, gather_axes, jnp.where(operand, stored_all & ~gather_in, stored_all),
+  gather = _edge_terms(t, 1.0, gather_axes, jnp.where(operand, stored_all & ~gather_in, stored_all),
                        nbytes, t.edge_weight)
-  to_all = _edge_terms(t, False, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced),
+  to_all = _edge_terms(t, 1.0, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced),
                        stored_all, nbytes, t.edge_weight)
 
   r_stored, r_required, r_reduced = (x[t.reduction_edge] for x in (stored_all, required_all, reduced))  # [R, B]
   scatter_axes = r_reduced & r_stored
+  # The partial sums are sharded as their op computes less the axes they are pending over:
+  # a linear combination of partial sums may compute on those too, but XLA reduces the
+  # buffers its sources made.
+  partial_axes = r_required & ~r_reduced
   # A reduction may carry several partial sums' buffers in one collective.
   r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]][:, None] * t.reduction_partial_sums[:, None]
   return CostTerms(
@@ -281,9 +287,9 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
       op_compute_s=jnp.maximum(t.op_compute_s, t.op_memory_s)[:, None] / op_shards,
       gather=gather,
       all_to_all=to_all,
-      reduce_scatter=_edge_terms(t, False, scatter_axes, r_required, r_nbytes, t.reduction_weight,
+      reduce_scatter=_edge_terms(t, t.scatter_rounds, scatter_axes, partial_axes, r_nbytes, t.reduction_weight,
                                  (t.reduction_combines, t.combine_bytes[1])),
-      all_reduce=_edge_terms(t, True, r_reduced & ~r_stored, r_required | scatter_axes, r_nbytes,
+      all_reduce=_edge_terms(t, 2.0, r_reduced & ~r_stored, partial_axes | scatter_axes, r_nbytes,
                              t.reduction_weight, (t.reduction_combines, t.combine_bytes[0])),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), t.edge_buffers[:, None], 0.0) * gather.buffer,
       value_shards=value_shards,

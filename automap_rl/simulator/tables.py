@@ -93,6 +93,8 @@ class CostTables:
       loss), outside branches (with the loop if some run in one and some outside).
     combine_bytes: the most bytes one combined all-reduce and one combined reduce-scatter
       carry (`Hardware.combine_threshold`; 0: the backend does not combine), [2].
+    scatter_rounds: ring passes of a reduce-scatter: 1, or 2 (an all-reduce's) on a
+      backend that runs it as an all-reduce and a slice (`Hardware.reduce_scatter`).
     edge_buffers: how many distinct buffers the edge's resharding materialises (its ops,
       not times their repeat counts; operand reads shared as in `edge_weight`), [E]: the
       simulator adds gathered operands to the peak memory.
@@ -122,6 +124,7 @@ class CostTables:
   reduction_partial_sums: np.ndarray
   reduction_combines: np.ndarray
   combine_bytes: np.ndarray
+  scatter_rounds: float
   live_bytes: np.ndarray
   mask_group: np.ndarray
   mask_seconds_per_byte: np.ndarray
@@ -369,6 +372,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       reduction_combines=terminal[edge_op[reduction_edge]],
       combine_bytes=np.array([hw.combine_threshold.get(k, 0.0) for k in ("all-reduce", "reduce-scatter")],
                              np.float32),
+      scatter_rounds=1.0 if hw.reduce_scatter else 2.0,
       live_bytes=_live_bytes(program, sigs),
       mask_group=group,
       mask_seconds_per_byte=seconds_per_byte,

@@ -15,8 +15,9 @@ an upper bound of the per-kernel roofline the simulator charges per op).
 
 Two adjustments make the simulator and the CPU compile describe the same program: the
 cases compile in float32 (the CPU backend carries bfloat16 collectives in float32, which
-would double every compiled byte), and the simulator uses the CPU backend's combiner
-(`HARDWARE["cpu"].combine_threshold`) with the case hardware's links and peaks.
+would double every compiled byte), and the simulator uses the CPU backend's collectives
+(`HARDWARE["cpu"]`: its combiner, and reduce-scatters run as all-reduces) with the case
+hardware's links and peaks.
 """
 
 from __future__ import annotations
@@ -101,8 +102,11 @@ def validation_case(name: str) -> workloads.Case:
 
 
 def validation_mesh(case: workloads.Case) -> Mesh:
-  """The case's mesh and hardware, with the CPU backend's collective combiner."""
-  hardware = dataclasses.replace(HARDWARE[case.hardware], combine_threshold=HARDWARE["cpu"].combine_threshold)
+  """The case's mesh and hardware, with the CPU backend's collective combiner and
+  reduce-scatter (an all-reduce)."""
+  cpu = HARDWARE["cpu"]
+  hardware = dataclasses.replace(HARDWARE[case.hardware], combine_threshold=cpu.combine_threshold,
+                                 reduce_scatter=cpu.reduce_scatter)
   return make_mesh(case.mesh, hardware)
 
 
