@@ -17,8 +17,8 @@ from automap_rl.xla.lower import (NumericsError, check_numerics, compare_leaf, c
                                   program_depth, reference_outputs)
 from automap_rl.xla.fullsize import implied_cost
 from automap_rl.xla.hlo import summarize
-from automap_rl.xla.isolated import CompileAborted, check_compiles
-from automap_rl.xla.realized import Expected, compile_with_shardings, sharding_differences
+from automap_rl.xla.isolated import CompileAborted, compile_directly
+from automap_rl.xla.realized import Expected, partitioner_input, sharding_differences
 
 MLP = "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16"
 GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
@@ -240,7 +240,7 @@ def test_an_xla_abort_kills_only_the_child_compile():
 
   stage = jax.jit(f, in_shardings=(channels, channels)).lower(jnp.ones((3, 3, 8, 16)), jnp.ones((8, 8, 8, 16)))
   with pytest.raises(CompileAborted, match=r"^convolution_handler\.cc:\d+: Check failed") as error:
-    check_compiles(stage, mesh.devices)
+    compile_directly(stage, mesh.devices)
   assert error.value.where.startswith("convolution_handler.cc:")
 
 
@@ -303,7 +303,7 @@ def test_a_scan_body_follows_the_plan():
   assert float(problem.cost(decisions).comm_bytes.sum()) == 2 * 3 * layer
   assert lowered.differences == ()
   check_numerics(_scanned, args, lowered)
-  _, text = compile_with_shardings(lowered.jitted.lower(*args))
+  text = partitioner_input(lowered.jitted.lower(*args), lowered.mesh.devices)
   tanh = next(op for op in program.ops if op.primitive == "tanh").results[0]
   wrong = sharding_differences(text, {}, {tanh: Expected(tanh, "tanh", ((), ("data",)))}, [], ("data", "model"),
                                (2, 4))
@@ -321,7 +321,7 @@ def test_sharding_differences_report_what_xla_decided_against_a_wrong_expectatio
   program = ir.trace(f, *args, arg_names=("x", "w1", "w2"))
   problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
   lowered = lower(problem, [Decision(ArgDim("w1", 1), "model")], f, args, isolated=False)
-  _, text = compile_with_shardings(lowered.jitted.lower(*args))
+  text = partitioner_input(lowered.jitted.lower(*args), lowered.mesh.devices)
   w1 = program.inputs[1]
   product = next(op for op in program.ops if op.primitive == "dot_general").results[0]
   right = {"call_args[1]": Expected(w1, "argument w1", ((), ("model",)))}

@@ -2,7 +2,7 @@
 
 XLA's SPMD partitioner checks its invariants with `CHECK`s: a sharding it cannot partition
 (a grouped convolution split across a group, for one) aborts the whole process (SIGABRT),
-and with it the user's session. `check_compiles` compiles the module of a
+and with it the user's session. `compile_directly` compiles the module of a
 `jax.stages.Lowered` (its StableHLO text, which carries the plan's shardings) in a fresh
 Python process with the same platform, device count and partitioner, through
 `jax.extend.backend`. A compile that dies there raises `CompileAborted` with XLA's own
@@ -11,6 +11,7 @@ message; one that succeeds means the caller's compile of the same module will to
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import signal
@@ -21,23 +22,34 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["CompileAborted", "check_compiles"]
+__all__ = ["CompileAborted", "backend_compile", "compile_directly"]
 
-# The child: reads the module from stdin, compiles it with SPMD partitioning over the
-# devices named on the command line (in mesh order), exits 0; an XLA CHECK aborts it.
-_CHILD = """
+def backend_compile(text: str, platform: str, shardy: bool, ids: list[int], dump_to: str = "") -> None:
+  """Compiles the StableHLO `text` with SPMD partitioning over the devices `ids` (in mesh
+  order) through the backend itself (`jax.extend.backend`, not jax's persistent
+  compilation cache, whose hits run no pass); with `dump_to`, XLA writes the module
+  entering its SPMD partitioner there. Self-contained: the child process runs its source."""
+  import jax
+  import jax.extend.backend as backend
+  import numpy as np
+
+  by_id = {d.id: d for d in jax.devices(platform)}
+  options = backend.get_compile_options(num_replicas=1, num_partitions=len(ids),
+                                        device_assignment=np.array(ids).reshape(1, len(ids)))
+  build = options.executable_build_options
+  build.use_spmd_partitioning = True
+  build.use_shardy_partitioner = shardy
+  if dump_to:
+    build.debug_options.xla_dump_to = dump_to
+    build.debug_options.xla_dump_hlo_pass_re = "spmd-partitioning"
+  backend.get_backend(platform).compile_and_load(text, [by_id[i] for i in ids], options)
+
+
+# The child: reads the module from stdin and compiles it (`backend_compile`), exits 0; an
+# XLA CHECK aborts it.
+_CHILD = inspect.getsource(backend_compile) + """
 import sys
-import jax
-import jax.extend.backend as backend
-import numpy as np
-platform, shardy, ids = sys.argv[1], sys.argv[2] == "1", [int(i) for i in sys.argv[3:]]
-text = sys.stdin.read()
-by_id = {d.id: d for d in jax.devices(platform)}
-options = backend.get_compile_options(num_replicas=1, num_partitions=len(ids),
-                                      device_assignment=np.array(ids).reshape(1, len(ids)))
-options.executable_build_options.use_spmd_partitioning = True
-options.executable_build_options.use_shardy_partitioner = shardy
-backend.get_backend(platform).compile_and_load(text, [by_id[i] for i in ids], options)
+backend_compile(sys.stdin.read(), sys.argv[1], sys.argv[2] == "1", [int(i) for i in sys.argv[4:]], sys.argv[3])
 """
 
 # glog's fatal line: `F1123 13:56:07.484964   20148 convolution_handler.cc:984] Check failed: ...`.
@@ -68,20 +80,27 @@ def _child_env(num_devices: int, platform: str) -> dict[str, str]:
   return env
 
 
-def check_compiles(stage: Any, devices: np.ndarray, timeout_s: float = 600.0) -> None:
-  """Compiles `stage` (a `jax.stages.Lowered`) in a child process over `devices` (the
-  mesh's devices, in mesh order); raises `CompileAborted` if XLA aborts the child (a
-  fatal check or a signal) or it times out. A compile that raises an ordinary error there
-  is left to the caller's compile to raise.
+def compile_directly(stage: Any, devices: np.ndarray, isolated: bool = True, dump_to: str = "",
+                     timeout_s: float = 600.0) -> None:
+  """Compiles `stage` (a `jax.stages.Lowered`) over `devices` (the mesh's devices, in mesh
+  order) with `backend_compile`: in a child process when `isolated`, raising
+  `CompileAborted` if XLA aborts the child (a fatal check or a signal) or it times out (a
+  compile that raises an ordinary error there is left to the caller's own compile to
+  raise); in this process otherwise (XLA's errors raise here). `dump_to`: see
+  `backend_compile`.
 
-  Costs a Python start and an import of jax (about two seconds) plus one compile.
+  Isolated, it costs a Python start and an import of jax (about two seconds) plus one compile.
   """
   flat = list(np.asarray(devices).flat)
   platform = flat[0].platform
-  shardy = "1" if jax.config.jax_use_shardy_partitioner else "0"
-  command = [sys.executable, "-c", _CHILD, platform, shardy, *(str(d.id) for d in flat)]
+  shardy = bool(jax.config.jax_use_shardy_partitioner)
+  ids = [d.id for d in flat]
+  if not isolated:
+    backend_compile(stage.as_text(debug_info=True), platform, shardy, ids, dump_to)
+    return
+  command = [sys.executable, "-c", _CHILD, platform, "1" if shardy else "0", dump_to, *map(str, ids)]
   try:
-    done = subprocess.run(command, input=stage.as_text(), capture_output=True, text=True, timeout=timeout_s,
+    done = subprocess.run(command, input=stage.as_text(debug_info=True), capture_output=True, text=True, timeout=timeout_s,
                           env=_child_env(len(flat), platform))
   except subprocess.TimeoutExpired:
     raise CompileAborted("", f"the compile did not finish in {timeout_s:.0f}s") from None

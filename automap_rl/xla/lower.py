@@ -49,8 +49,8 @@ from automap_rl.mesh import to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.xla.hlo import CompiledStats, inspect_compiled
-from automap_rl.xla.isolated import CompileAborted, check_compiles
-from automap_rl.xla.realized import (Expected, ShardingDifference, compile_with_shardings, normalize, scope_name,
+from automap_rl.xla.isolated import CompileAborted
+from automap_rl.xla.realized import (Expected, ShardingDifference, normalize, partitioner_input, scope_name,
                                      sharding_differences)
 
 __all__ = ["Lowered", "LoweringError", "NumericsError", "Reference", "check_numerics", "compare_outputs", "lower",
@@ -275,9 +275,10 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
     args: example arguments (arrays or `jax.ShapeDtypeStruct`s), positional pytrees.
     jax_mesh: the mesh to run on; default `to_jax_mesh(problem.mesh)`.
     donate_argnums: positional arguments whose buffers the compiled program may reuse.
-    isolated: first compile the module in a child process (`isolated.check_compiles`,
+    isolated: first compile the module in a child process (`isolated.compile_directly`,
       a couple of seconds more), so that an XLA abort raises `LoweringError` here instead
-      of killing this process.
+      of killing this process. Either way the module is compiled once through the backend
+      itself for the sharding check (`realized.partitioner_input`), then by `jax.jit`.
 
   Returns:
     The compiled plan, its statistics and its differences from the plan.
@@ -323,9 +324,8 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
                    donate_argnums=tuple(donate_argnums))
   stage = jitted.lower(*args)
   try:
-    if isolated:
-      check_compiles(stage, mesh.devices)
-    compiled, partitioned = compile_with_shardings(stage)
+    partitioned = partitioner_input(stage, mesh.devices, isolated)
+    compiled = stage.compile()
   except CompileAborted as e:
     raise _lowering_error(problem, decisions, f"aborted: {e}") from None
   except jax.errors.JaxRuntimeError as e:

@@ -30,11 +30,13 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from automap_rl.xla import hlo
+from automap_rl.xla.isolated import compile_directly
 
-__all__ = ["Expected", "ShardingDifference", "compile_with_shardings", "format_spec", "normalize", "scope_name",
+__all__ = ["Expected", "ShardingDifference", "partitioner_input", "format_spec", "normalize", "scope_name",
            "sharding_differences"]
 
 _SCOPE = "automap_value_"
@@ -95,18 +97,20 @@ def format_spec(spec: hlo.Spec) -> str:
   return f"P({', '.join(entry(axes) for axes in spec)})"
 
 
-def compile_with_shardings(stage: Any) -> tuple[Any, str | None]:
-  """Compiles a `jax.stages.Lowered` and returns `(compiled, hlo)`: `hlo` is the text of
-  the module entering the SPMD partitioner (XLA's `xla_dump_to` dump of the pass, in a
-  temporary directory), every instruction annotated with the sharding propagation
-  chose; None when the partitioner did not run (a single device)."""
+def partitioner_input(stage: Any, devices: np.ndarray, isolated: bool = False) -> str | None:
+  """The text of the module `stage` (a `jax.stages.Lowered`) becomes on entering XLA's SPMD
+  partitioner, every instruction annotated with the sharding propagation chose: XLA's
+  `xla_dump_to` dump of the pass from a compile through the backend itself
+  (`isolated.compile_directly`, in a child process when `isolated`), since a hit of jax's
+  persistent compilation cache runs no pass and dumps nothing. None when the partitioner
+  did not run (a single device)."""
   with tempfile.TemporaryDirectory(prefix="automap_hlo_") as dump:
-    compiled = stage.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    compile_directly(stage, devices, isolated=isolated, dump_to=dump)
     paths = sorted(glob.glob(os.path.join(dump, "*before_spmd-partitioning.txt")))
     if not paths:
-      return compiled, None
+      return None
     with open(paths[-1]) as f:
-      return compiled, f.read()
+      return f.read()
 
 
 def _op_name(attrs: str) -> str:
