@@ -69,12 +69,11 @@ class Problem:
   def _terms_jit(self):
     return jax.jit(lambda dec_class, dec_axis: simulator.terms(self.tables, self.resolve(dec_class, dec_axis)))
 
-  def encode_padded(self, decisions: Sequence[sharding.Decision], at_least: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """`encode` padded to a power of two (at least 16, and at least `at_least`) entries,
-    so that jitted calls on plans of any length compile once per bucket, not once per
-    length."""
-    length = max(len(self.encode(decisions)[0]), at_least)
-    return self.encode(decisions, max(16, 1 << max(length - 1, 0).bit_length()))
+  def encode_padded(self, decisions: Sequence[sharding.Decision]) -> tuple[np.ndarray, np.ndarray]:
+    """`encode` padded to a power of two (at least 16) entries, so that jitted calls on
+    plans of any length compile once per bucket, not once per length."""
+    encoded = self.encode(decisions)
+    return _padded(encoded, _bucket(len(encoded[0])))
 
   def cost(self, decisions: Sequence[sharding.Decision]) -> simulator.Cost:
     """The cost of a decision list (jitted)."""
@@ -85,9 +84,10 @@ class Problem:
     the longest one's bucket, so a set of plans (the expert tactics) compiles once."""
     if not plans:
       return []
-    longest = max(len(self.encode(p)[0]) for p in plans)
-    encoded = [self.encode_padded(p, longest) for p in plans]
-    batch = jax.device_get(self._evaluate_many_jit(np.stack([c for c, _ in encoded]), np.stack([a for _, a in encoded])))
+    encoded = [self.encode(p) for p in plans]
+    length = _bucket(max(len(classes) for classes, _ in encoded))
+    classes, axes = zip(*(_padded(e, length) for e in encoded))
+    batch = jax.device_get(self._evaluate_many_jit(np.stack(classes), np.stack(axes)))
     return [jax.tree.map(lambda x, i=i: x[i], batch) for i in range(len(plans))]
 
   def cost_terms(self, decisions: Sequence[sharding.Decision]) -> simulator.CostTerms:
@@ -110,3 +110,13 @@ class Problem:
     ops = [sharding.op_partition_specs(self.program.ops[o], self.sigs, resolution, dec_class, dec_axis, self.mesh)
            for o in op_ids]
     return values, ops
+
+
+def _bucket(length: int) -> int:
+  """The padded length of `length` class decisions: a power of two, at least 16."""
+  return max(16, 1 << max(length - 1, 0).bit_length())
+
+
+def _padded(encoded: tuple[np.ndarray, np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray]:
+  """Encoded decisions `(classes, axes)` padded with -1 to `length` entries."""
+  return tuple(np.pad(x, (0, length - len(x)), constant_values=-1) for x in encoded)
