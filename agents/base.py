@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from automap_rl import sharding, simulator
+from automap_rl import simulator
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from envs import Env, EnvConfig, State
@@ -177,9 +177,6 @@ class Searcher:
     self.root: State = jax.device_get(jax.jit(env.init)(jax.random.key(0)))
     self._children = jax.jit(jax.vmap(env.step, in_axes=(None, 0)))
     self.chunk = min(bucket(env.num_actions - 1), 32)
-    cost_tables = env.tables.cost
-    self._cost = jax.jit(lambda value_mask, op_mask: simulator.simulate(cost_tables, sharding.Resolution(
-        value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32))))
     self._rollouts: dict[tuple[int, float], Callable] = {}
 
   @property
@@ -218,12 +215,8 @@ class Searcher:
     return out
 
   def cost(self, actions: Sequence[int]) -> simulator.Cost:
-    """The simulator's cost of the plan an action sequence reaches (equal to
-    `problem.cost(self.decisions(actions))`, without its compile per plan length)."""
-    state = self.root
-    for a in actions:
-      state = row(self.children(state, [int(a)]), 0)
-    return jax.device_get(self._cost(state.value_mask, state.op_mask))
+    """The simulator's cost of the plan an action sequence reaches."""
+    return self.problem.cost(self.decisions(actions))
 
   def legal(self, state: State) -> np.ndarray:
     """Legal actions of a host state, stop excluded, int32."""

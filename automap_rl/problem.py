@@ -54,8 +54,11 @@ class Problem:
     return simulator.simulate(self.tables, self.resolve(dec_class, dec_axis))
 
   @functools.cached_property
-  def evaluate_jit(self):
-    return jax.jit(self.evaluate)
+  def plan_length(self) -> int:
+    """The length encoded plans are padded to (a longer plan: the power of two above it):
+    the power of two at or above the classes times the mesh axes (each class decided once
+    on each axis), so that the jitted resolution and cost compile once per problem."""
+    return _bucket(len(self.named.classes) * len(self.mesh.axis_sizes), 16)
 
   @functools.cached_property
   def _evaluate_many_jit(self):
@@ -70,30 +73,36 @@ class Problem:
     return jax.jit(lambda dec_class, dec_axis: simulator.terms(self.tables, self.resolve(dec_class, dec_axis)))
 
   def encode_padded(self, decisions: Sequence[sharding.Decision]) -> tuple[np.ndarray, np.ndarray]:
-    """`encode` padded to a power of two (at least 16) entries, so that jitted calls on
-    plans of any length compile once per bucket, not once per length."""
+    """`encode` padded with -1 to `plan_length` entries (or the power of two above a longer plan)."""
     encoded = self.encode(decisions)
-    return _padded(encoded, _bucket(len(encoded[0])))
+    return _padded(encoded, _bucket(len(encoded[0]), self.plan_length))
 
   def cost(self, decisions: Sequence[sharding.Decision]) -> simulator.Cost:
-    """The cost of a decision list (jitted)."""
-    return jax.device_get(self.evaluate_jit(*self.encode_padded(decisions)))
+    """The cost of a decision list (jitted; see `costs`)."""
+    return self.costs([decisions])[0]
 
   def costs(self, plans: Sequence[Sequence[sharding.Decision]]) -> list[simulator.Cost]:
     """The cost of each of several decision lists, in one vmapped call: all are padded to
-    the longest one's bucket, so a set of plans (the expert tactics) compiles once."""
+    one length (`encode_padded`) and the batch to a power of two (at least 8), so that the
+    replicated plan, a searched plan and the expert tactics share one compile."""
     if not plans:
       return []
     encoded = [self.encode(p) for p in plans]
-    length = _bucket(max(len(classes) for classes, _ in encoded))
-    classes, axes = zip(*(_padded(e, length) for e in encoded))
-    batch = jax.device_get(self._evaluate_many_jit(np.stack(classes), np.stack(axes)))
+    length = _bucket(max(len(classes) for classes, _ in encoded), self.plan_length)
+    rows = [_padded(e, length) for e in encoded]
+    rows += [rows[0]] * (_bucket(len(rows), 8) - len(rows))
+    classes, axes = (np.stack(column) for column in zip(*rows))
+    batch = jax.device_get(self._evaluate_many_jit(classes, axes))
     return [jax.tree.map(lambda x, i=i: x[i], batch) for i in range(len(plans))]
 
   def cost_terms(self, decisions: Sequence[sharding.Decision]) -> simulator.CostTerms:
     """The named per-op and per-edge terms of a decision list's cost (see
     `simulator.CostTerms`); `simulator.total(self.tables, terms)` is `self.cost(decisions)`."""
     return jax.device_get(self._terms_jit(*self.encode_padded(decisions)))
+
+  def resolution(self, decisions: Sequence[sharding.Decision]) -> sharding.Resolution:
+    """The resolved plan of a decision list (host arrays; jitted)."""
+    return jax.device_get(self._resolve_jit(*self.encode_padded(decisions)))
 
   def partition_specs(self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int]):
     """`PartitionSpec`s of the given values under `decisions`."""
@@ -112,9 +121,9 @@ class Problem:
     return values, ops
 
 
-def _bucket(length: int) -> int:
-  """The padded length of `length` class decisions: a power of two, at least 16."""
-  return max(16, 1 << max(length - 1, 0).bit_length())
+def _bucket(size: int, smallest: int) -> int:
+  """The power of two at or above `size`, at least `smallest`."""
+  return max(smallest, 1 << max(size - 1, 0).bit_length())
 
 
 def _padded(encoded: tuple[np.ndarray, np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -115,8 +115,14 @@ def _replicated(tables: EnvTables) -> tuple[jax.Array, ...]:
 
 def _figures(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array],
              needed: jax.Array) -> tuple[jax.Array, ...]:
-  """`_evaluate` where `needed`, else the replicated plan's figures: under `vmap` only the
-  rows that need it are simulated (see `batching.only_where`)."""
+  """`_evaluate` where `needed`, else the replicated plan's figures.
+
+  Terminal rewards: under `vmap` only the rows that need it are simulated (see
+  `batching.only_where`). Shaped rewards: every row but a stop needs it, so every row is
+  simulated and the figures selected; the compiled step then holds one copy of the
+  simulator, where `only_where`'s branches (one per capacity) hold five."""
+  if config.reward == "shaped":
+    return tuple(jnp.where(needed, new, old) for new, old in zip(_evaluate(config, tables, masks), _replicated(tables)))
   return batching.only_where(functools.partial(_evaluate, config), _replicated)(tables, masks, needed)
 
 

@@ -254,7 +254,7 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
     value = np.asarray(getattr(tables, field.name))
     dims = cost_dims(field.name, value.ndim)
     cost[field.name] = _tile_masks(value, num_axes, x) if dims == ("B",) else value
-  base_cost = jax.device_get(problem.evaluate_jit(np.full(1, -1, np.int32), np.full(1, -1, np.int32)))
+  base_cost = problem.cost([])
   base = np.array([base_cost.step_time, base_cost.peak_memory, 0.0], np.float32)
   base[2] = raw_objective(config, base_cost, base, tables.hbm_bytes)
   cover, target_features = _coverage(problem, targets)

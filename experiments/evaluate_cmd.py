@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+import jax
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
@@ -102,13 +103,13 @@ def methods(config: EvaluateConfig) -> dict[str, Method]:
   return out
 
 
-def problems(config: EvaluateConfig) -> list[tuple[str, str, Problem]]:
-  """(name, family, problem) of every case evaluated."""
+def problems(config: EvaluateConfig) -> list[tuple[str, str, Callable[[], Problem]]]:
+  """(name, family, a function that builds the problem) of every case evaluated."""
   if config.workload is not None:
     name, _, _, program = load(config.workload)
-    return [(name, name.partition(":")[0], Problem.build(program, make_mesh(config.mesh, config.hardware)))]
+    return [(name, name.partition(":")[0], lambda: Problem.build(program, make_mesh(config.mesh, config.hardware)))]
   cases = pick_cases(load_cases(config.split), config.max_cases)
-  return [(c.name, c.family, selfplay.case_problem(c)) for c in cases]
+  return [(c.name, c.family, lambda c=c: selfplay.case_problem(c)) for c in cases]
 
 
 def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Method]) -> dict[str, Any]:
@@ -178,16 +179,23 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
   run_methods = methods(config)
   chosen = problems(config)
   bar = tqdm(chosen, desc="evaluate", unit="case", disable=not config.progress, dynamic_ncols=True)
-  cases = []
-  for name, family, problem in bar:
+  cases: list[dict[str, Any]] = []
+  document = lambda: {"checkpoint": checkpoint, "split": config.split, "config": dataclasses.asdict(config),
+                      "cases": cases, "summary": summarize(cases)}
+  for name, family, build in bar:
     bar.set_postfix_str(name)
-    cases.append(evaluate_case(name, family, problem, run_methods))
+    cases.append(evaluate_case(name, family, build(), run_methods))
+    if not config.progress:
+      print(f"{len(cases)}/{len(chosen)} {name}: " + ", ".join(
+          f"{m} {r['ratio']:.3f}" for m, r in cases[-1]["methods"].items()), flush=True)
+    write_json(config.json, document())  # The cases so far: a long run that dies keeps them.
+    # Each case compiles its own environment: free its searchers and executables.
+    searcher.cache_clear()
+    jax.clear_caches()
   bar.close()
   summary = summarize(cases)
   Console(width=None if sys.stdout.isatty() else 200).print(table(cases, summary))
-  document = {"checkpoint": checkpoint, "split": config.split,
-              "config": dataclasses.asdict(config), "cases": cases, "summary": summary}
-  write_json(config.json, document)
+  write_json(config.json, document())
   if config.plot:
     plot(cases, summary, config.plot)
   return document

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from automap_rl.compile_options import quick_compile_options
 from automap_rl.workloads import (gnn, gpt, llama, mlp, moe, resnet, ssm, t5,
                                   training, unet, vit, wide_resnet)
 
@@ -175,8 +176,9 @@ def make_workload(spec: str, seed: int = 0, abstract: bool = False) -> training.
     return built[0].args
 
   # One compile for the whole build (initializers, data, optimizer state)
-  # instead of one per eager op.
-  args = jax.eval_shape(build) if abstract else jax.jit(build)()
+  # instead of one per eager op; it runs once.
+  quick = quick_compile_options(jax.devices()[0].platform)
+  args = jax.eval_shape(build) if abstract else jax.jit(build, compiler_options=quick)()
   fields = ("params", "opt_state", "batch") if len(args) == 3 else (
       "params", "opt_state", "model_state", "batch")
   return dataclasses.replace(built[0], **dict(zip(fields, args)))

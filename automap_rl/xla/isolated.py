@@ -12,6 +12,7 @@ message; one that succeeds means the caller's compile of the same module will to
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import signal
@@ -22,13 +23,18 @@ from typing import Any
 import jax
 import numpy as np
 
+from automap_rl.compile_options import quick_compile_options
+
 __all__ = ["CompileAborted", "backend_compile", "compile_directly"]
 
-def backend_compile(text: str, platform: str, shardy: bool, ids: list[int], dump_to: str = "") -> None:
+
+def backend_compile(text: str, platform: str, shardy: bool, ids: list[int], dump_to: str = "",
+                    debug_options: dict[str, Any] | None = None) -> None:
   """Compiles the StableHLO `text` with SPMD partitioning over the devices `ids` (in mesh
   order) through the backend itself (`jax.extend.backend`, not jax's persistent
-  compilation cache, whose hits run no pass); with `dump_to`, XLA writes the module
-  entering its SPMD partitioner there. Self-contained: the child process runs its source."""
+  compilation cache, whose hits run no pass), with the XLA `debug_options`; with
+  `dump_to`, XLA writes the module entering its SPMD partitioner there. Self-contained:
+  the child process runs its source."""
   import jax
   import jax.extend.backend as backend
   import numpy as np
@@ -39,17 +45,20 @@ def backend_compile(text: str, platform: str, shardy: bool, ids: list[int], dump
   build = options.executable_build_options
   build.use_spmd_partitioning = True
   build.use_shardy_partitioner = shardy
+  for name, value in (debug_options or {}).items():
+    setattr(build.debug_options, name, value)
   if dump_to:
     build.debug_options.xla_dump_to = dump_to
     build.debug_options.xla_dump_hlo_pass_re = "spmd-partitioning"
   backend.get_backend(platform).compile_and_load(text, [by_id[i] for i in ids], options)
 
 
-# The child: reads the module from stdin and compiles it (`backend_compile`), exits 0; an
-# XLA CHECK aborts it.
-_CHILD = inspect.getsource(backend_compile) + """
-import sys
-backend_compile(sys.stdin.read(), sys.argv[1], sys.argv[2] == "1", [int(i) for i in sys.argv[4:]], sys.argv[3])
+# The child: reads the module from stdin and compiles it (`backend_compile`; argv: platform,
+# shardy, dump directory, options as JSON, device ids), exits 0; an XLA CHECK aborts it.
+_CHILD = "from __future__ import annotations\n" + inspect.getsource(backend_compile) + """
+import json, sys
+backend_compile(sys.stdin.read(), sys.argv[1], sys.argv[2] == "1", [int(i) for i in sys.argv[5:]], sys.argv[3],
+                json.loads(sys.argv[4]))
 """
 
 # glog's fatal line: `F1123 13:56:07.484964   20148 convolution_handler.cc:984] Check failed: ...`.
@@ -83,7 +92,7 @@ def _child_env(num_devices: int, platform: str) -> dict[str, str]:
 def compile_directly(stage: Any, devices: np.ndarray, isolated: bool = True, dump_to: str = "",
                      timeout_s: float = 600.0) -> None:
   """Compiles `stage` (a `jax.stages.Lowered`) over `devices` (the mesh's devices, in mesh
-  order) with `backend_compile`: in a child process when `isolated`, raising
+  order) with `backend_compile` and `quick_compile_options`: in a child process when `isolated`, raising
   `CompileAborted` if XLA aborts the child (a fatal check or a signal) or it times out (a
   compile that raises an ordinary error there is left to the caller's own compile to
   raise); in this process otherwise (XLA's errors raise here). `dump_to`: see
@@ -95,10 +104,12 @@ def compile_directly(stage: Any, devices: np.ndarray, isolated: bool = True, dum
   platform = flat[0].platform
   shardy = bool(jax.config.jax_use_shardy_partitioner)
   ids = [d.id for d in flat]
+  options = quick_compile_options(platform)
   if not isolated:
-    backend_compile(stage.as_text(debug_info=True), platform, shardy, ids, dump_to)
+    backend_compile(stage.as_text(debug_info=True), platform, shardy, ids, dump_to, options)
     return
-  command = [sys.executable, "-c", _CHILD, platform, "1" if shardy else "0", dump_to, *map(str, ids)]
+  command = [sys.executable, "-c", _CHILD, platform, "1" if shardy else "0", dump_to, json.dumps(options),
+             *map(str, ids)]
   try:
     done = subprocess.run(command, input=stage.as_text(debug_info=True), capture_output=True, text=True, timeout=timeout_s,
                           env=_child_env(len(flat), platform))

@@ -43,6 +43,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.sharding import NamedSharding, PartitionSpec
 
+from automap_rl.compile_options import quick_compile_options
 from automap_rl.ir import Program
 from automap_rl.ir.trace import CALL_PRIMITIVES
 from automap_rl.mesh import to_jax_mesh
@@ -65,7 +66,8 @@ class Lowered:
 
   Attributes:
     jitted: the `jax.jit` of the interpreted function.
-    compiled: the compiled executable for the example arguments.
+    compiled: the compiled executable for the example arguments, for checks (with
+      `quick_compile_options`; calls of `jitted` compile with XLA's defaults).
     in_shardings: a `NamedSharding` per argument, as pytrees like `args`.
     out_shardings: a `NamedSharding` per output leaf, as a pytree like the outputs.
     stats: collectives, flops and memory of the compiled module.
@@ -325,11 +327,14 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   stage = jitted.lower(*args)
   try:
     partitioned = partitioner_input(stage, mesh.devices, isolated)
-    compiled = stage.compile()
+    compiled = stage.compile(compiler_options=quick_compile_options(mesh.devices.flat[0].platform))
   except CompileAborted as e:
     raise _lowering_error(problem, decisions, f"aborted: {e}") from None
   except jax.errors.JaxRuntimeError as e:
     raise _lowering_error(problem, decisions, str(e).strip().splitlines()[0]) from None
+  if partitioned is None and mesh.devices.size > 1:
+    raise RuntimeError(f"The sharding check of a {mesh.devices.size}-device plan got no module from XLA's "
+                       "partitioner dump (the direct compile failed where jax's compile did not).")
   axis_names, axis_sizes = problem.mesh.axis_names, problem.mesh.axis_sizes
   stats = inspect_compiled(compiled, axis_names, axis_sizes)
   differences = () if partitioned is None else sharding_differences(
@@ -475,7 +480,8 @@ class Reference:
 def reference_outputs(fn: Callable[..., Any], args: Sequence[Any], float64: bool = True) -> Reference:
   """Runs `fn` unpartitioned, in its own dtypes and (unless `float64` is False) in float64;
   see `Reference`. `args` are left untouched."""
-  run = lambda call_args: jax.tree.map(_comparable, jax.jit(fn)(*call_args))
+  jitted = jax.jit(fn, compiler_options=quick_compile_options(jax.devices()[0].platform))
+  run = lambda call_args: jax.tree.map(_comparable, jitted(*call_args))
   plain, perturbed = run(args), run(_perturbed(tuple(args)))
   why = "not asked for"
   if float64:

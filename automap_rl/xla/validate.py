@@ -9,13 +9,11 @@ One trace and one `Problem` per (model, mesh); plans are the expert tactics of
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from automap_rl import ir, workloads, tactics
@@ -104,17 +102,6 @@ class Case:
 # -- metrics ------------------------------------------------------------------------------
 
 
-def _encode(problem: Problem, decisions: Sequence[Decision]) -> tuple[np.ndarray, np.ndarray]:
-  """Encoded decisions padded to a power of two (>= 32), so the jitted cost compiles rarely."""
-  length = len(problem.encode(decisions)[0])
-  return problem.encode(decisions, length=max(32, 1 << max(length - 1, 0).bit_length()))
-
-
-@functools.cache
-def _jitted(problem: Problem) -> tuple[Callable, Callable]:
-  return jax.jit(problem.resolve), problem.evaluate_jit
-
-
 def simulated_flops(problem: Problem, resolution: Any) -> float:
   """Per-device flops of a resolved plan: `program_flops * repeat / shards` summed over
   program ops, with XLA's fusion decisions taken on the plan's per-device value shapes
@@ -141,15 +128,13 @@ def simulated_flops(problem: Problem, resolution: Any) -> float:
 
 def simulated_metrics(problem: Problem, decisions: Sequence[Decision]) -> dict[str, Any]:
   """The simulator's view of a plan (see `Case`)."""
-  resolve, evaluate = _jitted(problem)
-  encoded = _encode(problem, decisions)
-  cost = jax.device_get(evaluate(*encoded))
+  cost = problem.cost(decisions)
   by_kind = {k: float(b) for k, b in zip(KINDS, np.asarray(cost.comm_bytes))}
   return {
       "comm_bytes": sum(by_kind.values()),
       "comm_bytes_by_kind": by_kind,
       "comm_count_by_kind": {k: float(c) for k, c in zip(KINDS, np.asarray(cost.comm_count))},
-      "flops": simulated_flops(problem, jax.device_get(resolve(*encoded))),
+      "flops": simulated_flops(problem, problem.resolution(decisions)),
       "peak_memory": float(cost.peak_memory),
   }
 
