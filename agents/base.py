@@ -231,6 +231,13 @@ def searcher(problem: Problem, config: EnvConfig) -> Searcher:
   return Searcher(problem, config)
 
 
+def release() -> None:
+  """Drops every cached searcher and jax's compiled executables: a loop over many problems
+  (a benchmark over the task suite) calls it between problems to keep its memory flat."""
+  searcher.cache_clear()
+  jax.clear_caches()
+
+
 class Tracker:
   """Keeps the best action sequence, the simulation count, the clock and the trace."""
 

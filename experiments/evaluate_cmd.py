@@ -23,13 +23,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-import jax
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
 from agents import gumbel, learned, selfplay
-from agents.base import SearchResult, env_config, searcher
+from agents.base import SearchResult, env_config, release, searcher
 from agents.gumbel import GumbelConfig
 from agents.learned import LearnedConfig
 from agents.registry import run_agent
@@ -189,9 +188,7 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
       print(f"{len(cases)}/{len(chosen)} {name}: " + ", ".join(
           f"{m} {r['ratio']:.3f}" for m, r in cases[-1]["methods"].items()), flush=True)
     write_json(config.json, document())  # The cases so far: a long run that dies keeps them.
-    # Each case compiles its own environment: free its searchers and executables.
-    searcher.cache_clear()
-    jax.clear_caches()
+    release()  # Each case compiles its own environment.
   bar.close()
   summary = summarize(cases)
   Console(width=None if sys.stdout.isatty() else 200).print(table(cases, summary))

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from tqdm import tqdm
 
 import agents
+from agents.base import release
 from automap_rl import tactics
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
@@ -116,7 +117,7 @@ def best_known_path(path: str | None) -> str:
 
 
 def load_best_known(path: str | None, missing_ok: bool = False) -> dict[str, Any]:
-  """`{"command": ..., "cases": {case name: {"decisions": [...], "source": ...}}}`; the
+  """`{"cases": {case name: {"decisions": [...], "source": ..., "command": ...}}}`; the
   suite's own file may be missing (no case has a best-known plan yet), a given one not
   unless `missing_ok`."""
   try:
@@ -125,7 +126,7 @@ def load_best_known(path: str | None, missing_ok: bool = False) -> dict[str, Any
   except FileNotFoundError:
     if path is not None and not missing_ok:
       raise ValueError(f"--best-known {path}: no such file") from None
-    return {"command": None, "cases": {}}
+    return {"cases": {}}
 
 
 def _best_expert(experts: dict[str, Any]) -> tuple[str, float, bool]:
@@ -246,10 +247,9 @@ def update_best_known(rows: list[dict[str, Any]], path: str | None, command: str
     if r["best_known"]["source"] != "stored":
       document["cases"][r["case"]] = {"decisions": r["best_known"]["decisions"],
                                       "source": r["best_known"]["source"],
-                                      "step_time_s": r["best_known"]["step_time_s"]}
+                                      "step_time_s": r["best_known"]["step_time_s"], "command": command}
       changed += 1
   if changed:
-    document["command"] = command
     with open(best_known_path(path), "w") as f:
       json.dump(document, f, indent=1, sort_keys=True)
   return changed
@@ -258,9 +258,11 @@ def update_best_known(rows: list[dict[str, Any]], path: str | None, command: str
 def run_bench(config: SuiteBenchConfig) -> dict[str, Any]:
   cases = load_cases(config.split)
   stored = load_best_known(config.best_known)["cases"]
-  rows = []
+  rows: list[dict[str, Any]] = []
   for case in tqdm(cases, desc=f"bench suite {config.split}", unit="case"):
     rows.append(bench_case(case, config, stored.get(case.name)))
+    write_json(config.json, {"summary": summarize(rows), "cases": rows})  # The cases so far.
+    release()  # Each case compiles its own environment.
   summary = summarize(rows)
   print(format_rows(rows))
   print("ratios to the best expert; * does not fit in memory")

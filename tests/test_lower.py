@@ -16,7 +16,8 @@ from automap_rl.sharding import ArgDim, Decision
 from automap_rl.xla.lower import (NumericsError, check_numerics, compare_leaf, compare_outputs, lower,
                                   program_depth, reference_outputs)
 from automap_rl.xla.fullsize import implied_cost
-from automap_rl.xla.hlo import summarize
+from automap_rl.compile_options import quick_compile_options
+from automap_rl.xla.hlo import inspect_compiled, summarize
 from automap_rl.xla.isolated import CompileAborted, compile_directly
 from automap_rl.xla.realized import Expected, partitioner_input, sharding_differences
 
@@ -75,6 +76,17 @@ def test_gpt_megatron_all_reduces_over_the_model_axis():
   reference = reference_outputs(workload.step, workload.args, float64=False)
   assert reference.note == "float32 (no float64 reference: not asked for)"
   compare_outputs(reference, lowered.run(workload.args), lowered.depth)
+
+
+def test_quick_compile_options_leave_what_the_checks_read_unchanged():
+  """The checks compile with LLVM's optimisations off (`quick_compile_options`): the
+  partitioned module's collectives, flops and memory are those of XLA's default compile."""
+  workload, problem = _setup(GPT, "data=2,model=4")
+  lowered = lower(problem, tactics.data_megatron(problem), workload.step, workload.args, isolated=False)
+  default = lowered.jitted.lower(*workload.args).compile()
+  assert quick_compile_options("cpu")  # The checks' compile differs from the default on CPU...
+  stats = inspect_compiled(default, problem.mesh.axis_names, problem.mesh.axis_sizes)
+  assert stats == lowered.stats  # ...yet XLA compiled the same module.
 
 
 def test_gpt_megatron_all_reduce_bytes_match_the_simulator():

@@ -85,6 +85,10 @@ def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
   scores = [*row["experts"].values(), *row["agents"].values()]
   assert row["best_known"]["step_time_s"] == min(s["step_time_s"] for s in scores + [row["best_known"]])
   assert row["best_known"]["ratio"] == pytest.approx(row["best_known"]["step_time_s"] / best)
-  assert suite_cmd.update_best_known([row], config.best_known, "cmd") == (row["best_known"]["source"] != "stored")
+  written = suite_cmd.update_best_known([row], config.best_known, "cmd")
+  assert written == (row["best_known"]["source"] != "stored")
+  if written:  # Each plan keeps the command that found it.
+    entry = suite_cmd.load_best_known(config.best_known)["cases"][case.name]
+    assert entry["command"] == "cmd" and entry["decisions"] == row["best_known"]["decisions"]
   summary = suite_cmd.summarize([row, {**row, "best_known": {**row["best_known"], "ratio": 0.5}}])
   assert summary["cases"] == 2 and summary["best_known_beats_best_expert_by_5pct_or_only_it_fits"] == 0.5
