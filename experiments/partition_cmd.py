@@ -19,6 +19,7 @@ The module must be importable (on `PYTHONPATH`, or in the current directory).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib
 import os
@@ -142,7 +143,7 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
   """Compiles the plan on the local devices and checks numerics (see `check_workload`)."""
   from automap_rl import plan as plan_lib
   from automap_rl.xla import hlo
-  from automap_rl.xla.lower import check_numerics, lower
+  from automap_rl.xla.lower import check_numerics, lower, reference_outputs
 
   start = time.perf_counter()
   spec = config.check_workload or config.workload
@@ -161,10 +162,13 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
     moved = decisions if target is problem else plan_lib.transfer_decisions(decisions, problem, target)
   if spec != config.workload:
     print(f"{len(moved)} of {len(decisions)} decisions carried over to {name}")
-  with phase(f"compiling the plan for {len(jax.devices())} devices", _clocks(config)):
-    lowered = lower(target, moved, fn, args)
-  with phase("checking numerics against the unpartitioned step", _clocks(config)):
-    reference = check_numerics(fn, args, lowered)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    # The unpartitioned reference runs compile beside the plan's compile (two cores).
+    references = pool.submit(reference_outputs, fn, args)
+    with phase(f"compiling the plan for {len(jax.devices())} devices", _clocks(config)):
+      lowered = lower(target, moved, fn, args)
+    with phase("checking numerics against the unpartitioned step", _clocks(config)):
+      reference = check_numerics(fn, args, lowered, reference=references.result())
   summary = hlo.summarize(lowered.stats.collectives)
   seconds = time.perf_counter() - start
   print(f"lowered on {len(jax.devices())} {jax.devices()[0].platform.upper()} devices: "

@@ -509,11 +509,13 @@ def compare_outputs(reference: Reference, actual: Any, depth: int,
 
 
 def check_numerics(fn: Callable[..., Any], args: Sequence[Any], lowered: Lowered,
-                   tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> Reference:
+                   tolerances: Mapping[str, tuple[float, float]] = TOLERANCES,
+                   reference: Reference | None = None) -> Reference:
   """Runs the unpartitioned `fn`, a float64 reference and the partitioned program on
   `args` (concrete arrays, left untouched: the partitioned run copies them, so donation
   is harmless) and compares every output leaf; raises `NumericsError` on a mismatch.
-  Returns the reference compared with (its `note` says whether it was float64)."""
-  reference = reference_outputs(fn, args)
+  `reference`: `reference_outputs(fn, args)` if already run. Returns the reference
+  compared with (its `note` says whether it was float64)."""
+  reference = reference_outputs(fn, args) if reference is None else reference
   compare_outputs(reference, lowered.run(args), lowered.depth, tolerances)
   return reference
