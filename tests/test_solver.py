@@ -139,6 +139,16 @@ def test_solve_finds_the_brute_force_optimum(lists):
   assert evaluate(graph, result.choice).feasible
 
 
+def test_prices_of_a_segment_no_plan_fits_stay_finite():
+  from automap_rl.solver.solve import next_prices
+  prices, capacity = np.zeros(3), np.array([10.0, 10.0, 10.0])
+  excess = np.array([5.0, -5.0, 0.0])  # Over the limit, well under it, at it.
+  for _ in range(5000):  # Far beyond the ~1,750 rounds after which 1.5x a round overflows.
+    prices = next_prices(prices, excess, capacity, base=2.0)
+  assert np.isfinite(prices).all() and prices[0] == 2.0 * 1e12 and prices[1] == 0.0 == prices[2]
+  assert next_prices(np.array([4.0, 4.0, 4.0]), excess, capacity, base=2.0).tolist() == [6.0, 3.2, 4.0]
+
+
 def test_solve_handles_float_costs():
   rng = np.random.default_rng(0)
   lists = dict(costs=rng.uniform(0, 5, (4, 3)).tolist(), usages=rng.uniform(0, 3, (4, 3)).tolist(),

@@ -56,6 +56,19 @@ _WHOLE_MIP_ENTRIES = 150_000
 _SMALL_PATIENCE = 150
 # Small problems also build a plan within a usage budget every this many rounds.
 _SMALL_BUDGET_EVERY = 16
+# Prices stop rising at this multiple of the base price (about the cost per unit of
+# capacity): memory then outweighs every cost, and a segment no plan fits keeps a finite
+# price (rising 1.5x a round, prices overflowed to inf after about 1,750 rounds, and
+# `inf - inf` made the dual's messages NaN).
+_MAX_PRICE = 1e12
+
+
+def next_prices(prices: np.ndarray, excess: np.ndarray, capacity: np.ndarray, base: float) -> np.ndarray:
+  """The pricing round's update of the per-segment prices [S]: 1.5x (at least `base`)
+  where the plan's usage `excess` [S] breaks the limit, up to `_MAX_PRICE * base`; 0.8x
+  where 1% of `capacity` [S] is left; unchanged elsewhere."""
+  rising = np.minimum(np.maximum(prices * 1.5, base), _MAX_PRICE * base)
+  return np.where(excess > 0, rising, np.where(excess < -0.01 * capacity, prices * 0.8, prices))
 
 
 
@@ -196,8 +209,9 @@ class _Search:
       choice = dual.decode()
       cost = group_cost(reduced, choice)
       excess = memory.excess(choice).astype(np.float64)
-      if rounds == 0:
-        base = max(abs(cost), 1.0) / max(float(capacity.sum()), 1.0)
+      if rounds == 0:  # A plan's cost per unit of capacity (a finite one: a first plan may cost inf).
+        scale = next((c for c in (cost, self.best_cost) if np.isfinite(c)), 1.0)
+        base = max(abs(scale), 1.0) / max(float(capacity.sum()), 1.0)
       if cost < self.best_cost and np.all(excess <= 0):
         self.polish(choice, "pricing")
       elif pending is None or cost < pending[0]:
@@ -212,10 +226,7 @@ class _Search:
         pending = None
       if self.best_cost < best_before:
         last_better = rounds
-      # Prices rise 1.5x where the plan breaks the limit (from `base`, about
-      # the cost per unit of capacity), fall 0.8x where 1% of it is left.
-      prices = np.where(excess > 0, np.maximum(prices * 1.5, base),
-                        np.where(excess < -0.01 * capacity, prices * 0.8, prices))
+      prices = next_prices(prices, excess, capacity, base)
       rounds += 1
     self.note(f"pricing: {rounds} rounds, {dual.num_colors} colours, {crossings} crossovers "
               f"({merges} improving), best {self.best_cost:.6g}")
