@@ -84,7 +84,8 @@ class Problem:
   def costs(self, plans: Sequence[Sequence[sharding.Decision]]) -> list[simulator.Cost]:
     """The cost of each of several decision lists, in one vmapped call: all are padded to
     one length (`encode_padded`) and the batch to a power of two (at least 8), so that the
-    replicated plan, a searched plan and the expert tactics share one compile."""
+    replicated plan, a searched plan and the expert tactics share one compile (unless a
+    plan is longer than `plan_length`: repeated decisions of one class count)."""
     if not plans:
       return []
     encoded = [self.encode(p) for p in plans]
