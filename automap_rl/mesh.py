@@ -65,6 +65,9 @@ class Hardware:
     reduce_scatter: Whether XLA runs a reduce-scatter as one collective on this
       backend; where not, it runs an all-reduce and keeps its shard (a dynamic
       slice), which moves an all-reduce's bytes.
+    dense_batch_group_conv: Whether XLA computes a convolution with `batch_group_count
+      = B > 1` (the kernel gradient of a grouped or depthwise convolution) as a dense
+      convolution over all B groups and masks the result: B times the flops.
   """
 
   name: str
@@ -76,6 +79,7 @@ class Hardware:
   devices_per_node: int
   combine_threshold: Mapping[str, float]
   reduce_scatter: bool = True
+  dense_batch_group_conv: bool = False
 
 
 _GB = 1e9
@@ -251,6 +255,9 @@ HARDWARE: Mapping[str, Hardware] = {
         # dynamic slice; only the GPU pipeline turns that back into one
         # (ReduceScatterCreator, xla/service/gpu/transforms/).
         reduce_scatter=False,
+        # The CPU compiler's ConvolutionGroupConverter (convert_batch_groups_only)
+        # expands batch-grouped convolutions into dense ones with a mask.
+        dense_batch_group_conv=True,
     ),
 }
 

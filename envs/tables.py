@@ -61,7 +61,7 @@ DIMS: Mapping[str, tuple[str, ...]] = {
 }
 COST_DIMS: Mapping[str, tuple[str, ...]] = {
     "op_reduction": ("Uo", "Rf"), "edge_dim_factors": ("E", "Rv", "D"), "live_bytes": ("L", "Uv"),
-    "hbm_bytes": (), "combine_bytes": ("2",), "scatter_rounds": (),
+    "hbm_bytes": (), "combine_bytes": ("2",), "native_scatter": (),
 }
 _PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "reduction": "R", "mask": "B"}
 
@@ -79,7 +79,7 @@ def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
 
 _FILL = {"value_class": -1, "value_divisible": 1, "op_class": -1, "op_divisible": 1, "target_classes": -1,
          "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_divisible": 1,
-         "edge_dim_factors": -1, "value_rank": sharding.NO_SLOT_RANK, "op_rank": sharding.NO_SLOT_RANK}  # -1: the simulator's never-sharded factor.
+         "edge_dim_factors": -1, "op_dense_factor": -1, "value_rank": sharding.NO_SLOT_RANK, "op_rank": sharding.NO_SLOT_RANK}  # -1: the simulator's never-sharded factor.
 BUCKETED = ("Uv", "Uo", "E", "R", "L", "Q", "C", "T", "G")
 CHUNK = 8  # W: slots per chunk.
 

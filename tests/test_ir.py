@@ -327,6 +327,34 @@ def test_memory_traffic_of_a_fused_elementwise_chain_is_its_ends():
   assert by_primitive["tanh"] == out_bytes  # Reads the dot's result, writes into the fusion.
   assert by_primitive["mul"] == 0.0  # Inside the fusion.
   assert by_primitive["add"] == out_bytes  # Writes the program's output.
+def test_a_scan_iteration_reads_and_writes_its_slice_not_the_stack():
+  """`scan` over 64 steps: each iteration's slice of the stacked input and of the stacked
+  output moves one step's bytes (a dynamic-slice, an in-place dynamic-update-slice), so
+  the loop's traffic grows with its length, not with its square."""
+  xs = jnp.ones((64, 8, 16))
+  program = ir.trace(lambda xs: jax.lax.scan(lambda c, x: (c + x, c * x), jnp.zeros((8, 16)), xs), xs)
+  traffic = memory_bytes(program)
+  step_bytes = 8 * 16 * 4
+  moved = {op.primitive: (op.repeat, traffic[op.id]) for op in program.ops if op.primitive.startswith("scan_")}
+  assert moved["scan_slice"] == (64, 2 * step_bytes)
+  assert moved["scan_stack"] == (64, 2 * step_bytes)
+
+
+@pytest.mark.parametrize("groups", ["none", "feature", "batch"])
+def test_conv_batch_group_factor_is_the_kernel_gradients_group(groups):
+  """The kernel gradient of a depthwise convolution is a batch-grouped convolution whose
+  group factor (the channels) a backend may compute dense; the forward (feature-grouped)
+  and ungrouped convolutions have none."""
+  channels = 6
+  x, w = jnp.ones((4, channels, 16)), jnp.ones((channels, 1 if groups != "none" else channels, 3))
+  conv = functools.partial(jax.lax.conv_general_dilated, window_strides=(1,), padding="SAME",
+                           feature_group_count=1 if groups == "none" else channels)
+  fn = (lambda x, w: jax.grad(lambda w: conv(x, w).sum())(w)) if groups == "batch" else conv
+  convs = [op for op in ir.trace(fn, x, w).ops if op.primitive == "conv_general_dilated"]
+  group_sizes = [op.rule.factor_sizes[f] for op in convs if (f := rules.conv_batch_group_factor(op.rule)) >= 0]
+  assert group_sizes == ([channels] if groups == "batch" else [])  # The gradient's trace has the forward too.
+
+
 def test_non_trainable_state_has_a_role_of_its_own():
   """Batch-norm statistics are `state`: neither parameters (FSDP shards those) nor
   optimizer state."""

@@ -75,6 +75,32 @@ def test_collectives_combine_per_loop_iteration_as_xla_does():
     assert compiled["comm_count_by_kind"]["all-reduce"] > 4  # One per iteration at least, and the rest.
     assert {k: round(v, 3) for k, v in simulated["comm_count_by_kind"].items()} == compiled["comm_count_by_kind"], name
     assert math.isclose(simulated["comm_bytes"], compiled["comm_bytes"], rel_tol=1e-6), name
+def test_nested_loops_cost_what_xla_compiles():
+  """An SSM: a scan over time steps inside the scan over layers. XLA all-reduces the
+  state matrix's gradient in every time step (combined per loop, not with the layer
+  loop's gradients), gathers FSDP's loop-invariant weights once per layer rather than per
+  time step, and on CPU computes the depthwise convolution's kernel gradient as a dense
+  convolution over all channels: the simulator counts the same collectives, bytes and
+  flops."""
+  from automap_rl.xla.lower import lower
+  layers, seq = 2, 16
+  workload = workloads.make_workload(f"ssm:layers={layers},d_model=32,seq={seq},batch=8", abstract=True)
+  problem = validate.trace_problem(workload, "data=4,model=2", "cpu")
+  plans = tactics.applicable(problem)
+  for name in ("replicated", "data_parallel", "fsdp", "data_megatron"):
+    lowered = lower(problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
+    simulated, compiled = validate.simulated_metrics(problem, plans[name]), validate.compiled_metrics(lowered.stats)
+    assert lowered.differences == (), name
+    assert validate.relative_error(simulated["flops"], compiled["flops"]) < 0.03, name
+    for kind in ("all-reduce", "all-gather") if name == "fsdp" else ("all-reduce",):
+      assert simulated["comm_count_by_kind"][kind] == pytest.approx(compiled["comm_count_by_kind"][kind], rel=0.15), name
+    if name != "replicated":
+      assert compiled["comm_count_by_kind"]["all-reduce"] > layers * seq  # One per time step at least.
+  dp = validate.simulated_metrics(problem, plans["data_parallel"])
+  lowered = lower(problem, plans["data_parallel"], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
+  assert dp["comm_bytes"] == validate.compiled_metrics(lowered.stats)["comm_bytes"]
+
+
 def test_random_plans_are_lowered_in_isolation_and_checked(tmp_path, capsys):
   """`validate --random 2` on one model: two plans, one per mesh, every one compiled in a
   child process first, run and checked; the JSON counts lowering errors and aborts."""

@@ -194,8 +194,11 @@ def memory_bytes(program: Program) -> list[float]:
   """Bytes each op reads from and writes to memory once XLA has fused loop-fusible
   chains (elementwise ops, data movement, reductions): a loop-fusible op reads an operand
   that a loop-fusible op produced from the fusion, not from memory, and writes a result
-  that only loop-fusible ops read (and the program does not return) into it. Dots,
-  convolutions, and everything else read and write their values whole. Per op, [num_ops]."""
+  that only loop-fusible ops read (and the program does not return) into it. A loop
+  iteration's `scan_slice` reads its slice of the stacked input, not the whole stack (a
+  dynamic-slice), and its `scan_stack` writes its slice of the stacked output in place (a
+  dynamic-update-slice). Dots, convolutions, and everything else read and write their
+  values whole. Per op, [num_ops]."""
   producer = {v: op for op in program.ops for v in op.results}
   consumers: dict[int, list[Op]] = {}
   for op in program.ops:
@@ -205,6 +208,9 @@ def memory_bytes(program: Program) -> list[float]:
   fused = lambda op: op is not None and _loop_fusible(op)
   out = []
   for op in program.ops:
+    if op.primitive in ("scan_slice", "scan_stack"):
+      out.append(2.0 * program.values[op.results[0] if op.primitive == "scan_slice" else op.operands[0]].nbytes)
+      continue
     reads = sum(program.values[v].nbytes for v in op.operands
                 if not (fused(op) and fused(producer.get(v))))
     writes = sum(program.values[v].nbytes for v in op.results

@@ -459,6 +459,19 @@ def conv_general_dilated(operand_shapes, result_shapes, params) -> Rule:
   return f.build()
 
 
+def conv_batch_group_factor(rule: Rule) -> int:
+  """The batch-group factor of a `conv_general_dilated` op's rule (see
+  `conv_general_dilated`), or -1 when `batch_group_count` is 1: a factor that passes
+  through the lhs, the kernel and the result of a rule that also has a reduction factor.
+  (The group factor of a feature-grouped conv passes through all three too, but such a
+  rule has no reduction factor; an ungrouped one has no factor in all three.)"""
+  if FactorKind.REDUCTION not in rule.factor_kinds:
+    return -1
+  lhs, rhs = ({f for dim in dims for f in dim} for dims in rule.operand_dims[:2])
+  out = {f for dim in rule.result_dims[0] for f in dim}
+  return min((f for f in lhs & rhs & out if rule.factor_kinds[f] == PASS), default=-1)
+
+
 def stack(operand_shapes, result_shapes, params) -> Rule:
   """`stack[axis]`: every operand's dims pass through to the result's other dims; the new
   dim is the result's own (a shard of it is a local choice of whole operands, as a

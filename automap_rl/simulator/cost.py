@@ -8,7 +8,9 @@ the op's shard count. Per edge (an op using or making a value):
 * result with sharded reduction factors: a partial sum, reduce-scattered over the axes its
   stored sharding uses, all-reduced over the rest (a linear combination of partial sums
   reduces all their buffers in one collective, as XLA's combiner does, each as its source
-  computed it); computed sharded on axes it is not stored on: all-gather.
+  computed it); on a backend without a native reduce-scatter (`Hardware.reduce_scatter`:
+  XLA on CPU), one all-reduce over all those axes and a slice, as the SPMD partitioner
+  writes it; computed sharded on axes it is not stored on: all-gather.
 
 XLA's combiners merge independent reductions of one kind over the same axes (the
 gradients of data parallelism) into few collectives, up to the hardware profile's
@@ -16,8 +18,7 @@ gradients of data parallelism) into few collectives, up to the hardware profile'
 (`_combined_count`), bandwidth per byte as before.
 
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
-slowest link bounds the bandwidth); a reduce-scatter costs an all-reduce on a backend that
-runs it as one (`Hardware.reduce_scatter`: XLA on CPU all-reduces and keeps its shard).
+slowest link bounds the bandwidth).
 Bytes follow `automap_rl.xla.hlo`'s convention: the larger, group-level buffer per device.
 Peak memory is the largest live-bytes row of the program (see `tables._live_bytes`) with
 every value divided by its shard count, plus the gathered copies of operands (once per
@@ -39,7 +40,7 @@ import numpy as np
 
 from automap_rl import batching, packing
 from automap_rl.sharding import Resolution
-from automap_rl.simulator.tables import CostTables
+from automap_rl.simulator.tables import LOOP_GROUPS, CostTables
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
@@ -89,7 +90,7 @@ def _collective(t: CostTables, rounds: float | jax.Array, axes: jax.Array,
   """Cost terms of ring collectives over the axes of bit masks `axes` [...] moving
   `nbytes / group(divisor)` bytes per device: each takes `nbytes * per_byte + fixed`
   seconds and moves `nbytes * fraction` bytes, in `rounds` passes (2 for an all-reduce,
-  1 for an all-gather, `CostTables.scatter_rounds` for a reduce-scatter) of `(n - 1)`
+  1 for an all-gather or a reduce-scatter) of `(n - 1)`
   hops of `1/n` of the buffer at the slowest link's rate plus its latency per hop.
   Three look-ups in per-mask tables [2**X]: the per-edge terms run inside the edge
   reduction, a loop XLA on CPU does not vectorise, where a look-up is one load and the
@@ -138,42 +139,45 @@ COMBINE_COUNT = 256.0
 
 
 def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.Array, combines: jax.Array,
-                    threshold: jax.Array) -> jax.Array:
+                    loop: jax.Array, threshold: jax.Array) -> jax.Array:
   """Collectives per step of edges whose collectives XLA's combiner merges.
 
   The combining edges (`combines` [N] > 0, see `CostTables.reduction_combines`, and
   `threshold` > 0: the backend combines this kind) with collectives over the same axes
-  (`axes` [N, B]) form one group per axes mask outside loops and one per axes mask inside
-  loops, counted per iteration (each edge's `moved` [N, B], bytes per device a step, and
-  `runs` [N, B], collectives a step, divided by its loop's repeat count). A group of total
-  bytes T and n collectives (per iteration) runs `max(ceil(T / threshold), ceil(n /
-  COMBINE_COUNT))` combined collectives (per iteration), which its members share by bytes
-  (a member's share times its repeat count: per step). Other edges keep their `runs`.
-  Returns [N, B]."""
+  (`axes` [N, B]) in the same loop group (`loop` [N], `CostTables.reduction_loop`: one
+  group outside loops and one per loop repeat count) form one group, counted per
+  iteration (each edge's `moved` [N, B], bytes per device a step, and `runs` [N, B],
+  collectives a step, divided by its loop's repeat count). A group of total bytes T and n
+  collectives (per iteration) runs `max(ceil(T / threshold), ceil(n / COMBINE_COUNT))`
+  combined collectives (per iteration), which its members share by bytes (a member's
+  share times its repeat count: per step). Other edges keep their `runs`. Returns [N, B]."""
   member = (combines[:, None] > 0) & (axes != 0) & (threshold > 0)
-  in_loop = combines[:, None] > 1
   repeat = jnp.maximum(combines, 1.0)[:, None]
   moved_once, runs_once = moved / repeat, runs / repeat  # Per iteration (the step, outside loops).
   masks = range(1, t.mask_group.shape[-1])
-  sums = _sum_rows(*[jnp.where(member & (axes == m) & (in_loop == loop), x, 0.0)
-                     for loop in (False, True) for m in masks for x in (moved_once, runs_once)])
+  in_group = [(loop == k)[:, None] for k in range(LOOP_GROUPS)]
+  sums = _sum_rows(*[jnp.where(member & (axes == m) & group, x, 0.0)
+                     for group in in_group for m in masks for x in (moved_once, runs_once)])
   zero = jnp.zeros_like(sums[0])
-  per_mask = len(masks) * 2
-  shares = []
-  for group in (sums[:per_mask], sums[per_mask:]):
-    totals, counts = jnp.stack([zero, *group[0::2]]), jnp.stack([zero, *group[1::2]])  # [2**X, B]
+  per_group = len(masks) * 2
+  index = axes.astype(jnp.int32)
+  share = runs
+  for k, group in enumerate(in_group):
+    group_sums = sums[k * per_group:(k + 1) * per_group]
+    totals = jnp.stack([zero, *group_sums[0::2]])  # [2**X, B]
+    counts = jnp.stack([zero, *group_sums[1::2]])
     combined = jnp.where(totals > 0, jnp.maximum(jnp.ceil(totals / threshold), jnp.ceil(counts / COMBINE_COUNT)), 0.0)
-    index = axes.astype(jnp.int32)
-    shares.append(jnp.take_along_axis(combined, index, axis=0) * moved
-                  / jnp.maximum(jnp.take_along_axis(totals, index, axis=0), jnp.finfo(jnp.float32).tiny))
-  return jnp.where(member, jnp.where(in_loop, shares[1], shares[0]), runs)
+    group_share = (jnp.take_along_axis(combined, index, axis=0) * moved
+                   / jnp.maximum(jnp.take_along_axis(totals, index, axis=0), jnp.finfo(jnp.float32).tiny))
+    share = jnp.where(group, group_share, share)
+  return jnp.where(member, share, runs)
 
 
 def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divisor: jax.Array, nbytes: jax.Array,
-                weight: jax.Array, combine: tuple[jax.Array, jax.Array] | None = None) -> EdgeTerms:
+                weight: jax.Array, combine: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> EdgeTerms:
   """The terms of one collective kind over the axes `axes` [N, B] of edges moving values
   of `nbytes` [N, 1], run `weight` [N] times a step (see `_collective`): bandwidth per
-  byte moved, latency per collective. With `combine = (combines [N], threshold)`, the
+  byte moved, latency per collective. With `combine = (combines [N], loop [N], threshold)`, the
   collectives of the combining edges are merged as XLA's combiner does
   (`_combined_count`), so latency is charged per combined collective."""
   per_byte, fixed, fraction = _collective(t, rounds, axes, divisor)
@@ -228,6 +232,14 @@ class CostTerms:
   value_shards: jax.Array
 
 
+def _dense_shards(t: CostTables, op_mask: jax.Array) -> jax.Array:
+  """Shards of each op signature's `CostTables.op_dense_factor` (1 where none), from the
+  op factor masks [Uo, Rf, B]; [Uo, B]."""
+  factor = jnp.maximum(t.op_dense_factor, 0)[:, None, None]
+  mask = jnp.take_along_axis(op_mask, factor, axis=1)[:, 0]
+  return jnp.where((t.op_dense_factor >= 0)[:, None], _group_size(t, _axes_of(t, mask)), 1.0)
+
+
 def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
   """The cost terms of a batch of plans laid out batch-last (see `automap_rl.batching`).
 
@@ -275,7 +287,7 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
                        stored_all, nbytes, t.edge_weight)
 
   r_stored, r_required, r_reduced = (x[t.reduction_edge] for x in (stored_all, required_all, reduced))  # [R, B]
-  scatter_axes = r_reduced & r_stored
+  scatter_axes = jnp.where(t.native_scatter, r_reduced & r_stored, 0).astype(r_reduced.dtype)
   # The partial sums are sharded as their op computes less the axes they are pending over:
   # a linear combination of partial sums may compute on those too, but XLA reduces the
   # buffers its sources made.
@@ -284,13 +296,13 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
   r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]][:, None] * t.reduction_partial_sums[:, None]
   return CostTerms(
       value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards,
-      op_compute_s=jnp.maximum(t.op_compute_s, t.op_memory_s)[:, None] / op_shards,
+      op_compute_s=jnp.maximum(t.op_compute_s[:, None] / _dense_shards(t, op_mask), t.op_memory_s[:, None]) / op_shards,
       gather=gather,
       all_to_all=to_all,
-      reduce_scatter=_edge_terms(t, t.scatter_rounds, scatter_axes, partial_axes, r_nbytes, t.reduction_weight,
-                                 (t.reduction_combines, t.combine_bytes[1])),
-      all_reduce=_edge_terms(t, 2.0, r_reduced & ~r_stored, partial_axes | scatter_axes, r_nbytes,
-                             t.reduction_weight, (t.reduction_combines, t.combine_bytes[0])),
+      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, r_nbytes, t.reduction_weight,
+                                 (t.reduction_combines, t.reduction_loop, t.combine_bytes[1])),
+      all_reduce=_edge_terms(t, 2.0, r_reduced & ~scatter_axes, partial_axes | scatter_axes, r_nbytes,
+                             t.reduction_weight, (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), t.edge_buffers[:, None], 0.0) * gather.buffer,
       value_shards=value_shards,
   )

@@ -10,7 +10,8 @@ import numpy as np
 
 from automap_rl.ir import FactorKind, Op, Program
 from automap_rl.ir.flops import fusion_copies, memory_bytes
-from automap_rl.mesh import Mesh
+from automap_rl.ir.rules import conv_batch_group_factor
+from automap_rl.mesh import Hardware, Mesh
 from automap_rl.sharding import Signatures
 
 _MEMORY_PROBES = 256
@@ -42,6 +43,17 @@ def program_flops(program: Program, shapes: Sequence[Sequence[int]] | None = Non
   return np.array([op_flops(program, op) * n for op, n in zip(program.ops, copies)], np.float64)
 
 
+def dense_group_factors(program: Program, hardware: Hardware) -> np.ndarray:
+  """Per op, the factor whose groups a backend that computes batch-grouped convolutions
+  dense (`Hardware.dense_batch_group_conv`) multiplies the op's flops by, -1 for none,
+  int [num_ops]. XLA partitions first, so a device computes `G / k` times the flops of
+  its share, G the factor's size and k its shards."""
+  if not hardware.dense_batch_group_conv:
+    return np.full(program.num_ops, -1)
+  return np.array([conv_batch_group_factor(op.rule) if op.primitive == "conv_general_dilated" else -1
+                   for op in program.ops])
+
+
 def _conv_out_feature_dim(op: Op, program: Program) -> int:
   """The kernel dim that maps to the output feature factor (the rhs dim shared with the result)."""
   result_factors = {f for dim in op.rule.result_dims[0] for f in dim}
@@ -70,13 +82,18 @@ class CostTables:
     op_reduction_source: the op signature whose reduction axes each op's results reduce
       over: itself, or for a linear combination of pending partial sums, their source, [Uo].
     op_deferred: ops whose partial sums stay pending (a later combination reduces), [Uo].
+    op_dense_factor: the batch-group factor of convolutions the backend computes dense
+      (see `dense_group_factors`), whose shards divide their flop time once more; -1 for
+      none, [Uo]. `op_compute_s` holds their dense flops (times the group count).
     edge_op, edge_value: the op and value signature of each edge, [E].
     edge_result: whether the edge is a result (else an operand), bool [E].
     edge_dim_factors: the op factors each value dim maps to, padded with Rf (a factor
       that is never sharded), int32 [E, Rv, F] with F the most factors of one dim.
     edge_weight: how many times the edge's collectives run per step, [E]: the repeat counts
       of its ops; for operands, each read's share of a resharding that all reads of the
-      value needing the same sharding share (see `_operand_read_shares`).
+      value needing the same sharding share (see `_operand_read_shares`), run as often as
+      the value is made: a loop-invariant operand (a stacked scan input, a weight read
+      inside a time-step loop) is resharded once before the loop, where XLA hoists it.
     reduction_edge: the result edges of ops that reduce (their own partial sums or, for a
       linear combination of partial sums, their sources'), [R]: only these can
       reduce-scatter or all-reduce.
@@ -91,10 +108,15 @@ class CostTables:
       reaches no op that can reduce (see `_terminal_reductions`), so no two such
       collectives depend on each other (the gradients of data parallelism and FSDP, the
       loss), outside branches (with the loop if some run in one and some outside).
+    reduction_loop: the combining group of the reduction's collectives, int8 [R]: 0 outside
+      loops (and for reductions that do not combine); k = 1 .. `LOOP_GROUPS` - 1 for the
+      k-th smallest loop repeat count among the combining reductions (XLA combines within
+      one loop body; loops of equal repeat count share a group, and any beyond the
+      `LOOP_GROUPS - 1` smallest share the last).
     combine_bytes: the most bytes one combined all-reduce and one combined reduce-scatter
       carry (`Hardware.combine_threshold`; 0: the backend does not combine), [2].
-    scatter_rounds: ring passes of a reduce-scatter: 1, or 2 (an all-reduce's) on a
-      backend that runs it as an all-reduce and a slice (`Hardware.reduce_scatter`).
+    native_scatter: whether the backend runs a reduce-scatter as one (else an all-reduce
+      over all the reduced axes and a slice; `Hardware.reduce_scatter`), bool [].
     edge_buffers: how many distinct buffers the edge's resharding materialises (its ops,
       not times their repeat counts; operand reads shared as in `edge_weight`), [E]: the
       simulator adds gathered operands to the peak memory.
@@ -113,6 +135,7 @@ class CostTables:
   op_reduction: np.ndarray
   op_reduction_source: np.ndarray
   op_deferred: np.ndarray
+  op_dense_factor: np.ndarray
   edge_op: np.ndarray
   edge_value: np.ndarray
   edge_result: np.ndarray
@@ -123,8 +146,9 @@ class CostTables:
   reduction_weight: np.ndarray
   reduction_partial_sums: np.ndarray
   reduction_combines: np.ndarray
+  reduction_loop: np.ndarray
   combine_bytes: np.ndarray
-  scatter_rounds: float
+  native_scatter: np.ndarray
   live_bytes: np.ndarray
   mask_group: np.ndarray
   mask_seconds_per_byte: np.ndarray
@@ -275,6 +299,19 @@ def _terminal_reductions(program: Program, sigs: Signatures, reduces: np.ndarray
   return np.where(combines & ~np.isnan(repeat), repeat, 0.0).astype(np.float32)
 
 
+# Combining groups of `CostTables.reduction_loop`: outside loops, and up to three loops.
+LOOP_GROUPS = 4
+
+
+def _loop_groups(combines: np.ndarray) -> np.ndarray:
+  """`CostTables.reduction_loop` from `reduction_combines` [R]: 0 for repeat <= 1, else
+  the rank of the repeat count among the distinct ones above 1 (1-based, capped at
+  `LOOP_GROUPS - 1`), int8 [R]."""
+  repeats = np.unique(combines[combines > 1])
+  rank = np.searchsorted(repeats, combines) + 1
+  return np.where(combines > 1, np.minimum(rank, LOOP_GROUPS - 1), 0).astype(np.int8)
+
+
 def _factor_indices(tables: list[np.ndarray], rv: int, rf: int) -> np.ndarray:
   """Bool [Rv, Rf] dim-to-factor tables as padded index lists, int32 [E, Rv, F]."""
   width = max([int(t.sum(axis=1).max()) for t in tables] + [1])
@@ -299,12 +336,20 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   operand_buffers: dict[int, np.ndarray] = {}
   operand_weight: dict[int, np.ndarray] = {}  # Op signature -> gather weight of each operand.
   read_share = _operand_read_shares(program, sigs)
+  made = np.ones(program.num_values, np.float64)  # How often each value is made a step.
+  for op in program.ops:
+    made[list(op.results)] = op.repeat
   flops = program_flops(program)
+  dense = dense_group_factors(program, hw)
+  dense_factor = np.full(num_ops, -1, np.int32)
   traffic = memory_bytes(program)
   for op in program.ops:
     sig = sigs.op_sig[op.id]
     dtype = program.values[op.results[0]].dtype if op.results else "float32"
-    flop_s = op.repeat * flops[op.id] / hw.flops.get(dtype, hw.flops["float32"])
+    groups = op.rule.factor_sizes[dense[op.id]] if dense[op.id] >= 0 and sig >= 0 else 1
+    flop_s = op.repeat * flops[op.id] * groups / hw.flops.get(dtype, hw.flops["float32"])
+    if groups > 1:
+      dense_factor[sig] = dense[op.id]
     memory_s = op.repeat * traffic[op.id] / hw.hbm_bandwidth
     if sig < 0:  # Sharded like its values: charged to its first result.
       value_compute[sigs.value_sig[op.results[0]]] += flop_s
@@ -314,7 +359,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
     memory[sig] += memory_s
     weight[sig] += op.repeat
     operand_weight.setdefault(sig, np.zeros(len(op.operands), np.float64))
-    operand_weight[sig] += [op.repeat * read_share[op.id, i] for i in range(len(op.operands))]
+    operand_weight[sig] += [min(op.repeat, made[v]) * read_share[op.id, i] for i, v in enumerate(op.operands)]
     operand_buffers.setdefault(sig, np.zeros(len(op.operands), np.float64))
     operand_buffers[sig] += [read_share[op.id, i] for i in range(len(op.operands))]
     buffers[sig] += 1.0
@@ -360,6 +405,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       op_reduction=reduction,
       op_reduction_source=reduction_source,
       op_deferred=deferred,
+      op_dense_factor=dense_factor,
       edge_op=edge_op,
       edge_value=np.array(edge_value, np.int32),
       edge_result=np.array(edge_result, bool),
@@ -370,9 +416,10 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
       reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
       reduction_combines=terminal[edge_op[reduction_edge]],
+      reduction_loop=_loop_groups(terminal[edge_op[reduction_edge]]),
       combine_bytes=np.array([hw.combine_threshold.get(k, 0.0) for k in ("all-reduce", "reduce-scatter")],
                              np.float32),
-      scatter_rounds=1.0 if hw.reduce_scatter else 2.0,
+      native_scatter=np.array(hw.reduce_scatter),
       live_bytes=_live_bytes(program, sigs),
       mask_group=group,
       mask_seconds_per_byte=seconds_per_byte,

@@ -47,11 +47,12 @@ __all__ = [
 ]
 
 # Cases at published sizes on 8 and 64 devices: the demo's model on both of the issue's
-# meshes, then GPT, MoE and U-Net cases of the task suite.
+# meshes, then GPT, MoE, U-Net and SSM (a time-step scan inside the layer scan) cases of
+# the task suite.
 FULLSIZE_CASES = (
     "demo-gpt-2x4-h100", "demo-gpt-8x8-h100",
-    "gpt-1.3b-2x4-h100", "moe-380m-2x4-a100-40g", "unet-ddpm-cifar10-4x2-a100-40g",
-    "gpt-6.7b-8x8-h100", "moe-27b-8x8-a100-80g", "unet-sd-1.5-8x8-h100",
+    "gpt-1.3b-2x4-h100", "moe-380m-2x4-a100-40g", "unet-ddpm-cifar10-4x2-a100-40g", "ssm-130m-4x2-a100-40g",
+    "gpt-6.7b-8x8-h100", "moe-27b-8x8-a100-80g", "unet-sd-1.5-8x8-h100", "ssm-2.8b-8x8-h100",
 )
 _DEMO = {"demo-gpt-2x4-h100": "data=2,model=4", "demo-gpt-8x8-h100": "data=8,model=8"}
 DEMO_WORKLOAD = "gpt:layers=8,d_model=1024"
@@ -102,11 +103,11 @@ def validation_case(name: str) -> workloads.Case:
 
 
 def validation_mesh(case: workloads.Case) -> Mesh:
-  """The case's mesh and hardware, with the CPU backend's collective combiner and
-  reduce-scatter (an all-reduce)."""
+  """The case's mesh and hardware, with the CPU backend's collective combiner,
+  reduce-scatter (an all-reduce) and dense batch-grouped convolutions."""
   cpu = HARDWARE["cpu"]
   hardware = dataclasses.replace(HARDWARE[case.hardware], combine_threshold=cpu.combine_threshold,
-                                 reduce_scatter=cpu.reduce_scatter)
+                                 reduce_scatter=cpu.reduce_scatter, dense_batch_group_conv=cpu.dense_batch_group_conv)
   return make_mesh(case.mesh, hardware)
 
 

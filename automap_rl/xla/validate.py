@@ -21,7 +21,7 @@ from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.simulator import KINDS
-from automap_rl.simulator.tables import program_flops
+from automap_rl.simulator.tables import dense_group_factors, program_flops
 from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import LoweringError, NumericsError, Reference, compare_outputs, lower, reference_outputs
 
@@ -108,7 +108,9 @@ def simulated_flops(problem: Problem, resolution: Any) -> float:
   (which reductions are large enough for a library kernel depends on them; see
   `automap_rl.ir.flops.fusion_copies`). An op's shard count is the product of the mesh
   axes its factors are sharded on; an op without a signature of its own (`op_sig == -1`:
-  it follows its values) is sharded like its first result."""
+  it follows its values) is sharded like its first result. A batch-grouped convolution
+  that the backend computes dense counts its device's groups times (see
+  `simulator.tables.dense_group_factors`)."""
   group = np.asarray(problem.tables.mask_group)
   op_shards = group[np.bitwise_or.reduce(np.asarray(resolution.op_mask), axis=1)]  # [Uo]
   value_masks = np.asarray(resolution.value_mask)  # [Uv, Rv]
@@ -117,13 +119,20 @@ def simulated_flops(problem: Problem, resolution: Any) -> float:
   shapes = [tuple(d // int(group[m]) for d, m in zip(v.shape, value_masks[sigs.value_sig[v.id]]))
             for v in program.values]
   flops = program_flops(program, shapes)
+  dense = dense_group_factors(program, problem.mesh.hardware)
 
   def shards(op) -> float:
     if sigs.op_sig[op.id] >= 0:
       return op_shards[sigs.op_sig[op.id]]
     return value_shards[sigs.value_sig[op.results[0]]] if op.results else 1.0
 
-  return float(sum(op.repeat * flops[op.id] / shards(op) for op in program.ops))
+  def local_groups(op) -> float:  # A dense batch-grouped conv's groups on one device.
+    if dense[op.id] < 0 or sigs.op_sig[op.id] < 0:
+      return 1.0
+    factor_mask = np.asarray(resolution.op_mask)[sigs.op_sig[op.id], dense[op.id]]
+    return op.rule.factor_sizes[dense[op.id]] / group[factor_mask]
+
+  return float(sum(op.repeat * flops[op.id] * local_groups(op) / shards(op) for op in program.ops))
 
 
 def simulated_metrics(problem: Problem, decisions: Sequence[Decision]) -> dict[str, Any]:
