@@ -61,7 +61,7 @@ DIMS: Mapping[str, tuple[str, ...]] = {
 }
 COST_DIMS: Mapping[str, tuple[str, ...]] = {
     "op_reduction": ("Uo", "Rf"), "edge_dim_factors": ("E", "Rv", "D"), "live_bytes": ("L", "Uv"),
-    "hbm_bytes": (), "combine_bytes": ("2",), "native_scatter": (),
+    "hbm_bytes": (), "combine_bytes": ("2",), "native_scatter": (), "loop_repeats": ("K",),
 }
 _PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "reduction": "R", "mask": "B"}
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from automap_rl import batching, packing
 from automap_rl.sharding import Resolution
-from automap_rl.simulator.tables import LOOP_GROUPS, CostTables
+from automap_rl.simulator.tables import CostTables
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
@@ -145,7 +145,7 @@ def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.
   The combining edges (`combines` [N] > 0, see `CostTables.reduction_combines`, and
   `threshold` > 0: the backend combines this kind) with collectives over the same axes
   (`axes` [N, B]) in the same loop group (`loop` [N], `CostTables.reduction_loop`: one
-  group outside loops and one per loop repeat count) form one group, counted per
+  group outside loops and one per loop repeat count, `CostTables.loop_repeats`) form one group, counted per
   iteration (each edge's `moved` [N, B], bytes per device a step, and `runs` [N, B],
   collectives a step, divided by its loop's repeat count). A group of total bytes T and n
   collectives (per iteration) runs `max(ceil(T / threshold), ceil(n / COMBINE_COUNT))`
@@ -155,7 +155,7 @@ def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.
   repeat = jnp.maximum(combines, 1.0)[:, None]
   moved_once, runs_once = moved / repeat, runs / repeat  # Per iteration (the step, outside loops).
   masks = range(1, t.mask_group.shape[-1])
-  in_group = [(loop == k)[:, None] for k in range(LOOP_GROUPS)]
+  in_group = [(loop == k)[:, None] for k in range(t.loop_repeats.shape[0])]
   sums = _sum_rows(*[jnp.where(member & (axes == m) & group, x, 0.0)
                      for group in in_group for m in masks for x in (moved_once, runs_once)])
   zero = jnp.zeros_like(sums[0])

@@ -109,10 +109,12 @@ class CostTables:
       collectives depend on each other (the gradients of data parallelism and FSDP, the
       loss), outside branches (with the loop if some run in one and some outside).
     reduction_loop: the combining group of the reduction's collectives, int8 [R]: 0 outside
-      loops (and for reductions that do not combine); k = 1 .. `LOOP_GROUPS` - 1 for the
-      k-th smallest loop repeat count among the combining reductions (XLA combines within
-      one loop body; loops of equal repeat count share a group, and any beyond the
-      `LOOP_GROUPS - 1` smallest share the last).
+      loops (and for reductions that do not combine); k = 1 .. K - 1 for the k-th smallest
+      loop repeat count among the combining reductions (XLA combines within one loop
+      body; loops of equal repeat count share a group, and any beyond the
+      `MAX_LOOP_GROUPS - 1` smallest share the last).
+    loop_repeats: the repeat count of each combining group (1 for group 0), [K]: its
+      length is how many groups the simulator sums (1 for a program without loops).
     combine_bytes: the most bytes one combined all-reduce and one combined reduce-scatter
       carry (`Hardware.combine_threshold`; 0: the backend does not combine), [2].
     native_scatter: whether the backend runs a reduce-scatter as one (else an all-reduce
@@ -147,6 +149,7 @@ class CostTables:
   reduction_partial_sums: np.ndarray
   reduction_combines: np.ndarray
   reduction_loop: np.ndarray
+  loop_repeats: np.ndarray
   combine_bytes: np.ndarray
   native_scatter: np.ndarray
   live_bytes: np.ndarray
@@ -299,17 +302,18 @@ def _terminal_reductions(program: Program, sigs: Signatures, reduces: np.ndarray
   return np.where(combines & ~np.isnan(repeat), repeat, 0.0).astype(np.float32)
 
 
-# Combining groups of `CostTables.reduction_loop`: outside loops, and up to three loops.
-LOOP_GROUPS = 4
+# Combining groups of `CostTables.reduction_loop` at most: outside loops, and three loops.
+MAX_LOOP_GROUPS = 4
 
 
-def _loop_groups(combines: np.ndarray) -> np.ndarray:
-  """`CostTables.reduction_loop` from `reduction_combines` [R]: 0 for repeat <= 1, else
-  the rank of the repeat count among the distinct ones above 1 (1-based, capped at
-  `LOOP_GROUPS - 1`), int8 [R]."""
-  repeats = np.unique(combines[combines > 1])
-  rank = np.searchsorted(repeats, combines) + 1
-  return np.where(combines > 1, np.minimum(rank, LOOP_GROUPS - 1), 0).astype(np.int8)
+def _loop_groups(combines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`(CostTables.reduction_loop, CostTables.loop_repeats)` from `reduction_combines`
+  [R]: group 0 for repeat <= 1, else the rank of the repeat count among the distinct ones
+  above 1 (1-based, capped at `MAX_LOOP_GROUPS - 1`); int8 [R] and float32 [K]."""
+  repeats = np.unique(combines[combines > 1])[:MAX_LOOP_GROUPS - 1]
+  rank = np.minimum(np.searchsorted(repeats, combines) + 1, len(repeats))
+  groups = np.where(combines > 1, rank, 0).astype(np.int8)
+  return groups, np.concatenate([[1.0], repeats]).astype(np.float32)
 
 
 def _factor_indices(tables: list[np.ndarray], rv: int, rf: int) -> np.ndarray:
@@ -395,6 +399,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   reduces = reduction.any(axis=1)[reduction_source] & ~deferred  # [Uo]
   reduction_edge = np.flatnonzero(np.array(edge_result, bool) & reduces[edge_op]).astype(np.int32)
   terminal = _terminal_reductions(program, sigs, reduces)
+  loop_groups, loop_repeats = _loop_groups(terminal[edge_op[reduction_edge]])
   group, seconds_per_byte, latency = _mask_tables(mesh)
   return CostTables(
       value_bytes=np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32),
@@ -416,7 +421,8 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
       reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
       reduction_combines=terminal[edge_op[reduction_edge]],
-      reduction_loop=_loop_groups(terminal[edge_op[reduction_edge]]),
+      reduction_loop=loop_groups,
+      loop_repeats=loop_repeats,
       combine_bytes=np.array([hw.combine_threshold.get(k, 0.0) for k in ("all-reduce", "reduce-scatter")],
                              np.float32),
       native_scatter=np.array(hw.reduce_scatter),
