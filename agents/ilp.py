@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import numpy as np
 
@@ -84,12 +85,13 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   bound this agent; its time limit does. The seed drives the solver's random choices; its stages stop on the wall clock, so two
   runs agree when the whole MIP is solved to optimality (small graphs) and can differ
   otherwise. When the graph has no plan within the memory limit (the solver finds none),
-  the best expert plan is returned.
+  the best expert plan is returned; so it is, with a warning, when the graph is too large
+  for the solver (`solver.GraphTooLarge`).
   """
   start = time.perf_counter()
   budget = Budget.of(budget)
   limit = budget.seconds if budget.seconds is not None else config.seconds
-  _, expert, expert_cost = best_expert(problem)
+  expert_name, expert, expert_cost = best_expert(problem)
   order = strategy_graph.order_from(problem, expert if config.warm_start else ())
   graph = strategy_graph.build(problem, order)
   simulations = len(tactics.applicable(problem)) + 1
@@ -100,6 +102,9 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
     result = solver.solve(graph.graph, timeout_s=limit, seed=seed,
                           warm_start=None if warm is None else graph.choice(warm))
     decisions = graph.decisions(result.choice)
+  except solver.GraphTooLarge as e:
+    warnings.warn(f"ilp: {e}; returning the best expert plan ({expert_name}) instead.", stacklevel=2)
+    decisions = None
   except RuntimeError:  # No plan of the graph fits in memory.
     decisions = None
   cost = None if decisions is None else problem.cost(decisions)

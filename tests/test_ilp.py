@@ -23,3 +23,19 @@ def test_ilp_plan_beats_the_best_expert_and_lowers(case):
   assert plan.search.step_time <= float(expert_cost.step_time) * (1 + 1e-6)
   assert float(plan.problem.cost(plan.search.decisions).step_time) == pytest.approx(plan.search.step_time)
   assert plan.check_numerics().compiled is not None  # Raises NumericsError on a mismatch.
+
+
+def test_a_graph_too_large_for_the_solver_returns_the_best_expert_with_a_warning(monkeypatch):
+  """A strategy graph whose reduction leaves more pair-cost entries than the solver can set
+  up within a time limit (wresnet-6.8b on 2x4x8: 186 million) is not solved for minutes
+  past the limit: the agent warns and returns the best expert plan."""
+  import importlib
+  from automap_rl.mesh import make_mesh
+  from automap_rl.problem import Problem
+  monkeypatch.setattr(importlib.import_module("automap_rl.solver.solve"), "MAX_PAIR_ENTRIES", 0)
+  workload = workloads.make_workload("mlp", abstract=True)
+  problem = Problem.build(workload.trace(), make_mesh("data=2,model=4", "h100"))
+  _, _, expert_cost = ilp.best_expert(problem)
+  with pytest.warns(UserWarning, match="pair-cost entries"):
+    result = ilp.search(problem, budget=5.0)
+  assert result.cost.step_time == pytest.approx(float(expert_cost.step_time))

@@ -62,6 +62,15 @@ _SMALL_BUDGET_EVERY = 16
 # `inf - inf` made the dual's messages NaN).
 _MAX_PRICE = 1e12
 
+# Pair-cost entries of the reduced problem beyond which the solver's set-up alone (the
+# dual's message schedule, the layout) outlasts a time limit of minutes: wresnet-6.8b on
+# a 2x4x8 mesh reduces to 186 million entries, whose set-up ran for more than 15 minutes.
+MAX_PAIR_ENTRIES = 20_000_000
+
+
+class GraphTooLarge(RuntimeError):
+  """The reduced problem has more than `MAX_PAIR_ENTRIES` pair-cost entries."""
+
 
 def next_prices(prices: np.ndarray, excess: np.ndarray, capacity: np.ndarray, base: float) -> np.ndarray:
   """The pricing round's update of the per-segment prices [S]: 1.5x (at least `base`)
@@ -110,6 +119,8 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
 
   Raises:
     ValueError: if `warm_start` is not one strategy index per node.
+    GraphTooLarge: if the problem reduces to more than `MAX_PAIR_ENTRIES` pair-cost
+      entries (the exact reduction runs first, outside the time limit).
     RuntimeError: if no plan within the usage limit was found.
   """
   started = time.monotonic()
@@ -172,6 +183,10 @@ class _Search:
   def run(self, warm_start: np.ndarray | None) -> None:
     graph = self.graph
     self.reduced = reduce_graph(graph)
+    entries = len(self.reduced.pair_costs)
+    if entries > MAX_PAIR_ENTRIES:
+      raise GraphTooLarge(f"solver: {graph.name or 'the graph'} reduces to {entries:,} pair-cost entries, more than "
+                          f"the {MAX_PAIR_ENTRIES:,} the solver can set up within a time limit")
     self.memory = build_memory(graph, self.reduced)
     reduced = self.reduced
     self.note(f"reduce: {graph.num_nodes} nodes, {graph.num_edges} edges -> {reduced.num_groups} groups, "
