@@ -36,6 +36,8 @@ class ValidateConfig:
       failed plan, not the end of the command), run and checked against the unpartitioned
       step; 0: run `suite`.
     models: with `random`, the workloads; default every family at small size.
+    workers: with `random`, processes running plans side by side (the cases do not
+      depend on it; each process holds its own jax and compiling child).
   """
 
   suite: Literal["quick", "full", "fullsize"] = "quick"
@@ -47,6 +49,7 @@ class ValidateConfig:
   seed: int = 0
   random: int = 0
   models: tuple[str, ...] = ()
+  workers: int = 1
 
 
 def _mb(x: float) -> str:
@@ -91,7 +94,8 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   print(HEADER)
   report = lambda case: print(_row(case), flush=True)
   if config.random:
-    random_suite = validate.RandomSuite(**({"models": config.models} if config.models else {}), plans=config.random)
+    random_suite = validate.RandomSuite(**({"models": config.models} if config.models else {}), plans=config.random,
+                                        workers=config.workers)
     cases = validate.run_random(random_suite, report)
   else:
     cases = validate.run_suite(validate.SUITES[config.suite], report)

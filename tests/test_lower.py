@@ -239,7 +239,8 @@ def test_a_grouped_convolution_sharded_on_its_features_is_split_by_whole_groups(
 
 def test_an_xla_abort_kills_only_the_child_compile():
   """Plain JAX: 2 groups split over 4 devices make XLA's partitioner abort (SIGABRT) on the
-  kernel gradient's convolution; compiled in a child process, it raises here instead."""
+  kernel gradient's convolution; compiled in a child process, it raises here instead, and
+  the next compile runs in a new child."""
   mesh = to_jax_mesh(make_mesh("data=2,model=4", "cpu"))
   channels = NamedSharding(mesh, P(None, None, None, "model"))
 
@@ -254,6 +255,9 @@ def test_an_xla_abort_kills_only_the_child_compile():
   with pytest.raises(CompileAborted, match=r"^convolution_handler\.cc:\d+: Check failed") as error:
     compile_directly(stage, mesh.devices)
   assert error.value.where.startswith("convolution_handler.cc:")
+  # The compiling child died with it; the next compile starts another.
+  healthy = jax.jit(lambda x: jnp.tanh(x) * 2, in_shardings=channels).lower(jnp.ones((8, 8, 8, 16)))
+  compile_directly(healthy, mesh.devices)
 
 
 def test_a_plan_xla_cannot_compile_is_a_one_line_error_naming_the_op_and_its_sharding(monkeypatch):

@@ -1,5 +1,6 @@
 """Tests for automap_rl.xla.validate and `automap-rl validate`."""
 
+import dataclasses
 import json
 import math
 
@@ -115,6 +116,17 @@ def test_random_plans_are_lowered_in_isolation_and_checked(tmp_path, capsys):
   summary = document["summary"]
   assert (summary["num_cases"], summary["lowering_errors"], summary["xla_aborts"]) == (2, 0, 0)
   assert summary["numerics_ok_fraction"] == 1
+
+
+def test_random_plans_in_two_processes_are_the_plans_of_one():
+  """`validate --random N --workers 2` runs the same plans, compiled to the same modules,
+  and returns them in the same order as one process does."""
+  suite = validate.RandomSuite(models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",), plans=3)
+  one, two = (validate.run_random(dataclasses.replace(suite, workers=w)) for w in (1, 2))
+  assert [c.plan for c in two] == ["random_0", "random_1", "random_2"]
+  assert [(c.mesh, c.decisions, c.compiled, c.numerics_ok) for c in two] == [
+      (c.mesh, c.decisions, c.compiled, c.numerics_ok) for c in one]
+  assert all(c.numerics_ok for c in two)
 
 
 def test_a_plan_that_does_not_lower_is_a_failed_case_not_a_crash(monkeypatch):

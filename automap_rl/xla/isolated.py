@@ -3,21 +3,28 @@
 XLA's SPMD partitioner checks its invariants with `CHECK`s: a sharding it cannot partition
 (a grouped convolution split across a group, for one) aborts the whole process (SIGABRT),
 and with it the user's session. `compile_directly` compiles the module of a
-`jax.stages.Lowered` (its StableHLO text, which carries the plan's shardings) in a fresh
+`jax.stages.Lowered` (its StableHLO text, which carries the plan's shardings) in a child
 Python process with the same platform, device count and partitioner, through
 `jax.extend.backend`. A compile that dies there raises `CompileAborted` with XLA's own
 message; one that succeeds means the caller's compile of the same module will too.
+
+The child stays up between compiles (a Python start and an import of jax cost about two
+seconds; a small model's plan compiles in one to three): it reads modules from its stdin
+and answers a line for each. One that dies is replaced at the next compile.
 """
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import jax
@@ -53,12 +60,27 @@ def backend_compile(text: str, platform: str, shardy: bool, ids: list[int], dump
   backend.get_backend(platform).compile_and_load(text, [by_id[i] for i in ids], options)
 
 
-# The child: reads the module from stdin and compiles it (`backend_compile`; argv: platform,
-# shardy, dump directory, options as JSON, device ids), exits 0; an XLA CHECK aborts it.
+# The child: for each request on stdin (a JSON header line with `backend_compile`'s
+# arguments, the module's size in bytes and a log file, then the module's text), sends its
+# stderr to the log file, compiles (`backend_compile`) and answers `ok` or `error` (an
+# ordinary XLA error, left to the caller's own compile to raise) on stdout; an XLA CHECK
+# aborts it. It exits when the caller closes its stdin.
 _CHILD = "from __future__ import annotations\n" + inspect.getsource(backend_compile) + """
-import json, sys
-backend_compile(sys.stdin.read(), sys.argv[1], sys.argv[2] == "1", [int(i) for i in sys.argv[5:]], sys.argv[3],
-                json.loads(sys.argv[4]))
+import json, os, sys
+requests, replies = sys.stdin.buffer, sys.stdout.buffer
+for header in requests:
+  request = json.loads(header)
+  text = requests.read(request["size"]).decode()
+  log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+  os.dup2(log, 2)
+  os.close(log)
+  try:
+    backend_compile(text, request["platform"], request["shardy"], request["ids"], request["dump_to"],
+                    request["options"])
+    replies.write(b"ok\\n")
+  except Exception:
+    replies.write(b"error\\n")
+  replies.flush()
 """
 
 # glog's fatal line: `F1123 13:56:07.484964   20148 convolution_handler.cc:984] Check failed: ...`.
@@ -89,6 +111,80 @@ def _child_env(num_devices: int, platform: str) -> dict[str, str]:
   return env
 
 
+class _Child:
+  """A compiling child process (see `_CHILD`) with the environment `env`."""
+
+  def __init__(self, env: dict[str, str]):
+    self.timed_out: float | None = None
+    handle, self.log = tempfile.mkstemp(prefix="automap_compile_", suffix=".log")
+    with os.fdopen(handle, "w") as log:  # Until its first request: what an import of jax says.
+      self.process = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=log, env=env)
+
+  def close(self) -> None:
+    if self.process.poll() is None:
+      self.process.kill()
+    self.process.wait()
+    for pipe in (self.process.stdin, self.process.stdout):
+      pipe.close()
+    os.unlink(self.log)
+
+  def compile(self, text: str, request: dict[str, Any], timeout_s: float) -> bool:
+    """Sends one module; True when the child answered (compiled, or raised an ordinary
+    error), False when it died or timed out (then `aborted()` says why)."""
+    data = text.encode()
+    header = json.dumps({**request, "size": len(data), "log": self.log}).encode() + b"\n"
+    try:
+      self.process.stdin.write(header + data)
+      self.process.stdin.flush()
+    except BrokenPipeError:
+      return False
+    ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+    if not ready:
+      self.process.kill()
+      self.timed_out = timeout_s
+      return False
+    return bool(self.process.stdout.readline())
+
+  def aborted(self) -> CompileAborted:
+    """Why the child died: XLA's fatal check, the signal that killed it, or the timeout."""
+    code = self.process.wait()
+    if self.timed_out is not None:
+      return CompileAborted("", f"the compile did not finish in {self.timed_out:.0f}s")
+    with open(self.log, errors="replace") as f:
+      lines = [line.strip() for line in f if line.strip()]
+    for line in lines:
+      match = _FATAL.match(line)
+      if match:
+        return CompileAborted(match.group(1), match.group(2))
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"ended with exit code {code}"
+    return CompileAborted("", f"the compile was {how}: {lines[-1] if lines else 'no message'}")
+
+
+_CHILDREN: dict[tuple[tuple[str, str], ...], _Child] = {}  # By environment; at most one lives.
+
+
+def _close_children() -> None:
+  while _CHILDREN:
+    _CHILDREN.popitem()[1].close()
+
+
+atexit.register(_close_children)
+
+
+def _compile_in_child(text: str, request: dict[str, Any], env: dict[str, str], timeout_s: float) -> None:
+  key = tuple(sorted(env.items()))
+  if key not in _CHILDREN:
+    _close_children()
+    _CHILDREN[key] = _Child(env)
+  child = _CHILDREN[key]
+  if not child.compile(text, request, timeout_s):
+    del _CHILDREN[key]
+    error = child.aborted()
+    child.close()
+    raise error
+
+
 def compile_directly(stage: Any, devices: np.ndarray, isolated: bool = True, dump_to: str = "",
                      timeout_s: float = 600.0) -> None:
   """Compiles `stage` (a `jax.stages.Lowered`) over `devices` (the mesh's devices, in mesh
@@ -98,29 +194,17 @@ def compile_directly(stage: Any, devices: np.ndarray, isolated: bool = True, dum
   raise); in this process otherwise (XLA's errors raise here). `dump_to`: see
   `backend_compile`.
 
-  Isolated, it costs a Python start and an import of jax (about two seconds) plus one compile.
+  Isolated, it costs one compile in the child, which stays up for the next (its first
+  compile also starts it: a Python start and an import of jax, about two seconds).
   """
   flat = list(np.asarray(devices).flat)
   platform = flat[0].platform
   shardy = bool(jax.config.jax_use_shardy_partitioner)
   ids = [d.id for d in flat]
   options = quick_compile_options(platform)
+  text = stage.as_text(debug_info=True)
   if not isolated:
-    backend_compile(stage.as_text(debug_info=True), platform, shardy, ids, dump_to, options)
+    backend_compile(text, platform, shardy, ids, dump_to, options)
     return
-  command = [sys.executable, "-c", _CHILD, platform, "1" if shardy else "0", dump_to, json.dumps(options),
-             *map(str, ids)]
-  try:
-    done = subprocess.run(command, input=stage.as_text(debug_info=True), capture_output=True, text=True, timeout=timeout_s,
-                          env=_child_env(len(flat), platform))
-  except subprocess.TimeoutExpired:
-    raise CompileAborted("", f"the compile did not finish in {timeout_s:.0f}s") from None
-  lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-  for line in lines:
-    match = _FATAL.match(line)
-    if match:
-      raise CompileAborted(match.group(1), match.group(2))
-  if done.returncode < 0:
-    raise CompileAborted("", f"the compile was killed by {signal.Signals(-done.returncode).name}: "
-                             f"{lines[-1] if lines else 'no message'}")
-  # Exit 0, or a Python exception: the caller's own compile succeeds or raises it.
+  request = {"platform": platform, "shardy": shardy, "ids": ids, "dump_to": dump_to, "options": options}
+  _compile_in_child(text, request, _child_env(len(flat), platform), timeout_s)

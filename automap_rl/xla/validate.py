@@ -8,10 +8,13 @@ One trace and one `Problem` per (model, mesh); plans are the expert tactics of
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import math
+import multiprocessing
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -269,6 +272,8 @@ class RandomSuite:
     max_random_decisions: decisions per plan, 1 to this many (`random_plan`).
     seed: seeds the workloads and the plans.
     hardware: the simulator's hardware profile.
+    workers: processes running plans side by side (each with its own jax and compiling
+      child); the cases and their order do not depend on it.
   """
 
   models: tuple[str, ...] = tuple(workloads.SMALL.values())
@@ -277,27 +282,67 @@ class RandomSuite:
   max_random_decisions: int = 4
   seed: int = 0
   hardware: str = "cpu"
+  workers: int = 1
+
+
+@functools.lru_cache(maxsize=1)
+def _random_model(suite: RandomSuite, m: int) -> tuple[workloads.Workload, Reference, dict[str, Problem],
+                                                         list[tuple[str, list[Decision]]]]:
+  """Model `m` of `suite`: its workload, reference outputs, one problem per mesh (one
+  trace) and its `suite.plans` (mesh, random plan) pairs, the same in every process."""
+  workload = workloads.make_workload(suite.models[m], seed=suite.seed)
+  reference = reference_outputs(workload.step, workload.args)
+  program = trace_workload(workload)
+  problems = {mesh: Problem.build(program, make_mesh(mesh, suite.hardware)) for mesh in suite.meshes}
+  rng = np.random.default_rng(suite.seed * 1000 + m)
+  plans = []
+  for i in range(suite.plans):
+    mesh = suite.meshes[i % len(suite.meshes)]
+    plans.append((mesh, random_plan(problems[mesh], rng, suite.max_random_decisions)))
+  return workload, reference, problems, plans
+
+
+def _random_cases(suite: RandomSuite, m: int, start: int, stop: int) -> Iterator[Case]:
+  """Random plans `start` to `stop` of model `m`, each lowered, run and checked."""
+  workload, reference, problems, plans = _random_model(suite, m)
+  for i in range(start, stop):
+    mesh, decisions = plans[i]
+    yield run_case(problems[mesh], workload, mesh, f"random_{i}", decisions, reference)
+
+
+def _random_case_list(suite: RandomSuite, m: int, start: int, stop: int) -> list[Case]:
+  return list(_random_cases(suite, m, start, stop))
 
 
 def run_random(suite: RandomSuite, report: Callable[[Case], None] = lambda case: None) -> list[Case]:
   """`suite.plans` random plans per model, each lowered (compiled in a child process first:
   an XLA abort is a failed case, never the end of this process), run and compared with the
-  unpartitioned step; one trace per model. `report` sees each case as it finishes."""
+  unpartitioned step; one trace per model and process. With `suite.workers` > 1, runs of
+  a tenth of a model's plans each go to that many processes (started fresh, `spawn`:
+  they read the XLA flags of this process's environment). `report` sees each case as it
+  finishes (with workers, each run's cases when it ends); the returned cases are in
+  model and plan order either way."""
   if suite.plans < 1:
     raise ValueError(f"--random {suite.plans}: give a positive number of plans per model.")
-  cases = []
-  for m, spec in enumerate(suite.models):
-    workload = workloads.make_workload(spec, seed=suite.seed)
-    reference = reference_outputs(workload.step, workload.args)
-    program = trace_workload(workload)
-    problems = {mesh: Problem.build(program, make_mesh(mesh, suite.hardware)) for mesh in suite.meshes}
-    rng = np.random.default_rng(suite.seed * 1000 + m)
-    for i in range(suite.plans):
-      mesh = suite.meshes[i % len(suite.meshes)]
-      decisions = random_plan(problems[mesh], rng, suite.max_random_decisions)
-      cases.append(run_case(problems[mesh], workload, mesh, f"random_{i}", decisions, reference))
-      report(cases[-1])
-  return cases
+  if suite.workers < 1:
+    raise ValueError(f"--workers {suite.workers}: give at least one process.")
+  size = -(-suite.plans // 10)
+  runs = [(m, start, min(start + size, suite.plans))
+          for m in range(len(suite.models)) for start in range(0, suite.plans, size)]
+  if suite.workers == 1:
+    cases = []
+    for run in runs:
+      for case in _random_cases(suite, *run):
+        cases.append(case)
+        report(case)
+    return cases
+  context = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(suite.workers, mp_context=context) as pool:
+    futures = [pool.submit(_random_case_list, suite, *run) for run in runs]
+    for future in concurrent.futures.as_completed(futures):
+      for case in future.result():
+        report(case)
+    return [case for future in futures for case in future.result()]
 
 
 # -- summary ------------------------------------------------------------------------------
