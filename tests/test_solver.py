@@ -23,6 +23,7 @@ from automap_rl.solver import (
     write_solution,
 )
 from automap_rl.solver import iopddl
+from automap_rl.solver.reduce import GraphTooLarge, reduce_graph
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "iopddl"
 needs_data = pytest.mark.skipif(not (DATA / "example.json").exists(),
@@ -106,6 +107,18 @@ def test_evaluate_rejects_forbidden_strategies_and_pairs():
   assert bad_pair.reason == iopddl.REASON_FORBIDDEN and bad_pair.cost == 1 + 3 + FORBIDDEN
   assert evaluate(graph, [0, 0]) == iopddl.Evaluation(3, True, 0, None)
   assert not is_feasible(graph, [0, 1]) and is_feasible(graph, [0, 0])
+
+
+def test_reduction_refuses_a_grouping_beyond_its_entry_limit_before_building_it():
+  """Node 1 has one strategy, so a neighbour decides it and it merges into that group:
+  the graph's 3 + 4 entries (edges 0-1 and 1-2) become one 3 x 4 matrix between node 0's
+  group and node 2's. The limit counts the entries of edges between groups before they
+  are allocated."""
+  graph = StrategyGraph.from_lists([[1, 2, 3], [0], [1, 1, 1, 1]], [[0] * 3, [0], [0] * 4], [[0, 1]] * 3,
+                                   [[0, 1], [1, 2]], [[1, 2, 3], [4, 5, 6, 7]], usage_limit=None)
+  assert reduce_graph(graph, max_entries=12).num_groups == 2
+  with pytest.raises(GraphTooLarge, match="groups into 12 pair-cost entries, more than the 11"):
+    reduce_graph(graph, max_entries=11)
 
 
 def test_plan_cost_sums_forbidden_values_exactly():

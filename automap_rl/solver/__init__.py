@@ -16,7 +16,8 @@ from automap_rl.solver.graph import (
     usage_profile,
 )
 from automap_rl.solver.iopddl import Evaluation, evaluate, load_problem, read_solution, write_solution
-from automap_rl.solver.solve import GraphTooLarge, SolveResult, solve
+from automap_rl.solver.reduce import GraphTooLarge
+from automap_rl.solver.solve import SolveResult, solve
 
 __all__ = [
     "FORBIDDEN",

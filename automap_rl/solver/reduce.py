@@ -26,7 +26,12 @@ import numpy as np
 
 from automap_rl.solver.graph import StrategyGraph, is_forbidden, offsets_from_counts
 
-__all__ = ["Reduced", "reduce_graph"]
+__all__ = ["GraphTooLarge", "Reduced", "reduce_graph"]
+
+
+class GraphTooLarge(RuntimeError):
+  """The problem has more pair-cost entries than the solver can handle (see `reduce_graph`
+  and `solve.MAX_PAIR_ENTRIES`)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -106,11 +111,21 @@ class _Grouping:
   members: dict[int, list[int]]  # root -> nodes of its group
 
 
-def reduce_graph(graph: StrategyGraph) -> Reduced:
+def reduce_graph(graph: StrategyGraph, max_entries: int | None = None) -> Reduced:
   """Applies the exact reductions until none applies.
+
+  Merging a node into a group with many strategies can grow the pair-cost matrices of its
+  edges (wresnet-6.8b on 2x4x8: 3.8 million entries in the graph, 186 million after
+  reduction); the reduction's arrays take about 100 bytes per entry.
+
+  Args:
+    graph: the strategy graph.
+    max_entries: refuse (`GraphTooLarge`) a grouping whose edges between groups hold more
+      entries than this, before allocating them; None: no limit.
 
   Raises:
     ValueError: if every plan picks a forbidden cost somewhere.
+    GraphTooLarge: see `max_entries`.
   """
   node_costs = _as_cost(graph.node_costs)
   edge_costs = _as_cost(graph.edge_costs)
@@ -119,7 +134,7 @@ def reduce_graph(graph: StrategyGraph) -> Reduced:
       root=np.arange(n), maps=[np.arange(c) for c in graph.num_strategies],
       members={i: [i] for i in range(n)})
   while True:
-    reduced = _build(graph, node_costs, edge_costs, state)
+    reduced = _build(graph, node_costs, edge_costs, state, max_entries)
     entries = _Entries(reduced)
     allowed = _arc_consistent(reduced, entries)
     keep = {int(r): allowed[reduced.offsets[g]:reduced.offsets[g + 1]] for g, r in enumerate(np.unique(state.root))}
@@ -135,7 +150,8 @@ def _as_cost(costs: np.ndarray) -> np.ndarray:
   return out
 
 
-def _build(graph: StrategyGraph, node_costs: np.ndarray, edge_costs: np.ndarray, state: _Grouping) -> Reduced:
+def _build(graph: StrategyGraph, node_costs: np.ndarray, edge_costs: np.ndarray, state: _Grouping,
+           max_entries: int | None) -> Reduced:
   """The group problem for the current grouping (vectorised over all edges)."""
   roots = np.unique(state.root)
   group_of_root = np.full(graph.num_nodes, -1)
@@ -172,6 +188,9 @@ def _build(graph: StrategyGraph, node_costs: np.ndarray, edge_costs: np.ndarray,
   pairs = np.stack([keys // max(len(roots), 1), keys % max(len(roots), 1)], axis=1).astype(np.int64)
   pair_offsets = offsets_from_counts(counts[pairs[:, 0]] * counts[pairs[:, 1]])
   sizes = counts[gu[out]] * counts[gv[out]]
+  if max_entries is not None and sizes.sum() > max_entries:
+    raise GraphTooLarge(f"solver: {graph.name or 'the graph'} groups into {int(sizes.sum()):,} pair-cost entries, "
+                        f"more than the {max_entries:,} the solver can set up within a time limit")
   e = np.repeat(out, sizes)
   k = np.arange(len(e)) - np.repeat(offsets_from_counts(sizes)[:-1], sizes)
   kv = counts[gv[e]]

@@ -42,7 +42,7 @@ from automap_rl.solver.graph import StrategyGraph, is_feasible, plan_cost
 from automap_rl.solver.local import Budget, Layout, Plan
 from automap_rl.solver.memory import Memory, build_memory
 from automap_rl.solver.mip import group_cost, reoptimize
-from automap_rl.solver.reduce import Reduced, reduce_graph
+from automap_rl.solver.reduce import GraphTooLarge, Reduced, reduce_graph
 
 __all__ = ["SolveResult", "solve"]
 
@@ -64,12 +64,10 @@ _MAX_PRICE = 1e12
 
 # Pair-cost entries of the reduced problem beyond which the solver's set-up alone (the
 # dual's message schedule, the layout) outlasts a time limit of minutes: wresnet-6.8b on
-# a 2x4x8 mesh reduces to 186 million entries, whose set-up ran for more than 15 minutes.
+# a 2x4x8 mesh reduces to 186 million entries, whose set-up ran for more than 15 minutes
+# (and whose reduction alone peaked at 24 GB resident). The reduction refuses a grouping
+# beyond twice as many entries (before summing parallel edges) before allocating it.
 MAX_PAIR_ENTRIES = 20_000_000
-
-
-class GraphTooLarge(RuntimeError):
-  """The reduced problem has more than `MAX_PAIR_ENTRIES` pair-cost entries."""
 
 
 def next_prices(prices: np.ndarray, excess: np.ndarray, capacity: np.ndarray, base: float) -> np.ndarray:
@@ -182,7 +180,7 @@ class _Search:
 
   def run(self, warm_start: np.ndarray | None) -> None:
     graph = self.graph
-    self.reduced = reduce_graph(graph)
+    self.reduced = reduce_graph(graph, max_entries=2 * MAX_PAIR_ENTRIES)
     entries = len(self.reduced.pair_costs)
     if entries > MAX_PAIR_ENTRIES:
       raise GraphTooLarge(f"solver: {graph.name or 'the graph'} reduces to {entries:,} pair-cost entries, more than "
