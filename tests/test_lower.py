@@ -124,11 +124,12 @@ def test_compare_leaf_tolerates_reference_noise_only():
   with pytest.raises(NumericsError, match="Output x"):
     compare_leaf("x", ref, ref.astype(np.float32), noisy)
   # A leaf that is all noise (an exact gradient of zero): one lucky plain run understates
-  # the noise; the perturbed run's sample widens the bound.
+  # the noise; the perturbed runs' samples widen the bound.
   zero, lucky = np.zeros(16), np.full(16, 1e-5, np.float32)
   with pytest.raises(NumericsError, match="Output z"):
     compare_leaf("z", zero, lucky, np.full(16, -3e-5, np.float32))
-  compare_leaf("z", zero, lucky, np.full(16, -3e-5, np.float32), perturbed=np.full(16, 2e-5, np.float32))
+  compare_leaf("z", zero, lucky, np.full(16, -3e-5, np.float32),
+               perturbed=[np.full(16, 5e-6, np.float32), np.full(16, 2e-5, np.float32)])
   with pytest.raises(NumericsError, match="2 of 3 elements differ"):
     compare_leaf("i", np.arange(3), np.arange(3, dtype=np.int32), np.array([0, 2, 3], np.int32))
 
