@@ -42,7 +42,7 @@ from automap_rl.solver.graph import StrategyGraph, is_feasible, plan_cost
 from automap_rl.solver.local import Budget, Layout, Plan
 from automap_rl.solver.memory import Memory, build_memory
 from automap_rl.solver.mip import group_cost, reoptimize
-from automap_rl.solver.reduce import GraphTooLarge, Reduced, reduce_graph
+from automap_rl.solver.reduce import Reduced, reduce_graph
 
 __all__ = ["SolveResult", "solve"]
 
@@ -62,11 +62,12 @@ _SMALL_BUDGET_EVERY = 16
 # `inf - inf` made the dual's messages NaN).
 _MAX_PRICE = 1e12
 
-# Pair-cost entries of the reduced problem beyond which the solver's set-up alone (the
-# dual's message schedule, the layout) outlasts a time limit of minutes: wresnet-6.8b on
-# a 2x4x8 mesh reduces to 186 million entries, whose set-up ran for more than 15 minutes
-# (and whose reduction alone peaked at 24 GB resident). The reduction refuses a grouping
-# beyond twice as many entries (before summing parallel edges) before allocating it.
+# Pair-cost entries beyond which the solver's set-up alone (the dual's message schedule,
+# the layout) outlasts a time limit of minutes: wresnet-6.8b on a 2x4x8 mesh reduces to
+# 186 million entries, whose set-up ran for more than 15 minutes (and whose reduction
+# peaked at 24 GB resident). The reduction refuses a grouping beyond this many entries
+# before allocating it (`reduce_graph`'s `max_entries`), so the reduced problem never
+# holds more.
 MAX_PAIR_ENTRIES = 20_000_000
 
 
@@ -117,8 +118,8 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
 
   Raises:
     ValueError: if `warm_start` is not one strategy index per node.
-    GraphTooLarge: if the problem reduces to more than `MAX_PAIR_ENTRIES` pair-cost
-      entries (the exact reduction runs first, outside the time limit).
+    GraphTooLarge: if the exact reduction (which runs first, outside the time limit)
+      groups the problem into more than `MAX_PAIR_ENTRIES` pair-cost entries.
     RuntimeError: if no plan within the usage limit was found.
   """
   started = time.monotonic()
@@ -180,11 +181,7 @@ class _Search:
 
   def run(self, warm_start: np.ndarray | None) -> None:
     graph = self.graph
-    self.reduced = reduce_graph(graph, max_entries=2 * MAX_PAIR_ENTRIES)
-    entries = len(self.reduced.pair_costs)
-    if entries > MAX_PAIR_ENTRIES:
-      raise GraphTooLarge(f"solver: {graph.name or 'the graph'} reduces to {entries:,} pair-cost entries, more than "
-                          f"the {MAX_PAIR_ENTRIES:,} the solver can set up within a time limit")
+    self.reduced = reduce_graph(graph, max_entries=MAX_PAIR_ENTRIES)
     self.memory = build_memory(graph, self.reduced)
     reduced = self.reduced
     self.note(f"reduce: {graph.num_nodes} nodes, {graph.num_edges} edges -> {reduced.num_groups} groups, "
