@@ -335,6 +335,7 @@ def run_random(suite: RandomSuite, report: Callable[[Case], None] = lambda case:
       for case in _random_cases(suite, *run):
         cases.append(case)
         report(case)
+    _random_model.cache_clear()  # The last model's arrays.
     return cases
   context = multiprocessing.get_context("spawn")
   with concurrent.futures.ProcessPoolExecutor(suite.workers, mp_context=context) as pool:
