@@ -238,6 +238,31 @@ def test_a_grouped_convolution_sharded_on_its_features_is_split_by_whole_groups(
   assert lowered.differences == ()
 
 
+@pytest.mark.parametrize("groups, axis", [(16, "model"), (4, "data")])
+def test_a_grouped_convolutions_kernel_gradient_with_the_batch_on_part_of_the_mesh_is_right(groups, axis):
+  """The batch on one axis of two: XLA alone all-reduces the kernel gradient's convolution
+  over every device and multiplies it by the other axis's size; under the lowering's
+  `shard_map` every all-reduce (the kernel gradient's, the loss's) is over the batch's axis."""
+  step, args, problem = _grouped_conv_step(groups)
+  plan = [Decision(ArgDim("x", 0), axis)]
+  lowered = lower(problem, plan, step, args)
+  check_numerics(step, args, lowered)
+  assert {c.mesh_axes for c in lowered.stats.collectives if c.kind == "all-reduce"} == {(axis,)}
+  assert lowered.differences == ()
+
+
+def test_without_the_shard_map_xla_gets_the_kernel_gradient_wrong(monkeypatch):
+  """The reproducer of the bug the lowering works around: XLA's own partitioning of the
+  same plan gives a kernel gradient 2x too large (a failing check is what this shows)."""
+  lower_module = importlib.import_module("automap_rl.xla.lower")
+  monkeypatch.setattr(lower_module, "_conv_binder", lambda pinned, mesh: lambda origin, eqn, invals:
+                      lower_module._bind(eqn, invals))
+  step, args, problem = _grouped_conv_step(16)
+  lowered = lower(problem, [Decision(ArgDim("x", 0), "model")], step, args)
+  with pytest.raises(NumericsError, match=r"Output \[0\]"):
+    check_numerics(step, args, lowered)
+
+
 def test_an_xla_abort_kills_only_the_child_compile():
   """Plain JAX: 2 groups split over 4 devices make XLA's partitioner abort (SIGABRT) on the
   kernel gradient's convolution; compiled in a child process, it raises here instead, and

@@ -121,13 +121,14 @@ def _bind(eqn, invals: Sequence[Any], **replaced: Any) -> list[Any]:
 
 
 def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...], list[Any]], list[Any]],
-              before: Callable[[tuple[int, ...], list[Any]], list[Any]] = lambda origin, operands: operands
+              before: Callable[[tuple[int, ...], list[Any]], list[Any]] = lambda origin, operands: operands,
+              bind: Callable[[tuple[int, ...], Any, list[Any]], list[Any]] = lambda origin, eqn, invals: _bind(eqn, invals)
               ) -> Callable[..., list[Any]]:
   """A function evaluating `closed` equation by equation, calling `before(origin, operands)`
-  on each equation's array (non-literal) operands and `constrain(origin, results)` on its
-  results, for every equation outside `while` and `cond` bodies (calls are inlined and a
-  `scan` is bound with its body interpreted the same way, so origins are index paths
-  through calls and scans, as in `automap_rl.ir.trace`)."""
+  on each equation's array (non-literal) operands, `bind(origin, eqn, operands)` to apply it
+  and `constrain(origin, results)` on its results, for every equation outside `while` and
+  `cond` bodies (calls are inlined and a `scan` is bound with its body interpreted the same
+  way, so origins are index paths through calls and scans, as in `automap_rl.ir.trace`)."""
 
   def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...]):
     env: dict = {}
@@ -146,7 +147,7 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
         arrays = [i for i, v in enumerate(eqn.invars) if not isinstance(v, jax_core.Literal)]
         for i, x in zip(arrays, before(origin, [invals[i] for i in arrays])):
           invals[i] = x
-        outs = constrain(origin, _bind(eqn, invals))
+        outs = constrain(origin, bind(origin, eqn, invals))
       for var, val in zip(eqn.outvars, outs):
         if not isinstance(var, jax_core.DropVar):
           env[var] = val
@@ -209,6 +210,48 @@ def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], sp
                        "was the program traced from the same function and arguments?")
     return [x if v is None else pin(x, v) for x, v in zip(results, chosen)]
   return before, constrain
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+  """The mesh axes of one `PartitionSpec` entry."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
+                 mesh: jax.sharding.Mesh) -> Callable[[tuple[int, ...], Any, list[Any]], list[Any]]:
+  """`bind` for `interpret`: a batch-grouped convolution (`batch_group_count > 1`, the kernel
+  gradient of a grouped one) whose reduction (its lhs feature dim) the plan shards runs
+  per device under `shard_map` and sums its partial results with a `psum` over the
+  reduction's axes, as the simulator prices it; every other equation is bound as is.
+
+  XLA's SPMD partitioner all-reduces such a convolution's partial results over every
+  device, replicas included: with the reduction on a strict subset of the mesh and the
+  other axes idle, the kernel gradient comes out multiplied by their size (see
+  tests/test_lower.py). Under `shard_map` each device holds the groups of its lhs batch
+  dim's axes (the rhs output features are gathered to whole groups where the plan splits
+  them within a group) and the reduction's share of the batch.
+  """
+
+  def bind(origin: tuple[int, ...], eqn, invals: list[Any]) -> list[Any]:
+    groups_count = eqn.params.get("batch_group_count", 1)
+    if eqn.primitive.name != "conv_general_dilated" or groups_count <= 1 or origin not in pinned:
+      return _bind(eqn, invals)
+    lhs_dims, rhs_dims, out_dims = eqn.params["dimension_numbers"]
+    lhs_spec = tuple(pinned[origin][0][0]) + (None,) * len(lhs_dims)
+    groups, summed = _axes(lhs_spec[lhs_dims[0]]), _axes(lhs_spec[lhs_dims[1]])
+    if not summed:
+      return _bind(eqn, invals)
+
+    def spec(dims: Sequence[int], by_dim: Mapping[int, tuple[str, ...]]) -> PartitionSpec:
+      return PartitionSpec(*(by_dim.get(d) or None for d in range(len(dims))))
+
+    shards = int(np.prod([mesh.shape[a] for a in groups]))
+    local = lambda lhs, rhs: jax.lax.psum(_bind(eqn, [lhs, rhs], batch_group_count=groups_count // shards)[0], summed)
+    in_specs = (spec(lhs_dims, {lhs_dims[0]: groups, lhs_dims[1]: summed}),
+                spec(rhs_dims, {rhs_dims[0]: groups, rhs_dims[1]: summed}))
+    out_spec = spec(out_dims, {out_dims[1]: groups})
+    return [jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(*invals)]
+  return bind
 
 
 def _expectations(problem: Problem, specs: Mapping[int, PartitionSpec], args: Sequence[Any],
@@ -316,7 +359,7 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   in_shardings = jax.tree_util.tree_unflatten(arg_tree, in_leaves)
   out_shardings = jax.tree_util.tree_unflatten(out_tree, out_leaves)
   before, constrain = _constrainer(constrained, specs, pinned_specs, mesh)
-  body = interpret(closed, constrain, before)
+  body = interpret(closed, constrain, before, _conv_binder(pinned_specs, mesh))
 
   def interpreted(*call_args):
     flat = jax.tree_util.tree_leaves(call_args)
