@@ -14,7 +14,10 @@ propagation cannot spread an op over a mesh axis the plan leaves idle. Convoluti
 windowed reductions (`PINNED_PRIMITIVES`) also get their operands and results constrained to
 the shardings their rule computes on, so that XLA never splits a window (a spatial dim): a
 spatially sharded activation is gathered before the convolution, as the simulator prices
-it, and a grouped convolution is split only by whole groups. Dots (`OPERAND_PINNED`) get
+it, and a grouped convolution is split only by whole groups. A grouped convolution's
+kernel gradient (`batch_group_count > 1`) with its reduction sharded runs under
+`shard_map` with an explicit `psum` (`_conv_binder`): XLA's partitioner sums it over every
+device, replicas included, which multiplies it by their count. Dots (`OPERAND_PINNED`) get
 their operands constrained to the shardings their rule computes on, so XLA reshards an
 operand at the constraint, as the simulator prices it, rather than choosing its own
 strategy inside the dot (which moved 1.6x the bytes on the demo's searched plan); their
