@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from automap_rl import tactics
-from automap_rl.mesh import HARDWARE, Mesh, to_jax_mesh
+from automap_rl.mesh import HARDWARE, Mesh, spec_axes, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, Cost
@@ -112,8 +112,7 @@ def shard_blocks(shape: Sequence[int], spec: PartitionSpec, axis_names: Sequence
     The number of blocks per dimension, and for each block index the devices (row-major
     mesh ids) that hold it (several when it is replicated over some axes).
   """
-  entries = list(spec) + [None] * (len(shape) - len(spec))
-  per_dim = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
+  per_dim = spec_axes(spec, len(shape))
   size = dict(zip(axis_names, axis_sizes))
   counts = tuple(math.prod(size[a] for a in axes) for axes in per_dim)
   holders: dict[tuple[int, ...], list[int]] = {}

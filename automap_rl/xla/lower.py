@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from automap_rl.compile_options import quick_compile_options
 from automap_rl.ir import Program
 from automap_rl.ir.trace import CALL_PRIMITIVES
-from automap_rl.mesh import to_jax_mesh
+from automap_rl.mesh import spec_axes, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.xla.hlo import CompiledStats, inspect_compiled
@@ -215,11 +215,6 @@ def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], sp
   return before, constrain
 
 
-def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-  """The mesh axes of one `PartitionSpec` entry."""
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
                  mesh: jax.sharding.Mesh) -> Callable[[tuple[int, ...], Any, list[Any]], list[Any]]:
   """`bind` for `interpret`: a batch-grouped convolution (`batch_group_count > 1`, the kernel
@@ -240,8 +235,8 @@ def _conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec],
     if eqn.primitive.name != "conv_general_dilated" or groups_count <= 1 or origin not in pinned:
       return _bind(eqn, invals)
     lhs_dims, rhs_dims, out_dims = eqn.params["dimension_numbers"]
-    lhs_spec = tuple(pinned[origin][0][0]) + (None,) * len(lhs_dims)
-    groups, summed = _axes(lhs_spec[lhs_dims[0]]), _axes(lhs_spec[lhs_dims[1]])
+    lhs_axes = spec_axes(pinned[origin][0][0], len(lhs_dims))
+    groups, summed = lhs_axes[lhs_dims[0]], lhs_axes[lhs_dims[1]]
     if not summed:
       return _bind(eqn, invals)
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from automap_rl.mesh import spec_axes
 from automap_rl.xla import hlo
 from automap_rl.xla.isolated import compile_directly
 
@@ -86,9 +87,7 @@ class ShardingDifference:
 
 def normalize(spec: PartitionSpec, rank: int, mesh_shape: Mapping[str, int]) -> hlo.Spec:
   """A `PartitionSpec` as mesh axes per dim, `rank` dims, size-1 axes left out."""
-  entries = list(spec) + [None] * (rank - len(spec))
-  axes = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
-  return tuple(tuple(a for a in dim if mesh_shape[a] > 1) for dim in axes)
+  return tuple(tuple(a for a in dim if mesh_shape[a] > 1) for dim in spec_axes(spec, rank))
 
 
 def format_spec(spec: hlo.Spec) -> str:
