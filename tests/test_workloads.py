@@ -8,13 +8,13 @@ import pytest
 from flax import nnx
 
 from automap_rl.workloads import FAMILIES, SMALL, make_workload, parse_model_spec
-from automap_rl.workloads import moe, spec, ssm, vit
+from automap_rl.workloads import lstm, moe, spec, ssm, vit
 from automap_rl.xla.lower import reference_outputs
 
 # The largest preset of every family with presets.
 LARGEST = ("gpt:size=39b", "moe:size=70b", "llama:size=70b", "t5:size=xxl",
            "vit:size=22b", "wresnet:size=13b", "unet:size=sd-1.5",
-           "gnn:size=graphcast", "ssm:size=2.8b")
+           "gnn:size=graphcast", "ssm:size=2.8b", "lstm:size=8192-2048")
 
 
 def _shapes(tree):
@@ -199,3 +199,29 @@ def test_ssm_scan_matches_the_recurrence():
     state = jnp.exp(dt[t][:, None] * a) * state + (dt[t] * u[t])[:, None] * b[t]
     expected.append(state @ c[t])
   np.testing.assert_allclose(ssm.selective_scan(u, dt, a, b, c), jnp.stack(expected), rtol=1e-5)
+
+
+def test_lstm_scan_matches_the_recurrence():
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  gates_in = jax.random.normal(keys[0], (5, 2, 12))  # [seq, batch, 4 * cells], cells 3
+  w_recurrent = jax.random.normal(keys[1], (4, 12))  # [d_model, 4 * cells]
+  w_project = jax.random.normal(keys[2], (3, 4))  # [cells, d_model]
+  sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))
+  h, c, expected = np.zeros((2, 4)), np.zeros((2, 3)), []
+  for t in range(5):
+    z = np.asarray(gates_in[t]) + h @ np.asarray(w_recurrent)
+    i, f, g, o = z[:, 0:3], z[:, 3:6], z[:, 6:9], z[:, 9:12]
+    c = sigmoid(f) * c + sigmoid(i) * np.tanh(g)
+    h = (sigmoid(o) * np.tanh(c)) @ np.asarray(w_project)
+    expected.append(h)
+  np.testing.assert_allclose(lstm.lstm_scan(gates_in, w_recurrent, w_project), np.stack(expected), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_lstm_parameters_are_stacked_per_layer_and_the_time_loop_runs_inside_the_layer_loop():
+  w = make_workload("lstm:size=8192-1024", abstract=True)
+  layers = w.params["layers"]
+  assert {k: v.shape for k, v in layers.items()} == {
+      "w_input": (2, 1024, 32768), "w_recurrent": (2, 1024, 32768), "bias": (2, 32768), "w_project": (2, 8192, 1024)}
+  program = w.trace()
+  assert max(op.repeat for op in program.ops) == 2 * 256  # Two layers of 256 time steps (forward and backward).

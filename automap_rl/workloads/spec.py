@@ -4,7 +4,8 @@ preset, ``"name:size=label,key=value"``.
 ``size=label`` selects a published shape of the family (the module's
 ``PRESETS``: e.g. ``gpt:size=1.3b``, ``llama:size=8b``, ``moe:size=10b``,
 ``t5:size=xl``, ``vit:size=h14``, ``wresnet:size=2b``,
-``unet:size=sd-1.5``, ``gnn:size=graphcast``, ``ssm:size=2.8b``); the other
+``unet:size=sd-1.5``, ``gnn:size=graphcast``, ``ssm:size=2.8b``,
+``lstm:size=8192-1024``); the other
 items override its fields (``gpt:size=1.3b,batch=32``), whatever their order.
 """
 
@@ -19,8 +20,8 @@ from typing import Any
 import jax
 
 from automap_rl.compile_options import quick_compile_options
-from automap_rl.workloads import (gnn, gpt, llama, mlp, moe, resnet, ssm, t5,
-                                  training, unet, vit, wide_resnet)
+from automap_rl.workloads import (gnn, gpt, llama, lstm, mlp, moe, resnet, ssm,
+                                  t5, training, unet, vit, wide_resnet)
 
 # Model name -> (module with ``make(config, seed)`` and ``PRESETS``, config
 # class).
@@ -36,13 +37,14 @@ _MODELS: dict[str, tuple[ModuleType, type]] = {
     "vit": (vit, vit.ViTConfig),
     "wresnet": (wide_resnet, wide_resnet.WideResNetConfig),
     "ssm": (ssm, ssm.SSMConfig),
+    "lstm": (lstm, lstm.LSTMConfig),
 }
 FAMILIES: tuple[str, ...] = tuple(_MODELS)
 # Family -> its framework style.
 STYLES: dict[str, str] = {
     "mlp": "haiku", "gpt": "flax.linen", "moe": "flax.linen", "gnn": "haiku",
     "resnet": "haiku", "unet": "flax.linen", "llama": "flax.nnx", "t5": "haiku",
-    "vit": "equinox", "wresnet": "flax.linen", "ssm": "equinox",
+    "vit": "equinox", "wresnet": "flax.linen", "ssm": "equinox", "lstm": "flax.linen",
 }
 
 # A tiny spec per family, for numerics (`automap-rl validate --random`) and concrete tests:
@@ -59,6 +61,7 @@ SMALL: dict[str, str] = {
     "vit": "vit:layers=1",
     "wresnet": "wresnet:width=4,image_size=16",
     "ssm": "ssm:layers=1",
+    "lstm": "lstm:layers=1",
 }
 
 
