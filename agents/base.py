@@ -176,7 +176,6 @@ class Searcher:
     env = self.env
     self.root: State = jax.device_get(jax.jit(env.init)(jax.random.key(0)))
     self._children = jax.jit(jax.vmap(env.step, in_axes=(None, 0)))
-    self._step = jax.jit(env.step)
     self.chunk = min(bucket(env.num_actions - 1), 32)
     self._rollouts: dict[tuple[int, float], Callable] = {}
 
@@ -197,14 +196,6 @@ class Searcher:
     padded[:n] = actions
     parts = [jax.device_get(self._children(state, padded[i:i + size])) for i in range(0, len(padded), size)]
     return jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *parts)
-
-  def state(self, actions: Sequence[int]) -> State:
-    """The state an action sequence reaches from the root (numpy), replayed one step at a
-    time. It re-evaluates plans already seen, so a caller does not count it as simulations."""
-    state = self.root
-    for action in actions:
-      state = jax.device_get(self._step(state, jnp.int32(action)))
-    return state
 
   def rollouts(self, state: State, keys: jax.Array, limits: np.ndarray, depth: int, stop_probability: float):
     """`len(keys)` random episodes from `state` (see `rollout`), as numpy arrays [R, depth]."""

@@ -212,57 +212,35 @@ def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 
 
 
 def play(search_: Searcher, track: Tracker, config: GumbelConfig, seed: int, params: chex.ArrayTree | None,
-         embeddings: Embeddings | None, refine: bool = False) -> None:
-  """Plays Gumbel MuZero episodes until `track`'s budget is spent, `config.episodes` side by
-  side, offering every plan the trees evaluate to `track`.
-
-  Every episode starts from the replicated plan and starts over there when it ends. With
-  `refine`, episode 0 starts instead from the best plan found so far (`track`'s, e.g. the
-  end of a policy's greedy path) and starts over from it whenever it ends or any episode
-  improves it: it searches for decisions to add to the incumbent, while the others explore
-  from the root (a refining episode whose incumbent admits no decision starts from the
-  root). Replaying the incumbent's actions to reach its state costs no simulations.
-  """
+         embeddings: Embeddings | None) -> None:
+  """Plays Gumbel MuZero episodes from the replicated plan until `track`'s budget is spent,
+  offering every plan the trees evaluate to `track`."""
   env = search_.env
   if bool(search_.root.terminated):
     return
   count = config.episodes
-
-  def incumbent() -> tuple[State, list[int]]:
-    state = search_.state(track.best_actions)
-    if bool(state.terminated) or bool(state.truncated):
-      return search_.root, []
-    return state, list(track.best_actions)
-
-  def restart(e: int, best: tuple[State, list[int]]) -> tuple[State, list[int]]:
-    return best if refine and e == 0 else (search_.root, [])
-
-  best = incumbent() if refine else (search_.root, [])
-  lanes = [restart(e, best) for e in range(count)]
+  root = jax.tree.map(lambda x: np.stack([x] * count), search_.root)
+  states, paths = root, [[] for _ in range(count)]
   key = jax.random.key(seed)
   while not track.done:
     limit = min(config.num_simulations, track.left // count)
     if limit < 1:
       break
     key, sub = jax.random.split(key)
-    states = jax.tree.map(lambda *xs: np.stack(xs), *(state for state, _ in lanes))
     actions, after, nodes = jax.device_get(_search_step(
         params, embeddings, env.tables, states, sub, jnp.int32(limit), config=config, env_config=env.config))
     used = int(nodes.evaluated.sum())
     if used == 0:  # The searches only stop: nothing is left that they would evaluate.
       break
-    base, improved = track.simulations, False
-    for e, (_, path) in enumerate(lanes):
+    base = track.simulations
+    for e in range(count):
       evaluated = nodes.evaluated[e]
       if evaluated.any():
-        node = int(np.argmin(np.where(evaluated, nodes.objective[e], np.inf)))
-        at = base + int(nodes.evaluated[:e].sum()) + int(evaluated[:node + 1].sum())
-        improved |= track.offer(nodes.objective[e, node], nodes.step_time[e, node],
-                                path + _path(nodes.parent[e], nodes.action[e], node), at)
+        best = int(np.argmin(np.where(evaluated, nodes.objective[e], np.inf)))
+        at = base + int(nodes.evaluated[:e].sum()) + int(evaluated[:best + 1].sum())
+        track.offer(nodes.objective[e, best], nodes.step_time[e, best],
+                    paths[e] + _path(nodes.parent[e], nodes.action[e], best), at)
     track.count(used)
     ended = (actions == env.stop_action) | after.terminated | after.truncated
-    if refine and improved:
-      best = incumbent()
-    lanes = [restart(e, best) if ended[e] or (refine and improved and e == 0)
-             else (jax.tree.map(lambda x, e=e: x[e], after), path + [int(actions[e])])
-             for e, (_, path) in enumerate(lanes)]
+    states = jax.tree.map(lambda r, a: np.where(ended.reshape((-1,) + (1,) * (a.ndim - 1)), r, a), root, after)
+    paths = [[] if ended[e] else paths[e] + [int(actions[e])] for e in range(count)]

@@ -6,9 +6,7 @@ shipped with the package (`DEFAULT_CHECKPOINT`, trained by `automap-rl train --p
 small`). With `search` it runs `agents.gumbel.search` with the network's prior and value;
 without, it follows the network's most likely action from the replicated plan until it
 stops (one simulation per step; as for every agent, the best plan on the path is kept);
-with search, it follows that path first and searches with the rest of the budget: two
-Gumbel episodes side by side, one refining the best plan so far (adding decisions to the
-policy's plan) and one exploring from the replicated plan (`gumbel.play`).
+with search, it follows that path first and searches with the rest of the budget.
 """
 
 from __future__ import annotations
@@ -44,10 +42,6 @@ class LearnedConfig:
       step; the path's plans are candidates), then search with what is left of the
       budget: at small budgets a search plays only a few moves of an episode, while the
       policy's path reaches a whole plan.
-    refine: with `search`, search two episodes side by side: one that starts from the best
-      plan so far (first the end of the greedy path) and adds decisions to it, and one
-      from the replicated plan; off: one episode from the replicated plan. A small budget
-      otherwise plays only the first few moves from the root, far from the policy's plan.
     action_space: the environment's action space (the one the network was trained on).
     max_decisions: the environment's capacity in class decisions.
     num_simulations: simulations per Gumbel search (one search per step of an episode).
@@ -58,7 +52,6 @@ class LearnedConfig:
   checkpoint: str | None = None
   search: bool = True
   greedy_first: bool = True
-  refine: bool = True
   action_space: str = "groups"
   max_decisions: int = 256
   num_simulations: int = 16
@@ -129,7 +122,6 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
     search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
                                  num_simulations=config.num_simulations,
                                  max_num_considered_actions=config.max_num_considered_actions,
-                                 gumbel_scale=config.gumbel_scale, episodes=2 if config.refine else 1,
-                                 network=network.config)
-    gumbel.play(search_, track, search_config, seed, params, embeddings, refine=config.refine)
+                                 gumbel_scale=config.gumbel_scale, network=network.config)
+    gumbel.play(search_, track, search_config, seed, params, embeddings)
   return track.result()

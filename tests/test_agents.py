@@ -7,8 +7,6 @@ import pytest
 import agents
 from agents import Budget
 from agents import base as agents_base
-from agents import gumbel
-from agents.gumbel import GumbelConfig
 from automap_rl import workloads, tactics
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
@@ -84,29 +82,3 @@ def test_agents_on_a_flat_mesh_and_other_action_spaces():
   result = agents.run_agent("mcts", p, budget=100, config=agents.MCTSConfig(action_space="arg_dims"))
   assert result.simulations <= 100
   assert float(result.cost.step_time) == pytest.approx(float(p.cost(result.decisions).step_time), rel=1e-4)
-
-
-def test_refining_episode_extends_the_incumbent():
-  """`gumbel.play(refine=True)` with one episode searches only below the best plan so far:
-  it starts at the incumbent, restarts there, and every plan it offers extends the
-  incumbent of its round; plans it finds improve on the incumbent it was given."""
-  p = problem()
-  greedy = agents.run_agent("greedy", p, budget=3)  # A short incumbent: three decisions.
-  search_, track, _ = agents_base.start(p, "groups", 256, 48, None)
-  incumbent = list(greedy.action_ids)
-  state = search_.state(incumbent)
-  assert not bool(state.terminated) and float(state.objective) == pytest.approx(greedy.objective, rel=1e-6)
-  track.offer(float(state.objective), float(state.step_time), incumbent)
-  offers = []
-  offer = track.offer
-
-  def spy(objective, step_time, actions, simulations_at=None):
-    offers.append((list(actions), list(track.best_actions)))
-    return offer(objective, step_time, actions, simulations_at)
-
-  track.offer = spy
-  config = GumbelConfig(num_simulations=8, max_num_considered_actions=4, episodes=1)
-  gumbel.play(search_, track, config, 0, None, None, refine=True)
-  assert offers and track.simulations == 48
-  assert all(actions[:len(best)] == best and len(actions) > len(best) for actions, best in offers)
-  assert track.best_actions[:len(incumbent)] == incumbent and track.best_objective < greedy.objective
