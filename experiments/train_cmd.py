@@ -55,7 +55,7 @@ class TrainRunConfig:
 
   preset: Preset = "small"
   split: Literal["smoke", "train"] = "train"
-  max_cases: int | None = 14
+  max_cases: int | None = 12
   iterations: int = 240
   run_dir: str = "runs/small"
   checkpoint_every: int = 20

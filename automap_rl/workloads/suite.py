@@ -15,12 +15,11 @@ Splits:
 * ``train`` and ``test``: published sizes, disjoint by family. The test
   families are T5 (an encoder-decoder with cross-attention), the diffusion
   U-Net (convolutions, skips and attention at several resolutions) and the
-  Mamba SSM (a selective scan with a state dimension, a depthwise convolution
-  and gating): each recombines parts the train families have (attention, gated
-  MLPs, convolutions, normalization, scanned layers, a recurrence scanned over
-  time in the LSTM LMs) into a structure none of them has, and together they
-  cover three of the four framework styles (Haiku, Flax linen, Equinox), each
-  of which also appears in train.
+  Mamba SSM (a recurrence scanned over time): each recombines parts the train
+  families have (attention, gated MLPs, convolutions, normalization, scanned
+  layers) into a structure none of them has, and together they cover three
+  of the four framework styles (Haiku, Flax linen, Equinox), each of which
+  also appears in train.
 """
 
 from __future__ import annotations
