@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from automap_rl import batching, packing
+from automap_rl import batching, packing, sharding
 from automap_rl.sharding import Resolution
 from automap_rl.simulator.tables import CostTables
 
@@ -158,18 +158,13 @@ def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.
   in_group = [(loop == k)[:, None] for k in range(t.loop_repeats.shape[0])]
   sums = _sum_rows(*[jnp.where(member & (axes == m) & group, x, 0.0)
                      for group in in_group for m in masks for x in (moved_once, runs_once)])
-  zero = jnp.zeros_like(sums[0])
-  per_group = len(masks) * 2
-  index = axes.astype(jnp.int32)
   share = runs
   for k, group in enumerate(in_group):
-    group_sums = sums[k * per_group:(k + 1) * per_group]
-    totals = jnp.stack([zero, *group_sums[0::2]])  # [2**X, B]
-    counts = jnp.stack([zero, *group_sums[1::2]])
-    combined = jnp.where(totals > 0, jnp.maximum(jnp.ceil(totals / threshold), jnp.ceil(counts / COMBINE_COUNT)), 0.0)
-    group_share = (jnp.take_along_axis(combined, index, axis=0) * moved
-                   / jnp.maximum(jnp.take_along_axis(totals, index, axis=0), jnp.finfo(jnp.float32).tiny))
-    share = jnp.where(group, group_share, share)
+    for i, m in enumerate(masks):
+      total, count = sums[2 * (k * len(masks) + i):2 * (k * len(masks) + i) + 2]  # [B] each.
+      combined = jnp.where(total > 0, jnp.maximum(jnp.ceil(total / threshold), jnp.ceil(count / COMBINE_COUNT)), 0.0)
+      # Selects per (group, mask), not a look-up by the edge's axes: elementwise, they vectorise.
+      share = jnp.where(group & (axes == m), combined * moved / jnp.maximum(total, jnp.finfo(jnp.float32).tiny), share)
   return jnp.where(member, share, runs)
 
 
@@ -349,6 +344,18 @@ def simulate(tables: CostTables, resolution: Resolution) -> Cost:
   """Costs one resolved plan. Vmap over resolutions for a batch of plans: the batch then
   runs in batch-last calls of `batching.tile_for(edges)` plans (see `automap_rl.batching`)."""
   return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
+
+
+def evaluate(tables: CostTables, owners: sharding.Owners, num_classes: int, dec_class: jax.Array,
+             dec_axis: jax.Array) -> Cost:
+  """Costs encoded decisions (see `sharding.encode`): `simulate(tables, sharding.resolve(owners,
+  num_classes, dec_class, dec_axis))`. Vmapped over the decisions, each tile of the batch
+  is resolved and costed in one batch-last call, so the resolved masks stay batch-last
+  between the two."""
+  run = batching.batch_last(
+      lambda t, decisions: _simulate(t, sharding.resolve_batch_last(owners, num_classes, decisions)),
+      lambda t: min(_tile(t), sharding.resolve_tile(owners)))
+  return run(tables, (jnp.asarray(dec_class, jnp.int32), jnp.asarray(dec_axis, jnp.int32)))
 
 
 _terms_one_or_many = batching.batch_last(
