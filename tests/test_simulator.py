@@ -197,7 +197,10 @@ def test_the_cost_is_the_sum_of_its_named_terms(spec, mesh):
   problem = zoo_problem(spec, mesh)
   for name, plan in tactics.applicable(problem).items():
     cost, terms = problem.cost(plan), problem.cost_terms(plan)
-    np.testing.assert_array_equal(jax.device_get(simulator.total(problem.tables, terms)).step_time, cost.step_time)
+    # The simulator sums the edges of a class (`CostTables.edge_unique`) in one term, the
+    # terms are per edge: the same sums up to float32 reassociation.
+    np.testing.assert_allclose(jax.device_get(simulator.total(problem.tables, terms)).step_time, cost.step_time,
+                               rtol=1e-6)
     compute = terms.op_compute_s.sum(dtype=np.float64) + terms.value_compute_s.sum(dtype=np.float64)
     kinds = {"all-reduce": terms.all_reduce, "all-gather": terms.gather, "reduce-scatter": terms.reduce_scatter,
              "all-to-all": terms.all_to_all}

@@ -168,19 +168,24 @@ def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.
   return jnp.where(member, share, runs)
 
 
-def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divisor: jax.Array, nbytes: jax.Array,
-                weight: jax.Array, combine: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> EdgeTerms:
-  """The terms of one collective kind over the axes `axes` [N, B] of edges moving values
-  of `nbytes` [N, 1], run `weight` [N] times a step (see `_collective`): bandwidth per
-  byte moved, latency per collective. With `combine = (combines [N], loop [N], threshold)`, the
-  collectives of the combining edges are merged as XLA's combiner does
-  (`_combined_count`), so latency is charged per combined collective."""
+def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divisor: jax.Array, weight: jax.Array,
+                weighted_bytes: jax.Array, buffer_bytes: jax.Array,
+                combine: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> EdgeTerms:
+  """The terms of one collective kind over the axes `axes` [N, B] of edges run `weight`
+  [N] times a step, moving values of `weighted_bytes / weight` bytes (`weighted_bytes`
+  [N]: weight times bytes; see `_collective`): bandwidth per byte moved, latency per
+  collective. Linear in `weight` and `weighted_bytes`, so the terms of several edges with
+  the same axes are those of one edge with their sums. `buffer` is `buffer_bytes` [N]
+  over the group. With `combine = (combines [N], loop [N], threshold)`, the collectives of
+  the combining edges are merged as XLA's combiner does (`_combined_count`), so latency
+  is charged per combined collective."""
   per_byte, fixed, fraction = _collective(t, rounds, axes, divisor)
   runs = jnp.where(axes != 0, weight[:, None], 0.0)
-  moved = runs * nbytes * fraction
+  runs_bytes = jnp.where(axes != 0, weighted_bytes[:, None], 0.0)
+  moved = runs_bytes * fraction
   count = runs if combine is None else _combined_count(t, axes, moved, runs, *combine)
-  return EdgeTerms(seconds=runs * nbytes * per_byte + count * fixed, bytes=moved, count=count,
-                   buffer=nbytes * fraction)
+  return EdgeTerms(seconds=runs_bytes * per_byte + count * fixed, bytes=moved, count=count,
+                   buffer=buffer_bytes[:, None] * fraction)
 
 
 def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
@@ -235,12 +240,18 @@ def _dense_shards(t: CostTables, op_mask: jax.Array) -> jax.Array:
   return jnp.where((t.op_dense_factor >= 0)[:, None], _group_size(t, _axes_of(t, mask)), 1.0)
 
 
-def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
+def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) -> CostTerms:
   """The cost terms of a batch of plans laid out batch-last (see `automap_rl.batching`).
+
+  The masks of each class of edges that resolve alike (`CostTables.edge_unique`) are
+  computed once, from the class's first edge.
 
   Args:
     t: the cost tables.
     masks: value-signature dim masks [Uv, Rv, B] and op-signature factor masks [Uo, Rf, B].
+    per_edge: the gather and all-to-all terms and gathered bytes of every edge [E, B];
+      else of every class of edges [Eu, B], with the class's summed weights and bytes
+      (`CostTables.unique_weight`, ...): the same sums over edges in fewer terms.
 
   Returns:
     The terms, each field [..., B].
@@ -257,48 +268,59 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
   # few rows' words, where gathering every dim's mask would read them transposed when
   # the batch arrives first (the environment's states).
   num_axes = t.mask_group.shape[-1].bit_length() - 1
-  stored = packing.read(packing.pack(value_mask, num_axes), t.edge_value[:, None],
-                        np.arange(value_mask.shape[1])[None, :], num_axes)  # [E, Rv, B]
-  required = packing.read(packing.pack(op_mask, num_axes), t.edge_op[:, None, None], t.edge_dim_factors,
-                          num_axes).sum(axis=2, dtype=jnp.int8)  # [E, Rv, B]; factor Rf (padding) is none.
-  stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E, B]
+  edge = t.unique_edge
+  edge_op = t.edge_op[edge]
+  stored = packing.read(packing.pack(value_mask, num_axes), t.edge_value[edge][:, None],
+                        np.arange(value_mask.shape[1])[None, :], num_axes)  # [Eu, Rv, B]
+  required = packing.read(packing.pack(op_mask, num_axes), edge_op[:, None, None], t.edge_dim_factors[edge],
+                          num_axes).sum(axis=2, dtype=jnp.int8)  # [Eu, Rv, B]; factor Rf (padding) is none.
+  stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [Eu, B]
   required_all = required.sum(axis=1, dtype=jnp.int8)
   overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
-  misplaced, placed_out = stored_all - overlap, required_all - overlap
   op_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0).sum(axis=1, dtype=jnp.int8)
-  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced[t.op_reduction_source])[t.edge_op]  # [E, B]
+  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced[t.op_reduction_source])[edge_op]  # [Eu, B]
+  reduction_class = t.edge_unique[t.reduction_edge]
+  r_stored, r_required, r_reduced = (x[reduction_class] for x in (stored_all, required_all, reduced))  # [R, B]
 
-  operand = ~t.edge_result[:, None]
+  if per_edge:
+    stored_all, required_all, overlap, reduced = (x[t.edge_unique] for x in (stored_all, required_all, overlap, reduced))
+    operand = ~t.edge_result[:, None]
+    nbytes = t.value_bytes[t.edge_value]
+    weight, weighted_bytes, buffers, buffer_bytes = t.edge_weight, t.edge_weight * nbytes, t.edge_buffers, nbytes
+  else:
+    operand = ~t.edge_result[edge][:, None]
+    weight, weighted_bytes, buffers = t.unique_weight, t.unique_weighted_bytes, t.unique_buffer_bytes
+    buffer_bytes = jnp.ones_like(buffers)
+  misplaced, placed_out = stored_all - overlap, required_all - overlap
   gather_in = stored_all & ~required_all
   # Every possible collective on every edge: its axes, and the axes dividing its bytes
   # (the per-device buffer it moves). An operand and a result edge can both all-gather or
   # all-to-all, so those share a row. Only the reduction edges [R] (results of ops that
   # reduce) can reduce-scatter or all-reduce: those run over them alone.
-  nbytes = t.value_bytes[t.edge_value][:, None]
   gather_axes = jnp.where(operand, gather_in, required_all & ~stored_all)
   gather = _edge_terms(t, 1.0, gather_axes, jnp.where(operand, stored_all & ~gather_in, stored_all),
-                       nbytes, t.edge_weight)
+                       weight, weighted_bytes, buffer_bytes)
   to_all = _edge_terms(t, 1.0, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced),
-                       stored_all, nbytes, t.edge_weight)
+                       stored_all, weight, weighted_bytes, buffer_bytes)
 
-  r_stored, r_required, r_reduced = (x[t.reduction_edge] for x in (stored_all, required_all, reduced))  # [R, B]
   scatter_axes = jnp.where(t.native_scatter, r_reduced & r_stored, 0).astype(r_reduced.dtype)
   # The partial sums are sharded as their op computes less the axes they are pending over:
   # a linear combination of partial sums may compute on those too, but XLA reduces the
   # buffers its sources made.
   partial_axes = r_required & ~r_reduced
   # A reduction may carry several partial sums' buffers in one collective.
-  r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]][:, None] * t.reduction_partial_sums[:, None]
+  r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]] * t.reduction_partial_sums
+  r_weighted = t.reduction_weight * r_nbytes
   return CostTerms(
       value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards,
       op_compute_s=jnp.maximum(t.op_compute_s[:, None] / _dense_shards(t, op_mask), t.op_memory_s[:, None]) / op_shards,
       gather=gather,
       all_to_all=to_all,
-      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, r_nbytes, t.reduction_weight,
+      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight, r_weighted, r_nbytes,
                                  (t.reduction_combines, t.reduction_loop, t.combine_bytes[1])),
-      all_reduce=_edge_terms(t, 2.0, r_reduced & ~scatter_axes, partial_axes | scatter_axes, r_nbytes,
-                             t.reduction_weight, (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
-      gathered_bytes=jnp.where(operand & (gather_axes != 0), t.edge_buffers[:, None], 0.0) * gather.buffer,
+      all_reduce=_edge_terms(t, 2.0, r_reduced & ~scatter_axes, partial_axes | scatter_axes, t.reduction_weight,
+                             r_weighted, r_nbytes, (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
+      gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
       value_shards=value_shards,
   )
 
@@ -330,7 +352,7 @@ def _total(t: CostTables, terms: CostTerms) -> Cost:
 
 def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   """`simulate` for a batch of plans laid out batch-last: the sum of `_terms`."""
-  return _total(t, _terms(t, masks))
+  return _total(t, _terms(t, masks, per_edge=False))
 
 
 def _tile(t: CostTables) -> int:
@@ -359,7 +381,7 @@ def evaluate(tables: CostTables, owners: sharding.Owners, num_classes: int, dec_
 
 
 _terms_one_or_many = batching.batch_last(
-    lambda t, masks: jax.tree.map(lambda x: jnp.moveaxis(x, -1, 0), _terms(t, masks)), _tile)
+    lambda t, masks: jax.tree.map(lambda x: jnp.moveaxis(x, -1, 0), _terms(t, masks, per_edge=True)), _tile)
 
 
 def terms(tables: CostTables, resolution: Resolution) -> CostTerms:
