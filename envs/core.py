@@ -73,29 +73,44 @@ class State:
   step_count: jax.Array
 
 
+def _legal_batch_last(tables: EnvTables, arrays: tuple[jax.Array, jax.Array, jax.Array],
+                      max_decisions: int) -> jax.Array:
+  """`legal_actions` of a batch of states laid out last (see `automap_rl.batching`):
+  `arrays` are the value and op masks [Uv, Rv, B] and [Uo, Rf, B] and the decision counts
+  [B]; returns bool [B, T * X + 1]. Batch-last, the slot tests run along the batch and
+  the class reduction's scatter moves whole rows."""
+  value_mask, op_mask, num_decisions = arrays
+  (uv, rv), (uo, rf) = value_mask.shape[:2], op_mask.shape[:2]
+  num_classes = tables.target_rank.shape[1]
+  order = tables.slot_order  # [Q, W], into the value dims then op factors flattened.
+  owner = jnp.where(order < uv * rv, order // rv, uv + (order - uv * rv) // rf)
+  used = jnp.concatenate([value_mask.sum(axis=1, dtype=value_mask.dtype),
+                          op_mask.sum(axis=1, dtype=op_mask.dtype)])[owner]  # [Q, W, B]
+  mask = jnp.concatenate([value_mask.reshape(uv * rv, -1), op_mask.reshape(uo * rf, -1)])[order]
+  chunk_open = jnp.stack([sharding.takes_axis(tables.slot_divisible[..., None], mask, used, 1 << axis).any(axis=1)
+                          for axis in range(tables.axis_sizes.shape[0])], axis=1).astype(jnp.int8)  # [Q, X, B]
+  class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
+                                   indices_are_sorted=True) > 0
+  target = tables.target_classes  # Row C of class_open is no class's: never open.
+  target_open = class_open[jnp.where(target >= 0, target, num_classes)].any(axis=1)  # [T, X, B]
+  length = (target >= 0).sum(axis=1)
+  fits = (length > 0)[:, None] & (num_decisions + length[:, None] <= max_decisions)  # [T, B]
+  legal = target_open & fits[:, None] & tables.axis_valid[None, :, None]
+  legal = jnp.moveaxis(legal.reshape(-1, legal.shape[-1]), -1, 0)
+  return jnp.concatenate([legal, jnp.ones((legal.shape[0], 1), bool)], axis=1)
+
+
 def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, num_decisions: jax.Array,
                   max_decisions: int) -> jax.Array:
   """The legal action mask (see the module docstring), bool [T * X + 1].
 
   A slot is open on an axis if it `sharding.takes_axis`; a class is open if one of its slots is (an any
   over chunks of `tables.slot_order`, then a sorted segment max); a target if one of its
-  classes is.
+  classes is. Vmapped over states, the batch runs in one batch-last call
+  (`_legal_batch_last`).
   """
-  num_classes = tables.target_rank.shape[1]
-  used = jnp.concatenate([jnp.repeat(value_mask.sum(axis=1, dtype=value_mask.dtype), value_mask.shape[1]),
-                          jnp.repeat(op_mask.sum(axis=1, dtype=op_mask.dtype), op_mask.shape[1])])[tables.slot_order]
-  mask = jnp.concatenate([value_mask.reshape(-1), op_mask.reshape(-1)])[tables.slot_order]
-  bits = jnp.left_shift(1, jnp.arange(tables.axis_sizes.shape[0])).astype(mask.dtype)  # [X]
-  takes = sharding.takes_axis(tables.slot_divisible[..., None], mask[..., None], used[..., None], bits)
-  chunk_open = takes.any(axis=1).astype(jnp.int32)  # [Q, X]
-  class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
-                                   indices_are_sorted=True) > 0
-  target = tables.target_classes  # Row C of class_open is no class's: never open.
-  target_open = class_open[jnp.where(target >= 0, target, num_classes)].any(axis=1)  # [T, X]
-  length = (target >= 0).sum(axis=1)
-  fits = (length > 0) & (num_decisions + length <= max_decisions)
-  legal = target_open & fits[:, None] & tables.axis_valid[None, :]
-  return jnp.concatenate([legal.reshape(-1), jnp.ones(1, bool)])
+  legal = batching.batch_last(lambda t, arrays: _legal_batch_last(t, arrays, max_decisions))
+  return legal(tables, (value_mask, op_mask, num_decisions))
 
 
 def _evaluate(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:

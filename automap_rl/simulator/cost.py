@@ -243,15 +243,15 @@ def _dense_shards(t: CostTables, op_mask: jax.Array) -> jax.Array:
 def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) -> CostTerms:
   """The cost terms of a batch of plans laid out batch-last (see `automap_rl.batching`).
 
-  The masks of each class of edges that resolve alike (`CostTables.edge_unique`) are
-  computed once, from the class's first edge.
-
   Args:
     t: the cost tables.
     masks: value-signature dim masks [Uv, Rv, B] and op-signature factor masks [Uo, Rf, B].
-    per_edge: the gather and all-to-all terms and gathered bytes of every edge [E, B];
-      else of every class of edges [Eu, B], with the class's summed weights and bytes
-      (`CostTables.unique_weight`, ...): the same sums over edges in fewer terms.
+    per_edge: the gather and all-to-all terms and gathered bytes of every edge [E, B],
+      for any masks; else of every class of edges that resolve alike
+      (`CostTables.edge_unique`) [Eu, B], each from its first edge's masks with the
+      class's summed weights and bytes (`CostTables.unique_weight`, ...): the same sums
+      in fewer terms, for masks where signature slots that share an owner agree (those of
+      `sharding.resolve` and `sharding.apply_decision`).
 
   Returns:
     The terms, each field [..., B].
@@ -268,27 +268,25 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   # few rows' words, where gathering every dim's mask would read them transposed when
   # the batch arrives first (the environment's states).
   num_axes = t.mask_group.shape[-1].bit_length() - 1
-  edge = t.unique_edge
+  edge = np.arange(t.edge_op.shape[0]) if per_edge else t.unique_edge
   edge_op = t.edge_op[edge]
   stored = packing.read(packing.pack(value_mask, num_axes), t.edge_value[edge][:, None],
-                        np.arange(value_mask.shape[1])[None, :], num_axes)  # [Eu, Rv, B]
+                        np.arange(value_mask.shape[1])[None, :], num_axes)  # [E or Eu, Rv, B]
   required = packing.read(packing.pack(op_mask, num_axes), edge_op[:, None, None], t.edge_dim_factors[edge],
-                          num_axes).sum(axis=2, dtype=jnp.int8)  # [Eu, Rv, B]; factor Rf (padding) is none.
-  stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [Eu, B]
+                          num_axes).sum(axis=2, dtype=jnp.int8)  # [E or Eu, Rv, B]; factor Rf (padding) is none.
+  stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E or Eu, B]
   required_all = required.sum(axis=1, dtype=jnp.int8)
   overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
   op_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0).sum(axis=1, dtype=jnp.int8)
-  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced[t.op_reduction_source])[edge_op]  # [Eu, B]
-  reduction_class = t.edge_unique[t.reduction_edge]
-  r_stored, r_required, r_reduced = (x[reduction_class] for x in (stored_all, required_all, reduced))  # [R, B]
+  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced[t.op_reduction_source])[edge_op]  # [E or Eu, B]
+  reduction = t.reduction_edge if per_edge else t.edge_unique[t.reduction_edge]
+  r_stored, r_required, r_reduced = (x[reduction] for x in (stored_all, required_all, reduced))  # [R, B]
 
+  operand = ~t.edge_result[edge][:, None]
   if per_edge:
-    stored_all, required_all, overlap, reduced = (x[t.edge_unique] for x in (stored_all, required_all, overlap, reduced))
-    operand = ~t.edge_result[:, None]
     nbytes = t.value_bytes[t.edge_value]
     weight, weighted_bytes, buffers, buffer_bytes = t.edge_weight, t.edge_weight * nbytes, t.edge_buffers, nbytes
   else:
-    operand = ~t.edge_result[edge][:, None]
     weight, weighted_bytes, buffers = t.unique_weight, t.unique_weighted_bytes, t.unique_buffer_bytes
     buffer_bytes = jnp.ones_like(buffers)
   misplaced, placed_out = stored_all - overlap, required_all - overlap
@@ -363,8 +361,10 @@ _simulate_one_or_many = batching.batch_last(_simulate, _tile)
 
 
 def simulate(tables: CostTables, resolution: Resolution) -> Cost:
-  """Costs one resolved plan. Vmap over resolutions for a batch of plans: the batch then
-  runs in batch-last calls of `batching.tile_for(edges)` plans (see `automap_rl.batching`)."""
+  """Costs one resolved plan (masks as `sharding.resolve` or `sharding.apply_decision`
+  give them: signature slots that share an owner agree; `terms` takes any masks). Vmap
+  over resolutions for a batch of plans: the batch then runs in batch-last calls of
+  `batching.tile_for(edges)` plans (see `automap_rl.batching`)."""
   return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
 
 

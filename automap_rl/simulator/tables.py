@@ -123,9 +123,10 @@ class CostTables:
       not times their repeat counts; operand reads shared as in `edge_weight`), [E]: the
       simulator adds gathered operands to the peak memory.
     edge_unique: the class of each edge among edges that resolve alike (`_unique_edges`),
-      [E]; unique_edge: one edge of each class, [Eu]. The simulator computes each class's
-      masks once, and an edge's collective terms are linear in its weight and bytes, so it
-      sums the gather and all-to-all terms over the classes with these summed:
+      [E]; unique_edge: one edge of each class, [Eu]. Under a resolved plan the simulator
+      computes each class's masks once, and an edge's collective terms are linear in its
+      weight and bytes, so it sums the gather and all-to-all terms over the classes with
+      these summed:
     unique_weight: the classes' summed `edge_weight`, [Eu];
     unique_weighted_bytes: their summed `edge_weight` times value bytes, [Eu];
     unique_buffer_bytes: their summed `edge_buffers` times value bytes (operands; 0 for
