@@ -75,18 +75,12 @@ class State:
 
 def _legal_batch_last(tables: EnvTables, arrays: tuple[jax.Array, jax.Array, jax.Array],
                       max_decisions: int) -> jax.Array:
-  """`legal_actions` of a batch of states laid out last (see `automap_rl.batching`):
-  `arrays` are the value and op masks [Uv, Rv, B] and [Uo, Rf, B] and the decision counts
-  [B]; returns bool [B, T * X + 1]. Batch-last, the slot tests run along the batch and
-  the class reduction's scatter moves whole rows."""
-  value_mask, op_mask, num_decisions = arrays
-  (uv, rv), (uo, rf) = value_mask.shape[:2], op_mask.shape[:2]
+  """`legal_actions` of a batch of states laid out last (see `automap_rl.batching`) from
+  `arrays`: the masks of the slots of `tables.slot_order` and the axes their owners use,
+  [Q, W, B] each, and the decision counts [B]; bool [B, T * X + 1]. Batch-last, the slot
+  tests run along the batch and the class reduction's scatter moves whole rows."""
+  mask, used, num_decisions = arrays
   num_classes = tables.target_rank.shape[1]
-  order = tables.slot_order  # [Q, W], into the value dims then op factors flattened.
-  owner = jnp.where(order < uv * rv, order // rv, uv + (order - uv * rv) // rf)
-  used = jnp.concatenate([value_mask.sum(axis=1, dtype=value_mask.dtype),
-                          op_mask.sum(axis=1, dtype=op_mask.dtype)])[owner]  # [Q, W, B]
-  mask = jnp.concatenate([value_mask.reshape(uv * rv, -1), op_mask.reshape(uo * rf, -1)])[order]
   chunk_open = jnp.stack([sharding.takes_axis(tables.slot_divisible[..., None], mask, used, 1 << axis).any(axis=1)
                           for axis in range(tables.axis_sizes.shape[0])], axis=1).astype(jnp.int8)  # [Q, X, B]
   class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
@@ -106,11 +100,17 @@ def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, 
 
   A slot is open on an axis if it `sharding.takes_axis`; a class is open if one of its slots is (an any
   over chunks of `tables.slot_order`, then a sorted segment max); a target if one of its
-  classes is. Vmapped over states, the batch runs in one batch-last call
-  (`_legal_batch_last`).
+  classes is. Vmapped over states, the slots' masks are gathered per state and the rest
+  runs in one batch-last call (`_legal_batch_last`).
   """
+  (uv, rv), (uo, rf) = value_mask.shape, op_mask.shape
+  order = tables.slot_order  # [Q, W], into the value dims then op factors flattened.
+  owner = jnp.where(order < uv * rv, order // rv, uv + (order - uv * rv) // rf)
+  used = jnp.concatenate([value_mask.sum(axis=1, dtype=value_mask.dtype),
+                          op_mask.sum(axis=1, dtype=op_mask.dtype)])[owner]
+  mask = jnp.concatenate([value_mask.reshape(-1), op_mask.reshape(-1)])[order]
   legal = batching.batch_last(lambda t, arrays: _legal_batch_last(t, arrays, max_decisions))
-  return legal(tables, (value_mask, op_mask, num_decisions))
+  return legal(tables, (mask, used, num_decisions))
 
 
 def _evaluate(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
