@@ -198,7 +198,7 @@ def test_terminal_reward_ends_where_the_shaped_one_does(picks, max_steps):
 
 
 def test_batched_legal_mask_is_each_states_own():
-  """Vmapped, the legal mask runs batch-last (`core._legal_batch_last`): each row is the
+  """Vmapped, the legal mask runs batch-last (`core._legal`): each row is the
   mask of its state computed alone, over states along random episodes."""
   env = Env.build(problem("gpt:layers=2"), EnvConfig(reward="terminal"))
   legal = functools.partial(core.legal_actions, env.tables, max_decisions=env.config.max_decisions)
