@@ -82,9 +82,11 @@ def _legal(tables: EnvTables, arrays: tuple[jax.Array, jax.Array, jax.Array], ma
   mask, used, num_decisions = arrays
   batch = num_decisions.shape
   num_classes = tables.target_rank.shape[1]
-  chunk_open = jnp.stack([sharding.takes_axis(tables.slot_divisible.reshape(*mask.shape[:2], *(1,) * len(batch)),
-                                              mask, used, 1 << axis).any(axis=1)
-                          for axis in range(tables.axis_sizes.shape[0])], axis=1).astype(jnp.int8)  # [Q, X, ...]
+  extra = (1,) * len(batch)
+  bits = jnp.left_shift(1, jnp.arange(tables.axis_sizes.shape[0])).astype(mask.dtype).reshape(-1, *extra)  # [X, ...]
+  takes = sharding.takes_axis(tables.slot_divisible.reshape(*mask.shape[:2], 1, *extra), mask[:, :, None],
+                              used[:, :, None], bits)  # [Q, W, X, ...]
+  chunk_open = takes.any(axis=1).astype(jnp.int32)  # [Q, X, ...]
   class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
                                    indices_are_sorted=True) > 0
   target = tables.target_classes  # Row C of class_open is no class's: never open.
