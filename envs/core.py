@@ -91,9 +91,9 @@ def _legal(tables: EnvTables, arrays: tuple[jax.Array, jax.Array, jax.Array], ma
                                    indices_are_sorted=True) > 0
   target = tables.target_classes  # Row C of class_open is no class's: never open.
   target_open = class_open[jnp.where(target >= 0, target, num_classes)].any(axis=1)  # [T, X, ...]
-  length = (target >= 0).sum(axis=1).reshape(-1, *(1,) * len(batch))
+  length = (target >= 0).sum(axis=1).reshape(-1, *extra)
   fits = (length > 0) & (num_decisions + length <= max_decisions)  # [T, ...]
-  legal = target_open & fits[:, None] & tables.axis_valid.reshape(-1, *(1,) * len(batch))
+  legal = target_open & fits[:, None] & tables.axis_valid.reshape(-1, *extra)
   legal = jnp.moveaxis(legal.reshape(-1, *batch), 0, -1)
   return jnp.concatenate([legal, jnp.ones((*batch, 1), bool)], axis=-1)
 
