@@ -28,7 +28,8 @@ def tile_for(elements: int) -> int:
   return 1 << min(max((TILE_ENTRIES // max(elements, 1)).bit_length() - 1, 4), 10)
 
 
-def batch_last(fn: Callable[[Any, Any], Any], tile: Callable[[Any], int] | None = None) -> Callable[[Any, Any], Any]:
+def batch_last(fn: Callable[[Any, Any], Any], tile: Callable[[Any], int] | None = None,
+               any_rank: bool = False) -> Callable[[Any, Any], Any]:
   """Wraps `fn(static, batch)` into `f(static, arrays)`.
 
   Args:
@@ -38,6 +39,9 @@ def batch_last(fn: Callable[[Any, Any], Any], tile: Callable[[Any], int] | None 
     tile: plans per call of `fn` given `static` (see `tile_for`); a larger vmapped batch
       runs in a loop over tiles of this many (the last one padded by repeating a plan).
       None: one call.
+    any_rank: `fn` also takes one plan's arrays without the batch axis and returns its
+      outputs without it; called plainly, `f` runs it so (where a batch of one in the
+      batch-last layout would be slower).
 
   Returns:
     `f(static, arrays)` for one plan's arrays, returning `fn`'s outputs for that plan.
@@ -46,6 +50,8 @@ def batch_last(fn: Callable[[Any, Any], Any], tile: Callable[[Any], int] | None 
   """
 
   def plain(static, arrays):
+    if any_rank:
+      return fn(static, arrays)
     out = fn(static, jax.tree.map(lambda x: x[..., None], arrays))
     return jax.tree.map(lambda x: x[0], out)
 

@@ -51,7 +51,7 @@ class Problem:
 
   def evaluate(self, dec_class: jax.Array, dec_axis: jax.Array) -> simulator.Cost:
     """The cost of encoded decisions; pure, so it jits and vmaps."""
-    return simulator.simulate(self.tables, self.resolve(dec_class, dec_axis))
+    return simulator.evaluate(self.tables, self.owners, len(self.named.classes), dec_class, dec_axis)
 
   @functools.cached_property
   def plan_length(self) -> int:

@@ -436,9 +436,8 @@ def _assign_packed(owners: Owners, num_classes: int, dec_class: jax.Array, dec_a
 
 def _unpack(words: jax.Array, owner: np.ndarray, slot: np.ndarray, num_axes: int) -> jax.Array:
   """Axis bit masks of the signature slots at (`owner`, `slot`) [N, R] (owner -1: none),
-  int8 [B, N, R]."""
-  masks = packing.read(words, np.maximum(owner, 0), np.where(owner >= 0, slot, -1), num_axes)
-  return jnp.moveaxis(masks, -1, 0)
+  int8 [N, R, B]."""
+  return packing.read(words, np.maximum(owner, 0), np.where(owner >= 0, slot, -1), num_axes)
 
 
 @chex.dataclass(frozen=True)
@@ -449,10 +448,24 @@ class Resolution:
   op_mask: jax.Array
 
 
-def _resolve_batch(owners: Owners, num_classes: int, decisions: tuple[jax.Array, jax.Array]) -> Resolution:
+def resolve_batch_last(owners: Owners, num_classes: int,
+                       decisions: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """`resolve` for a batch of plans laid out last (see `automap_rl.batching`): decisions
+  `(dec_class, dec_axis)` int32 [K, B] each; returns the value and op masks, int8
+  [Uv, Rv, B] and [Uo, Rf, B], in the layout the simulator's batch-last calls take."""
   words = _assign_packed(owners, num_classes, *decisions)
-  return Resolution(value_mask=_unpack(words, owners.value_owner, owners.value_slot, owners.num_axes),
-                    op_mask=_unpack(words, owners.op_owner, owners.op_slot, owners.num_axes))
+  return (_unpack(words, owners.value_owner, owners.value_slot, owners.num_axes),
+          _unpack(words, owners.op_owner, owners.op_slot, owners.num_axes))
+
+
+def resolve_tile(owners: Owners) -> int:
+  """Plans per batch-last call of resolution (`batching.tile_for` its owner slots)."""
+  return batching.tile_for(owners.classes.size)
+
+
+def _resolve_batch(owners: Owners, num_classes: int, decisions: tuple[jax.Array, jax.Array]) -> Resolution:
+  value_mask, op_mask = resolve_batch_last(owners, num_classes, decisions)
+  return Resolution(value_mask=jnp.moveaxis(value_mask, -1, 0), op_mask=jnp.moveaxis(op_mask, -1, 0))
 
 
 def resolve(owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: jax.Array) -> Resolution:
@@ -460,7 +473,7 @@ def resolve(owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: ja
   named dimensions. Pure; jittable; vmapped over decisions, the batch runs in calls laid
   out last (see `automap_rl.batching`), which is what XLA on CPU vectorises."""
   resolve_batch = batching.batch_last(lambda _, decisions: _resolve_batch(owners, num_classes, decisions),
-                                      lambda _: batching.tile_for(owners.classes.size))
+                                      lambda _: resolve_tile(owners))
   return resolve_batch((), (jnp.asarray(dec_class, jnp.int32), jnp.asarray(dec_axis, jnp.int32)))
 
 

@@ -73,29 +73,48 @@ class State:
   step_count: jax.Array
 
 
+def _legal(tables: EnvTables, arrays: tuple[jax.Array, jax.Array, jax.Array], max_decisions: int) -> jax.Array:
+  """`legal_actions` from `arrays`: the masks of the slots of `tables.slot_order` and the
+  axes their owners use, [Q, W, ...] each, and the decision counts [...], for one state
+  ([...] empty) or a batch laid out last ([...] = [B], see `automap_rl.batching`: the slot
+  tests then run along the batch and the class reduction's scatter moves whole rows);
+  bool [..., T * X + 1]."""
+  mask, used, num_decisions = arrays
+  batch = num_decisions.shape
+  num_classes = tables.target_rank.shape[1]
+  extra = (1,) * len(batch)
+  bits = jnp.left_shift(1, jnp.arange(tables.axis_sizes.shape[0])).astype(mask.dtype).reshape(-1, *extra)  # [X, ...]
+  takes = sharding.takes_axis(tables.slot_divisible.reshape(*mask.shape[:2], 1, *extra), mask[:, :, None],
+                              used[:, :, None], bits)  # [Q, W, X, ...]
+  chunk_open = takes.any(axis=1).astype(jnp.int32)  # [Q, X, ...]
+  class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
+                                   indices_are_sorted=True) > 0
+  target = tables.target_classes  # Row C of class_open is no class's: never open.
+  target_open = class_open[jnp.where(target >= 0, target, num_classes)].any(axis=1)  # [T, X, ...]
+  length = (target >= 0).sum(axis=1).reshape(-1, *extra)
+  fits = (length > 0) & (num_decisions + length <= max_decisions)  # [T, ...]
+  legal = target_open & fits[:, None] & tables.axis_valid.reshape(-1, *extra)
+  legal = jnp.moveaxis(legal.reshape(-1, *batch), 0, -1)
+  return jnp.concatenate([legal, jnp.ones((*batch, 1), bool)], axis=-1)
+
+
 def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, num_decisions: jax.Array,
                   max_decisions: int) -> jax.Array:
   """The legal action mask (see the module docstring), bool [T * X + 1].
 
   A slot is open on an axis if it `sharding.takes_axis`; a class is open if one of its slots is (an any
   over chunks of `tables.slot_order`, then a sorted segment max); a target if one of its
-  classes is.
+  classes is. Vmapped over states, the slots' masks are gathered per state and the rest
+  (`_legal`) runs in one batch-last call.
   """
-  num_classes = tables.target_rank.shape[1]
-  used = jnp.concatenate([jnp.repeat(value_mask.sum(axis=1, dtype=value_mask.dtype), value_mask.shape[1]),
-                          jnp.repeat(op_mask.sum(axis=1, dtype=op_mask.dtype), op_mask.shape[1])])[tables.slot_order]
-  mask = jnp.concatenate([value_mask.reshape(-1), op_mask.reshape(-1)])[tables.slot_order]
-  bits = jnp.left_shift(1, jnp.arange(tables.axis_sizes.shape[0])).astype(mask.dtype)  # [X]
-  takes = sharding.takes_axis(tables.slot_divisible[..., None], mask[..., None], used[..., None], bits)
-  chunk_open = takes.any(axis=1).astype(jnp.int32)  # [Q, X]
-  class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
-                                   indices_are_sorted=True) > 0
-  target = tables.target_classes  # Row C of class_open is no class's: never open.
-  target_open = class_open[jnp.where(target >= 0, target, num_classes)].any(axis=1)  # [T, X]
-  length = (target >= 0).sum(axis=1)
-  fits = (length > 0) & (num_decisions + length <= max_decisions)
-  legal = target_open & fits[:, None] & tables.axis_valid[None, :]
-  return jnp.concatenate([legal.reshape(-1), jnp.ones(1, bool)])
+  (uv, rv), (uo, rf) = value_mask.shape, op_mask.shape
+  order = tables.slot_order  # [Q, W], into the value dims then op factors flattened.
+  owner = jnp.where(order < uv * rv, order // rv, uv + (order - uv * rv) // rf)
+  used = jnp.concatenate([value_mask.sum(axis=1, dtype=value_mask.dtype),
+                          op_mask.sum(axis=1, dtype=op_mask.dtype)])[owner]
+  mask = jnp.concatenate([value_mask.reshape(-1), op_mask.reshape(-1)])[order]
+  legal = batching.batch_last(lambda t, arrays: _legal(t, arrays, max_decisions), any_rank=True)
+  return legal(tables, (mask, used, num_decisions))
 
 
 def _evaluate(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:

@@ -8,7 +8,7 @@ values cost nothing, padded edges and reduction edges have weight 0, padded targ
 never legal.
 
 Size names: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges
-of which R reduce, L memory probe rows, D factors per dim, Q chunks of W slots (value dims
+(Eu classes of edges that resolve alike) of which R reduce, L memory probe rows, D factors per dim, Q chunks of W slots (value dims
 and op factors) of one class, C classes, T targets covering at most M classes each, G coverage
 edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B = 2**X axis masks.
 """
@@ -63,12 +63,13 @@ COST_DIMS: Mapping[str, tuple[str, ...]] = {
     "op_reduction": ("Uo", "Rf"), "edge_dim_factors": ("E", "Rv", "D"), "live_bytes": ("L", "Uv"),
     "hbm_bytes": (), "combine_bytes": ("2",), "native_scatter": (), "loop_repeats": ("K",),
 }
-_PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "reduction": "R", "mask": "B"}
+_PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "unique": "Eu", "reduction": "R", "mask": "B"}
 
 
 def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
   """Dims of a `simulator.CostTables` field: as listed in `COST_DIMS`, else a vector over
-  the dim its name's prefix names (`value_*`: Uv, `op_*`: Uo, `edge_*`: E, `mask_*`: B)."""
+  the dim its name's prefix names (`value_*`: Uv, `op_*`: Uo, `edge_*`: E, `unique_*`: Eu,
+  `reduction_*`: R, `mask_*`: B)."""
   if field in COST_DIMS:
     return COST_DIMS[field]
   prefix = field.split("_")[0]
@@ -80,7 +81,7 @@ def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
 _FILL = {"value_class": -1, "value_divisible": 1, "op_class": -1, "op_divisible": 1, "target_classes": -1,
          "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_divisible": 1,
          "edge_dim_factors": -1, "op_dense_factor": -1, "value_rank": sharding.NO_SLOT_RANK, "op_rank": sharding.NO_SLOT_RANK}  # -1: the simulator's never-sharded factor.
-BUCKETED = ("Uv", "Uo", "E", "R", "L", "Q", "C", "T", "G")
+BUCKETED = ("Uv", "Uo", "E", "Eu", "R", "L", "Q", "C", "T", "G")
 CHUNK = 8  # W: slots per chunk.
 
 

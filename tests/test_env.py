@@ -197,6 +197,22 @@ def test_terminal_reward_ends_where_the_shaped_one_does(picks, max_steps):
     np.testing.assert_allclose(state.peak_memory, cost.peak_memory, rtol=1e-5)
 
 
+def test_batched_legal_mask_is_each_states_own():
+  """Vmapped, the legal mask runs batch-last (`core._legal`): each row is the
+  mask of its state computed alone, over states along random episodes."""
+  env = Env.build(problem("gpt:layers=2"), EnvConfig(reward="terminal"))
+  legal = functools.partial(core.legal_actions, env.tables, max_decisions=env.config.max_decisions)
+  batched, alone = jax.jit(jax.vmap(legal)), jax.jit(legal)
+  state = jax.vmap(env.init)(jax.random.split(jax.random.key(0), 16))
+  step = jax.jit(jax.vmap(env.step))
+  for i in range(6):
+    masks = batched(state.value_mask, state.op_mask, state.num_decisions)
+    for row in range(16):
+      np.testing.assert_array_equal(masks[row], alone(state.value_mask[row], state.op_mask[row],
+                                                      state.num_decisions[row]))
+    state = step(state, random_actions(jax.random.key(i), state.legal_action_mask))
+
+
 def test_capacity_ends_episodes_and_truncation():
   env = Env.build(problem("gpt:layers=2"), EnvConfig(action_space="groups", max_decisions=4))
   states = random_episode(env, 0)

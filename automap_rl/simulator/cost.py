@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from automap_rl import batching, packing
+from automap_rl import batching, packing, sharding
 from automap_rl.sharding import Resolution
 from automap_rl.simulator.tables import CostTables
 
@@ -158,34 +158,34 @@ def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.
   in_group = [(loop == k)[:, None] for k in range(t.loop_repeats.shape[0])]
   sums = _sum_rows(*[jnp.where(member & (axes == m) & group, x, 0.0)
                      for group in in_group for m in masks for x in (moved_once, runs_once)])
-  zero = jnp.zeros_like(sums[0])
-  per_group = len(masks) * 2
-  index = axes.astype(jnp.int32)
   share = runs
   for k, group in enumerate(in_group):
-    group_sums = sums[k * per_group:(k + 1) * per_group]
-    totals = jnp.stack([zero, *group_sums[0::2]])  # [2**X, B]
-    counts = jnp.stack([zero, *group_sums[1::2]])
-    combined = jnp.where(totals > 0, jnp.maximum(jnp.ceil(totals / threshold), jnp.ceil(counts / COMBINE_COUNT)), 0.0)
-    group_share = (jnp.take_along_axis(combined, index, axis=0) * moved
-                   / jnp.maximum(jnp.take_along_axis(totals, index, axis=0), jnp.finfo(jnp.float32).tiny))
-    share = jnp.where(group, group_share, share)
+    for i, m in enumerate(masks):
+      total, count = sums[2 * (k * len(masks) + i):2 * (k * len(masks) + i) + 2]  # [B] each.
+      combined = jnp.where(total > 0, jnp.maximum(jnp.ceil(total / threshold), jnp.ceil(count / COMBINE_COUNT)), 0.0)
+      # Selects per (group, mask), not a look-up by the edge's axes: elementwise, they vectorise.
+      share = jnp.where(group & (axes == m), combined * moved / jnp.maximum(total, jnp.finfo(jnp.float32).tiny), share)
   return jnp.where(member, share, runs)
 
 
-def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divisor: jax.Array, nbytes: jax.Array,
-                weight: jax.Array, combine: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> EdgeTerms:
-  """The terms of one collective kind over the axes `axes` [N, B] of edges moving values
-  of `nbytes` [N, 1], run `weight` [N] times a step (see `_collective`): bandwidth per
-  byte moved, latency per collective. With `combine = (combines [N], loop [N], threshold)`, the
-  collectives of the combining edges are merged as XLA's combiner does
-  (`_combined_count`), so latency is charged per combined collective."""
+def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divisor: jax.Array, weight: jax.Array,
+                weighted_bytes: jax.Array, buffer_bytes: jax.Array,
+                combine: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> EdgeTerms:
+  """The terms of one collective kind over the axes `axes` [N, B] of edges run `weight`
+  [N] times a step, moving values of `weighted_bytes / weight` bytes (`weighted_bytes`
+  [N]: weight times bytes; see `_collective`): bandwidth per byte moved, latency per
+  collective. Linear in `weight` and `weighted_bytes`, so the terms of several edges with
+  the same axes are those of one edge with their sums. `buffer` is `buffer_bytes` [N]
+  over the group. With `combine = (combines [N], loop [N], threshold)`, the collectives of
+  the combining edges are merged as XLA's combiner does (`_combined_count`), so latency
+  is charged per combined collective."""
   per_byte, fixed, fraction = _collective(t, rounds, axes, divisor)
   runs = jnp.where(axes != 0, weight[:, None], 0.0)
-  moved = runs * nbytes * fraction
+  runs_bytes = jnp.where(axes != 0, weighted_bytes[:, None], 0.0)
+  moved = runs_bytes * fraction
   count = runs if combine is None else _combined_count(t, axes, moved, runs, *combine)
-  return EdgeTerms(seconds=runs * nbytes * per_byte + count * fixed, bytes=moved, count=count,
-                   buffer=nbytes * fraction)
+  return EdgeTerms(seconds=runs_bytes * per_byte + count * fixed, bytes=moved, count=count,
+                   buffer=buffer_bytes[:, None] * fraction)
 
 
 def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
@@ -240,12 +240,18 @@ def _dense_shards(t: CostTables, op_mask: jax.Array) -> jax.Array:
   return jnp.where((t.op_dense_factor >= 0)[:, None], _group_size(t, _axes_of(t, mask)), 1.0)
 
 
-def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
+def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) -> CostTerms:
   """The cost terms of a batch of plans laid out batch-last (see `automap_rl.batching`).
 
   Args:
     t: the cost tables.
     masks: value-signature dim masks [Uv, Rv, B] and op-signature factor masks [Uo, Rf, B].
+    per_edge: the gather and all-to-all terms and gathered bytes of every edge [E, B],
+      for any masks; else of every class of edges that resolve alike
+      (`CostTables.edge_unique`) [Eu, B], each from its first edge's masks with the
+      class's summed weights and bytes (`CostTables.unique_weight`, ...): the same sums
+      in fewer terms, for masks where signature slots that share an owner agree (those of
+      `sharding.resolve` and `sharding.apply_decision`).
 
   Returns:
     The terms, each field [..., B].
@@ -262,48 +268,57 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> CostTerms:
   # few rows' words, where gathering every dim's mask would read them transposed when
   # the batch arrives first (the environment's states).
   num_axes = t.mask_group.shape[-1].bit_length() - 1
-  stored = packing.read(packing.pack(value_mask, num_axes), t.edge_value[:, None],
-                        np.arange(value_mask.shape[1])[None, :], num_axes)  # [E, Rv, B]
-  required = packing.read(packing.pack(op_mask, num_axes), t.edge_op[:, None, None], t.edge_dim_factors,
-                          num_axes).sum(axis=2, dtype=jnp.int8)  # [E, Rv, B]; factor Rf (padding) is none.
-  stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E, B]
+  edge = np.arange(t.edge_op.shape[0]) if per_edge else t.unique_edge
+  edge_op = t.edge_op[edge]
+  stored = packing.read(packing.pack(value_mask, num_axes), t.edge_value[edge][:, None],
+                        np.arange(value_mask.shape[1])[None, :], num_axes)  # [E or Eu, Rv, B]
+  required = packing.read(packing.pack(op_mask, num_axes), edge_op[:, None, None], t.edge_dim_factors[edge],
+                          num_axes).sum(axis=2, dtype=jnp.int8)  # [E or Eu, Rv, B]; factor Rf (padding) is none.
+  stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E or Eu, B]
   required_all = required.sum(axis=1, dtype=jnp.int8)
   overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
-  misplaced, placed_out = stored_all - overlap, required_all - overlap
   op_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0).sum(axis=1, dtype=jnp.int8)
-  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced[t.op_reduction_source])[t.edge_op]  # [E, B]
+  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced[t.op_reduction_source])[edge_op]  # [E or Eu, B]
+  reduction = t.reduction_edge if per_edge else t.edge_unique[t.reduction_edge]
+  r_stored, r_required, r_reduced = (x[reduction] for x in (stored_all, required_all, reduced))  # [R, B]
 
-  operand = ~t.edge_result[:, None]
+  operand = ~t.edge_result[edge][:, None]
+  if per_edge:
+    nbytes = t.value_bytes[t.edge_value]
+    weight, weighted_bytes, buffers, buffer_bytes = t.edge_weight, t.edge_weight * nbytes, t.edge_buffers, nbytes
+  else:
+    weight, weighted_bytes, buffers = t.unique_weight, t.unique_weighted_bytes, t.unique_buffer_bytes
+    buffer_bytes = jnp.ones_like(buffers)
+  misplaced, placed_out = stored_all - overlap, required_all - overlap
   gather_in = stored_all & ~required_all
   # Every possible collective on every edge: its axes, and the axes dividing its bytes
   # (the per-device buffer it moves). An operand and a result edge can both all-gather or
   # all-to-all, so those share a row. Only the reduction edges [R] (results of ops that
   # reduce) can reduce-scatter or all-reduce: those run over them alone.
-  nbytes = t.value_bytes[t.edge_value][:, None]
   gather_axes = jnp.where(operand, gather_in, required_all & ~stored_all)
   gather = _edge_terms(t, 1.0, gather_axes, jnp.where(operand, stored_all & ~gather_in, stored_all),
-                       nbytes, t.edge_weight)
+                       weight, weighted_bytes, buffer_bytes)
   to_all = _edge_terms(t, 1.0, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced),
-                       stored_all, nbytes, t.edge_weight)
+                       stored_all, weight, weighted_bytes, buffer_bytes)
 
-  r_stored, r_required, r_reduced = (x[t.reduction_edge] for x in (stored_all, required_all, reduced))  # [R, B]
   scatter_axes = jnp.where(t.native_scatter, r_reduced & r_stored, 0).astype(r_reduced.dtype)
   # The partial sums are sharded as their op computes less the axes they are pending over:
   # a linear combination of partial sums may compute on those too, but XLA reduces the
   # buffers its sources made.
   partial_axes = r_required & ~r_reduced
   # A reduction may carry several partial sums' buffers in one collective.
-  r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]][:, None] * t.reduction_partial_sums[:, None]
+  r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]] * t.reduction_partial_sums
+  r_weighted = t.reduction_weight * r_nbytes
   return CostTerms(
       value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards,
       op_compute_s=jnp.maximum(t.op_compute_s[:, None] / _dense_shards(t, op_mask), t.op_memory_s[:, None]) / op_shards,
       gather=gather,
       all_to_all=to_all,
-      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, r_nbytes, t.reduction_weight,
+      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight, r_weighted, r_nbytes,
                                  (t.reduction_combines, t.reduction_loop, t.combine_bytes[1])),
-      all_reduce=_edge_terms(t, 2.0, r_reduced & ~scatter_axes, partial_axes | scatter_axes, r_nbytes,
-                             t.reduction_weight, (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
-      gathered_bytes=jnp.where(operand & (gather_axes != 0), t.edge_buffers[:, None], 0.0) * gather.buffer,
+      all_reduce=_edge_terms(t, 2.0, r_reduced & ~scatter_axes, partial_axes | scatter_axes, t.reduction_weight,
+                             r_weighted, r_nbytes, (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
+      gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
       value_shards=value_shards,
   )
 
@@ -335,7 +350,7 @@ def _total(t: CostTables, terms: CostTerms) -> Cost:
 
 def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   """`simulate` for a batch of plans laid out batch-last: the sum of `_terms`."""
-  return _total(t, _terms(t, masks))
+  return _total(t, _terms(t, masks, per_edge=False))
 
 
 def _tile(t: CostTables) -> int:
@@ -346,13 +361,27 @@ _simulate_one_or_many = batching.batch_last(_simulate, _tile)
 
 
 def simulate(tables: CostTables, resolution: Resolution) -> Cost:
-  """Costs one resolved plan. Vmap over resolutions for a batch of plans: the batch then
-  runs in batch-last calls of `batching.tile_for(edges)` plans (see `automap_rl.batching`)."""
+  """Costs one resolved plan (masks as `sharding.resolve` or `sharding.apply_decision`
+  give them: signature slots that share an owner agree; `terms` takes any masks). Vmap
+  over resolutions for a batch of plans: the batch then runs in batch-last calls of
+  `batching.tile_for(edges)` plans (see `automap_rl.batching`)."""
   return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
 
 
+def evaluate(tables: CostTables, owners: sharding.Owners, num_classes: int, dec_class: jax.Array,
+             dec_axis: jax.Array) -> Cost:
+  """Costs encoded decisions (see `sharding.encode`): `simulate(tables, sharding.resolve(owners,
+  num_classes, dec_class, dec_axis))`. Vmapped over the decisions, each tile of the batch
+  is resolved and costed in one batch-last call, so the resolved masks stay batch-last
+  between the two."""
+  run = batching.batch_last(
+      lambda t, decisions: _simulate(t, sharding.resolve_batch_last(owners, num_classes, decisions)),
+      lambda t: min(_tile(t), sharding.resolve_tile(owners)))
+  return run(tables, (jnp.asarray(dec_class, jnp.int32), jnp.asarray(dec_axis, jnp.int32)))
+
+
 _terms_one_or_many = batching.batch_last(
-    lambda t, masks: jax.tree.map(lambda x: jnp.moveaxis(x, -1, 0), _terms(t, masks)), _tile)
+    lambda t, masks: jax.tree.map(lambda x: jnp.moveaxis(x, -1, 0), _terms(t, masks, per_edge=True)), _tile)
 
 
 def terms(tables: CostTables, resolution: Resolution) -> CostTerms:

@@ -12,7 +12,7 @@ from automap_rl.ir import FactorKind, Op, Program
 from automap_rl.ir.flops import fusion_copies, memory_bytes
 from automap_rl.ir.rules import conv_batch_group_factor
 from automap_rl.mesh import Hardware, Mesh
-from automap_rl.sharding import Signatures
+from automap_rl.sharding import Owners, Signatures
 
 _MEMORY_PROBES = 256
 
@@ -122,6 +122,15 @@ class CostTables:
     edge_buffers: how many distinct buffers the edge's resharding materialises (its ops,
       not times their repeat counts; operand reads shared as in `edge_weight`), [E]: the
       simulator adds gathered operands to the peak memory.
+    edge_unique: the class of each edge among edges that resolve alike (`_unique_edges`),
+      [E]; unique_edge: one edge of each class, [Eu]. Under a resolved plan the simulator
+      computes each class's masks once, and an edge's collective terms are linear in its
+      weight and bytes, so it sums the gather and all-to-all terms over the classes with
+      these summed:
+    unique_weight: the classes' summed `edge_weight`, [Eu];
+    unique_weighted_bytes: their summed `edge_weight` times value bytes, [Eu];
+    unique_buffer_bytes: their summed `edge_buffers` times value bytes (operands; 0 for
+      results, whose gathers add nothing to the peak), [Eu].
     live_bytes: global bytes of each value signature live at each probe point, [T, Uv].
     mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
       group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency
@@ -144,6 +153,11 @@ class CostTables:
   edge_dim_factors: np.ndarray
   edge_weight: np.ndarray
   edge_buffers: np.ndarray
+  edge_unique: np.ndarray
+  unique_edge: np.ndarray
+  unique_weight: np.ndarray
+  unique_weighted_bytes: np.ndarray
+  unique_buffer_bytes: np.ndarray
   reduction_edge: np.ndarray
   reduction_weight: np.ndarray
   reduction_partial_sums: np.ndarray
@@ -327,6 +341,37 @@ def _factor_indices(tables: list[np.ndarray], rv: int, rf: int) -> np.ndarray:
   return out
 
 
+def _unique_edges(owners: Owners, edge_op: np.ndarray, edge_value: np.ndarray, edge_result: np.ndarray,
+                  edge_dims: np.ndarray, reduction_source: np.ndarray, reduction: np.ndarray,
+                  deferred: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Classes of edges whose masks agree under every plan, `(edge_unique [E], unique_edge
+  [Eu])` (see `CostTables`).
+
+  Signature slots that share an owner slot (`sharding.Owners`) resolve alike, so two edges
+  of the same kind (operand or result) read the same masks when every value dim is the
+  same owner slot (or none), the op factors each dim maps to are the same owner slots, and
+  a result's op reduces over the same owner slots (a 12-layer GPT: 1,734 edges, 1,087
+  classes)."""
+
+  def slots(owner: np.ndarray, slot: np.ndarray, rows: np.ndarray, columns) -> tuple:
+    return tuple((int(owner[r, c]), int(slot[r, c])) for r, c in zip(rows, columns) if owner[r, c] >= 0)
+
+  keys: dict[tuple, int] = {}
+  unique = np.zeros(len(edge_op), np.int32)
+  rf = owners.op_owner.shape[1]
+  for e, (op, value, result) in enumerate(zip(edge_op, edge_value, edge_result)):
+    stored = tuple(slots(owners.value_owner, owners.value_slot, [value], [d]) for d in range(owners.value_owner.shape[1]))
+    required = tuple(slots(owners.op_owner, owners.op_slot, [op] * len(f), [x for x in f if x < rf])
+                     for f in edge_dims[e])
+    source = reduction_source[op]
+    reduced = () if not result or deferred[op] else slots(owners.op_owner, owners.op_slot, [source] * rf,
+                                                          np.flatnonzero(reduction[source]))
+    unique[e] = keys.setdefault((bool(result), stored, required, reduced), len(keys))
+  first = np.zeros(len(keys), np.int32)
+  first[unique[::-1]] = np.arange(len(edge_op) - 1, -1, -1, dtype=np.int32)
+  return unique, first
+
+
 def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
   """Aggregates per-op costs onto signatures and lays out the edges."""
   hw = mesh.hardware
@@ -401,8 +446,19 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   terminal = _terminal_reductions(program, sigs, reduces)
   loop_groups, loop_repeats = _loop_groups(terminal[edge_op[reduction_edge]])
   group, seconds_per_byte, latency = _mask_tables(mesh)
+  edge_dim_factors = _factor_indices(edge_dims, rv, rf)
+  edge_value = np.array(edge_value, np.int32)
+  edge_result = np.array(edge_result, bool)
+  edge_unique, unique_edge = _unique_edges(Owners.from_signatures(sigs, mesh.axis_sizes), edge_op, edge_value,
+                                           edge_result, edge_dim_factors, reduction_source, reduction, deferred)
+  value_bytes = np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32)
+  weight32, buffers32 = np.array(edge_weight, np.float32), np.array(edge_buffers, np.float32)
+
+  def per_class(x: np.ndarray) -> np.ndarray:
+    return np.bincount(edge_unique, x.astype(np.float64), len(unique_edge)).astype(np.float32)
+
   return CostTables(
-      value_bytes=np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32),
+      value_bytes=value_bytes,
       value_compute_s=value_compute.astype(np.float32),
       value_memory_s=value_memory.astype(np.float32),
       op_compute_s=compute.astype(np.float32),
@@ -412,11 +468,16 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       op_deferred=deferred,
       op_dense_factor=dense_factor,
       edge_op=edge_op,
-      edge_value=np.array(edge_value, np.int32),
-      edge_result=np.array(edge_result, bool),
-      edge_dim_factors=_factor_indices(edge_dims, rv, rf),
-      edge_weight=np.array(edge_weight, np.float32),
-      edge_buffers=np.array(edge_buffers, np.float32),
+      edge_value=edge_value,
+      edge_result=edge_result,
+      edge_dim_factors=edge_dim_factors,
+      edge_weight=weight32,
+      edge_buffers=buffers32,
+      edge_unique=edge_unique,
+      unique_edge=unique_edge,
+      unique_weight=per_class(weight32),
+      unique_weighted_bytes=per_class(weight32 * value_bytes[edge_value]),
+      unique_buffer_bytes=per_class(np.where(edge_result, 0.0, buffers32 * value_bytes[edge_value])),
       reduction_edge=reduction_edge,
       reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
       reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
