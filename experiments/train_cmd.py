@@ -55,7 +55,7 @@ class TrainRunConfig:
 
   preset: Preset = "small"
   split: Literal["smoke", "train"] = "train"
-  max_cases: int | None = 12
+  max_cases: int | None = None
   iterations: int = 240
   run_dir: str = "runs/small"
   checkpoint_every: int = 20
@@ -73,7 +73,7 @@ PRESETS: dict[str, TrainRunConfig] = {
                           network=NetworkConfig(width=32, rounds=2, state_width=16))),
     "small": TrainRunConfig(),
     "full": TrainRunConfig(
-        preset="full", max_cases=None, iterations=2000, run_dir="runs/full", checkpoint_every=50,
+        preset="full", iterations=2000, run_dir="runs/full", checkpoint_every=50,
         train=TrainConfig(episodes=16, episode_length=16, num_simulations=32, max_num_considered_actions=16,
                           replay_capacity=16384, batch_size=128, updates=16)),
 }
