@@ -328,11 +328,39 @@ def takes_axis(divisible: jax.Array, mask: jax.Array, used: jax.Array, axis_bit:
   return ((used & axis_bit) == 0) & ((jnp.right_shift(divisible, want) & 1) == 1)
 
 
+def decision_slots(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array) -> jax.Array:
+  """The slot of each owner that one decision shards (see `apply_decision`), -1 for none,
+  int8 [owners]; arguments as `apply_decision`'s."""
+  slots = mask.shape[1]
+  bit = jnp.left_shift(1, axis).astype(mask.dtype)
+  used = mask.sum(axis=1, dtype=mask.dtype)
+  # Slot by slot (a strict `<` keeps the first of equal ranks): vmapped, elementwise over
+  # [B, owners], where a minimum over the minor axis of 4-5 slots ran as scalar code.
+  # No reduction materialises the result, so XLA repeats the chain in every reader: the
+  # environment reads it twice (its new masks, its legal mask) and hands the new masks to
+  # the simulator through a `lax.cond`, which materialises them (`envs.core._figures`).
+  best = jnp.full(mask.shape[:1], NO_SLOT_RANK, rank.dtype)
+  chosen = jnp.full(mask.shape[:1], -1, jnp.int8)
+  for s in range(slots):
+    better = (rank[:, s] < best) & takes_axis(divisible[:, s], mask[:, s], used, bit)
+    chosen = jnp.where(better, jnp.int8(s), chosen)
+    best = jnp.where(better, rank[:, s], best)
+  return chosen
+
+
+def with_slots(mask: jax.Array, slot: jax.Array, chosen: jax.Array, axis: jax.Array) -> jax.Array:
+  """Axis bit masks `mask` with bit `axis` set where the slot index `slot` is its owner's
+  `chosen` one (`decision_slots`); broadcasting, so that the environment can apply a
+  decision to the few slots it reads without materialising every new mask."""
+  return mask | jnp.where(slot == chosen, jnp.left_shift(1, axis), 0).astype(mask.dtype)
+
+
 def apply_decision(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array) -> jax.Array:
   """Applies one decision, `axis` for the classes of a target in rank order, to resolved
   masks: in each owner the first slot that `takes_axis`, of the lowest-ranked class, takes
   it. Appending the decision's classes to an encoded list and re-resolving (`resolve`)
-  gives the same masks; the environment steps with this.
+  gives the same masks; the environment steps with this (`decision_slots`, then
+  `with_slots`).
 
   Args:
     divisible: divisibility bits of each slot, int32 [owners, slots].
@@ -344,16 +372,8 @@ def apply_decision(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis:
   Returns:
     The new masks, [owners, slots].
   """
-  slots = mask.shape[1]
-  bit = jnp.left_shift(1, axis).astype(mask.dtype)
-  used = mask.sum(axis=1, dtype=mask.dtype)[:, None]
-  cand = (rank < NO_SLOT_RANK) & takes_axis(divisible, mask, used, bit)
-  key = jnp.where(cand, rank.astype(jnp.int32) * slots + jnp.arange(slots), NO_SLOT_RANK * slots)
-  # The slot each owner shards, -1 for none: a reduction XLA materialises, so the
-  # simulator's reads of the new mask recompute one compare, not this search.
-  first = key.min(axis=1)
-  chosen = jnp.where(first < NO_SLOT_RANK * slots, first % slots, -1).astype(jnp.int8)
-  return mask | jnp.where(jnp.arange(slots, dtype=jnp.int8) == chosen[:, None], bit, 0).astype(mask.dtype)
+  chosen = decision_slots(divisible, mask, rank, axis)
+  return with_slots(mask, jnp.arange(mask.shape[1], dtype=jnp.int8), chosen[:, None], axis)
 
 
 def _first_decisions(dec_class: jax.Array, dec_axis: jax.Array, num_classes: int, num_axes: int) -> jax.Array:

@@ -107,14 +107,29 @@ def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, 
   classes is. Vmapped over states, the slots' masks are gathered per state and the rest
   (`_legal`) runs in one batch-last call.
   """
-  (uv, rv), (uo, rf) = value_mask.shape, op_mask.shape
+  none = (jnp.full(value_mask.shape[:1], -1, jnp.int8), jnp.full(op_mask.shape[:1], -1, jnp.int8))
+  return _legal_after(tables, (value_mask, op_mask), none, jnp.int32(0), num_decisions, max_decisions)
+
+
+def _legal_after(tables: EnvTables, masks: tuple[jax.Array, jax.Array], chosen: tuple[jax.Array, jax.Array],
+                 axis: jax.Array, num_decisions: jax.Array, max_decisions: int) -> jax.Array:
+  """`legal_actions` of the value and op `masks` [Uv, Rv] and [Uo, Rf] after a decision
+  that shards, on `axis`, the slot `chosen` of each signature (`sharding.decision_slots`,
+  int8 [Uv] and [Uo], -1: none). A step reads the few slots the mask tests from the masks
+  it started from and applies the decision to those alone: reading the new masks, XLA
+  computed them a second time, in the flattened layout, at two integer divisions a slot."""
+  (uv, rv), (uo, rf) = (m.shape for m in masks)
   order = tables.slot_order  # [Q, W], into the value dims then op factors flattened.
-  owner = jnp.where(order < uv * rv, order // rv, uv + (order - uv * rv) // rf)
-  used = jnp.concatenate([value_mask.sum(axis=1, dtype=value_mask.dtype),
-                          op_mask.sum(axis=1, dtype=op_mask.dtype)])[owner]
-  mask = jnp.concatenate([value_mask.reshape(-1), op_mask.reshape(-1)])[order]
+  value = order < uv * rv
+  owner = jnp.where(value, order // rv, uv + (order - uv * rv) // rf)
+  slot = jnp.where(value, order % rv, (order - uv * rv) % rf)
+  bit = jnp.left_shift(1, axis).astype(jnp.int8)
+  chosen = jnp.concatenate(chosen)
+  # The new masks' axes per signature: the old ones, and the decision's where it shards a slot.
+  used = jnp.concatenate([m.sum(axis=1, dtype=m.dtype) for m in masks]) | jnp.where(chosen >= 0, bit, 0)
+  mask = sharding.with_slots(jnp.concatenate([m.reshape(-1) for m in masks])[order], slot, chosen[owner], axis)
   legal = batching.batch_last(lambda t, arrays: _legal(t, arrays, max_decisions), any_rank=True)
-  return legal(tables, (mask, used, num_decisions))
+  return legal(tables, (mask, used[owner], num_decisions))
 
 
 def _evaluate(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
@@ -134,15 +149,17 @@ def _replicated(tables: EnvTables) -> tuple[jax.Array, ...]:
 
 def _figures(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array],
              needed: jax.Array) -> tuple[jax.Array, ...]:
-  """`_evaluate` where `needed`, else the replicated plan's figures.
+  """`_evaluate` where `needed`, else the replicated plan's figures (`batching.only_where`).
 
-  Terminal rewards: under `vmap` only the rows that need it are simulated (see
-  `batching.only_where`). Shaped rewards: every row but a stop needs it, so every row is
-  simulated and the figures selected; the compiled step then holds one copy of the
-  simulator, where `only_where`'s branches (one per capacity) hold five."""
-  if config.reward == "shaped":
-    return tuple(jnp.where(needed, new, old) for new, old in zip(_evaluate(config, tables, masks), _replicated(tables)))
-  return batching.only_where(functools.partial(_evaluate, config), _replicated)(tables, masks, needed)
+  One state runs a `lax.cond`: a stop skips the simulator, and the new `masks` reach it
+  materialised (a step computes them elementwise, which XLA would otherwise repeat in
+  each of the simulator's reads). Under `vmap`, terminal rewards simulate only the rows
+  that need it; shaped rewards, where every row but a stop needs it, simulate every row
+  and select (one copy of the simulator compiles, where the compacted branches hold one
+  per capacity)."""
+  evaluate = batching.only_where(functools.partial(_evaluate, config), _replicated,
+                                 compact=config.reward == "terminal")
+  return evaluate(tables, masks, needed)
 
 
 def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:
@@ -167,8 +184,10 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   stop = (action == state.legal_action_mask.shape[0] - 1) | ~state.legal_action_mask[action]
   target = jnp.minimum(action // num_axes, tables.target_classes.shape[0] - 1)
   axis = action % num_axes
-  value_mask = sharding.apply_decision(tables.value_divisible, state.value_mask, tables.value_rank[target], axis)
-  op_mask = sharding.apply_decision(tables.op_divisible, state.op_mask, tables.op_rank[target], axis)
+  chosen = (sharding.decision_slots(tables.value_divisible, state.value_mask, tables.value_rank[target], axis),
+            sharding.decision_slots(tables.op_divisible, state.op_mask, tables.op_rank[target], axis))
+  value_mask, op_mask = (sharding.with_slots(m, jnp.arange(m.shape[1], dtype=jnp.int8), c[:, None], axis)
+                         for m, c in zip((state.value_mask, state.op_mask), chosen))
 
   classes = tables.target_classes[target]
   offset = jnp.arange(config.max_decisions) - state.num_decisions
@@ -177,7 +196,7 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   dec_class = jnp.where(new, classes[jnp.clip(offset, 0, classes.shape[0] - 1)], state.dec_class)
   dec_axis = jnp.where(new, axis, state.dec_axis)
   num_decisions = state.num_decisions + (classes >= 0).sum()
-  legal = legal_actions(tables, value_mask, op_mask, num_decisions, config.max_decisions)
+  legal = _legal_after(tables, (state.value_mask, state.op_mask), chosen, axis, num_decisions, config.max_decisions)
   moved = state.replace(
       dec_class=dec_class, dec_axis=dec_axis, num_decisions=num_decisions, value_mask=value_mask,
       op_mask=op_mask, terminated=~legal[:-1].any(), legal_action_mask=legal)
