@@ -88,8 +88,7 @@ def batch_last(fn: Callable[[Any, Any], Any], tile: Callable[[Any], int] | None 
   return wrapped
 
 
-def only_where(fn: Callable[[Any, Any], Any], fill: Callable[[Any], Any],
-               compact: bool = True) -> Callable[[Any, Any, jax.Array], Any]:
+def only_where(fn: Callable[[Any, Any], Any], fill: Callable[[Any], Any]) -> Callable[[Any, Any, jax.Array], Any]:
   """Wraps `fn(static, arrays)` into `f(static, arrays, needed)`: `fn`'s result where
   `needed` (bool []), else `fill(static)` (a pytree of `fn`'s output structure).
 
@@ -99,9 +98,7 @@ def only_where(fn: Callable[[Any, Any], Any], fill: Callable[[Any], Any],
   ..., B that holds them, and `fn` runs vmapped on those alone (a `lax.switch` between
   the capacities, a real branch); the result is scattered back. Padding rows of a
   capacity repeat the first needed row and write back its own result. Vmapped over
-  `static` too (a batch of different programs), or without `compact` (where nearly every
-  row needs it: one copy of `fn` compiles instead of one per capacity), every row runs
-  `fn` and selects.
+  `static` too (a batch of different programs), every row runs `fn` and selects.
   """
 
   def plain(static, arrays, needed):
@@ -117,7 +114,7 @@ def only_where(fn: Callable[[Any, Any], Any], fill: Callable[[Any], Any],
   @wrapped.def_vmap
   def rule(axis_size, in_batched, static, arrays, needed):
     static_batched, arrays_batched, needed_batched = in_batched
-    if any(jax.tree.leaves(static_batched)) or not compact:
+    if any(jax.tree.leaves(static_batched)):
       axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
       out = jax.vmap(select, in_axes=tuple(axes))(static, arrays, needed)
       return out, jax.tree.map(lambda _: True, out)

@@ -336,16 +336,17 @@ def decision_slots(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis:
   used = mask.sum(axis=1, dtype=mask.dtype)
   # Slot by slot (a strict `<` keeps the first of equal ranks): vmapped, elementwise over
   # [B, owners], where a minimum over the minor axis of 4-5 slots ran as scalar code.
-  # No reduction materialises the result, so XLA repeats the chain in every reader: the
-  # environment reads it twice (its new masks, its legal mask) and hands the new masks to
-  # the simulator through a `lax.cond`, which materialises them (`envs.core._figures`).
   best = jnp.full(mask.shape[:1], NO_SLOT_RANK, rank.dtype)
   chosen = jnp.full(mask.shape[:1], -1, jnp.int8)
   for s in range(slots):
     better = (rank[:, s] < best) & takes_axis(divisible[:, s], mask[:, s], used, bit)
     chosen = jnp.where(better, jnp.int8(s), chosen)
     best = jnp.where(better, rank[:, s], best)
-  return chosen
+  # The chain is elementwise, and XLA repeats elementwise producers in each reader (the
+  # new masks, the legal mask, every read of the simulator's): 2.5x a single shaped
+  # step. It does not repeat an integer remainder, so this one (the identity: -1 <=
+  # chosen < slots <= 127) makes the chosen slots computed once.
+  return jax.lax.rem(chosen, jnp.int8(127))
 
 
 def with_slots(mask: jax.Array, slot: jax.Array, chosen: jax.Array, axis: jax.Array) -> jax.Array:

@@ -149,17 +149,15 @@ def _replicated(tables: EnvTables) -> tuple[jax.Array, ...]:
 
 def _figures(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array],
              needed: jax.Array) -> tuple[jax.Array, ...]:
-  """`_evaluate` where `needed`, else the replicated plan's figures (`batching.only_where`).
+  """`_evaluate` where `needed`, else the replicated plan's figures.
 
-  One state runs a `lax.cond`: a stop skips the simulator, and the new `masks` reach it
-  materialised (a step computes them elementwise, which XLA would otherwise repeat in
-  each of the simulator's reads). Under `vmap`, terminal rewards simulate only the rows
-  that need it; shaped rewards, where every row but a stop needs it, simulate every row
-  and select (one copy of the simulator compiles, where the compacted branches hold one
-  per capacity)."""
-  evaluate = batching.only_where(functools.partial(_evaluate, config), _replicated,
-                                 compact=config.reward == "terminal")
-  return evaluate(tables, masks, needed)
+  Terminal rewards: under `vmap` only the rows that need it are simulated (see
+  `batching.only_where`). Shaped rewards: every row but a stop needs it, so every row is
+  simulated and the figures selected; the compiled step then holds one copy of the
+  simulator, where `only_where`'s branches (one per capacity) hold five."""
+  if config.reward == "shaped":
+    return tuple(jnp.where(needed, new, old) for new, old in zip(_evaluate(config, tables, masks), _replicated(tables)))
+  return batching.only_where(functools.partial(_evaluate, config), _replicated)(tables, masks, needed)
 
 
 def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:

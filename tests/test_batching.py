@@ -72,15 +72,3 @@ def test_only_where_branches_per_capacity_and_runs_exactly_the_needed_rows():
     out = jax.jit(f)(jnp.float32(1.0), x, x < n)
     counts[n] = int(out["count"].sum())
   assert counts == {0: 0, 1: 1, 4: 4, 5: 5, 17: 17, 64: 64}
-
-
-def test_only_where_without_compact_selects_over_every_row_and_conds_one():
-  x = jnp.arange(64, dtype=jnp.float32)
-  f = batching.only_where(lambda s, v: _square(s, v), _fill, compact=False)
-  jaxpr = jax.make_jaxpr(jax.vmap(f, in_axes=(None, 0, 0)))(jnp.float32(1.0), x, x < 3)
-  assert " cond[" not in str(jaxpr), "vmapped: one copy of fn, no branches"
-  out = jax.jit(jax.vmap(f, in_axes=(None, 0, 0)))(jnp.float32(2.0), x, x < 5)
-  np.testing.assert_allclose(out["value"], np.where(np.arange(64) < 5, 2.0 * np.arange(64.0) ** 2, -2.0))
-  assert int(out["count"].sum()) == 5
-  one = jax.make_jaxpr(f)(jnp.float32(1.0), x[0], True)
-  assert str(one).count(" cond[") == 1, "one state: a real branch"
