@@ -56,14 +56,6 @@ class ILPConfig:
   max_decisions: int = 256
 
 
-def best_expert(problem: Problem) -> tuple[str, list[Decision], simulator.Cost]:
-  """The applicable expert tactic with the lowest step time among those that fit (among
-  all when none fits): its name, plan and cost."""
-  costs = tactics.applicable_costs(problem)
-  name = min(costs, key=lambda n: (not bool(costs[n][1].fits), float(costs[n][1].step_time)))
-  return name, costs[name][0], costs[name][1]
-
-
 def objective(problem: Problem, cost: simulator.Cost) -> float:
   """The environment's objective of a cost (1.0 is the replicated plan)."""
   config = env_config(problem, "named_dims", 1)
@@ -91,11 +83,12 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   start = time.perf_counter()
   budget = Budget.of(budget)
   limit = budget.seconds if budget.seconds is not None else config.seconds
-  expert_name, expert, expert_cost = best_expert(problem)
-  order = strategy_graph.order_from(problem, expert if config.warm_start else ())
+  expert = tactics.best_expert_plan(problem)
+  expert_name, expert_cost = expert.name, expert.cost
+  order = strategy_graph.order_from(problem, expert.decisions if config.warm_start else ())
   graph = strategy_graph.build(problem, order)
   simulations = len(tactics.applicable(problem)) + 1
-  warm = graph.assignment_of(expert) if config.warm_start else None
+  warm = graph.assignment_of(list(expert.decisions)) if config.warm_start else None
   setup = time.perf_counter() - start
   trace = [TracePoint(0, setup, float(expert_cost.step_time), objective(problem, expert_cost))]
   try:
@@ -112,7 +105,7 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
     # The expert, as class decisions: no graph plan fits, or the expert is outside the
     # graph's plans (it gives a named dimension two axes, as FSDP does on a data x fsdp
     # x model mesh) and beats what the solver found.
-    dec_class, dec_axis = problem.encode(expert)
+    dec_class, dec_axis = problem.encode(expert.decisions)
     decisions = [Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(dec_class, dec_axis)]
     cost = problem.cost(decisions)
   if progress is not None:

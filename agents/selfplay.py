@@ -58,12 +58,11 @@ class Suite:
 
 
 def expert_objective(problem: Problem, env_config: EnvConfig, tables: EnvTables) -> float:
-  """The environment's objective of the best expert tactic (`tactics.applicable`, the
-  replicated plan included) on `problem`, relative to the replicated plan (<= 1)."""
+  """The environment's objective of the problem's best expert (`tactics.best_expert_plan`),
+  relative to the replicated plan."""
   base = np.asarray(tables.base)
-  objectives = [float(raw_objective(env_config, cost, base, problem.tables.hbm_bytes) / base[2])
-                for _, cost in tactics.applicable_costs(problem).values()]
-  return min(objectives)
+  cost = tactics.best_expert_plan(problem).cost
+  return float(raw_objective(env_config, cost, base, problem.tables.hbm_bytes) / base[2])
 
 
 @functools.cache

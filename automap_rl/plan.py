@@ -42,7 +42,7 @@ from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, Cost
 
-__all__ = ["Plan", "baselines", "cost_dict", "fit_advice", "format_arguments", "format_costs", "shardable",
+__all__ = ["Plan", "baselines", "compare_with_best_expert", "cost_dict", "fit_advice", "format_arguments", "format_costs", "shardable",
            "transfer_decisions"]
 
 
@@ -102,6 +102,25 @@ def format_arguments(problem: Problem, decisions, max_args: int) -> str:
 def baselines(problem: Problem) -> dict[str, dict[str, Any]]:
   """The cost figures of every applicable expert tactic (evaluated together: one compile)."""
   return {name: cost_dict(cost) for name, (_, cost) in tactics.applicable_costs(problem).items()}
+
+
+def compare_with_best_expert(agent: str, costs: dict[str, dict[str, Any]]) -> str:
+  """One line: the plan of `agent` against the best expert (`tactics.best_expert`) among
+  the other rows of `costs` (`Plan.costs()`), or, where no expert fits, says so and
+  whether the plan fits, never giving a ratio to a plan that cannot run."""
+  experts = {k: tactics.Score(v["step_time_s"], v["peak_memory_bytes"], v["fits"])
+             for k, v in costs.items() if k != agent}
+  plan = costs[agent]
+  if not experts:
+    return f"{agent}: no expert tactic applies"
+  best = tactics.best_expert(experts)
+  if experts[best].fits:
+    note = "" if plan["fits"] else " (this plan does NOT fit in memory)"
+    return f"{agent} step time / best expert ({best}): {plan['step_time_s'] / experts[best].step_time:.3f}{note}"
+  if plan["fits"]:
+    return f"no expert fits in memory; {agent}'s plan fits, the only one here that does"
+  return (f"no expert fits in memory, nor does {agent}'s plan (least memory: {best}, "
+          f"{experts[best].peak_memory / 2**30:.1f} GiB per device)")
 
 
 def shard_blocks(shape: Sequence[int], spec: PartitionSpec, axis_names: Sequence[str],
@@ -240,11 +259,7 @@ class Plan:
     lines += ["", format_arguments(self.problem, self.decisions, max_args), ""]
     costs = self.costs()
     lines.append(format_costs(costs))
-    experts = {k: v["step_time_s"] for k, v in costs.items() if k != self.agent}
-    if experts:
-      best = min(experts, key=experts.get)
-      lines.append(f"\n{self.agent} step time / best expert ({best}): "
-                   f"{costs[self.agent]['step_time_s'] / experts[best]:.3f}")
+    lines.append("\n" + compare_with_best_expert(self.agent, costs))
     return "\n".join(lines)
 
   def _mesh_name(self) -> str:

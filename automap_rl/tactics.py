@@ -16,7 +16,11 @@ dims in a Flax, Haiku or Equinox transformer, whatever its parameters are called
 * sequence dims are dim 1 of integer inputs of rank 2 or more (token ids `[batch, seq]`).
 
 The data axis is the mesh axis named `data` (else the first); the model axis is `model`
-(else the last); FSDP stores parameters over `fsdp` when the mesh has that axis.
+(else the last, the fastest link); FSDP stores parameters over `fsdp` when the mesh has that
+axis, FSDP x TP over every axis but the model axis.
+
+`best_expert` is the one definition of the yardstick every ratio is relative to: the
+fastest applicable tactic whose plan fits in memory.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -146,28 +151,73 @@ def megatron(problem: Problem) -> list[Decision]:
   return _shard_classes(problem, structure(problem).tensor_parallel, model_axis(problem))
 
 
+def data_axes(problem: Problem) -> tuple[str, ...]:
+  """Every mesh axis but the model axis, in mesh order: the axes data parallelism and
+  ZeRO-3/FSDP use when the model axis carries tensor parallelism."""
+  model = model_axis(problem)
+  return tuple(a for a in problem.mesh.axis_names if a != model) or (model,)
+
+
+def _batch_over(problem: Problem, axes: tuple[str, ...]) -> list[Decision]:
+  """Data parallelism over `axes`: the batch of every input over each, in order."""
+  batch = data_parallel(problem)
+  return [Decision(d.target, axis) for axis in axes for d in batch]
+
+
+def _store_sharded(problem: Problem, axes: tuple[str, ...], avoid: tuple[int, ...] = ()) -> list[Decision]:
+  """ZeRO-3 storage: every parameter (and with it its gradient and optimizer state)
+  sharded over `axes` on its largest dim that their product divides, gathered at use.
+  Dims of the classes in `avoid` (tensor-parallel ones, which keep their own axis) are
+  taken only when no other dim divides."""
+  size = int(np.prod([problem.mesh.axis_size(a) for a in axes]))
+  named, decisions = problem.named, []
+  for value_id in problem.program.inputs:
+    value = problem.program.values[value_id]
+    if value.role != Role.PARAMETER:
+      continue
+    dims = [d for d in range(len(value.shape)) if value.shape[d] % size == 0]
+    if not dims:
+      continue
+    largest = max(dims, key=lambda d: (named.class_of(value_id, d) not in avoid, value.shape[d]))
+    decisions += [Decision(ArgDim(value.path, largest), axis) for axis in axes]
+  return decisions
+
+
 def fsdp(problem: Problem) -> list[Decision]:
   """ZeRO-3/FSDP: data parallel, then every parameter (and with it its gradient and
   optimizer state) stored sharded on its largest divisible dim, gathered at use: over
   the `fsdp` axis when the mesh has one (which then shards the batch too), else over
   the data axis."""
   axis = "fsdp" if "fsdp" in problem.mesh.axis_names else data_axis(problem)
-  size = problem.mesh.axis_size(axis)
-  decisions = data_parallel(problem)
-  if axis != data_axis(problem):
-    decisions += [Decision(d.target, axis) for d in decisions]
-  for value_id in problem.program.inputs:
-    value = problem.program.values[value_id]
-    dims = [d for d in range(len(value.shape)) if value.shape[d] % size == 0]
-    if value.role == Role.PARAMETER and dims:
-      largest = max(dims, key=lambda d: value.shape[d])
-      decisions.append(Decision(ArgDim(value.path, largest), axis))
-  return decisions
+  batch_axes = tuple(dict.fromkeys((data_axis(problem), axis)))
+  return _batch_over(problem, batch_axes) + _store_sharded(problem, (axis,))
 
 
 def data_megatron(problem: Problem) -> list[Decision]:
   """Data parallel on the data axis and Megatron on the model axis (2-D data x tensor)."""
   return data_parallel(problem) + megatron(problem)
+
+
+def fsdp_megatron(problem: Problem) -> list[Decision]:
+  """ZeRO-3/FSDP x tensor parallelism, as large models are trained: the batch over every
+  data axis (all axes but the model axis), Megatron on the model axis, and every
+  parameter's storage (so its gradient and optimizer state) sharded over all data axes
+  on a dim tensor parallelism leaves free, gathered at use."""
+  axes = data_axes(problem)
+  found = structure(problem)
+  return _batch_over(problem, axes) + megatron(problem) + _store_sharded(problem, axes, found.tensor_parallel)
+
+
+def fsdp_megatron_sp(problem: Problem) -> list[Decision]:
+  """`fsdp_megatron` with Megatron's sequence parallelism: the sequence of every token
+  input also over the model axis, so activations between the tensor-parallel blocks
+  (normalization, residual) are stored split by sequence, gathered before the
+  column-parallel matmuls and reduce-scattered after the row-parallel ones."""
+  sequence = [Decision(ArgDim(*dim), model_axis(problem)) for dim in structure(problem).sequence_dims]
+  axes = data_axes(problem)
+  found = structure(problem)
+  return (_batch_over(problem, axes) + megatron(problem) + sequence
+          + _store_sharded(problem, axes, found.tensor_parallel))
 
 
 def expert_parallel(problem: Problem) -> list[Decision]:
@@ -190,6 +240,8 @@ TACTICS: dict[str, Callable[[Problem], list[Decision]]] = {
     "megatron": megatron,
     "fsdp": fsdp,
     "data_megatron": data_megatron,
+    "fsdp_megatron": fsdp_megatron,
+    "fsdp_megatron_sp": fsdp_megatron_sp,
     "expert_parallel": expert_parallel,
     "sequence_parallel": sequence_parallel,
 }
@@ -200,6 +252,8 @@ def applicable(problem: Problem) -> dict[str, list[Decision]]:
   expert parallelism experts, sequence parallelism token inputs."""
   found = structure(problem)
   needs = {"megatron": found.tensor_parallel, "data_megatron": found.tensor_parallel,
+           "fsdp_megatron": found.tensor_parallel,
+           "fsdp_megatron_sp": found.tensor_parallel and found.sequence_dims,
            "expert_parallel": found.experts, "sequence_parallel": found.sequence_dims}
   return {name: tactic(problem) for name, tactic in TACTICS.items() if needs.get(name, True)}
 
@@ -209,3 +263,52 @@ def applicable_costs(problem: Problem) -> dict[str, tuple[list[Decision], simula
   (`Problem.costs`: one compile for the set)."""
   plans = applicable(problem)
   return {name: (plan, cost) for (name, plan), cost in zip(plans.items(), problem.costs(list(plans.values())))}
+
+
+class Score(NamedTuple):
+  """What the yardstick reads of a plan's cost: seconds per step, bytes per device at
+  the peak, and whether that fits the device."""
+
+  step_time: float
+  peak_memory: float
+  fits: bool
+
+  @classmethod
+  def of(cls, cost: simulator.Cost) -> Score:
+    return cls(float(cost.step_time), float(cost.peak_memory), bool(cost.fits))
+
+
+def best_expert(scores: Mapping[str, Score]) -> str:
+  """The yardstick every ratio in the project is relative to, from the scores of the
+  applicable expert tactics (`applicable`, the replicated plan among them): the fastest
+  plan that fits in memory. A plan that does not fit cannot run, so it is never the
+  yardstick while one that fits exists. When none fits, the one with the least memory per
+  device (the closest to running), which callers must report as "no expert fits" and
+  never use as a denominator beside a plan that fits."""
+  if not scores:
+    raise ValueError("No expert scores to choose the best expert from.")
+  fitting = [n for n, s in scores.items() if s.fits]
+  if fitting:
+    return min(fitting, key=lambda n: scores[n].step_time)
+  return min(scores, key=lambda n: scores[n].peak_memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Expert:
+  """An expert tactic's plan on a problem and its simulated cost."""
+
+  name: str
+  decisions: tuple[Decision, ...]
+  cost: simulator.Cost
+
+  @property
+  def fits(self) -> bool:
+    return bool(self.cost.fits)
+
+
+def best_expert_plan(problem: Problem) -> Expert:
+  """The problem's `best_expert`, with its plan and cost."""
+  costs = applicable_costs(problem)
+  name = best_expert({n: Score.of(cost) for n, (_, cost) in costs.items()})
+  plan, cost = costs[name]
+  return Expert(name, tuple(plan), cost)

@@ -2,8 +2,9 @@
 
 `bench suite` scores, per case, the replicated plan, every applicable expert tactic, each
 search agent at a fixed budget and the case's best-known plan, all as ratios of simulated
-step time to the best expert (the fastest expert plan that fits in memory; the fastest
-expert when none fits). Best-known plans are reference data (`best_known.json` beside
+step time to the best expert (`automap_rl.tactics.best_expert`: the fastest expert plan
+that fits in memory). Where no expert fits, the row says so and its ratios are to the best
+plan that fits (the best-known), never to a plan that cannot run. Best-known plans are reference data (`best_known.json` beside
 `suite.json`, with the command that made them); they are stored as decision lists and
 re-costed on every run, so a changed simulator re-scores them instead of trusting old
 figures, and a run that finds a better plan can write it back (`--update-best-known`).
@@ -129,14 +130,6 @@ def load_best_known(path: str | None, missing_ok: bool = False) -> dict[str, Any
     return {"cases": {}}
 
 
-def _best_expert(experts: dict[str, Any]) -> tuple[str, float, bool]:
-  """(name, step time, fits) of the fastest expert that fits, else of the fastest."""
-  fitting = {n: c for n, c in experts.items() if c["fits"]}
-  pool = fitting or experts
-  name = min(pool, key=lambda n: pool[n]["step_time_s"])
-  return name, pool[name]["step_time_s"], bool(fitting)
-
-
 def _score(cost) -> dict[str, Any]:
   return {"step_time_s": float(cost.step_time), "peak_memory_gib": float(cost.peak_memory) / 2**30,
           "fits": bool(cost.fits)}
@@ -149,7 +142,8 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
   expert_costs = tactics.applicable_costs(problem)
   plans = {name: plan for name, (plan, _) in expert_costs.items()}
   experts = {name: _score(cost) for name, (_, cost) in expert_costs.items()}
-  best_name, best_time, expert_fits = _best_expert(experts)
+  best_name = tactics.best_expert({n: tactics.Score.of(cost) for n, (_, cost) in expert_costs.items()})
+  expert_fits = experts[best_name]["fits"]
   searched = {}
   for agent in config.agents:
     result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget)
@@ -162,11 +156,15 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
   fitting = {n: c for n, c in candidates.items() if c["fits"]} or candidates
   source = min(fitting, key=lambda n: fitting[n]["step_time_s"])
   best_known = fitting[source]
-  ratio = lambda score: score["step_time_s"] / best_time
+  # The yardstick: the best expert; where no expert fits, the best plan that does.
+  yardstick = best_name if expert_fits or not best_known["fits"] else source
+  yardstick_time = candidates[yardstick]["step_time_s"]
+  ratio = lambda score: score["step_time_s"] / yardstick_time
   return {
       "case": case.name, "split": case.split, "family": case.family, "workload": case.workload,
       "mesh": case.mesh, "hardware": case.hardware,
-      "best_expert": best_name, "best_expert_step_time_s": best_time, "expert_fits": expert_fits,
+      "best_expert": best_name, "best_expert_step_time_s": experts[best_name]["step_time_s"],
+      "expert_fits": expert_fits, "yardstick": yardstick, "yardstick_step_time_s": yardstick_time,
       "experts": {n: {**c, "ratio": ratio(c)} for n, c in experts.items()},
       "agents": {n: {**c, "ratio": ratio(c)} for n, c in searched.items()},
       "best_known": {**best_known, "ratio": ratio(best_known), "source": source,
@@ -197,7 +195,8 @@ def summarize(rows: list[dict[str, Any]], agent: str = "random") -> dict[str, An
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-  """A table of ratios to the best expert (`*`: does not fit in memory)."""
+  """A table of ratios to each case's yardstick, the best expert or, where no expert fits,
+  the best plan that does (`*`: does not fit in memory)."""
   experts = list(dict.fromkeys(n for r in rows for n in r["experts"]))
   agent_names = list(dict.fromkeys(n for r in rows for n in r["agents"]))
   columns = experts + agent_names + ["best_known"]
@@ -209,7 +208,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
   lines = [f"{'case':<{width}}  " + "  ".join(f"{c[:14]:>14}" for c in columns)]
   for r in rows:
     scores = [r["experts"].get(n) for n in experts] + [r["agents"].get(n) for n in agent_names] + [r["best_known"]]
-    lines.append(f"{r['case']:<{width}}  " + "  ".join(f"{cell(s):>14}" for s in scores))
+    note = "" if r["expert_fits"] else f"  no expert fits: ratios to {r['yardstick']}"
+    lines.append(f"{r['case']:<{width}}  " + "  ".join(f"{cell(s):>14}" for s in scores) + note)
   return "\n".join(lines)
 
 

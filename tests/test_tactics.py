@@ -3,12 +3,16 @@
 import collections
 import math
 
+import numpy as np
+
 import equinox as eqx
 import flax.linen as nn
 import haiku as hk
 import jax
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from automap_rl import tactics
 from automap_rl.ir import Role
@@ -142,7 +146,7 @@ def problems():
   return {style: _problem(build()) for style, build in STYLES.items()}
 
 
-@pytest.mark.parametrize("tactic", ["megatron", "fsdp", "data_megatron", "sequence_parallel"])
+@pytest.mark.parametrize("tactic", ["megatron", "fsdp", "data_megatron", "fsdp_megatron", "sequence_parallel"])
 def test_each_tactic_shards_the_same_dims_in_flax_haiku_and_equinox(problems, tactic):
   shards = {style: _parameter_shards(p, tactics.TACTICS[tactic](p)) for style, p in problems.items()}
   assert shards["flax"] == shards["haiku"] == shards["equinox"]
@@ -171,9 +175,9 @@ TRANSFORMERS = ("gpt:layers=2", "llama", "moe", "t5", "vit")
 def test_every_expert_tactic_changes_the_plan_of_every_transformer_family(spec):
   problem = _problem(make_workload(spec, abstract=True))
   plans = tactics.applicable(problem)
-  expected = {"replicated", "data_parallel", "megatron", "fsdp", "data_megatron"}
+  expected = {"replicated", "data_parallel", "megatron", "fsdp", "data_megatron", "fsdp_megatron"}
   expected |= {"expert_parallel"} if spec == "moe" else set()
-  expected |= {"sequence_parallel"} if spec != "vit" else set()
+  expected |= {"sequence_parallel", "fsdp_megatron_sp"} if spec != "vit" else set()
   assert set(plans) == expected
   replicated = _parameter_shards(problem, [])
   for name, decisions in plans.items():
@@ -194,3 +198,63 @@ def test_expert_costs_are_evaluated_together_with_one_compile(problems):
     alone = problem.cost(plan)
     assert float(cost.step_time) == pytest.approx(float(alone.step_time), rel=1e-6), name
     assert float(cost.peak_memory) == pytest.approx(float(alone.peak_memory), rel=1e-6), name
+
+
+def test_fsdp_megatron_stores_every_parameter_over_all_data_axes_beside_tensor_parallelism():
+  """On data x fsdp x model: the batch over data and fsdp, heads and FFN hidden over model,
+  and every parameter large enough stored over data and fsdp on a dim that is not its
+  tensor-parallel one; so parameters take 1/64th of their memory where Megatron's are split
+  8 ways and FSDP's 2 ways."""
+  problem = Problem.build(make_workload("gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16",
+                                        abstract=True).trace(), make_mesh("data=4,fsdp=2,model=8", "h100"))
+  decisions = tactics.fsdp_megatron(problem)
+  ids = [v for v in problem.program.inputs if problem.program.values[v].role == Role.PARAMETER]
+  tp = set(tactics.structure(problem).tensor_parallel)
+  for value_id, spec in zip(ids, problem.partition_specs(decisions, ids)):
+    value = problem.program.values[value_id]
+    entries = [() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in spec]
+    assert sum(a in ("data", "fsdp") for e in entries for a in e) in (0, 2), (value.path, spec)
+    for dim, axes in enumerate(entries):
+      if "data" in axes and problem.named.class_of(value_id, dim) in tp:  # Only if nothing else divides.
+        others = [d for d in range(len(value.shape)) if d != dim and value.shape[d] % 8 == 0]
+        assert not others, (value.path, spec)
+    if value.size >= 256 * 256:
+      assert any(axes == ("data", "fsdp") for axes in entries), (value.path, spec)
+  memory = {name: float(problem.cost(tactics.TACTICS[name](problem)).peak_memory)
+            for name in ("fsdp", "data_megatron", "fsdp_megatron")}
+  assert memory["fsdp_megatron"] < min(memory["fsdp"], memory["data_megatron"])
+
+
+def test_fsdp_megatron_sp_stores_the_residual_stream_split_by_sequence():
+  problem = Problem.build(make_workload("gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16",
+                                        abstract=True).trace(), make_mesh("data=2,model=4", "h100"))
+  sequence = problem.named.class_of(next(v for v in problem.program.inputs
+                                         if problem.program.values[v].role == Role.INPUT), 1)
+  for name, split in (("fsdp_megatron", False), ("fsdp_megatron_sp", True)):
+    resolution = problem.resolution(tactics.TACTICS[name](problem))
+    axes = np.asarray(resolution.value_mask)  # [value signatures, dims]: bit masks of mesh axes.
+    sig_class = problem.sigs.value_class
+    model = 1 << problem.mesh.axis_index("model")
+    on_sequence = (sig_class == sequence) & ((axes & model) != 0)
+    assert bool(on_sequence.any()) == split, name
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(sorted(tactics.TACTICS)),
+                       st.tuples(st.floats(1e-3, 1e3), st.floats(1.0, 1e12), st.booleans()), min_size=1))
+def test_the_best_expert_is_the_fastest_that_fits_and_never_one_that_does_not(raw):
+  scores = {name: tactics.Score(*score) for name, score in raw.items()}
+  best = tactics.best_expert(scores)
+  fitting = [s for s in scores.values() if s.fits]
+  if fitting:
+    assert scores[best].fits and scores[best].step_time == min(s.step_time for s in fitting)
+  else:
+    assert scores[best].peak_memory == min(s.peak_memory for s in scores.values())
+
+
+def test_the_best_expert_plan_is_the_best_of_the_applicable_costs(problems):
+  problem = problems["flax"]
+  expert = tactics.best_expert_plan(problem)
+  costs = tactics.applicable_costs(problem)
+  assert list(expert.decisions) == costs[expert.name][0]
+  assert expert.name == tactics.best_expert({n: tactics.Score.of(c) for n, (_, c) in costs.items()})

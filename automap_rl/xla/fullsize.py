@@ -188,17 +188,17 @@ def pairwise_agreement(checks: Sequence[PlanCheck]) -> float:
 
 
 def exploit_gaps(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
-  """Per searched plan: its simulated ratio to the best expert (by the simulator,
-  among those that fit), its compiled-implied ratio to the same expert, and the gap,
+  """Per searched plan: its simulated ratio to the best expert (`tactics.best_expert`
+  of the simulator's scores), its compiled-implied ratio to the same expert, and the gap,
   compiled-implied minus simulated ratio: positive where the simulator flatters the
   searched plan (the search exploited the simulator), negative where it undersells it."""
   gaps = []
   for name in dict.fromkeys(c.case for c in checks):
-    experts = [c for c in checks if c.case == name and not c.searched]
-    fitting = [c for c in experts if c.simulated["fits"]] or experts
-    if not fitting:
+    experts = {c.plan: c for c in checks if c.case == name and not c.searched}
+    if not experts:
       continue
-    best = min(fitting, key=lambda c: c.simulated["step_time"])
+    best = experts[tactics.best_expert({n: tactics.Score(c.simulated["step_time"], c.simulated["peak_memory"],
+                                                        c.simulated["fits"]) for n, c in experts.items()})]
     for found in (c for c in checks if c.case == name and c.searched):
       simulated = found.simulated["step_time"] / best.simulated["step_time"]
       compiled = found.compiled["step_time"] / best.compiled["step_time"]
