@@ -31,4 +31,4 @@ test-all: $(BIN)/automap-rl
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info .cache
