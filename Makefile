@@ -4,10 +4,10 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-all clean
 
-$(BIN)/automap-rl: setup.py
+$(BIN)/automap-rl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --pre -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
 # MCTS partitions an 8-layer GPT for a 2x4 H100 mesh, compares the plan with data parallel,
@@ -31,4 +31,4 @@ test-all: $(BIN)/automap-rl
 	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info .cache

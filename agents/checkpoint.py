@@ -24,6 +24,11 @@ NETWORK_FILE = "network.json"
 PARAMS_DIR = "params"
 POLICY_DIR = "policy"
 CHECKPOINTS_DIR = "checkpoints"
+# Orbax marks a finished save with this file, written as "...successful to <absolute path>".
+# Orbax only checks that it exists; `save_policy` rewrites it without the path, so that a
+# policy directory (the shipped one included) names no machine's directories.
+COMMIT_FILE = "commit_success.txt"
+COMMIT_TEXT = "Checkpoint commit was successful"
 
 
 def _abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
@@ -61,8 +66,12 @@ def save_policy(path: str, params: chex.ArrayTree, network: NetworkConfig) -> No
   """Writes a policy directory (`network.json` and `params/`), replacing any there."""
   path = os.path.abspath(path)
   os.makedirs(path, exist_ok=True)
-  with ocp.StandardCheckpointer() as checkpointer:
+  with ocp.StandardCheckpointer() as checkpointer:  # Leaving the block waits for the save.
     checkpointer.save(os.path.join(path, PARAMS_DIR), params, force=True)
+  commit_file = os.path.join(path, PARAMS_DIR, COMMIT_FILE)
+  if os.path.exists(commit_file):
+    with open(commit_file, "w") as f:
+      f.write(COMMIT_TEXT)
   with open(os.path.join(path, NETWORK_FILE), "w") as f:
     json.dump(dataclasses.asdict(network), f, indent=1)
 

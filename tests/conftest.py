@@ -1,12 +1,15 @@
-"""Pytest setup, before JAX is imported: 8 virtual CPU devices, and the commands'
-persistent compilation cache (tests that build the same functions for the same programs,
-in either xdist worker, compile them once)."""
+"""Pytest setup, before JAX is imported: 8 virtual CPU devices, and a persistent
+compilation cache in the repository's `.cache/xla` (gitignored), never the user's home:
+tests that build the same functions for the same programs, in either xdist worker or a
+later run, compile them once."""
 
 import os
 
 from experiments.cli import compilation_cache
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       ".cache", "xla")
 compilation_cache()
 
 

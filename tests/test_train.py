@@ -75,6 +75,9 @@ def test_smoke_preset_end_to_end(smoke_run):
   network, params = learned.load_policy(run_dir, *_tables_and_root())
   assert network.config == config.network
   assert_trees_equal(params, smoke_run.state.params)
+  # Orbax's commit marker is rewritten without the run directory's absolute path.
+  with open(os.path.join(run_dir, checkpoint.POLICY_DIR, checkpoint.PARAMS_DIR, checkpoint.COMMIT_FILE)) as f:
+    assert f.read() == checkpoint.COMMIT_TEXT
 
 
 def smoke_suite() -> selfplay.Suite:
@@ -183,6 +186,8 @@ def test_shipped_policy_partitions_from_the_command_line(tmp_path):
   shipped = learned.policy_path(None)
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(shipped) for f in files)
   assert size <= 10 * 2**20
+  with open(os.path.join(shipped, checkpoint.PARAMS_DIR, checkpoint.COMMIT_FILE)) as f:
+    assert f.read() == checkpoint.COMMIT_TEXT  # No path of the machine that trained it.
   out = tmp_path / "plan.json"
   assert cli.main(["partition", "gpt:layers=1", "--mesh", "data=2,model=4", "--agent", "learned", "--budget", "16",
                    "--seed", "1", "--no-progress", "--json", str(out)]) == 0

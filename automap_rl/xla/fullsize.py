@@ -46,9 +46,9 @@ __all__ = [
     "plot", "summarize", "validation_case", "validation_mesh",
 ]
 
-# Cases at published sizes on 8 and 64 devices: the demo's model on both of the issue's
-# meshes, then GPT, MoE, U-Net and SSM (a time-step scan inside the layer scan) cases of
-# the task suite.
+# Cases at published sizes on 8 and 64 devices: the demo's model on a 2x4 and an 8x8 mesh,
+# then GPT, MoE, U-Net and SSM (a time-step scan inside the layer scan) cases of the task
+# suite.
 FULLSIZE_CASES = (
     "demo-gpt-2x4-h100", "demo-gpt-8x8-h100",
     "gpt-1.3b-2x4-h100", "moe-380m-2x4-a100-40g", "unet-ddpm-cifar10-4x2-a100-40g", "ssm-130m-4x2-a100-40g",
