@@ -5,7 +5,7 @@ frozen config dataclass; `AGENTS` maps names to `(config class, search function)
 `run_agent(name, problem, ...)` runs one by name with its default config.
 """
 
-from agents.base import Budget, Progress, SearchResult, TracePoint
+from agents.base import Budget, Progress, SearchResult, Seconds, Simulations, TracePoint
 from agents.greedy import GreedyConfig
 from agents.gumbel import GumbelConfig
 from agents.learned import LearnedConfig
@@ -16,4 +16,4 @@ from agents.registry import AGENTS, run_agent
 from automap_rl.plan import Plan
 
 __all__ = ["AGENTS", "Budget", "GreedyConfig", "GumbelConfig", "LearnedConfig", "MCTSConfig", "Plan", "Progress", "RandomConfig",
-           "SearchResult", "TracePoint", "partition", "run_agent"]
+           "SearchResult", "Seconds", "Simulations", "TracePoint", "partition", "run_agent"]

@@ -27,6 +27,7 @@ from automap_rl import simulator
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from envs import Env, EnvConfig, State
+from envs.tables import BASE_STEP_TIME
 
 Progress = Callable[[int, float], None]  # (simulations so far, best step time so far in s).
 
@@ -53,8 +54,10 @@ class Budget:
       raise ValueError(f"a budget of {self.seconds} seconds searches nothing; give more than 0.")
 
   @classmethod
-  def of(cls, budget: Budget | int | float | str) -> Budget:
-    """`Budget`, an int (simulations), a float (seconds) or a string (`500`, `30s`)."""
+  def of(cls, budget: Budget | int | str) -> Budget:
+    """A `Budget` from one with explicit units (`Simulations(2000)`, `Seconds(30)`), an
+    integer (simulations, numpy integers included) or a string (`"2000"`, `"30s"`). A float
+    is refused: `500.0` could mean either unit."""
     if isinstance(budget, Budget):
       return budget
     if isinstance(budget, str):
@@ -64,9 +67,10 @@ class Budget:
         if "searches nothing" in str(e):
           raise
         raise ValueError(f"bad budget {budget!r}: expected simulator evaluations (2000) or seconds (30s).") from None
-    if isinstance(budget, bool):
-      raise TypeError("A budget is an int (simulations) or a float (seconds).")
-    return cls(simulations=budget) if isinstance(budget, int) else cls(seconds=float(budget))
+    if isinstance(budget, (int, np.integer)) and not isinstance(budget, (bool, np.bool_)):
+      return cls(simulations=int(budget))
+    raise TypeError(f"a budget of {budget!r} ({type(budget).__name__}) has no unit: pass Simulations(n), "
+                    "Seconds(s), an int (simulations) or a string ('2000', '30s').")
 
   def left(self, simulations: int) -> int:
     """Simulations still allowed (a large number when only seconds bound the search)."""
@@ -74,6 +78,16 @@ class Budget:
 
   def done(self, simulations: int, elapsed: float) -> bool:
     return self.left(simulations) <= 0 or (self.seconds is not None and elapsed >= self.seconds)
+
+
+def Simulations(count: int) -> Budget:  # noqa: N802 (reads as a unit: budget=Simulations(2000))
+  """A budget of `count` simulator evaluations (reproducible for a seed)."""
+  return Budget(simulations=int(count))
+
+
+def Seconds(seconds: float) -> Budget:  # noqa: N802 (reads as a unit: budget=Seconds(30))
+  """A budget of `seconds` of wall-clock time (environment building included)."""
+  return Budget(seconds=float(seconds))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +199,7 @@ class Searcher:
 
   @property
   def base_step_time(self) -> float:
-    return float(self.env.tables.base[0])
+    return float(self.env.tables.base[BASE_STEP_TIME])
 
   def children(self, state: State, actions: Sequence[int]) -> State:
     """The states after each of `actions` from `state`, batched (numpy). Evaluated in

@@ -27,7 +27,7 @@ class GreedyConfig:
 
 
 def search(problem: Problem, config: GreedyConfig = GreedyConfig(), seed: int = 0,
-           budget: Budget | int | float = 1000, progress: Progress | None = None) -> SearchResult:
+           budget: Budget | int | str = 1000, progress: Progress | None = None) -> SearchResult:
   """Hill-climbs from the replicated plan, one vmapped evaluation of all legal actions per
   step. The seed orders the actions (it breaks ties and picks the subset evaluated when
   fewer simulations are left than legal actions)."""

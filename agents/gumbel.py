@@ -200,7 +200,7 @@ def _path(parent: np.ndarray, action: np.ndarray, node: int) -> list[int]:
 
 
 def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 0,
-           budget: Budget | int | float = 1000, progress: Progress | None = None,
+           budget: Budget | int | str = 1000, progress: Progress | None = None,
            params: chex.ArrayTree | None = None) -> SearchResult:
   """Plays Gumbel MuZero episodes until the budget is spent; returns the best plan any
   search tree evaluated. `params`: the network's (`config.network`), or None for the

@@ -28,13 +28,12 @@ import dataclasses
 import time
 import warnings
 
-import numpy as np
 
-from agents.base import Budget, Progress, SearchResult, TracePoint, env_config, searcher
+from agents.base import Budget, Progress, SearchResult, Seconds, TracePoint, env_config, searcher
 from automap_rl import simulator, solver, strategy_graph, tactics
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
-from envs.tables import raw_objective
+from envs.tables import objective as env_objective, replicated_base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +58,10 @@ class ILPConfig:
 def objective(problem: Problem, cost: simulator.Cost) -> float:
   """The environment's objective of a cost (1.0 is the replicated plan)."""
   config = env_config(problem, "named_dims", 1)
-  base_cost = problem.cost([])
-  base = np.array([base_cost.step_time, base_cost.peak_memory, 0.0], np.float32)
-  base[2] = raw_objective(config, base_cost, base, problem.tables.hbm_bytes)
-  return float(raw_objective(config, cost, base, problem.tables.hbm_bytes) / base[2])
+  return float(env_objective(config, cost, replicated_base(config, problem), problem.tables.hbm_bytes))
 
 
-def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, budget: Budget | int | float = 20.0,
+def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, budget: Budget | int | str = Seconds(20),
            progress: Progress | None = None) -> SearchResult:
   """Builds the strategy graph (setup, not counted against the limit, as other agents'
   environment builds are not: a slow first compile must not change the plan), solves it

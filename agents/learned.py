@@ -110,7 +110,7 @@ def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, sea
 
 
 def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int = 0,
-           budget: Budget | int | float = 1000, progress: Progress | None = None) -> SearchResult:
+           budget: Budget | int | str = 1000, progress: Progress | None = None) -> SearchResult:
   """The learned agent (see the module docstring). Deterministic for a given seed and a
   simulations budget."""
   search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress)

@@ -157,7 +157,7 @@ class _Tree:
 
 
 def search(problem: Problem, config: MCTSConfig = MCTSConfig(), seed: int = 0,
-           budget: Budget | int | float = 2000, progress: Progress | None = None) -> SearchResult:
+           budget: Budget | int | str = 2000, progress: Progress | None = None) -> SearchResult:
   """Runs UCT until the budget is spent or the tree is exhausted; returns the best plan seen.
 
   Deterministic for a given seed and a simulations budget."""

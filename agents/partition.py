@@ -18,33 +18,42 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agents.base import Budget
 from agents.registry import run_agent
 from automap_rl import ir, tactics
-from automap_rl.mesh import Mesh, make_mesh
-from automap_rl.plan import Plan
+from automap_rl.mesh import Hardware, as_mesh
+from automap_rl.plan import Plan, shardable
 from automap_rl.problem import Problem
 
-def partition(fn: Callable[..., Any], *args: Any, mesh: str | Mesh = "data=2,model=4", hardware: str = "h100",
-              agent: str = "mcts", budget: Any = 2000, seed: int = 0, arg_names: Sequence[str] | None = None,
-              arg_roles: Sequence[str] | None = None, config: Any = None,
+
+def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", hardware: str | Hardware | None = None,
+              agent: str = "mcts", budget: Budget | int | str = 2000, seed: int = 0,
+              arg_names: Sequence[str] | None = None, arg_roles: Sequence[str] | None = None, config: Any = None,
               progress: Callable[[int, float], None] | None = None,
               phase: Callable[[str], None] | None = None) -> Plan:
-  """Finds a sharding plan for `fn(*args)` on `mesh` by search.
+  """Finds a sharding plan for `fn(*args)` on `mesh` by search (or writes an expert's).
 
   Args:
     fn: the function, typically a whole training step.
     *args: example arguments: arrays or `jax.ShapeDtypeStruct`s (nothing is run while
-      searching; `Plan.check_numerics` needs arrays).
-    mesh: a mesh spec (`data=2,model=4`) or an `automap_rl.mesh.Mesh`.
-    hardware: the hardware profile of a mesh spec (`h100`, `a100`, ...).
-    agent: `mcts`, `greedy`, `random`, `gumbel`, `learned` (the shipped trained network guiding
-      Gumbel MuZero; `config=LearnedConfig(checkpoint=...)` for another), or an expert
-      tactic name (`data_megatron`, ...).
-    budget: simulator evaluations (int), seconds (float) or an `agents.Budget`.
+      searching; `Plan.check` needs arrays).
+    mesh: a mesh spec (`data=2,model=4`), an `automap_rl.mesh.Mesh`, or a
+      `jax.sharding.Mesh` (the plan then runs on its devices).
+    hardware: the hardware profile to price the mesh with (`h100`, `a100-80g`, ...);
+      default a `Mesh`'s own, else h100.
+    agent: `mcts`, `greedy`, `random`, `gumbel`, `ilp`, `learned` (the shipped trained network
+      guiding Gumbel MuZero; `config=LearnedConfig(checkpoint=...)` for another), or an
+      expert tactic name (`data_megatron`, `fsdp_megatron`, ...).
+    budget: with its unit: `Simulations(2000)`, `Seconds(30)`, an int (simulations) or a
+      string (`"2000"`, `"30s"`); a float is refused as ambiguous.
     seed: the search seed; the same seed and a simulations budget give the same plan.
-    arg_names, arg_roles: a name and a role (`parameter`, `optimizer_state`, `input`)
-      per positional argument, for paths in reports and for the expert tactics
-      (data parallel shards `input` arguments, Megatron and FSDP `parameter`s).
+    arg_names: a name per positional argument, the first element of its paths.
+    arg_roles: a role (`parameter`, `optimizer_state`, `state`, `input`) per positional
+      argument. Default: read from the step (`automap_rl.ir.infer_roles`: an argument the
+      step returns updated is state; optimizer state mirrors the parameters), with a
+      warning naming the arguments where that is in doubt. Roles steer the expert
+      tactics (data parallel shards `input`s, Megatron and FSDP `parameter`s), and the
+      arguments the step updates are donated.
     config: the agent's config dataclass (default: its defaults).
     progress: called as `progress(simulations, best_step_time_s)` during the search.
     phase: called with each phase's name as it starts: `tracing`, `building cost tables`,
@@ -53,16 +62,28 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: str | Mesh = "data=2,mod
 
   Returns:
     The plan.
+
+  Raises:
+    ValueError: an unknown agent, a bad budget or mesh, or a program of which no dimension
+      divides by any mesh axis (nothing to shard).
   """
+  if agent not in tactics.TACTICS:
+    Budget.of(budget)  # A bad budget fails before tracing.
   started = phase or (lambda name: None)
+  the_mesh, devices = as_mesh(mesh, hardware)
   started("tracing")
-  program = ir.trace(fn, *args, arg_names=arg_names, arg_roles=arg_roles)
-  the_mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh, hardware)
+  program = ir.trace_step(fn, *args, arg_names=arg_names, arg_roles=arg_roles)
   started("building cost tables")
   problem = Problem.build(program, the_mesh)
+  if not shardable(problem):
+    spec = ",".join(f"{name}={size}" for name, size in the_mesh.shape.items())
+    sizes = ", ".join(map(str, the_mesh.axis_sizes))
+    raise ValueError(f"mesh {spec}: no dimension of the program divides by any axis size ({sizes}), "
+                     "so nothing can be sharded")
   if agent in tactics.TACTICS:
     started("applying the tactic")
-    return Plan(fn, tuple(args), problem, tactics.TACTICS[agent](problem), agent=agent)
+    return Plan(fn, tuple(args), problem, tactics.TACTICS[agent](problem), agent=agent, devices=devices)
   started("searching")
   result = run_agent(agent, problem, seed=seed, budget=budget, config=config, progress=progress)
-  return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result)
+  return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result,
+              devices=devices)

@@ -31,7 +31,7 @@ class RandomConfig:
 
 
 def search(problem: Problem, config: RandomConfig = RandomConfig(), seed: int = 0,
-           budget: Budget | int | float = 1000, progress: Progress | None = None) -> SearchResult:
+           budget: Budget | int | str = 1000, progress: Progress | None = None) -> SearchResult:
   """Samples random episodes until the budget is spent; every prefix is a candidate plan.
 
   Deterministic for a given seed and a simulations budget: the last batch gets per-episode

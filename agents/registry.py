@@ -24,7 +24,7 @@ AGENTS: dict[str, tuple[type, Callable[..., SearchResult]]] = {
 }
 
 
-def run_agent(name: str, problem: Problem, seed: int = 0, budget: Budget | int | float = 2000,
+def run_agent(name: str, problem: Problem, seed: int = 0, budget: Budget | int | str = 2000,
               config=None, progress: Progress | None = None) -> SearchResult:
   """Runs agent `name` (a key of `AGENTS`) with `config` (default: the agent's defaults)."""
   if name not in AGENTS:

@@ -34,7 +34,7 @@ from automap_rl.problem import Problem
 from automap_rl.workloads.suite import Case
 from envs import EnvConfig, State, core
 from envs.programs import batch_tables
-from envs.tables import EnvTables, raw_objective
+from envs.tables import EnvTables, objective as env_objective
 
 
 @chex.dataclass(frozen=True)
@@ -60,9 +60,8 @@ class Suite:
 def expert_objective(problem: Problem, env_config: EnvConfig, tables: EnvTables) -> float:
   """The environment's objective of the problem's best expert (`tactics.best_expert_plan`),
   relative to the replicated plan."""
-  base = np.asarray(tables.base)
   cost = tactics.best_expert_plan(problem).cost
-  return float(raw_objective(env_config, cost, base, problem.tables.hbm_bytes) / base[2])
+  return float(env_objective(env_config, cost, np.asarray(tables.base), problem.tables.hbm_bytes))
 
 
 @functools.cache

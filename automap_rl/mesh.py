@@ -18,11 +18,15 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 __all__ = [
+    "DEFAULT_HARDWARE",
     "HARDWARE",
     "Hardware",
     "Link",
     "Mesh",
+    "as_mesh",
     "axis_links",
     "get_hardware",
     "make_mesh",
@@ -416,7 +420,6 @@ def to_jax_mesh(mesh: Mesh, devices: Sequence[Any] | None = None):
       `mesh.num_devices` of `jax.devices()`.
   """
   import jax  # Imported lazily: the rest of this module is pure data.
-  import numpy as np
 
   available = list(jax.devices() if devices is None else devices)
   if len(available) < mesh.num_devices:
@@ -432,3 +435,30 @@ def to_jax_mesh(mesh: Mesh, devices: Sequence[Any] | None = None):
       mesh.axis_names,
       axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
   )
+
+
+DEFAULT_HARDWARE = "h100"
+
+
+def as_mesh(mesh: Any, hardware: str | Hardware | None = None) -> tuple[Mesh, tuple[Any, ...] | None]:
+  """The `Mesh` a user means, and the devices to run on (None: the first of `jax.devices()`).
+
+  Args:
+    mesh: a spec (`"data=2,model=4"`), a mapping of axis names to sizes, a `Mesh`, or a
+      `jax.sharding.Mesh` (its axis names and shape; its devices run the plan).
+    hardware: the profile to price the mesh with (a name or a `Hardware`); default a
+      `Mesh`'s own, else `DEFAULT_HARDWARE`. Given with a `Mesh` of another profile, the
+      mesh is rebuilt for it (links included).
+  """
+  if isinstance(mesh, Mesh):
+    if hardware is None or (hardware if isinstance(hardware, str) else hardware.name) == mesh.hardware.name:
+      return mesh, None
+    return make_mesh(mesh.shape, hardware), None
+  hardware = DEFAULT_HARDWARE if hardware is None else hardware
+  if isinstance(mesh, (str, Mapping)):
+    return make_mesh(mesh, hardware), None
+  devices = getattr(mesh, "devices", None)
+  if isinstance(getattr(mesh, "axis_names", None), tuple) and isinstance(devices, np.ndarray):
+    return make_mesh(dict(zip(mesh.axis_names, devices.shape)), hardware), tuple(devices.flat)
+  raise TypeError(f"mesh must be a spec like 'data=2,model=4', a mapping, an automap_rl Mesh or a "
+                  f"jax.sharding.Mesh; got {type(mesh).__name__}.")

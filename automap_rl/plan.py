@@ -12,7 +12,8 @@ plan = partition(step, params, opt_state, batch, mesh="data=2,model=4", hardware
 print(plan.report())          # decisions, per-argument shardings, cost beside every expert tactic
 print(plan.diagram())         # how the largest arguments are split over the devices
 plan.plot("plan.png")         # the same as a picture
-jitted = plan.jit()           # jax.jit(step) with the plan's in/out shardings and constraints
+jitted = plan.jit()           # jax.jit(step) with the plan's in/out shardings
+plan.check()                  # compiles the plan as written, checks its numbers
 plan.in_shardings             # NamedShardings, pytrees like (params, opt_state, batch)
 ```
 
@@ -106,10 +107,10 @@ def baselines(problem: Problem) -> dict[str, dict[str, Any]]:
 
 def compare_with_best_expert(agent: str, costs: dict[str, dict[str, Any]]) -> str:
   """One line: the plan of `agent` against the best expert (`tactics.best_expert`) among
-  the other rows of `costs` (`Plan.costs()`), or, where no expert fits, says so and
+  the expert rows of `costs` (`Plan.costs()`; an expert's own row among them), or, where no expert fits, says so and
   whether the plan fits, never giving a ratio to a plan that cannot run."""
   experts = {k: tactics.Score(v["step_time_s"], v["peak_memory_bytes"], v["fits"])
-             for k, v in costs.items() if k != agent}
+             for k, v in costs.items() if k != agent or agent in tactics.TACTICS}
   plan = costs[agent]
   if not experts:
     return f"{agent}: no expert tactic applies"
@@ -167,6 +168,8 @@ class Plan:
     decisions: the plan, in order (earlier decisions win).
     agent: how it was found (an agent name or a tactic name).
     search: the search's result (trace, simulations, seconds), or None for a tactic.
+    devices: the devices to run on, row-major over the mesh (None: the first of
+      `jax.devices()`).
     in_specs, out_specs: `PartitionSpec`s as pytrees like `args` and like the outputs.
   """
 
@@ -176,6 +179,7 @@ class Plan:
   decisions: list[Decision]
   agent: str = "tactic"
   search: Any = None
+  devices: tuple[Any, ...] | None = None
   in_specs: Any = None
   out_specs: Any = None
 
@@ -196,7 +200,7 @@ class Plan:
   def jax_mesh(self) -> jax.sharding.Mesh:
     """The real mesh (needs `mesh.num_devices` devices; on CPU set
     `XLA_FLAGS=--xla_force_host_platform_device_count=N` before importing jax)."""
-    return to_jax_mesh(self.mesh)
+    return to_jax_mesh(self.mesh, self.devices)
 
   def _named(self, specs):
     return jax.tree.map(lambda s: NamedSharding(self.jax_mesh, s), specs,
@@ -216,23 +220,26 @@ class Plan:
   def cost(self) -> Cost:
     return self.problem.cost(self.decisions)
 
+  def jit(self):
+    """The user's own function under `jax.jit` with the plan's argument and output
+    shardings on the real mesh, the arguments the step updates donated
+    (`Program.donate_argnums`). The intermediates are left to XLA's sharding propagation;
+    `check` compiles the plan with every decision it makes pinned, and checks it."""
+    return jax.jit(self.fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
+                   donate_argnums=self.problem.program.donate_argnums)
+
   def lower(self, donate_argnums: Sequence[int] = ()):
-    """Compiles the plan (`automap_rl.xla.lower.lower`): a `Lowered` with the jitted
-    function, the compiled executable and its collectives."""
+    """Compiles the plan as written (`automap_rl.xla.lower.lower`: sharding constraints on
+    the intermediates it decides): a `Lowered` with the jitted function, the compiled
+    executable, its collectives and its differences from the plan."""
     from automap_rl.xla.lower import lower  # Lazily: lowering pulls in the HLO tools.
 
     return lower(self.problem, self.decisions, self.fn, self.args, jax_mesh=self.jax_mesh,
                  donate_argnums=tuple(donate_argnums))
 
-  def jit(self, donate_argnums: Sequence[int] = ()):
-    """`jax.jit(fn)` with the plan's in/out shardings and sharding constraints on the
-    intermediates, on the real mesh. Call it on arrays placed with `in_shardings` (or let
-    jit move them)."""
-    return self.lower(donate_argnums).jitted
-
-  def check_numerics(self, args: Sequence[Any] | None = None):
-    """Compiles the plan, runs it on concrete `args` (default: the example arguments)
-    and checks its outputs against the unpartitioned function; raises
+  def check(self, args: Sequence[Any] | None = None):
+    """Compiles the plan as written (`lower`), runs it on concrete `args` (default: the
+    example arguments) and checks its outputs against the unpartitioned function; raises
     `automap_rl.xla.lower.NumericsError` on a mismatch. Returns the `Lowered`."""
     from automap_rl.xla.lower import check_numerics
 

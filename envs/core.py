@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from automap_rl import batching, sharding, simulator
 from envs.config import EnvConfig
-from envs.tables import EnvTables, raw_objective
+from envs.tables import BASE_PEAK_MEMORY, BASE_STEP_TIME, EnvTables, objective as env_objective
 
 
 @chex.dataclass(frozen=True)
@@ -138,13 +138,14 @@ def _evaluate(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.
   value_mask, op_mask = masks
   resolution = sharding.Resolution(value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32))
   cost = simulator.simulate(tables.cost, resolution)
-  objective = raw_objective(config, cost, tables.base, tables.cost.hbm_bytes) / tables.base[2]
+  objective = env_objective(config, cost, tables.base, tables.cost.hbm_bytes)
   return objective, cost.step_time, cost.peak_memory
 
 
 def _replicated(tables: EnvTables) -> tuple[jax.Array, ...]:
   """`_evaluate`'s figures of the replicated plan (objective 1)."""
-  return jnp.float32(1.0), jnp.asarray(tables.base[0], jnp.float32), jnp.asarray(tables.base[1], jnp.float32)
+  return (jnp.float32(1.0), jnp.asarray(tables.base[BASE_STEP_TIME], jnp.float32),
+          jnp.asarray(tables.base[BASE_PEAK_MEMORY], jnp.float32))
 
 
 def _figures(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array],
@@ -172,7 +173,8 @@ def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:
   return State(
       dec_class=jnp.full(k, -1, jnp.int32), dec_axis=jnp.full(k, -1, jnp.int32), num_decisions=zero,
       value_mask=value_mask, op_mask=op_mask, objective=jnp.float32(1.0),
-      step_time=jnp.asarray(tables.base[0], jnp.float32), peak_memory=jnp.asarray(tables.base[1], jnp.float32),
+      step_time=jnp.asarray(tables.base[BASE_STEP_TIME], jnp.float32),
+      peak_memory=jnp.asarray(tables.base[BASE_PEAK_MEMORY], jnp.float32),
       reward=jnp.float32(0.0), terminated=~legal[:-1].any(), truncated=jnp.bool_(False),
       legal_action_mask=legal, step_count=zero)
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import jraph
 
 from envs.core import State
-from envs.tables import NUM_OP_FEATURES, NUM_TARGET_FEATURES, NUM_VALUE_FEATURES, EnvTables
+from envs.tables import BASE_PEAK_MEMORY, BASE_STEP_TIME, NUM_OP_FEATURES, NUM_TARGET_FEATURES, NUM_VALUE_FEATURES, EnvTables
 
 _STATIC = 4 + NUM_VALUE_FEATURES + NUM_OP_FEATURES + NUM_TARGET_FEATURES
 EDGE_FEATURES = 4
@@ -119,7 +119,7 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
   globals_ = jnp.concatenate([
       tables.mesh_features,
       jnp.stack([state.objective, state.num_decisions / state.dec_class.shape[0],
-                 state.step_time / tables.base[0], state.peak_memory / tables.base[1]]),
+                 state.step_time / tables.base[BASE_STEP_TIME], state.peak_memory / tables.base[BASE_PEAK_MEMORY]]),
   ]).astype(jnp.float32)
   num_edges = senders.shape[0] + cover_senders.shape[0]
   return jraph.GraphsTuple(

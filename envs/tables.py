@@ -104,7 +104,8 @@ class EnvTables:
     target_rank: position of each class in each target, `NO_RANK` if absent, [T, C].
     value_rank, op_rank: the same per slot, `sharding.NO_SLOT_RANK` if absent, int16 [T, Uv, Rv] and
       [T, Uo, Rf]: a step gathers its target's row instead of a rank per slot.
-    base: the replicated plan's step time, peak memory and raw objective, [3].
+    base: the replicated plan's step time, peak memory and raw objective, [3]
+      (columns `BASE_STEP_TIME`, `BASE_PEAK_MEMORY`, `BASE_OBJECTIVE`).
     mesh_features: static global features of the observation, [F].
     value_features, op_features, target_features: static node features, [U*, F*].
     edge_real: which cost edges are real, bool [E].
@@ -147,13 +148,32 @@ class EnvTables:
     return self.target_classes.shape[-2] * self.num_axes + 1
 
 
+BASE_STEP_TIME, BASE_PEAK_MEMORY, BASE_OBJECTIVE = 0, 1, 2  # The columns of `EnvTables.base`.
+
+
 def raw_objective(config: EnvConfig, cost: simulator.Cost, base: jax.Array, hbm_bytes) -> jax.Array:
   """The objective before normalisation: weighted step time (with the memory penalty) and
-  peak memory, each relative to the replicated plan's (`base[:2]`)."""
+  peak memory, each relative to the replicated plan's (`base[BASE_STEP_TIME]`,
+  `base[BASE_PEAK_MEMORY]`)."""
   w_time, w_memory = config.weights
   overflow = jnp.maximum(cost.peak_memory / hbm_bytes - 1.0, 0.0)
   time = cost.step_time * (1.0 + config.memory_penalty * overflow)
-  return w_time * time / base[0] + w_memory * cost.peak_memory / base[1]
+  return w_time * time / base[BASE_STEP_TIME] + w_memory * cost.peak_memory / base[BASE_PEAK_MEMORY]
+
+
+def replicated_base(config: EnvConfig, problem: Problem) -> np.ndarray:
+  """`EnvTables.base`: the replicated plan's step time, peak memory and raw objective, f32 [3]."""
+  cost = problem.cost([])
+  base = np.zeros(3, np.float32)
+  base[BASE_STEP_TIME], base[BASE_PEAK_MEMORY] = float(cost.step_time), float(cost.peak_memory)
+  base[BASE_OBJECTIVE] = raw_objective(config, cost, base, problem.tables.hbm_bytes)
+  return base
+
+
+def objective(config: EnvConfig, cost: simulator.Cost, base: jax.Array, hbm_bytes) -> jax.Array:
+  """The environment's objective of a cost: its raw objective over the replicated plan's
+  (1 is the replicated plan, below 1 better)."""
+  return raw_objective(config, cost, base, hbm_bytes) / base[BASE_OBJECTIVE]
 
 
 def _tile_masks(table: np.ndarray, num_axes: int, max_axes: int) -> np.ndarray:
@@ -255,9 +275,7 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
     value = np.asarray(getattr(tables, field.name))
     dims = cost_dims(field.name, value.ndim)
     cost[field.name] = _tile_masks(value, num_axes, x) if dims == ("B",) else value
-  base_cost = problem.cost([])
-  base = np.array([base_cost.step_time, base_cost.peak_memory, 0.0], np.float32)
-  base[2] = raw_objective(config, base_cost, base, tables.hbm_bytes)
+  base = replicated_base(config, problem)
   cover, target_features = _coverage(problem, targets)
   flat_class = np.concatenate([sigs.value_class.ravel(), sigs.op_class.ravel()])
   sizes = np.ones(x, np.int32)

@@ -1,6 +1,7 @@
 """`automap-rl partition WORKLOAD --mesh ... --hardware ... [--agent mcts --budget N --seed S | --tactic NAME]`:
 a plan (found by a search agent or written by an expert tactic) and its cost beside every
-expert tactic.
+expert tactic. The command is `agents.partition` (the Python facade) with a terminal around
+it: the same workload, mesh, agent, budget and seed give the same plan and cost.
 
 WORKLOAD is a workload spec (`gpt:layers=8,d_model=1024`) or a user function
 `package.module:function` (the part before the colon is not a workload family). The user function takes no arguments
@@ -8,7 +9,8 @@ and returns one of:
 
 - `(fn, args)`: the function to partition and a tuple of its example positional arguments
   (arrays or `jax.ShapeDtypeStruct`s, any pytrees); arguments are named `arg0, arg1, ...`
-  and all have the role `input`;
+  and their roles are read from the step (`automap_rl.ir.infer_roles`: what it returns
+  updated is state; a warning names the arguments where that is in doubt);
 - `(fn, args, arg_names, arg_roles)`: the same with a name and a role (`parameter`,
   `optimizer_state`, `input`) per positional argument: the expert tactics need roles
   (data parallel shards `input`s, Megatron and FSDP `parameter`s);
@@ -20,6 +22,7 @@ The module must be importable (on `PYTHONPATH`, or in the current directory).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -31,12 +34,13 @@ import jax
 import tyro
 from tqdm import tqdm
 
-from automap_rl import ir, workloads, tactics
-from automap_rl.plan import Plan, baselines, cost_dict, fit_advice, format_arguments, format_costs, shardable
-from automap_rl.mesh import make_mesh
-from automap_rl.problem import Problem
-from agents.registry import AGENTS, run_agent
+import agents
 from agents.base import Budget
+from agents.registry import AGENTS
+from automap_rl import ir, workloads
+from automap_rl.plan import (baselines, compare_with_best_expert, cost_dict, fit_advice, format_arguments,
+                             format_costs)
+from automap_rl.problem import Problem
 from experiments.progress import phase, ticking
 from experiments.cli import CommandFailed, write_json
 from experiments.options import WORKLOAD_HELP, Hardware, JsonPath, MeshSpec, OptionalWorkload, PlotPath, Tactic
@@ -108,12 +112,19 @@ def load_user_function(target: str) -> tuple[str, Any, tuple, tuple[str, ...] | 
 
 
 def load(model: str) -> tuple[str, Any, tuple, ir.Program]:
-  """(name, fn, example args, traced program) of a zoo spec or a user function."""
+  """(name, fn, example args, traced program) of a zoo spec or a user function (roles as
+  `agents.partition` reads them: `ir.trace_step`)."""
+  name, fn, args, names, roles = load_target(model)
+  return name, fn, args, ir.trace_step(fn, *args, arg_names=names, arg_roles=roles)
+
+
+def load_target(model: str) -> tuple[str, Any, tuple, tuple[str, ...] | None, tuple[str, ...] | None]:
+  """(name, fn, example args, arg names, arg roles) of a zoo spec (abstract arguments) or a
+  user function, nothing traced."""
   if is_user_function(model):
-    name, fn, args, names, roles = load_user_function(model)
-    return name, fn, args, ir.trace(fn, *args, arg_names=names, arg_roles=roles)
+    return load_user_function(model)
   workload = workloads.make_workload(model, abstract=True)
-  return workload.name, workload.step, workload.args, workload.trace()
+  return workload.name, workload.step, workload.args, workload.arg_names, workload.arg_roles
 
 
 def _clocks(config: PartitionConfig) -> bool:
@@ -122,21 +133,36 @@ def _clocks(config: PartitionConfig) -> bool:
   return config.progress and sys.stderr.isatty()
 
 
-def search(problem: Problem, config: PartitionConfig):
-  """Runs the configured search agent with a progress bar; returns its `SearchResult`."""
-  budget = Budget.of(config.budget)
-  bar = tqdm(total=budget.simulations, desc=f"{config.agent} search", unit="sim", disable=not config.progress,
-             dynamic_ncols=True)
+class Phases:
+  """The facade's phases on the terminal as they start (`agents.partition(phase=...)`):
+  each with its clock, then the search's progress bar (`progress`)."""
 
-  def progress(simulations: int, best_step_time: float) -> None:
-    bar.update(simulations - bar.n)
-    bar.set_postfix_str(f"best {best_step_time * 1e3:.3f} ms", refresh=False)
+  def __init__(self, config: PartitionConfig):
+    self.config = config
+    self.stack = contextlib.ExitStack()
+    self.bar: tqdm | None = None
 
-  try:
-    with ticking(bar.refresh):  # The bar's clock runs while the environment is built.
-      return run_agent(config.agent, problem, seed=config.seed, budget=budget, progress=progress)
-  finally:
-    bar.close()
+  def __call__(self, name: str) -> None:
+    self.stack.close()
+    if name == "searching":
+      budget = Budget.of(self.config.budget)
+      self.bar = self.stack.enter_context(tqdm(
+          total=budget.simulations, desc=f"{self.config.agent} search", unit="sim",
+          disable=not self.config.progress, dynamic_ncols=True))
+      self.stack.enter_context(ticking(self.bar.refresh))  # The bar's clock runs while the environment is built.
+    else:
+      self.stack.enter_context(phase(name, _clocks(self.config)))
+
+  def progress(self, simulations: int, best_step_time: float) -> None:
+    if self.bar is not None:
+      self.bar.update(simulations - self.bar.n)
+      self.bar.set_postfix_str(f"best {best_step_time * 1e3:.3f} ms", refresh=False)
+
+  def __enter__(self) -> Phases:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.stack.close()
 
 
 def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, args) -> dict[str, Any]:
@@ -154,7 +180,7 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
     if is_user_function(spec):
       name, fn, args, names, roles = load_user_function(spec)
       target = problem if spec == config.workload else Problem.build(
-          ir.trace(fn, *args, arg_names=names, arg_roles=roles), problem.mesh)
+          ir.trace_step(fn, *args, arg_names=names, arg_roles=roles), problem.mesh)
     else:
       workload = workloads.make_workload(spec)  # Real arrays.
       name, fn, args = workload.name, workload.step, workload.args
@@ -187,26 +213,19 @@ def run(config: PartitionConfig) -> dict[str, Any]:
                      "searches its own plan; the experts are reported beside it).")
   Budget.of(config.budget)  # Bad budgets fail before tracing, whichever the agent.
   config = dataclasses.replace(config, tactic=config.tactic or DEFAULT_TACTIC)
-  with phase(f"tracing {config.workload} and building its cost tables", _clocks(config)):
-    name, fn, args, program = load(config.workload)
-    problem = Problem.build(program, make_mesh(config.mesh, config.hardware))
-  if not shardable(problem):
-    raise ValueError(f"mesh {config.mesh}: no dimension of {name} divides by any axis size "
-                     f"({', '.join(map(str, problem.mesh.axis_sizes))}), so nothing can be sharded")
-  start = time.perf_counter()
-  if config.agent == "tactic":
-    decisions, found, label = tactics.TACTICS[config.tactic](problem), None, config.tactic
-  else:
-    found = search(problem, config)
-    decisions, label = found.decisions, config.agent
-  search_seconds = time.perf_counter() - start
+  name, fn, args, names, roles = load_target(config.workload)
+  agent = config.tactic if config.agent == "tactic" else config.agent
+  with Phases(config) as phases:
+    plan = agents.partition(fn, *args, mesh=config.mesh, hardware=config.hardware, agent=agent,
+                            budget=config.budget, seed=config.seed, arg_names=names, arg_roles=roles,
+                            progress=phases.progress, phase=phases)
+  problem, decisions, found = plan.problem, plan.decisions, plan.search
   with phase("costing the plan and the expert plans", _clocks(config)):
-    plan = Plan(fn, tuple(args), problem, decisions, agent=label, search=found)
     result = cost_dict(plan.cost)
     result["baselines"] = baselines(problem)
   result["decisions"] = [str(d) for d in decisions]
   result["agent"] = config.agent
-  result["search_seconds"] = search_seconds
+  result["search_seconds"] = 0.0 if found is None else found.seconds
   result["trace"] = [] if found is None else found.trace_dicts()
   if found is not None:
     result.update(actions=found.actions, simulations=found.simulations, seed=config.seed, budget=config.budget,
@@ -218,6 +237,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     print(format_arguments(problem, decisions, config.max_args))
     print()
     print(format_costs({config.tactic: result, **result["baselines"]}))
+    print("\n" + compare_with_best_expert(config.tactic, {config.tactic: result, **result["baselines"]}))
   else:
     print(plan.report(config.max_args))
     print()
@@ -228,7 +248,8 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     print(f"shards drawn in {plan.plot(config.plot)}")
   write_json(config.json, result)
   if not decisions:
-    print(f"WARNING: the plan shards nothing: {label} found nothing better than replicating {name}", file=sys.stderr)
+    print(f"WARNING: the plan shards nothing: {plan.agent} found nothing better than replicating {name}",
+          file=sys.stderr)
   if not result["fits"]:
     fitting = [n for n, b in result["baselines"].items() if b["fits"]]
     raise CommandFailed(f"the plan does not fit in memory: {fit_advice(problem, plan.cost)}"

@@ -2,10 +2,11 @@
 
 import functools
 
+import numpy as np
 import pytest
 
 import agents
-from agents import Budget
+from agents import Budget, Seconds, Simulations
 from agents import base as agents_base
 from automap_rl import workloads, tactics
 from automap_rl.mesh import make_mesh
@@ -55,7 +56,11 @@ def test_seconds_budget_stops_the_search():
 
 def test_budget_parsing():
   assert Budget.of(10) == Budget(simulations=10)
-  assert Budget.of(2.5) == Budget(seconds=2.5)
+  assert Budget.of(np.int64(10)) == Budget(simulations=10) == Simulations(10)
+  assert Seconds(2.5) == Budget(seconds=2.5)
+  for ambiguous in (2.5, np.float32(500), True):
+    with pytest.raises(TypeError, match="no unit"):
+      Budget.of(ambiguous)
   assert Budget.of("30s") == Budget(seconds=30.0)
   with pytest.raises(ValueError):
     Budget()

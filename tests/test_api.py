@@ -4,6 +4,8 @@ import json
 
 import jax
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
 import agents
@@ -39,7 +41,7 @@ def test_partition_end_to_end_lowers_and_checks_numerics(tmp_path):
   assert "devices" in plan.diagram()
   assert (tmp_path / "plan.png").exists() or plan.plot(str(tmp_path / "plan.png"))
   assert (tmp_path / "plan.png").stat().st_size > 1000
-  lowered = plan.check_numerics()  # Raises NumericsError on a mismatch.
+  lowered = plan.check()  # Raises NumericsError on a mismatch.
   assert lowered.compiled is not None
   assert callable(plan.jit())
 
@@ -51,7 +53,7 @@ def test_partition_with_a_tactic_lowers_megatron():
                               arg_roles=w.arg_roles)
   assert plan.in_specs[0]["block_0"]["mlp"]["fc1"]["kernel"] == PartitionSpec(None, "model")
   assert plan.in_specs[2]["inputs"] == PartitionSpec("data", None)
-  plan.check_numerics()
+  plan.check()
 
 
 def test_partition_traces_once_and_lowering_reuses_the_trace():
@@ -134,3 +136,99 @@ def test_help_lists_hardware_profiles_and_workload_families(capsys):
   for flag in ("--mesh", "--agent", "--tactic", "--budget", "--seed", "--json", "--plot", "--check-numerics",
                "--check-workload", "(default: data=2,model=4)"):
     assert flag in partition
+
+
+def user_mlp_without_roles():
+  """The user function of `user_mlp`, as `(fn, args)`: the roles are read from the step."""
+  w = workloads.make_workload("mlp:layers=2,width=64,in_dim=32,classes=8,batch=16", abstract=True)
+  return w.step, w.args
+
+
+@pytest.mark.parametrize("family", workloads.FAMILIES)
+def test_argument_roles_are_read_from_what_the_step_returns(family):
+  from automap_rl import ir
+
+  w = workloads.make_workload(family, abstract=True)
+  inferred = ir.infer_roles(w.step, *w.args)
+  assert inferred.roles == tuple(w.arg_roles) and not inferred.doubts
+  assert ir.donated_argnums(inferred.roles) == tuple(range(len(w.args) - 1))  # Everything but the batch.
+
+
+def test_a_step_that_returns_no_argument_warns_and_names_them():
+  import jax.numpy as jnp
+
+  loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+  with pytest.warns(UserWarning, match="none of w, x reads as parameters"):
+    plan = agents.partition(loss, jnp.ones((16, 8)), jnp.ones((32, 16)), mesh="data=8", agent="data_parallel",
+                            arg_names=("w", "x"))
+  assert plan.problem.program.donate_argnums == ()
+
+
+def test_partition_reads_roles_and_runs_on_a_jax_mesh_with_the_users_function():
+  """No roles given: the expert baselines still see the parameters (Megatron applies), the
+  parameters and optimizer state are donated, the plan runs on the devices of the
+  `jax.sharding.Mesh` it was given, and `jit` is the user's step under `jax.jit`."""
+  import warnings
+
+  import numpy as np
+
+  w = workloads.make_workload(GPT)
+  devices = np.array(jax.devices()[::-1][:8]).reshape(2, 4)
+  mesh = jax.sharding.Mesh(devices, ("data", "model"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    plan = agents.partition(w.step, *w.args, mesh=mesh, hardware="a100-80g", agent="data_megatron")
+  assert plan.mesh.hardware.name == "a100-80g" and plan.mesh.shape == {"data": 2, "model": 4}
+  assert "megatron" in plan.costs() and plan.problem.program.donate_argnums == (0, 1)
+  assert plan.in_specs[0]["block_0"]["mlp"]["fc1"]["kernel"] == PartitionSpec(None, "model")
+  jitted = plan.jit()
+  compiled = jitted.lower(*w.args).compile()
+  first = jax.tree.leaves(compiled.input_shardings[0])[0]
+  assert list(first.mesh.devices.flat) == list(devices.flat)
+  expected = jax.jit(w.step)(*jax.tree.map(np.array, w.args))
+  got = jitted(*jax.tree.map(np.array, w.args))
+  # The loss and Adam's first moments (the gradients); not the parameters: Adam's first
+  # step normalises gradients, and the attention key bias's is zero up to rounding.
+  for a, b in zip(jax.tree.leaves((expected[2], expected[1][0].mu)), jax.tree.leaves((got[2], got[1][0].mu))):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
+
+
+def test_a_mesh_object_is_priced_with_the_hardware_asked_for():
+  from automap_rl.mesh import as_mesh, make_mesh
+
+  mesh, devices = as_mesh(make_mesh("data=2,model=4", "h100"), "tpu-v5e")
+  assert mesh.hardware.name == "tpu-v5e" and devices is None
+  assert as_mesh(make_mesh("data=2,model=4", "h100"))[0].hardware.name == "h100"
+  with pytest.raises(TypeError, match="mesh must be"):
+    as_mesh(8)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(workload=st.sampled_from([GPT, "test_api:user_mlp_without_roles"]),
+       mesh=st.sampled_from(["data=8", "data=2,model=4"]),
+       agent=st.sampled_from(["random", "greedy", "mcts", "fsdp_megatron"]),
+       budget=st.integers(8, 40), seed=st.integers(0, 3))
+def test_the_command_and_the_facade_give_the_same_plan_and_cost(workload, mesh, agent, budget, seed):
+  name, fn, args, names, roles = partition_cmd.load_target(workload)
+  plan = agents.partition(fn, *args, mesh=mesh, hardware="a100-40g", agent=agent, budget=budget, seed=seed,
+                          arg_names=names, arg_roles=roles)
+  tactic = agent in agents.AGENTS
+  result = partition_cmd.run(partition_cmd.PartitionConfig(
+      workload=workload, mesh=mesh, hardware="a100-40g", agent=agent if tactic else "tactic",
+      tactic=None if tactic else agent, budget=str(budget), seed=seed, progress=False))
+  assert result["decisions"] == [str(d) for d in plan.decisions]
+  assert result["step_time_s"] == float(plan.cost.step_time)
+  assert result["peak_memory_bytes"] == float(plan.cost.peak_memory)
+
+
+def test_the_report_compares_with_the_best_expert_that_fits_and_says_when_none_does():
+  from automap_rl.plan import compare_with_best_expert
+
+  row = lambda seconds, fits: {"step_time_s": seconds, "peak_memory_bytes": 1e9, "fits": fits}
+  experts = {"data_megatron": row(2.0, True), "fsdp": row(1.0, False), "megatron": row(3.0, True)}
+  assert compare_with_best_expert("mcts", {"mcts": row(1.5, True), **experts}) == \
+      "mcts step time / best expert (data_megatron): 0.750"
+  assert compare_with_best_expert("data_megatron", experts) == \
+      "data_megatron step time / best expert (data_megatron): 1.000"
+  line = compare_with_best_expert("mcts", {"mcts": row(9.0, True), "fsdp": row(1.0, False)})
+  assert line.startswith("no expert fits in memory") and "/" not in line

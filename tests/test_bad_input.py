@@ -25,7 +25,7 @@ CASES = [
     (["inspect", "gpt:batch=0"], "gpt: batch=0 must be a positive integer"),
     (["inspect", "gpt:heads=0"], "gpt: heads=0 must be a positive integer"),
     (["inspect", "vit:image_size=0"], "vit: image_size=0 must be a positive integer"),
-    (["partition", "mlp", "--mesh", "data=7"], "mesh data=7: no dimension of mlp divides by any axis size (7)"),
+    (["partition", "mlp", "--mesh", "data=7"], "mesh data=7: no dimension of the program divides by any axis size (7)"),
     (["partition", "gpt:layers=1,d_model=32,heads=2,seq=8,vocab=32,batch=4", "--agent", "tactic",
       "--check-numerics", "--check-workload", "mlp"], "the model to check is not a copy of the planned one"),
     (["suite", "list", "--split", "validation"], "invalid choice 'validation'"),

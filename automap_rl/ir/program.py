@@ -139,6 +139,7 @@ class Program:
     inputs: the value ids of the flattened arguments.
     outputs: the value ids of the flattened outputs.
     donated: per input, whether the caller donates its buffer.
+    donate_argnums: the positional arguments donated (those `donated` inputs belong to).
     ties: pairs of values that must share sharding (loop carries in and out).
     unknown_primitives: primitives that got the conservative rule.
     jaxpr: the closed jaxpr it was traced from, and `out_tree` the treedef of the
@@ -155,6 +156,7 @@ class Program:
   unknown_primitives: tuple[str, ...]
   jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False)
   out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+  donate_argnums: tuple[int, ...] = ()
 
   @property
   def num_ops(self) -> int:

@@ -273,4 +273,5 @@ def trace(
       unknown_primitives=tuple(builder.unknown),
       jaxpr=closed,
       out_tree=jax.tree_util.tree_structure(out_shape),
+      donate_argnums=tuple(sorted(set(donate_argnums))),
   )

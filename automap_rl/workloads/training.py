@@ -84,7 +84,7 @@ class Workload:
     """The training step as a `Program`, with argument names and roles; every
     argument but the batch is donated (the step replaces it)."""
     return ir.trace(self.step, *self.args, arg_names=self.arg_names, arg_roles=self.arg_roles,
-                    donate_argnums=tuple(range(len(self.args) - 1)))
+                    donate_argnums=ir.donated_argnums(self.arg_roles))
 
 
 def make_train_step(
