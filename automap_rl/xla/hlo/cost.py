@@ -1,10 +1,14 @@
 """Flops and bytes accessed of the loop iterations `cost_analysis()` leaves out.
 
 `cost_analysis()` counts a while body once. `uncounted_loop_cost` adds `(repeat - 1)`
-times the flops and bytes of each looped computation, counted from the HLO text with
-`HloCostAnalysis`'s conventions for the instructions that carry nearly all of them
-(flops: dots, convolutions, reductions and elementwise arithmetic, not transcendentals,
-which it counts apart; bytes: operands and result of every unfused instruction).
+times the flops and bytes of each looped computation, counted from the HLO text for the
+instructions that carry nearly all of them (flops: dots, convolutions, reductions and
+elementwise arithmetic, not transcendentals, which XLA counts apart; bytes: operands and
+result of every unfused instruction) with `HloCostAnalysis`'s conventions, except for
+convolutions: `instruction_flops` counts every kernel tap, where `HloCostAnalysis` leaves
+out the taps that land on padding or on the holes of an lhs dilation (as
+`automap_rl.ir.flops.conv_flops` does), so a padded convolution inside a loop counts
+more flops here than XLA's own count of the same instruction.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ _ELEMENTWISE_FLOPS = frozenset({
 
 def instruction_flops(inst: Instruction, types: Mapping[str, str]) -> float:
   """Flops of one instruction as `HloCostAnalysis` counts them, for dots,
-  convolutions (every kernel tap; padding not discounted), reductions and
-  elementwise arithmetic; 0 for anything else (fusions count through their
-  computations)."""
+  reductions and elementwise arithmetic, and for convolutions every kernel tap
+  (`HloCostAnalysis` leaves out the taps on padding, see the module docstring);
+  0 for anything else (fusions count through their computations)."""
   result = parse_shapes(inst.type)
   if not result:
     return 0.0
