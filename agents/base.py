@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from automap_rl import simulator
+from automap_rl.batching import next_power_of_two
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from envs import Env, EnvConfig, State
@@ -143,11 +144,6 @@ def env_config(problem: Problem, action_space: str, max_decisions: int) -> EnvCo
                    max_axes=len(problem.mesh.axis_sizes), objective="time")
 
 
-def bucket(n: int, smallest: int = 8) -> int:
-  """The power of two >= n (at least `smallest`): batch sizes that bound recompiles."""
-  return max(smallest, 1 << max(n - 1, 0).bit_length())
-
-
 def rollout(env: Env, depth: int, stop_probability: float, state: State, key: jax.Array,
             limit: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """A uniformly random episode of at most `min(depth, limit)` steps from `state`. Pure.
@@ -190,7 +186,7 @@ class Searcher:
     env = self.env
     self.root: State = jax.device_get(jax.jit(env.init)(jax.random.key(0)))
     self._children = jax.jit(jax.vmap(env.step, in_axes=(None, 0)))
-    self.chunk = min(bucket(env.num_actions - 1), 32)
+    self.chunk = min(next_power_of_two(env.num_actions - 1, 8), 32)
     self._rollouts: dict[tuple[int, float], Callable] = {}
 
   @property

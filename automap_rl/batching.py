@@ -22,6 +22,12 @@ import jax.numpy as jnp
 TILE_ENTRIES = 1 << 18
 
 
+def next_power_of_two(n: int, smallest: int = 1) -> int:
+  """The smallest power of two at or above `n`, and at least `smallest`: a padded size
+  that bounds how many shapes (and so compiles) a growing size goes through."""
+  return max(smallest, 1 << max(n - 1, 0).bit_length())
+
+
 def tile_for(elements: int) -> int:
   """Plans per tile for a computation over `elements` rows per plan: the power of two
   (16 to 1024) nearest below `TILE_ENTRIES / elements`."""

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from automap_rl import ir, sharding, simulator
+from automap_rl.batching import next_power_of_two
 from automap_rl.mesh import Mesh
 
 
@@ -58,7 +59,7 @@ class Problem:
     """The length encoded plans are padded to (a longer plan: the power of two above it):
     the power of two at or above the classes times the mesh axes (each class decided once
     on each axis), so that the jitted resolution and cost compile once per problem."""
-    return _bucket(len(self.named.classes) * len(self.mesh.axis_sizes), 16)
+    return next_power_of_two(len(self.named.classes) * len(self.mesh.axis_sizes), 16)
 
   @functools.cached_property
   def _evaluate_many_jit(self):
@@ -75,7 +76,7 @@ class Problem:
   def encode_padded(self, decisions: Sequence[sharding.Decision]) -> tuple[np.ndarray, np.ndarray]:
     """`encode` padded with -1 to `plan_length` entries (or the power of two above a longer plan)."""
     encoded = self.encode(decisions)
-    return _padded(encoded, _bucket(len(encoded[0]), self.plan_length))
+    return _padded(encoded, next_power_of_two(len(encoded[0]), self.plan_length))
 
   def cost(self, decisions: Sequence[sharding.Decision]) -> simulator.Cost:
     """The cost of a decision list (jitted; see `costs`)."""
@@ -89,9 +90,9 @@ class Problem:
     if not plans:
       return []
     encoded = [self.encode(p) for p in plans]
-    length = _bucket(max(len(classes) for classes, _ in encoded), self.plan_length)
+    length = next_power_of_two(max(len(classes) for classes, _ in encoded), self.plan_length)
     rows = [_padded(e, length) for e in encoded]
-    rows += [rows[0]] * (_bucket(len(rows), 8) - len(rows))
+    rows += [rows[0]] * (next_power_of_two(len(rows), 8) - len(rows))
     classes, axes = (np.stack(column) for column in zip(*rows))
     batch = jax.device_get(self._evaluate_many_jit(classes, axes))
     return [jax.tree.map(lambda x, i=i: x[i], batch) for i in range(len(plans))]
@@ -120,11 +121,6 @@ class Problem:
     ops = [sharding.op_partition_specs(self.program.ops[o], self.sigs, resolution, dec_class, dec_axis, self.mesh)
            for o in op_ids]
     return values, ops
-
-
-def _bucket(size: int, smallest: int) -> int:
-  """The power of two at or above `size`, at least `smallest`."""
-  return max(smallest, 1 << max(size - 1, 0).bit_length())
 
 
 def _padded(encoded: tuple[np.ndarray, np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray]:

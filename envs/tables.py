@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from automap_rl import sharding, simulator
+from automap_rl.batching import next_power_of_two
 from automap_rl.ir import FactorKind, Role
 from automap_rl.problem import Problem
 from envs.actions import Target
@@ -338,7 +339,7 @@ def sizes(tables: EnvTables) -> dict[str, int]:
 
 def bucket_sizes(size: Mapping[str, int]) -> dict[str, int]:
   """Rounds the large dims (`BUCKETED`) up to powers of two."""
-  return {d: 1 << max(n - 1, 0).bit_length() if d in BUCKETED else n for d, n in size.items()}
+  return {d: next_power_of_two(n) if d in BUCKETED else n for d, n in size.items()}
 
 
 def _remap_slots(tables: EnvTables, size: Mapping[str, int]) -> np.ndarray:

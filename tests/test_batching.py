@@ -39,6 +39,13 @@ def test_tile_for_keeps_a_tile_near_the_entry_budget():
   assert batching.tile_for(1) == 1024 and batching.tile_for(10 ** 9) == 16
 
 
+@given(n=st.integers(0, 1 << 20), smallest=st.sampled_from([1, 8, 16]))
+def test_next_power_of_two_is_the_least_power_of_two_that_holds_n(n, smallest):
+  padded = batching.next_power_of_two(n, smallest)
+  assert padded & (padded - 1) == 0 and padded >= max(n, smallest)
+  assert padded == smallest or padded // 2 < n
+
+
 def _square(static, x):
   return {"value": static * x * x, "count": jnp.int32(1)}
 

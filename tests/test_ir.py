@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from automap_rl import ir, workloads
 from automap_rl.ir import FactorKind, rules
-from automap_rl.ir.flops import fusion_copies, memory_bytes
+from automap_rl.simulator.fusion import fusion_copies, memory_bytes
 from experiments.inspect_cmd import summarize
 
 ZOO = ("mlp", "gpt", "gpt:scan=true", "moe", "gnn", "resnet", "unet")

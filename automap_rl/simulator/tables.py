@@ -9,10 +9,10 @@ import chex
 import numpy as np
 
 from automap_rl.ir import FactorKind, Op, Program
-from automap_rl.ir.flops import fusion_copies, memory_bytes
 from automap_rl.ir.rules import conv_batch_group_factor
 from automap_rl.mesh import Hardware, Mesh
 from automap_rl.sharding import Owners, Signatures
+from automap_rl.simulator.fusion import fusion_copies, memory_bytes, unmaterialized_values
 
 _MEMORY_PROBES = 256
 
@@ -36,7 +36,7 @@ def op_flops(program: Program, op: Op) -> float:
 
 def program_flops(program: Program, shapes: Sequence[Sequence[int]] | None = None) -> np.ndarray:
   """Flops of one call of each op as XLA's compiled CPU module does them, [num_ops]:
-  `op_flops` times how often the module computes the op (`ir.flops.fusion_copies`: 0 once
+  `op_flops` times how often the module computes the op (`fusion.fusion_copies`: 0 once
   CSE merges it or constant folding removes it, more when fusion clones it into several
   consumers), for values of these per-device shapes (default: global)."""
   copies = fusion_copies(program, shapes)
@@ -187,51 +187,12 @@ def _mask_tables(mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return group, (1.0 / bandwidth).astype(np.float32), latency
 
 
-# Ops XLA fuses into their consumers (loop fusion), and ops that take fused producers as
-# their inputs (reductions read fused elementwise producers too).
-FUSIBLE = frozenset({
-    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor", "ceil",
-    "round", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "sqrt", "rsqrt",
-    "cbrt", "pow", "integer_pow", "square", "erf", "erfc", "erf_inv", "select_n", "clamp", "eq", "ne",
-    "lt", "le", "gt", "ge", "and", "or", "not", "xor", "is_finite", "convert_element_type",
-    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota", "slice",
-    "stop_gradient", "copy", "copy_p", "nextafter", "atan2",
-})
-# Producers XLA duplicates into every consumer (cheap to recompute) rather than materialise.
-DUPLICATED = frozenset({"broadcast_in_dim", "iota", "reshape", "convert_element_type", "squeeze", "expand_dims"})
-FUSING_CONSUMERS = FUSIBLE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-                              "reduce_or", "argmax", "argmin"}
-
-
-def _fused_values(program: Program) -> set[int]:
-  """Intermediates XLA never materialises: results of fusible ops (elementwise, broadcast,
-  convert, reshape, transpose, ...) read by one op that fuses them (another fusible op or
-  a reduction), or by several such ops when they are cheap enough to duplicate into each
-  (broadcasts, reshapes, converts), outside loop bodies. They live in registers inside a fusion, so they do
-  not count towards peak memory."""
-  consumers: dict[int, list[str]] = {}
-  for op in program.ops:
-    for v in set(op.operands):
-      consumers.setdefault(v, []).append(op.primitive)
-  keep = set(program.outputs) | set(program.inputs)
-  fused = set()
-  for op in program.ops:
-    if op.primitive not in FUSIBLE or op.scope:
-      continue
-    for v in op.results:
-      readers = consumers.get(v, ())
-      if (v not in keep and readers and set(readers) <= FUSING_CONSUMERS
-          and (len(readers) == 1 or op.primitive in DUPLICATED)):
-        fused.add(v)
-  return fused
-
-
 def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray:
   """Rows of per-signature live bytes at the program points that can be a peak.
 
   Value v is live from the op that makes it to its last use; arguments from the start,
   and to the end unless donated; outputs to the end. Fused intermediates (see
-  `_fused_values`) take no memory. The full [num_ops, Uv] matrix is
+  `fusion.unmaterialized_values`) take no memory. The full [num_ops, Uv] matrix is
   reduced to the rows that attain the maximum for the replicated plan or for one of
   `_MEMORY_PROBES` random per-signature shard factors, so that `max(rows @ 1/shards)` is
   the peak for the plans that matter at a fraction of the cost.
@@ -252,7 +213,7 @@ def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray
   end[list(program.outputs)] = num_ops - 1
   diff = np.zeros((num_ops + 1, num_sigs), np.float64)
   nbytes = np.array([v.nbytes for v in program.values], np.float64)
-  nbytes[list(_fused_values(program))] = 0.0
+  nbytes[list(unmaterialized_values(program))] = 0.0
   np.add.at(diff, (start, sigs.value_sig), nbytes)
   np.add.at(diff, (end + 1, sigs.value_sig), -nbytes)
   live = np.cumsum(diff, axis=0)[:num_ops]

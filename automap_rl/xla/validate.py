@@ -109,7 +109,7 @@ def simulated_flops(problem: Problem, resolution: Any) -> float:
   """Per-device flops of a resolved plan: `program_flops * repeat / shards` summed over
   program ops, with XLA's fusion decisions taken on the plan's per-device value shapes
   (which reductions are large enough for a library kernel depends on them; see
-  `automap_rl.ir.flops.fusion_copies`). An op's shard count is the product of the mesh
+  `simulator.fusion.fusion_copies`). An op's shard count is the product of the mesh
   axes its factors are sharded on; an op without a signature of its own (`op_sig == -1`:
   it follows its values) is sharded like its first result. A batch-grouped convolution
   that the backend computes dense counts its device's groups times (see

@@ -1,0 +1,129 @@
+"""Flops and bytes accessed of the loop iterations `cost_analysis()` leaves out.
+
+`cost_analysis()` counts a while body once. `uncounted_loop_cost` adds `(repeat - 1)`
+times the flops and bytes of each looped computation, counted from the HLO text for the
+instructions that carry nearly all of them (flops: dots, convolutions, reductions and
+elementwise arithmetic, not transcendentals, which XLA counts apart; bytes: operands and
+result of every unfused instruction) with `HloCostAnalysis`'s conventions, except for
+convolutions: `instruction_flops` counts every kernel tap, where `HloCostAnalysis` leaves
+out the taps that land on padding or on the holes of an lhs dilation (as
+`automap_rl.ir.flops.conv_flops` does), so a padded convolution inside a loop counts
+more flops here than XLA's own count of the same instruction.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+from automap_rl.xla.hlo.module import Instruction, Module, called_computations, parse_shapes, shape_bytes
+
+_CONTRACTING_RE = re.compile(r"\blhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
+_DIM_LABELS_RE = re.compile(r"\bdim_labels=[^_]+_(?P<rhs>[^-]+)->")
+# Opcodes `HloCostAnalysis` charges one flop per result element (transcendentals
+# such as exp and tanh are counted apart, not as flops).
+_ELEMENTWISE_FLOPS = frozenset({
+    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
+    "compare", "select", "and", "or", "xor", "not", "sign", "floor", "ceil", "clamp",
+    "remainder",
+})
+
+
+def instruction_flops(inst: Instruction, types: Mapping[str, str]) -> float:
+  """Flops of one instruction as `HloCostAnalysis` counts them, for dots,
+  reductions and elementwise arithmetic, and for convolutions every kernel tap
+  (`HloCostAnalysis` leaves out the taps on padding, see the module docstring);
+  0 for anything else (fusions count through their computations)."""
+  result = parse_shapes(inst.type)
+  if not result:
+    return 0.0
+  elements = math.prod(result[0][1])
+  if inst.opcode == "dot":
+    lhs = parse_shapes(types[inst.operands[0]])[0][1]
+    dims = _CONTRACTING_RE.search(inst.attrs)
+    contracted = math.prod(lhs[int(d)] for d in dims["dims"].split(",") if d) if dims else 1
+    return 2.0 * elements * contracted
+  if inst.opcode == "convolution":
+    kernel = parse_shapes(types[inst.operands[1]])[0][1]
+    labels = _DIM_LABELS_RE.search(inst.attrs)
+    out_features = kernel[labels["rhs"].index("o")] if labels else 1
+    return 2.0 * elements * math.prod(kernel) / out_features
+  if inst.opcode == "reduce":
+    return float(math.prod(parse_shapes(types[inst.operands[0]])[0][1]))
+  return float(elements) if inst.opcode in _ELEMENTWISE_FLOPS else 0.0
+
+
+# Instructions that move no data of their own (`HloCostAnalysis` charges them no bytes).
+_FREE_OPCODES = frozenset({
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call",
+    "conditional", "after-all", "partition-id", "replica-id",
+})
+
+
+def _read_fraction(inst: Instruction, operand: int, types: Mapping[str, str]) -> float:
+  """The fraction of operand `operand` that `inst` reads: what a (dynamic-)slice keeps
+  of its sliced operand, else all of it."""
+  if inst.opcode not in ("slice", "dynamic-slice") or operand != 0:
+    return 1.0
+  elements = lambda type_text: math.prod(parse_shapes(type_text)[0][1])
+  return elements(inst.type) / max(elements(types[inst.operands[0]]), 1)
+
+
+def _parameter_utilization(body: Sequence[Instruction], types: Mapping[str, str]) -> dict[str, float]:
+  """The fraction of each parameter of a fused computation that it reads, propagated
+  from the root as `HloCostAnalysis` does: a (dynamic-)slice reads the fraction of its
+  operand that it keeps, any other instruction as much of its operands as is used of it
+  (so a slice of a transposed, copied or elementwise-computed parameter reads only its
+  share), users add up, at most 1."""
+  used = {body[-1].name: 1.0}
+  for inst in reversed(body):
+    if inst.opcode in ("parameter", "constant"):
+      continue
+    share = used.get(inst.name, 0.0)
+    for i, name in enumerate(inst.operands):
+      used[name] = min(1.0, used.get(name, 0.0) + share * _read_fraction(inst, i, types))
+  return {i.name: used.get(i.name, 0.0) for i in body if i.opcode == "parameter"}
+
+
+def instruction_bytes(inst: Instruction, types: Mapping[str, str],
+                      bodies: Mapping[str, Sequence[Instruction]]) -> float:
+  """Bytes an unfused instruction reads and writes, as `HloCostAnalysis` counts a
+  fusion from its boundary: its operands and its result, except that a fusion operand
+  counts only the fraction its computation reads (`_parameter_utilization`: a slice of
+  it, even through a transpose or elementwise ops), and a fusion whose root updates a
+  parameter in place (`dynamic-update-slice`) counts the update twice instead of the
+  whole buffer in and out."""
+  if inst.opcode in _FREE_OPCODES:
+    return 0.0
+  operand_bytes = [shape_bytes(types[name]) if name in types else 0 for name in inst.operands]
+  result_bytes = shape_bytes(inst.type)
+  fused = called_computations(inst) if inst.opcode == "fusion" else ()
+  body = next((bodies.get(callee, ()) for callee, _ in fused), ())
+  params = {i.name: int(i.operands[0]) for i in body if i.opcode == "parameter" and i.operands}
+  if body:
+    for name, used in _parameter_utilization(body, types).items():
+      operand_bytes[params[name]] *= used
+  root = body[-1] if body else None
+  if root is not None and root.opcode == "dynamic-update-slice" and root.operands[0] in params:
+    update = 2 * shape_bytes(types[root.operands[1]])
+    operand_bytes[params[root.operands[0]]] = 0
+    result_bytes = update
+  return float(result_bytes + sum(operand_bytes))
+
+
+def uncounted_loop_cost(module: Module) -> tuple[float, float]:
+  """`(flops, bytes accessed)` of the loop iterations `cost_analysis()` leaves out:
+  for every computation that runs `r > 1` times, `(r - 1)` times its instructions'
+  flops, and for the unfused ones among them (not the body of a fusion), their bytes."""
+  bodies, types = module.bodies, module.types
+  fused = {callee for body in bodies.values() for inst in body if inst.opcode == "fusion"
+           for callee, _ in called_computations(inst)}
+  flops = nbytes = 0.0
+  for name, body in bodies.items():
+    extra = module.repeats.get(name, 1) - 1
+    if extra > 0:
+      flops += extra * sum(instruction_flops(inst, types) for inst in body)
+      if name not in fused:
+        nbytes += extra * sum(instruction_bytes(inst, types, bodies) for inst in body)
+  return flops, nbytes
