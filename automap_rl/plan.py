@@ -240,8 +240,8 @@ class Plan:
   def check(self, args: Sequence[Any] | None = None):
     """Compiles the plan as written (`lower`), runs it on concrete `args` (default: the
     example arguments) and checks its outputs against the unpartitioned function; raises
-    `automap_rl.xla.lower.NumericsError` on a mismatch. Returns the `Lowered`."""
-    from automap_rl.xla.lower import check_numerics
+    `automap_rl.xla.numerics.NumericsError` on a mismatch. Returns the `Lowered`."""
+    from automap_rl.xla.numerics import check_numerics
 
     args = self.args if args is None else tuple(args)
     lowered = self.lower()

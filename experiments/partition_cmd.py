@@ -169,7 +169,8 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
   """Compiles the plan on the local devices and checks numerics (see `check_workload`)."""
   from automap_rl import plan as plan_lib
   from automap_rl.xla import hlo
-  from automap_rl.xla.lower import check_numerics, lower, reference_outputs
+  from automap_rl.xla.lower import lower
+  from automap_rl.xla.numerics import check_numerics, reference_outputs
 
   start = time.perf_counter()
   spec = config.check_workload or config.workload

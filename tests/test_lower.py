@@ -1,4 +1,4 @@
-"""Tests for automap_rl.xla.lower: plans compiled by XLA, their collectives and numerics."""
+"""Tests for automap_rl.xla.lower and .numerics: plans compiled by XLA, their collectives and numerics."""
 
 import functools
 import importlib
@@ -13,8 +13,9 @@ from automap_rl import ir, simulator, tactics, workloads
 from automap_rl.mesh import make_mesh, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
-from automap_rl.xla.lower import (NumericsError, check_numerics, compare_leaf, compare_outputs, lower,
-                                  program_depth, reference_outputs)
+from automap_rl.xla.lower import lower
+from automap_rl.xla.numerics import (NumericsError, check_numerics, compare_leaf, compare_outputs, program_depth,
+                                     reference_outputs)
 from automap_rl.xla.fullsize import implied_cost
 from automap_rl.compile_options import quick_compile_options
 from automap_rl.xla.hlo import inspect_compiled, summarize

@@ -8,7 +8,7 @@ import pytest
 
 from automap_rl import workloads, tactics
 from automap_rl.xla import validate
-from automap_rl.xla.lower import reference_outputs
+from automap_rl.xla.numerics import reference_outputs
 from experiments import validate_cmd
 
 TINY = validate.Suite(models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",), meshes=("data=8",),

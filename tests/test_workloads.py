@@ -9,7 +9,7 @@ from flax import nnx
 
 from automap_rl.workloads import FAMILIES, SMALL, make_workload, parse_model_spec
 from automap_rl.workloads import lstm, moe, spec, ssm, vit
-from automap_rl.xla.lower import reference_outputs
+from automap_rl.xla.numerics import reference_outputs
 
 # The largest preset of every family with presets.
 LARGEST = ("gpt:size=39b", "moe:size=70b", "llama:size=70b", "t5:size=xxl",

@@ -8,6 +8,10 @@ warns once per name.
 Call-like and control-flow primitives (`jit`, `closed_call`, `checkpoint`,
 `custom_jvp_call`, `custom_vjp_call`, `scan`, `while`, `cond`) never reach this registry:
 `automap_rl.ir.trace` inlines their bodies.
+
+One file because it is one table: a builder per primitive family (elementwise, reductions,
+dots, convolutions, windows, gathers and scatters, shape changes), short functions that
+read best side by side with the registry that names them.
 """
 
 from __future__ import annotations

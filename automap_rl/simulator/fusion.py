@@ -15,6 +15,9 @@ loops (`LOOP_FUSIBLE`, XLA's `CanBeLoopFused`). Three consequences are modelled 
   is narrower than the other two (`KEPT_IN_FUSION` is a subset of `LOOP_FUSIBLE`, and
   only `RECOMPUTED_PER_READER` producers may have several readers), so the peak memory
   errs towards holding a value.
+
+One file for one model: the primitive sets and the three consequences share them, and
+splitting them would put the definition of what fuses apart from what fusing does.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from automap_rl.xla.hlo import axes_for_groups
 from automap_rl.xla.hlo import inspect_compiled
 from automap_rl.xla.hlo import summarize
 from automap_rl.xla.lower import Lowered
-from automap_rl.xla.lower import NumericsError
-from automap_rl.xla.lower import check_numerics
+from automap_rl.xla.numerics import NumericsError
+from automap_rl.xla.numerics import check_numerics
 from automap_rl.xla.lower import lower
 from automap_rl.xla.realized import ShardingDifference
 

@@ -26,7 +26,8 @@ from automap_rl.sharding import Decision
 from automap_rl.simulator import KINDS
 from automap_rl.simulator.tables import dense_group_factors, program_flops
 from automap_rl.xla.hlo import CompiledStats
-from automap_rl.xla.lower import LoweringError, NumericsError, Reference, compare_outputs, lower, reference_outputs
+from automap_rl.xla.lower import LoweringError, lower
+from automap_rl.xla.numerics import NumericsError, Reference, compare_outputs, reference_outputs
 
 __all__ = [
     "SUITES", "Case", "RandomSuite", "Suite", "compiled_metrics", "plans_for", "random_plan", "run_case", "run_random",
