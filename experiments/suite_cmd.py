@@ -149,10 +149,11 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
     result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget)
     searched[agent] = _score(result.cost)
     plans[agent] = result.decisions
-  candidates = {**experts, **searched}
+  candidates = {}  # The stored plan first: a tie keeps it (no rewrite of an equal plan).
   if stored is not None:
     plans["stored"] = [decision_from_json(d) for d in stored["decisions"]]
     candidates["stored"] = _score(problem.cost(plans["stored"]))
+  candidates.update({**experts, **searched})
   fitting = {n: c for n, c in candidates.items() if c["fits"]} or candidates
   source = min(fitting, key=lambda n: fitting[n]["step_time_s"])
   best_known = fitting[source]
