@@ -20,7 +20,7 @@ def problem(spec: str = SMALL, mesh: str = "data=2,model=4") -> Problem:
   return Problem.build(workloads.make_workload(spec, abstract=True).trace(), make_mesh(mesh, "h100"))
 
 
-def best_expert(p: Problem) -> float:
+def best_expert_step_time(p: Problem) -> float:
   return float(tactics.best_expert_plan(p).cost.step_time)
 
 
@@ -69,7 +69,7 @@ def test_budget_parsing():
 def test_mcts_matches_the_best_expert_and_beats_random_at_equal_budget():
   p = problem()
   mcts = agents.run_agent("mcts", p, seed=0, budget=600)
-  assert mcts.step_time <= best_expert(p) * 1.0001
+  assert mcts.step_time <= best_expert_step_time(p) * 1.0001
   random_best = min(agents.run_agent("random", p, seed=s, budget=600).step_time for s in range(2))
   assert mcts.step_time <= random_best * 1.0001
 
