@@ -84,6 +84,7 @@ def decision_to_json(decision: Decision) -> dict[str, Any]:
 
 
 def decision_from_json(entry: dict[str, Any]) -> Decision:
+  """The decision of `decision_to_json`'s dict."""
   if "path" in entry:
     return Decision(ArgDim(entry["path"], int(entry["dim"])), entry["axis"])
   if "group" in entry:
