@@ -17,6 +17,11 @@ plan.check()                  # compiles the plan as written, checks its numbers
 plan.in_shardings             # NamedShardings, pytrees like (params, opt_state, batch)
 ```
 
+A plan may also pipeline a layer stack (`pipeline`, `automap_rl.pipeline.Pipeline`): its
+decisions then apply inside every stage, and its cost is the pipelined step's
+(`simulator.PipelineCost`). Such a plan is priced and reported, not run (yet).
+`plan_to_json` and `plan_from_json` write and read decisions and pipeline as JSON.
+
 The formatting helpers (`cost_dict`, `format_costs`, `format_arguments`, `baselines`) live
 here so that the library and the `automap-rl partition` command share them. A plan knows
 nothing of how it was found beyond the agent's name and its search result (any object
@@ -39,23 +44,66 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from automap_rl import tactics
 from automap_rl.mesh import HARDWARE, Mesh, spec_axes, to_jax_mesh
+from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
-from automap_rl.simulator import KINDS, Cost
+from automap_rl.simulator import KINDS, PIPELINE_KINDS, Cost, PipelineCost
 
-__all__ = ["Plan", "baselines", "compare_with_best_expert", "cost_dict", "fit_advice", "format_arguments", "format_costs", "shardable",
+__all__ = ["Plan", "baselines", "compare_with_best_expert", "cost_dict", "decision_from_json", "decision_to_json",
+           "fit_advice", "format_arguments", "format_costs", "plan_from_json", "plan_to_json", "shardable",
            "transfer_decisions"]
 
 
-def cost_dict(cost: Cost) -> dict[str, Any]:
-  """The JSON figures of a cost."""
-  return {
+PIPELINE_TERMS = ("steady_s", "bubble_s", "transfer_s", "gradient_reduction_s", "update_s")
+
+
+def cost_dict(cost: Cost | PipelineCost) -> dict[str, Any]:
+  """The JSON figures of a cost (of a pipelined plan: with a collective-permute entry and
+  its step time's terms under `pipeline`)."""
+  kinds = PIPELINE_KINDS[:len(np.asarray(cost.comm_bytes))]  # `KINDS`, then permutes.
+  out = {
       "step_time_s": float(cost.step_time),
       "peak_memory_bytes": float(cost.peak_memory),
       "fits": bool(cost.fits),
-      "comm_bytes": {k: float(b) for k, b in zip(KINDS, np.asarray(cost.comm_bytes))},
-      "comm_count": {k: int(round(float(c))) for k, c in zip(KINDS, np.asarray(cost.comm_count))},
+      "comm_bytes": {k: float(b) for k, b in zip(kinds, np.asarray(cost.comm_bytes))},
+      "comm_count": {k: int(round(float(c))) for k, c in zip(kinds, np.asarray(cost.comm_count))},
   }
+  if isinstance(cost, PipelineCost):
+    out["pipeline"] = {name: float(getattr(cost.terms, name)) for name in PIPELINE_TERMS}
+  return out
+
+
+def decision_to_json(decision: Decision) -> dict[str, Any]:
+  """A decision as JSON: its target (`path` and `dim`, `group` or `class`) and axis."""
+  target = decision.target
+  if isinstance(target, ArgDim):
+    return {"path": target.path, "dim": target.dim, "axis": decision.axis}
+  if isinstance(target, Group):
+    return {"group": target.id, "axis": decision.axis}
+  return {"class": int(target), "axis": decision.axis}
+
+
+def decision_from_json(entry: dict[str, Any]) -> Decision:
+  """The decision of `decision_to_json`'s dict."""
+  if "path" in entry:
+    return Decision(ArgDim(entry["path"], int(entry["dim"])), entry["axis"])
+  if "group" in entry:
+    return Decision(Group(int(entry["group"])), entry["axis"])
+  return Decision(int(entry["class"]), entry["axis"])
+
+
+def plan_to_json(decisions: Sequence[Decision], pipeline: Pipeline | None = None) -> dict[str, Any]:
+  """`{"decisions": [...]}`, with `"pipeline": {...}` when the plan has one."""
+  out: dict[str, Any] = {"decisions": [decision_to_json(d) for d in decisions]}
+  if pipeline is not None:
+    out["pipeline"] = pipeline.to_json()
+  return out
+
+
+def plan_from_json(entry: dict[str, Any]) -> tuple[list[Decision], Pipeline | None]:
+  """The decisions and pipeline (None when absent) of `plan_to_json`'s dict."""
+  pipeline = entry.get("pipeline")
+  return [decision_from_json(d) for d in entry["decisions"]], None if pipeline is None else Pipeline.from_json(pipeline)
 
 
 def shardable(problem: Problem) -> bool:
@@ -78,10 +126,12 @@ def fit_advice(problem: Problem, cost: Cost) -> str:
 
 
 def format_costs(rows: dict[str, dict[str, Any]]) -> str:
-  """A table of plans: step time, memory and collectives."""
-  lines = [f"{'plan':<16} {'step ms':>9} {'mem/dev MiB':>12} {'fits':>5}  " + "  ".join(f"{k:>16}" for k in KINDS)]
+  """A table of plans: step time, memory and collectives (collective-permutes when a
+  pipelined plan has them)."""
+  kinds = KINDS + tuple(k for k in PIPELINE_KINDS[len(KINDS):] if any(k in r["comm_bytes"] for r in rows.values()))
+  lines = [f"{'plan':<16} {'step ms':>9} {'mem/dev MiB':>12} {'fits':>5}  " + "  ".join(f"{k:>16}" for k in kinds)]
   for name, r in rows.items():
-    comm = "  ".join(f"{r['comm_count'][k]:>5}x{r['comm_bytes'][k] / 2**20:>8.1f}MiB" for k in KINDS)
+    comm = "  ".join(f"{r['comm_count'].get(k, 0):>5}x{r['comm_bytes'].get(k, 0.0) / 2**20:>8.1f}MiB" for k in kinds)
     lines.append(f"{name:<16} {r['step_time_s'] * 1e3:>9.3f} {r['peak_memory_bytes'] / 2**20:>12.1f} "
                  f"{'yes' if r['fits'] else 'NO':>5}  {comm}")
   return "\n".join(lines)
@@ -165,12 +215,15 @@ class Plan:
     fn: the function partitioned.
     args: its example arguments (arrays or `jax.ShapeDtypeStruct`s).
     problem: the traced program on its mesh.
-    decisions: the plan, in order (earlier decisions win).
+    decisions: the plan, in order (earlier decisions win); with a pipeline, inside every
+      stage.
     agent: how it was found (an agent name or a tactic name).
     search: the search's result (trace, simulations, seconds), or None for a tactic.
     devices: the devices to run on, row-major over the mesh (None: the first of
       `jax.devices()`).
-    in_specs, out_specs: `PartitionSpec`s as pytrees like `args` and like the outputs.
+    pipeline: the layer stack's pipeline stages, or None.
+    in_specs, out_specs: `PartitionSpec`s as pytrees like `args` and like the outputs
+      (with a pipeline: those a stage's devices hold).
   """
 
   fn: Callable[..., Any]
@@ -180,11 +233,15 @@ class Plan:
   agent: str = "tactic"
   search: Any = None
   devices: tuple[Any, ...] | None = None
+  pipeline: Pipeline | None = None
   in_specs: Any = None
   out_specs: Any = None
 
   def __post_init__(self):
     program = self.problem.program
+    if self.pipeline is not None:  # Bad input fails here, in one line (`Pipeline.check`).
+      self.pipeline.check(program, self.problem.named, self.mesh)
+      self.pipeline.check_decisions(self.decisions, self.mesh)
     specs = self.problem.partition_specs(self.decisions, [*program.inputs, *program.outputs])
     arg_tree = jax.tree_util.tree_structure(tuple(self.args))
     out_tree = jax.tree_util.tree_structure(jax.eval_shape(self.fn, *self.args))
@@ -217,21 +274,36 @@ class Plan:
     return self._named(self.out_specs)
 
   @functools.cached_property
-  def cost(self) -> Cost:
-    return self.problem.cost(self.decisions)
+  def cost(self) -> Cost | PipelineCost:
+    """The plan's cost: `Problem.plan_cost` (exactly today's without a pipeline, or with
+    one stage and one microbatch)."""
+    return self.problem.plan_cost(self.decisions, self.pipeline)
+
+  def to_json(self) -> dict[str, Any]:
+    """The plan's decisions and pipeline (`plan_to_json`)."""
+    return plan_to_json(self.decisions, self.pipeline)
+
+  def _not_pipelined(self) -> None:
+    """Raises NotImplementedError for a plan with pipeline stages (priced, not run yet)."""
+    if self.pipeline is not None and not self.pipeline.trivial:
+      raise NotImplementedError(f"a plan with pipeline stages is priced but not run yet ({self.pipeline})")
 
   def jit(self):
     """The user's own function under `jax.jit` with the plan's argument and output
     shardings on the real mesh, the arguments the step updates donated
     (`Program.donate_argnums`). The intermediates are left to XLA's sharding propagation;
-    `check` compiles the plan with every decision it makes pinned, and checks it."""
+    `check` compiles the plan with every decision it makes pinned, and checks it.
+    NotImplementedError for a plan with pipeline stages."""
+    self._not_pipelined()
     return jax.jit(self.fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
                    donate_argnums=self.problem.program.donate_argnums)
 
   def lower(self, donate_argnums: Sequence[int] = ()):
     """Compiles the plan as written (`automap_rl.xla.lower.lower`: sharding constraints on
     the intermediates it decides): a `Lowered` with the jitted function, the compiled
-    executable, its collectives and its differences from the plan."""
+    executable, its collectives and its differences from the plan. NotImplementedError for
+    a plan with pipeline stages."""
+    self._not_pipelined()
     from automap_rl.xla.lower import lower  # Lazily: lowering pulls in the HLO tools.
 
     return lower(self.problem, self.decisions, self.fn, self.args, jax_mesh=self.jax_mesh,
@@ -261,6 +333,8 @@ class Plan:
       names = s.actions
     else:
       names = [str(d) for d in self.decisions]
+    if self.pipeline is not None:
+      lines.append(str(self.pipeline))
     lines.append(f"{len(self.decisions)} decisions" + (":" if names else " (replicated)"))
     lines += [f"  {i + 1}. {n}" for i, n in enumerate(names)]
     lines += ["", format_arguments(self.problem, self.decisions, max_args), ""]

@@ -1,4 +1,5 @@
-"""A partitioning problem: one program on one mesh, with everything static precomputed."""
+"""A partitioning problem: one program on one mesh, with everything static precomputed;
+with pipeline stages (`PipelineProblem`), the same program priced stage by stage."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import numpy as np
 from automap_rl import ir, sharding, simulator
 from automap_rl.batching import next_power_of_two
 from automap_rl.mesh import Mesh
+from automap_rl.pipeline import Pipeline
+from automap_rl.stages import StagedProgram
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -102,6 +105,25 @@ class Problem:
     `simulator.CostTerms`); `simulator.total(self.tables, terms)` is `self.cost(decisions)`."""
     return jax.device_get(self._terms_jit(*self.encode_padded(decisions)))
 
+  def plan_cost(self, decisions: Sequence[sharding.Decision],
+                pipeline: Pipeline | None = None) -> simulator.Cost | simulator.PipelineCost:
+    """The cost of a plan: `cost(decisions)` without a pipeline or with a trivial one (one
+    stage, one microbatch), else `pipelined(pipeline).cost(decisions)`."""
+    if pipeline is None or pipeline.trivial:
+      return self.cost(decisions)
+    return self.pipelined(pipeline).cost(decisions)
+
+  def pipelined(self, pipeline: Pipeline) -> PipelineProblem:
+    """The problem with `pipeline`'s stages (built once per pipeline; ValueError: see
+    `Pipeline.check`)."""
+    if pipeline not in self._pipelined:
+      self._pipelined[pipeline] = PipelineProblem.build(self, pipeline)
+    return self._pipelined[pipeline]
+
+  @functools.cached_property
+  def _pipelined(self) -> dict[Pipeline, PipelineProblem]:
+    return {}
+
   def resolution(self, decisions: Sequence[sharding.Decision]) -> sharding.Resolution:
     """The resolved plan of a decision list (host arrays; jitted)."""
     return jax.device_get(self._resolve_jit(*self.encode_padded(decisions)))
@@ -121,6 +143,83 @@ class Problem:
     ops = [sharding.op_partition_specs(self.program.ops[o], self.sigs, resolution, dec_class, dec_axis, self.mesh)
            for o in op_ids]
     return values, ops
+
+
+_pipeline_cost = jax.jit(simulator.pipeline_cost)  # Tables as arguments: one compile per table shape.
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_resolver(problem: Problem, axis_sizes: tuple[int, ...]):
+  """`problem`'s jitted resolution on a mesh of `axis_sizes` (a stage mesh)."""
+  owners = sharding.Owners.from_signatures(problem.sigs, axis_sizes)
+  return jax.jit(functools.partial(sharding.resolve, owners, len(problem.named.classes)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelineProblem:
+  """A problem with pipeline stages: the intra-op decisions resolve on the full program
+  over the stage mesh, and `simulator.pipeline_cost` prices them stage by stage.
+
+  Attributes:
+    problem: the problem without stages.
+    pipeline: the pipeline.
+    staged: where each op runs (`stages.StagedProgram`).
+    tables: the pricing tables.
+  """
+
+  problem: Problem
+  pipeline: Pipeline
+  staged: StagedProgram
+  tables: simulator.PipelineTables
+
+  @classmethod
+  def build(cls, problem: Problem, pipeline: Pipeline) -> PipelineProblem:
+    staged = StagedProgram.build(problem.program, problem.named, problem.mesh, pipeline)
+    return cls(problem, pipeline, staged, simulator.build_pipeline_tables(staged, problem.named, problem.sigs))
+
+  @property
+  def _resolve_jit(self):
+    """Resolution over the stage mesh: the problem's own where the stages take the whole
+    stage axis (decisions may not use it, so its size does not matter)."""
+    if self.staged.mesh.axis_size(self.pipeline.axis) == 1:
+      return self.problem._resolve_jit
+    return _stage_resolver(self.problem, self.staged.mesh.axis_sizes)
+
+  def resolution(self, decisions: Sequence[sharding.Decision]) -> sharding.Resolution:
+    """The decisions resolved on the full program over the stage mesh (host arrays).
+
+    Raises:
+      ValueError: a decision uses the stage axis the stages take whole, or the plan
+        shards a dim over more devices than it has at microbatch (or stage) size.
+    """
+    self.pipeline.check_decisions(decisions, self.problem.mesh)
+    resolution = jax.device_get(self._resolve_jit(*self.problem.encode_padded(decisions)))
+    self._check_divisible(resolution)
+    return resolution
+
+  def _check_divisible(self, resolution: sharding.Resolution) -> None:
+    """Raises ValueError where a value dim or op factor, at microbatch (stage) size, does
+    not divide by the devices the plan shards it over."""
+    t, program, mesh = self.tables, self.staged.program, self.staged.mesh
+    value = lambda i, dim: f"dim {dim} of {program.values[i].path or 'a value'} {list(program.values[i].shape)}"
+    factor = lambda i, dim: f"factor {dim} of {program.ops[i].primitive} {list(program.ops[i].rule.factor_sizes)}"
+    for masks, source, sizes, examples, describe in (
+        (resolution.value_mask, t.value_source, t.value_size, t.value_example, value),
+        (resolution.op_mask, t.op_source, t.op_size, t.op_example, factor)):
+      mask = np.asarray(masks)[source].astype(np.int64)
+      bad = np.argwhere(sizes % t.tables.mask_group[mask] != 0)
+      if len(bad):
+        row, dim = bad[0]
+        axes = tuple(name for i, name in enumerate(mesh.axis_names) if mask[row, dim] >> i & 1)
+        raise ValueError(f"with {self.pipeline.microbatches} microbatches and {self.pipeline.stages} stages, "
+                         f"{describe(examples[row], dim)} (a microbatch's or stage's share) does not divide over "
+                         f"{axes}, which the plan shards it on; use fewer microbatches or stages, or shard it less")
+
+  def cost(self, decisions: Sequence[sharding.Decision]) -> simulator.PipelineCost:
+    """The cost of intra-op decisions inside the stages (see `resolution` for errors)."""
+    resolution = self.resolution(decisions)
+    cost = jax.device_get(_pipeline_cost(self.tables, resolution.value_mask, resolution.op_mask))
+    return simulator.for_stages(cost, self.pipeline.stages)
 
 
 def _padded(encoded: tuple[np.ndarray, np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray]:

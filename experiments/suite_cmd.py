@@ -28,8 +28,8 @@ from tqdm import tqdm
 import agents
 from agents.base import release
 from automap_rl import tactics
+from automap_rl.plan import plan_from_json, plan_to_json
 from automap_rl.problem import Problem
-from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.workloads import SPLITS, Case, load_cases
 from experiments.cli import write_json
 from experiments.options import AgentName, JsonPath, PlotPath
@@ -95,30 +95,13 @@ def run_list(config: SuiteListConfig) -> list[Case]:
   return cases
 
 
-def decision_to_json(decision: Decision) -> dict[str, Any]:
-  """A decision as JSON: its target (`path` and `dim`, `group` or `class`) and axis."""
-  target = decision.target
-  if isinstance(target, ArgDim):
-    return {"path": target.path, "dim": target.dim, "axis": decision.axis}
-  if isinstance(target, Group):
-    return {"group": target.id, "axis": decision.axis}
-  return {"class": int(target), "axis": decision.axis}
-
-
-def decision_from_json(entry: dict[str, Any]) -> Decision:
-  if "path" in entry:
-    return Decision(ArgDim(entry["path"], int(entry["dim"])), entry["axis"])
-  if "group" in entry:
-    return Decision(Group(int(entry["group"])), entry["axis"])
-  return Decision(int(entry["class"]), entry["axis"])
-
-
 def best_known_path(path: str | None) -> str:
   return path or str(importlib.resources.files("automap_rl.workloads").joinpath(BEST_KNOWN))
 
 
 def load_best_known(path: str | None, missing_ok: bool = False) -> dict[str, Any]:
-  """`{"cases": {case name: {"decisions": [...], "source": ..., "command": ...}}}`; the
+  """`{"cases": {case name: {"decisions": [...], "source": ..., "command": ...}}}` (and
+  `"pipeline": {...}` for a plan with pipeline stages, `plan.plan_to_json`); the
   suite's own file may be missing (no case has a best-known plan yet), a given one not
   unless `missing_ok`."""
   try:
@@ -150,9 +133,10 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
     searched[agent] = _score(result.cost)
     plans[agent] = result.decisions
   candidates = {}  # The stored plan first: a tie keeps it (no rewrite of an equal plan).
+  pipelines = {}
   if stored is not None:
-    plans["stored"] = [decision_from_json(d) for d in stored["decisions"]]
-    candidates["stored"] = _score(problem.cost(plans["stored"]))
+    plans["stored"], pipelines["stored"] = plan_from_json(stored)
+    candidates["stored"] = _score(problem.plan_cost(plans["stored"], pipelines["stored"]))
   candidates.update({**experts, **searched})
   fitting = {n: c for n, c in candidates.items() if c["fits"]} or candidates
   source = min(fitting, key=lambda n: fitting[n]["step_time_s"])
@@ -169,7 +153,7 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
       "experts": {n: {**c, "ratio": ratio(c)} for n, c in experts.items()},
       "agents": {n: {**c, "ratio": ratio(c)} for n, c in searched.items()},
       "best_known": {**best_known, "ratio": ratio(best_known), "source": source,
-                     "decisions": [decision_to_json(d) for d in plans[source]]},
+                     **plan_to_json(plans[source], pipelines.get(source))},
       "seconds": time.perf_counter() - start,
   }
 
@@ -246,8 +230,8 @@ def update_best_known(rows: list[dict[str, Any]], path: str | None, command: str
   changed = 0
   for r in rows:
     if r["best_known"]["source"] != "stored":
-      document["cases"][r["case"]] = {"decisions": r["best_known"]["decisions"],
-                                      "source": r["best_known"]["source"],
+      plan = {key: r["best_known"][key] for key in ("decisions", "pipeline") if key in r["best_known"]}
+      document["cases"][r["case"]] = {**plan, "source": r["best_known"]["source"],
                                       "step_time_s": r["best_known"]["step_time_s"], "command": command}
       changed += 1
   if changed:

@@ -70,13 +70,14 @@ def test_suite_list_prints_every_case_of_the_split(capsys):
 
 
 def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
+  from automap_rl.plan import plan_from_json, plan_to_json
   from automap_rl.sharding import ArgDim, Decision
   from experiments import suite_cmd
   case = load_cases("smoke")[0]
   config = suite_cmd.SuiteBenchConfig(agents=("random",), budget=40, best_known=str(tmp_path / "best.json"))
   decision = Decision(ArgDim("batch/inputs", 0), "data")
-  stored = {"decisions": [suite_cmd.decision_to_json(decision)]}
-  assert suite_cmd.decision_from_json(stored["decisions"][0]) == decision
+  stored = plan_to_json([decision])
+  assert plan_from_json(stored) == ([decision], None)
   row = suite_cmd.bench_case(case, config, stored)
   best = row["best_expert_step_time_s"]
   assert row["experts"][row["best_expert"]]["ratio"] == pytest.approx(1.0)

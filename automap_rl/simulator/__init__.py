@@ -2,11 +2,16 @@
 
 `simulate(tables, resolution)` is a plan's `Cost`; `terms(tables, resolution)` its named
 per-op and per-edge `CostTerms`, which `total` sums to the same `Cost`; `evaluate` resolves
-encoded decisions and simulates them in one call.
+encoded decisions and simulates them in one call. `pipeline_cost` prices a plan with
+pipeline stages (`PipelineCost`, its typed `PipelineTerms`) from the same terms.
 """
 
 from automap_rl.simulator.cost import (KINDS, Cost, CostTerms, EdgeTerms, collective_seconds, evaluate, simulate,
                                        terms, total)
+from automap_rl.simulator.pipeline import (PIPELINE_KINDS, PipelineCost, PipelineTables, PipelineTerms,
+                                           build_pipeline_tables, for_stages, pipeline_cost)
 from automap_rl.simulator.tables import CostTables, build_cost_tables
 
-__all__ = ["KINDS", "Cost", "CostTables", "CostTerms", "EdgeTerms", "build_cost_tables", "collective_seconds", "evaluate", "simulate", "terms", "total"]
+__all__ = ["KINDS", "PIPELINE_KINDS", "Cost", "CostTables", "CostTerms", "EdgeTerms", "PipelineCost", "PipelineTables",
+           "PipelineTerms", "build_cost_tables", "build_pipeline_tables", "collective_seconds", "evaluate",
+           "for_stages", "pipeline_cost", "simulate", "terms", "total"]

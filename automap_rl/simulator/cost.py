@@ -20,7 +20,7 @@ gradients of data parallelism) into few collectives, up to the hardware profile'
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
 slowest link bounds the bandwidth).
 Bytes follow `automap_rl.xla.hlo`'s convention: the larger, group-level buffer per device.
-Peak memory is the largest live-bytes row of the program (see `tables._live_bytes`) with
+Peak memory is the largest live-bytes row of the program (see `tables.probe_rows`) with
 every value divided by its shard count, plus the gathered copies of operands (once per
 value and sharding, as XLA reuses them), all taken to be live at the peak, as FSDP's
 gathered parameters live from the forward to the backward pass. (Full-size partial sums

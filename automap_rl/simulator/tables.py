@@ -131,7 +131,7 @@ class CostTables:
     unique_weighted_bytes: their summed `edge_weight` times value bytes, [Eu];
     unique_buffer_bytes: their summed `edge_buffers` times value bytes (operands; 0 for
       results, whose gathers add nothing to the peak), [Eu].
-    live_bytes: global bytes of each value signature live at each probe point, [T, Uv].
+    live_bytes: global bytes of each value signature live at each probe point (`probe_rows`), [T, Uv].
     mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
       group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency
       of a collective over those axes.
@@ -187,15 +187,12 @@ def _mask_tables(mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return group, (1.0 / bandwidth).astype(np.float32), latency
 
 
-def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray:
-  """Rows of per-signature live bytes at the program points that can be a peak.
+def live_matrix(program: Program, sigs: Signatures) -> np.ndarray:
+  """Global bytes of each value signature live after each op, [num_ops, Uv].
 
   Value v is live from the op that makes it to its last use; arguments from the start,
   and to the end unless donated; outputs to the end. Fused intermediates (see
-  `fusion.unmaterialized_values`) take no memory. The full [num_ops, Uv] matrix is
-  reduced to the rows that attain the maximum for the replicated plan or for one of
-  `_MEMORY_PROBES` random per-signature shard factors, so that `max(rows @ 1/shards)` is
-  the peak for the plans that matter at a fraction of the cost.
+  `fusion.unmaterialized_values`) take no memory.
   """
   num_ops = max(program.num_ops, 1)
   num_sigs = len(sigs.value_keys)
@@ -216,8 +213,16 @@ def _live_bytes(program: Program, sigs: Signatures, seed: int = 0) -> np.ndarray
   nbytes[list(unmaterialized_values(program))] = 0.0
   np.add.at(diff, (start, sigs.value_sig), nbytes)
   np.add.at(diff, (end + 1, sigs.value_sig), -nbytes)
-  live = np.cumsum(diff, axis=0)[:num_ops]
+  return np.cumsum(diff, axis=0)[:num_ops]
+
+
+def probe_rows(live: np.ndarray, seed: int = 0) -> np.ndarray:
+  """The rows of a live-bytes matrix [num_ops, Uv] that can be a peak: those that attain
+  the maximum for the replicated plan or for one of `_MEMORY_PROBES` random per-signature
+  shard factors, so that `max(rows @ 1/shards)` is the peak for the plans that matter at
+  a fraction of the cost, float32 [T, Uv]."""
   rng = np.random.default_rng(seed)
+  num_sigs = live.shape[1]
   probes = np.concatenate([np.ones((1, num_sigs)), 1.0 / rng.choice([1, 2, 4, 8, 16], (_MEMORY_PROBES, num_sigs))])
   rows = np.unique(np.argmax(live @ probes.T, axis=0))
   return live[rows].astype(np.float32)
@@ -448,7 +453,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       combine_bytes=np.array([hw.combine_threshold.get(k, 0.0) for k in ("all-reduce", "reduce-scatter")],
                              np.float32),
       native_scatter=np.array(hw.reduce_scatter),
-      live_bytes=_live_bytes(program, sigs),
+      live_bytes=probe_rows(live_matrix(program, sigs)),
       mask_group=group,
       mask_seconds_per_byte=seconds_per_byte,
       mask_latency=latency,

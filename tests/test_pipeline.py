@@ -1,0 +1,243 @@
+"""Pipeline stages: layer stacks, stage placement, the typed pipeline cost terms, bad input."""
+
+import functools
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+from automap_rl import ir, tactics, workloads
+from automap_rl.ir.stacks import OUTSIDE, layer_stacks
+from automap_rl.mesh import make_mesh
+from automap_rl.pipeline import Pipeline
+from automap_rl.plan import Plan, cost_dict, plan_from_json, plan_to_json
+from automap_rl.problem import Problem
+from automap_rl.sharding import ArgDim, Decision, Group
+from automap_rl.simulator import PIPELINE_KINDS, PipelineCost
+from automap_rl.stages import EVERY_STAGE, StagedProgram
+
+GPT = "gpt:layers=4,d_model=32,heads=2,seq=16,vocab=64,batch=16"
+LLAMA = "llama:layers=4,batch=16"  # Scanned layers (flax.nnx).
+MESH = "data=4,fsdp=2,model=2"  # Stages over `data`; intra-op decisions over `fsdp` and `model`.
+INNER_AXES = ("fsdp", "model")
+
+
+@functools.lru_cache(maxsize=None)
+def problem(spec: str, mesh: str = MESH) -> Problem:
+  return Problem.build(workloads.make_workload(spec, abstract=True).trace(), make_mesh(mesh, "h100"))
+
+
+def expert_plan(p: Problem) -> list[Decision]:
+  """data_megatron on the axes the stages leave: the batch over `fsdp`, Megatron over `model`."""
+  return [Decision(d.target, "fsdp") for d in tactics.data_parallel(p)] + tactics.megatron(p)
+
+
+@st.composite
+def pipelined_plans(draw):
+  """A workload, a pipeline over `data` and intra-op decisions over the other axes: the
+  expert plan or random named-dimension decisions."""
+  p = problem(draw(st.sampled_from([GPT, LLAMA])))
+  if draw(st.booleans()):
+    decisions = expert_plan(p)
+  else:
+    classes = st.integers(0, len(p.named.classes) - 1)
+    decisions = [Decision(c, a) for c, a in draw(st.lists(st.tuples(classes, st.sampled_from(INNER_AXES)),
+                                                           min_size=1, max_size=10))]
+  stages = draw(st.sampled_from([1, 2, 4]))
+  schedule = draw(st.sampled_from(["gpipe", "1f1b"] + ["interleaved"] * (stages == 2)))
+  chunks = 2 if schedule == "interleaved" else 1
+  microbatches = draw(st.sampled_from([m for m in (1, 2, 4) if m % stages == 0 or schedule != "interleaved"]))
+  return p, decisions, Pipeline("data", stages, microbatches, schedule, chunks)
+
+
+def priced(p: Problem, decisions, pipeline: Pipeline) -> PipelineCost:
+  """The pipelined cost; an example whose plan does not divide at microbatch size is
+  rejected (after checking its error is the one-line divisibility error)."""
+  try:
+    return p.pipelined(pipeline).cost(decisions)
+  except ValueError as e:
+    assert "does not divide over" in str(e) and "\n" not in str(e)
+    reject()
+
+
+@settings(max_examples=24, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(pipelined_plans())
+def test_pipelined_cost_is_the_sum_of_its_typed_terms_and_memory_stays_within_the_in_flight_activations(case):
+  p, decisions, pipeline = case
+  cost = priced(p, decisions, pipeline)
+  t = cost.terms
+  # Step time is the sum of its typed terms, exactly.
+  assert cost.step_time == t.steady_s + t.bubble_s + t.transfer_s + t.gradient_reduction_s + t.update_s
+  microbatch = t.microbatch_compute_s + t.microbatch_comm_s
+  assert t.pace_s == microbatch.max()  # The slowest stage sets the pace.
+  assert t.steady_s == pytest.approx(pipeline.microbatches * t.pace_s)
+  bubble = (pipeline.stages - 1) / (pipeline.microbatches * pipeline.chunks + pipeline.stages - 1)
+  assert t.bubble_s / (t.steady_s + t.bubble_s) == pytest.approx(bubble)
+  assert t.gradient_reduction_s + t.update_s == pytest.approx((t.gradient_reduction_stage_s + t.update_stage_s).max())
+  assert cost.comm_time == pytest.approx(cost.step_time - cost.compute_time)
+  assert len(cost.comm_bytes) == len(PIPELINE_KINDS)
+  assert (cost.comm_bytes[-1] > 0) == (pipeline.stages > 1)  # Collective-permutes between stages only.
+  # Memory per stage: its one-microbatch peak plus the residuals of the other microbatches in flight.
+  assert np.allclose(t.peak_memory, t.live_bytes + t.gathered_bytes + (t.in_flight - 1) * t.residual_bytes
+                     + t.accumulator_bytes, rtol=1e-6)
+  assert cost.peak_memory == t.peak_memory.max()
+  assert np.array_equal(t.in_flight, pipeline.in_flight())
+  # ... never more than the unpipelined plan's plus the in-flight activations.
+  unpipelined = p.cost(decisions)
+  assert np.all(t.peak_memory <= unpipelined.peak_memory + t.in_flight * t.residual_bytes + 1.0)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=pipelined_plans())
+def test_one_stage_and_one_microbatch_is_todays_cost(case):
+  p, decisions, _ = case
+  trivial = Pipeline("data", 1, 1)
+  today = p.cost(decisions)
+  for name, value in cost_dict(p.plan_cost(decisions, trivial)).items():
+    assert value == cost_dict(today)[name], name  # The same code path: equal, not close.
+  # The pipeline's own terms price it alike: a signature's step and microbatch ops apart.
+  staged = priced(p, decisions, trivial)
+  assert staged.step_time == pytest.approx(today.step_time, rel=1e-3)
+  assert staged.peak_memory == pytest.approx(today.peak_memory, rel=1e-6)
+  assert np.allclose(staged.comm_bytes[:4], today.comm_bytes, rtol=1e-6)
+
+
+def test_more_microbatches_shrink_the_bubble_and_interleaving_divides_it():
+  p = problem(GPT)
+  plan = expert_plan(p)
+  costs = {m: p.plan_cost(plan, Pipeline("data", 2, m)) for m in (1, 2, 4)}
+  bubbles = [float(c.terms.bubble_s / (c.terms.steady_s + c.terms.bubble_s)) for c in costs.values()]
+  assert bubbles == pytest.approx([1 / 2, 1 / 3, 1 / 5])
+  assert costs[4].terms.pace_s < costs[1].terms.pace_s
+  interleaved = p.plan_cost(plan, Pipeline("data", 2, 4, "interleaved", chunks=2))
+  assert interleaved.terms.bubble_s == pytest.approx(interleaved.terms.pace_s / 2)
+  gpipe, one_f_one_b = (p.plan_cost(plan, Pipeline("data", 2, 4, s)) for s in ("gpipe", "1f1b"))
+  assert gpipe.step_time == one_f_one_b.step_time and gpipe.peak_memory >= one_f_one_b.peak_memory
+
+
+def test_a_stage_of_a_proper_divisor_of_the_axis_keeps_the_rest_for_its_decisions():
+  p = problem(GPT)
+  pipeline = Pipeline("data", 2, 2)  # Two stages of two `data` devices each.
+  plan = expert_plan(p)
+  over_data = p.plan_cost([Decision(ArgDim("batch/inputs", 0), "data")] + plan, pipeline)
+  assert over_data.terms.pace_s < p.plan_cost(plan, pipeline).terms.pace_s
+
+
+def test_stage_placement_cuts_the_residual_stream():
+  """Unrolled layers: what crosses a stage boundary is the residual stream forward and its
+  gradient backward; scanned: the loop's carries; every op on a stage."""
+  p = problem(GPT)
+  staged = StagedProgram.build(p.program, p.named, p.mesh, Pipeline("data", 2, 4))
+  shapes = sorted((t.backward, staged.program.values[t.value].shape) for t in staged.transfers)
+  assert shapes == [(False, (4, 16, 32)), (True, (4, 16, 32))]
+  assert set(staged.op_stage.tolist()) == {0, 1}
+  assert staged.program.values[staged.program.inputs[-1]].shape == (4, 16)  # The microbatch.
+  scanned = problem(LLAMA)
+  staged = StagedProgram.build(scanned.program, scanned.named, scanned.mesh, Pipeline("data", 4, 2))
+  assert all(t.stage == EVERY_STAGE for t in staged.transfers if not t.per_step)
+  assert set(staged.op_stage.tolist()) == {EVERY_STAGE, 0, 3}  # The layers on every stage, embedding, head.
+
+
+def test_layer_stacks_scanned_and_unrolled():
+  for spec, scanned in ((GPT, False), (LLAMA, True), (GPT + ",scan=true,remat=true", True)):
+    program = workloads.make_workload(spec, abstract=True).trace()
+    (stack,) = layer_stacks(program, ir.analyze(program))
+    assert (stack.scanned, stack.layers) == (scanned, 4)
+    if not scanned:
+      assert set(stack.op_layer[stack.op_layer != OUTSIDE].tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("spec,small,pipeline", [
+    (GPT, GPT.replace("batch=16", "batch=4"), Pipeline("data", 1, 4)),
+    (GPT + ",scan=true,remat=true", GPT.replace("layers=4", "layers=2").replace("batch=16", "batch=8")
+     + ",scan=true,remat=true", Pipeline("data", 2, 2)),
+])
+def test_the_microbatch_program_is_the_trace_at_microbatch_and_stage_size(spec, small, pipeline):
+  """Shapes, factor sizes, trip counts and flops of everything read, as a trace gives them."""
+  program = workloads.make_workload(spec, abstract=True).trace()
+  staged = StagedProgram.build(program, ir.analyze(program), make_mesh(MESH, "h100"), pipeline).program
+  traced = workloads.make_workload(small, abstract=True).trace()
+  assert staged.num_ops == traced.num_ops
+  read = {v for op in traced.ops for v in op.operands} | set(traced.inputs) | set(traced.outputs)
+  assert all(staged.values[v].shape == traced.values[v].shape for v in read)
+  for a, b in zip(staged.ops, traced.ops):
+    if set(b.results) & read:
+      assert (a.rule.factor_sizes, a.repeat) == (b.rule.factor_sizes, b.repeat) and a.flops == pytest.approx(b.flops)
+
+
+def one_line_error(fn, match: str) -> None:
+  with pytest.raises(ValueError, match=match) as e:
+    fn()
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("pipeline,match", [
+    (lambda: Pipeline("pipe", 2), "pipeline axis 'pipe' is not a mesh axis"),
+    (lambda: Pipeline("data", 3), "stages=3 does not divide the 4 devices of mesh axis 'data'"),
+    (lambda: Pipeline("data", 2, 32), "microbatches=32 is more than the batch of 16"),
+    (lambda: Pipeline("data", 2, 3), "microbatches=3 does not divide the batch of 16"),
+    (lambda: Pipeline("data", 4, 8, "interleaved", chunks=2), r"4 stages x 2 chunks do not divide the 4 layers"),
+    (lambda: Pipeline("data", 2, stack=1), r"stack=1 but the program has 1 layer stack\(s\): 0: unrolled stack"),
+    (lambda: Pipeline("data", 2, layers_per_chunk=(1, 2)), r"layers_per_chunk=\[1, 2\] sums to 3"),
+])
+def test_bad_pipelines_get_one_line_errors(pipeline, match):
+  p = problem(GPT)
+  one_line_error(lambda: p.pipelined(pipeline()), match)
+
+
+def test_bad_pipeline_fields_get_one_line_errors():
+  one_line_error(lambda: Pipeline("data", 2, schedule="zero-bubble"),
+                 "unknown pipeline schedule 'zero-bubble'; valid schedules: gpipe, 1f1b, interleaved")
+  one_line_error(lambda: Pipeline("data", 0), "pipeline stages=0 must be a positive integer")
+  one_line_error(lambda: Pipeline("data", 4, 6, "interleaved", chunks=2), r"multiple of stages \(4\)")
+  one_line_error(lambda: Pipeline("data", 2, chunks=2), "chunks=2 needs the interleaved schedule")
+  one_line_error(lambda: Pipeline.from_json({"axis": "data", "stages": 2, "stage": 1}), r"unknown pipeline key")
+
+
+def test_layer_counts_and_uneven_scanned_stages_get_one_line_errors():
+  p = problem(GPT.replace("layers=4", "layers=3"))
+  one_line_error(lambda: p.pipelined(Pipeline("data", 2)), "2 stages do not divide the 3 layers of the unrolled stack")
+  p.pipelined(Pipeline("data", 2, layers_per_chunk=(2, 1)))  # Unrolled layers may split unevenly.
+  scanned = problem(LLAMA)
+  one_line_error(lambda: scanned.pipelined(Pipeline("data", 2, layers_per_chunk=(3, 1))),
+                 "a scanned layer stack splits into equal chunks only")
+
+
+def test_a_program_without_repeated_layers_says_what_was_looked_for():
+  program = ir.trace(lambda x, w: jnp.tanh(x @ w).sum(), jnp.ones((16, 8)), jnp.ones((8, 8)))
+  p = Problem.build(program, make_mesh(MESH, "h100"))
+  one_line_error(lambda: p.pipelined(Pipeline("data", 2)),
+                 "no repeated layer stack to pipeline: looked for a loop \\(scan\\) whose body slices stacked "
+                 "parameters, or groups of two or more per-layer parameter dimensions")
+
+
+def test_decisions_on_the_stage_axis_and_indivisible_microbatches_get_one_line_errors():
+  p = problem(GPT)
+  batch = ArgDim("batch/inputs", 0)
+  one_line_error(lambda: p.plan_cost([Decision(batch, "data")], Pipeline("data", 4, 2)),
+                 "shards over mesh axis 'data', which the pipeline's 4 stages take whole")
+  one_line_error(lambda: p.plan_cost([Decision(batch, "fsdp"), Decision(batch, "model")], Pipeline("data", 2, 8)),
+                 r"dim 0 of batch/inputs \[2, 16\] .* does not divide over \('fsdp', 'model'\)")
+
+
+def test_plan_carries_its_pipeline_and_json_round_trips_it():
+  workload = workloads.make_workload(GPT, abstract=True)
+  p = problem(GPT)
+  decisions = expert_plan(p) + [Decision(Group(0), "model"), Decision(3, "fsdp")]
+  pipeline = Pipeline("data", 2, 2, "interleaved", chunks=2)
+  plan = Plan(workload.step, workload.args, p, decisions, pipeline=pipeline)
+  assert isinstance(plan.cost, PipelineCost) and str(pipeline) in plan.report()
+  assert cost_dict(plan.cost)["comm_bytes"]["collective-permute"] > 0
+  assert plan_from_json(json.loads(json.dumps(plan.to_json()))) == (decisions, pipeline)
+  assert plan_from_json(plan_to_json(decisions)) == (decisions, None)
+  for run in (plan.jit, plan.lower):
+    with pytest.raises(NotImplementedError, match="priced but not run yet"):
+      run()
+  one_line_error(lambda: Plan(workload.step, workload.args, p, decisions, pipeline=Pipeline("data", 3)),
+                 "stages=3 does not divide")
+  unpipelined = Plan(workload.step, workload.args, p, decisions, pipeline=Pipeline("data", 1, 1))
+  assert cost_dict(unpipelined.cost) == cost_dict(p.cost(decisions))
