@@ -43,7 +43,8 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
       default a `Mesh`'s own, else h100.
     agent: `mcts`, `greedy`, `random`, `gumbel`, `ilp`, `learned` (the shipped trained network
       guiding Gumbel MuZero; `config=LearnedConfig(checkpoint=...)` for another), or an
-      expert tactic name (`data_megatron`, `fsdp_megatron`, ...).
+      expert tactic name (`data_megatron`, `fsdp_megatron`, ...; `megatron_3d`,
+      `fsdp_megatron_3d` and `pipeline` pipeline the layer stack).
     budget: with its unit: `Simulations(2000)`, `Seconds(30)`, an int (simulations) or a
       string (`"2000"`, `"30s"`); a float is refused as ambiguous.
     seed: the search seed; the same seed and a simulations budget give the same plan.
@@ -67,7 +68,8 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     ValueError: an unknown agent, a bad budget or mesh, or a program of which no dimension
       divides by any mesh axis (nothing to shard).
   """
-  if agent not in tactics.TACTICS:
+  expert = {**tactics.TACTICS, **tactics.PIPELINE_TACTICS}.get(agent)
+  if expert is None:
     Budget.of(budget)  # A bad budget fails before tracing.
   started = phase or (lambda name: None)
   the_mesh, devices = as_mesh(mesh, hardware)
@@ -80,9 +82,10 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     sizes = ", ".join(map(str, the_mesh.axis_sizes))
     raise ValueError(f"mesh {spec}: no dimension of the program divides by any axis size ({sizes}), "
                      "so nothing can be sharded")
-  if agent in tactics.TACTICS:
+  if expert is not None:
     started("applying the tactic")
-    return Plan(fn, tuple(args), problem, tactics.TACTICS[agent](problem), agent=agent, devices=devices)
+    decisions, pipeline = expert(problem) if agent in tactics.PIPELINE_TACTICS else (expert(problem), None)
+    return Plan(fn, tuple(args), problem, decisions, agent=agent, devices=devices, pipeline=pipeline)
   started("searching")
   result = run_agent(agent, problem, seed=seed, budget=budget, config=config, progress=progress)
   return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result,

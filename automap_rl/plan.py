@@ -49,7 +49,7 @@ from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, PIPELINE_KINDS, Cost, PipelineCost
 
-__all__ = ["Plan", "baselines", "compare_with_best_expert", "cost_dict", "decision_from_json", "decision_to_json",
+__all__ = ["Plan", "baselines", "compare_with_best_expert", "cost_dict", "format_pipeline", "decision_from_json", "decision_to_json",
            "fit_advice", "format_arguments", "format_costs", "plan_from_json", "plan_to_json", "shardable",
            "transfer_decisions"]
 
@@ -153,6 +153,13 @@ def format_arguments(problem: Problem, decisions, max_args: int) -> str:
 def baselines(problem: Problem) -> dict[str, dict[str, Any]]:
   """The cost figures of every applicable expert tactic (evaluated together: one compile)."""
   return {name: cost_dict(cost) for name, (_, cost) in tactics.applicable_costs(problem).items()}
+
+
+def format_pipeline(pipeline: Pipeline, cost: Any) -> str:
+  """The pipeline and its step time as the sum of its terms (ms), one line each."""
+  terms = " + ".join(f"{name.removesuffix('_s').replace('_', ' ')} {float(getattr(cost.terms, name)) * 1e3:.3f}"
+                     for name in PIPELINE_TERMS)
+  return f"{pipeline}\nstep time {float(cost.step_time) * 1e3:.3f} ms = {terms}"
 
 
 def compare_with_best_expert(agent: str, costs: dict[str, dict[str, Any]]) -> str:
@@ -334,7 +341,7 @@ class Plan:
     else:
       names = [str(d) for d in self.decisions]
     if self.pipeline is not None:
-      lines.append(str(self.pipeline))
+      lines.append(format_pipeline(self.pipeline, self.cost))
     lines.append(f"{len(self.decisions)} decisions" + (":" if names else " (replicated)"))
     lines += [f"  {i + 1}. {n}" for i, n in enumerate(names)]
     lines += ["", format_arguments(self.problem, self.decisions, max_args), ""]

@@ -35,6 +35,8 @@ import numpy as np
 
 from automap_rl import simulator
 from automap_rl.ir import FactorKind, Role
+from automap_rl.ir.stacks import LayerStack, layer_stacks, what_is_looked_for
+from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
 
@@ -232,6 +234,102 @@ def sequence_parallel(problem: Problem) -> list[Decision]:
   model axis (attention gathers keys and values across it)."""
   axis = model_axis(problem)
   return data_parallel(problem) + [Decision(ArgDim(*dim), axis) for dim in structure(problem).sequence_dims]
+
+
+def stage_axis(problem: Problem) -> str:
+  """The axis pipeline stages go along: the one with the slowest link (the network between
+  nodes on GPUs, DCN between TPU slices), the most major on a tie; never the model axis
+  while another axis exists."""
+  mesh = problem.mesh
+  names = [a for a in mesh.axis_names if a != model_axis(problem)] or list(mesh.axis_names)
+  return min(names, key=lambda a: (mesh.link(a).bandwidth, mesh.axis_index(a)))
+
+
+def _largest_stack(problem: Problem) -> tuple[int, LayerStack]:
+  """The index and stack of the program's largest layer stack; ValueError when it has none."""
+  stacks = layer_stacks(problem.program, problem.named)
+  if not stacks:
+    raise ValueError(f"the program has no repeated layer stack to pipeline: looked for {what_is_looked_for()}")
+  index = max(range(len(stacks)), key=lambda i: stacks[i].layers)
+  return index, stacks[index]
+
+
+def _batch_size(problem: Problem) -> int:
+  """Dim 0 of the first batched input (the global batch)."""
+  program = problem.program
+  shapes = [program.values[v].shape for v in program.inputs if program.values[v].role == Role.INPUT]
+  return min((shape[0] for shape in shapes if shape), default=1)
+
+
+def _pipelined(problem: Problem, batch_axes: tuple[str, ...], inside: list[Decision]) -> tuple[list[Decision], Pipeline]:
+  """A 1F1B pipeline of the largest layer stack over `stage_axis`, with the batch over
+  `batch_axes` and `inside` decisions in every stage.
+
+  Stages: the most that divide both the stage axis and the layers (at least two). Where
+  they leave devices of the stage axis to each stage, those shard the batch too.
+  Microbatches, as Megatron-LM runs its GPT models: one sequence per data-parallel replica
+  (microbatch size 1), so M = batch / data-parallel degree, the most microbatches the batch
+  allows and the smallest bubble, (S - 1) / (M + S - 1); 1F1B keeps only S of them in
+  flight whatever M is."""
+  axis = stage_axis(problem)
+  index, stack = _largest_stack(problem)
+  size = problem.mesh.axis_size(axis)
+  stages = max((s for s in range(2, size + 1) if size % s == 0 and stack.layers % s == 0), default=0)
+  if not stages:
+    raise ValueError(f"no stage count of 2 or more divides both the {size} devices of mesh axis {axis!r} and the "
+                     f"{stack.layers} layers of the {stack.describe()}")
+  axes = tuple(a for a in batch_axes if a != axis) + ((axis,) if stages < size else ())
+  replicas = int(np.prod([size // stages if a == axis else problem.mesh.axis_size(a) for a in axes]))
+  microbatches = max(_batch_size(problem) // replicas, 1)
+  pipeline = Pipeline(axis, stages=stages, microbatches=microbatches, schedule="1f1b", stack=index)
+  return _batch_over(problem, axes) + inside, pipeline
+
+
+def megatron_3d(problem: Problem) -> tuple[list[Decision], Pipeline]:
+  """Megatron-LM's DP x PP x TP: tensor parallelism on the model axis (the fastest link),
+  pipeline stages on the slowest axis (`stage_axis`), data parallelism over the axes
+  between; the stages' layers and microbatches as in `_pipelined`."""
+  return _pipelined(problem, data_axes(problem), megatron(problem))
+
+
+def fsdp_megatron_3d(problem: Problem) -> tuple[list[Decision], Pipeline]:
+  """`megatron_3d` with each stage's parameters, gradients and optimizer state stored
+  sharded over its data-parallel axes (ZeRO-3 inside the stages, as Megatron-LM's
+  distributed optimizer and MaxText's FSDP-within-stage configurations do for the largest
+  models)."""
+  axes = tuple(a for a in data_axes(problem) if a != stage_axis(problem))
+  storage = _store_sharded(problem, axes, structure(problem).tensor_parallel) if axes else []
+  return _pipelined(problem, data_axes(problem), megatron(problem) + storage)
+
+
+def pipeline(problem: Problem) -> tuple[list[Decision], Pipeline]:
+  """Pipeline parallelism alone (GPipe/PipeDream over the slowest axis, `stage_axis`) with
+  data parallelism over every other axis."""
+  return _pipelined(problem, problem.mesh.axis_names, [])
+
+
+PIPELINE_TACTICS: dict[str, Callable[[Problem], tuple[list[Decision], Pipeline]]] = {
+    "megatron_3d": megatron_3d,
+    "fsdp_megatron_3d": fsdp_megatron_3d,
+    "pipeline": pipeline,
+}
+
+
+def applicable_pipelines(problem: Problem) -> dict[str, tuple[list[Decision], Pipeline]]:
+  """The pipelined expert tactics that apply: the program has a layer stack, the mesh a
+  stage axis besides the model axis whose size shares a divisor with the layers, and
+  (but for `pipeline`) tensor-parallel dims."""
+  if len(problem.mesh.axis_names) < 2:
+    return {}
+  out = {}
+  for name, tactic in PIPELINE_TACTICS.items():
+    if name != "pipeline" and not structure(problem).tensor_parallel:
+      continue
+    try:
+      out[name] = tactic(problem)
+    except ValueError:
+      continue
+  return out
 
 
 TACTICS: dict[str, Callable[[Problem], list[Decision]]] = {

@@ -39,7 +39,7 @@ from agents.base import Budget
 from agents.registry import AGENTS
 from automap_rl import ir, workloads
 from automap_rl.plan import (baselines, compare_with_best_expert, cost_dict, fit_advice, format_arguments,
-                             format_costs)
+                             format_costs, format_pipeline)
 from automap_rl.problem import Problem
 from experiments.progress import phase, ticking
 from experiments.cli import CommandFailed, write_json
@@ -235,6 +235,8 @@ def run(config: PartitionConfig) -> dict[str, Any]:
         + (f"tactic {config.tactic}" if found is None else f"agent {config.agent}, seed {config.seed}")
         + f": {len(decisions)} decisions")
   if found is None:
+    if plan.pipeline is not None:
+      print(format_pipeline(plan.pipeline, plan.cost))
     print(format_arguments(problem, decisions, config.max_args))
     print()
     print(format_costs({config.tactic: result, **result["baselines"]}))

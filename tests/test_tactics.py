@@ -258,3 +258,43 @@ def test_the_best_expert_plan_is_the_best_of_the_applicable_costs(problems):
   costs = tactics.applicable_costs(problem)
   assert list(expert.decisions) == costs[expert.name][0]
   assert expert.name == tactics.best_expert({n: tactics.Score.of(c) for n, (_, c) in costs.items()})
+
+
+def _gpt(spec: str, mesh: str) -> Problem:
+  return Problem.build(make_workload(spec, abstract=True).trace(), make_mesh(mesh, "h100"))
+
+
+def test_megatron_3d_pipelines_the_slow_axis_with_tensor_parallelism_on_the_fast_one():
+  """data=4,fsdp=2,model=8 on H100s: `model` is one node's NVLink, `data` and `fsdp` cross
+  nodes; the stages go on `data` (the most major of the slowest), the batch over `fsdp`,
+  heads and FFN hidden over `model`, one sequence per data-parallel replica a microbatch."""
+  problem = _gpt("gpt:layers=8,d_model=256,heads=8,seq=64,vocab=512,batch=16,scan=true", "data=4,fsdp=2,model=8")
+  assert tactics.stage_axis(problem) == "data"
+  decisions, pipeline = tactics.megatron_3d(problem)
+  assert (pipeline.axis, pipeline.stages, pipeline.microbatches, pipeline.schedule) == ("data", 4, 8, "1f1b")
+  assert all(d.axis != "data" for d in decisions)
+  assert {d.axis for d in decisions} == {"fsdp", "model"}
+  assert [d for d in decisions if d.axis == "model"] == tactics.megatron(problem)
+  cost = problem.plan_cost(decisions, pipeline)
+  terms = cost.terms
+  assert float(cost.step_time) == pytest.approx(
+      sum(float(getattr(terms, t)) for t in ("steady_s", "bubble_s", "transfer_s", "gradient_reduction_s", "update_s")))
+  assert float(cost.comm_bytes[-1]) > 0  # Collective-permutes between the stages.
+
+
+def test_stages_that_leave_devices_of_the_stage_axis_shard_the_batch_over_them():
+  """6 layers over an axis of 4: 2 stages, each keeping 2 devices of `data` for the batch."""
+  problem = _gpt("gpt:layers=6,d_model=256,heads=8,seq=64,vocab=512,batch=16", "data=4,model=2")
+  decisions, pipeline = tactics.fsdp_megatron_3d(problem)
+  assert (pipeline.axis, pipeline.stages, pipeline.microbatches) == ("data", 2, 8)
+  assert any(d.axis == "data" for d in decisions)
+  assert bool(problem.plan_cost(decisions, pipeline).fits)
+
+
+def test_pipeline_tactics_need_a_layer_stack_and_a_second_axis():
+  assert tactics.applicable_pipelines(_gpt("gpt:layers=1,d_model=256,heads=8,seq=64,vocab=512,batch=16",
+                                           "data=4,model=2")) == {}
+  assert tactics.applicable_pipelines(_gpt("gpt:layers=4,d_model=256,heads=8,seq=64,vocab=512,batch=16",
+                                           "data=8")) == {}
+  with pytest.raises(ValueError, match="no repeated layer stack"):
+    tactics.megatron_3d(_gpt("gpt:layers=1,d_model=256,heads=8,seq=64,vocab=512,batch=16", "data=4,model=2"))

@@ -72,7 +72,8 @@ class GPTConfig:
 _GPT3 = {"seq": 1024, "vocab": 51200, "scan": True, "dtype": "bfloat16"}
 # Size label -> config fields: layers, d_model, heads as in Alpa's GPT table;
 # 13b is GPT-3 13B (Brown et al. 2020, Table 2.1: 40 layers, 40 heads, d_model
-# 5120; the table's 5140 is a typo that does not divide into 40 heads).
+# 5120; the table's 5140 is a typo that does not divide into 40 heads); 175b is GPT-3
+# 175B (the same table: 96 layers, 96 heads, d_model 12288).
 PRESETS: dict[str, dict[str, Any]] = {
     "350m": {"layers": 24, "d_model": 1024, "heads": 16, **_GPT3},
     "1.3b": {"layers": 24, "d_model": 2048, "heads": 32, **_GPT3},
@@ -80,6 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "6.7b": {"layers": 32, "d_model": 4096, "heads": 32, **_GPT3},
     "13b": {"layers": 40, "d_model": 5120, "heads": 40, **_GPT3},
     "39b": {"layers": 48, "d_model": 8192, "heads": 64, **_GPT3},
+    "175b": {"layers": 96, "d_model": 12288, "heads": 96, **_GPT3},
 }
 
 

@@ -1,7 +1,7 @@
 """The task suite: partitioning cases stored as data in ``suite.json``.
 
 A case is a workload spec (a family at a published size, see
-:mod:`automap_rl.workloads.spec`), a mesh spec of 8 to 64 devices with 2 or 3
+:mod:`automap_rl.workloads.spec`), a mesh spec of 8 to 128 devices with 2 or 3
 axes, and a hardware profile (:func:`automap_rl.mesh.get_hardware`).
 ``make_mesh`` gives every axis its link from the hardware's node size
 (:func:`automap_rl.mesh.axis_links`): on GPUs (8 per node) the minor axes
@@ -34,6 +34,7 @@ from automap_rl.workloads import spec as spec_lib
 from automap_rl.workloads import training
 
 SPLITS: tuple[str, ...] = ("smoke", "train", "test")
+MAX_DEVICES = 128  # A GPT-175B-class case spans 16 nodes of 8 GPUs; every case traces abstractly.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +83,8 @@ def _case(entry: dict[str, str]) -> Case:
     raise ValueError(f"case {name!r}: unknown split {entry['split']!r}")
   family, _ = spec_lib.parse_model_spec(entry["workload"])
   mesh = mesh_lib.make_mesh(entry["mesh"], entry["hardware"])
-  if not 8 <= mesh.num_devices <= 64 or len(mesh.axis_names) not in (2, 3):
-    raise ValueError(f"case {name!r}: mesh {entry['mesh']!r} is not 8 to 64 devices on 2 or 3 axes")
+  if not 8 <= mesh.num_devices <= MAX_DEVICES or len(mesh.axis_names) not in (2, 3):
+    raise ValueError(f"case {name!r}: mesh {entry['mesh']!r} is not 8 to {MAX_DEVICES} devices on 2 or 3 axes")
   return Case(name=name, workload=entry["workload"], family=family,
               size=_size_label(entry["workload"]), mesh=entry["mesh"],
               hardware=entry["hardware"], split=entry["split"])
