@@ -68,6 +68,8 @@ COMMANDS: dict[str, Command] = {
                             run="run_solve"),
     "iopddl evaluate": Command("iopddl_cmd", "EvaluateConfig", "check an IOPDDL solution as the contest does",
                                run="run_evaluate"),
+    "bench pipeline": Command("bench_pipeline", "PipelineBenchConfig",
+                              "pipelined expert and agent plans against intra-op plans on multi-node cases"),
     "bench search": Command("bench_search", "SearchBenchConfig",
                             "search agents against the best expert tactic on the zoo"),
     "suite list": Command("suite_cmd", "SuiteListConfig", "the task suite's cases (workload, mesh, hardware, split)",

@@ -93,3 +93,19 @@ def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
     assert entry["command"] == "cmd" and entry["decisions"] == row["best_known"]["decisions"]
   summary = suite_cmd.summarize([row, {**row, "best_known": {**row["best_known"], "ratio": 0.5}}])
   assert summary["cases"] == 2 and summary["best_known_beats_best_expert_by_5pct_or_only_it_fits"] == 0.5
+
+
+def test_bench_pipeline_compares_the_best_pipelined_and_intra_op_plans(tmp_path):
+  from experiments import bench_pipeline
+
+  (row,) = bench_pipeline.run(bench_pipeline.PipelineBenchConfig(
+      cases=("gpt-39b-4x2x8-h100-remat",), agents=(), json=str(tmp_path / "p.json")))
+  plans = row["plans"]
+  piped, intra = plans[row["best_pipelined"]], plans[row["best_intra_op"]]
+  assert row["best_pipelined"] in ("megatron_3d", "fsdp_megatron_3d", "pipeline") and piped["fits"]
+  assert not intra.get("pipelined", False) and intra["fits"]
+  assert row["pipelined_over_intra_op"] == pytest.approx(piped["step_time_s"] / intra["step_time_s"])
+  assert 0 < piped["bubble_share"] < 1 and 0 < intra["comm_share"] < 1
+  assert 0 < piped["utilization"] < 1
+  with pytest.raises(ValueError, match="unknown case"):
+    bench_pipeline.run(bench_pipeline.PipelineBenchConfig(cases=("gpt-39b",), agents=()))

@@ -1,0 +1,173 @@
+"""`automap-rl bench pipeline`: pipeline stages against intra-op plans on multi-node cases.
+
+Per case (task-suite cases whose meshes span nodes), the simulated step time of:
+
+- the best intra-op-only plan: the case's best-known plan (`best_known.json`, re-costed),
+  or the best of the agents below where one beats it;
+- the best expert (`tactics.best_expert`, intra-op);
+- each pipelined expert (`tactics.applicable_pipelines`: `megatron_3d`, `fsdp_megatron_3d`,
+  `pipeline`), and each agent of `--agents` (`mcts`, `learned`, and `alpa`, which plans
+  pipelines, where registered);
+- the best pipelined plan among them, its ratio to the best intra-op plan, and why it wins
+  or loses: its bubble's share of its step time against the share of the intra-op plan's
+  step time spent in collectives (what stages on the slow axis save).
+
+And per pipelined expert, its hardware flops utilization (the program's flops, recomputed
+ones included, per device per second over the profile's bf16 peak), to compare with what
+Megatron-LM reports for its GPT runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+import agents
+from agents.base import release
+from automap_rl import tactics
+from automap_rl.plan import plan_from_json
+from automap_rl.problem import Problem
+from automap_rl.simulator.tables import program_flops
+from automap_rl.workloads import load_cases
+from experiments.cli import write_json
+from experiments.options import JsonPath, PlotPath
+from experiments.suite_cmd import load_best_known
+
+MULTI_NODE_CASES = ("gpt-39b-4x2x8-h100-remat", "llama-70b-2x4x8-h100-remat", "moe-70b-4x2x8-h100",
+                    "vit-22b-2x4x8-h100-remat", "t5-xxl-8x8-h100", "t5-xxl-4x2x8-a100-80g-remat",
+                    "gpt-175b-8x2x8-h100-remat")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineBenchConfig:
+  """Pipelined plans against intra-op ones.
+
+  Attributes:
+    cases: task-suite case names (default: the multi-node cases, GPT-175B on 128 H100s
+      among them).
+    agents: search agents run on each case at `budget` (their plans are intra-op unless
+      the agent plans pipelines).
+    budget: simulations per search.
+    seed: search seed.
+    json: where to write every case's figures.
+    plot: where to draw the ratios.
+  """
+
+  cases: tuple[str, ...] = MULTI_NODE_CASES
+  agents: tuple[str, ...] = ("mcts", "learned")
+  budget: int = 2000
+  seed: int = 0
+  json: JsonPath = None
+  plot: PlotPath = None
+
+
+def _figures(cost: Any, flops_per_device: float, peak: float) -> dict[str, Any]:
+  step = float(cost.step_time)
+  out = {"step_time_s": step, "peak_memory_gib": float(cost.peak_memory) / 2**30, "fits": bool(cost.fits),
+         "comm_share": float(cost.comm_time) / step, "utilization": flops_per_device / step / peak}
+  terms = getattr(cost, "terms", None)
+  if terms is not None:
+    out["bubble_share"] = float(terms.bubble_s) / step
+  return out
+
+
+def bench_case(name: str, config: PipelineBenchConfig, stored: dict[str, Any] | None) -> dict[str, Any]:
+  """Every plan of one case, as JSON figures."""
+  start = time.perf_counter()
+  case = {c.name: c for split in ("train", "test") for c in load_cases(split)}[name]
+  problem = Problem.build(case.make_workload().trace(), case.make_mesh())
+  program = problem.program
+  flops = float(sum(f * op.repeat for f, op in zip(program_flops(program), program.ops)))
+  per_device, peak = flops / problem.mesh.num_devices, problem.mesh.hardware.flops["bfloat16"]
+  expert = tactics.best_expert_plan(problem)
+  plans: dict[str, dict[str, Any]] = {f"best expert ({expert.name})": _figures(expert.cost, per_device, peak)}
+  if stored is not None:
+    decisions, pipeline = plan_from_json(stored)
+    plans["best-known"] = {**_figures(problem.plan_cost(decisions, pipeline), per_device, peak),
+                           "pipelined": pipeline is not None}
+  for tactic, (decisions, pipeline) in tactics.applicable_pipelines(problem).items():
+    plans[tactic] = {**_figures(problem.plan_cost(decisions, pipeline), per_device, peak), "pipelined": True,
+                     "pipeline": str(pipeline)}
+  for agent in config.agents:
+    result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget)
+    pipeline = getattr(result, "pipeline", None)
+    plans[f"{agent}@{config.budget}"] = {**_figures(problem.plan_cost(result.decisions, pipeline), per_device, peak),
+                                        "pipelined": pipeline is not None,
+                                        **({"pipeline": str(pipeline)} if pipeline is not None else {})}
+  fitting = lambda pipelined: {n: p for n, p in plans.items() if p.get("pipelined", False) == pipelined and p["fits"]}
+  intra, piped = fitting(False), fitting(True)
+  best_intra = min(intra, key=lambda n: intra[n]["step_time_s"]) if intra else None
+  best_piped = min(piped, key=lambda n: piped[n]["step_time_s"]) if piped else None
+  ratio = (piped[best_piped]["step_time_s"] / intra[best_intra]["step_time_s"]
+           if best_intra and best_piped else None)
+  return {"case": name, "mesh": case.mesh, "hardware": case.hardware, "devices": problem.mesh.num_devices,
+          "plans": plans, "best_intra_op": best_intra, "best_pipelined": best_piped,
+          "pipelined_over_intra_op": ratio, "seconds": time.perf_counter() - start}
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+  """One line per case: the best intra-op and pipelined plans, their ratio and why."""
+  lines = [f"{'case':<30} {'best intra-op':<32} {'ms':>9} {'comm%':>6}  {'best pipelined':<18} {'ms':>9} "
+           f"{'bubble%':>7} {'ratio':>6}"]
+  for r in rows:
+    intra = r["plans"].get(r["best_intra_op"] or "", {})
+    piped = r["plans"].get(r["best_pipelined"] or "", {})
+    cell = lambda p, key, scale: f"{p[key] * scale:.1f}" if key in p else "-"
+    ratio = "-" if r["pipelined_over_intra_op"] is None else f"{r['pipelined_over_intra_op']:.3f}"
+    lines.append(f"{r['case']:<30} {str(r['best_intra_op']):<32} {cell(intra, 'step_time_s', 1e3):>9} "
+                 f"{cell(intra, 'comm_share', 100):>6}  {str(r['best_pipelined']):<18} "
+                 f"{cell(piped, 'step_time_s', 1e3):>9} {cell(piped, 'bubble_share', 100):>7} {ratio:>6}")
+  return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+  """Each plan's step time over the case's best intra-op plan, per case (log scale)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows)), 4.5))
+  names = list(dict.fromkeys(n for r in rows for n in r["plans"] if not n.startswith("best expert")))
+  for j, name in enumerate(names):
+    xs, ys = [], []
+    for i, r in enumerate(rows):
+      base = r["plans"].get(r["best_intra_op"] or "")
+      if name in r["plans"] and base:
+        xs.append(i + 0.08 * (j - len(names) / 2))
+        ys.append(r["plans"][name]["step_time_s"] / base["step_time_s"])
+    ax.scatter(xs, ys, label=name, s=18, marker="s" if name in tactics.PIPELINE_TACTICS else "o")
+  ax.axhline(1.0, color="gray", linewidth=0.8)
+  ax.axhline(0.9, color="gray", linewidth=0.8, linestyle="--")
+  ax.set_yscale("log")
+  ax.set_xticks(range(len(rows)), [r["case"] for r in rows], rotation=30, ha="right", fontsize=7)
+  ax.set_ylabel("simulated step time / best intra-op plan")
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def run(config: PipelineBenchConfig) -> list[dict[str, Any]]:
+  unknown = sorted(set(config.agents) - set(agents.AGENTS))
+  if unknown:
+    raise ValueError(f"unknown agent(s) {unknown}; valid: {', '.join(agents.AGENTS)}")
+  cases = {c.name for split in ("train", "test") for c in load_cases(split)}
+  missing = [c for c in config.cases if c not in cases]
+  if missing:
+    raise ValueError(f"unknown case(s) {missing}; `automap-rl suite list` lists them")
+  stored = load_best_known(None)["cases"]
+  rows: list[dict[str, Any]] = []
+  for name in tqdm(config.cases, desc="bench pipeline", unit="case"):
+    rows.append(bench_case(name, config, stored.get(name)))
+    write_json(config.json, rows)  # The cases so far.
+    release()
+  print(format_rows(rows))
+  print("ratio: best pipelined plan / best intra-op plan (both fitting); comm%: the intra-op plan's share of "
+        "step time in collectives; bubble%: the pipelined plan's share in its bubble")
+  if config.plot:
+    plot(rows, config.plot)
+  return rows
