@@ -8,6 +8,8 @@ Per case (task-suite cases whose meshes span nodes), the simulated step time of:
 - each pipelined expert (`tactics.applicable_pipelines`: `megatron_3d`, `fsdp_megatron_3d`,
   `pipeline`), and each agent of `--agents` (`mcts`, `learned`, and `alpa`, which plans
   pipelines, where registered);
+- each fitting intra-op plan inside `megatron_3d`'s stages (`X + stages`: its decisions on
+  the stage axis dropped, as many microbatches as its batch sharding allows);
 - the best pipelined plan among them, its ratio to the best intra-op plan, and why it wins
   or loses: its bubble's share of its step time against the share of the intra-op plan's
   step time spent in collectives (what stages on the slow axis save).
@@ -28,8 +30,10 @@ from tqdm import tqdm
 import agents
 from agents.base import release
 from automap_rl import tactics
+from automap_rl.pipeline import Pipeline
 from automap_rl.plan import plan_from_json
 from automap_rl.problem import Problem
+from automap_rl.sharding import Decision
 from automap_rl.simulator.tables import program_flops
 from automap_rl.workloads import load_cases
 from experiments.cli import write_json
@@ -74,6 +78,23 @@ def _figures(cost: Any, flops_per_device: float, peak: float) -> dict[str, Any]:
   return out
 
 
+def _with_stages(problem: Problem, decisions: list[Decision], pipeline: Pipeline
+                 ) -> tuple[list[Decision], Pipeline] | None:
+  """An intra-op plan inside the stages of `pipeline` (`megatron_3d`'s): its decisions on
+  the stage axis dropped, with the most microbatches, halving from the pipeline's, whose
+  size the plan's batch sharding divides; None when none does."""
+  inside = [d for d in decisions if d.axis != pipeline.axis]
+  microbatches = pipeline.microbatches
+  while microbatches >= 1:
+    candidate = dataclasses.replace(pipeline, microbatches=microbatches)
+    try:
+      problem.plan_cost(inside, candidate)
+      return inside, candidate
+    except ValueError:
+      microbatches //= 2
+  return None
+
+
 def bench_case(name: str, config: PipelineBenchConfig, stored: dict[str, Any] | None) -> dict[str, Any]:
   """Every plan of one case, as JSON figures."""
   start = time.perf_counter()
@@ -84,19 +105,31 @@ def bench_case(name: str, config: PipelineBenchConfig, stored: dict[str, Any] | 
   per_device, peak = flops / problem.mesh.num_devices, problem.mesh.hardware.flops["bfloat16"]
   expert = tactics.best_expert_plan(problem)
   plans: dict[str, dict[str, Any]] = {f"best expert ({expert.name})": _figures(expert.cost, per_device, peak)}
+  intra_op = {f"best expert ({expert.name})": list(expert.decisions)}  # Decisions of the intra-op plans.
   if stored is not None:
     decisions, pipeline = plan_from_json(stored)
     plans["best-known"] = {**_figures(problem.plan_cost(decisions, pipeline), per_device, peak),
                            "pipelined": pipeline is not None}
+    if pipeline is None:
+      intra_op["best-known"] = decisions
   for tactic, (decisions, pipeline) in tactics.applicable_pipelines(problem).items():
     plans[tactic] = {**_figures(problem.plan_cost(decisions, pipeline), per_device, peak), "pipelined": True,
                      "pipeline": str(pipeline)}
   for agent in config.agents:
     result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget)
     pipeline = getattr(result, "pipeline", None)
+    if pipeline is None:
+      intra_op[f"{agent}@{config.budget}"] = list(result.decisions)
     plans[f"{agent}@{config.budget}"] = {**_figures(problem.plan_cost(result.decisions, pipeline), per_device, peak),
                                         "pipelined": pipeline is not None,
                                         **({"pipeline": str(pipeline)} if pipeline is not None else {})}
+  stages = tactics.applicable_pipelines(problem).get("megatron_3d")
+  if stages is not None:
+    for source in [n for n, p in plans.items() if not p.get("pipelined", False) and p["fits"]]:
+      staged = _with_stages(problem, intra_op[source], stages[1])
+      if staged is not None:
+        plans[f"{source} + stages"] = {**_figures(problem.plan_cost(*staged), per_device, peak), "pipelined": True,
+                                       "pipeline": str(staged[1])}
   fitting = lambda pipelined: {n: p for n, p in plans.items() if p.get("pipelined", False) == pipelined and p["fits"]}
   intra, piped = fitting(False), fitting(True)
   best_intra = min(intra, key=lambda n: intra[n]["step_time_s"]) if intra else None
@@ -110,7 +143,7 @@ def bench_case(name: str, config: PipelineBenchConfig, stored: dict[str, Any] | 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
   """One line per case: the best intra-op and pipelined plans, their ratio and why."""
-  lines = [f"{'case':<30} {'best intra-op':<32} {'ms':>9} {'comm%':>6}  {'best pipelined':<18} {'ms':>9} "
+  lines = [f"{'case':<30} {'best intra-op':<32} {'ms':>9} {'comm%':>6}  {'best pipelined':<40} {'ms':>9} "
            f"{'bubble%':>7} {'ratio':>6}"]
   for r in rows:
     intra = r["plans"].get(r["best_intra_op"] or "", {})
@@ -118,7 +151,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     cell = lambda p, key, scale: f"{p[key] * scale:.1f}" if key in p else "-"
     ratio = "-" if r["pipelined_over_intra_op"] is None else f"{r['pipelined_over_intra_op']:.3f}"
     lines.append(f"{r['case']:<30} {str(r['best_intra_op']):<32} {cell(intra, 'step_time_s', 1e3):>9} "
-                 f"{cell(intra, 'comm_share', 100):>6}  {str(r['best_pipelined']):<18} "
+                 f"{cell(intra, 'comm_share', 100):>6}  {str(r['best_pipelined']):<40} "
                  f"{cell(piped, 'step_time_s', 1e3):>9} {cell(piped, 'bubble_share', 100):>7} {ratio:>6}")
   return "\n".join(lines)
 
