@@ -11,8 +11,9 @@ Per case (task-suite cases whose meshes span nodes), the simulated step time of:
 - each fitting intra-op plan inside `megatron_3d`'s stages (`X + stages`: its decisions on
   the stage axis dropped, as many microbatches as its batch sharding allows);
 - the best pipelined plan among them, its ratio to the best intra-op plan, and why it wins
-  or loses: its bubble's share of its step time against the share of the intra-op plan's
-  step time spent in collectives (what stages on the slow axis save).
+  or loses: its bubble's share of its step time and its stages' balance (mean over slowest
+  microbatch time) against the share of the intra-op plan's step time spent in
+  collectives (what stages on the slow axis save).
 
 And per pipelined expert, its hardware flops utilization (the program's flops, recomputed
 ones included, per device per second over the profile's bf16 peak), to compare with what
@@ -25,6 +26,7 @@ import dataclasses
 import time
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 import agents
@@ -74,7 +76,9 @@ def _figures(cost: Any, flops_per_device: float, peak: float) -> dict[str, Any]:
          "comm_share": float(cost.comm_time) / step, "utilization": flops_per_device / step / peak}
   terms = getattr(cost, "terms", None)
   if terms is not None:
+    stage = np.asarray(terms.microbatch_compute_s) + np.asarray(terms.microbatch_comm_s)
     out["bubble_share"] = float(terms.bubble_s) / step
+    out["stage_balance"] = float(stage.mean() / stage.max())
   return out
 
 
@@ -144,7 +148,7 @@ def bench_case(name: str, config: PipelineBenchConfig, stored: dict[str, Any] | 
 def format_rows(rows: list[dict[str, Any]]) -> str:
   """One line per case: the best intra-op and pipelined plans, their ratio and why."""
   lines = [f"{'case':<30} {'best intra-op':<32} {'ms':>9} {'comm%':>6}  {'best pipelined':<40} {'ms':>9} "
-           f"{'bubble%':>7} {'ratio':>6}"]
+           f"{'bubble%':>7} {'balance':>7} {'ratio':>6}"]
   for r in rows:
     intra = r["plans"].get(r["best_intra_op"] or "", {})
     piped = r["plans"].get(r["best_pipelined"] or "", {})
@@ -152,7 +156,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     ratio = "-" if r["pipelined_over_intra_op"] is None else f"{r['pipelined_over_intra_op']:.3f}"
     lines.append(f"{r['case']:<30} {str(r['best_intra_op']):<32} {cell(intra, 'step_time_s', 1e3):>9} "
                  f"{cell(intra, 'comm_share', 100):>6}  {str(r['best_pipelined']):<40} "
-                 f"{cell(piped, 'step_time_s', 1e3):>9} {cell(piped, 'bubble_share', 100):>7} {ratio:>6}")
+                 f"{cell(piped, 'step_time_s', 1e3):>9} {cell(piped, 'bubble_share', 100):>7} "
+                 f"{cell(piped, 'stage_balance', 1):>7} {ratio:>6}")
   return "\n".join(lines)
 
 
@@ -200,7 +205,8 @@ def run(config: PipelineBenchConfig) -> list[dict[str, Any]]:
     release()
   print(format_rows(rows))
   print("ratio: best pipelined plan / best intra-op plan (both fitting); comm%: the intra-op plan's share of "
-        "step time in collectives; bubble%: the pipelined plan's share in its bubble")
+        "step time in collectives; bubble%: the pipelined plan's share in its bubble; balance: its stages' mean "
+        "microbatch time over the slowest's")
   if config.plot:
     plot(rows, config.plot)
   return rows

@@ -109,7 +109,7 @@ def test_bench_pipeline_compares_the_best_pipelined_and_intra_op_plans(tmp_path)
   assert not staged.get("pipelined", False)
   assert not intra.get("pipelined", False) and intra["fits"]
   assert row["pipelined_over_intra_op"] == pytest.approx(piped["step_time_s"] / intra["step_time_s"])
-  assert 0 < piped["bubble_share"] < 1 and 0 < intra["comm_share"] < 1
+  assert 0 < piped["bubble_share"] < 1 and 0 < intra["comm_share"] < 1 and 0 < piped["stage_balance"] <= 1
   assert 0 < piped["utilization"] < 1
   with pytest.raises(ValueError, match="unknown case"):
     bench_pipeline.run(bench_pipeline.PipelineBenchConfig(cases=("gpt-39b",), agents=()))
