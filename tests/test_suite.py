@@ -8,6 +8,7 @@ import pytest
 from automap_rl import mesh as mesh_lib
 from automap_rl.problem import Problem
 from automap_rl.workloads import FAMILIES, SPLITS, canonical_spec, load_cases
+from automap_rl.workloads.suite import MAX_DEVICES
 
 
 def test_registry_size_and_families():
@@ -27,13 +28,14 @@ def test_cases_are_well_formed():
     assert canonical_spec(case.workload)  # Parses and builds a config.
     assert case.workload.startswith(case.family)
     mesh = case.make_mesh()
-    assert 8 <= mesh.num_devices <= 64 and len(mesh.axis_names) in (2, 3)
+    assert 8 <= mesh.num_devices <= MAX_DEVICES and len(mesh.axis_names) in (2, 3)
     assert mesh_lib.get_hardware(case.hardware).name == case.hardware
     hardware.add(case.hardware)
     if case.split != "smoke":
       assert f"size={case.size}" in case.workload
   assert {"a100-40g", "a100-80g", "h100", "tpu-v5e"} <= hardware
   assert any(len(mesh_lib.parse_mesh_spec(c.mesh)) == 3 for c in cases)
+  assert any(c.make_mesh().num_devices > 64 for c in cases if c.split == "train")  # GPT-175B on 16 nodes.
 
 
 def test_gpu_meshes_have_a_fast_inner_and_a_slow_outer_axis():
