@@ -25,6 +25,7 @@ import numpy as np
 
 from automap_rl import simulator
 from automap_rl.batching import next_power_of_two
+from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from envs import Env, EnvConfig, State
@@ -108,7 +109,7 @@ class SearchResult:
   Attributes:
     decisions: the best plan, one `Decision` per action (targets as the environment
       names them: `ArgDim`, `Group` or named-dimension id).
-    cost: the simulator's cost of `decisions` (`Problem.cost`).
+    cost: the simulator's cost of the plan (`Problem.plan_cost`).
     trace: the best plan's step time after each improvement (first point: replicated).
     simulations: simulator evaluations used.
     seconds: wall-clock seconds, environment build and compiles included.
@@ -118,6 +119,10 @@ class SearchResult:
       the same environment reproduces the plan.
     objective: the environment objective of the plan (1.0 is the replicated plan).
     setup_seconds: of `seconds`, how many went to building the environment and compiling.
+    pipeline: the plan's pipeline stages (`decisions` apply inside every stage; `cost` is
+      then `Problem.plan_cost(decisions, pipeline)`), or None.
+    stopped_by: the budget limit that ended the search early (`simulations` or
+      `seconds`), or None when the agent does not say or searched its whole space.
   """
 
   decisions: list[Decision]
@@ -129,6 +134,8 @@ class SearchResult:
   objective: float
   setup_seconds: float = 0.0
   action_ids: tuple[int, ...] = ()
+  pipeline: Pipeline | None = None
+  stopped_by: str | None = None
 
   @property
   def step_time(self) -> float:

@@ -42,7 +42,8 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     hardware: the hardware profile to price the mesh with (`h100`, `a100-80g`, ...);
       default a `Mesh`'s own, else h100.
     agent: `mcts`, `greedy`, `random`, `gumbel`, `ilp`, `learned` (the shipped trained network
-      guiding Gumbel MuZero; `config=LearnedConfig(checkpoint=...)` for another), or an
+      guiding Gumbel MuZero; `config=LearnedConfig(checkpoint=...)` for another), `alpa`
+      (pipeline stages with expert plans inside; its plan carries the pipeline), or an
       expert tactic name (`data_megatron`, `fsdp_megatron`, ...; `megatron_3d`,
       `fsdp_megatron_3d` and `pipeline` pipeline the layer stack).
     budget: with its unit: `Simulations(2000)`, `Seconds(30)`, an int (simulations) or a
@@ -88,5 +89,5 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     return Plan(fn, tuple(args), problem, decisions, agent=agent, devices=devices, pipeline=pipeline)
   started("searching")
   result = run_agent(agent, problem, seed=seed, budget=budget, config=config, progress=progress)
-  return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result,
-              devices=devices)
+  return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result, devices=devices,
+              pipeline=result.pipeline)

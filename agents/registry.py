@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agents import greedy, gumbel, ilp, learned, mcts, random_search
+from agents import alpa, greedy, gumbel, ilp, learned, mcts, random_search
+from agents.alpa import AlpaConfig
 from agents.base import Budget, Progress, SearchResult
 from agents.greedy import GreedyConfig
 from agents.gumbel import GumbelConfig
@@ -21,6 +22,7 @@ AGENTS: dict[str, tuple[type, Callable[..., SearchResult]]] = {
     "gumbel": (GumbelConfig, gumbel.search),
     "ilp": (ILPConfig, ilp.search),
     "learned": (LearnedConfig, learned.search),
+    "alpa": (AlpaConfig, alpa.search),
 }
 
 
