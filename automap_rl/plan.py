@@ -19,7 +19,11 @@ plan.in_shardings             # NamedShardings, pytrees like (params, opt_state,
 
 A plan may also pipeline a layer stack (`pipeline`, `automap_rl.pipeline.Pipeline`): its
 decisions then apply inside every stage, and its cost is the pipelined step's
-(`simulator.PipelineCost`). Such a plan is priced and reported, not run (yet).
+(`simulator.PipelineCost`). A training step is already differentiated and a pipeline is
+built from the forward, so running such a plan needs the loss function and optimizer the
+step is made of (`Plan(..., loss_fn=workload.loss_fn, optimizer=workload.optimizer)`):
+`jit`, `lower` and `check` then run the pipelined step
+(`automap_rl.xla.pipeline_lower`); a bare step's pipeline is priced and reported only.
 `plan_to_json` and `plan_from_json` write and read decisions and pipeline as JSON.
 
 The formatting helpers (`cost_dict`, `format_costs`, `format_arguments`, `baselines`) live
@@ -229,6 +233,9 @@ class Plan:
     devices: the devices to run on, row-major over the mesh (None: the first of
       `jax.devices()`).
     pipeline: the layer stack's pipeline stages, or None.
+    loss_fn: `loss_fn(params, batch) -> loss []`, the loss `fn` differentiates: what a
+      pipelined plan lowers (None: `fn` only, which a pipeline cannot be built from).
+    optimizer: the optax transformation `fn` applies to the gradients (with `loss_fn`).
     in_specs, out_specs: `PartitionSpec`s as pytrees like `args` and like the outputs
       (with a pipeline: those a stage's devices hold).
   """
@@ -241,6 +248,8 @@ class Plan:
   search: Any = None
   devices: tuple[Any, ...] | None = None
   pipeline: Pipeline | None = None
+  loss_fn: Callable[..., Any] | None = None
+  optimizer: Any = None
   in_specs: Any = None
   out_specs: Any = None
 
@@ -290,36 +299,56 @@ class Plan:
     """The plan's decisions and pipeline (`plan_to_json`)."""
     return plan_to_json(self.decisions, self.pipeline)
 
-  def _not_pipelined(self) -> None:
-    """Raises NotImplementedError for a plan with pipeline stages (priced, not run yet)."""
-    if self.pipeline is not None and not self.pipeline.trivial:
-      raise NotImplementedError(f"a plan with pipeline stages is priced but not run yet ({self.pipeline})")
+  def _pipelined(self) -> bool:
+    """Whether the plan has pipeline stages to lower.
+
+    Raises:
+      ValueError: it has, and no loss function and optimizer to build them from.
+    """
+    if self.pipeline is None or self.pipeline.trivial:
+      return False
+    if self.loss_fn is None or self.optimizer is None:
+      raise ValueError(f"a pipelined plan ({self.pipeline}) lowers the forward, and a bare step is already "
+                       "differentiated: pass the loss function and optimizer it is built from, "
+                       "Plan(..., loss_fn=workload.loss_fn, optimizer=workload.optimizer)")
+    return True
 
   def jit(self):
     """The user's own function under `jax.jit` with the plan's argument and output
     shardings on the real mesh, the arguments the step updates donated
     (`Program.donate_argnums`). The intermediates are left to XLA's sharding propagation;
     `check` compiles the plan with every decision it makes pinned, and checks it.
-    NotImplementedError for a plan with pipeline stages."""
-    self._not_pipelined()
+    With pipeline stages: the pipelined step built from `loss_fn` and `optimizer`
+    (`automap_rl.xla.pipeline_lower.jit_pipelined`), ValueError without them."""
+    if self._pipelined():
+      from automap_rl.xla.pipeline_lower import jit_pipelined
+
+      return jit_pipelined(self.problem, self.decisions, self.pipeline, self.loss_fn, self.optimizer, self.args,
+                           self.jax_mesh, self.problem.program.donate_argnums)[0]
     return jax.jit(self.fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
                    donate_argnums=self.problem.program.donate_argnums)
 
   def lower(self, donate_argnums: Sequence[int] = ()):
     """Compiles the plan as written (`automap_rl.xla.lower.lower`: sharding constraints on
     the intermediates it decides): a `Lowered` with the jitted function, the compiled
-    executable, its collectives and its differences from the plan. NotImplementedError for
-    a plan with pipeline stages."""
-    self._not_pipelined()
+    executable, its collectives and its differences from the plan. With pipeline stages:
+    the pipelined step (`automap_rl.xla.pipeline_lower.lower_pipelined`), ValueError
+    without a loss function and optimizer."""
+    if self._pipelined():
+      from automap_rl.xla.pipeline_lower import lower_pipelined
+
+      return lower_pipelined(self.problem, self.decisions, self.pipeline, self.loss_fn, self.optimizer, self.args,
+                             self.jax_mesh, tuple(donate_argnums))
     from automap_rl.xla.lower import lower  # Lazily: lowering pulls in the HLO tools.
 
     return lower(self.problem, self.decisions, self.fn, self.args, jax_mesh=self.jax_mesh,
                  donate_argnums=tuple(donate_argnums))
 
   def check(self, args: Sequence[Any] | None = None):
-    """Compiles the plan as written (`lower`), runs it on concrete `args` (default: the
-    example arguments) and checks its outputs against the unpartitioned function; raises
-    `automap_rl.xla.numerics.NumericsError` on a mismatch. Returns the `Lowered`."""
+    """Compiles the plan as written (`lower`; a pipelined plan's pipelined step), runs it on
+    concrete `args` (default: the example arguments) and checks its outputs against the
+    unpartitioned function `fn`; raises `automap_rl.xla.numerics.NumericsError` on a
+    mismatch. Returns the `Lowered`."""
     from automap_rl.xla.numerics import check_numerics
 
     args = self.args if args is None else tuple(args)

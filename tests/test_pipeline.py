@@ -235,7 +235,7 @@ def test_plan_carries_its_pipeline_and_json_round_trips_it():
   assert plan_from_json(json.loads(json.dumps(plan.to_json()))) == (decisions, pipeline)
   assert plan_from_json(plan_to_json(decisions)) == (decisions, None)
   for run in (plan.jit, plan.lower):
-    with pytest.raises(NotImplementedError, match="priced but not run yet"):
+    with pytest.raises(ValueError, match="pass the loss function and optimizer"):
       run()
   one_line_error(lambda: Plan(workload.step, workload.args, p, decisions, pipeline=Pipeline("data", 3)),
                  "stages=3 does not divide")

@@ -49,6 +49,11 @@ class Workload:
     batch: dict of input arrays (inputs, labels, ...).
     model_state: non-trainable state the step updates (Flax ``batch_stats``),
       or None for stateless families.
+    loss_fn: the loss ``step`` differentiates (module docstring), or None for
+      a step given whole: what a pipelined plan needs to lower (it pipelines
+      the forward, then differentiates it).
+    optimizer: the optax transformation ``step`` applies to the gradients,
+      or None.
   """
 
   name: str
@@ -57,6 +62,8 @@ class Workload:
   opt_state: Any
   batch: Any
   model_state: Any = None
+  loss_fn: LossFn | None = None
+  optimizer: optax.GradientTransformation | None = None
 
   @property
   def args(self) -> tuple[Any, ...]:
@@ -124,6 +131,8 @@ def build_workload(name: str, loss_fn: LossFn, params: Any, batch: Any,
       opt_state=optimizer.init(params),
       batch=batch,
       model_state=model_state,
+      loss_fn=loss_fn,
+      optimizer=optimizer,
   )
 
 

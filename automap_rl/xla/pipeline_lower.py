@@ -1,0 +1,305 @@
+"""Lowering a pipelined plan: a GPipe circular pipeline of a scanned layer stack.
+
+A training step is already differentiated, so a pipeline is built from its forward:
+`lower_pipelined` takes the loss function `loss_fn(params, batch) -> loss []` and the optax
+optimizer that the step `(params, opt_state, batch) -> (params, opt_state, loss)` is made
+of (`automap_rl.workloads.training.make_train_step`), and returns the same step with the
+forward pipelined:
+
+1. The loss's jaxpr is evaluated equation by equation (calls inlined); at the forward
+   stack's `scan` (the first top-level scan of the stack's L iterations) it runs
+   `gpipe` instead of the loop.
+2. `gpipe`: the scanned inputs (the stacked layer weights, [L, ...]) are reshaped to
+   [S, L / S, ...] and split over the stage axis, stage s holding layers s L / S to
+   (s + 1) L / S - 1; the carries (activations [B, ...]) are split into M microbatches
+   [M, B / M, ...] (microbatch m holds rows m, m + M, m + 2M, ..., so that a batch dim
+   sharded over the data axes stays on its devices). One loop of M + S - 1 iterations
+   runs under `jax.shard_map`, manual over the stage axis only: at iteration t stage s
+   applies its L / S layers (a scan of the original body) to microbatch t - s (stage 0
+   reads it from the input, the others receive it from the stage before with
+   `jax.lax.ppermute`), and the last stage writes its result into the output buffer.
+   The outputs are re-assembled in microbatch order. Per-layer outputs of the scan (its
+   `ys`, [L, ...]) are averaged over the microbatches: exact for outputs that do not
+   depend on the activations (a dense block's zero auxiliary loss) or are batch means.
+3. `jax.value_and_grad` of that loss (the loop's transpose runs the backward pass stage
+   by stage in reverse; gradients of the stage weights accumulate over the microbatches
+   by construction), one optimizer update.
+
+What the plan's intra-op decisions control: the shardings the step's arguments are stored
+with and its outputs returned with (parameters, optimizer state and batch), the stacked
+values of the stack with the stage axis added on their layer dim; and the batch dim of
+the microbatched activations, which gets the axes the plan gives the batch inputs' dim 0
+(where they divide a microbatch).
+What they do not control (yet): the intermediates inside a stage and outside the stack,
+which XLA's sharding propagation partitions from those (the weights' tensor-parallel
+shardings carry into the stages); `lower` pins every intermediate, this does not. Nor is
+the data-parallel gradient reduction deferred to the end of the loop: XLA reduces the
+stage weights' gradients over the data axes in every iteration of the backward loop.
+
+Every schedule runs in GPipe order (1F1B computes the same numbers with fewer
+microbatches in flight); the interleaved schedule, stages fewer than the stage axis's
+devices, unrolled stacks and steps with model state raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.extend import core as jax_core
+from jax.sharding import NamedSharding, PartitionSpec
+
+from automap_rl.compile_options import quick_compile_options
+from automap_rl.ir import Role
+from automap_rl.ir.stacks import LayerStack
+from automap_rl.ir.trace import CALL_PRIMITIVES
+from automap_rl.mesh import spec_axes
+from automap_rl.pipeline import Pipeline
+from automap_rl.problem import Problem
+from automap_rl.sharding import Decision
+from automap_rl.workloads.training import make_train_step
+from automap_rl.xla.hlo import inspect_compiled
+from automap_rl.xla.lower import Lowered, _bind, _call_body, interpret
+from automap_rl.xla.numerics import program_depth
+
+__all__ = ["batch_axes", "gpipe", "jit_pipelined", "lower_pipelined", "pipelined_loss", "staged_specs"]
+
+
+def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any], carries: Sequence[Any],
+          xs: Sequence[Any], *, stages: int, microbatches: int, axis: str, batch_axes: tuple[str, ...],
+          mesh: jax.sharding.Mesh) -> list[Any]:
+  """A layer scan run as a GPipe pipeline over mesh axis `axis` (module docstring, 2).
+
+  Args:
+    body: the scan body, `body(*consts, *carry, *x) -> [*carry, *y]`.
+    num_carry: how many carries it has.
+    consts: the loop's constants (every stage gets them whole).
+    carries: the initial carries, each [B, ...] (B the batch).
+    xs: the scanned inputs, each [L, ...] (L the layers).
+    stages: S, dividing L.
+    microbatches: M, dividing B.
+    axis: the stage axis (S devices).
+    batch_axes: mesh axes a microbatch's batch dim is split over (where they divide it).
+    mesh: the mesh.
+
+  Returns:
+    The final carries, each [B, ...], then the per-layer outputs, each [L, ...] (averaged
+    over the microbatches).
+  """
+  s_count, m_count = stages, microbatches
+  layers = xs[0].shape[0]
+  free = PartitionSpec.UNCONSTRAINED  # Dims XLA's propagation shards as the arguments are.
+  constrain = lambda x, *dims: jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, PartitionSpec(*dims, *(free,) * (x.ndim - len(dims)))))
+  splits = math.prod(mesh.shape[a] for a in batch_axes)
+  rows = lambda c: batch_axes if (c.shape[0] // m_count) % splits == 0 else None  # A microbatch of one row stays whole.
+  split = lambda c: constrain(jnp.swapaxes(c.reshape(c.shape[0] // m_count, m_count, *c.shape[1:]), 0, 1), None,
+                              rows(c) or None)
+  micro = [split(c) for c in carries]  # Each [M, B / M, ...].
+  staged = [constrain(x.reshape(s_count, layers // s_count, *x.shape[1:]), axis, None) for x in xs]
+
+  def run_stage(consts: list[Any], weights: list[Any], carry: list[Any]) -> tuple[list[Any], list[Any]]:
+    """This stage's L / S layers on one microbatch: (carries, per-layer outputs [L / S, ...])."""
+    def layer(c, x):
+      out = body(*consts, *c, *x)
+      return list(out[:num_carry]), list(out[num_carry:])
+    return jax.lax.scan(layer, list(carry), list(weights))
+
+  def pipeline(weights: list[Any], inputs: list[Any], consts: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Per stage: weights [1, L / S, ...], inputs [M, B / M, ...] -> (outputs [1, M, B / M,
+    ...], per-layer outputs [1, L / S, ...])."""
+    weights = [w[0] for w in weights]
+    stage = jax.lax.axis_index(axis)
+    ys_shape = jax.eval_shape(run_stage, consts, weights, [i[0] for i in inputs])[1]
+    shift = [(s, (s + 1) % s_count) for s in range(s_count)]
+
+    def tick(state, t):
+      received, outputs, ys_sum = state
+      m = t - stage
+      valid = (m >= 0) & (m < m_count)
+      fresh = [jax.lax.dynamic_index_in_dim(i, jnp.minimum(t, m_count - 1), keepdims=False) for i in inputs]
+      current = [jnp.where(stage == 0, f, r) for f, r in zip(fresh, received)]
+      done, ys = run_stage(consts, weights, current)
+      at = jnp.clip(m, 0, m_count - 1)
+      write = valid & (stage == s_count - 1)
+      outputs = [jnp.where(write, jax.lax.dynamic_update_index_in_dim(o, d, at, 0), o) for o, d in zip(outputs, done)]
+      ys_sum = [a + jnp.where(valid, y, jnp.zeros_like(y)) for a, y in zip(ys_sum, ys)]
+      return ([jax.lax.ppermute(d, axis, shift) for d in done], outputs, ys_sum), None
+
+    start = ([jnp.zeros_like(i[0]) for i in inputs], [jnp.zeros_like(i) for i in inputs],
+             [jnp.zeros(y.shape, y.dtype) for y in ys_shape])
+    (_, outputs, ys_sum), _ = jax.lax.scan(tick, start, jnp.arange(m_count + s_count - 1))
+    return [o[None] for o in outputs], [(y / m_count)[None] for y in ys_sum]
+
+  outputs, ys = jax.shard_map(pipeline, mesh=mesh, in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
+                              out_specs=(PartitionSpec(axis), PartitionSpec(axis)), axis_names={axis},
+                              check_vma=False)(staged, micro, list(consts))
+  merge = lambda o, c: jnp.swapaxes(o[-1], 0, 1).reshape(c.shape)
+  return [merge(o, c) for o, c in zip(outputs, carries)] + [y.reshape(layers, *y.shape[2:]) for y in ys]
+
+
+def _is_stack_scan(eqn, layers: int) -> bool:
+  """Whether `eqn` is a forward scan of `layers` iterations with a carry (a layer stack's)."""
+  return (eqn.primitive.name == "scan" and eqn.params["length"] == layers and eqn.params["num_carry"] > 0
+          and not eqn.params["reverse"])
+
+
+def _stack_scans(jaxpr: jax_core.Jaxpr, layers: int) -> list[Any]:
+  """The forward scans of `layers` iterations with a carry in `jaxpr` (calls inlined), in
+  order: a layer stack's loop."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in CALL_PRIMITIVES:
+      body = _call_body(eqn)
+      out += _stack_scans(getattr(body, "jaxpr", body), layers)
+    elif _is_stack_scan(eqn, layers):
+      out.append(eqn)
+  return out
+
+
+def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: LayerStack,
+                   batch_axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+  """`loss_fn(params, batch)` with its layer stack's forward scan (the first scan of the
+  stack's L layers) run by `gpipe` (module docstring, 1). The loop body `gpipe` runs on a
+  microbatch is the same scan's of `loss_fn` traced on a microbatch (every leaf of `batch`
+  [B, ...] cut to [B / M, ...]).
+
+  Raises:
+    NotImplementedError: the loss has no forward scan of the stack's L layers (an
+      unrolled stack), or its loop on a microbatch differs from the loop on the batch
+      other than in the batch dim.
+  """
+  m_count, layers = pipeline.microbatches, stack.layers
+
+  def loss(params, batch):
+    closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, batch)
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m_count, *x.shape[1:]), x.dtype), batch)
+    scans = [_stack_scans(jaxpr.jaxpr, layers) for jaxpr in (closed, jax.make_jaxpr(loss_fn)(params, micro))]
+    if not scans[0] or len(scans[0]) != len(scans[1]):
+      raise NotImplementedError(f"pipeline lowering runs a scanned layer stack; the loss function has no forward "
+                                f"scan of the {stack.describe()} (unrolled stacks are not lowered yet)")
+    target, micro_scan = scans[0][0], scans[1][0]
+    n_const, n_carry = target.params["num_consts"], target.params["num_carry"]
+    whole = [v.aval.shape for v in target.invars]
+    cut = [(s[0] // m_count, *s[1:]) if n_const <= i < n_const + n_carry else s for i, s in enumerate(whole)]
+    if cut != [v.aval.shape for v in micro_scan.invars]:
+      raise NotImplementedError(f"the loop of the {stack.describe()} on a microbatch is not its loop on the batch "
+                                "cut along the carries' dim 0; only such loops are pipelined")
+    body = interpret(micro_scan.params["jaxpr"], lambda origin, results: results)
+
+    def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
+      env: dict = {}
+      read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
+      env.update(zip(jaxpr.constvars, consts))
+      env.update(zip(jaxpr.invars, invals))
+      for eqn in jaxpr.eqns:
+        operands = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in CALL_PRIMITIVES:
+          call = _call_body(eqn)
+          outs = walk(getattr(call, "jaxpr", call), getattr(call, "consts", ()), operands)
+        elif eqn is target:
+          outs = gpipe(body, n_carry, operands[:n_const], operands[n_const:n_const + n_carry],
+                       operands[n_const + n_carry:], stages=pipeline.stages, microbatches=m_count,
+                       axis=pipeline.axis, batch_axes=batch_axes, mesh=mesh)
+        else:
+          outs = _bind(eqn, operands)
+        env.update((var, val) for var, val in zip(eqn.outvars, outs) if not isinstance(var, jax_core.DropVar))
+      return [read(v) for v in jaxpr.outvars]
+
+    outs = walk(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((params, batch)))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+  return loss
+
+
+def _check_lowerable(pipeline: Pipeline, stack: LayerStack, mesh_axis_size: int, args: Sequence[Any]) -> None:
+  """Raises NotImplementedError (one line) for what the lowering does not run yet."""
+  if pipeline.chunks > 1:
+    raise NotImplementedError(f"the interleaved schedule is priced but not lowered yet ({pipeline}); GPipe and 1F1B are")
+  if pipeline.stages != mesh_axis_size:
+    raise NotImplementedError(f"{pipeline.stages} stages on the {mesh_axis_size} devices of axis {pipeline.axis!r}: "
+                              "the lowering needs one stage per device of the stage axis")
+  if not stack.scanned:
+    raise NotImplementedError(f"pipeline lowering runs a scanned layer stack, not the {stack.describe()} yet")
+  if len(args) != 3:
+    raise NotImplementedError("pipeline lowering runs steps (params, opt_state, batch); model state is not lowered yet")
+
+
+def staged_specs(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline, stack: LayerStack,
+                 values: Sequence[int]) -> list[PartitionSpec]:
+  """The plan's spec of each of `values`, the stage axis added (major) on the layer dim of
+  every value stacked along the stack's layers (stacked weights, their optimizer state)."""
+  program, classes = problem.program, set(stack.layer_classes)
+  out = []
+  for v, spec in zip(values, problem.partition_specs(decisions, values)):
+    shape = program.values[v].shape
+    if shape and problem.named.class_of(v, 0) in classes:
+      axes = spec_axes(spec, len(shape))
+      spec = PartitionSpec((pipeline.axis, *axes[0]), *(a or None for a in axes[1:]))
+    out.append(spec)
+  return out
+
+
+def batch_axes(problem: Problem, decisions: Sequence[Decision]) -> tuple[str, ...]:
+  """The mesh axes the plan splits the batch dim (dim 0 of the batch inputs) over."""
+  program = problem.program
+  inputs = [v for v in program.inputs if program.values[v].role == Role.INPUT and program.values[v].shape]
+  return spec_axes(problem.partition_specs(decisions, inputs[:1])[0], 1)[0] if inputs else ()
+
+
+def jit_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline, loss_fn: Callable[..., Any],
+                  optimizer: optax.GradientTransformation, args: Sequence[Any], jax_mesh: jax.sharding.Mesh,
+                  donate_argnums: Sequence[int] = ()) -> tuple[Any, Any, Any]:
+  """The pipelined training step (module docstring) under `jax.jit` on `jax_mesh`, with
+  the plan's argument and output shardings (`staged_specs`): (jitted, in_shardings as a
+  pytree like `args`, out_shardings as a pytree like the outputs).
+
+  Args:
+    problem: the traced step `(params, opt_state, batch) -> (params, opt_state, loss)`.
+    decisions: the plan's intra-op decisions, inside every stage.
+    pipeline: its stages over one mesh axis.
+    loss_fn: `loss_fn(params, batch) -> loss []`, the loss the step differentiates.
+    optimizer: the optax transformation the step applies.
+    args: example `(params, opt_state, batch)`.
+    jax_mesh: the mesh to run on.
+    donate_argnums: positional arguments whose buffers the step may reuse.
+
+  Raises:
+    NotImplementedError: (one line) a schedule, stage count, stack or step that is not
+      lowered yet (module docstring).
+  """
+  program, mesh = problem.program, problem.mesh
+  stack = pipeline.check(program, problem.named, mesh)
+  _check_lowerable(pipeline, stack, mesh.axis_size(pipeline.axis), args)
+  loss = pipelined_loss(loss_fn, pipeline, stack, batch_axes(problem, decisions), jax_mesh)
+  step = make_train_step(loss, optimizer)
+  specs = staged_specs(problem, decisions, pipeline, stack, [*program.inputs, *program.outputs])
+  named = [NamedSharding(jax_mesh, s) for s in specs]
+  n = len(program.inputs)
+  in_shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tuple(args)), named[:n])
+  out_tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
+  if out_tree.num_leaves != len(program.outputs):
+    raise ValueError(f"the loss function and optimizer make a step of {out_tree.num_leaves} outputs, the planned "
+                     f"step has {len(program.outputs)}: are they the ones the step is built from?")
+  out_shardings = jax.tree_util.tree_unflatten(out_tree, named[n:])
+  jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=tuple(donate_argnums))
+  return jitted, in_shardings, out_shardings
+
+
+def lower_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline,
+                    loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, args: Sequence[Any],
+                    jax_mesh: jax.sharding.Mesh, donate_argnums: Sequence[int] = ()) -> Lowered:
+  """Compiles `jit_pipelined`'s step for `args` (arrays or `jax.ShapeDtypeStruct`s): a
+  `Lowered` with its collectives (the stage transfers are collective-permutes over the
+  stage axis), flops and memory. Its `differences` are empty: the intermediates are not
+  pinned (module docstring), so there is no plan to compare them with."""
+  jitted, in_shardings, out_shardings = jit_pipelined(problem, decisions, pipeline, loss_fn, optimizer, args, jax_mesh,
+                                                      donate_argnums)
+  compiled = jitted.lower(*args).compile(compiler_options=quick_compile_options(jax_mesh.devices.flat[0].platform))
+  stats = inspect_compiled(compiled, problem.mesh.axis_names, problem.mesh.axis_sizes)
+  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, jax_mesh, (),
+                 program_depth(problem.program))
