@@ -30,7 +30,8 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
               agent: str = "mcts", budget: Budget | int | str = 2000, seed: int = 0,
               arg_names: Sequence[str] | None = None, arg_roles: Sequence[str] | None = None, config: Any = None,
               progress: Callable[[int, float], None] | None = None,
-              phase: Callable[[str], None] | None = None) -> Plan:
+              phase: Callable[[str], None] | None = None, loss_fn: Callable[..., Any] | None = None,
+              optimizer: Any = None) -> Plan:
   """Finds a sharding plan for `fn(*args)` on `mesh` by search (or writes an expert's).
 
   Args:
@@ -61,6 +62,9 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     phase: called with each phase's name as it starts: `tracing`, `building cost tables`,
       then `searching` (or `applying the tactic`); for a progress display of the parts
       before the search's own progress.
+    loss_fn, optimizer: the loss function and optax optimizer `fn` is built from (a
+      `Workload` has them): a pipelined plan needs them to run (`Plan.jit`); a bare step's
+      pipeline is priced only.
 
   Returns:
     The plan.
@@ -86,8 +90,9 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
   if expert is not None:
     started("applying the tactic")
     decisions, pipeline = expert(problem) if agent in tactics.PIPELINE_TACTICS else (expert(problem), None)
-    return Plan(fn, tuple(args), problem, decisions, agent=agent, devices=devices, pipeline=pipeline)
+    return Plan(fn, tuple(args), problem, decisions, agent=agent, devices=devices, pipeline=pipeline,
+                loss_fn=loss_fn, optimizer=optimizer)
   started("searching")
   result = run_agent(agent, problem, seed=seed, budget=budget, config=config, progress=progress)
   return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result, devices=devices,
-              pipeline=result.pipeline)
+              pipeline=result.pipeline, loss_fn=loss_fn, optimizer=optimizer)

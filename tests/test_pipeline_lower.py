@@ -69,3 +69,15 @@ def test_bare_step_pipeline_plan_says_what_to_pass():
     with pytest.raises(ValueError, match="pass the loss function and optimizer it is built from") as e:
       run()
     assert "\n" not in str(e.value)
+
+
+def test_partition_with_the_forward_gives_a_pipelined_plan_that_runs():
+  """`partition(..., loss_fn=, optimizer=)` with a pipelined tactic: the plan jits and checks."""
+  import agents
+  from automap_rl import workloads
+
+  w = workloads.make_workload("gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=true")
+  plan = agents.partition(w.step, *w.args, mesh="data=2,fsdp=2,model=2", agent="megatron_3d",
+                          arg_names=w.arg_names, arg_roles=w.arg_roles, loss_fn=w.loss_fn, optimizer=w.optimizer)
+  assert plan.pipeline is not None and plan.pipeline.stages == 2
+  plan.check()  # Raises NumericsError on a mismatch.
