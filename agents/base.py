@@ -145,10 +145,11 @@ class SearchResult:
     return [dataclasses.asdict(p) for p in self.trace]
 
 
-def env_config(problem: Problem, action_space: str, max_decisions: int) -> EnvConfig:
-  """The environment an agent searches: exactly the mesh's axes (no padded actions)."""
+def env_config(problem: Problem, action_space: str, max_decisions: int, pipelines: int = 0) -> EnvConfig:
+  """The environment an agent searches: exactly the mesh's axes (no padded actions), and
+  `pipelines` pipeline options (`EnvConfig.pipelines`)."""
   return EnvConfig(action_space=action_space, max_decisions=max_decisions,
-                   max_axes=len(problem.mesh.axis_sizes), objective="time")
+                   max_axes=len(problem.mesh.axis_sizes), objective="time", pipelines=pipelines)
 
 
 def rollout(env: Env, depth: int, stop_probability: float, state: State, key: jax.Array,
@@ -223,17 +224,23 @@ class Searcher:
     return jax.device_get(fn(state, keys, jnp.asarray(limits, jnp.int32)))
 
   def decisions(self, actions: Sequence[int]) -> list[Decision]:
-    """The plan of an action sequence: one `Decision(target, axis)` per action."""
+    """The intra-op plan of an action sequence: one `Decision(target, axis)` per intra-op
+    action (a pipeline action is `pipeline`'s)."""
     axes = self.problem.mesh.axis_names
     out = []
     for a in actions:
-      target, axis = divmod(int(a), self.env.config.max_axes)
-      out.append(Decision(self.env.targets[target].target, axes[axis]))
+      if int(a) < self.env.tables.num_moves:
+        target, axis = divmod(int(a), self.env.config.max_axes)
+        out.append(Decision(self.env.targets[target].target, axes[axis]))
     return out
 
-  def cost(self, actions: Sequence[int]) -> simulator.Cost:
-    """The simulator's cost of the plan an action sequence reaches."""
-    return self.problem.cost(self.decisions(actions))
+  def pipeline(self, actions: Sequence[int]) -> Pipeline | None:
+    """The pipeline an action sequence chooses, None for none (`Env.pipeline_of`)."""
+    return self.env.pipeline_of(actions)
+
+  def cost(self, actions: Sequence[int]) -> simulator.Cost | simulator.PipelineCost:
+    """The simulator's cost of the plan an action sequence reaches (`Problem.plan_cost`)."""
+    return self.problem.plan_cost(self.decisions(actions), self.pipeline(actions))
 
   def legal(self, state: State) -> np.ndarray:
     """Legal actions of a host state, stop excluded, int32."""
@@ -305,12 +312,12 @@ class Tracker:
                         setup_seconds=self.setup_seconds, action_ids=tuple(self.best_actions))
 
 
-def start(problem: Problem, action_space: str, max_decisions: int, budget, progress: Progress | None
-          ) -> tuple[Searcher, Tracker, Budget]:
+def start(problem: Problem, action_space: str, max_decisions: int, budget, progress: Progress | None,
+          pipelines: int = 0) -> tuple[Searcher, Tracker, Budget]:
   """Builds (or reuses) the searcher and starts the clock; the common prologue of agents."""
   t0 = time.perf_counter()
   budget = Budget.of(budget)
-  search = searcher(problem, env_config(problem, action_space, max_decisions))
+  search = searcher(problem, env_config(problem, action_space, max_decisions, pipelines))
   return search, Tracker(search, budget, t0, progress), budget
 
 

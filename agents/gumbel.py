@@ -17,7 +17,7 @@ Every plan a search tree evaluated is a candidate (read from the tree's nodes), 
 best plan seen at any depth of any tree is kept.
 
 A simulation is one environment step that evaluates a new plan (a node whose plan has more
-decisions than its parent's; stops and steps below an ended episode evaluate nothing), as
+decisions than its parent's, or another pipeline; stops and steps below an ended episode evaluate nothing), as
 for the other agents. A Gumbel search of `n` simulations evaluates at most `n` plans; the
 last search of a budget runs fewer (a traced loop bound, so no recompile).
 """
@@ -54,6 +54,8 @@ class GumbelConfig:
     gumbel_scale: scale of the root's Gumbel noise (0: deterministic given the prior).
     episodes: episodes searched side by side (one vmapped search over all of them).
     network: the network's sizes (used when parameters are given).
+    pipelines: the environment's pipeline options (`EnvConfig.pipelines`; 0: none;
+      the uniform prior only: the network has no pipeline logits).
   """
 
   action_space: str = "groups"
@@ -63,6 +65,7 @@ class GumbelConfig:
   gumbel_scale: float = 1.0
   episodes: int = 1
   network: NetworkConfig = NetworkConfig()
+  pipelines: int = 0
 
 
 def _evaluate(network: Network, params: chex.ArrayTree | None, embeddings: Embeddings | None,
@@ -176,8 +179,9 @@ def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex
   nodes = tree.embeddings
   batch = jnp.arange(out.action.shape[0])
   parent = tree.parents
-  parent_decisions = jnp.take_along_axis(nodes.num_decisions, jnp.maximum(parent, 0), axis=1)
-  evaluated = (parent >= 0) & (nodes.num_decisions > parent_decisions)
+  parent_decisions, parent_pipeline = (jnp.take_along_axis(x, jnp.maximum(parent, 0), axis=1)
+                                       for x in (nodes.num_decisions, nodes.pipeline))
+  evaluated = (parent >= 0) & ((nodes.num_decisions > parent_decisions) | (nodes.pipeline != parent_pipeline))
   chosen = tree.children_index[batch, tree.ROOT_INDEX, out.action]
   after = jax.tree.map(lambda x: x[batch, chosen], nodes)
   return out.action, after, _Nodes(objective=nodes.objective, step_time=nodes.step_time, evaluated=evaluated,
@@ -205,7 +209,7 @@ def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 
   """Plays Gumbel MuZero episodes until the budget is spent; returns the best plan any
   search tree evaluated. `params`: the network's (`config.network`), or None for the
   uniform prior. Deterministic for a given seed and a simulations budget."""
-  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress)
+  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, config.pipelines)
   embeddings = None if params is None else encode(Network(config.network), params, search_.env.tables, search_.root)
   play(search_, track, config, seed, params, embeddings)
   return track.result()

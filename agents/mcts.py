@@ -39,7 +39,8 @@ class MCTSConfig:
     stop_probability: after a rollout's first action, its chance of stopping per step.
     backup: a node's value for selection: `max` (best plan below it, as suits
       single-player optimisation) or `mean` (classic UCT).
-    transpositions: merge nodes with equal shardings.
+    transpositions: merge nodes with equal shardings (and pipelines).
+    pipelines: the environment's pipeline options (`EnvConfig.pipelines`; 0: none).
   """
 
   action_space: str = "groups"
@@ -50,6 +51,7 @@ class MCTSConfig:
   stop_probability: float = 0.15
   backup: Literal["max", "mean"] = "max"
   transpositions: bool = True
+  pipelines: int = 0
 
 
 class _Node:
@@ -67,7 +69,8 @@ class _Node:
 
 
 def _key(state) -> bytes:
-  return b"".join(np.ascontiguousarray(x).tobytes() for x in (state.value_mask, state.op_mask, state.num_decisions))
+  return b"".join(np.ascontiguousarray(x).tobytes() for x in (state.value_mask, state.op_mask, state.num_decisions,
+                                                                 state.pipeline))
 
 
 class _Tree:
@@ -161,7 +164,7 @@ def search(problem: Problem, config: MCTSConfig = MCTSConfig(), seed: int = 0,
   """Runs UCT until the budget is spent or the tree is exhausted; returns the best plan seen.
 
   Deterministic for a given seed and a simulations budget."""
-  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress)
+  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, config.pipelines)
   tree = _Tree(search_, track, config, seed)
   while not track.done and tree.iterate():
     pass

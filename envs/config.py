@@ -36,6 +36,11 @@ class EnvConfig:
       is the whole decrease `1 - objective`; until then the state carries the replicated
       plan's figures (objective 1) and rewards 0. Both give every episode the same return,
       and `reward = before.objective - after.objective` holds in both.
+    pipelines: pipeline options (`envs.pipelines`): with P > 0 an episode starts with a
+      pipeline action, one of P options ("no pipeline" and pipelines of the largest layer
+      stack whose stages take one mesh axis whole), then the intra-op actions without the
+      stage axis; the chosen pipeline prices the plan (`simulator.pipeline_cost`). 0: no
+      pipeline action at all.
   """
 
   action_space: ActionSpace = "groups"
@@ -46,6 +51,7 @@ class EnvConfig:
   memory_penalty: float = 1.0
   max_steps: int | None = None
   reward: Reward = "shaped"
+  pipelines: int = 0
 
   def __post_init__(self):
     if self.action_space not in ("arg_dims", "named_dims", "groups"):
@@ -56,6 +62,8 @@ class EnvConfig:
       raise ValueError(f"Unknown reward {self.reward!r}; valid: shaped, terminal.")
     if self.max_decisions < 1 or self.max_axes < 1:
       raise ValueError("max_decisions and max_axes must be positive.")
+    if self.pipelines < 0:
+      raise ValueError(f"pipelines={self.pipelines} must be 0 (none) or a number of pipeline options.")
 
   @property
   def weights(self) -> tuple[float, float]:

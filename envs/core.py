@@ -21,6 +21,14 @@ illegal if its classes do not fit in the remaining capacity; padded targets and 
 mesh axes never are. The stop action (the last) is always legal, and in a terminal state
 the only legal one. Taking an illegal action acts as stop.
 
+Pipeline options (`EnvConfig.pipelines` = P > 0, `envs.pipelines`): actions
+`T * X .. T * X + P - 1` choose option 0 (no pipeline) to P - 1. They are the only legal
+actions (with stop) at the start, and never after; once one is chosen, the intra-op
+actions are legal as above, less those on its stage axis and those that would shard a
+slot that does not divide at its microbatch and stage size (a class is closed if any of
+its slots that could take the axis would not divide). The chosen pipeline prices every
+plan after it (`simulator.pipeline_cost`); without one the simulator does, as with P = 0.
+
 Rewards (`EnvConfig.reward`): shaped (the default) simulates every move's plan, and the
 reward is the objective's decrease; terminal simulates only on the step that ends the
 episode, whose reward is the whole decrease, and under `vmap` only the rows whose episode
@@ -30,6 +38,7 @@ ends run the simulator (`batching.only_where`). Either way the return is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -38,6 +47,7 @@ import jax.numpy as jnp
 
 from automap_rl import batching, sharding, simulator
 from envs.config import EnvConfig
+from envs.pipelines import pipelined_cost
 from envs.tables import BASE_PEAK_MEMORY, BASE_STEP_TIME, EnvTables, objective as env_objective
 
 
@@ -56,6 +66,8 @@ class State:
     terminated, truncated: bool [].
     legal_action_mask: bool [A].
     step_count: int32 [].
+    pipeline: the chosen pipeline option (`EnvConfig.pipelines`), -1 before the pipeline
+      action, 0 for none (always 0 without pipeline options), int32 [].
   """
 
   dec_class: jax.Array
@@ -71,15 +83,17 @@ class State:
   truncated: jax.Array
   legal_action_mask: jax.Array
   step_count: jax.Array
+  pipeline: jax.Array
 
 
-def _legal(tables: EnvTables, arrays: tuple[jax.Array, jax.Array, jax.Array], max_decisions: int) -> jax.Array:
+def _legal(tables: EnvTables, arrays: tuple[jax.Array, ...], max_decisions: int) -> jax.Array:
   """`legal_actions` from `arrays`: the masks of the slots of `tables.slot_order` and the
-  axes their owners use, [Q, W, ...] each, and the decision counts [...], for one state
+  axes their owners use, [Q, W, ...] each, the decision counts [...] and, with a pipeline,
+  the slots' divisibility at its microbatch and stage size [Q, W, ...], for one state
   ([...] empty) or a batch laid out last ([...] = [B], see `automap_rl.batching`: the slot
   tests then run along the batch and the class reduction's scatter moves whole rows);
   bool [..., T * X + 1]."""
-  mask, used, num_decisions = arrays
+  mask, used, num_decisions, *micro = arrays
   batch = num_decisions.shape
   num_classes = tables.target_rank.shape[1]
   extra = (1,) * len(batch)
@@ -90,7 +104,14 @@ def _legal(tables: EnvTables, arrays: tuple[jax.Array, jax.Array, jax.Array], ma
   class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
                                    indices_are_sorted=True) > 0
   target = tables.target_classes  # Row C of class_open is no class's: never open.
-  target_open = class_open[jnp.where(target >= 0, target, num_classes)].any(axis=1)  # [T, X, ...]
+  covered = jnp.where(target >= 0, target, num_classes)
+  target_open = class_open[covered].any(axis=1)  # [T, X, ...]
+  if micro:  # Closed: a class with a slot that could take the axis and would then not divide.
+    divides = jnp.right_shift(micro[0][:, :, None], (mask[:, :, None] | bits).astype(jnp.int32)) & 1
+    chunk_bad = (takes & (divides == 0)).any(axis=1).astype(jnp.int32)
+    class_bad = jax.ops.segment_max(chunk_bad, tables.chunk_class, num_segments=num_classes + 1,
+                                    indices_are_sorted=True) > 0
+    target_open = target_open & ~class_bad[covered].any(axis=1)
   length = (target >= 0).sum(axis=1).reshape(-1, *extra)
   fits = (length > 0) & (num_decisions + length <= max_decisions)  # [T, ...]
   legal = target_open & fits[:, None] & tables.axis_valid.reshape(-1, *extra)
@@ -112,12 +133,14 @@ def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, 
 
 
 def _legal_after(tables: EnvTables, masks: tuple[jax.Array, jax.Array], chosen: tuple[jax.Array, jax.Array],
-                 axis: jax.Array, num_decisions: jax.Array, max_decisions: int) -> jax.Array:
+                 axis: jax.Array, num_decisions: jax.Array, max_decisions: int,
+                 micro: jax.Array | None = None) -> jax.Array:
   """`legal_actions` of the value and op `masks` [Uv, Rv] and [Uo, Rf] after a decision
   that shards, on `axis`, the slot `chosen` of each signature (`sharding.decision_slots`,
   int8 [Uv] and [Uo], -1: none). A step reads the few slots the mask tests from the masks
   it started from and applies the decision to those alone: reading the new masks, XLA
-  computed them a second time, in the flattened layout, at two integer divisions a slot."""
+  computed them a second time, in the flattened layout, at two integer divisions a slot.
+  `micro`: the slots' divisibility under the chosen pipeline, int32 [Q, W] (None: none)."""
   (uv, rv), (uo, rf) = (m.shape for m in masks)
   order = tables.slot_order  # [Q, W], into the value dims then op factors flattened.
   value = order < uv * rv
@@ -129,15 +152,31 @@ def _legal_after(tables: EnvTables, masks: tuple[jax.Array, jax.Array], chosen: 
   used = jnp.concatenate([m.sum(axis=1, dtype=m.dtype) for m in masks]) | jnp.where(chosen >= 0, bit, 0)
   mask = sharding.with_slots(jnp.concatenate([m.reshape(-1) for m in masks])[order], slot, chosen[owner], axis)
   legal = batching.batch_last(lambda t, arrays: _legal(t, arrays, max_decisions), any_rank=True)
-  return legal(tables, (mask, used[owner], num_decisions))
+  arrays = (mask, used[owner], num_decisions) + (() if micro is None else (micro,))
+  return legal(tables, arrays)
 
 
-def _evaluate(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-  """The objective, step time and peak memory of the plan of resolved `masks` (value and
-  op masks), f32 [] each."""
-  value_mask, op_mask = masks
+def _with_options(tables: EnvTables, legal: jax.Array, option: jax.Array) -> jax.Array:
+  """The legal mask [T * X + P + 1] from the intra-op one `legal` [T * X + 1] under the
+  pipeline `option` (int32 []; -1, none chosen yet: only the options and stop)."""
+  options = tables.pipeline
+  x = tables.num_axes
+  moves = legal[:-1].reshape(-1, x) & (jnp.arange(x) != options.axis[jnp.maximum(option, 0)])
+  chosen = option >= 0
+  return jnp.concatenate([moves.reshape(-1) & chosen, options.valid & ~chosen, legal[-1:]])
+
+
+def _evaluate(config: EnvConfig, tables: EnvTables, arrays: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """The objective, step time and peak memory, f32 [] each, of the plan of `arrays`: the
+  resolved value and op masks and the pipeline option (`State.pipeline`)."""
+  value_mask, op_mask, option = arrays
   resolution = sharding.Resolution(value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32))
   cost = simulator.simulate(tables.cost, resolution)
+  if tables.pipeline is not None and tables.pipeline.tables is not None:
+    piped = pipelined_cost(tables.pipeline, option, resolution.value_mask, resolution.op_mask)
+    use = tables.pipeline.axis[jnp.maximum(option, 0)] >= 0
+    cost = dataclasses.replace(cost, step_time=jnp.where(use, piped.step_time, cost.step_time),
+                               peak_memory=jnp.where(use, piped.peak_memory, cost.peak_memory))
   objective = env_objective(config, cost, tables.base, tables.cost.hbm_bytes)
   return objective, cost.step_time, cost.peak_memory
 
@@ -148,7 +187,7 @@ def _replicated(tables: EnvTables) -> tuple[jax.Array, ...]:
           jnp.asarray(tables.base[BASE_PEAK_MEMORY], jnp.float32))
 
 
-def _figures(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, jax.Array],
+def _figures(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, ...],
              needed: jax.Array) -> tuple[jax.Array, ...]:
   """`_evaluate` where `needed`, else the replicated plan's figures.
 
@@ -170,22 +209,29 @@ def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:
   op_mask = jnp.zeros(tables.op_class.shape, jnp.int8)
   zero = jnp.int32(0)
   legal = legal_actions(tables, value_mask, op_mask, zero, k)
+  option = zero
+  if config.pipelines:
+    option = jnp.int32(-1)
+    legal = _with_options(tables, legal, option)
   return State(
       dec_class=jnp.full(k, -1, jnp.int32), dec_axis=jnp.full(k, -1, jnp.int32), num_decisions=zero,
       value_mask=value_mask, op_mask=op_mask, objective=jnp.float32(1.0),
       step_time=jnp.asarray(tables.base[BASE_STEP_TIME], jnp.float32),
       peak_memory=jnp.asarray(tables.base[BASE_PEAK_MEMORY], jnp.float32),
       reward=jnp.float32(0.0), terminated=~legal[:-1].any(), truncated=jnp.bool_(False),
-      legal_action_mask=legal, step_count=zero)
+      legal_action_mask=legal, step_count=zero, pipeline=option)
 
 
 def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Array) -> State:
   num_axes = tables.axis_sizes.shape[0]
   stop = (action == state.legal_action_mask.shape[0] - 1) | ~state.legal_action_mask[action]
+  pick = (action >= tables.num_moves) & ~stop if config.pipelines else None  # A pipeline option.
   target = jnp.minimum(action // num_axes, tables.target_classes.shape[0] - 1)
   axis = action % num_axes
   chosen = (sharding.decision_slots(tables.value_divisible, state.value_mask, tables.value_rank[target], axis),
             sharding.decision_slots(tables.op_divisible, state.op_mask, tables.op_rank[target], axis))
+  if pick is not None:
+    chosen = tuple(jnp.where(pick, jnp.int8(-1), c) for c in chosen)
   value_mask, op_mask = (sharding.with_slots(m, jnp.arange(m.shape[1], dtype=jnp.int8), c[:, None], axis)
                          for m, c in zip((state.value_mask, state.op_mask), chosen))
 
@@ -193,13 +239,22 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   offset = jnp.arange(config.max_decisions) - state.num_decisions
   new = (offset >= 0) & (offset < classes.shape[0])
   new = new & (classes[jnp.clip(offset, 0, classes.shape[0] - 1)] >= 0)
+  option, micro, count = state.pipeline, None, (classes >= 0).sum()
+  if pick is not None:
+    new = new & ~pick
+    option = jnp.where(pick, action - tables.num_moves, option)
+    micro = tables.pipeline.slot_divisible[jnp.maximum(option, 0)]
+    count = jnp.where(pick, 0, count)
   dec_class = jnp.where(new, classes[jnp.clip(offset, 0, classes.shape[0] - 1)], state.dec_class)
   dec_axis = jnp.where(new, axis, state.dec_axis)
-  num_decisions = state.num_decisions + (classes >= 0).sum()
-  legal = _legal_after(tables, (state.value_mask, state.op_mask), chosen, axis, num_decisions, config.max_decisions)
+  num_decisions = state.num_decisions + count
+  legal = _legal_after(tables, (state.value_mask, state.op_mask), chosen, axis, num_decisions, config.max_decisions,
+                       micro)
+  if pick is not None:
+    legal = _with_options(tables, legal, option)
   moved = state.replace(
       dec_class=dec_class, dec_axis=dec_axis, num_decisions=num_decisions, value_mask=value_mask,
-      op_mask=op_mask, terminated=~legal[:-1].any(), legal_action_mask=legal)
+      op_mask=op_mask, terminated=~legal[:-1].any(), legal_action_mask=legal, pipeline=option)
   stopped = state.replace(terminated=jnp.bool_(True))
   out = jax.tree.map(lambda a, b: jnp.where(stop, a, b), stopped, moved)
   step_count = state.step_count + 1
@@ -209,7 +264,7 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   # step that ends the episode does.
   changed = ~stop if config.reward == "shaped" else ends
   live = ~(state.terminated | state.truncated)  # `step` keeps a terminal state whatever this returns.
-  figures = _figures(config, tables, (out.value_mask, out.op_mask), changed & live)
+  figures = _figures(config, tables, (out.value_mask, out.op_mask, out.pipeline), changed & live)
   objective, step_time, peak_memory = (jnp.where(changed, new, old) for new, old in zip(
       figures, (state.objective, state.step_time, state.peak_memory)))
   only_stop = jnp.zeros_like(legal).at[-1].set(True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import chex
 import jax
@@ -11,7 +12,8 @@ import numpy as np
 
 from automap_rl import sharding
 from automap_rl.problem import Problem
-from envs import actions, core, observe, tables
+from automap_rl.pipeline import Pipeline
+from envs import actions, core, observe, pipelines, tables
 from envs.config import EnvConfig
 
 
@@ -25,12 +27,15 @@ class Env:
     targets: the decision targets; action `t * config.max_axes + a` shards `targets[t]`
       over mesh axis `a`, action `num_actions - 1` stops.
     tables: the static arrays (see `envs.tables`), exact-size or bucketed.
+    pipelines: the pipeline options (`envs.pipelines.menu`; None: no pipeline), empty
+      without them; action `tables.num_moves + k` chooses option k.
   """
 
   config: EnvConfig
   problem: Problem
   targets: tuple[actions.Target, ...]
   tables: tables.EnvTables
+  pipelines: tuple[Pipeline | None, ...] = ()
 
   @classmethod
   def build(cls, problem: Problem, config: EnvConfig = EnvConfig(), bucket: bool = False) -> Env:
@@ -41,7 +46,7 @@ class Env:
     t = tables.build_env_tables(problem, config, targets)
     if bucket:
       t = tables.pad(t, tables.bucket_sizes(tables.sizes(t)))
-    return cls(config, problem, targets, t)
+    return cls(config, problem, targets, t, pipelines.menu(problem, config.pipelines))
 
   @property
   def num_actions(self) -> int:
@@ -61,9 +66,12 @@ class Env:
     return observe.observe(self.tables, state)
 
   def action_name(self, action: int) -> str:
-    """`shard <target> on <axis>` or `stop`."""
+    """`shard <target> on <axis>`, a pipeline option or `stop`."""
     if action == self.stop_action:
       return "stop"
+    if action >= self.tables.num_moves:
+      option = int(action) - self.tables.num_moves
+      return pipelines.describe(self.pipelines[option]) if option < len(self.pipelines) else f"padding action {action}"
     target, axis = divmod(int(action), self.config.max_axes)
     axes = self.problem.mesh.axis_names
     if target >= len(self.targets) or axis >= len(axes):
@@ -75,3 +83,13 @@ class Env:
     dec_class, dec_axis = np.asarray(state.dec_class), np.asarray(state.dec_axis)
     names = self.problem.mesh.axis_names
     return [sharding.Decision(int(c), names[int(a)]) for c, a in zip(dec_class, dec_axis) if c >= 0]
+
+  def pipeline(self, state: core.State) -> Pipeline | None:
+    """The pipeline an (unbatched) state chose, None for none (or none chosen yet)."""
+    option = int(state.pipeline)
+    return self.pipelines[option] if option > 0 else None
+
+  def pipeline_of(self, action_ids: Sequence[int]) -> Pipeline | None:
+    """The pipeline an action sequence from the start chooses (its pipeline action), None for none."""
+    options = [int(a) - self.tables.num_moves for a in action_ids if self.tables.num_moves <= int(a) < self.stop_action]
+    return self.pipelines[options[0]] if options and options[0] > 0 else None

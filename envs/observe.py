@@ -21,10 +21,14 @@ Node features (`NODE_FEATURES` columns, X = `EnvConfig.max_axes`):
   then per axis: sharded on it (values and ops; for targets the fraction of their slots);
   per axis: a reduction factor sharded on it (ops), the action is legal (targets);
   last: log shard count / log device count (values and ops).
+  With pipeline options (`EnvConfig.pipelines` > 0) one more: the stage membership of
+  values and ops under the chosen pipeline (`envs.pipelines.PipelineOptions.value_stage`,
+  0 without one).
 Edge features: operand, result, coverage, log2(1 + runs per step) / 16.
 Globals: log2 axis sizes / 4 [X], log10 link bandwidth / 12 [X], log2 devices / 8,
   log10 HBM bytes / 12, objective, capacity used, step time and peak memory relative to
-  the replicated plan.
+  the replicated plan; with pipeline options also: a pipeline is chosen, log2 S / 4 and
+  log2 M / 8 of the chosen one.
 """
 
 from __future__ import annotations
@@ -40,14 +44,14 @@ _STATIC = 4 + NUM_VALUE_FEATURES + NUM_OP_FEATURES + NUM_TARGET_FEATURES
 EDGE_FEATURES = 4
 
 
-def node_features(max_axes: int) -> int:
-  """Columns of the node features."""
-  return _STATIC + 2 * max_axes + 1
+def node_features(max_axes: int, pipelines: bool = False) -> int:
+  """Columns of the node features (`pipelines`: with pipeline options)."""
+  return _STATIC + 2 * max_axes + 1 + pipelines
 
 
-def global_features(max_axes: int) -> int:
-  """Columns of the global features."""
-  return 2 * max_axes + 6
+def global_features(max_axes: int, pipelines: bool = False) -> int:
+  """Columns of the global features (`pipelines`: with pipeline options)."""
+  return 2 * max_axes + 6 + 3 * pipelines
 
 
 def _axis_bits(mask: jax.Array, num_axes: int) -> jax.Array:
@@ -95,10 +99,15 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
   real = (tables.target_classes >= 0).any(axis=1)
   head = jnp.stack([real, jnp.zeros(t), jnp.zeros(t), real], axis=1).astype(jnp.float32)
   static = _place(head, 0) + _place(tables.target_features, 4 + NUM_VALUE_FEATURES + NUM_OP_FEATURES)
-  legal = state.legal_action_mask[:-1].reshape(t, x).astype(jnp.float32)
+  legal = state.legal_action_mask[:t * x].reshape(t, x).astype(jnp.float32)
   targets = jnp.concatenate([static, target_sharded / jnp.maximum(target_slots, 1.0)[:, None], legal,
                              jnp.zeros((t, 1))], axis=1)
   nodes = jnp.concatenate([values, ops, targets, jnp.zeros((1, values.shape[1]))], axis=0)
+  options = tables.pipeline
+  if options is not None:
+    option = jnp.maximum(state.pipeline, 0)
+    stage = jnp.concatenate([options.value_stage[option], options.op_stage[option], jnp.zeros(t + 1)])
+    nodes = jnp.concatenate([nodes, stage[:, None]], axis=1)
   pad_node = nodes.shape[0] - 1
 
   cost = tables.cost
@@ -121,6 +130,10 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
       jnp.stack([state.objective, state.num_decisions / state.dec_class.shape[0],
                  state.step_time / tables.base[BASE_STEP_TIME], state.peak_memory / tables.base[BASE_PEAK_MEMORY]]),
   ]).astype(jnp.float32)
+  if options is not None:
+    globals_ = jnp.concatenate([globals_, jnp.stack([
+        (options.axis[option] >= 0).astype(jnp.float32), jnp.log2(options.stages[option]) / 4.0,
+        jnp.log2(options.microbatches[option]) / 8.0])])
   num_edges = senders.shape[0] + cover_senders.shape[0]
   return jraph.GraphsTuple(
       nodes=nodes.astype(jnp.float32),

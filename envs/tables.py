@@ -10,7 +10,9 @@ never legal.
 Size names: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges
 (Eu classes of edges that resolve alike) of which R reduce, L memory probe rows, D factors per dim, Q chunks of W slots (value dims
 and op factors) of one class, C classes, T targets covering at most M classes each, G coverage
-edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B = 2**X axis masks.
+edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B = 2**X axis masks, P
+pipeline options (`envs.pipelines`; bucket padding keeps their pricing tables, which index
+the signatures, as they are).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from automap_rl.ir import FactorKind, Role
 from automap_rl.problem import Problem
 from envs.actions import Target
 from envs.config import EnvConfig
+from envs.pipelines import PipelineOptions, build_options, menu
 
 NO_RANK = 1 << 20  # Rank of a class a target does not cover.
 
@@ -113,6 +116,7 @@ class EnvTables:
     cover_target, cover_index, cover_is_op, cover_real: coverage edges from a target to a
       value (op) signature holding one of its classes, [G].
     cost: the simulator's tables (per-mask tables tiled to B = 2**X entries).
+    pipeline: the pipeline options (`EnvConfig.pipelines` > 0), else None.
   """
 
   value_class: jax.Array
@@ -139,14 +143,25 @@ class EnvTables:
   cover_is_op: jax.Array
   cover_real: jax.Array
   cost: simulator.CostTables
+  pipeline: PipelineOptions | None = None
 
   @property
   def num_axes(self) -> int:
     return self.axis_sizes.shape[-1]
 
   @property
+  def num_moves(self) -> int:
+    """Intra-op actions: targets x mesh axes (the first actions)."""
+    return self.target_classes.shape[-2] * self.num_axes
+
+  @property
+  def num_pipelines(self) -> int:
+    """Pipeline options: the actions after the intra-op ones, before stop."""
+    return 0 if self.pipeline is None else self.pipeline.valid.shape[-1]
+
+  @property
   def num_actions(self) -> int:
-    return self.target_classes.shape[-2] * self.num_axes + 1
+    return self.num_moves + self.num_pipelines + 1
 
 
 BASE_STEP_TIME, BASE_PEAK_MEMORY, BASE_OBJECTIVE = 0, 1, 2  # The columns of `EnvTables.base`.
@@ -296,6 +311,10 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
   bandwidth[:num_axes] = [np.log10(link.bandwidth) / 12.0 for link in mesh.links]
   mesh_features = np.concatenate([np.log2(sizes) / 4.0, bandwidth,
                                   [np.log2(mesh.num_devices) / 8.0, np.log10(tables.hbm_bytes) / 12.0]])
+  pipeline = None
+  if config.pipelines:
+    pipeline = build_options(problem, menu(problem, config.pipelines), config.pipelines, sizes, slot_order,
+                             slot_divisible)
   return _device(EnvTables(
       value_class=sigs.value_class.astype(np.int32), value_divisible=value_divisible,
       op_class=sigs.op_class.astype(np.int32), op_divisible=op_divisible,
@@ -310,7 +329,7 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
       edge_real=np.ones(len(tables.edge_op), bool),
       cover_target=cover[:, 0].astype(np.int32), cover_index=cover[:, 1].astype(np.int32),
       cover_is_op=cover[:, 2].astype(bool), cover_real=np.ones(len(cover), bool),
-      cost=simulator.CostTables(**cost),
+      cost=simulator.CostTables(**cost), pipeline=pipeline,
   ))
 
 
@@ -369,6 +388,13 @@ def pad(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
   fields["cost"] = simulator.CostTables(**{
       f.name: padded(f.name, cost_dims(f.name, np.ndim(a)), a)
       for f in dataclasses.fields(simulator.CostTables) for a in [getattr(tables.cost, f.name)]})
+  options = tables.pipeline
+  if options is not None:
+    size = {**size, "P": options.valid.shape[0]}
+    fields["pipeline"] = options.replace(
+        slot_divisible=padded("slot_divisible", ("P", "Q", "W"), options.slot_divisible),
+        value_stage=padded("value_stage", ("P", "Uv"), options.value_stage),
+        op_stage=padded("op_stage", ("P", "Uo"), options.op_stage))
   return _device(EnvTables(**fields))
 
 

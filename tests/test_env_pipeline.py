@@ -1,0 +1,109 @@
+"""Pipeline actions in the environment: off by default, the contract with them on, the
+pipelined objective, the masked stage axis, and search choosing a pipeline."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agents import mcts
+from agents.base import env_config, searcher
+from automap_rl import workloads
+from automap_rl.mesh import make_mesh
+from automap_rl.problem import Problem
+from envs import Env, EnvConfig
+from envs.observe import global_features, node_features
+from envs.tables import objective
+from envs.testing import api_test
+
+GPT = "gpt:layers=8,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true"
+MESH = "data=4,model=2"
+OPTIONS = 6
+
+
+@functools.lru_cache(maxsize=None)
+def problem(mesh: str = MESH) -> Problem:
+  return Problem.build(workloads.make_workload(GPT, abstract=True).trace(), make_mesh(mesh, "h100"))
+
+
+@functools.lru_cache(maxsize=None)
+def env(pipelines: int) -> Env:
+  return Env.build(problem(), EnvConfig(max_axes=2, pipelines=pipelines))
+
+
+def random_episode(e: Env, key: jax.Array, first: int | None = None, steps: int = 6) -> list:
+  """States of a random episode (`first`: its first action)."""
+  step = jax.jit(e.step)
+  states = [jax.jit(e.init)(key)]
+  for i in range(steps):
+    legal = np.flatnonzero(np.asarray(states[-1].legal_action_mask)[:-1])
+    if not len(legal):
+      break
+    action = first if (i == 0 and first is not None) else int(jax.random.choice(jax.random.fold_in(key, i), legal))
+    states.append(step(states[-1], jnp.int32(action)))
+  return states
+
+
+def test_without_pipeline_options_the_environment_is_todays():
+  e = env(0)
+  assert e.pipelines == () and e.tables.pipeline is None and e.num_actions == e.tables.num_moves + 1
+  graph = jax.jit(e.observe)(e.init(jax.random.key(0)))
+  assert graph.nodes.shape[1] == node_features(2) and graph.globals.shape[1] == global_features(2)
+  for seed in range(3):
+    for state in random_episode(e, jax.random.key(seed))[1:]:
+      assert int(state.pipeline) == 0
+      cost = problem().cost(e.decisions(state))
+      np.testing.assert_allclose(float(state.step_time), float(cost.step_time), rtol=1e-5)
+
+
+def test_contract_with_pipeline_options():
+  api_test(env(OPTIONS), num_episodes=2, max_steps=12, batch=3)
+
+
+def test_the_first_action_chooses_a_pipeline_and_masks_its_stage_axis():
+  e = env(OPTIONS)
+  moves = e.tables.num_moves
+  root = e.init(jax.random.key(0))
+  assert int(root.pipeline) == -1
+  legal = np.flatnonzero(np.asarray(root.legal_action_mask))
+  np.testing.assert_array_equal(legal, [*range(moves, moves + len(e.pipelines)), e.stop_action])
+  assert e.pipelines[0] is None and len(e.pipelines) > 2
+  graph = jax.jit(e.observe)(root)
+  assert graph.nodes.shape[1] == node_features(2, True) and graph.globals.shape[1] == global_features(2, True)
+  for k, pipeline in enumerate(e.pipelines):
+    state = jax.jit(e.step)(root, jnp.int32(moves + k))
+    assert int(state.pipeline) == k and e.pipeline(state) == pipeline
+    mask = np.asarray(state.legal_action_mask)
+    assert not mask[moves:-1].any(), "a second pipeline action is legal"
+    by_axis = mask[:moves].reshape(-1, 2)
+    if pipeline is None:
+      np.testing.assert_array_equal(mask[:moves], np.asarray(env(0).init(jax.random.key(0)).legal_action_mask)[:-1])
+    else:
+      stage_axis = problem().mesh.axis_names.index(pipeline.axis)
+      assert not by_axis[:, stage_axis].any() and by_axis[:, 1 - stage_axis].any()
+      nodes = np.asarray(jax.jit(e.observe)(state).nodes)
+      assert nodes[:, -1].max() > 0, "the observation shows no stage membership"
+
+
+def test_the_objective_is_the_pipelined_plan_cost():
+  e = env(OPTIONS)
+  config, base, hbm = e.config, np.asarray(e.tables.base), float(e.tables.cost.hbm_bytes)
+  for k, pipeline in enumerate(e.pipelines):
+    for seed in range(2):
+      states = random_episode(e, jax.random.key(seed), first=e.tables.num_moves + k)
+      for state in states[1:]:
+        cost = problem().plan_cost(e.decisions(state), pipeline)
+        np.testing.assert_allclose(float(state.step_time), float(cost.step_time), rtol=1e-5)
+        np.testing.assert_allclose(float(state.peak_memory), float(cost.peak_memory), rtol=1e-5)
+        np.testing.assert_allclose(float(state.objective), float(objective(config, cost, base, hbm)), rtol=1e-5)
+
+
+def test_search_chooses_a_pipeline_where_it_pays():
+  p = problem("data=4,fsdp=2,model=8")
+  config = mcts.MCTSConfig(pipelines=OPTIONS)
+  result = mcts.search(p, config, budget=150)
+  pipeline = searcher(p, env_config(p, config.action_space, config.max_decisions, OPTIONS)).pipeline(result.action_ids)
+  assert pipeline is not None and result.actions[0] == str(pipeline)
+  assert result.step_time == pytest.approx(float(p.plan_cost(result.decisions, pipeline).step_time))
