@@ -309,7 +309,8 @@ class Tracker:
     self.trace.append(TracePoint(self.simulations, seconds, self.best_step_time, self.best_objective))
     return SearchResult(decisions=decisions, cost=cost, trace=self.trace, simulations=self.simulations,
                         seconds=seconds, actions=names, objective=self.best_objective,
-                        setup_seconds=self.setup_seconds, action_ids=tuple(self.best_actions))
+                        setup_seconds=self.setup_seconds, action_ids=tuple(self.best_actions),
+                        pipeline=self.search.pipeline(self.best_actions))
 
 
 def start(problem: Problem, action_space: str, max_decisions: int, budget, progress: Progress | None,

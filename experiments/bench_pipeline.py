@@ -6,8 +6,8 @@ Per case (task-suite cases whose meshes span nodes), the simulated step time of:
   or the best of the agents below where one beats it;
 - the best expert (`tactics.best_expert`, intra-op);
 - each pipelined expert (`tactics.applicable_pipelines`: `megatron_3d`, `fsdp_megatron_3d`,
-  `pipeline`), and each agent of `--agents` (`mcts`, `learned`, and `alpa`, which plans
-  pipelines, where registered);
+  `pipeline`), and each agent of `--agents` (`mcts`, `learned`, `alpa`, which plans
+  pipelines), and UCT with pipeline actions in its environment (`mcts+stages`);
 - each fitting intra-op plan inside `megatron_3d`'s stages (`X + stages`: its decisions on
   the stage axis dropped, as many microbatches as its batch sharding allows);
 - the best pipelined plan among them, its ratio to the best intra-op plan, and why it wins
@@ -30,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 import agents
+from agents import MCTSConfig
 from agents.base import release
 from automap_rl import tactics
 from automap_rl.pipeline import Pipeline
@@ -57,6 +58,8 @@ class PipelineBenchConfig:
     agents: search agents run on each case at `budget` (their plans are intra-op unless
       the agent plans pipelines).
     budget: simulations per search.
+    pipeline_options: with `mcts` among the agents, also UCT with this many pipeline
+      options in its environment (`EnvConfig.pipelines`; 0: none), as `mcts+stages`.
     seed: search seed.
     json: where to write every case's figures.
     plot: where to draw the ratios.
@@ -65,6 +68,7 @@ class PipelineBenchConfig:
   cases: tuple[str, ...] = MULTI_NODE_CASES
   agents: tuple[str, ...] = ("mcts", "learned")
   budget: int = 2000
+  pipeline_options: int = 6
   seed: int = 0
   json: JsonPath = None
   plot: PlotPath = None
@@ -119,12 +123,15 @@ def bench_case(name: str, config: PipelineBenchConfig, stored: dict[str, Any] | 
   for tactic, (decisions, pipeline) in tactics.applicable_pipelines(problem).items():
     plans[tactic] = {**_figures(problem.plan_cost(decisions, pipeline), per_device, peak), "pipelined": True,
                      "pipeline": str(pipeline)}
-  for agent in config.agents:
-    result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget)
+  runs = [(agent, agent, None) for agent in config.agents]
+  if "mcts" in config.agents and config.pipeline_options:
+    runs.append(("mcts+stages", "mcts", MCTSConfig(pipelines=config.pipeline_options)))
+  for label, agent, agent_config in runs:
+    result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget, config=agent_config)
     pipeline = getattr(result, "pipeline", None)
     if pipeline is None:
-      intra_op[f"{agent}@{config.budget}"] = list(result.decisions)
-    plans[f"{agent}@{config.budget}"] = {**_figures(problem.plan_cost(result.decisions, pipeline), per_device, peak),
+      intra_op[f"{label}@{config.budget}"] = list(result.decisions)
+    plans[f"{label}@{config.budget}"] = {**_figures(problem.plan_cost(result.decisions, pipeline), per_device, peak),
                                         "pipelined": pipeline is not None,
                                         **({"pipeline": str(pipeline)} if pipeline is not None else {})}
   stages = tactics.applicable_pipelines(problem).get("megatron_3d")
