@@ -15,9 +15,10 @@ Per case (task-suite cases whose meshes span nodes), the simulated step time of:
   microbatch time) against the share of the intra-op plan's step time spent in
   collectives (what stages on the slow axis save).
 
-And per pipelined expert, its hardware flops utilization (the program's flops, recomputed
-ones included, per device per second over the profile's bf16 peak), to compare with what
-Megatron-LM reports for its GPT runs.
+Each agent's plan records its search's wall seconds (environment build included), and every
+plan its hardware flops utilization (the program's flops, recomputed ones included, per
+device per second over the profile's bf16 peak), to compare with what Megatron-LM reports
+for its GPT runs.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def bench_case(name: str, config: PipelineBenchConfig, stored: dict[str, Any] | 
     if pipeline is None:
       intra_op[f"{label}@{config.budget}"] = list(result.decisions)
     plans[f"{label}@{config.budget}"] = {**_figures(problem.plan_cost(result.decisions, pipeline), per_device, peak),
-                                        "pipelined": pipeline is not None,
+                                        "pipelined": pipeline is not None, "seconds": result.seconds,
                                         **({"pipeline": str(pipeline)} if pipeline is not None else {})}
   stages = tactics.applicable_pipelines(problem).get("megatron_3d")
   if stages is not None:
