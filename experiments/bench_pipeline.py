@@ -67,7 +67,7 @@ class PipelineBenchConfig:
   """
 
   cases: tuple[str, ...] = MULTI_NODE_CASES
-  agents: tuple[str, ...] = ("mcts", "learned")
+  agents: tuple[str, ...] = ("mcts", "learned", "alpa")
   budget: int = 2000
   pipeline_options: int = 6
   seed: int = 0
