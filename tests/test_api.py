@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import agents
 from automap_rl import workloads
-from automap_rl.plan import shard_blocks
+from automap_rl.plan_pictures import shard_blocks
 from experiments import cli, partition_cmd
 
 GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
