@@ -8,7 +8,7 @@ frozen config dataclass; `AGENTS` maps names to `(config class, search function)
 from agents.alpa import AlpaConfig
 from agents.base import Budget, Progress, SearchResult, Seconds, Simulations, TracePoint
 from agents.greedy import GreedyConfig
-from agents.gumbel import GumbelConfig
+from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.learned import LearnedConfig
 from agents.mcts import MCTSConfig
 from agents.partition import partition
@@ -16,5 +16,5 @@ from agents.random_search import RandomConfig
 from agents.registry import AGENTS, run_agent
 from automap_rl.plan import Plan
 
-__all__ = ["AGENTS", "AlpaConfig", "Budget", "GreedyConfig", "GumbelConfig", "LearnedConfig", "MCTSConfig", "Plan", "Progress", "RandomConfig",
+__all__ = ["AGENTS", "AlpaConfig", "Budget", "GreedyConfig", "GumbelConfig", "GumbelSettings", "LearnedConfig", "MCTSConfig", "Plan", "Progress", "RandomConfig",
            "SearchResult", "Seconds", "Simulations", "TracePoint", "partition", "run_agent"]

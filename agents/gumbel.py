@@ -42,16 +42,31 @@ from envs.tables import EnvTables
 
 
 @dataclasses.dataclass(frozen=True)
+class GumbelSettings:
+  """One Gumbel MuZero search (the arguments of mctx's `gumbel_muzero_policy`): the one
+  definition the Gumbel agent, the learned agent, self-play and evaluation share, each
+  with its own default.
+
+  Attributes:
+    num_simulations: simulations per search (one search per step of an episode).
+    max_num_considered_actions: root actions sampled (Gumbel top-k) for Sequential
+      Halving.
+    gumbel_scale: scale of the root's Gumbel noise (0: deterministic given the prior).
+  """
+
+  num_simulations: int = 16
+  max_num_considered_actions: int = 8
+  gumbel_scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class GumbelConfig:
   """Gumbel MuZero search.
 
   Attributes:
     action_space: the environment's action space (`groups`, `arg_dims`, `named_dims`).
     max_decisions: the environment's capacity in class decisions.
-    num_simulations: simulations per search (per step of an episode).
-    max_num_considered_actions: actions sampled (Gumbel top-k) at the root for
-      Sequential Halving.
-    gumbel_scale: scale of the root's Gumbel noise (0: deterministic given the prior).
+    gumbel: the search's settings (simulations, considered actions, noise).
     episodes: episodes searched side by side (one vmapped search over all of them).
     network: the network's sizes (used when parameters are given).
     pipelines: the environment's pipeline options (`EnvConfig.pipelines`; 0: none;
@@ -60,9 +75,7 @@ class GumbelConfig:
 
   action_space: str = "groups"
   max_decisions: int = 256
-  num_simulations: int = 32
-  max_num_considered_actions: int = 16
-  gumbel_scale: float = 1.0
+  gumbel: GumbelSettings = GumbelSettings(num_simulations=32, max_num_considered_actions=16)
   episodes: int = 1
   network: NetworkConfig = NetworkConfig()
   pipelines: int = 0
@@ -95,7 +108,7 @@ def policy(params: chex.ArrayTree | None, embeddings: Embeddings | None, tables:
     tables: the environment's tables, [B, ...] if `batched` (a mixed batch, see
       `envs.programs.batch_tables`), else one program's, shared by all states.
     states: the roots, [B].
-    limit: run at most this many of the `config.num_simulations` simulations, int32 [].
+    limit: run at most this many of the `config.gumbel.num_simulations` simulations, int32 [].
     batched: whether `tables` and `embeddings` have a leading batch axis.
 
   Returns:
@@ -122,9 +135,10 @@ def policy(params: chex.ArrayTree | None, embeddings: Embeddings | None, tables:
   logits, value = evaluate(embeddings, tables, states)
   root = mctx.RootFnOutput(prior_logits=logits, value=value, embedding=states)
   return mctx.gumbel_muzero_policy(
-      params=None, rng_key=key, root=root, recurrent_fn=recurrent_fn, num_simulations=config.num_simulations,
+      params=None, rng_key=key, root=root, recurrent_fn=recurrent_fn, num_simulations=config.gumbel.num_simulations,
       invalid_actions=~states.legal_action_mask, loop_fn=loop,
-      max_num_considered_actions=config.max_num_considered_actions, gumbel_scale=config.gumbel_scale)
+      max_num_considered_actions=config.gumbel.max_num_considered_actions,
+      gumbel_scale=config.gumbel.gumbel_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "env_config"))
@@ -146,7 +160,7 @@ def run_search(params: chex.ArrayTree | None, tables: EnvTables, states: State, 
   if params is not None:
     network = Network(config.network)
     embeddings = jax.vmap(network.encode, in_axes=(None, 0))(params, jax.vmap(static_graph)(tables, states))
-  out = policy(params, embeddings, tables, states, key, jnp.int32(config.num_simulations), config, env_config,
+  out = policy(params, embeddings, tables, states, key, jnp.int32(config.gumbel.num_simulations), config, env_config,
                batched=True)
   return out.action, out.action_weights, out.search_tree.summary().value
 
@@ -227,7 +241,7 @@ def play(search_: Searcher, track: Tracker, config: GumbelConfig, seed: int, par
   states, paths = root, [[] for _ in range(count)]
   key = jax.random.key(seed)
   while not track.done:
-    limit = min(config.num_simulations, track.left // count)
+    limit = min(config.gumbel.num_simulations, track.left // count)
     if limit < 1:
       break
     key, sub = jax.random.split(key)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from agents import checkpoint, gumbel
 from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
-from agents.gumbel import GumbelConfig
+from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.network import Embeddings, Network, state_features
 from automap_rl.problem import Problem
 from envs import EnvConfig, State, core
@@ -44,9 +44,7 @@ class LearnedConfig:
       policy's path reaches a whole plan.
     action_space: the environment's action space (the one the network was trained on).
     max_decisions: the environment's capacity in class decisions.
-    num_simulations: simulations per Gumbel search (one search per step of an episode).
-    max_num_considered_actions: root actions Sequential Halving considers.
-    gumbel_scale: scale of the root's Gumbel noise.
+    gumbel: the Gumbel searches' settings (`agents.gumbel.GumbelSettings`).
   """
 
   checkpoint: str | None = None
@@ -54,9 +52,7 @@ class LearnedConfig:
   greedy_first: bool = True
   action_space: str = "groups"
   max_decisions: int = 256
-  num_simulations: int = 16
-  max_num_considered_actions: int = 4
-  gumbel_scale: float = 1.0
+  gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
 
 
 _POLICIES: dict[str, tuple[Network, chex.ArrayTree]] = {}
@@ -120,8 +116,6 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
     follow(network, params, embeddings, search_, track)
   if config.search:
     search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
-                                 num_simulations=config.num_simulations,
-                                 max_num_considered_actions=config.max_num_considered_actions,
-                                 gumbel_scale=config.gumbel_scale, network=network.config)
+                                 gumbel=config.gumbel, network=network.config)
     gumbel.play(search_, track, search_config, seed, params, embeddings)
   return track.result()

@@ -137,7 +137,7 @@ def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PR
   batch = jnp.arange(problems.shape[0])
 
   def body(states: State, key: chex.PRNGKey):
-    out = gumbel.policy(params, embeddings, tables, states, key, jnp.int32(config.num_simulations), config,
+    out = gumbel.policy(params, embeddings, tables, states, key, jnp.int32(config.gumbel.num_simulations), config,
                         env_config, batched=True)
     record = (features(tables, states), out.action_weights, ~(states.terminated | states.truncated),
               states.objective)

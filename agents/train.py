@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from agents import replay, selfplay
-from agents.gumbel import GumbelConfig
+from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.network import Network, NetworkConfig, state_features, static_graph
 from agents.selfplay import Samples, Suite
 from envs import EnvConfig
@@ -40,9 +40,8 @@ class TrainConfig:
     seed: seeds the parameters and every random choice of the run.
     episodes: B, episodes played side by side per iteration.
     episode_length: L, steps per episode (the environment truncates there).
-    num_simulations: simulations per Gumbel search (one search per step of an episode).
-    max_num_considered_actions: root actions Sequential Halving considers.
-    gumbel_scale: scale of the root's Gumbel noise (the exploration of self-play).
+    gumbel: self-play's Gumbel searches (`agents.gumbel.GumbelSettings`; its noise is
+      the exploration of self-play).
     max_decisions: the environment's capacity in class decisions.
     max_axes: mesh axes the tables are laid out for (at least the suite's largest mesh).
     action_space: the environment's action space.
@@ -61,9 +60,7 @@ class TrainConfig:
   seed: int = 0
   episodes: int = 8
   episode_length: int = 12
-  num_simulations: int = 16
-  max_num_considered_actions: int = 8
-  gumbel_scale: float = 1.0
+  gumbel: GumbelSettings = GumbelSettings()
   max_decisions: int = 256
   max_axes: int = 3
   action_space: str = "groups"
@@ -87,10 +84,8 @@ class TrainConfig:
   @property
   def search(self) -> GumbelConfig:
     """The search self-play runs."""
-    return GumbelConfig(action_space=self.action_space, max_decisions=self.max_decisions,
-                        num_simulations=self.num_simulations,
-                        max_num_considered_actions=self.max_num_considered_actions,
-                        gumbel_scale=self.gumbel_scale, network=self.network)
+    return GumbelConfig(action_space=self.action_space, max_decisions=self.max_decisions, gumbel=self.gumbel,
+                        network=self.network)
 
 
 @chex.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from agents import gumbel, learned, selfplay
 from agents.base import SearchResult, env_config, release, searcher
-from agents.gumbel import GumbelConfig
+from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.learned import LearnedConfig
 from agents.registry import run_agent
 from automap_rl import tactics
@@ -58,8 +58,8 @@ class EvaluateConfig:
     hardware: the user workload's hardware profile.
     search_budgets: simulation budgets of the Gumbel searches (learned and uniform prior).
     baseline_budget: simulation budget of UCT and random search.
-    num_simulations: simulations per Gumbel search (one search per step of an episode).
-    max_num_considered_actions: root actions Gumbel's Sequential Halving considers.
+    gumbel: the settings of every Gumbel search, learned and uniform
+      (`agents.gumbel.GumbelSettings`).
     seed: the seed of every search.
     json: where to write the figures.
     plot: where to draw the ratios (PNG).
@@ -74,8 +74,7 @@ class EvaluateConfig:
   hardware: Hardware = "h100"
   search_budgets: tuple[int, ...] = (16, 64, 256)
   baseline_budget: int = 2000
-  num_simulations: int = 16
-  max_num_considered_actions: int = 4
+  gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
   seed: int = 0
   json: JsonPath = None
   plot: PlotPath = None
@@ -87,10 +86,8 @@ Method = Callable[[Problem], SearchResult]
 
 def methods(config: EvaluateConfig) -> dict[str, Method]:
   """Every method by name: a function of the problem that returns its search result."""
-  policy = LearnedConfig(checkpoint=config.checkpoint, num_simulations=config.num_simulations,
-                         max_num_considered_actions=config.max_num_considered_actions)
-  uniform = GumbelConfig(num_simulations=config.num_simulations,
-                         max_num_considered_actions=config.max_num_considered_actions)
+  policy = LearnedConfig(checkpoint=config.checkpoint, gumbel=config.gumbel)
+  uniform = GumbelConfig(gumbel=config.gumbel)
   out: dict[str, Method] = {
       "learned": lambda p: learned.search(p, dataclasses.replace(policy, search=False), config.seed,
                                           config.baseline_budget)}

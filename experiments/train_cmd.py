@@ -24,6 +24,7 @@ import jax
 from tqdm import tqdm
 
 from agents import checkpoint, selfplay, train
+from agents.gumbel import GumbelSettings
 from agents.network import NetworkConfig
 from agents.train import TrainConfig, TrainState
 from automap_rl.workloads.suite import Case, load_cases
@@ -68,13 +69,14 @@ class TrainRunConfig:
 PRESETS: dict[str, TrainRunConfig] = {
     "smoke": TrainRunConfig(
         preset="smoke", split="smoke", max_cases=2, iterations=3, run_dir="runs/smoke", checkpoint_every=1,
-        train=TrainConfig(episodes=4, episode_length=4, num_simulations=8, max_num_considered_actions=4,
+        train=TrainConfig(episodes=4, episode_length=4, gumbel=GumbelSettings(num_simulations=8, max_num_considered_actions=4),
                           replay_capacity=256, batch_size=16, updates=2, warmup_updates=4,
                           network=NetworkConfig(width=32, rounds=2, state_width=16))),
     "small": TrainRunConfig(),
     "full": TrainRunConfig(
         preset="full", iterations=2000, run_dir="runs/full", checkpoint_every=50,
-        train=TrainConfig(episodes=16, episode_length=16, num_simulations=32, max_num_considered_actions=16,
+        train=TrainConfig(episodes=16, episode_length=16,
+                          gumbel=GumbelSettings(num_simulations=32, max_num_considered_actions=16),
                           replay_capacity=16384, batch_size=128, updates=16)),
 }
 
@@ -113,8 +115,8 @@ def _check_config(config: TrainRunConfig) -> None:
   if config.iterations < 1 or config.checkpoint_every < 1:
     raise ValueError("--iterations and --checkpoint-every must be at least 1.")
   t = config.train
-  if t.batch_size < 1 or t.episodes < 1 or t.episode_length < 1 or t.num_simulations < 1:
-    raise ValueError("--train.batch-size, episodes, episode-length and num-simulations must be at least 1.")
+  if t.batch_size < 1 or t.episodes < 1 or t.episode_length < 1 or t.gumbel.num_simulations < 1:
+    raise ValueError("--train.batch-size, episodes, episode-length and gumbel.num-simulations must be at least 1.")
   if t.episodes * t.episode_length > t.replay_capacity:
     raise ValueError(f"an iteration's {t.episodes * t.episode_length} samples do not fit the replay buffer "
                      f"of {t.replay_capacity}; raise --train.replay-capacity.")

@@ -17,7 +17,7 @@ from envs.programs import batch_tables
 
 MLP = ("mlp", "data=8")
 GPT = ("gpt:layers=1", "data=2,model=4")
-CONFIG = gumbel.GumbelConfig(num_simulations=16, max_decisions=64)
+CONFIG = gumbel.GumbelConfig(gumbel=gumbel.GumbelSettings(num_simulations=16), max_decisions=64)
 
 
 @functools.cache

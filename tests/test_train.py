@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from agents import checkpoint, learned, partition, replay, selfplay, train
+from agents.gumbel import GumbelSettings
 from agents.learned import LearnedConfig
 from automap_rl import tactics, workloads
 from automap_rl.problem import Problem
@@ -164,7 +165,7 @@ def test_evaluate_on_a_tiny_split(smoke_run, tmp_path):
 @pytest.mark.slow
 def test_learned_agent_partitions_a_workload(smoke_run):
   w = workloads.make_workload("gpt:layers=1", abstract=True)
-  config = LearnedConfig(checkpoint=smoke_run.run_dir, num_simulations=8)
+  config = LearnedConfig(checkpoint=smoke_run.run_dir, gumbel=GumbelSettings(num_simulations=8))
   kwargs = dict(mesh="data=2,model=4", hardware="h100", agent="learned", budget=24, seed=4,
                 arg_names=w.arg_names, arg_roles=w.arg_roles, config=config)
   plan = partition(w.step, *w.args, **kwargs)
