@@ -29,7 +29,6 @@ deterministic: every seed gives the same plan.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -38,9 +37,8 @@ import numpy as np
 
 from agents.base import Budget, Progress, SearchResult, TracePoint, env_config, searcher
 from automap_rl import simulator, tactics
-from automap_rl.ir import Role
 from automap_rl.ir.stacks import LayerStack, layer_stacks
-from automap_rl.pipeline import Pipeline
+from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from envs.tables import objective as env_objective, replicated_base
@@ -176,14 +174,6 @@ def _distinct(plans) -> list[tuple[Decision, ...]]:
   return list(dict.fromkeys(tuple(p) for p in plans))
 
 
-def _batch(problem: Problem) -> int:
-  """The batch a pipeline's microbatches split: the common divisor of the inputs' dim 0."""
-  program = problem.program
-  sizes = [program.values[v].shape[0] for v in program.inputs
-           if program.values[v].role == Role.INPUT and program.values[v].shape]
-  return math.gcd(*sizes) if sizes else 1
-
-
 def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -194,7 +184,7 @@ def _pipelines(problem: Problem, stacks: Sequence[LayerStack], config: AlpaConfi
   first axis and stack (which then does not matter)."""
   mesh = problem.mesh
   axes = sorted(mesh.axis_names, key=lambda name: mesh.link(name).bandwidth)
-  microbatches = [m for m in _divisors(_batch(problem))[::-1] if config.microbatches is None or m in config.microbatches]
+  microbatches = [m for m in _divisors(batch_size(problem.program))[::-1] if config.microbatches is None or m in config.microbatches]
   for index, stack in enumerate(stacks):
     for axis in axes:
       for stages in _divisors(mesh.axis_size(axis))[::-1]:

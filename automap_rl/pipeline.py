@@ -24,6 +24,7 @@ With S = 1 and M = 1 a plan is exactly the plan without a pipeline.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,14 @@ from automap_rl.mesh import Mesh
 from automap_rl.sharding import Decision
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def batch_size(program: Program) -> int:
+  """The batch a pipeline's microbatches split: the greatest common divisor of dim 0 of the
+  program's batched inputs (role `input`), 1 when it has none."""
+  sizes = [program.values[v].shape[0] for v in program.inputs
+           if program.values[v].role == Role.INPUT and program.values[v].shape]
+  return math.gcd(*sizes) if sizes else 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ import numpy as np
 from automap_rl import simulator
 from automap_rl.ir import FactorKind, Role
 from automap_rl.ir.stacks import LayerStack, layer_stacks, what_is_looked_for
-from automap_rl.pipeline import Pipeline
+from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
 
@@ -254,13 +254,6 @@ def _largest_stack(problem: Problem) -> tuple[int, LayerStack]:
   return index, stacks[index]
 
 
-def _batch_size(problem: Problem) -> int:
-  """Dim 0 of the first batched input (the global batch)."""
-  program = problem.program
-  shapes = [program.values[v].shape for v in program.inputs if program.values[v].role == Role.INPUT]
-  return min((shape[0] for shape in shapes if shape), default=1)
-
-
 def _pipelined(problem: Problem, batch_axes: tuple[str, ...], inside: list[Decision]) -> tuple[list[Decision], Pipeline]:
   """A 1F1B pipeline of the largest layer stack over `stage_axis`, with the batch over
   `batch_axes` and `inside` decisions in every stage.
@@ -280,7 +273,7 @@ def _pipelined(problem: Problem, batch_axes: tuple[str, ...], inside: list[Decis
                      f"{stack.layers} layers of the {stack.describe()}")
   axes = tuple(a for a in batch_axes if a != axis) + ((axis,) if stages < size else ())
   replicas = int(np.prod([size // stages if a == axis else problem.mesh.axis_size(a) for a in axes]))
-  microbatches = max(_batch_size(problem) // replicas, 1)
+  microbatches = max(batch_size(problem.program) // replicas, 1)
   pipeline = Pipeline(axis, stages=stages, microbatches=microbatches, schedule="1f1b", stack=index)
   return _batch_over(problem, axes) + inside, pipeline
 

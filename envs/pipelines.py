@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from automap_rl import sharding, simulator
-from automap_rl.ir import Role
 from automap_rl.ir.stacks import layer_stacks
-from automap_rl.pipeline import Pipeline
+from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.stages import EVERY_STAGE, Phase
 
@@ -60,13 +59,6 @@ class PipelineOptions:
   tables: simulator.PipelineTables | None
 
 
-def _batch_size(problem: Problem) -> int:
-  """Dim 0 of the batched inputs (the smallest), 1 without one."""
-  program = problem.program
-  shapes = [program.values[v].shape for v in program.inputs if program.values[v].role == Role.INPUT]
-  return min((shape[0] for shape in shapes if shape), default=1)
-
-
 def menu(problem: Problem, count: int) -> tuple[Pipeline | None, ...]:
   """At most `count` options (see the module docstring): None (no pipeline) first, then the
   pipelines that `problem.pipelined` accepts; `count` 0 gives none at all."""
@@ -76,7 +68,7 @@ def menu(problem: Problem, count: int) -> tuple[Pipeline | None, ...]:
   if not stacks:
     return (None,)
   index = max(range(len(stacks)), key=lambda i: stacks[i].layers)
-  mesh, batch = problem.mesh, _batch_size(problem)
+  mesh, batch = problem.mesh, batch_size(problem.program)
   axes = sorted(mesh.axis_names, key=lambda a: (mesh.link(a).bandwidth, mesh.axis_index(a)))
   out: list[Pipeline | None] = [None]
   for axis in axes:

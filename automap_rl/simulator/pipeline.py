@@ -52,7 +52,7 @@ from automap_rl.batching import next_power_of_two
 from automap_rl.ir import NamedDims
 from automap_rl.ir.program import Role
 from automap_rl.sharding import Resolution, Signatures
-from automap_rl.simulator.cost import KINDS, terms
+from automap_rl.simulator.cost import KINDS, Cost, terms
 from automap_rl.simulator.tables import MAX_LOOP_GROUPS, CostTables, build_cost_tables, live_matrix, probe_rows
 from automap_rl.stages import EVERY_STAGE, Phase, StagedProgram
 
@@ -156,9 +156,9 @@ class PipelineTerms:
 
 
 @chex.dataclass(frozen=True)
-class PipelineCost:
-  """A pipelined plan's cost, with the fields of `simulator.Cost` (collectives in
-  `PIPELINE_KINDS` order: a collective-permute entry after `KINDS`) and its terms.
+class PipelineCost(Cost):
+  """A pipelined plan's cost: `simulator.Cost`'s fields, read for the pipelined step, and
+  its terms.
 
   Attributes:
     step_time: the sum of `terms`' `steady_s`, `bubble_s`, `transfer_s`,
@@ -168,17 +168,11 @@ class PipelineCost:
     comm_time: the rest.
     peak_memory: the largest stage's peak.
     fits: whether every stage fits in the device's memory.
-    comm_bytes, comm_count: per device of the pace-setting stage, per step, [5].
+    comm_bytes, comm_count: per device of the pace-setting stage, per step, in
+      `PIPELINE_KINDS` order (a collective-permute entry after `KINDS`), [5].
     terms: the breakdown.
   """
 
-  step_time: jax.Array
-  compute_time: jax.Array
-  comm_time: jax.Array
-  peak_memory: jax.Array
-  fits: jax.Array
-  comm_bytes: jax.Array
-  comm_count: jax.Array
   terms: PipelineTerms
 
 
