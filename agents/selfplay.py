@@ -57,10 +57,11 @@ class Suite:
     return self.best.shape[0]
 
 
-def expert_objective(problem: Problem, env_config: EnvConfig, tables: EnvTables) -> float:
-  """The environment's objective of the problem's best expert (`tactics.best_expert_plan`),
-  relative to the replicated plan."""
-  cost = tactics.best_expert_plan(problem).cost
+def expert_objective(problem: Problem, env_config: EnvConfig, tables: EnvTables,
+                     expert: tactics.Expert | None = None) -> float:
+  """The environment's objective of the problem's best expert (`tactics.best_expert_plan`,
+  or `expert` when the caller has it), relative to the replicated plan."""
+  cost = (expert or tactics.best_expert_plan(problem)).cost
   return float(env_objective(env_config, cost, np.asarray(tables.base), problem.tables.hbm_bytes))
 
 

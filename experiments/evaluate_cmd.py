@@ -115,8 +115,9 @@ def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Metho
   (`tactics.best_expert`); where no expert fits, to the best objective of the methods'
   plans that fit (`yardstick` names it), never to a plan that cannot run."""
   search = searcher(problem, env_config(problem, "groups", LearnedConfig.max_decisions))
-  best = selfplay.expert_objective(problem, search.env.config, search.env.tables)
-  expert_fits = tactics.best_expert_plan(problem).fits
+  expert = tactics.best_expert_plan(problem)
+  best = selfplay.expert_objective(problem, search.env.config, search.env.tables, expert)
+  expert_fits = expert.fits
   case: dict[str, Any] = {"case": name, "family": family, "best_expert_objective": best,
                           "expert_fits": expert_fits, "yardstick": "best expert", "methods": {}}
   for method, fn in run.items():
