@@ -123,6 +123,8 @@ class SearchResult:
       then `Problem.plan_cost(decisions, pipeline)`), or None.
     stopped_by: the budget limit that ended the search early (`simulations` or
       `seconds`), or None when the agent does not say or searched its whole space.
+    greedy_steps: plans evaluated on a policy's greedy path (`agents.learned`), outside
+      the budget: that path always completes, and the budget buys search beyond it.
   """
 
   decisions: list[Decision]
@@ -136,6 +138,7 @@ class SearchResult:
   action_ids: tuple[int, ...] = ()
   pipeline: Pipeline | None = None
   stopped_by: str | None = None
+  greedy_steps: int = 0
 
   @property
   def step_time(self) -> float:
@@ -268,6 +271,7 @@ class Tracker:
   def __init__(self, search: Searcher, budget: Budget, start: float, progress: Progress | None):
     self.search, self.budget, self.start, self.progress = search, budget, start, progress
     self.simulations = 0
+    self.greedy_steps = 0  # Plans of a greedy path, outside the budget (`SearchResult.greedy_steps`).
     self.best_objective = 1.0
     self.best_step_time = search.base_step_time
     self.best_actions: list[int] = []
@@ -310,7 +314,7 @@ class Tracker:
     return SearchResult(decisions=decisions, cost=cost, trace=self.trace, simulations=self.simulations,
                         seconds=seconds, actions=names, objective=self.best_objective,
                         setup_seconds=self.setup_seconds, action_ids=tuple(self.best_actions),
-                        pipeline=self.search.pipeline(self.best_actions))
+                        pipeline=self.search.pipeline(self.best_actions), greedy_steps=self.greedy_steps)
 
 
 def start(problem: Problem, action_space: str, max_decisions: int, budget, progress: Progress | None,

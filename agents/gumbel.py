@@ -69,8 +69,8 @@ class GumbelConfig:
     gumbel: the search's settings (simulations, considered actions, noise).
     episodes: episodes searched side by side (one vmapped search over all of them).
     network: the network's sizes (used when parameters are given).
-    pipelines: the environment's pipeline options (`EnvConfig.pipelines`; 0: none;
-      the uniform prior only: the network has no pipeline logits).
+    pipelines: the environment's pipeline options (`EnvConfig.pipelines`; 0: none); with
+      parameters, the network's (`NetworkConfig.pipelines`).
   """
 
   action_space: str = "groups"
@@ -223,6 +223,9 @@ def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 
   """Plays Gumbel MuZero episodes until the budget is spent; returns the best plan any
   search tree evaluated. `params`: the network's (`config.network`), or None for the
   uniform prior. Deterministic for a given seed and a simulations budget."""
+  if params is not None and config.pipelines != config.network.pipelines:
+    raise ValueError(f"pipelines={config.pipelines}: the network reads an environment with "
+                     f"{config.network.pipelines} pipeline options; give it as many.")
   search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, config.pipelines)
   embeddings = None if params is None else encode(Network(config.network), params, search_.env.tables, search_.root)
   play(search_, track, config, seed, params, embeddings)

@@ -5,8 +5,12 @@ It loads a policy directory (`agents.checkpoint`: `network.json` and `params/`, 
 shipped with the package (`DEFAULT_CHECKPOINT`, trained by `automap-rl train --preset
 small`). With `search` it runs `agents.gumbel.search` with the network's prior and value;
 without, it follows the network's most likely action from the replicated plan until it
-stops (one simulation per step; as for every agent, the best plan on the path is kept);
-with search, it follows that path first and searches with the rest of the budget.
+stops (one network call and one plan evaluation per step; as for every agent, the best
+plan on the path is kept); with search, it follows that path first and searches with the
+budget. The greedy path is not search: it always completes, whatever the budget
+(`SearchResult.greedy_steps` counts its plans), so no budget gives a worse plan than it. Its
+environment offers the pipeline options the policy was trained with (`NetworkConfig.pipelines`),
+so its plans may pipeline a layer stack.
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ class LearnedConfig:
     checkpoint: a policy directory or a training run directory; None: the shipped one.
     search: guide Gumbel MuZero with the network (True) or only follow its policy greedily
       (False).
-    greedy_first: with `search`, first follow the policy greedily (one simulation per
-      step; the path's plans are candidates), then search with what is left of the
-      budget: at small budgets a search plays only a few moves of an episode, while the
-      policy's path reaches a whole plan.
+    greedy_first: with `search`, first follow the policy greedily to the end of its path
+      (its plans are candidates; outside the budget), then search with the budget: at
+      small budgets a search plays only a few moves of an episode, while the policy's path
+      reaches a whole plan. False searches only, and a small budget may then end worse
+      than the greedy path.
     action_space: the environment's action space (the one the network was trained on).
     max_decisions: the environment's capacity in class decisions.
     gumbel: the Gumbel searches' settings (`agents.gumbel.GumbelSettings`).
@@ -67,13 +72,19 @@ def policy_path(path: str | None) -> str:
   return checkpoint.policy_dir(DEFAULT_CHECKPOINT if path is None else path)
 
 
+def load_network(path: str | None) -> Network:
+  """The network of a policy (or run) directory, `DEFAULT_CHECKPOINT` for None (its sizes
+  and the pipeline options it acts on, `NetworkConfig.pipelines`)."""
+  return Network(checkpoint.read_network(policy_path(path)))
+
+
 def load_policy(path: str | None, tables: EnvTables, root: State) -> tuple[Network, chex.ArrayTree]:
   """The network and parameters of a policy (or run) directory, `DEFAULT_CHECKPOINT` for
   None; loaded once per directory. `tables` and `root`, of any program, give the shapes
   the parameters are restored onto."""
   where = policy_path(path)
   if where not in _POLICIES:
-    network = Network(checkpoint.read_network(where))
+    network = load_network(where)
     target = jax.eval_shape(network.init, jax.random.key(0), tables, root)
     _POLICIES[where] = (network, checkpoint.load_params(where, target))
   return _POLICIES[where]
@@ -90,32 +101,33 @@ def _greedy_step(network: Network, env_config: EnvConfig, params: chex.ArrayTree
 
 def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, search_: Searcher,
            track: Tracker) -> None:
-  """Follows the network's most likely action from the replicated plan until it stops, the
-  episode ends or `track`'s budget is spent (one simulation per step), offering each plan
-  on the path to `track`."""
+  """Follows the network's most likely action from the replicated plan until it stops or the
+  episode ends, offering each plan on the path to `track` (counted as `greedy_steps`,
+  outside its budget)."""
   env = search_.env
   state = search_.root
   actions: list[int] = []
-  while not track.done and not (bool(state.terminated) or bool(state.truncated)):
+  while not (bool(state.terminated) or bool(state.truncated)):
     action, state = jax.device_get(_greedy_step(network, env.config, params, embeddings, env.tables, state))
     if int(action) == env.stop_action:
       break
     actions.append(int(action))
     track.offer(float(state.objective), float(state.step_time), actions)
-    track.count(1)
+    track.greedy_steps += 1
 
 
 def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int = 0,
            budget: Budget | int | str = 1000, progress: Progress | None = None) -> SearchResult:
   """The learned agent (see the module docstring). Deterministic for a given seed and a
   simulations budget."""
-  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress)
+  pipelines = load_network(config.checkpoint).config.pipelines
+  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, pipelines)
   network, params = load_policy(config.checkpoint, search_.env.tables, search_.root)
   embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
   if not config.search or config.greedy_first:
     follow(network, params, embeddings, search_, track)
   if config.search:
     search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
-                                 gumbel=config.gumbel, network=network.config)
+                                 gumbel=config.gumbel, network=network.config, pipelines=pipelines)
     gumbel.play(search_, track, search_config, seed, params, embeddings)
   return track.result()

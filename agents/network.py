@@ -8,7 +8,7 @@ objective). `observation` splits it in two:
 * `static_graph` -> `encode(params, graph) -> Embeddings`: `rounds` rounds of message
   passing over the whole graph, run once per episode (or per search root);
 * `StateFeatures` -> `head(params, embeddings, features) -> (logits [A], value [])`: a
-  narrow state vector per node (one layer over the 3 state features of each (node, axis),
+  narrow state vector per node (one layer over the 4 state features of each (node, axis),
   biased by projections of the node's and the axis's embeddings that `encode` caches,
   averaged over the real axes); each target combines its embedding, its own state vector
   and the mean of those of the signatures it covers (one [T, N] x [N, Hs] product); small
@@ -27,8 +27,12 @@ Flax linen rather than Haiku: Haiku is in maintenance mode, linen's `apply(..., 
 gives the encode/head split over one parameter tree, and its parameters are plain nested
 dicts that optax and orbax take as they are.
 
-Policy: one logit per action (`target * X + axis`, then stop), `MASKED_LOGIT` where the
-action is illegal. Value: the expected sum of the search's future rewards, each the
+Policy: one logit per action (`target * X + axis`, then the P pipeline options, then stop),
+`MASKED_LOGIT` where the action is illegal. With pipeline options (`EnvConfig.pipelines`,
+`NetworkConfig.pipelines`) the observation's pipeline columns (each node's stage position,
+the chosen pipeline's S and M) are state features, and each option's logit comes from its
+S, M and stage axis (that axis's embedding) beside the state's summary; the parameters are
+the same with and without options, so one policy reads either environment. Value: the expected sum of the search's future rewards, each the
 decrease of the log objective (`agents.gumbel.log_reward`), i.e. `log(objective now /
 objective of the final plan)`: size-free (a ratio), negative when continuing makes the
 plan worse. Being in the rewards' units, `reward + value` is a consistent Q-value inside a
@@ -48,28 +52,39 @@ import jraph
 
 from envs.observe import global_features, node_features, observe
 from envs.core import State
+from envs.pipelines import PipelineOptions
 from envs.tables import EnvTables
 
 MASKED_LOGIT = -1e9  # Logit of an illegal action.
 DYNAMIC_GLOBALS = 4  # Last global columns that follow the state: objective, capacity used, time, memory.
+PIPELINE_GLOBALS = 3  # With pipeline options, after those: a pipeline is chosen, its log2 S / 4, log2 M / 8.
+OPTION_FEATURES = 4  # Per pipeline option: real, pipelines, log2 S / 4, log2 M / 8.
 
 
 @chex.dataclass(frozen=True)
 class StateFeatures:
-  """What the head reads of one state (N nodes, X axes, A actions).
+  """What the head reads of one state (N nodes, X axes, P pipeline options, A actions).
 
   Attributes:
     axes: per node and axis, (sharded on the axis, reduction sharded on it for ops / the
       action is legal for targets), f32 [N, X, 2].
     shards: per node, log shard count / log device count, f32 [N].
+    stage: per node, its mean stage position under the chosen pipeline (0 without one), f32 [N].
     globals: objective, capacity used, step time and peak memory relative to the
-      replicated plan, f32 [4].
+      replicated plan, then a pipeline is chosen, its log2 S / 4 and log2 M / 8 (0 without
+      pipeline options), f32 [7].
+    options: per pipeline option: real, pipelines (not "no pipeline"), log2 S / 4,
+      log2 M / 8, f32 [P, 4] (P = 0 without options).
+    option_axis: each option's stage axis (-1: none), int32 [P].
     legal: the legal action mask, bool [A].
   """
 
   axes: jax.Array
   shards: jax.Array
+  stage: jax.Array
   globals: jax.Array
+  options: jax.Array
+  option_axis: jax.Array
   legal: jax.Array
 
 
@@ -102,20 +117,33 @@ class Embeddings:
   cover: jax.Array
 
 
-def split(graph: jraph.GraphsTuple, legal: jax.Array, num_axes: int) -> tuple[jraph.GraphsTuple, StateFeatures]:
+def split(graph: jraph.GraphsTuple, legal: jax.Array, num_axes: int, options: PipelineOptions | None = None
+          ) -> tuple[jraph.GraphsTuple, StateFeatures]:
   """Splits an observation (`envs.observe`, one graph) into its static graph and its state features.
 
   The static graph keeps the node columns before the per-axis ones, every edge, and the
-  mesh's global features [1, 2X + 2]; the rest is `StateFeatures`.
+  mesh's global features [1, 2X + 2]; the rest is `StateFeatures`. `options`: the
+  environment's pipeline options (`EnvTables.pipeline`), whose observation has the
+  pipeline columns; None without.
   """
-  x = num_axes
+  x, piped = num_axes, options is not None
   static_columns = node_features(x) - (2 * x + 1)
   nodes = graph.nodes
-  chex.assert_shape(nodes, (None, node_features(x)))
+  chex.assert_shape(nodes, (None, node_features(x, piped)))
   num_globals = global_features(x) - DYNAMIC_GLOBALS
+  if piped:
+    stage, dynamic = nodes[:, -1], graph.globals[0, num_globals:]
+    option_features = jnp.stack([options.valid, options.axis >= 0, jnp.log2(options.stages) / 4.0,
+                                 jnp.log2(options.microbatches) / 8.0], axis=1).astype(jnp.float32)
+    option_axis = options.axis
+  else:
+    stage = jnp.zeros(nodes.shape[0], jnp.float32)
+    dynamic = jnp.concatenate([graph.globals[0, num_globals:], jnp.zeros(PIPELINE_GLOBALS, jnp.float32)])
+    option_features, option_axis = jnp.zeros((0, OPTION_FEATURES), jnp.float32), jnp.zeros(0, jnp.int32)
+  per_axis = nodes[:, static_columns:static_columns + 2 * x + 1]
   features = StateFeatures(
-      axes=jnp.stack([nodes[:, static_columns:static_columns + x], nodes[:, static_columns + x:-1]], axis=-1),
-      shards=nodes[:, -1], globals=graph.globals[0, num_globals:], legal=legal)
+      axes=jnp.stack([per_axis[:, :x], per_axis[:, x:2 * x]], axis=-1), shards=per_axis[:, -1], stage=stage,
+      globals=dynamic, options=option_features, option_axis=option_axis, legal=legal)
   return graph._replace(nodes=nodes[:, :static_columns], globals=graph.globals[:, :num_globals]), features
 
 
@@ -124,7 +152,7 @@ def observation(tables: EnvTables, state: State) -> tuple[jraph.GraphsTuple, Sta
 
   Under `jit`, a caller that uses only one half computes only that half (the other's
   columns are dead code)."""
-  return split(observe(tables, state), state.legal_action_mask, tables.num_axes)
+  return split(observe(tables, state), state.legal_action_mask, tables.num_axes, tables.pipeline)
 
 
 def static_graph(tables: EnvTables, state: State) -> jraph.GraphsTuple:
@@ -147,12 +175,16 @@ class NetworkConfig:
     state_width: Hs, the width of the head's per-(node, axis) state layer.
     output_scale: initial scale of the logit and value layers (small: a near-uniform prior
       and a near-zero value before training).
+    pipelines: P, the pipeline options of the environment the network reads and acts in
+      (`EnvConfig.pipelines`; 0: none). The observation and the actions depend on it, the
+      parameters do not; the agents that load a policy offer as many.
   """
 
   width: int = 64
   rounds: int = 4
   state_width: int = 32
   output_scale: float = 0.01
+  pipelines: int = 0
 
 
 def _mean(x: jax.Array, weights: jax.Array) -> jax.Array:
@@ -205,6 +237,9 @@ class PolicyValueNet(nn.Module):
     self.move_axis = nn.Dense(h)
     self.move_logit = nn.Dense(1, kernel_init=out)
     self.summary = nn.Dense(h)
+    self.option_in = nn.Dense(h)
+    self.option_summary = nn.Dense(h, use_bias=False)
+    self.option_logit = nn.Dense(1, kernel_init=out)
     self.stop_logit = nn.Dense(1, kernel_init=out)
     self.value = nn.Dense(1, kernel_init=out)
 
@@ -239,9 +274,11 @@ class PolicyValueNet(nn.Module):
     e = embeddings
     n, x = features.axes.shape[:2]
     chex.assert_shape(e.nodes, (n, None))
-    num_targets = (features.legal.shape[0] - 1) // x
+    num_options = features.options.shape[0]
+    num_targets = (features.legal.shape[0] - 1 - num_options) // x
     valid = e.axis_valid.astype(jnp.float32)
-    inputs = jnp.concatenate([features.axes, jnp.broadcast_to(features.shards[:, None, None], (n, x, 1))], axis=2)
+    inputs = jnp.concatenate([features.axes, jnp.broadcast_to(features.shards[:, None, None], (n, x, 1)),
+                              jnp.broadcast_to(features.stage[:, None, None], (n, x, 1))], axis=2)
     per_axis = nn.relu(self.state_axes(inputs) + e.axis_bias[None] + e.node_bias[:, None])  # [N, X, Hs]
     state = (per_axis * valid[None, :, None]).sum(axis=1) / jnp.maximum(valid.sum(), 1.0)  # [N, Hs]
 
@@ -251,7 +288,7 @@ class PolicyValueNet(nn.Module):
     rows = slice(n - 1 - num_targets, n - 1)
     target_of = jnp.where(e.cover > 0, e.senders - rows.start, num_targets)
     cover = jnp.zeros((num_targets, n)).at[target_of, e.receivers].add(e.cover, mode="drop")
-    context = jnp.broadcast_to(features.globals, (num_targets, DYNAMIC_GLOBALS))
+    context = jnp.broadcast_to(features.globals, (num_targets, features.globals.shape[0]))
     targets = self.target_norm(e.nodes[rows] + self.target_update(
         jnp.concatenate([state[rows], cover @ state, context], axis=1)))  # [T, H]
 
@@ -259,7 +296,12 @@ class PolicyValueNet(nn.Module):
         jnp.concatenate([features.axes[rows], jnp.broadcast_to(e.axes, (num_targets, x, e.axes.shape[1]))], axis=2)))
     summary = nn.gelu(self.summary(jnp.concatenate(
         [_mean(state, e.real), _mean(targets, e.targets[rows]), e.graph, features.globals])))
-    logits = jnp.concatenate([self.move_logit(move).reshape(-1), self.stop_logit(summary)])
+    # Each pipeline option: its S and M, and the embedding of its stage axis (0 for none).
+    stage_axis = jnp.where((features.option_axis >= 0)[:, None], e.axes[jnp.maximum(features.option_axis, 0)], 0.0)
+    option = nn.gelu(self.option_in(jnp.concatenate([features.options, stage_axis], axis=1))
+                     + self.option_summary(summary))  # [P, H]
+    logits = jnp.concatenate([self.move_logit(move).reshape(-1), self.option_logit(option).reshape(-1),
+                              self.stop_logit(summary)])
     value = self.value(summary)[0]
     return jnp.where(features.legal, logits, MASKED_LOGIT), value
 

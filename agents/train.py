@@ -54,7 +54,8 @@ class TrainConfig:
     weight_decay: AdamW's decoupled weight decay.
     max_grad_norm: gradients are clipped to this global norm.
     value_weight: weight of the value loss beside the policy loss.
-    network: the network's sizes.
+    network: the network's sizes, and the pipeline options self-play's environment offers
+      (`NetworkConfig.pipelines`).
   """
 
   seed: int = 0
@@ -73,19 +74,20 @@ class TrainConfig:
   weight_decay: float = 1e-4
   max_grad_norm: float = 1.0
   value_weight: float = 1.0
-  network: NetworkConfig = NetworkConfig()
+  network: NetworkConfig = NetworkConfig(pipelines=5)
 
   @property
   def env(self) -> EnvConfig:
     """The environment self-play runs (truncated at `episode_length` steps)."""
     return EnvConfig(action_space=self.action_space, max_decisions=self.max_decisions, max_axes=self.max_axes,
-                     objective="time", memory_penalty=self.memory_penalty, max_steps=self.episode_length)
+                     objective="time", memory_penalty=self.memory_penalty, max_steps=self.episode_length,
+                     pipelines=self.network.pipelines)
 
   @property
   def search(self) -> GumbelConfig:
     """The search self-play runs."""
     return GumbelConfig(action_space=self.action_space, max_decisions=self.max_decisions, gumbel=self.gumbel,
-                        network=self.network)
+                        network=self.network, pipelines=self.network.pipelines)
 
 
 @chex.dataclass(frozen=True)

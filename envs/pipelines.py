@@ -16,6 +16,8 @@ the slot's owner, at microbatch and stage size).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -27,9 +29,10 @@ from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.stages import EVERY_STAGE, Phase
 
-# Fills of padded rows that add nothing (as `simulator.build_pipeline_tables` pads), by field; 0 otherwise.
+# Fills of padded rows that add nothing (as `simulator.build_pipeline_tables` pads; -1: the
+# simulator's never-sharded factor), by field; 0 otherwise.
 _FILL = {"in_flight": 1.0, "value_phase": int(Phase.STEP), "op_phase": int(Phase.STEP), "op_dense_factor": -1,
-         "reduction_partial_sums": 1.0, "loop_repeats": 1.0}
+         "reduction_partial_sums": 1.0, "loop_repeats": 1.0, "edge_dim_factors": -1}
 
 
 @chex.dataclass(frozen=True)
@@ -117,21 +120,35 @@ def _positions(stage: np.ndarray, sig: np.ndarray, num_sigs: int, stages: int) -
   return (total / np.maximum(count, 1.0)).astype(np.float32)
 
 
-def _stacked(tables: list[simulator.PipelineTables]) -> simulator.PipelineTables:
-  """`tables` padded to their largest shapes with rows that add nothing, stacked [n, ...]."""
+def _padded_alike(tables: Sequence[simulator.PipelineTables]) -> list[simulator.PipelineTables]:
+  """`tables` (of any one leading shape) padded to their largest shapes, field by field,
+  with rows that add nothing."""
   flat = [jax.tree_util.tree_flatten_with_path(t) for t in tables]
-  treedef = flat[0][1]
-  leaves = []
+  columns = []
   for column in zip(*(leaves for leaves, _ in flat)):
-    name = column[0][0][-1].name
+    fill = _FILL.get(column[0][0][-1].name, 0)
     arrays = [np.asarray(a) for _, a in column]
     shape = tuple(max(n) for n in zip(*(a.shape for a in arrays)))
-    fill = _FILL.get(name, 0)
-    if name == "edge_dim_factors":
-      fill = tables[0].tables.op_reduction.shape[1]  # No factor, as `build_pipeline_tables` pads.
-    leaves.append(np.stack([np.pad(a, [(0, n - m) for n, m in zip(shape, a.shape)], constant_values=fill)
-                            if a.ndim else a for a in arrays]))
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+    columns.append([np.pad(a, [(0, n - m) for n, m in zip(shape, a.shape)], constant_values=fill) if a.ndim else a
+                    for a in arrays])
+  return [jax.tree_util.tree_unflatten(flat[0][1], leaves) for leaves in zip(*columns)]
+
+
+def _stacked(tables: list[simulator.PipelineTables]) -> simulator.PipelineTables:
+  """`tables` padded to their largest shapes (`_padded_alike`) and stacked [n, ...]."""
+  return jax.tree.map(lambda *xs: np.stack(xs), *_padded_alike(tables))
+
+
+def alike(options: Sequence[PipelineOptions]) -> list[PipelineOptions]:
+  """The options of several programs (each [P, ...], one P) with pricing tables of one
+  shape, to be stacked into a batch: each padded to the largest; a program none of whose
+  options pipelines takes another's tables (never read: its options price nothing)."""
+  priced = [o.tables for o in options if o.tables is not None]
+  if not priced:
+    return list(options)
+  padded = _padded_alike(priced)
+  rest = iter(padded)
+  return [o.replace(tables=next(rest) if o.tables is not None else padded[0]) for o in options]
 
 
 def build_options(problem: Problem, options: tuple[Pipeline | None, ...], count: int, axis_sizes: np.ndarray,

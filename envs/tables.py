@@ -32,7 +32,7 @@ from automap_rl.ir import FactorKind, Role
 from automap_rl.problem import Problem
 from envs.actions import Target
 from envs.config import EnvConfig
-from envs.pipelines import PipelineOptions, build_options, menu
+from envs.pipelines import PipelineOptions, alike, build_options, menu
 
 NO_RANK = 1 << 20  # Rank of a class a target does not cover.
 
@@ -405,4 +405,6 @@ def stack(tables: Sequence[EnvTables]) -> EnvTables:
     for dim, n in bucket_sizes(sizes(t)).items():
       common[dim] = max(common.get(dim, 0), n)
   padded = [pad(t, common) for t in tables]
+  if padded[0].pipeline is not None:
+    padded = [t.replace(pipeline=o) for t, o in zip(padded, alike([t.pipeline for t in padded]))]
   return jax.tree.map(lambda *xs: jnp.stack(xs), *padded)

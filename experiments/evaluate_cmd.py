@@ -6,7 +6,8 @@ the environment's objective: step time, penalised when memory overflows; below 1
 expert; where no expert fits, over the best plan of the methods that fits), for
 
 - `learned`: the network's policy alone, greedy, no search;
-- `learned+gumbel@N`: Gumbel MuZero guided by the network, N simulations in all;
+- `learned+gumbel@N`: that greedy path, then Gumbel MuZero guided by the network, N
+  simulations;
 - `gumbel@N`: the same search with a uniform prior and zero values (no network);
 - `mcts@M`: UCT (Automap's search), and `random@M`: random episodes;
 
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
@@ -125,8 +127,9 @@ def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Metho
     result = fn(problem)
     case["methods"][method] = {
         "objective": float(result.objective), "step_time_s": result.step_time,
-        "fits": bool(result.cost.fits), "simulations": result.simulations,
-        "seconds": time.perf_counter() - start, "actions": result.actions}
+        "fits": bool(result.cost.fits), "simulations": result.simulations, "greedy_steps": result.greedy_steps,
+        "seconds": time.perf_counter() - start, "actions": result.actions,
+        "trace": [[p.seconds, p.objective] for p in result.trace]}
   fitting = {m: r["objective"] for m, r in case["methods"].items() if r["fits"]}
   if not expert_fits and fitting:
     case["yardstick"] = min(fitting, key=fitting.get)
@@ -137,13 +140,24 @@ def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Metho
 
 
 def summarize(cases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-  """Per method: the median ratio to the yardstick and the share of cases that beat the
-  best expert (below 1; where no expert fits, any plan that fits does)."""
+  """Per method: the median ratio to the yardstick, the share of cases that beat the best
+  expert (below 1; where no expert fits, any plan that fits does) and the median seconds."""
   names = list(cases[0]["methods"])
   beats = lambda c, m: (c["methods"][m]["ratio"] < 1 - 1e-6 if c["expert_fits"] else c["methods"][m]["fits"])
   return {m: {"median_ratio": statistics.median(c["methods"][m]["ratio"] for c in cases),
-              "beats_expert": sum(beats(c, m) for c in cases) / len(cases)}
+              "beats_expert": sum(beats(c, m) for c in cases) / len(cases),
+              "median_seconds": statistics.median(c["methods"][m]["seconds"] for c in cases)}
           for m in names}
+
+
+def ratio_at(case: dict[str, Any], method: str, seconds: np.ndarray) -> np.ndarray:
+  """A method's best ratio to the case's yardstick after each of `seconds` of its run (its
+  anytime trace; the replicated plan's before its first point), f32 [T]."""
+  figures = case["methods"][method]
+  times, objectives = np.asarray(figures["trace"], np.float64).reshape(-1, 2).T
+  best = figures["objective"] / figures["ratio"]
+  index = np.searchsorted(times, seconds, side="right") - 1
+  return np.where(index >= 0, objectives[np.maximum(index, 0)], 1.0) / best
 
 
 def table(cases: list[dict[str, Any]], summary: dict[str, dict[str, float]]) -> Table:
@@ -158,18 +172,30 @@ def table(cases: list[dict[str, Any]], summary: dict[str, dict[str, float]]) -> 
   out.add_section()
   out.add_row("median", *(f"{s['median_ratio']:.4f}" for s in summary.values()))
   out.add_row("beats expert", *(f"{s['beats_expert']:.0%}" for s in summary.values()))
+  out.add_row("median seconds", *(f"{s['median_seconds']:.1f}" for s in summary.values()))
   return out
 
 
 def plot(cases: list[dict[str, Any]], summary: dict[str, dict[str, float]], path: str) -> None:
-  """Each method's ratios over the cases (dots) and their median (bar), PNG."""
+  """Each method's ratios over the cases (dots) and their median (bar); beside them, the
+  median over the cases of each method's best ratio after t seconds of its run, PNG."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   names = list(summary)
-  fig, ax = plt.subplots(figsize=(1.1 * len(names) + 2, 4.5))
+  fig, (ax, anytime) = plt.subplots(1, 2, figsize=(1.1 * len(names) + 9, 4.5))
+  longest = max(c["methods"][m]["seconds"] for c in cases for m in names)
+  seconds = np.geomspace(0.1, max(longest, 0.2), 100)
+  for m in names:
+    anytime.plot(seconds, np.median([ratio_at(c, m, seconds) for c in cases], axis=0), label=m)
+  anytime.axhline(1.0, color="gray", lw=0.8, ls="--")
+  anytime.set_xscale("log")
+  anytime.set_yscale("log")
+  anytime.set_xlabel("seconds of the method's run")
+  anytime.set_ylabel("best plan so far / best expert (median)")
+  anytime.legend(fontsize=7)
   ax.bar(range(len(names)), [summary[m]["median_ratio"] for m in names], color="#9ecae1", label="median")
   for i, m in enumerate(names):
     ax.scatter([i] * len(cases), [c["methods"][m]["ratio"] for c in cases], s=10, color="#08519c", zorder=3)

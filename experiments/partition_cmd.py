@@ -229,8 +229,8 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   result["search_seconds"] = 0.0 if found is None else found.seconds
   result["trace"] = [] if found is None else found.trace_dicts()
   if found is not None:
-    result.update(actions=found.actions, simulations=found.simulations, seed=config.seed, budget=config.budget,
-                  setup_seconds=found.setup_seconds)
+    result.update(actions=found.actions, simulations=found.simulations, greedy_steps=found.greedy_steps,
+                  seed=config.seed, budget=config.budget, setup_seconds=found.setup_seconds)
   print(f"{name} on {config.mesh} ({config.hardware}), "
         + (f"tactic {config.tactic}" if found is None else f"agent {config.agent}, seed {config.seed}")
         + f": {len(decisions)} decisions")

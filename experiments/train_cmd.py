@@ -71,7 +71,7 @@ PRESETS: dict[str, TrainRunConfig] = {
         preset="smoke", split="smoke", max_cases=2, iterations=3, run_dir="runs/smoke", checkpoint_every=1,
         train=TrainConfig(episodes=4, episode_length=4, gumbel=GumbelSettings(num_simulations=8, max_num_considered_actions=4),
                           replay_capacity=256, batch_size=16, updates=2, warmup_updates=4,
-                          network=NetworkConfig(width=32, rounds=2, state_width=16))),
+                          network=NetworkConfig(width=32, rounds=2, state_width=16, pipelines=5))),
     "small": TrainRunConfig(),
     "full": TrainRunConfig(
         preset="full", iterations=2000, run_dir="runs/full", checkpoint_every=50,

@@ -122,3 +122,32 @@ def test_a_searched_pipeline_reaches_the_plan():
   assert result.pipeline is not None
   assert float(result.cost.step_time) == pytest.approx(
       float(problem.plan_cost(result.decisions, result.pipeline).step_time), rel=1e-5)
+
+
+def test_a_mixed_batch_prices_each_program_as_alone():
+  """Programs with and without layer stacks, on meshes of different sizes, stacked into one
+  batch with pipeline options: every state of a random episode has the objective its
+  program's own environment gives it."""
+  from envs import core
+  from envs.programs import batch_tables
+
+  config = EnvConfig(max_axes=3, pipelines=OPTIONS)
+  problems = [problem(), problem("data=4,fsdp=2,model=8"),
+              Problem.build(workloads.make_workload("mlp", abstract=True).trace(), make_mesh("data=2,model=4", "h100"))]
+  tables, _ = batch_tables(problems, config)
+  step = jax.jit(functools.partial(core.step, config))
+  for i, p in enumerate(problems):
+    alone = Env.build(p, config)
+    mine = jax.tree.map(lambda x, i=i: x[i], tables)
+    state, batched = alone.init(jax.random.key(0)), core.init(config, mine, jax.random.key(0))
+    for t in range(6):
+      legal = np.flatnonzero(np.asarray(state.legal_action_mask)[:-1])
+      if not len(legal):
+        break
+      action = int(legal[-1]) if t == 0 else int(jax.random.choice(jax.random.key(10 * i + t), legal))
+      # Moves keep their index; the options follow the (padded) moves.
+      index = action if action < alone.tables.num_moves else action - alone.tables.num_moves + mine.num_moves
+      state, batched = alone.step(state, jnp.int32(action)), step(mine, batched, jnp.int32(index))
+      assert int(batched.pipeline) == int(state.pipeline)
+      np.testing.assert_allclose(float(batched.objective), float(state.objective), rtol=1e-5)
+      np.testing.assert_allclose(float(batched.peak_memory), float(state.peak_memory), rtol=1e-5)

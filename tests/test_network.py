@@ -152,3 +152,51 @@ def test_learned_prior_run_search_on_a_mixed_batch():
   np.testing.assert_allclose(np.asarray(weights).sum(axis=1), 1.0, rtol=1e-5)
   assert (np.asarray(weights)[~legal] == 0).all()
   assert np.isfinite(np.asarray(value)).all()
+
+
+PIPED = ("gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=true", "data=2,fsdp=2,model=2")
+
+
+def test_one_parameter_tree_reads_environments_with_and_without_pipeline_options():
+  """The parameters do not depend on the pipeline options; with them, the root's only legal
+  actions are the options and stop, each option gets its own logit, and after one is
+  chosen no option is legal again."""
+  p = problem(*PIPED)
+  piped = Env.build(p, EnvConfig(max_decisions=64, max_axes=3, pipelines=4))
+  plain = Env.build(p, EnvConfig(max_decisions=64, max_axes=3))
+  shapes = [jax.tree.map(jnp.shape, jax.eval_shape(NET.init, jax.random.key(0), e.tables, e.init(jax.random.key(0))))
+            for e in (piped, plain)]
+  assert shapes[0] == shapes[1]
+  parameters = jax.jit(NET.init)(jax.random.key(1), plain.tables, plain.init(jax.random.key(0)))
+  root = piped.init(jax.random.key(0))
+  logits, value = jax.jit(NET.apply)(parameters, piped.tables, root)
+  moves, options = piped.tables.num_moves, len(piped.pipelines)
+  assert logits.shape == (piped.num_actions,) and np.isfinite(float(value))
+  finite = np.flatnonzero(np.asarray(logits) > network.MASKED_LOGIT / 2)
+  np.testing.assert_array_equal(finite, [*range(moves, moves + options), piped.stop_action])
+  kinds = [None if o is None else (o.stages, o.microbatches) for o in piped.pipelines]
+  assert len(set(kinds)) > 2
+  option_logits = dict(zip(kinds, np.asarray(logits)[moves:moves + options]))  # Axes alike here: same link.
+  assert len(set(option_logits.values())) == len(option_logits), "options of other S and M share a logit"
+  chosen = piped.step(root, jnp.int32(moves + options - 1))
+  after, _ = jax.jit(NET.apply)(parameters, piped.tables, chosen)
+  assert (np.asarray(after)[moves:moves + 4] == network.MASKED_LOGIT).all()
+  assert (np.asarray(after)[:moves] > network.MASKED_LOGIT / 2).any()
+
+
+def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
+  """The learned agent offers the options its policy was trained with (`network.json`),
+  and its search can end in a pipelined plan priced as the simulator prices it."""
+  from agents import checkpoint, learned
+
+  p = problem("gpt:layers=8,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true", "data=4,fsdp=2,model=8")
+  config = network.NetworkConfig(pipelines=6)
+  e = Env.build(p, EnvConfig(max_axes=3, pipelines=6))
+  checkpoint.save_policy(str(tmp_path), network.Network(config).init(jax.random.key(0), e.tables, e.init(jax.random.key(0))), config)
+  assert learned.load_network(str(tmp_path)).config.pipelines == 6
+  result = learned.search(p, learned.LearnedConfig(checkpoint=str(tmp_path)), seed=0, budget=150)
+  assert result.pipeline is not None and result.actions[0] == str(result.pipeline)
+  assert result.step_time == pytest.approx(float(p.plan_cost(result.decisions, result.pipeline).step_time), rel=1e-5)
+  with pytest.raises(ValueError, match="6 pipeline options"):
+    gumbel.search(p, gumbel.GumbelConfig(network=config), budget=10, params=learned.load_policy(
+        str(tmp_path), e.tables, e.init(jax.random.key(0)))[1])

@@ -21,6 +21,7 @@ from agents import checkpoint, learned, partition, replay, selfplay, train
 from agents.gumbel import GumbelSettings
 from agents.learned import LearnedConfig
 from automap_rl import tactics, workloads
+from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.workloads.suite import load_cases
 from experiments import cli, evaluate_cmd, train_cmd
@@ -158,6 +159,10 @@ def test_evaluate_on_a_tiny_split(smoke_run, tmp_path):
     assert figures["ratio"] == pytest.approx(figures["objective"] / case["best_expert_objective"])
     assert figures["objective"] <= 1.0 + 1e-6  # The replicated start is a candidate of every method.
     assert figures["step_time_s"] == pytest.approx(figures["objective"] * base, rel=1e-4)  # Fits: no penalty.
+    # The anytime trace: the replicated plan first, the method's plan at its end, never worse on the way.
+    curve = evaluate_cmd.ratio_at(case, name, np.array([0.0, figures["seconds"] + 1.0]))
+    assert curve[0] == pytest.approx(1.0 / case["best_expert_objective"])
+    assert curve[1] == pytest.approx(figures["ratio"], rel=1e-6) and curve[1] <= curve[0] * (1 + 1e-6)
   for name, summary in document["summary"].items():
     assert summary["median_ratio"] == pytest.approx(case["methods"][name]["ratio"])
 
@@ -176,10 +181,23 @@ def test_learned_agent_partitions_a_workload(smoke_run):
   assert float(plan.cost.step_time) == pytest.approx(float(problem.cost(plan.decisions).step_time), rel=1e-4)
   assert plan.search.objective <= 1.0
   greedy = partition(w.step, *w.args, **{**kwargs, "config": dataclasses.replace(config, search=False)})
-  # Greedy: one simulation per step along the network's argmax path, the best plan on it kept.
-  assert greedy.search.simulations <= 24 and len(greedy.search.action_ids) <= greedy.search.simulations
+  # Greedy: one plan per step along the network's argmax path, outside the budget; the best plan on it kept.
+  assert greedy.search.simulations == 0 and len(greedy.search.action_ids) <= greedy.search.greedy_steps
   # With search, the greedy path is followed first (greedy_first): its plans are candidates.
   assert plan.search.objective <= greedy.search.objective + 1e-6
+
+
+def test_no_budget_gives_a_worse_plan_than_the_greedy_path():
+  """The shipped policy's greedy path always completes, outside the budget: even a budget
+  of one simulation ends at least as well, and the search never spends more than its budget."""
+  problem = Problem.build(workloads.make_workload("gpt:layers=2", abstract=True).trace(),
+                          make_mesh("data=2,model=4", "h100"))
+  greedy = learned.search(problem, LearnedConfig(search=False), seed=0, budget=1)
+  assert greedy.simulations == 0 and greedy.greedy_steps > 1 and greedy.greedy_steps >= len(greedy.action_ids)
+  for budget in (1, 4, 16):
+    result = learned.search(problem, LearnedConfig(gumbel=GumbelSettings(num_simulations=8)), seed=0, budget=budget)
+    assert result.greedy_steps == greedy.greedy_steps and result.simulations <= budget
+    assert result.objective <= greedy.objective * (1 + 1e-6)
 
 
 @pytest.mark.slow
