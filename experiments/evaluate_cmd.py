@@ -60,6 +60,9 @@ class EvaluateConfig:
     hardware: the user workload's hardware profile.
     search_budgets: simulation budgets of the Gumbel searches (learned and uniform prior).
     baseline_budget: simulation budget of UCT and random search.
+    baselines: run the methods that do not depend on the policy (uniform Gumbel, UCT,
+      random); `--no-baselines` runs the learned ones alone (a new policy against
+      baselines measured before).
     gumbel: the settings of every Gumbel search, learned and uniform
       (`agents.gumbel.GumbelSettings`).
     seed: the seed of every search.
@@ -76,6 +79,7 @@ class EvaluateConfig:
   hardware: Hardware = "h100"
   search_budgets: tuple[int, ...] = (16, 64, 256)
   baseline_budget: int = 2000
+  baselines: bool = True
   gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
   seed: int = 0
   json: JsonPath = None
@@ -95,6 +99,8 @@ def methods(config: EvaluateConfig) -> dict[str, Method]:
                                           config.baseline_budget)}
   for n in config.search_budgets:
     out[f"learned+gumbel@{n}"] = lambda p, n=n: learned.search(p, policy, config.seed, n)
+  if not config.baselines:
+    return out
   for n in config.search_budgets:
     out[f"gumbel@{n}"] = lambda p, n=n: gumbel.search(p, uniform, config.seed, n)
   for agent in ("mcts", "random"):

@@ -226,3 +226,10 @@ def test_train_command_presets_and_bad_input(capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 2 and all(line.startswith("automap-rl ") and "error:" in line for line in err)
   assert "no policy checkpoint" in err[1]
+
+
+def test_evaluate_without_baselines_runs_the_learned_methods_alone():
+  config = cli.parse("evaluate", ["--no-baselines", "--search-budgets", "4", "16"])
+  assert set(evaluate_cmd.methods(config)) == {"learned", "learned+gumbel@4", "learned+gumbel@16"}
+  assert set(evaluate_cmd.methods(dataclasses.replace(config, baselines=True))) == {
+      "learned", "learned+gumbel@4", "learned+gumbel@16", "gumbel@4", "gumbel@16", "mcts@2000", "random@2000"}
