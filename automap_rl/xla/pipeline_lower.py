@@ -117,7 +117,7 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
     weights = [w[0] for w in weights]
     stage = jax.lax.axis_index(axis)
     ys_shape = jax.eval_shape(run_stage, consts, weights, [i[0] for i in inputs])[1]
-    shift = [(s, (s + 1) % s_count) for s in range(s_count)]
+    shift = [(s, s + 1) for s in range(s_count - 1)]  # The last stage sends nothing on.
 
     def tick(state, t):
       received, outputs, ys_sum = state
@@ -296,14 +296,15 @@ def jit_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pip
 
 def lower_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline,
                     loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, args: Sequence[Any],
-                    jax_mesh: jax.sharding.Mesh, donate_argnums: Sequence[int] = (), isolated: bool = True) -> Lowered:
+                    jax_mesh: jax.sharding.Mesh, donate_argnums: Sequence[int] = (), isolated: bool = False) -> Lowered:
   """Compiles `jit_pipelined`'s step for `args` (arrays or `jax.ShapeDtypeStruct`s): a
   `Lowered` with its collectives (the stage transfers are collective-permutes over the
   stage axis), flops and memory. Its `differences` are empty: the intermediates are not
   pinned (module docstring), so there is no plan to compare them with.
 
-  `isolated`: first compile the module in a child process (`isolated.compile_directly`),
-  so that an XLA abort raises `LoweringError` here instead of killing this process.
+  `isolated`: first compile the module in a child process (`isolated.compile_directly`,
+  one more compile), so that an XLA abort raises `LoweringError` here instead of killing
+  this process (`validate` runs random plans so; `Plan.check` runs expert ones without).
 
   Raises:
     LoweringError: XLA raised, or (isolated) aborted or timed out, compiling the step.
