@@ -40,7 +40,9 @@ class ValidateConfig:
       `pipelines`: `validate.PIPELINE_MODELS`, small models with scanned layer stacks).
     workers: with `random`, processes running plans side by side (the cases do not
       depend on it; each process holds its own jax and compiling child).
-    pipelines: with `random`, every plan pipelined: a random GPipe pipeline (a scanned
+    pipelines: with `fullsize`, the cases' pipelined expert plans (in GPipe order, no
+      searches) instead of the intra-op ones, their stage transfers (collective-permute
+      bytes) set beside the simulator's; with `random`, every plan pipelined: a random GPipe pipeline (a scanned
       layer stack over a random mesh axis whose size divides its layers, one stage per
       device of the axis, 4 or 8 microbatches) with random decisions inside, on
       `validate.PIPELINE_MESHES`; the pipelined step of the workload's loss function and
@@ -130,7 +132,7 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   return document
 
 
-FULLSIZE_HEADER = (f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {'xla':>9} {'perm':>7} "
+FULLSIZE_HEADER = (f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {'xla':>9} {'perm sim':>8} {'xla':>7} "
                    f"{'count sim':>9} {'xla':>5} {'TFlop sim':>9} {'xla':>7} {'mem GB sim':>10} {'xla':>6} "
                    f"{'ms sim':>8} {'implied':>8} {'s':>5}")
 
@@ -138,8 +140,9 @@ FULLSIZE_HEADER = (f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {
 def _fullsize_row(check) -> str:
   s, c = check.simulated, check.compiled
   count = lambda m: sum(m["comm_count_by_kind"].values())
+  permute = "stage_permute_bytes" if check.pipeline else "collective_permute_bytes"  # A pipeline's: its transfers.
   return (f"{check.case:<31} {check.plan:<18} {check.differences:>4} {s['comm_bytes'] / 1e6:11.1f} "
-          f"{c['comm_bytes'] / 1e6:9.1f} {c['collective_permute_bytes'] / 1e6:7.1f} {count(s):9.0f} {count(c):5.0f} "
+          f"{c['comm_bytes'] / 1e6:9.1f} {s[permute] / 1e6:8.1f} {c[permute] / 1e6:7.1f} {count(s):9.0f} {count(c):5.0f} "
           f"{s['flops'] / 1e12:9.2f} {c['flops'] / 1e12:7.2f} {s['peak_memory'] / 1e9:10.2f} "
           f"{c['peak_memory'] / 1e9:6.2f} {s['step_time'] * 1e3:8.2f} {c['step_time'] * 1e3:8.2f} {check.seconds:5.0f}")
 
@@ -168,8 +171,8 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   checks = []
   for name in names:
     print(f"{name}: tracing, then one compile per plan ...", flush=True)
-    checks += fullsize.check_case(name, search if config.agents else None, seed=config.seed,
-                                  report=lambda check: print(_fullsize_row(check), flush=True))
+    checks += fullsize.check_case(name, search if config.agents and not config.pipelines else None, seed=config.seed,
+                                  report=lambda check: print(_fullsize_row(check), flush=True), pipelines=config.pipelines)
   summary = fullsize.summarize(checks)
   gaps = fullsize.exploit_gaps(checks)
   print(f"\n{len(checks)} plans of {len(names)} cases in {time.perf_counter() - start:.0f}s")

@@ -111,3 +111,17 @@ def test_partition_with_the_forward_gives_a_pipelined_plan_that_runs():
                           arg_names=w.arg_names, arg_roles=w.arg_roles, loss_fn=w.loss_fn, optimizer=w.optimizer)
   assert plan.pipeline is not None and plan.pipeline.stages == 2
   plan.check()  # Raises NumericsError on a mismatch.
+
+
+def test_compiled_stage_transfers_are_the_simulators():
+  """Compile-only check of a pipelined plan (`fullsize.check_pipelined_plan`): with four
+  stages the compiled collective-permutes over the stage axis inside the loop move, per
+  device, what the simulator's stage transfers do: M + S - 1 iterations of one
+  microbatch's activations forward and their gradients back."""
+  from automap_rl.xla import fullsize
+
+  plan = pipelined_plan("stage=4,data=2", tactics.megatron_3d, 4)
+  check = fullsize.check_pipelined_plan("gpt", plan.problem, workload(), "megatron_3d", plan.decisions, plan.pipeline)
+  transfer = 2 * 16 * 64 * 4  # [8 / M rows, seq, d_model] float32, not split: megatron_3d leaves no data axis here.
+  assert check.compiled["stage_permute_bytes"] == check.simulated["stage_permute_bytes"] == 7 * 2 * transfer
+  assert check.pipeline == plan.pipeline.to_json() and check.simulated["collective_permute_bytes"] == 7 * 2 * transfer
