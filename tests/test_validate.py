@@ -170,6 +170,7 @@ def test_random_pipelines_take_a_whole_axis_and_decisions_off_it():
   assert len(seen) >= 4  # Every axis can take the stages.
 
 
+@pytest.mark.slow
 def test_random_pipelined_plans_are_lowered_run_and_counted(tmp_path):
   """`validate --random 2 --pipelines`: two pipelined plans, one per pipeline mesh, each
   compiled in a child process first, run and checked; the stage transfers are compiled
