@@ -1,5 +1,6 @@
 """`automap-rl validate --suite quick|full|fullsize`: the simulator against XLA compiles;
-`automap-rl validate --random N`: N random plans per model, numerics checked.
+`automap-rl validate --random N`: N random plans per model, numerics checked
+(`--pipelines`: pipelined plans, random decisions inside a random GPipe pipeline).
 
 `quick` and `full` lower, run and check the numerics of expert and random plans on small
 zoo models; `fullsize` compiles (without running) expert and searched plans of models at
@@ -35,9 +36,17 @@ class ValidateConfig:
       `data=2,model=4` in turn), each compiled in a child process first (an XLA abort is a
       failed plan, not the end of the command), run and checked against the unpartitioned
       step; 0: run `suite`.
-    models: with `random`, the workloads; default every family at small size.
+    models: with `random`, the workloads; default every family at small size (with
+      `pipelines`: `validate.PIPELINE_MODELS`, small models with scanned layer stacks).
     workers: with `random`, processes running plans side by side (the cases do not
       depend on it; each process holds its own jax and compiling child).
+    pipelines: with `fullsize`, the cases' pipelined expert plans (in GPipe order, no
+      searches) instead of the intra-op ones, their stage transfers (collective-permute
+      bytes) set beside the simulator's; with `random`, every plan pipelined: a random GPipe pipeline (a scanned
+      layer stack over a random mesh axis whose size divides its layers, one stage per
+      device of the axis, 4 or 8 microbatches) with random decisions inside, on
+      `validate.PIPELINE_MESHES`; the pipelined step of the workload's loss function and
+      optimizer is compiled, run and checked.
   """
 
   suite: Literal["quick", "full", "fullsize"] = "quick"
@@ -50,6 +59,7 @@ class ValidateConfig:
   random: int = 0
   models: tuple[str, ...] = ()
   workers: int = 1
+  pipelines: bool = False
 
 
 def _mb(x: float) -> str:
@@ -58,14 +68,18 @@ def _mb(x: float) -> str:
 
 def _row(case) -> str:
   s, c = case.simulated, case.compiled
+  pipeline = "" if case.pipeline is None else (
+      f"  (GPipe over {case.pipeline['axis']!r}: {case.pipeline['stages']} stages, {case.pipeline['microbatches']} "
+      "microbatches)")
   if case.lowering_error is not None:
-    return f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} LOWERING ERROR {case.seconds:6.1f}s"
+    return (f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} LOWERING ERROR {case.seconds:6.1f}s"
+            f"{pipeline}")
   flag = ("" if case.numerics_ok else "  NUMERICS MISMATCH") + (
       f"  {len(case.differences)} SHARDING DIFFERENCES" if case.differences else "") + (
       "" if case.reference == "float64" else "  (float32 reference)")
   return (f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} {_mb(s['comm_bytes'])} {_mb(c['comm_bytes'])} "
           f"{s['flops'] / 1e6:10.2f} {c['flops'] / 1e6:10.2f} {_mb(s['peak_memory'])} {_mb(c['peak_memory'])} "
-          f"{case.seconds:6.1f}s{flag}")
+          f"{case.seconds:6.1f}s{flag}{pipeline}")
 
 
 HEADER = (f"{'model':<7} {'mesh':<15} {'plan':<14} {'comm sim':>9} {'comm xla':>9} {'Mflop sim':>10} "
@@ -85,17 +99,17 @@ def run(config: ValidateConfig) -> dict[str, Any]:
 
   if config.suite not in validate.SUITES:
     raise ValueError(f"Unknown suite {config.suite!r}; valid suites: {sorted(validate.SUITES)}.")
-  if config.random < 0 or (config.models and not config.random):
-    raise ValueError(f"--random {config.random}: give a positive number of plans per model"
-                     + (" (--models needs --random)" if config.models else "") + ".")
+  if config.random < 0 or ((config.models or config.pipelines) and not config.random):
+    needs = " (--models needs --random)" if config.models else " (--pipelines needs --random)" if config.pipelines else ""
+    raise ValueError(f"--random {config.random}: give a positive number of plans per model{needs}.")
   for spec in config.models:
     workloads.canonical_spec(spec)  # A bad spec: one line naming it, before any work.
   start = time.perf_counter()
   print(HEADER)
   report = lambda case: print(_row(case), flush=True)
   if config.random:
-    random_suite = validate.RandomSuite(**({"models": config.models} if config.models else {}), plans=config.random,
-                                        workers=config.workers)
+    random_suite = validate.RandomSuite(models=config.models or None, plans=config.random, workers=config.workers,
+                                        pipelines=config.pipelines)
     cases = validate.run_random(random_suite, report)
   else:
     cases = validate.run_suite(validate.SUITES[config.suite], report)
@@ -118,7 +132,7 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   return document
 
 
-FULLSIZE_HEADER = (f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {'xla':>9} {'perm':>7} "
+FULLSIZE_HEADER = (f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {'xla':>9} {'perm sim':>8} {'xla':>7} "
                    f"{'count sim':>9} {'xla':>5} {'TFlop sim':>9} {'xla':>7} {'mem GB sim':>10} {'xla':>6} "
                    f"{'ms sim':>8} {'implied':>8} {'s':>5}")
 
@@ -126,8 +140,9 @@ FULLSIZE_HEADER = (f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {
 def _fullsize_row(check) -> str:
   s, c = check.simulated, check.compiled
   count = lambda m: sum(m["comm_count_by_kind"].values())
+  permute = "stage_permute_bytes" if check.pipeline else "collective_permute_bytes"  # A pipeline's: its transfers.
   return (f"{check.case:<31} {check.plan:<18} {check.differences:>4} {s['comm_bytes'] / 1e6:11.1f} "
-          f"{c['comm_bytes'] / 1e6:9.1f} {c['collective_permute_bytes'] / 1e6:7.1f} {count(s):9.0f} {count(c):5.0f} "
+          f"{c['comm_bytes'] / 1e6:9.1f} {s[permute] / 1e6:8.1f} {c[permute] / 1e6:7.1f} {count(s):9.0f} {count(c):5.0f} "
           f"{s['flops'] / 1e12:9.2f} {c['flops'] / 1e12:7.2f} {s['peak_memory'] / 1e9:10.2f} "
           f"{c['peak_memory'] / 1e9:6.2f} {s['step_time'] * 1e3:8.2f} {c['step_time'] * 1e3:8.2f} {check.seconds:5.0f}")
 
@@ -156,8 +171,8 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   checks = []
   for name in names:
     print(f"{name}: tracing, then one compile per plan ...", flush=True)
-    checks += fullsize.check_case(name, search if config.agents else None, seed=config.seed,
-                                  report=lambda check: print(_fullsize_row(check), flush=True))
+    checks += fullsize.check_case(name, search if config.agents and not config.pipelines else None, seed=config.seed,
+                                  report=lambda check: print(_fullsize_row(check), flush=True), pipelines=config.pipelines)
   summary = fullsize.summarize(checks)
   gaps = fullsize.exploit_gaps(checks)
   print(f"\n{len(checks)} plans of {len(names)} cases in {time.perf_counter() - start:.0f}s")

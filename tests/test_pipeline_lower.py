@@ -1,59 +1,89 @@
-"""Pipelined plans run: a GPipe lowering of a scanned GPT computes the unpartitioned step's
-numbers, moves activations between stages with collective-permutes over the stage axis and
-stores the stacked weights split over it."""
+"""Pipelined plans run: GPipe lowerings of the scanned layer stacks of GPT, Llama and the
+Mamba SSM compute the unpartitioned step's numbers, move activations between stages with
+collective-permutes over the stage axis and store the stacked weights and their optimizer
+state split over it."""
 
 import dataclasses
 import functools
 
+import jax
 import pytest
 
 from automap_rl import tactics, workloads
+from automap_rl.ir import Role
 from automap_rl.mesh import make_mesh
 from automap_rl.plan import Plan
 from automap_rl.problem import Problem
 
 GPT = "gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=true"
+# Small models with a scanned stack of 4 layers: a transformer in linen, one in nnx, a
+# state-space model in Equinox (its stack under the batch's vmap, a scan over time inside).
+# Each family's spec and the width of its residual stream (what crosses between stages).
+FAMILIES = {
+    "gpt": (GPT, 64),
+    "llama": ("llama:layers=4,d_model=64,heads=4,kv_heads=2,d_ff=128,seq=16,vocab=64,batch=8", 64),
+    "ssm": ("ssm:layers=4,d_model=32,seq=16,vocab=64,batch=8", 32),
+}
 
 
 @functools.cache
-def workload() -> workloads.Workload:
-  return workloads.make_workload(GPT)
+def workload(spec: str = GPT) -> workloads.Workload:
+  return workloads.make_workload(spec)
 
 
 @functools.cache
-def problem(mesh: str) -> Problem:
-  return Problem.build(workload().trace(), make_mesh(mesh, "h100"))
+def problem(mesh: str, spec: str = GPT) -> Problem:
+  return Problem.build(workload(spec).trace(), make_mesh(mesh, "h100"))
 
 
-def pipelined_plan(mesh: str, tactic, microbatches: int, bare: bool = False) -> Plan:
-  """The tactic's plan on `mesh`, run as GPipe with `microbatches`."""
-  p = problem(mesh)
+def pipelined_plan(mesh: str, tactic, microbatches: int, bare: bool = False, spec: str = GPT) -> Plan:
+  """The tactic's plan of `spec` on `mesh`, run as GPipe with `microbatches`."""
+  p = problem(mesh, spec)
   decisions, pipeline = tactic(p)
   pipeline = dataclasses.replace(pipeline, microbatches=microbatches, schedule="gpipe")
-  w = workload()
+  w = workload(spec)
   training = {} if bare else {"loss_fn": w.loss_fn, "optimizer": w.optimizer}
   return Plan(w.step, w.args, p, decisions, pipeline=pipeline, **training)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("mesh,tactic,microbatches", [
     ("stage=2,data=2,model=2", tactics.megatron_3d, 4),
     ("stage=2,data=2,model=2", tactics.megatron_3d, 8),
     ("stage=4,data=2", tactics.pipeline, 4),
     ("stage=4,data=2", tactics.pipeline, 8),
 ])
-def test_pipelined_gpt_matches_the_unpartitioned_step(mesh, tactic, microbatches):
-  plan = pipelined_plan(mesh, tactic, microbatches)
-  assert plan.pipeline.stages == plan.mesh.axis_size("stage")
+def test_pipelined_step_matches_the_unpartitioned_step(family, mesh, tactic, microbatches):
+  spec, width = FAMILIES[family]
+  plan = pipelined_plan(mesh, tactic, microbatches, spec=spec)
+  stages = plan.pipeline.stages
+  assert stages == plan.mesh.axis_size("stage")
   lowered = plan.check()  # Outputs, parameters and optimizer state against the unpartitioned step.
-  in_loop = [c for c in lowered.stats.collectives if c.kind == "collective-permute" and c.repeat > 1]
-  assert len(in_loop) >= 2 and all(c.mesh_axes == ("stage",) for c in in_loop)  # Forward and backward transfers.
-  assert all(c.repeat == microbatches + plan.pipeline.stages - 1 for c in in_loop)
-  stacked = lowered.in_shardings[0]["blocks"]["mlp"]["fc1"]["kernel"]  # [L, d_model, hidden]
-  assert stacked.spec[0] == "stage" or stacked.spec[0][0] == "stage"
-  assert stacked.shard_shape((4, 64, 256))[0] == 4 // plan.pipeline.stages
-  assert lowered.out_shardings[0]["blocks"]["mlp"]["fc1"]["kernel"] == stacked
-  mu = lowered.in_shardings[1][0].mu["blocks"]["mlp"]["fc1"]["kernel"]  # Adam's state follows its weight.
-  assert mu == stacked
+  # The stage transfers: forward and backward, once per loop iteration. (Permutes over the
+  # other axes are resharding inside a stage that XLA's propagation chose.)
+  transfers = [c for c in lowered.stats.collectives
+               if c.kind == "collective-permute" and c.repeat > 1 and c.mesh_axes == ("stage",)]
+  assert len(transfers) >= 2 and all(c.repeat == microbatches + stages - 1 for c in transfers)
+  # Each moves one microbatch's activations [8 / M, seq 16, width] in float32, its rows
+  # split over the data axis where they divide.
+  rows = 8 // microbatches
+  rows = rows // 2 if rows % 2 == 0 else rows
+  assert all(c.bytes == rows * 16 * width * 4 for c in transfers)
+  # Every value stacked along the layers (weights, Adam's moments) is stored split over the
+  # stage axis, L / S layers a device, and returned so.
+  program, named = plan.problem.program, plan.problem.named
+  stack = plan.pipeline.check(program, named, plan.mesh)
+  ins = jax.tree_util.tree_leaves(lowered.in_shardings)
+  outs = jax.tree_util.tree_leaves(lowered.out_shardings)
+  stacked = [i for i, v in enumerate(program.inputs)
+             if program.values[v].shape and named.class_of(v, 0) in stack.layer_classes]
+  roles = [program.values[program.inputs[i]].role for i in stacked]
+  assert roles.count(Role.PARAMETER) >= 4 and roles.count(Role.OPTIMIZER_STATE) == 2 * roles.count(Role.PARAMETER)
+  for i in stacked:
+    spec = ins[i].spec[0]
+    assert spec == "stage" or spec[0] == "stage"
+    assert ins[i].shard_shape(program.values[program.inputs[i]].shape)[0] == stack.layers // stages
+    assert outs[i] == ins[i]  # The step's outputs are (params, opt_state, loss), in its inputs' order.
 
 
 def test_pipelined_gpt_jit_runs_with_the_plans_shardings():
@@ -81,3 +111,17 @@ def test_partition_with_the_forward_gives_a_pipelined_plan_that_runs():
                           arg_names=w.arg_names, arg_roles=w.arg_roles, loss_fn=w.loss_fn, optimizer=w.optimizer)
   assert plan.pipeline is not None and plan.pipeline.stages == 2
   plan.check()  # Raises NumericsError on a mismatch.
+
+
+def test_compiled_stage_transfers_are_the_simulators():
+  """Compile-only check of a pipelined plan (`fullsize.check_pipelined_plan`): with four
+  stages the compiled collective-permutes over the stage axis inside the loop move, per
+  device, what the simulator's stage transfers do: M + S - 1 iterations of one
+  microbatch's activations forward and their gradients back."""
+  from automap_rl.xla import fullsize
+
+  plan = pipelined_plan("stage=4,data=2", tactics.megatron_3d, 4)
+  check = fullsize.check_pipelined_plan("gpt", plan.problem, workload(), "megatron_3d", plan.decisions, plan.pipeline)
+  transfer = 2 * 16 * 64 * 4  # [8 / M rows, seq, d_model] float32, not split: megatron_3d leaves no data axis here.
+  assert check.compiled["stage_permute_bytes"] == check.simulated["stage_permute_bytes"] == 7 * 2 * transfer
+  assert check.pipeline == plan.pipeline.to_json() and check.simulated["collective_permute_bytes"] == 7 * 2 * transfer

@@ -22,10 +22,10 @@ def test_tiny_suite_json_and_plot(tmp_path, monkeypatch):
   document = json.loads(json_path.read_text())
   assert set(document) == {"cases", "summary"}
   assert set(document["summary"]) == {
-      "num_cases", "lowering_errors", "xla_aborts", "comm_bytes_median_rel_error", "comm_bytes_spearman",
-      "flops_median_rel_error", "memory_median_rel_error", "memory_spearman", "numerics_ok_fraction",
-      "realized_fraction"}
-  assert document["summary"]["numerics_ok_fraction"] == 1
+      "num_cases", "lowering_errors", "xla_aborts", "pipelined_cases", "comm_bytes_median_rel_error",
+      "comm_bytes_spearman", "flops_median_rel_error", "memory_median_rel_error", "memory_spearman",
+      "numerics_ok_fraction", "realized_fraction"}
+  assert document["summary"]["numerics_ok_fraction"] == 1 and document["summary"]["pipelined_cases"] == 0
   assert document["summary"]["realized_fraction"] == 1  # Every plan compiled as written.
   assert document["summary"]["num_cases"] == len(document["cases"]) >= 4
   case = document["cases"][0]
@@ -143,3 +143,60 @@ def test_a_plan_that_does_not_lower_is_a_failed_case_not_a_crash(monkeypatch):
   assert case.lowering_error == "XLA cannot compile the plan (aborted: x.cc:1: Check failed: no) at dot_general."
   summary = validate.summarize_cases([case])
   assert (summary["lowering_errors"], summary["xla_aborts"], summary["numerics_ok_fraction"]) == (1, 1, 0.0)
+
+
+PIPELINED_GPT = "gpt:layers=4,d_model=16,heads=2,seq=8,vocab=32,batch=8,scan=true"
+
+
+def test_random_pipelines_take_a_whole_axis_and_decisions_off_it():
+  """Random pipelined plans: one stage per device of a random axis that divides the 4
+  layers, 4 or 8 microbatches, GPipe, decisions that resolve at microbatch size and never
+  use the stage axis."""
+  import numpy as np
+
+  from automap_rl.mesh import make_mesh
+  from automap_rl.problem import Problem
+
+  workload = workloads.make_workload(PIPELINED_GPT)
+  problem = Problem.build(validate.trace_workload(workload), make_mesh("stage=2,data=2,model=2", "cpu"))
+  rng = np.random.default_rng(0)
+  seen = set()
+  for _ in range(12):
+    decisions, pipeline = validate.random_pipelined_plan(problem, workload.args, rng, 4)
+    assert pipeline.stages == 2 and pipeline.microbatches in (4, 8) and pipeline.schedule == "gpipe"
+    assert 1 <= len(decisions) <= 4 and all(d.axis != pipeline.axis for d in decisions)
+    problem.pipelined(pipeline).resolution(decisions)  # Raises where a decision does not divide.
+    seen.add((pipeline.axis, pipeline.microbatches))
+  assert len(seen) >= 4  # Every axis can take the stages.
+
+
+@pytest.mark.slow
+def test_random_pipelined_plans_are_lowered_run_and_counted(tmp_path):
+  """`validate --random 2 --pipelines`: two pipelined plans, one per pipeline mesh, each
+  compiled in a child process first, run and checked; the stage transfers are compiled
+  collective-permutes and the simulator prices them; the summary counts the plans."""
+  json_path = tmp_path / "p.json"
+  validate_cmd.run(validate_cmd.ValidateConfig(random=2, pipelines=True, models=(PIPELINED_GPT,), json=str(json_path)))
+  document = json.loads(json_path.read_text())
+  cases = document["cases"]
+  assert [c["mesh"] for c in cases] == list(validate.PIPELINE_MESHES)
+  for case in cases:
+    pipeline = case["pipeline"]
+    sizes = dict(part.split("=") for part in case["mesh"].split(","))
+    assert pipeline["stages"] == int(sizes[pipeline["axis"]]) and pipeline["microbatches"] in (4, 8)
+    assert case["numerics_ok"] and case["lowering_error"] is None and case["reference"] == "float64"
+    assert case["compiled"]["collective_permute_bytes"] > 0 and case["simulated"]["collective_permute_bytes"] > 0
+    assert not any(f"axis='{pipeline['axis']}'" in d for d in case["decisions"])
+  summary = document["summary"]
+  assert (summary["num_cases"], summary["pipelined_cases"], summary["lowering_errors"], summary["xla_aborts"]) == (
+      2, 2, 0, 0)
+  assert summary["numerics_ok_fraction"] == 1
+
+
+def test_random_pipelines_of_a_model_without_a_scanned_stack_fail_in_one_line():
+  suite = validate.RandomSuite(models=("mlp:layers=2,width=32,in_dim=16,classes=8,batch=8",), plans=1, pipelines=True)
+  with pytest.raises(ValueError, match="on stage=2,data=2,model=2: no lowerable GPipe pipeline") as e:
+    validate.run_random(suite)
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="--pipelines needs --random"):
+    validate_cmd.run(validate_cmd.ValidateConfig(pipelines=True))

@@ -13,6 +13,13 @@ every compiled collective (collective-permutes included) in the alpha-beta model
 module's flops at the hardware's peak plus its bytes accessed at HBM bandwidth (a sum, so
 an upper bound of the per-kernel roofline the simulator charges per op).
 
+Pipelined plans (`check_case(..., pipelines=True)`): the case's pipelined expert plans
+(`tactics.applicable_pipelines`), run in GPipe order as `automap_rl.xla.pipeline_lower`
+lowers them (and so priced with GPipe's M microbatches in flight), each compiled and set
+beside the simulator's pipelined cost; besides the figures above, the stage transfers:
+the compiled collective-permutes over the stage axis inside the microbatch loop against
+the simulator's `PipelineTerms.permute_bytes`.
+
 Two adjustments make the simulator and the CPU compile describe the same program: the
 cases compile in float32 (the CPU backend carries bfloat16 collectives in float32, which
 would double every compiled byte), and the simulator uses the CPU backend's collectives
@@ -32,18 +39,20 @@ from typing import Any
 import numpy as np
 
 from automap_rl import tactics, workloads
-from automap_rl.mesh import HARDWARE, Mesh, make_mesh
+from automap_rl.mesh import HARDWARE, Mesh, make_mesh, to_jax_mesh
+from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.simulator import collective_seconds
 from automap_rl.simulator.tables import program_flops
 from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import lower
+from automap_rl.xla.pipeline_lower import lower_pipelined
 from automap_rl.xla.validate import DONATE_ARGNUMS, compiled_metrics, relative_error, simulated_metrics, trace_problem
 
 __all__ = [
-    "FULLSIZE_CASES", "PlanCheck", "Search", "check_case", "exploit_gaps", "implied_cost", "pairwise_agreement",
-    "plot", "summarize", "validation_case", "validation_mesh",
+    "FULLSIZE_CASES", "PlanCheck", "Search", "check_case", "check_pipelined_plan", "exploit_gaps", "implied_cost",
+    "pairwise_agreement", "plot", "stage_permute_bytes", "summarize", "validation_case", "validation_mesh",
 ]
 
 # Cases at published sizes on 8 and 64 devices: the demo's model on a 2x4 and an 8x8 mesh,
@@ -71,11 +80,15 @@ class PlanCheck:
     plan: an expert tactic name or a search's name.
     searched: whether a search found it.
     decisions: the plan, as text.
-    simulated: `validate.simulated_metrics` plus `step_time` (seconds) and `fits`.
+    simulated: `validate.simulated_metrics` plus `step_time` (seconds) and `fits`; of
+      a pipelined plan also `stage_permute_bytes` (`PipelineTerms.permute_bytes`).
     compiled: `validate.compiled_metrics` plus the compiled-implied `step_time`,
-      `compute_time` and `comm_time` (seconds).
-    differences: values the compiled module shards otherwise than the plan.
+      `compute_time` and `comm_time` (seconds); of a pipelined plan also
+      `stage_permute_bytes` (`stage_permute_bytes`).
+    differences: values the compiled module shards otherwise than the plan (0 for a
+      pipelined plan, whose intermediates are not pinned).
     seconds: wall time of lowering and compiling.
+    pipeline: a pipelined plan's `Pipeline.to_json`, else None.
   """
 
   case: str
@@ -87,6 +100,7 @@ class PlanCheck:
   compiled: dict[str, Any]
   differences: int
   seconds: float
+  pipeline: dict[str, Any] | None = None
 
 
 def validation_case(name: str) -> workloads.Case:
@@ -150,16 +164,52 @@ def check_plan(case: str, problem: Problem, workload: workloads.Workload, plan: 
                    differences=len(lowered.differences), seconds=time.perf_counter() - start)
 
 
+def stage_permute_bytes(stats: CompiledStats, pipeline: Pipeline) -> float:
+  """Per-device bytes of the compiled stage transfers: the collective-permutes over the
+  pipeline's axis inside the microbatch loop (`repeat` > 1), times their trip counts."""
+  return float(sum(c.repeat * c.bytes for c in stats.collectives
+                   if c.kind == "collective-permute" and c.mesh_axes == (pipeline.axis,) and c.repeat > 1))
+
+
+def check_pipelined_plan(case: str, problem: Problem, workload: workloads.Workload, plan: str,
+                         decisions: Sequence[Decision], pipeline: Pipeline) -> PlanCheck:
+  """Lowers and compiles one pipelined plan (`pipeline_lower.lower_pipelined`, abstract
+  arguments) and measures both sides, the stage transfers included."""
+  start = time.perf_counter()
+  lowered = lower_pipelined(problem, decisions, pipeline, workload.loss_fn, workload.optimizer, workload.args,
+                            to_jax_mesh(problem.mesh), DONATE_ARGNUMS, isolated=True)
+  cost = problem.plan_cost(decisions, pipeline)
+  simulated = {**simulated_metrics(problem, decisions, pipeline), "step_time": float(cost.step_time),
+               "fits": bool(cost.fits), "stage_permute_bytes": float(cost.terms.permute_bytes)}
+  compiled = {**compiled_metrics(lowered.stats), **implied_cost(problem, lowered.stats),
+              "stage_permute_bytes": stage_permute_bytes(lowered.stats, pipeline)}
+  return PlanCheck(case=case, devices=problem.mesh.num_devices, plan=plan, searched=False,
+                   decisions=tuple(map(str, decisions)), simulated=simulated, compiled=compiled, differences=0,
+                   seconds=time.perf_counter() - start, pipeline=pipeline.to_json())
+
+
 def check_case(name: str, search: Search | None = None, seed: int = 0,
-               report: Callable[[PlanCheck], None] = lambda check: None) -> list[PlanCheck]:
-  """Every applicable expert plan of case `name` and the plans `search` finds."""
+               report: Callable[[PlanCheck], None] = lambda check: None, pipelines: bool = False) -> list[PlanCheck]:
+  """Every applicable expert plan of case `name` and the plans `search` finds; with
+  `pipelines`, every applicable pipelined expert plan instead, in GPipe order (those of
+  one plan and pipeline once)."""
   case = validation_case(name)
   workload = case.make_workload(abstract=True)
   problem = trace_problem(workload, case.mesh, validation_mesh(case).hardware)
+  checks = []
+  if pipelines:
+    seen = []
+    for plan, (decisions, pipeline) in tactics.applicable_pipelines(problem).items():
+      pipeline = dataclasses.replace(pipeline, schedule="gpipe")
+      if (decisions, pipeline) in seen:
+        continue
+      seen.append((decisions, pipeline))
+      checks.append(check_pipelined_plan(name, problem, workload, plan, decisions, pipeline))
+      report(checks[-1])
+    return checks
   plans = [(plan, decisions, False) for plan, decisions in tactics.applicable(problem).items()]
   if search is not None:
     plans += [(plan, list(decisions), True) for plan, decisions in search(problem, seed).items()]
-  checks = []
   for plan, decisions, searched in plans:
     checks.append(check_plan(name, problem, workload, plan, decisions, searched))
     report(checks[-1])
@@ -217,6 +267,7 @@ def summarize(checks: Sequence[PlanCheck]) -> dict[str, float]:
     if simulated or compiled:
       count_ratio.append(max(simulated, compiled) / max(min(simulated, compiled), 1e-9))
   gaps = [g["gap"] for g in exploit_gaps(checks)]
+  pipelined = [c for c in checks if c.pipeline is not None]
   return {
       "plans": len(checks),
       "realized_fraction": float(np.mean([c.differences == 0 for c in checks])) if checks else math.nan,
@@ -224,6 +275,8 @@ def summarize(checks: Sequence[PlanCheck]) -> dict[str, float]:
       "collective_counts_within_2x_fraction": float(np.mean([r <= 2.0 for r in count_ratio])) if count_ratio else math.nan,
       "flops_median_rel_error": error("flops"),
       "memory_median_rel_error": error("peak_memory"),
+      "stage_permute_bytes_median_rel_error": median([
+          relative_error(c.simulated["stage_permute_bytes"], c.compiled["stage_permute_bytes"]) for c in pipelined]),
       "pairwise_rank_agreement": pairwise_agreement(checks),
       "exploit_gap_median": median(gaps),
       "exploit_gap_median_abs": median(np.abs(gaps)),

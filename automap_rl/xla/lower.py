@@ -30,8 +30,9 @@ module's shardings are compared with the plan's (`automap_rl.xla.realized`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -50,7 +51,7 @@ from automap_rl.xla.numerics import host_copy, program_depth
 from automap_rl.xla.realized import (Expected, ShardingDifference, normalize, partitioner_input, scope_name,
                                      sharding_differences)
 
-__all__ = ["Lowered", "LoweringError", "lower"]
+__all__ = ["Lowered", "LoweringError", "lower", "lowering_errors"]
 
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
@@ -298,6 +299,18 @@ def _lowering_error(problem: Problem, decisions: Sequence[Decision], complaint: 
                        f"{shapes(op.operands, operands)} -> {shapes(op.results, results)}{more}.")
 
 
+@contextlib.contextmanager
+def lowering_errors(problem: Problem, decisions: Sequence[Decision]) -> Iterator[None]:
+  """Compiling the plan `decisions` inside: XLA's abort (in a child process) or error
+  becomes a one-line `LoweringError` naming the op it is about."""
+  try:
+    yield
+  except CompileAborted as e:
+    raise _lowering_error(problem, decisions, f"aborted: {e}") from None
+  except jax.errors.JaxRuntimeError as e:
+    raise _lowering_error(problem, decisions, str(e).strip().splitlines()[0]) from None
+
+
 def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any], args: Sequence[Any], *,
           jax_mesh: jax.sharding.Mesh | None = None, donate_argnums: Sequence[int] = (),
           isolated: bool = True) -> Lowered:
@@ -358,13 +371,9 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   jitted = jax.jit(interpreted, in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=tuple(donate_argnums))
   stage = jitted.lower(*args)
-  try:
+  with lowering_errors(problem, decisions):
     partitioned = partitioner_input(stage, mesh.devices, isolated)
     compiled = stage.compile(compiler_options=quick_compile_options(mesh.devices.flat[0].platform))
-  except CompileAborted as e:
-    raise _lowering_error(problem, decisions, f"aborted: {e}") from None
-  except jax.errors.JaxRuntimeError as e:
-    raise _lowering_error(problem, decisions, str(e).strip().splitlines()[0]) from None
   if partitioned is None and mesh.devices.size > 1:
     raise RuntimeError(f"The sharding check of a {mesh.devices.size}-device plan got no module from XLA's "
                        "partitioner dump (the direct compile failed where jax's compile did not).")

@@ -63,10 +63,12 @@ from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.workloads.training import make_train_step
 from automap_rl.xla.hlo import inspect_compiled
-from automap_rl.xla.lower import Lowered, _bind, _call_body, interpret
+from automap_rl.xla.isolated import compile_directly
+from automap_rl.xla.lower import Lowered, _bind, _call_body, interpret, lowering_errors
 from automap_rl.xla.numerics import program_depth
 
-__all__ = ["batch_axes", "gpipe", "jit_pipelined", "lower_pipelined", "pipelined_loss", "staged_specs"]
+__all__ = ["batch_axes", "check_lowerable", "gpipe", "jit_pipelined", "lower_pipelined", "pipelined_loss",
+           "staged_specs"]
 
 
 def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any], carries: Sequence[Any],
@@ -115,7 +117,7 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
     weights = [w[0] for w in weights]
     stage = jax.lax.axis_index(axis)
     ys_shape = jax.eval_shape(run_stage, consts, weights, [i[0] for i in inputs])[1]
-    shift = [(s, (s + 1) % s_count) for s in range(s_count)]
+    shift = [(s, s + 1) for s in range(s_count - 1)]  # The last stage sends nothing on.
 
     def tick(state, t):
       received, outputs, ys_sum = state
@@ -216,8 +218,10 @@ def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: Layer
   return loss
 
 
-def _check_lowerable(pipeline: Pipeline, stack: LayerStack, mesh_axis_size: int, args: Sequence[Any]) -> None:
-  """Raises NotImplementedError (one line) for what the lowering does not run yet."""
+def check_lowerable(pipeline: Pipeline, stack: LayerStack, mesh_axis_size: int, args: Sequence[Any]) -> None:
+  """Raises NotImplementedError (one line) for what the lowering does not run yet: the
+  interleaved schedule, fewer stages than the stage axis's `mesh_axis_size` devices, an
+  unrolled `stack`, a step whose `args` are not `(params, opt_state, batch)`."""
   if pipeline.chunks > 1:
     raise NotImplementedError(f"the interleaved schedule is priced but not lowered yet ({pipeline}); GPipe and 1F1B are")
   if pipeline.stages != mesh_axis_size:
@@ -274,7 +278,7 @@ def jit_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pip
   """
   program, mesh = problem.program, problem.mesh
   stack = pipeline.check(program, problem.named, mesh)
-  _check_lowerable(pipeline, stack, mesh.axis_size(pipeline.axis), args)
+  check_lowerable(pipeline, stack, mesh.axis_size(pipeline.axis), args)
   loss = pipelined_loss(loss_fn, pipeline, stack, batch_axes(problem, decisions), jax_mesh)
   step = make_train_step(loss, optimizer)
   specs = staged_specs(problem, decisions, pipeline, stack, [*program.inputs, *program.outputs])
@@ -292,14 +296,27 @@ def jit_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pip
 
 def lower_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline,
                     loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, args: Sequence[Any],
-                    jax_mesh: jax.sharding.Mesh, donate_argnums: Sequence[int] = ()) -> Lowered:
+                    jax_mesh: jax.sharding.Mesh, donate_argnums: Sequence[int] = (), isolated: bool = False) -> Lowered:
   """Compiles `jit_pipelined`'s step for `args` (arrays or `jax.ShapeDtypeStruct`s): a
   `Lowered` with its collectives (the stage transfers are collective-permutes over the
   stage axis), flops and memory. Its `differences` are empty: the intermediates are not
-  pinned (module docstring), so there is no plan to compare them with."""
+  pinned (module docstring), so there is no plan to compare them with.
+
+  `isolated`: first compile the module in a child process (`isolated.compile_directly`,
+  one more compile), so that an XLA abort raises `LoweringError` here instead of killing
+  this process (`validate` runs random plans so; `Plan.check` runs expert ones without).
+
+  Raises:
+    LoweringError: XLA raised, or (isolated) aborted or timed out, compiling the step.
+    NotImplementedError: see `jit_pipelined`.
+  """
   jitted, in_shardings, out_shardings = jit_pipelined(problem, decisions, pipeline, loss_fn, optimizer, args, jax_mesh,
                                                       donate_argnums)
-  compiled = jitted.lower(*args).compile(compiler_options=quick_compile_options(jax_mesh.devices.flat[0].platform))
+  stage = jitted.lower(*args)
+  with lowering_errors(problem, decisions):
+    if isolated:
+      compile_directly(stage, jax_mesh.devices)
+    compiled = stage.compile(compiler_options=quick_compile_options(jax_mesh.devices.flat[0].platform))
   stats = inspect_compiled(compiled, problem.mesh.axis_names, problem.mesh.axis_sizes)
   return Lowered(jitted, compiled, in_shardings, out_shardings, stats, jax_mesh, (),
                  program_depth(problem.program))

@@ -4,6 +4,8 @@ the compiled comm bytes, collective counts, flops and peak memory, and the numer
 One trace and one `Problem` per (model, mesh); plans are the expert tactics of
 `automap_rl.tactics` plus seeded random decision lists. Each plan is lowered
 (`automap_rl.xla.lower`), compiled, run and compared with the unpartitioned step.
+Random pipelined plans (`RandomSuite.pipelines`) put random decisions inside a random GPipe
+pipeline of a scanned layer stack and lower it with `automap_rl.xla.pipeline_lower`.
 """
 
 from __future__ import annotations
@@ -20,18 +22,23 @@ from typing import Any
 import numpy as np
 
 from automap_rl import ir, workloads, tactics
-from automap_rl.mesh import make_mesh
-from automap_rl.problem import Problem
+from automap_rl.ir.stacks import layer_stacks
+from automap_rl.mesh import Hardware, make_mesh, to_jax_mesh
+from automap_rl.pipeline import Pipeline, batch_size
+from automap_rl.problem import PipelineProblem, Problem
 from automap_rl.sharding import Decision
 from automap_rl.simulator import KINDS
 from automap_rl.simulator.tables import dense_group_factors, program_flops
+from automap_rl.stages import EVERY_STAGE, Phase
 from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import LoweringError, lower
+from automap_rl.xla.pipeline_lower import check_lowerable, lower_pipelined
 from automap_rl.xla.numerics import NumericsError, Reference, compare_outputs, reference_outputs
 
 __all__ = [
-    "SUITES", "Case", "RandomSuite", "Suite", "compiled_metrics", "plans_for", "random_plan", "run_case", "run_random",
-    "run_suite", "simulated_flops", "simulated_metrics", "summarize_cases",
+    "PIPELINE_MESHES", "PIPELINE_MODELS", "SUITES", "Case", "RandomSuite", "Suite", "compiled_metrics",
+    "pipelined_flops", "plans_for", "random_pipeline", "random_pipelined_plan", "random_plan", "run_case",
+    "run_random", "run_suite", "simulated_flops", "simulated_metrics", "summarize_cases",
 ]
 
 DONATE_ARGNUMS = (0, 1)  # params and optimizer state, as `experiments.inspect_cmd` traces them.
@@ -87,7 +94,8 @@ class Case:
   values XLA shards otherwise than the plan (`Lowered.differences`, as dicts), empty when
   the plan is realized as written; `reference` is what the numerics were compared with
   (`Reference.note`: `float64`, or float32 and why); `lowering_error` is the
-  `LoweringError` of a plan XLA could not compile (then `compiled` is empty)."""
+  `LoweringError` of a plan XLA could not compile (then `compiled` is empty); `pipeline`
+  is a pipelined plan's `Pipeline.to_json`, None for a plan without one."""
 
   model: str
   mesh: str
@@ -101,29 +109,25 @@ class Case:
   differences: tuple[dict[str, Any], ...] = ()
   reference: str = "float64"
   lowering_error: str | None = None
+  pipeline: dict[str, Any] | None = None
 
 
 # -- metrics ------------------------------------------------------------------------------
 
 
-def simulated_flops(problem: Problem, resolution: Any) -> float:
-  """Per-device flops of a resolved plan: `program_flops * repeat / shards` summed over
-  program ops, with XLA's fusion decisions taken on the plan's per-device value shapes
-  (which reductions are large enough for a library kernel depends on them; see
-  `simulator.fusion.fusion_copies`). An op's shard count is the product of the mesh
-  axes its factors are sharded on; an op without a signature of its own (`op_sig == -1`:
-  it follows its values) is sharded like its first result. A batch-grouped convolution
-  that the backend computes dense counts its device's groups times (see
-  `simulator.tables.dense_group_factors`)."""
-  group = np.asarray(problem.tables.mask_group)
+def _op_device_flops(program: ir.Program, sigs: Any, mask_group: np.ndarray, hardware: Hardware,
+                     resolution: Any) -> np.ndarray:
+  """Per-device flops of each op of `program` under a resolved plan, its repeat count
+  included (see `simulated_flops`), float [num_ops]. `mask_group`: devices of each mesh
+  axes mask of the mesh the plan resolves on."""
+  group = np.asarray(mask_group)
   op_shards = group[np.bitwise_or.reduce(np.asarray(resolution.op_mask), axis=1)]  # [Uo]
   value_masks = np.asarray(resolution.value_mask)  # [Uv, Rv]
   value_shards = group[np.bitwise_or.reduce(value_masks, axis=1)]  # [Uv]
-  sigs, program = problem.sigs, problem.program
   shapes = [tuple(d // int(group[m]) for d, m in zip(v.shape, value_masks[sigs.value_sig[v.id]]))
             for v in program.values]
   flops = program_flops(program, shapes)
-  dense = dense_group_factors(program, problem.mesh.hardware)
+  dense = dense_group_factors(program, hardware)
 
   def shards(op) -> float:
     if sigs.op_sig[op.id] >= 0:
@@ -136,18 +140,53 @@ def simulated_flops(problem: Problem, resolution: Any) -> float:
     factor_mask = np.asarray(resolution.op_mask)[sigs.op_sig[op.id], dense[op.id]]
     return op.rule.factor_sizes[dense[op.id]] / group[factor_mask]
 
-  return float(sum(op.repeat * flops[op.id] * local_groups(op) / shards(op) for op in program.ops))
+  return np.array([op.repeat * flops[op.id] * local_groups(op) / shards(op) for op in program.ops], np.float64)
 
 
-def simulated_metrics(problem: Problem, decisions: Sequence[Decision]) -> dict[str, Any]:
-  """The simulator's view of a plan (see `Case`)."""
-  cost = problem.cost(decisions)
-  by_kind = {k: float(b) for k, b in zip(KINDS, np.asarray(cost.comm_bytes))}
+def simulated_flops(problem: Problem, resolution: Any) -> float:
+  """Per-device flops of a resolved plan: `program_flops * repeat / shards` summed over
+  program ops, with XLA's fusion decisions taken on the plan's per-device value shapes
+  (which reductions are large enough for a library kernel depends on them; see
+  `simulator.fusion.fusion_copies`). An op's shard count is the product of the mesh
+  axes its factors are sharded on; an op without a signature of its own (`op_sig == -1`:
+  it follows its values) is sharded like its first result. A batch-grouped convolution
+  that the backend computes dense counts its device's groups times (see
+  `simulator.tables.dense_group_factors`)."""
+  return float(_op_device_flops(problem.program, problem.sigs, problem.tables.mask_group, problem.mesh.hardware,
+                                resolution).sum())
+
+
+def pipelined_flops(pipelined: PipelineProblem, resolution: Any) -> float:
+  """Per-device flops of a pipelined plan on its busiest stage, as the simulator places
+  the ops (`stages.StagedProgram`): its microbatch program's ops (at microbatch size, a
+  scanned stack's loops at L / S layers) M times, its step ops once; `simulated_flops`'s
+  rules per op, on the stage mesh. `resolution`: `PipelineProblem.resolution`'s."""
+  staged = pipelined.staged
+  per_op = _op_device_flops(staged.program, pipelined.problem.sigs, pipelined.tables.tables.mask_group,
+                            staged.mesh.hardware, resolution)
+  per_op = per_op * np.where(staged.op_phase == Phase.STEP, 1, pipelined.pipeline.microbatches)
+  on = lambda s: (staged.op_stage == s) | (staged.op_stage == EVERY_STAGE)
+  return float(max(per_op[on(s)].sum() for s in range(pipelined.pipeline.stages)))
+
+
+def simulated_metrics(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None = None
+                      ) -> dict[str, Any]:
+  """The simulator's view of a plan (see `Case`); with a pipeline, of the pipelined step
+  (`Problem.plan_cost`: comm per device of the pace-setting stage, peak of the largest
+  stage; `pipelined_flops`), its stage transfers as `collective_permute_bytes` apart."""
+  if pipeline is None:
+    cost, flops = problem.cost(decisions), simulated_flops(problem, problem.resolution(decisions))
+  else:
+    pipelined = problem.pipelined(pipeline)
+    cost, flops = pipelined.cost(decisions), pipelined_flops(pipelined, pipelined.resolution(decisions))
+  comm_bytes, comm_count = np.asarray(cost.comm_bytes), np.asarray(cost.comm_count)
+  by_kind = {k: float(b) for k, b in zip(KINDS, comm_bytes)}
   return {
       "comm_bytes": sum(by_kind.values()),
       "comm_bytes_by_kind": by_kind,
-      "comm_count_by_kind": {k: float(c) for k, c in zip(KINDS, np.asarray(cost.comm_count))},
-      "flops": simulated_flops(problem, problem.resolution(decisions)),
+      "comm_count_by_kind": {k: float(c) for k, c in zip(KINDS, comm_count)},
+      "collective_permute_bytes": float(comm_bytes[len(KINDS):].sum()),
+      "flops": flops,
       "peak_memory": float(cost.peak_memory),
   }
 
@@ -199,6 +238,61 @@ def random_plan(problem: Problem, rng: np.random.Generator, max_decisions: int) 
   return [Decision(pairs[i][0], pairs[i][1]) for i in chosen]
 
 
+def random_pipeline(problem: Problem, args: Sequence[Any], rng: np.random.Generator) -> Pipeline:
+  """A random GPipe pipeline that `pipeline_lower` runs for the step's example `args`: a
+  random scanned layer stack and mesh axis whose size divides its layers, as many stages
+  as the axis has devices, and 4 or 8 microbatches (those that divide the batch).
+
+  Raises:
+    ValueError: the program and mesh have no such pipeline (one line saying why).
+  """
+  program, mesh = problem.program, problem.mesh
+  batch = batch_size(program)
+  counts = [m for m in (4, 8) if batch % m == 0]
+  options = []
+  for index, stack in enumerate(layer_stacks(program, problem.named)):
+    for axis, size in zip(mesh.axis_names, mesh.axis_sizes):
+      if size < 2 or stack.layers % size:
+        continue
+      for m in counts:
+        pipeline = Pipeline(axis, stages=size, microbatches=m, schedule="gpipe", stack=index)
+        try:
+          check_lowerable(pipeline, stack, size, args)
+        except NotImplementedError:
+          continue
+        options.append(pipeline)
+  if not options:
+    stacks = "; ".join(s.describe() for s in layer_stacks(program, problem.named)) or "no layer stack"
+    raise ValueError(f"no lowerable GPipe pipeline (a scanned stack whose layers an axis of {mesh.axis_names} "
+                     f"{mesh.axis_sizes} divides, 4 or 8 microbatches of the batch of {batch}, a step of (params, "
+                     f"opt_state, batch)); the program has: {stacks}")
+  return options[int(rng.integers(len(options)))]
+
+
+def random_pipelined_plan(problem: Problem, args: Sequence[Any], rng: np.random.Generator, max_decisions: int
+                          ) -> tuple[list[Decision], Pipeline]:
+  """`random_pipeline` with up to `max_decisions` random (named dimension, mesh axis)
+  decisions inside its stages: pairs off the stage axis whose class size the axis
+  divides, each kept only where the plan still divides at microbatch and stage size
+  (`PipelineProblem.resolution`)."""
+  pipeline = random_pipeline(problem, args, rng)
+  pipelined, mesh = problem.pipelined(pipeline), problem.mesh
+  pairs = [(c.id, a) for c in problem.named.classes for a, n in zip(mesh.axis_names, mesh.axis_sizes)
+           if a != pipeline.axis and c.size % n == 0 and c.size > 1]
+  count = int(rng.integers(1, max_decisions + 1))
+  decisions: list[Decision] = []
+  for i in rng.permutation(len(pairs)):
+    if len(decisions) == count:
+      break
+    candidate = [*decisions, Decision(*pairs[i])]
+    try:
+      pipelined.resolution(candidate)
+    except ValueError:
+      continue
+    decisions = candidate
+  return decisions, pipeline
+
+
 def plans_for(problem: Problem, suite: Suite, seed: int) -> dict[str, list[Decision]]:
   """Expert plans then `suite.random_plans` random ones (`random_0`, ...)."""
   plans = tactics.applicable(problem)
@@ -212,28 +306,33 @@ def plans_for(problem: Problem, suite: Suite, seed: int) -> dict[str, list[Decis
 
 
 def run_case(problem: Problem, workload: workloads.Workload, mesh_spec: str, plan: str,
-             decisions: Sequence[Decision], reference: Reference, isolated: bool = True) -> Case:
+             decisions: Sequence[Decision], reference: Reference, isolated: bool = True,
+             pipeline: Pipeline | None = None) -> Case:
   """Lowers (`isolated`: compiling in a child process first, see `lower`), compiles and
   runs one plan; `reference` is `reference_outputs` of the step. A plan XLA cannot compile
-  is a failed case with its `lowering_error`."""
+  is a failed case with its `lowering_error`. With a `pipeline`, the pipelined step of
+  the workload's loss function and optimizer (`pipeline_lower.lower_pipelined`)."""
   start = time.perf_counter()
+  common = dict(model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
+                simulated=simulated_metrics(problem, decisions, pipeline), reference=reference.note,
+                pipeline=None if pipeline is None else pipeline.to_json())
   try:
-    lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS,
-                    isolated=isolated)
+    if pipeline is None:
+      lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS,
+                      isolated=isolated)
+    else:
+      lowered = lower_pipelined(problem, decisions, pipeline, workload.loss_fn, workload.optimizer, workload.args,
+                                to_jax_mesh(problem.mesh), DONATE_ARGNUMS, isolated)
   except LoweringError as e:
-    return Case(model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
-                simulated=simulated_metrics(problem, decisions), compiled={}, numerics_ok=False, numerics_error=None,
-                seconds=time.perf_counter() - start, reference=reference.note, lowering_error=str(e))
+    return Case(**common, compiled={}, numerics_ok=False, numerics_error=None, seconds=time.perf_counter() - start,
+                lowering_error=str(e))
   error = None
   try:
     compare_outputs(reference, lowered.run(workload.args), lowered.depth)
   except NumericsError as e:
     error = str(e)
-  return Case(
-      model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
-      simulated=simulated_metrics(problem, decisions), compiled=compiled_metrics(lowered.stats),
-      numerics_ok=error is None, numerics_error=error, seconds=time.perf_counter() - start,
-      differences=tuple(dataclasses.asdict(d) for d in lowered.differences), reference=reference.note)
+  return Case(**common, compiled=compiled_metrics(lowered.stats), numerics_ok=error is None, numerics_error=error,
+              seconds=time.perf_counter() - start, differences=tuple(dataclasses.asdict(d) for d in lowered.differences))
 
 
 def trace_workload(workload: workloads.Workload) -> ir.Program:
@@ -262,44 +361,80 @@ def run_suite(suite: Suite, report: Callable[[Case], None] = lambda case: None) 
   return cases
 
 
+# `validate --random N --pipelines` by default: small models with a scanned stack of 4
+# layers (GPT in linen, Llama in nnx, the Mamba SSM in Equinox), on meshes of 8 devices
+# with an axis of 2 and one of 4 to put stages on.
+PIPELINE_MODELS = (
+    "gpt:layers=4,d_model=32,heads=2,seq=16,vocab=64,batch=8,scan=true",
+    "llama:layers=4,d_model=32,heads=2,kv_heads=1,d_ff=64,seq=16,vocab=64,batch=8",
+    "ssm:layers=4,d_model=16,seq=16,vocab=64,batch=8",
+)
+PIPELINE_MESHES = ("stage=2,data=2,model=2", "stage=4,data=2")
+
+
 @dataclasses.dataclass(frozen=True)
 class RandomSuite:
   """`automap-rl validate --random N`: random plans, numerics first.
 
   Attributes:
-    models: workload specs; default every family at small size (`workloads.SMALL`).
+    models: workload specs; None: every family at small size (`workloads.SMALL`), or
+      with `pipelines` `PIPELINE_MODELS`.
     plans: random plans per model, on the meshes in turn.
-    meshes: the meshes (8 devices each).
+    meshes: the meshes (8 devices each); None: `data=8` and `data=2,model=4`, or with
+      `pipelines` `PIPELINE_MESHES`.
     max_random_decisions: decisions per plan, 1 to this many (`random_plan`).
     seed: seeds the workloads and the plans.
     hardware: the simulator's hardware profile.
     workers: processes running plans side by side (each with its own jax and compiling
       child); the cases and their order do not depend on it.
+    pipelines: every plan is pipelined: random decisions inside a random GPipe pipeline
+      (`random_pipelined_plan`).
   """
 
-  models: tuple[str, ...] = tuple(workloads.SMALL.values())
+  models: tuple[str, ...] | None = None
   plans: int = 10
-  meshes: tuple[str, ...] = ("data=8", "data=2,model=4")
+  meshes: tuple[str, ...] | None = None
   max_random_decisions: int = 4
   seed: int = 0
   hardware: str = "cpu"
   workers: int = 1
+  pipelines: bool = False
+
+  def __post_init__(self):
+    if self.models is None:
+      object.__setattr__(self, "models", PIPELINE_MODELS if self.pipelines else tuple(workloads.SMALL.values()))
+    if self.meshes is None:
+      object.__setattr__(self, "meshes", PIPELINE_MESHES if self.pipelines else ("data=8", "data=2,model=4"))
+
+
+# One random plan: its mesh, decisions and pipeline (None: not pipelined).
+RandomPlan = tuple[str, list[Decision], Pipeline | None]
 
 
 @functools.lru_cache(maxsize=1)
 def _random_model(suite: RandomSuite, m: int) -> tuple[workloads.Workload, Reference, dict[str, Problem],
-                                                         list[tuple[str, list[Decision]]]]:
+                                                         list[RandomPlan]]:
   """Model `m` of `suite`: its workload, reference outputs, one problem per mesh (one
-  trace) and its `suite.plans` (mesh, random plan) pairs, the same in every process."""
+  trace) and its `suite.plans` random plans, the same in every process.
+
+  Raises:
+    ValueError: with `suite.pipelines`, a model and mesh without a lowerable pipeline.
+  """
   workload = workloads.make_workload(suite.models[m], seed=suite.seed)
   reference = reference_outputs(workload.step, workload.args)
   program = trace_workload(workload)
   problems = {mesh: Problem.build(program, make_mesh(mesh, suite.hardware)) for mesh in suite.meshes}
   rng = np.random.default_rng(suite.seed * 1000 + m)
-  plans = []
+  plans: list[RandomPlan] = []
   for i in range(suite.plans):
     mesh = suite.meshes[i % len(suite.meshes)]
-    plans.append((mesh, random_plan(problems[mesh], rng, suite.max_random_decisions)))
+    if not suite.pipelines:
+      plans.append((mesh, random_plan(problems[mesh], rng, suite.max_random_decisions), None))
+      continue
+    try:
+      plans.append((mesh, *random_pipelined_plan(problems[mesh], workload.args, rng, suite.max_random_decisions)))
+    except ValueError as e:
+      raise ValueError(f"{suite.models[m]} on {mesh}: {e}") from None
   return workload, reference, problems, plans
 
 
@@ -307,8 +442,8 @@ def _random_cases(suite: RandomSuite, m: int, start: int, stop: int) -> Iterator
   """Random plans `start` to `stop` of model `m`, each lowered, run and checked."""
   workload, reference, problems, plans = _random_model(suite, m)
   for i in range(start, stop):
-    mesh, decisions = plans[i]
-    yield run_case(problems[mesh], workload, mesh, f"random_{i}", decisions, reference)
+    mesh, decisions, pipeline = plans[i]
+    yield run_case(problems[mesh], workload, mesh, f"random_{i}", decisions, reference, pipeline=pipeline)
 
 
 def _random_case_list(suite: RandomSuite, m: int, start: int, stop: int) -> list[Case]:
@@ -373,13 +508,14 @@ def _median_error(cases: Sequence[Case], key: str) -> float:
 def summarize_cases(cases: Sequence[Case]) -> dict[str, float]:
   """The headline figures: numerics over all cases (a plan that does not compile fails),
   the simulator's errors over the compiled ones; `xla_aborts` counts plans XLA aborted on
-  (in the child process)."""
+  (in the child process), `pipelined_cases` the pipelined plans."""
   everything, cases = cases, [c for c in cases if c.lowering_error is None]
   column = lambda side, key: [getattr(c, side)[key] for c in cases]
   return {
       "num_cases": len(everything),
       "lowering_errors": len(everything) - len(cases),
       "xla_aborts": sum("(aborted:" in (c.lowering_error or "") for c in everything),
+      "pipelined_cases": sum(c.pipeline is not None for c in everything),
       "comm_bytes_median_rel_error": _median_error(cases, "comm_bytes"),
       "comm_bytes_spearman": spearman(column("simulated", "comm_bytes"), column("compiled", "comm_bytes")),
       "flops_median_rel_error": _median_error(cases, "flops"),
