@@ -121,8 +121,12 @@ class SearchResult:
     setup_seconds: of `seconds`, how many went to building the environment and compiling.
     pipeline: the plan's pipeline stages (`decisions` apply inside every stage; `cost` is
       then `Problem.plan_cost(decisions, pipeline)`), or None.
-    stopped_by: the budget limit that ended the search early (`simulations` or
-      `seconds`), or None when the agent does not say or searched its whole space.
+    stopped_by: the limit that ended the search early (`simulations`, `seconds` or,
+      for an agent with a memory ceiling, `memory`), or None when the agent does not say
+      or searched its whole space.
+    lower_bound: a proven lower bound on the step time (seconds) of every plan in the
+      space the agent searched, for agents that prove one (the ILP: its strategy graph's
+      plans, priced without collective combining), else None.
     greedy_steps: plans evaluated on a policy's greedy path (`agents.learned`), outside
       the budget: that path always completes, and the budget buys search beyond it.
   """
@@ -138,6 +142,7 @@ class SearchResult:
   action_ids: tuple[int, ...] = ()
   pipeline: Pipeline | None = None
   stopped_by: str | None = None
+  lower_bound: float | None = None
   greedy_steps: int = 0
 
   @property

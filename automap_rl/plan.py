@@ -333,6 +333,11 @@ class Plan:
     if self.search is not None:
       s = self.search
       lines[0] += f": {s.simulations} simulations in {s.seconds:.1f}s ({s.setup_seconds:.1f}s setup)"
+      if s.stopped_by is not None:
+        lines[0] += f", stopped by its {s.stopped_by} limit"
+      if s.lower_bound is not None:
+        lines.append(f"lower bound on the step time of the plans searched: {s.lower_bound * 1e3:.3f} ms "
+                     "(see SearchResult.lower_bound)")
       names = s.actions
     else:
       names = [str(d) for d in self.decisions]

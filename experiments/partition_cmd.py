@@ -230,7 +230,8 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   result["trace"] = [] if found is None else found.trace_dicts()
   if found is not None:
     result.update(actions=found.actions, simulations=found.simulations, greedy_steps=found.greedy_steps,
-                  seed=config.seed, budget=config.budget, setup_seconds=found.setup_seconds)
+                  seed=config.seed, budget=config.budget, setup_seconds=found.setup_seconds,
+                  stopped_by=found.stopped_by, lower_bound=found.lower_bound)
   print(f"{name} on {config.mesh} ({config.hardware}), "
         + (f"tactic {config.tactic}" if found is None else f"agent {config.agent}, seed {config.seed}")
         + f": {len(decisions)} decisions")

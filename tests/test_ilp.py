@@ -40,3 +40,44 @@ def test_a_graph_too_large_for_the_solver_returns_the_best_expert_with_a_warning
   with pytest.warns(UserWarning, match="pair-cost entries"):
     result = ilp.search(problem, budget=Seconds(5))
   assert result.cost.step_time == pytest.approx(float(expert_cost.step_time))
+
+
+def _small_problem(spec: str = "gpt:layers=4,d_model=64,heads=4,seq=32,vocab=128,batch=8"):
+  from automap_rl.mesh import make_mesh
+  from automap_rl.problem import Problem
+  return Problem.build(workloads.make_workload(spec, abstract=True).trace(), make_mesh("data=2,model=4", "h100"))
+
+
+@pytest.mark.parametrize("limit, config, budget, message", [
+    ("seconds", ilp.ILPConfig(), Seconds(0.01), "time budget"),
+    ("memory", ilp.ILPConfig(max_resident_gib=0.01), Seconds(60), "memory ceiling"),
+])
+def test_a_limit_stops_the_search_and_returns_the_best_expert_naming_it(limit, config, budget, message):
+  problem = _small_problem()
+  expert_cost = tactics.best_expert_plan(problem).cost
+  with pytest.warns(UserWarning, match=message):
+    result = ilp.search(problem, config, budget=budget)
+  assert result.stopped_by == limit
+  assert result.lower_bound is None
+  assert result.step_time == pytest.approx(float(expert_cost.step_time))
+  if limit == "seconds":  # Stopped at the first check past the deadline, not after the build.
+    assert result.seconds < 30
+
+
+def test_a_tied_search_is_never_worse_than_the_best_expert_and_bounds_its_graph():
+  problem = _small_problem()
+  expert = tactics.best_expert_plan(problem)
+  result = ilp.search(problem, budget=Seconds(20))
+  assert result.stopped_by is None
+  assert bool(result.cost.fits)
+  assert result.step_time <= float(expert.cost.step_time) * (1 + 1e-6)
+  # The bound holds for the graph's cost (no combining) of the tied graph's plans.
+  graph = strategy_graph.build(problem, strategy_graph.order_from(problem, expert.decisions),
+                               strategy_graph.tied_classes(problem))
+  assert graph.tied
+  assert result.lower_bound is not None and result.lower_bound > 0
+  uncombined = strategy_graph.without_combining(problem)
+  for plan in (expert.decisions, result.decisions):
+    assignment = graph.assignment_of(list(plan))
+    if assignment is not None:
+      assert result.lower_bound <= float(uncombined.cost(graph.decisions(graph.choice(assignment))).step_time) * (1 + 1e-6)

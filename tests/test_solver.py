@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from automap_rl.solver import (
     FORBIDDEN,
+    LimitReached,
+    Limits,
     StrategyGraph,
     evaluate,
     is_feasible,
@@ -150,6 +152,30 @@ def test_solve_finds_the_brute_force_optimum(lists):
   result = solve(graph, timeout_s=2, seed=0)
   assert result.cost == cost
   assert evaluate(graph, result.choice).feasible
+  assert result.lower_bound is not None and result.lower_bound <= cost + 1e-9 * max(abs(cost), 1)
+
+
+def test_the_lower_bound_proves_an_optimum_the_memory_limit_does_not_bind():
+  """Without a binding limit the pairwise relaxation of a chain is tight: the bound
+  reaches the optimum (and a wrong bound, above some plan's cost, fails here)."""
+  rng = np.random.default_rng(0)
+  n, k = 12, 3
+  costs = rng.integers(0, 100, (n, k)).tolist()
+  edge_costs = rng.integers(0, 100, (n - 1, k * k)).tolist()
+  graph = StrategyGraph.from_lists(costs, [[0] * k] * n, [[0, 1]] * n, [[i, i + 1] for i in range(n - 1)],
+                                   edge_costs, usage_limit=None)
+  result = solve(graph, timeout_s=3, seed=0)
+  assert result.lower_bound == pytest.approx(result.cost)
+
+
+def test_a_memory_ceiling_stops_the_solver_before_it_has_a_plan():
+  graph = to_graph({"costs": [[1, 2], [3, 4]], "usages": [[1, 1], [1, 1]], "intervals": [[0, 1], [0, 1]],
+                    "edges": [[0, 1]], "edge_costs": [[0, 1, 1, 0]], "limit": None})
+  with pytest.raises(LimitReached, match="resident memory") as raised:
+    solve(graph, timeout_s=2, seed=0, limits=Limits(max_resident_bytes=1))
+  assert raised.value.limit == "memory"
+  with pytest.raises(LimitReached, match="time budget"):
+    solve(graph, timeout_s=2, seed=0, limits=Limits(deadline=0.0))
 
 
 def test_prices_of_a_segment_no_plan_fits_stay_finite():

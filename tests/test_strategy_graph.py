@@ -80,3 +80,30 @@ def test_live_pieces_sum_to_the_profile():
     assert amount > 0
     total[start:end] += amount
   np.testing.assert_allclose(total, profile)
+
+
+def test_tied_layers_share_nodes_and_the_graph_cost_is_still_the_simulator_cost():
+  problem = Problem.build(workloads.make_workload("gpt:layers=6,d_model=64,heads=4,seq=32,vocab=128,batch=8",
+                                                  abstract=True).trace(), make_mesh("data=2,model=4", "h100"))
+  tie = strategy_graph.tied_classes(problem)
+  assert len(set(tie.tolist())) < len(tie)  # The six layers' per-layer classes tie.
+  untied = strategy_graph.build(problem)
+  tied = strategy_graph.build(problem, tie=tie)
+  assert tied.tied and not untied.tied
+  assert tied.graph.num_nodes < untied.graph.num_nodes / 2 and tied.graph.num_edges < untied.graph.num_edges / 2
+  uncombined = strategy_graph.without_combining(problem)
+  rng = np.random.default_rng(1)
+  for _ in range(4):
+    assignment = {m: axis for members, domain in zip(tied.members, tied.domains) if len(domain) > 1
+                  and rng.random() < 0.5 for axis in [int(rng.choice(domain[1:]))] for m in members}
+    choice = tied.choice(assignment)
+    assert tied.assignment(choice) == assignment
+    cost = uncombined.cost(tied.decisions(choice))
+    assert solver.plan_cost(tied.graph, choice) == pytest.approx(float(cost.step_time), rel=1e-5)
+    assert solver.peak_usage(tied.graph, choice) == pytest.approx(float(cost.peak_memory), rel=1e-5)
+  # An assignment that splits tied classes is no plan of the tied graph.
+  members = next(m for m in tied.members if len(m) > 1)
+  axis = next(d[1] for m, d in zip(tied.members, tied.domains) if m == members)
+  with pytest.raises(ValueError, match="tied"):
+    tied.choice({members[0]: axis})
+  assert tied.assignment_of([Decision(members[0], problem.mesh.axis_names[axis])]) is None

@@ -3,7 +3,7 @@
 `StrategyGraph` is the generic problem (one strategy per node, node and edge
 costs, a memory limit over live intervals); `iopddl` reads and scores the
 ASPLOS/EuroSys 2025 IOPDDL contest format; `solve` finds a low-cost plan
-within the limit; `bench_iopddl` runs the solver on the contest instances.
+within the limit (and a lower bound) under a deadline and memory ceiling (`Limits`); `bench_iopddl` runs the solver on the contest instances.
 """
 
 from automap_rl.solver.bench import bench_iopddl, geometric_mean
@@ -11,11 +11,13 @@ from automap_rl.solver.graph import (
     FORBIDDEN,
     StrategyGraph,
     is_feasible,
+    offsets_from_counts,
     peak_usage,
     plan_cost,
     usage_profile,
 )
 from automap_rl.solver.iopddl import Evaluation, evaluate, load_problem, read_solution, write_solution
+from automap_rl.solver.limits import LimitReached, Limits, resident_bytes
 from automap_rl.solver.reduce import GraphTooLarge
 from automap_rl.solver.solve import SolveResult, solve
 
@@ -23,6 +25,8 @@ __all__ = [
     "FORBIDDEN",
     "Evaluation",
     "GraphTooLarge",
+    "LimitReached",
+    "Limits",
     "SolveResult",
     "StrategyGraph",
     "bench_iopddl",
@@ -30,9 +34,11 @@ __all__ = [
     "geometric_mean",
     "is_feasible",
     "load_problem",
+    "offsets_from_counts",
     "peak_usage",
     "plan_cost",
     "read_solution",
+    "resident_bytes",
     "solve",
     "usage_profile",
     "write_solution",

@@ -43,6 +43,7 @@ class Dual:
     slot = (self._slot_offsets[0][entry_pair] + k // k_h[entry_pair],
             self._slot_offsets[1][entry_pair] + k % k_h[entry_pair])
     self.slot_var = (_ranges(reduced.offsets[g], counts[g]), _ranges(reduced.offsets[h], k_h))
+    self._entry_slot = slot
     self.messages = [np.zeros(len(self.slot_var[0])), np.zeros(len(self.slot_var[1]))]
     self.color = _greedy_coloring(reduced)
     self.num_colors = int(self.color.max(initial=-1)) + 1
@@ -110,6 +111,27 @@ class Dual:
   def reparametrized_unary(self) -> np.ndarray:
     """[V] priced unary costs plus incoming messages."""
     return self.unary + self._incoming()
+
+  def lower_bound(self, prices: np.ndarray) -> float:
+    """A lower bound on the cost of every plan within the limit, for the prices last set
+    (`set_prices(prices)`) and the current messages. The messages move cost between the
+    groups and their pairs and keep the sum, so the priced cost of a plan is the sum over
+    pairs of its reparametrized pair cost plus 1/degree of each end's reparametrized
+    strategy cost (plus the costs of groups in no pair): at least the sum of those terms'
+    minima, which the sweeps drive up to the relaxation's optimum. A plan within the
+    limit costs at least its priced cost less the prices times the capacity (weak
+    duality)."""
+    reduced = self.reduced
+    unary = self.reparametrized_unary()
+    degree = np.bincount(reduced.pairs.ravel(), minlength=reduced.num_groups)
+    share = unary / np.maximum(degree, 1)[reduced.var_group]
+    total = float(np.minimum.reduceat(unary, reduced.offsets[:-1])[degree == 0].sum()) if reduced.num_groups else 0.0
+    if len(reduced.pairs):
+      row, col = (self.slot_var[side][self._entry_slot[side]] for side in (0, 1))
+      entries = (reduced.pair_costs - self.messages[0][self._entry_slot[0]] - self.messages[1][self._entry_slot[1]]
+                 + share[row] + share[col])
+      total += float(np.minimum.reduceat(entries, reduced.pair_offsets[:-1]).sum())
+    return total - float(np.dot(prices, self.memory.capacity.astype(np.float64)))
 
   def decode(self, pick: Callable[[int, np.ndarray], int] | None = None) -> np.ndarray:
     """[G] plan: colour by colour, each group's cheapest strategy given the

@@ -25,6 +25,7 @@ import dataclasses
 import numpy as np
 
 from automap_rl.solver.graph import StrategyGraph, is_forbidden, offsets_from_counts
+from automap_rl.solver.limits import Limits
 
 __all__ = ["GraphTooLarge", "Reduced", "reduce_graph"]
 
@@ -111,7 +112,7 @@ class _Grouping:
   members: dict[int, list[int]]  # root -> nodes of its group
 
 
-def reduce_graph(graph: StrategyGraph, max_entries: int | None = None) -> Reduced:
+def reduce_graph(graph: StrategyGraph, max_entries: int | None = None, limits: Limits = Limits()) -> Reduced:
   """Applies the exact reductions until none applies.
 
   Merging a node into a group with many strategies can grow the pair-cost matrices of its
@@ -122,10 +123,12 @@ def reduce_graph(graph: StrategyGraph, max_entries: int | None = None) -> Reduce
     graph: the strategy graph.
     max_entries: refuse (`GraphTooLarge`) a grouping whose edges between groups hold more
       entries than this, before allocating them; None: no limit.
+    limits: checked once a round.
 
   Raises:
     ValueError: if every plan picks a forbidden cost somewhere.
     GraphTooLarge: see `max_entries`.
+    LimitReached: past `limits`.
   """
   node_costs = _as_cost(graph.node_costs)
   edge_costs = _as_cost(graph.edge_costs)
@@ -134,6 +137,7 @@ def reduce_graph(graph: StrategyGraph, max_entries: int | None = None) -> Reduce
       root=np.arange(n), maps=[np.arange(c) for c in graph.num_strategies],
       members={i: [i] for i in range(n)})
   while True:
+    limits.check("reducing the graph")
     reduced = _build(graph, node_costs, edge_costs, state, max_entries)
     entries = _Entries(reduced)
     allowed = _arc_consistent(reduced, entries)

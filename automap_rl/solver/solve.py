@@ -21,7 +21,12 @@
    (around a tight time segment or a ball in the graph) exactly.
 
 Every stage keeps only plans within the limit, and the result is checked on
-the original graph before it is returned. Randomness comes from `seed` only,
+the original graph before it is returned. Each result carries a lower bound on
+the cost of every plan within the limit: the best Lagrangian bound of the
+pricing rounds (`Dual.lower_bound`) or, when higher, the whole MIP's dual bound.
+A `Limits` (deadline and memory ceiling) is checked in the reduction's loop and
+between stages and rounds; past it the best plan so far is returned with
+`stopped_by` naming the limit. Randomness comes from `seed` only,
 but stages stop on the wall clock, so results can differ between runs, the
 more so on a busy machine.
 
@@ -39,6 +44,7 @@ import numpy as np
 
 from automap_rl.solver.dual import Dual
 from automap_rl.solver.graph import StrategyGraph, is_feasible, plan_cost
+from automap_rl.solver.limits import LimitReached, Limits
 from automap_rl.solver.local import Budget, Layout, Plan
 from automap_rl.solver.memory import Memory, build_memory
 from automap_rl.solver.mip import group_cost, reoptimize
@@ -56,6 +62,8 @@ _WHOLE_MIP_ENTRIES = 150_000
 _SMALL_PATIENCE = 150
 # Small problems also build a plan within a usage budget every this many rounds.
 _SMALL_BUDGET_EVERY = 16
+# Pricing rounds between two Lagrangian bounds (one pass over the pair costs each).
+_BOUND_EVERY = 8
 # Prices stop rising at this multiple of the base price (about the cost per unit of
 # capacity): memory then outweighs every cost, and a segment no plan fits keeps a finite
 # price (rising 1.5x a round, prices overflowed to inf after about 1,750 rounds, and
@@ -90,9 +98,13 @@ class SolveResult:
     feasible: Whether it is within the usage limit with no forbidden cost
       (always True for a returned result).
     seconds: Wall time spent in `solve`.
-    lower_bound: HiGHS's proven lower bound on the optimal cost when the
-      whole-problem MIP finished (within a relative 1e-7 of `cost`); else None.
+    lower_bound: A proven lower bound on the cost of every plan within the
+      limit (at most `cost`): the best Lagrangian bound of the pricing rounds or
+      the whole MIP's dual bound (within a relative 1e-7 of `cost` when that
+      MIP finished); None when no pricing round ran.
     log: One line per stage: what it did and the best cost after it.
+    stopped_by: The limit of `Limits` that stopped the search ("seconds" or
+      "memory"), or None.
   """
 
   choice: np.ndarray
@@ -101,11 +113,12 @@ class SolveResult:
   seconds: float
   lower_bound: float | None
   log: tuple[str, ...]
+  stopped_by: str | None = None
 
 
 def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
           warm_start: Sequence[int] | np.ndarray | None = None,
-          progress: Progress | None = None) -> SolveResult:
+          progress: Progress | None = None, limits: Limits = Limits()) -> SolveResult:
   """Finds a low-cost plan within the usage limit in about `timeout_s` seconds.
 
   Args:
@@ -115,12 +128,15 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
     warm_start: An [N] plan to start from (used if it is feasible).
     progress: Called as progress(seconds, cost, stage) whenever the best
       plan improves (cost of the reduced problem, equal to the plan's cost).
+    limits: A deadline and memory ceiling, checked in the reduction and between
+      stages and rounds: past either, the best plan so far is returned.
 
   Raises:
     ValueError: if `warm_start` is not one strategy index per node.
     GraphTooLarge: if the exact reduction (which runs first, outside the time limit)
       groups the problem into more than `MAX_PAIR_ENTRIES` pair-cost entries.
     RuntimeError: if no plan within the usage limit was found.
+    LimitReached: past `limits` before any plan within the usage limit was found.
   """
   started = time.monotonic()
   if warm_start is not None:
@@ -129,21 +145,29 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
         or np.any((warm_start < 0) | (warm_start >= graph.num_strategies))):
       raise ValueError("solve: warm_start must hold one valid strategy index per node")
   deadline = started + 0.93 * timeout_s - 0.5
-  search = _Search(graph, started, deadline, seed, progress)
-  search.run(warm_start)
+  search = _Search(graph, started, deadline, seed, progress, limits)
+  try:
+    search.run(warm_start)
+  except LimitReached as e:
+    if search.best is None:
+      raise
+    search.stopped_by = e.limit
+    search.note(f"stopped: {e}")
   choice = search.best_plan()
   if not is_feasible(graph, choice):
     raise RuntimeError(f"solver: the plan found for {graph.name or 'the graph'} fails the original graph's check")
   return SolveResult(choice=choice, cost=plan_cost(graph, choice), feasible=True, seconds=time.monotonic() - started,
-                     lower_bound=search.lower_bound, log=tuple(search.log))
+                     lower_bound=None if search.lower_bound is None else min(search.lower_bound, search.best_cost),
+                     log=tuple(search.log), stopped_by=search.stopped_by)
 
 
 class _Search:
   """State shared by the stages: the problem views, the best plan, the log."""
 
   def __init__(self, graph: StrategyGraph, started: float, deadline: float, seed: int,
-               progress: Progress | None):
-    self.graph, self.started, self.deadline, self.progress = graph, started, deadline, progress
+               progress: Progress | None, limits: Limits):
+    self.graph, self.started, self.deadline, self.progress, self.limits = graph, started, deadline, progress, limits
+    self.stopped_by: str | None = None
     self.rng = np.random.default_rng(seed)
     self.seed = seed
     self.log: list[str] = []
@@ -161,6 +185,11 @@ class _Search:
 
   def note(self, line: str) -> None:
     self.log.append(f"{self.elapsed():6.2f}s {line}")
+
+  def bound(self, value: float) -> None:
+    """Keeps the highest finite lower bound."""
+    if np.isfinite(value) and (self.lower_bound is None or value > self.lower_bound):
+      self.lower_bound = float(value)
 
   def offer(self, choice: np.ndarray, stage: str) -> bool:
     """Keeps `choice` if it is within the limit and the cheapest so far."""
@@ -181,21 +210,24 @@ class _Search:
 
   def run(self, warm_start: np.ndarray | None) -> None:
     graph = self.graph
-    self.reduced = reduce_graph(graph, max_entries=MAX_PAIR_ENTRIES)
+    self.reduced = reduce_graph(graph, max_entries=MAX_PAIR_ENTRIES, limits=self.limits)
     self.memory = build_memory(graph, self.reduced)
+    self.limits.check("setting up the solver")
     reduced = self.reduced
     self.note(f"reduce: {graph.num_nodes} nodes, {graph.num_edges} edges -> {reduced.num_groups} groups, "
               f"{len(reduced.pairs)} pairs, {self.memory.num_segments} time segments")
-    self.layout = Layout(reduced, self.memory)
     if warm_start is not None:
       start = reduced.node_choice_to_group(warm_start.astype(np.int64))
       if start is not None and self.offer(start, "warm start"):
         self.note(f"warm start: {self.best_cost:.6g}")
+    self.layout = Layout(reduced, self.memory)
+    self.limits.check("setting up the solver")
     small = len(reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
     self.price(until=self.deadline - (0.55 if small else 0.05) * max(self.left(), 0.0),
                patience=_SMALL_PATIENCE if small else None, budget_every=_SMALL_BUDGET_EVERY if small else None)
     if self.best is None:
       return
+    self.limits.check("starting the whole MIP")
     if small and self.whole_mip(time_limit=0.25 * self.left()):
       return
     self.neighbourhoods()
@@ -213,9 +245,12 @@ class _Search:
     pending: tuple[float, np.ndarray] | None = None
     rounds = merges = crossings = last_better = 0
     while rounds < 2 or (time.monotonic() < until and (patience is None or rounds - last_better < patience)):
+      self.limits.check("pricing")
       best_before = self.best_cost
       dual.set_prices(prices)
       dual.sweep(forward=rounds % 2 == 0)
+      if rounds % _BOUND_EVERY == 0:
+        self.bound(dual.lower_bound(prices))
       choice = dual.decode()
       cost = group_cost(reduced, choice)
       excess = memory.excess(choice).astype(np.float64)
@@ -274,8 +309,7 @@ class _Search:
     everything = np.ones(self.reduced.num_groups, bool)
     result = reoptimize(self.reduced, self.memory, self.best, everything, time_limit=time_limit, seed=self.seed)
     self.offer(result.choice, "whole MIP")
-    if result.optimal:
-      self.lower_bound = min(result.bound, self.best_cost)
+    self.bound(result.bound)
     self.note(f"whole MIP: {'optimal' if result.optimal else 'stopped'}, best {self.best_cost:.6g}, "
               f"bound {result.bound:.6g}")
     return result.optimal
@@ -291,6 +325,7 @@ class _Search:
       neighbours[h].append(g)
     size, steps, improved = 100, 0, 0
     while self.left() > 1.0:
+      self.limits.check("searching neighbourhoods")
       if steps % 2 == 0:
         free = self._around_tight_segment(size, neighbours)
       else:
