@@ -125,3 +125,19 @@ def test_compiled_stage_transfers_are_the_simulators():
   transfer = 2 * 16 * 64 * 4  # [8 / M rows, seq, d_model] float32, not split: megatron_3d leaves no data axis here.
   assert check.compiled["stage_permute_bytes"] == check.simulated["stage_permute_bytes"] == 7 * 2 * transfer
   assert check.pipeline == plan.pipeline.to_json() and check.simulated["collective_permute_bytes"] == 7 * 2 * transfer
+
+
+@pytest.mark.parametrize("family,tactic", [("gpt", tactics.megatron_3d), ("gpt", tactics.pipeline)])
+def test_compiled_flops_memory_and_transfers_are_the_simulators(family, tactic):
+  """The simulator prices the GPipe step as it is lowered: every stage runs its layers in
+  all M + S - 1 iterations of the loop (the bubble's on garbage); embedding, head and
+  loss run outside the loop on every stage; only the loop's carries cross between stages (an SSM's stack
+  under the batch's vmap too)."""
+  from automap_rl.xla import fullsize
+
+  spec = FAMILIES[family][0]
+  plan = pipelined_plan("stage=4,data=2", tactic, 4, spec=spec)
+  check = fullsize.check_pipelined_plan(family, plan.problem, workload(spec), "plan", plan.decisions, plan.pipeline)
+  simulated, compiled = check.simulated, check.compiled
+  assert simulated["stage_permute_bytes"] == compiled["stage_permute_bytes"]
+  assert simulated["flops"] == pytest.approx(compiled["flops"], rel=0.05)
