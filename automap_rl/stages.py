@@ -34,9 +34,11 @@ Stages: the stack's own ops (`ir.stacks`) run on their layer's stage (a scanned 
 on every stage, each on its own layers). Other forward ops go by the nearest layers they
 depend on and that depend on them: an op between two layers of one stage runs there.
 Ops off the stack's span, with no layer before them (the embedding) or none after (the
-head and loss), run on every stage (`EVERY_STAGE`), as the pipelined step lowers them
-(`automap_rl.xla.pipeline_lower`): outside the stages' loop, on the whole batch,
-replicated over the stage axis. Ops between the last layer of one stage and the first
+head and loss), run on every stage (`EVERY_STAGE`) for a scanned stack, as its
+pipelined step lowers them (`automap_rl.xla.pipeline_lower`): outside the stages' loop,
+on the whole batch, replicated over the stage axis; for an unrolled stack (each stage
+its own program, not lowered yet) the embedding on the first stage and the head and
+loss on the last. Ops between the last layer of one stage and the first
 of the next (a residual add, the next layer norm) are placed by a minimum cut of the
 bytes that cross the boundary: the cut falls on the residual stream of a transformer.
 The backward pass mirrors the forward (its layers run downwards); the forward-time ops
@@ -261,10 +263,10 @@ def _place(program: Program, graph: _Graph, stack: LayerStack, layer_stage: np.n
     if stage[op.id] == OUTSIDE:
       near = [c for c in graph.consumers(op) if stage[c] != OUTSIDE]
       stage[op.id] = stage[min(near)] if near else OUTSIDE
-  for op in program.ops:  # else with a placed producer, else on every stage.
+  for op in program.ops:  # else with a placed producer, else on every stage (unrolled: the first).
     if stage[op.id] == OUTSIDE:
       near = [p for p in graph.producers(op) if stage[p] != OUTSIDE]
-      stage[op.id] = stage[max(near)] if near else EVERY_STAGE
+      stage[op.id] = stage[max(near)] if near else EVERY_STAGE if stack.scanned else 0
   return stage
 
 
@@ -287,8 +289,8 @@ def _place_pass(program: Program, graph: _Graph, stack: LayerStack, layer_stage:
       continue  # Off the stack: placed with its neighbours.
     if lower == -1 and not upward and upper > 0:
       lower = upper - 1  # A backward dead end (a bias's gradient) may run a stage lower.
-    if lower == -1 or upper == num_layers:
-      stage[o] = EVERY_STAGE  # Off the stack's span: outside the stages' loop.
+    if lower == -1 or upper == num_layers:  # Off the stack's span (module docstring).
+      stage[o] = EVERY_STAGE if stack.scanned else stage_of(upper if lower == -1 else lower)
     elif stage_of(lower) == stage_of(upper):
       stage[o] = stage_of(lower)
     else:  # Between two stages: on the side data comes from first, then cut.
