@@ -32,16 +32,26 @@ backward pass is its residuals, one set per microbatch in flight.
 
 Stages: the stack's own ops (`ir.stacks`) run on their layer's stage (a scanned stack's
 on every stage, each on its own layers). Other forward ops go by the nearest layers they
-depend on and that depend on them: an op between two layers of one stage runs there; the
-embedding (no layer before it) on the first stage, the head and loss (no layer after)
-on the last. Ops between the last layer of one stage and the first of the next (a
-residual add, the next layer norm) are placed by a minimum cut of the bytes that cross
-the boundary: the cut falls on the residual stream of a transformer. The backward pass
-mirrors the forward (its layers run downwards); the forward-time ops of the backward
-pass go with the forward op they read from last. A parameter is owned by the stage of
-the first microbatch op that reads it; its step ops (cast, optimizer update, the sum of
-its gradient's contributions) run there, other step ops with the first microbatch op
-they feed.
+depend on and that depend on them: an op between two layers of one stage runs there.
+Ops off the stack's span, with no layer before them (the embedding) or none after (the
+head and loss), run on every stage (`EVERY_STAGE`) for a scanned stack, as its
+pipelined step lowers them (`automap_rl.xla.pipeline_lower`): outside the stages' loop,
+on the whole batch, replicated over the stage axis; for an unrolled stack (each stage
+its own program, not lowered yet) the embedding on the first stage and the head and
+loss on the last. Ops between the last layer of one stage and the first
+of the next (a residual add, the next layer norm) are placed by a minimum cut of the
+bytes that cross the boundary: the cut falls on the residual stream of a transformer.
+The backward pass mirrors the forward (its layers run downwards); the forward-time ops
+of the backward pass go with the forward op they read from last. A parameter is owned
+by the stage of the first microbatch op that reads it; its step ops (cast, optimizer
+update, the sum of its gradient's contributions) run there, other step ops with the
+first microbatch op they feed.
+
+The stages' loop (`StagedProgram.looped`): the microbatch ops placed on a stage or
+anchored to the stack's layers run in every iteration of the loop, M V + S - 1 of
+them, the S - 1 of the bubble included (GPipe lowered under SPMD computes and keeps
+residuals in its bubble iterations as in the others); the ops off the stack's span run
+once per microbatch's rows, M times.
 """
 
 from __future__ import annotations
@@ -116,6 +126,8 @@ class StagedProgram:
       pass's (a per-microbatch activation kept for the backward pass), the stages that
       keep it (its backward readers'), value id -> stages.
     transfers: the values stages send one another.
+    looped: whether each op runs in the stages' loop (module docstring): a microbatch
+      op placed on one stage or anchored to the stack's layers, bool [num_ops].
   """
 
   pipeline: Pipeline
@@ -129,6 +141,7 @@ class StagedProgram:
   value_stage: np.ndarray
   residual_stages: dict[int, frozenset[int]]
   transfers: tuple[Transfer, ...]
+  looped: np.ndarray
 
   @classmethod
   def build(cls, program: Program, named: NamedDims, mesh: Mesh, pipeline: Pipeline) -> StagedProgram:
@@ -156,7 +169,8 @@ class StagedProgram:
     return cls(pipeline, stack, _resized(program, named, ratios, loops, loop_ratio), pipeline.stage_mesh(mesh),
                op_stage, phase, forward_time, _loop_invariant_reads(program, phase), value_stage,
                _residuals(program, graph, phase, forward_time, op_stage),
-               _transfers(program, graph, stack, pipeline.stages, phase, forward_time, op_stage))
+               _transfers(program, graph, stack, pipeline.stages, phase, forward_time, op_stage),
+               (phase != Phase.STEP) & ((op_stage != EVERY_STAGE) | (stack.op_layer != OUTSIDE)))
 
 
 class _Graph:
@@ -249,10 +263,10 @@ def _place(program: Program, graph: _Graph, stack: LayerStack, layer_stage: np.n
     if stage[op.id] == OUTSIDE:
       near = [c for c in graph.consumers(op) if stage[c] != OUTSIDE]
       stage[op.id] = stage[min(near)] if near else OUTSIDE
-  for op in program.ops:  # else with a placed producer, else on the first stage.
+  for op in program.ops:  # else with a placed producer, else on every stage (unrolled: the first).
     if stage[op.id] == OUTSIDE:
       near = [p for p in graph.producers(op) if stage[p] != OUTSIDE]
-      stage[op.id] = stage[max(near)] if near else 0
+      stage[op.id] = stage[max(near)] if near else EVERY_STAGE if stack.scanned else 0
   return stage
 
 
@@ -275,8 +289,10 @@ def _place_pass(program: Program, graph: _Graph, stack: LayerStack, layer_stage:
       continue  # Off the stack: placed with its neighbours.
     if lower == -1 and not upward and upper > 0:
       lower = upper - 1  # A backward dead end (a bias's gradient) may run a stage lower.
-    if lower == -1 or upper == num_layers or stage_of(lower) == stage_of(upper):
-      stage[o] = stage_of(upper if lower == -1 else lower)
+    if lower == -1 or upper == num_layers:  # Off the stack's span (module docstring).
+      stage[o] = EVERY_STAGE if stack.scanned else stage_of(upper if lower == -1 else lower)
+    elif stage_of(lower) == stage_of(upper):
+      stage[o] = stage_of(lower)
     else:  # Between two stages: on the side data comes from first, then cut.
       source, target = (stage_of(lower), stage_of(upper)) if upward else (stage_of(upper), stage_of(lower))
       stage[o] = source

@@ -40,8 +40,8 @@ class ValidateConfig:
       `pipelines`: `validate.PIPELINE_MODELS`, small models with scanned layer stacks).
     workers: with `random`, processes running plans side by side (the cases do not
       depend on it; each process holds its own jax and compiling child).
-    pipelines: with `fullsize`, the cases' pipelined expert plans (in GPipe order, no
-      searches) instead of the intra-op ones, their stage transfers (collective-permute
+    pipelines: with `fullsize`, the cases' pipelined expert plans too (in GPipe order, no
+      searches), ranked with the intra-op ones, their stage transfers (collective-permute
       bytes) set beside the simulator's; with `random`, every plan pipelined: a random GPipe pipeline (a scanned
       layer stack over a random mesh axis whose size divides its layers, one stage per
       device of the axis, 4 or 8 microbatches) with random decisions inside, on
@@ -180,10 +180,13 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
     print(f"  exploit {g['case']:<31} {g['plan']:<12} vs {g['best_expert']:<16} simulated {g['simulated_ratio']:.3f}"
           f"  compiled-implied {g['compiled_ratio']:.3f}  gap {g['gap']:+.3f}")
   print(_summary_text(summary))
+  for case, agreement in fullsize.agreement_by_case(checks).items():
+    print(f"  pairwise rank agreement {case:<31} {agreement:.3f}")
   unrealized = [c for c in checks if c.differences]
   if unrealized:
     print(f"NOT REALIZED AS WRITTEN: {', '.join(f'{c.case}/{c.plan} ({c.differences} values)' for c in unrealized)}")
   document = {"checks": [dataclasses.asdict(c) for c in checks], "exploit": gaps,
+              "agreement_by_case": fullsize.agreement_by_case(checks),
               "summary": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}}
   write_json(config.json, document)
   if config.plot:

@@ -17,7 +17,7 @@ from automap_rl.plan import Plan, cost_dict, plan_from_json, plan_to_json
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import PIPELINE_KINDS, PipelineCost
-from automap_rl.stages import EVERY_STAGE, StagedProgram
+from automap_rl.stages import EVERY_STAGE, Phase, StagedProgram
 
 GPT = "gpt:layers=4,d_model=32,heads=2,seq=16,vocab=64,batch=16"
 LLAMA = "llama:layers=4,batch=16"  # Scanned layers (flax.nnx).
@@ -72,23 +72,28 @@ def test_pipelined_cost_is_the_sum_of_its_typed_terms_and_memory_stays_within_th
   t = cost.terms
   # Step time is the sum of its typed terms, exactly.
   assert cost.step_time == t.steady_s + t.bubble_s + t.transfer_s + t.gradient_reduction_s + t.update_s
+  m, bubble_share = pipeline.microbatches, (pipeline.stages - 1) / pipeline.chunks
   microbatch = t.microbatch_compute_s + t.microbatch_comm_s
-  assert t.pace_s == microbatch.max()  # The slowest stage sets the pace.
-  assert t.steady_s == pytest.approx(pipeline.microbatches * t.pace_s)
-  bubble = (pipeline.stages - 1) / (pipeline.microbatches * pipeline.chunks + pipeline.stages - 1)
-  assert t.bubble_s / (t.steady_s + t.bubble_s) == pytest.approx(bubble)
+  assert np.all(t.loop_s <= microbatch * (1 + 1e-6))  # The loop runs the stage's layers, not what is off the stack.
+  # The slowest stage sets the pace: M microbatches, and its loop in the bubble's iterations.
+  pace_stage = np.argmax(m * microbatch + bubble_share * t.loop_s)
+  assert t.pace_s == microbatch[pace_stage]
+  assert t.steady_s == pytest.approx(m * t.pace_s)
+  assert t.bubble_s == pytest.approx(bubble_share * t.loop_s[pace_stage])
   assert t.gradient_reduction_s + t.update_s == pytest.approx((t.gradient_reduction_stage_s + t.update_stage_s).max())
   assert cost.comm_time == pytest.approx(cost.step_time - cost.compute_time)
   assert len(cost.comm_bytes) == len(PIPELINE_KINDS)
   assert (cost.comm_bytes[-1] > 0) == (pipeline.stages > 1)  # Collective-permutes between stages only.
-  # Memory per stage: its one-microbatch peak plus the residuals of the other microbatches in flight.
+  # Memory per stage: its one-microbatch peak plus the residuals of the other microbatches in flight
+  # (the loop's iterations' of its layers; the other microbatches' of the ops off the stack).
   assert np.allclose(t.peak_memory, t.live_bytes + t.gathered_bytes + (t.in_flight - 1) * t.residual_bytes
-                     + t.accumulator_bytes, rtol=1e-6)
+                     + (m - 1) * t.outer_residual_bytes + t.accumulator_bytes, rtol=1e-6)
   assert cost.peak_memory == t.peak_memory.max()
   assert np.array_equal(t.in_flight, pipeline.in_flight())
   # ... never more than the unpipelined plan's plus the in-flight activations.
   unpipelined = p.cost(decisions)
-  assert np.all(t.peak_memory <= unpipelined.peak_memory + t.in_flight * t.residual_bytes + 1.0)
+  assert np.all(t.peak_memory <= unpipelined.peak_memory + t.in_flight * t.residual_bytes
+                + m * t.outer_residual_bytes + 1.0)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -110,13 +115,17 @@ def test_more_microbatches_shrink_the_bubble_and_interleaving_divides_it():
   p = problem(GPT)
   plan = expert_plan(p)
   costs = {m: p.plan_cost(plan, Pipeline("data", 2, m)) for m in (1, 2, 4)}
+  # The bubble runs a stage's loop (its layers), once per stage less one.
+  assert [float(c.terms.bubble_s / c.terms.loop_s.max()) for c in costs.values()] == pytest.approx([1, 1, 1])
   bubbles = [float(c.terms.bubble_s / (c.terms.steady_s + c.terms.bubble_s)) for c in costs.values()]
-  assert bubbles == pytest.approx([1 / 2, 1 / 3, 1 / 5])
+  assert bubbles[0] > bubbles[1] > bubbles[2]
   assert costs[4].terms.pace_s < costs[1].terms.pace_s
   interleaved = p.plan_cost(plan, Pipeline("data", 2, 4, "interleaved", chunks=2))
-  assert interleaved.terms.bubble_s == pytest.approx(interleaved.terms.pace_s / 2)
+  assert interleaved.terms.bubble_s == pytest.approx(interleaved.terms.loop_s.max() / 2)
   gpipe, one_f_one_b = (p.plan_cost(plan, Pipeline("data", 2, 4, s)) for s in ("gpipe", "1f1b"))
-  assert gpipe.step_time == one_f_one_b.step_time and gpipe.peak_memory >= one_f_one_b.peak_memory
+  assert gpipe.step_time == one_f_one_b.step_time and gpipe.peak_memory > one_f_one_b.peak_memory
+  # GPipe as lowered keeps the residuals of every iteration of its loop, the bubble's too.
+  assert np.all(gpipe.terms.in_flight == 4 + 2 - 1)
 
 
 def test_a_stage_of_a_proper_divisor_of_the_axis_keeps_the_rest_for_its_decisions():
@@ -134,12 +143,18 @@ def test_stage_placement_cuts_the_residual_stream():
   staged = StagedProgram.build(p.program, p.named, p.mesh, Pipeline("data", 2, 4))
   shapes = sorted((t.backward, staged.program.values[t.value].shape) for t in staged.transfers)
   assert shapes == [(False, (4, 16, 32)), (True, (4, 16, 32))]
-  assert set(staged.op_stage.tolist()) == {0, 1}
+  assert set(staged.op_stage.tolist()) == {0, 1}  # Embedding on the first stage, head and loss on the last.
   assert staged.program.values[staged.program.inputs[-1]].shape == (4, 16)  # The microbatch.
   scanned = problem(LLAMA)
   staged = StagedProgram.build(scanned.program, scanned.named, scanned.mesh, Pipeline("data", 4, 2))
   assert all(t.stage == EVERY_STAGE for t in staged.transfers if not t.per_step)
-  assert set(staged.op_stage.tolist()) == {EVERY_STAGE, 0, 3}  # The layers on every stage, embedding, head.
+  # The layers on every stage, each its own, in the stages' loop; embedding, head and loss on every stage
+  # outside it (as lowered: replicated over the stage axis), M times a step.
+  assert set(staged.op_stage.tolist()) == {EVERY_STAGE}
+  assert all(not t.per_step for t in staged.transfers)  # No weight is read on two stages.
+  looped = staged.looped
+  flops = np.array([op.repeat * (op.flops or 0) for op in staged.program.ops])
+  assert 0.5 < flops[looped].sum() / flops.sum() < 1 and not looped[staged.op_phase == Phase.STEP].any()
 
 
 def test_layer_stacks_scanned_and_unrolled():

@@ -45,6 +45,24 @@ def test_summary_statistics():
   assert math.isnan(validate.spearman([1, 2], [1, 2]))
 
 
+def test_rank_agreement_orders_pipelined_and_intra_op_plans_of_a_case_together():
+  """Pairs within a case, pipelined plans and intra-op ones alike; compiled ties left out."""
+  from automap_rl.xla import fullsize
+
+  def check(case: str, plan: str, simulated: float, compiled: float, pipelined: bool) -> fullsize.PlanCheck:
+    return fullsize.PlanCheck(case=case, devices=8, plan=plan, searched=False, decisions=(),
+                              simulated={"step_time": simulated}, compiled={"step_time": compiled}, differences=0,
+                              seconds=0.0, pipeline={"axis": "data"} if pipelined else None)
+
+  checks = [check("a", "megatron", 1.0, 1.0, False), check("a", "megatron_3d", 2.0, 3.0, True),
+            check("a", "pipeline", 3.0, 2.0, True), check("b", "fsdp", 1.0, 2.0, False),
+            check("b", "pipeline", 2.0, 1.0, True), check("b", "megatron_3d", 5.0, 2.0005, True)]
+  # a: (megatron, megatron_3d) and (megatron, pipeline) agree, (megatron_3d, pipeline) does not;
+  # b: (fsdp, pipeline) disagrees, (pipeline, megatron_3d) agrees, (fsdp, megatron_3d) ties on the compiled side.
+  assert fullsize.agreement_by_case(checks) == pytest.approx({"a": 2 / 3, "b": 1 / 2})
+  assert fullsize.pairwise_agreement(checks) == pytest.approx(3 / 5)
+
+
 @pytest.mark.slow
 def test_simulated_flops_follow_xla_fusion_on_per_device_shapes():
   """XLA clones cheap producers (LayerNorm, GELU, their gradients) into every fusion that

@@ -12,9 +12,13 @@ microbatch size). From those terms:
   forward and backward of its layers; the first stage also the embedding, the last the
   head and loss), without the reductions of accumulated partial sums and the reshards of
   loop-invariant operands (weights), which run once per step;
-* `pace`: the slowest stage's microbatch time; `steady` = M x pace; `bubble` = (S - 1) / V
-  x pace (GPipe and 1F1B: V = 1, a share (S - 1) / (M + S - 1) of the two; interleaved:
-  Megatron-LM's (S - 1) / V stage-times);
+* `loop`: per stage, the part of its microbatch time in the stages' loop
+  (`StagedProgram.looped`: its layers' compute and collectives), which the bubble's
+  iterations run too; the ops off the stack's span (embedding, head, loss: on every
+  stage, outside the loop) run M times only;
+* the pace-setting stage: the one whose M microbatches plus (S - 1) / V bubble loop
+  times are longest; `pace` its microbatch time; `steady` = M x pace; `bubble` =
+  (S - 1) / V x its loop time (interleaved: Megatron-LM's (S - 1) / V stage-times);
 * `transfer`: the loop's M V + S - 1 iterations each send the boundary activations
   forward and their gradients backward with a collective-permute on the stage axis's
   link (alpha-beta: one hop of each device's shard), the stages at once (the slowest
@@ -30,8 +34,10 @@ step time = steady + bubble + transfer + gradient_reduction + update, exactly.
 Peak memory per stage: the largest live-bytes row of its values for one microbatch (its
 parameters, optimizer state and one microbatch's activations, as `simulator.total`
 counts them; a scanned stack's rows at L / S layers) plus its gathered operand copies,
-plus (in flight - 1) microbatches of residuals (the activations its forward makes for
-its backward: with remat only the layer inputs; `Pipeline.in_flight`), plus with M > 1
+plus (in flight - 1) sets of the loop's residuals (the activations its layers' forward
+makes for their backward: with remat only the layer inputs; `Pipeline.in_flight`: under
+GPipe one set per loop iteration, the bubble's included), plus M - 1 microbatches of
+the residuals of the ops off the stack's span (run on the whole batch), plus with M > 1
 the accumulated gradients (as stored). The step's peak is the largest stage's.
 
 The terms are a pure function of arrays (`pipeline_cost` jits with the tables as
@@ -80,12 +86,14 @@ class PipelineTables:
     value_stages, op_stages: the stages each signature runs on (a scanned stack's: all),
       float32 [Uv, S], [Uo, S].
     value_phase, op_phase: `stages.Phase` of each signature, int32 [Uv], [Uo].
+    value_looped, op_looped: whether each signature runs in the stages' loop
+      (`StagedProgram.looped`; a value: its producer), bool [Uv], [Uo].
     edge_invariant: operand edges of microbatch ops that read a value made once per
       step (resharded once, before the microbatch loop), bool [E].
     live_rows: per stage, its values' live-bytes rows (other stages' columns zero; rows of
       zeros pad T to a power of two, at least 64), float32 [S, T, Uv].
     residual_bytes: per stage, the global bytes of the residuals it keeps for one
-      microbatch, per signature, float32 [S, Uv].
+      microbatch, per signature: of the loop's ops, then of the others, float32 [2, S, Uv].
     accumulator_bytes: per stage, the global bytes of its accumulated partial sums,
       float32 [S, Uv].
     transfer_bytes: per kind (forward per microbatch, backward per microbatch, once per
@@ -106,6 +114,8 @@ class PipelineTables:
   op_stages: np.ndarray
   value_phase: np.ndarray
   op_phase: np.ndarray
+  value_looped: np.ndarray
+  op_looped: np.ndarray
   edge_invariant: np.ndarray
   live_rows: np.ndarray
   residual_bytes: np.ndarray
@@ -124,26 +134,30 @@ class PipelineTerms:
   """The typed terms of a pipelined step (seconds and bytes per device).
 
   Per stage, [S]: `microbatch_compute_s`, `microbatch_comm_s` (one microbatch's compute
-  and intra-op collectives), `gradient_reduction_stage_s` (its accumulated gradients'
-  reduction, once per step), `update_stage_s` (its step ops' compute and collectives),
-  `live_bytes` (largest live row for one microbatch), `gathered_bytes` (gathered operand
-  copies), `residual_bytes` (one microbatch's residuals), `in_flight`,
-  `accumulator_bytes` (accumulated gradients, 0 for M = 1), `peak_memory`.
+  and intra-op collectives), `loop_s` (the part of the two in the stages' loop),
+  `gradient_reduction_stage_s` (its accumulated gradients' reduction, once per step),
+  `update_stage_s` (its step ops' compute and collectives), `live_bytes` (largest live
+  row for one microbatch), `gathered_bytes` (gathered operand copies), `residual_bytes`
+  (one microbatch's residuals of the loop's ops), `in_flight` (sets of them held),
+  `outer_residual_bytes` (one microbatch's residuals of the ops off the stack's span, M
+  held), `accumulator_bytes` (accumulated gradients, 0 for M = 1), `peak_memory`.
   Inside `pipeline_cost` these have the tables' padded stage count; `for_stages` cuts
   them to S.
-  Scalars: `pace_s` (the slowest stage's microbatch time), `steady_s` (M x pace),
-  `bubble_s`, `transfer_s`, `gradient_reduction_s` and `update_s` (of the stage whose
+  Scalars: `pace_s` (the pace-setting stage's microbatch time), `steady_s` (M x pace),
+  `bubble_s` ((S - 1) / V x its `loop_s`), `transfer_s`, `gradient_reduction_s` and `update_s` (of the stage whose
   sum of the two is largest), `permute_bytes` (collective-permute bytes per device).
   """
 
   microbatch_compute_s: jax.Array
   microbatch_comm_s: jax.Array
+  loop_s: jax.Array
   gradient_reduction_stage_s: jax.Array
   update_stage_s: jax.Array
   live_bytes: jax.Array
   gathered_bytes: jax.Array
   residual_bytes: jax.Array
   in_flight: jax.Array
+  outer_residual_bytes: jax.Array
   accumulator_bytes: jax.Array
   peak_memory: jax.Array
   pace_s: jax.Array
@@ -163,8 +177,8 @@ class PipelineCost(Cost):
   Attributes:
     step_time: the sum of `terms`' `steady_s`, `bubble_s`, `transfer_s`,
       `gradient_reduction_s` and `update_s`.
-    compute_time: its compute: the pace-setting stage's microbatch compute times
-      M + (S - 1) / V, plus the step ops' compute.
+    compute_time: its compute: the pace-setting stage's microbatch compute times M
+      plus its loop's compute times (S - 1) / V, plus the step ops' compute.
     comm_time: the rest.
     peak_memory: the largest stage's peak.
     fits: whether every stage fits in the device's memory.
@@ -176,8 +190,9 @@ class PipelineCost(Cost):
   terms: PipelineTerms
 
 
-STAGE_TERMS = ("microbatch_compute_s", "microbatch_comm_s", "gradient_reduction_stage_s", "update_stage_s",
-               "live_bytes", "gathered_bytes", "residual_bytes", "in_flight", "accumulator_bytes", "peak_memory")
+STAGE_TERMS = ("microbatch_compute_s", "microbatch_comm_s", "loop_s", "gradient_reduction_stage_s", "update_stage_s",
+               "live_bytes", "gathered_bytes", "residual_bytes", "in_flight", "outer_residual_bytes",
+               "accumulator_bytes", "peak_memory")
 
 
 def for_stages(cost: PipelineCost, stages: int) -> PipelineCost:
@@ -191,9 +206,11 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
   program = staged.program
   num_stages = staged.pipeline.stages
   value_phase = np.full(program.num_values, Phase.STEP, np.int64)
+  looped_value = np.zeros(program.num_values, bool)
   for op in program.ops:
     value_phase[list(op.results)] = staged.op_phase[op.id]
-  sigs, value_rep, op_rep = _split_signatures(staged, named, value_phase)
+    looped_value[list(op.results)] = staged.looped[op.id]
+  sigs, value_rep, op_rep = _split_signatures(staged, named, value_phase, looped_value)
   tables = build_cost_tables(program, sigs, staged.mesh)
 
   def stages_of(stage: np.ndarray) -> np.ndarray:
@@ -208,7 +225,8 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
                                    for sig, (_, _, _, results, _) in enumerate(sigs.op_keys)] or [np.zeros(0, bool)])
   nbytes = np.array([v.nbytes for v in program.values], np.float64)
   per_stage = lambda pairs: _by_stage(pairs, sigs.value_sig, nbytes, num_stages, len(sigs.value_keys))
-  residuals = per_stage((v, s) for v, stages in staged.residual_stages.items() for s in stages)
+  residuals = [per_stage((v, s) for v, stages in staged.residual_stages.items() for s in stages
+                         if looped_value[v] == looped) for looped in (True, False)]
   accumulated = per_stage((v, staged.op_stage[op.id]) for op in program.ops if staged.op_phase[op.id] == Phase.ACCUMULATED
                           for v in op.results if program.values[v].role != Role.OUTPUT)
   sent = [per_stage((t.value, t.stage) for t in staged.transfers if (t.per_step, t.backward) == kind)
@@ -236,9 +254,10 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
       value_stages=zeros(value_stages, uv, capacity), op_stages=zeros(op_stages, uo, capacity),
       value_phase=_pad(value_phase[value_rep].astype(np.int32), uv, Phase.STEP),
       op_phase=_pad(staged.op_phase[op_rep].astype(np.int32), uo, Phase.STEP),
+      value_looped=_pad(looped_value[value_rep], uv, False), op_looped=_pad(staged.looped[op_rep], uo, False),
       edge_invariant=_pad(edge_invariant, next_power_of_two(len(edge_invariant), 16), False),
       live_rows=live_rows,
-      residual_bytes=zeros(residuals, capacity, uv), accumulator_bytes=zeros(accumulated, capacity, uv),
+      residual_bytes=np.stack([zeros(x, capacity, uv) for x in residuals]), accumulator_bytes=zeros(accumulated, capacity, uv),
       transfer_bytes=np.stack([zeros(x, capacity, uv) for x in sent]),
       in_flight=_pad(staged.pipeline.in_flight().astype(np.float32), capacity, 1.0),
       stages=np.float32(num_stages), microbatches=np.float32(staged.pipeline.microbatches),
@@ -287,16 +306,17 @@ def _by_stage(pairs, value_sig: np.ndarray, nbytes: np.ndarray, num_stages: int,
   return out.astype(np.float32)
 
 
-def _split_signatures(staged: StagedProgram, named: NamedDims,
-                      value_phase: np.ndarray) -> tuple[Signatures, np.ndarray, np.ndarray]:
-  """The microbatch program's signatures (`sharding.signatures`) split by stage and phase,
-  and op signatures also by which operand reads are loop-invariant; with one value and
-  one op of each (value and op ids, int [Uv], [Uo])."""
+def _split_signatures(staged: StagedProgram, named: NamedDims, value_phase: np.ndarray,
+                      looped_value: np.ndarray) -> tuple[Signatures, np.ndarray, np.ndarray]:
+  """The microbatch program's signatures (`sharding.signatures`) split by stage, phase and
+  whether they run in the stages' loop (`value_phase`, `looped_value`: of each value,
+  [num_values]), and op signatures also by which operand reads are loop-invariant; with
+  one value and one op of each (value and op ids, int [Uv], [Uo])."""
   program = staged.program
   base = sharding.signatures(program, named)
   value_index: dict[tuple, int] = {}
   value_sig = np.array([value_index.setdefault((int(base.value_sig[v]), int(staged.value_stage[v]),
-                                                int(value_phase[v])), len(value_index))
+                                                int(value_phase[v]), bool(looped_value[v])), len(value_index))
                         for v in range(program.num_values)], np.int32)
   value_rep = np.zeros(len(value_index), np.int64)
   value_rep[value_sig[::-1]] = np.arange(program.num_values - 1, -1, -1)
@@ -313,7 +333,8 @@ def _split_signatures(staged: StagedProgram, named: NamedDims,
     results = tuple((int(value_sig[v]), dims) for v, dims in zip(op.results, op.rule.result_dims))
     partial = (op.id in deferred, int(op_sig[carried[op.id]]) if op.id in carried else -1, buffers.get(op.id, 1))
     key = (matmul, factors, operands, results, partial)
-    split = (key, int(staged.op_stage[op.id]), int(staged.op_phase[op.id]), staged.loop_invariant[op.id])
+    split = (key, int(staged.op_stage[op.id]), int(staged.op_phase[op.id]), bool(staged.looped[op.id]),
+             staged.loop_invariant[op.id])
     if split not in op_index:
       op_index[split] = len(op_keys)
       op_keys.append(key)
@@ -347,16 +368,21 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   num_stages, m, v = t.stages, t.microbatches, t.chunks
   step_op, step_value = t.op_phase == Phase.STEP, t.value_phase == Phase.STEP
   edge_op = t.tables.edge_op
-  edge_stages, reduction_stages = t.op_stages[edge_op], t.op_stages[edge_op[t.tables.reduction_edge]]
+  reduction_op = edge_op[t.tables.reduction_edge]  # [R]
+  edge_stages, reduction_stages = t.op_stages[edge_op], t.op_stages[reduction_op]
   per_microbatch = ~step_op[edge_op] & ~t.edge_invariant  # [E]
-  reduction_phase = t.op_phase[edge_op[t.tables.reduction_edge]]  # [R]
+  reduction_phase = t.op_phase[reduction_op]
 
   def by_stage(x: jax.Array, where: jax.Array, stages: jax.Array) -> jax.Array:
     return jnp.where(where, x, 0.0) @ stages
 
-  def compute(step: bool) -> jax.Array:
-    return (by_stage(plan.op_compute_s, step_op == step, t.op_stages)
-            + by_stage(plan.value_compute_s, step_value == step, t.value_stages))
+  def compute(step: bool, looped: bool = False) -> jax.Array:
+    """Per stage: the compute of its step ops or of its microbatch ops (`looped`: those
+    of the stages' loop only)."""
+    op_in, value_in = step_op == step, step_value == step
+    if looped:
+      op_in, value_in = op_in & t.op_looped, value_in & t.value_looped
+    return by_stage(plan.op_compute_s, op_in, t.op_stages) + by_stage(plan.value_compute_s, value_in, t.value_stages)
 
   reshard = plan.gather.seconds + plan.all_to_all.seconds
   reduce = plan.reduce_scatter.seconds + plan.all_reduce.seconds
@@ -366,8 +392,13 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   gradient_reduction = by_stage(reduce, reduction_phase == Phase.ACCUMULATED, reduction_stages)
   update = (compute(True) + by_stage(reshard, ~per_microbatch, edge_stages)
             + by_stage(reduce, reduction_phase == Phase.STEP, reduction_stages))
+  loop_compute = compute(False, looped=True)
+  loop = loop_compute + (by_stage(reshard, per_microbatch & t.op_looped[edge_op], edge_stages)
+                         + by_stage(reduce, (reduction_phase == Phase.MICROBATCH) & t.op_looped[reduction_op],
+                                    reduction_stages))
   microbatch = microbatch_compute + microbatch_comm
-  pace_stage, flush_stage = jnp.argmax(microbatch), jnp.argmax(gradient_reduction + update)
+  pace_stage = jnp.argmax(m * microbatch + (num_stages - 1) / v * loop)
+  flush_stage = jnp.argmax(gradient_reduction + update)
   pace = microbatch[pace_stage]
 
   inverse_shards = 1.0 / plan.value_shards
@@ -380,9 +411,9 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
 
   live = jnp.max(t.live_rows @ inverse_shards, axis=1)
   gathered = plan.gathered_bytes @ edge_stages
-  residual = t.residual_bytes @ inverse_shards
+  residual, outer_residual = t.residual_bytes @ inverse_shards  # [S] each.
   accumulator = jnp.where(m > 1, t.accumulator_bytes @ inverse_shards, 0.0)
-  peak = live + gathered + (t.in_flight - 1.0) * residual + accumulator
+  peak = live + gathered + (t.in_flight - 1.0) * residual + (m - 1.0) * outer_residual + accumulator
 
   edge_runs = jnp.where(per_microbatch, m, 1.0)
   reduction_runs = jnp.where(reduction_phase == Phase.MICROBATCH, m, 1.0)
@@ -392,16 +423,17 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   comm_bytes = jnp.stack([(k.bytes * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_bytes])  # [5, S]
   comm_count = jnp.stack([(k.count * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_count])
 
-  steady, bubble = m * pace, (num_stages - 1) / v * pace
+  steady, bubble = m * pace, (num_stages - 1) / v * loop[pace_stage]
   pipeline_terms = PipelineTerms(
-      microbatch_compute_s=microbatch_compute, microbatch_comm_s=microbatch_comm,
+      microbatch_compute_s=microbatch_compute, microbatch_comm_s=microbatch_comm, loop_s=loop,
       gradient_reduction_stage_s=gradient_reduction, update_stage_s=update,
       live_bytes=live, gathered_bytes=gathered, residual_bytes=residual, in_flight=t.in_flight,
-      accumulator_bytes=accumulator, peak_memory=peak, pace_s=pace, steady_s=steady, bubble_s=bubble,
+      outer_residual_bytes=outer_residual, accumulator_bytes=accumulator, peak_memory=peak, pace_s=pace, steady_s=steady, bubble_s=bubble,
       transfer_s=transfer, gradient_reduction_s=gradient_reduction[flush_stage], update_s=update[flush_stage],
       permute_bytes=permute_bytes[pace_stage])
   step_time = steady + bubble + transfer + gradient_reduction[flush_stage] + update[flush_stage]
-  compute_time = (m + (num_stages - 1) / v) * microbatch_compute[pace_stage] + compute(True)[flush_stage]
+  compute_time = (m * microbatch_compute[pace_stage] + (num_stages - 1) / v * loop_compute[pace_stage]
+                  + compute(True)[flush_stage])
   return PipelineCost(step_time=step_time, compute_time=compute_time, comm_time=step_time - compute_time,
                       peak_memory=jnp.max(peak), fits=jnp.all(peak <= t.tables.hbm_bytes),
                       comm_bytes=comm_bytes[:, pace_stage], comm_count=comm_count[:, pace_stage],

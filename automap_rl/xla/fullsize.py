@@ -15,10 +15,11 @@ an upper bound of the per-kernel roofline the simulator charges per op).
 
 Pipelined plans (`check_case(..., pipelines=True)`): the case's pipelined expert plans
 (`tactics.applicable_pipelines`), run in GPipe order as `automap_rl.xla.pipeline_lower`
-lowers them (and so priced with GPipe's M microbatches in flight), each compiled and set
-beside the simulator's pipelined cost; besides the figures above, the stage transfers:
-the compiled collective-permutes over the stage axis inside the microbatch loop against
-the simulator's `PipelineTerms.permute_bytes`.
+lowers them (and so priced as GPipe), each compiled and set beside the simulator's
+pipelined cost, with the case's intra-op expert plans beside them so that the two kinds
+are ranked together (`pairwise_agreement`, per case: `agreement_by_case`); besides the
+figures above, the stage transfers: the compiled collective-permutes over the stage axis
+inside the microbatch loop against the simulator's `PipelineTerms.permute_bytes`.
 
 Two adjustments make the simulator and the CPU compile describe the same program: the
 cases compile in float32 (the CPU backend carries bfloat16 collectives in float32, which
@@ -51,8 +52,8 @@ from automap_rl.xla.pipeline_lower import lower_pipelined
 from automap_rl.xla.validate import DONATE_ARGNUMS, compiled_metrics, relative_error, simulated_metrics, trace_problem
 
 __all__ = [
-    "FULLSIZE_CASES", "PlanCheck", "Search", "check_case", "check_pipelined_plan", "exploit_gaps", "implied_cost",
-    "pairwise_agreement", "plot", "stage_permute_bytes", "summarize", "validation_case", "validation_mesh",
+    "FULLSIZE_CASES", "PlanCheck", "Search", "agreement_by_case", "check_case", "check_pipelined_plan", "exploit_gaps",
+    "implied_cost", "pairwise_agreement", "plot", "stage_permute_bytes", "summarize", "validation_case", "validation_mesh",
 ]
 
 # Cases at published sizes on 8 and 64 devices: the demo's model on a 2x4 and an 8x8 mesh,
@@ -191,12 +192,18 @@ def check_pipelined_plan(case: str, problem: Problem, workload: workloads.Worklo
 def check_case(name: str, search: Search | None = None, seed: int = 0,
                report: Callable[[PlanCheck], None] = lambda check: None, pipelines: bool = False) -> list[PlanCheck]:
   """Every applicable expert plan of case `name` and the plans `search` finds; with
-  `pipelines`, every applicable pipelined expert plan instead, in GPipe order (those of
-  one plan and pipeline once)."""
+  `pipelines`, also every applicable pipelined expert plan, in GPipe order (those of one
+  plan and pipeline once)."""
   case = validation_case(name)
   workload = case.make_workload(abstract=True)
   problem = trace_problem(workload, case.mesh, validation_mesh(case).hardware)
   checks = []
+  plans = [(plan, decisions, False) for plan, decisions in tactics.applicable(problem).items()]
+  if search is not None:
+    plans += [(plan, list(decisions), True) for plan, decisions in search(problem, seed).items()]
+  for plan, decisions, searched in plans:
+    checks.append(check_plan(name, problem, workload, plan, decisions, searched))
+    report(checks[-1])
   if pipelines:
     seen = []
     for plan, (decisions, pipeline) in tactics.applicable_pipelines(problem).items():
@@ -206,35 +213,39 @@ def check_case(name: str, search: Search | None = None, seed: int = 0,
       seen.append((decisions, pipeline))
       checks.append(check_pipelined_plan(name, problem, workload, plan, decisions, pipeline))
       report(checks[-1])
-    return checks
-  plans = [(plan, decisions, False) for plan, decisions in tactics.applicable(problem).items()]
-  if search is not None:
-    plans += [(plan, list(decisions), True) for plan, decisions in search(problem, seed).items()]
-  for plan, decisions, searched in plans:
-    checks.append(check_plan(name, problem, workload, plan, decisions, searched))
-    report(checks[-1])
   return checks
 
 
 # -- summary ------------------------------------------------------------------------------
 
 
+def _ordered_pairs(checks: Sequence[PlanCheck]) -> tuple[int, int]:
+  """(pairs the simulator orders as the compiled-implied step times do, pairs) over the
+  pairs of plans of one case, pipelined and intra-op alike (pairs the compiled side ties
+  within 0.1% left out)."""
+  agree = total = 0
+  for i, a in enumerate(checks):
+    for b in checks[i + 1:]:
+      if a.case != b.case:
+        continue
+      compiled = a.compiled["step_time"] - b.compiled["step_time"]
+      if abs(compiled) <= 1e-3 * max(a.compiled["step_time"], b.compiled["step_time"]):
+        continue
+      total += 1
+      agree += (a.simulated["step_time"] - b.simulated["step_time"]) * compiled > 0
+  return agree, total
+
+
 def pairwise_agreement(checks: Sequence[PlanCheck]) -> float:
   """Over pairs of plans of one case, the fraction the simulator orders as the
-  compiled-implied costs do (pairs the compiled side ties within 0.1% left out)."""
-  agree = total = 0
-  by_case: dict[str, list[PlanCheck]] = {}
-  for check in checks:
-    by_case.setdefault(check.case, []).append(check)
-  for group in by_case.values():
-    for i, a in enumerate(group):
-      for b in group[i + 1:]:
-        compiled = a.compiled["step_time"] - b.compiled["step_time"]
-        if abs(compiled) <= 1e-3 * max(a.compiled["step_time"], b.compiled["step_time"]):
-          continue
-        total += 1
-        agree += (a.simulated["step_time"] - b.simulated["step_time"]) * compiled > 0
+  compiled-implied costs do (`_ordered_pairs`); nan without pairs."""
+  agree, total = _ordered_pairs(checks)
   return agree / total if total else math.nan
+
+
+def agreement_by_case(checks: Sequence[PlanCheck]) -> dict[str, float]:
+  """`pairwise_agreement` of each case's plans, by case name."""
+  return {name: pairwise_agreement([c for c in checks if c.case == name]) for name in dict.fromkeys(c.case for c in checks)}
 
 
 def exploit_gaps(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:

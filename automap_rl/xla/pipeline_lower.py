@@ -15,9 +15,10 @@ forward pipelined:
    [M, B / M, ...] (microbatch m holds rows m, m + M, m + 2M, ..., so that a batch dim
    sharded over the data axes stays on its devices). One loop of M + S - 1 iterations
    runs under `jax.shard_map`, manual over the stage axis only: at iteration t stage s
-   applies its L / S layers (a scan of the original body) to microbatch t - s (stage 0
-   reads it from the input, the others receive it from the stage before with
-   `jax.lax.ppermute`), and the last stage writes its result into the output buffer.
+   applies its L / S layers (a scan of the original body, its rematerialization kept) to
+   microbatch t - s (stage 0 reads it from the input, the others receive it from the
+   stage before with `jax.lax.ppermute`), and the last stage writes its result into the
+   output buffer.
    The outputs are re-assembled in microbatch order. Per-layer outputs of the scan (its
    `ys`, [L, ...]) are averaged over the microbatches: exact for outputs that do not
    depend on the activations (a dense block's zero auxiliary loss) or are batch means.
@@ -64,7 +65,7 @@ from automap_rl.sharding import Decision
 from automap_rl.workloads.training import make_train_step
 from automap_rl.xla.hlo import inspect_compiled
 from automap_rl.xla.isolated import compile_directly
-from automap_rl.xla.lower import Lowered, _bind, _call_body, interpret, lowering_errors
+from automap_rl.xla.lower import Lowered, _bind, _call_body, lowering_errors
 from automap_rl.xla.numerics import program_depth
 
 __all__ = ["batch_axes", "check_lowerable", "gpipe", "jit_pipelined", "lower_pipelined", "pipelined_loss",
@@ -191,7 +192,9 @@ def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: Layer
     if cut != [v.aval.shape for v in micro_scan.invars]:
       raise NotImplementedError(f"the loop of the {stack.describe()} on a microbatch is not its loop on the batch "
                                 "cut along the carries' dim 0; only such loops are pipelined")
-    body = interpret(micro_scan.params["jaxpr"], lambda origin, results: results)
+    closed_body = micro_scan.params["jaxpr"]
+    # Evaluated as traced, rematerialization (`checkpoint`) kept: the loss is differentiated after this.
+    body = lambda *args: jax.core.eval_jaxpr(closed_body.jaxpr, closed_body.consts, *args)
 
     def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
       env: dict = {}
