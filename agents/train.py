@@ -229,10 +229,12 @@ def loss(params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConf
                  "value_loss": value_loss}
 
 
+@functools.partial(jax.jit, static_argnames=("config", "mesh"))
 def self_play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PRNGKey, config: TrainConfig,
               mesh: Mesh) -> selfplay.Episodes:
   """An iteration's episodes (`agents.selfplay.play` of `problems`, int32 [B]), the
-  problems sharded over the mesh's `data` axis: each device plays its B / n episodes."""
+  problems sharded over the mesh's `data` axis: each device plays its B / n episodes.
+  Pure (jitted; its operations are named `jit(self_play)/...` in a compiled iteration)."""
   problems = jax.lax.with_sharding_constraint(problems, sharded(mesh))
   return selfplay.play(params, suite, problems, key, config.episode_length, config.search, config.env)
 

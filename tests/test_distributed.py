@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,7 +28,8 @@ import numpy as np
 import pytest
 
 from agents import checkpoint, train
-from automap_rl.xla.hlo.collectives import collectives_from_hlo
+from automap_rl.xla.hlo.collectives import COLLECTIVE_KINDS, module_collectives
+from automap_rl.xla.hlo.module import parse_module
 from experiments import cli, train_cmd
 from experiments.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
@@ -118,17 +120,18 @@ def test_self_play_needs_no_communication_and_the_update_all_reduces_gradients(f
   mesh = train.data_mesh(4)
   suite = train.replicate(train_cmd.build_suite(SMOKE)[1], mesh)
   state = four_devices.state
-  problems = np.arange(SMOKE.train.episodes, dtype=np.int32)
-  play = jax.jit(train.self_play, static_argnames=("config", "mesh")).lower(
-      state.params, suite, problems, jax.random.key(0), SMOKE.train, mesh).compile()
-  found = collectives_from_hlo(play.as_text(), (train.DATA_AXIS,), (4,))
-  # Only the conditions of mctx's vmapped while loops (tree descent, backup): "is any
-  # episode still walking", one byte.
-  assert found and all(c.kind == "all-reduce" and c.dtype == "pred" and c.bytes == 1 for c in found)
-  step = train.iteration.lower(state, suite, SMOKE.train, mesh).compile()
-  found = collectives_from_hlo(step.as_text(), (train.DATA_AXIS,), (4,))
-  assert all(c.mesh_axes == (train.DATA_AXIS,) for c in found)
-  gradients = [c for c in found if c.kind == "all-reduce" and c.repeat == SMOKE.train.updates and "f32" in c.dtype]
+  module = parse_module(train.iteration.lower(state, suite, SMOKE.train, mesh).compile().as_text())
+  found = module_collectives(module, (train.DATA_AXIS,), (4,))
+  where = [re.search(r'op_name="([^"]*)"', inst.attrs).group(1) for body in module.bodies.values() for inst in body
+           if inst.opcode.removesuffix("-start") in COLLECTIVE_KINDS]
+  assert len(where) == len(found) and all(c.mesh_axes == (train.DATA_AXIS,) for c in found)
+  in_self_play = [c for c, name in zip(found, where) if "self_play" in name]
+  # Self-play: only the conditions of mctx's vmapped while loops (tree descent, backup),
+  # "is any episode still walking", one byte each.
+  assert in_self_play and all(c.kind == "all-reduce" and c.dtype == "pred" and c.bytes == 1 for c in in_self_play)
+  # The update: one all-reduce of gradients per optimizer step (of the shared encoder's
+  # outputs and the head's parameters), inside the scan over the updates.
+  gradients = [c for c in found if c.kind == "all-reduce" and "f32" in c.dtype and c.repeat == SMOKE.train.updates]
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(train.host_copy(state.params)))
   assert len(gradients) == 1 and gradients[0].bytes >= param_bytes / 2
 
