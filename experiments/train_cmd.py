@@ -190,7 +190,7 @@ def _write_metrics(run_dir: str, rows: list[dict[str, Any]]) -> None:
     f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def _wandb(config: TrainRunConfig):
+def wandb_run(config: TrainRunConfig):
   """The run directory's wandb run (offline: files under the run directory only), or None
   when disabled. Its id is kept in the run directory, so that a resumed run continues it."""
   if config.wandb == "disabled":
@@ -264,7 +264,7 @@ def run(config: TrainRunConfig) -> TrainResult:
     if lead:
       print(f"resumed {config.run_dir} at iteration {done}")
   rows = _read_metrics(config.run_dir, done)
-  logger = _wandb(config) if lead else None
+  logger = wandb_run(config) if lead else None
   bar = tqdm(total=config.iterations, initial=done, desc="self-play", unit="it",
              disable=not (config.progress and lead), dynamic_ncols=True)
   # Compiled before the processes meet, as compile times differ by more than gloo waits.

@@ -146,3 +146,14 @@ def test_work_the_devices_do_not_divide_is_refused(argv, message, capsys, tmp_pa
   assert cli.main(["train", "--preset", "smoke", "--run-dir", str(tmp_path), *argv]) == 2
   (line,) = capsys.readouterr().err.strip().splitlines()
   assert line.startswith("automap-rl train: error:") and message in line
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+  config = dataclasses.replace(SMOKE, run_dir=str(tmp_path), wandb="offline")
+  first = train_cmd.wandb_run(config)
+  first.finish()
+  again = train_cmd.wandb_run(config)
+  again.finish()
+  with open(tmp_path / train_cmd.WANDB_ID_FILE) as f:
+    assert again.id == first.id == f.read()
+  assert len([d for d in os.listdir(tmp_path / "wandb") if d.endswith(first.id)]) == 2  # Both parts, for `wandb sync`.
