@@ -32,14 +32,20 @@ COMMIT_TEXT = "Checkpoint commit was successful"
 
 
 def _abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
-  """Shapes and dtypes of `tree`, placed on this process's default device (a checkpoint
-  written on a CPU restores onto a GPU)."""
+  """Shapes, dtypes and shardings of `tree`: a leaf's own sharding (a training state
+  replicated over the `data` mesh of every process), else this process's default device.
+  Either way the devices are this run's, so a checkpoint written on a CPU restores onto
+  a GPU, and one written by one process restores into many."""
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
+                      tree)
 
 
 class TrainCheckpoints:
-  """The training states of a run directory, by iteration (keeps the latest `keep`)."""
+  """The training states of a run directory, by iteration (keeps the latest `keep`). With
+  several processes (`jax.distributed`) every one makes it and calls `save` and `restore`
+  alike, on a directory they share; orbax writes each replicated array once and
+  synchronises them."""
 
   def __init__(self, run_dir: str, keep: int = 2):
     self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, CHECKPOINTS_DIR)),
@@ -63,11 +69,14 @@ class TrainCheckpoints:
 
 
 def save_policy(path: str, params: chex.ArrayTree, network: NetworkConfig) -> None:
-  """Writes a policy directory (`network.json` and `params/`), replacing any there."""
+  """Writes a policy directory (`network.json` and `params/`), replacing any there. With
+  several processes every one calls it (orbax's save is collective); process 0 writes."""
   path = os.path.abspath(path)
   os.makedirs(path, exist_ok=True)
   with ocp.StandardCheckpointer() as checkpointer:  # Leaving the block waits for the save.
     checkpointer.save(os.path.join(path, PARAMS_DIR), params, force=True)
+  if jax.process_index() != 0:
+    return
   commit_file = os.path.join(path, PARAMS_DIR, COMMIT_FILE)
   if os.path.exists(commit_file):
     with open(commit_file, "w") as f:

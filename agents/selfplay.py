@@ -77,7 +77,8 @@ def build_suite(problems: tuple[Problem, ...], env_config: EnvConfig) -> Suite:
   the last few are kept, so runs in one process share their set-up."""
   tables, _ = batch_tables(problems, env_config)
   roots = jax.jit(jax.vmap(functools.partial(core.init, env_config), in_axes=(0, None)))(tables, jax.random.key(0))
-  best = [expert_objective(p, env_config, jax.tree.map(lambda x, i=i: x[i], tables)) for i, p in enumerate(problems)]
+  host = jax.device_get(tables)  # Rows read in numpy: no compile per leaf shape.
+  best = [expert_objective(p, env_config, jax.tree.map(lambda x, i=i: x[i], host)) for i, p in enumerate(problems)]
   return Suite(tables=tables, roots=roots, best=jnp.asarray(best, jnp.float32))
 
 
@@ -126,6 +127,10 @@ def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PR
   steps, each step a Gumbel MuZero search from the network (`params`) that picks the
   action (its root noise explores). Pure; jit it with `length` and the configs static.
 
+  Each episode searches alone (vmapped over the episodes) with its own key, split from
+  the step's key: episode b's noise is the same whether the B episodes run on one device
+  or are sharded over many, and a sharded batch needs no communication between devices.
+
   The programs are encoded once per episode; the environment (`env_config`, the one the
   suite's tables were built for) should truncate episodes at `length` steps (its
   `max_steps`) so that the search and the targets see the same horizon.
@@ -135,17 +140,22 @@ def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PR
   tables, roots = _row(suite.tables, problems), _row(suite.roots, problems)
   embeddings = jax.vmap(network.encode, in_axes=(None, 0))(params, jax.vmap(static_graph)(tables, roots))
   features = jax.vmap(state_features)
-  batch = jnp.arange(problems.shape[0])
+  limit = jnp.int32(config.gumbel.num_simulations)
 
-  def body(states: State, key: chex.PRNGKey):
-    out = gumbel.policy(params, embeddings, tables, states, key, jnp.int32(config.gumbel.num_simulations), config,
-                        env_config, batched=True)
-    record = (features(tables, states), out.action_weights, ~(states.terminated | states.truncated),
-              states.objective)
+  def search(embedding, table: EnvTables, state: State, key: chex.PRNGKey) -> tuple[State, jax.Array]:
+    """One episode's search (an mctx batch of one: the episode draws its noise from its own
+    key): the state it selects, the improved policy f32 [A]."""
+    one = functools.partial(jax.tree.map, lambda x: x[None])
+    out = gumbel.policy(params, one(embedding), one(table), one(state), key, limit, config, env_config, batched=True)
     # The selected child is always visited: its state is in the tree (no second environment step to compile).
     tree = out.search_tree
-    chosen = tree.children_index[batch, tree.ROOT_INDEX, out.action]
-    return jax.tree.map(lambda x: x[batch, chosen], tree.embeddings), record
+    chosen = tree.children_index[0, tree.ROOT_INDEX, out.action[0]]
+    return jax.tree.map(lambda x: x[0, chosen], tree.embeddings), out.action_weights[0]
+
+  def body(states: State, key: chex.PRNGKey):
+    after, policy = jax.vmap(search)(embeddings, tables, states, jax.random.split(key, problems.shape[0]))
+    record = (features(tables, states), policy, ~(states.terminated | states.truncated), states.objective)
+    return after, record
 
   last, (observed, policy, active, objective) = jax.lax.scan(body, roots, jax.random.split(key, length))
   value = jnp.log(objective) - jnp.log(last.objective)[None]

@@ -13,6 +13,16 @@ state, replay buffer, key, iteration) is one pytree: the same seed gives the sam
 parameters, and a run restored from a checkpoint of its state continues exactly as an
 uninterrupted one (the learning rate depends only on the update count, never on the
 length of the run).
+
+Devices. An iteration runs on a 1-D mesh whose one axis, `data`, spans every device of
+every process (`data_mesh`). The B episodes (the problem indices and everything self-play
+vmaps over them) and each update's minibatch are sharded over it with `NamedSharding`
+constraints; the state and the suite are replicated (`replicate`). The rest is XLA's
+(GSPMD): self-play needs no communication, the buffer gathers the new samples, and the
+gradients are all-reduced. jax's partitionable threefry draws the same random numbers
+for a sharded array as for a whole one, so the episodes do not depend on the device
+count, and the parameters depend on it only through the order in which the all-reduce
+sums the per-device gradients (float reassociation, about 1e-7 relative).
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agents import replay, selfplay
 from agents.gumbel import GumbelConfig, GumbelSettings
@@ -124,6 +136,68 @@ def _example(suite: Suite) -> Samples:
                  policy=jnp.zeros(tables.num_actions, jnp.float32), value=jnp.float32(0.0))
 
 
+DATA_AXIS = "data"
+
+
+def data_mesh(devices: int | None = None) -> Mesh:
+  """The 1-D `data` mesh training shards its episodes and minibatches over: every device
+  of every process (None), or `devices` of them, as many from each process (its first
+  local ones).
+
+  Raises:
+    ValueError: `devices` is not a positive multiple of the process count, or more than
+      the processes have.
+  """
+  processes = jax.process_count()
+  if devices is None:
+    return Mesh(np.asarray(jax.devices()), (DATA_AXIS,))
+  have = jax.device_count()
+  if devices < 1 or devices % processes or devices > have:
+    raise ValueError(f"--devices {devices}: give a multiple of the {processes} process(es), at most the {have} "
+                     "devices they have.")
+  per_process = devices // processes
+  chosen = [d for p in range(processes) for d in [d for d in jax.devices() if d.process_index == p][:per_process]]
+  return Mesh(np.asarray(chosen), (DATA_AXIS,))
+
+
+def check_mesh(config: TrainConfig, mesh: Mesh) -> None:
+  """Refuses episodes or minibatches that the mesh's `data` axis does not divide.
+
+  Raises:
+    ValueError: naming the field and the device count.
+  """
+  n = mesh.shape[DATA_AXIS]
+  for name, value in (("episodes", config.episodes), ("batch-size", config.batch_size)):
+    if value % n:
+      raise ValueError(f"--train.{name} {value} does not split over the {n} devices of the data axis; "
+                       f"give a multiple of {n} (or fewer --devices).")
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Every device holds the whole array."""
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def sharded(mesh: Mesh) -> NamedSharding:
+  """The leading axis split over the `data` axis."""
+  return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+
+
+def replicate(tree: chex.ArrayTree, mesh: Mesh) -> chex.ArrayTree:
+  """`tree` as global arrays replicated over `mesh`, built from this process's copy (every
+  process must hold the same values: a suite built, or a state initialised, from the same
+  config)."""
+  host = jax.device_get(tree)
+  return jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), replicated(mesh), lambda index: x[index]),
+                      host)
+
+
+def host_copy(tree: chex.ArrayTree) -> chex.ArrayTree:
+  """The values of replicated global arrays as numpy arrays, read from this process's
+  devices (`jax.device_get` refuses arrays that span other processes)."""
+  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
 @functools.partial(jax.jit, static_argnames="config")
 def init(config: TrainConfig, suite: Suite) -> TrainState:
   """The state before the first iteration: fresh parameters from `config.seed`, an empty
@@ -155,18 +229,30 @@ def loss(params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConf
                  "value_loss": value_loss}
 
 
-def _update(config: TrainConfig, suite: Suite, carry, key: chex.PRNGKey):
+@functools.partial(jax.jit, static_argnames=("config", "mesh"))
+def self_play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PRNGKey, config: TrainConfig,
+              mesh: Mesh) -> selfplay.Episodes:
+  """An iteration's episodes (`agents.selfplay.play` of `problems`, int32 [B]), the
+  problems sharded over the mesh's `data` axis: each device plays its B / n episodes.
+  Pure (jitted; its operations are named `jit(self_play)/...` in a compiled iteration)."""
+  problems = jax.lax.with_sharding_constraint(problems, sharded(mesh))
+  return selfplay.play(params, suite, problems, key, config.episode_length, config.search, config.env)
+
+
+def _update(config: TrainConfig, suite: Suite, mesh: Mesh, carry, key: chex.PRNGKey):
   params, opt_state, buffer = carry
-  batch = replay.sample(buffer, key, config.batch_size)
+  batch = jax.lax.with_sharding_constraint(replay.sample(buffer, key, config.batch_size), sharded(mesh))
   grads, parts = jax.grad(loss, has_aux=True)(params, suite, batch, config)
   updates, opt_state = optimizer(config).update(grads, opt_state, params)
   parts["grad_norm"] = optax.tree.norm(grads)
   return (optax.apply_updates(params, updates), opt_state, buffer), parts
 
 
-@functools.partial(jax.jit, static_argnames="config")
-def iteration(state: TrainState, suite: Suite, config: TrainConfig) -> tuple[TrainState, dict[str, jax.Array]]:
-  """One iteration (see the module docstring). Pure (jitted).
+@functools.partial(jax.jit, static_argnames=("config", "mesh"))
+def iteration(state: TrainState, suite: Suite, config: TrainConfig, mesh: Mesh
+              ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One iteration (see the module docstring) on `mesh` (`data_mesh`; `check_mesh` must
+  accept it), `state` and `suite` replicated over it. Pure (jitted).
 
   Returns:
     The next state and the iteration's metrics (f32 scalars): `score` (mean return
@@ -178,12 +264,11 @@ def iteration(state: TrainState, suite: Suite, config: TrainConfig) -> tuple[Tra
   key, play_key, update_key = jax.random.split(key, 3)
   b = config.episodes
   problems = (state.iteration * b + jnp.arange(b, dtype=jnp.int32)) % suite.size
-  episodes = selfplay.play(state.params, suite, problems, play_key, config.episode_length, config.search,
-                           config.env)
+  episodes = self_play(state.params, suite, problems, play_key, config, mesh)
   flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), episodes.samples)
   buffer = replay.add(state.buffer, flat, episodes.active.reshape(-1))
   (params, opt_state, buffer), parts = jax.lax.scan(
-      functools.partial(_update, config, suite), (state.params, state.opt_state, buffer),
+      functools.partial(_update, config, suite, mesh), (state.params, state.opt_state, buffer),
       jax.random.split(update_key, config.updates))
   returns = selfplay.score(suite, problems, episodes.final)
   metrics = {name: value.mean() for name, value in parts.items()}
@@ -191,4 +276,4 @@ def iteration(state: TrainState, suite: Suite, config: TrainConfig) -> tuple[Tra
                  steps=episodes.steps.mean(dtype=jnp.float32), buffer=buffer.size.astype(jnp.float32))
   new = TrainState(params=params, opt_state=opt_state, buffer=buffer, key=jax.random.key_data(key),
                    iteration=state.iteration + 1)
-  return new, metrics
+  return jax.lax.with_sharding_constraint((new, metrics), replicated(mesh))

@@ -7,7 +7,16 @@ training state (`checkpoints/`), the latest policy (`policy/`, what `evaluate --
 and the `learned` agent load), a learning curve (`learning_curve.png`) and wandb's files
 (offline by default; nothing goes over the network unless `--wandb online`). Running again
 into a run directory that has checkpoints resumes from the newest one and continues
-exactly as the uninterrupted run would have.
+exactly as the uninterrupted run would have, and continues its wandb run (the run id is
+kept in `wandb_run_id.txt`).
+
+Devices. The episodes and minibatches are sharded over every device of every process
+(`agents.train.data_mesh`; `--devices N` takes fewer), which must divide
+`--train.episodes` and `--train.batch-size`. Several processes (hosts) join through
+`--distributed.*` or the environment (`experiments.distributed`); each runs the same
+command on a run directory they share, and process 0 alone writes the metrics, wandb,
+the learning curve and the policy's `network.json`. A checkpoint restores onto any
+device count: the run resumes exactly, up to the order of the gradient all-reduce's sums.
 """
 
 from __future__ import annotations
@@ -17,10 +26,12 @@ import itertools
 import json
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
+import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from agents import checkpoint, selfplay, train
@@ -28,11 +39,13 @@ from agents.gumbel import GumbelSettings
 from agents.network import NetworkConfig
 from agents.train import TrainConfig, TrainState
 from automap_rl.workloads.suite import Case, load_cases
+from experiments.distributed import DistributedConfig, initialize
 
 Preset = Literal["smoke", "small", "full"]
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 CURVE_FILE = "learning_curve.png"
+WANDB_ID_FILE = "wandb_run_id.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +64,8 @@ class TrainRunConfig:
     wandb: wandb's mode: offline (local files only), disabled, or online (needs a login).
     progress: show progress bars.
     learning_curve: draw the learning curve into the run directory.
+    devices: shard over this many devices, as many from each process (None: all of them).
+    distributed: how this process joins a multi-process run (`experiments.distributed`).
     train: what self-play and the updates do (`agents.train.TrainConfig`).
   """
 
@@ -63,6 +78,8 @@ class TrainRunConfig:
   wandb: Literal["offline", "disabled", "online"] = "offline"
   progress: bool = True
   learning_curve: bool = True
+  devices: int | None = None
+  distributed: DistributedConfig = DistributedConfig()
   train: TrainConfig = TrainConfig()
 
 
@@ -122,8 +139,27 @@ def _check_config(config: TrainRunConfig) -> None:
                      f"of {t.replay_capacity}; raise --train.replay-capacity.")
 
 
+def _lead() -> bool:
+  """Whether this process writes the run's files (process 0)."""
+  return jax.process_index() == 0
+
+
+BARRIER_TIMEOUT_S = 3600  # Processes may reach a barrier this far apart (tracing a large suite).
+
+
+_barriers = itertools.count()  # Every process passes the same barriers in the same order.
+
+
+def _barrier(name: str) -> None:
+  """Waits until every process gets here (no-op with one process). A barrier of the
+  coordination service, not a collective: gloo gives processes only 30 s to meet at a
+  collective's first use."""
+  ocp.multihost.get_barrier_sync_fn()(key=f"{name} #{next(_barriers)}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
+
+
 def _prepare_dir(config: TrainRunConfig) -> None:
-  """Creates the run directory; refuses one holding a run of another training config."""
+  """Creates the run directory; refuses one holding a run of another training config.
+  Every process checks before process 0 writes."""
   os.makedirs(config.run_dir, exist_ok=True)
   path = os.path.join(config.run_dir, CONFIG_FILE)
   document = dataclasses.asdict(config)
@@ -132,8 +168,10 @@ def _prepare_dir(config: TrainRunConfig) -> None:
       before = json.load(f)
     if before.get("train") != json.loads(json.dumps(document["train"])):
       raise ValueError(f"{config.run_dir} holds a run with another --train config; give a new --run-dir.")
-  with open(path, "w") as f:
-    json.dump(document, f, indent=1)
+  _barrier("checked the run directory")
+  if _lead():
+    with open(path, "w") as f:
+      json.dump(document, f, indent=1)
 
 
 def _read_metrics(run_dir: str, upto: int) -> list[dict[str, Any]]:
@@ -152,17 +190,26 @@ def _write_metrics(run_dir: str, rows: list[dict[str, Any]]) -> None:
     f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def _wandb(config: TrainRunConfig):
-  """A wandb run (offline: files under the run directory only), or None when disabled."""
+def wandb_run(config: TrainRunConfig):
+  """The run directory's wandb run (offline: files under the run directory only), or None
+  when disabled. Its id is kept in the run directory, so that a resumed run continues it."""
   if config.wandb == "disabled":
     return None
   import wandb
 
   # Our package named `agents` is no LLM-agents library: skip wandb's Weave suggestion.
   os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
-  return wandb.init(project="automap_rl", dir=os.path.abspath(config.run_dir), mode=config.wandb,
-                    name=os.path.basename(os.path.abspath(config.run_dir)), config=dataclasses.asdict(config),
-                    settings=wandb.Settings(silent=True))
+  id_file = os.path.join(config.run_dir, WANDB_ID_FILE)
+  if os.path.exists(id_file):
+    with open(id_file) as f:
+      run_id = f.read().strip()
+  else:
+    run_id = uuid.uuid4().hex[:8]  # wandb's form: 8 characters of [0-9a-z].
+    with open(id_file, "w") as f:
+      f.write(run_id)
+  return wandb.init(project="automap_rl", dir=os.path.abspath(config.run_dir), mode=config.wandb, id=run_id,
+                    resume="allow", name=os.path.basename(os.path.abspath(config.run_dir)),
+                    config=dataclasses.asdict(config), settings=wandb.Settings(silent=True))
 
 
 def plot_curve(rows: list[dict[str, Any]], path: str) -> None:
@@ -198,28 +245,40 @@ def build_suite(config: TrainRunConfig) -> tuple[list[Case], selfplay.Suite]:
 
 
 def run(config: TrainRunConfig) -> TrainResult:
+  initialize(config.distributed)
   _check_config(config)
+  mesh = train.data_mesh(config.devices)
+  train.check_mesh(config.train, mesh)
   _prepare_dir(config)
-  cases, suite = build_suite(config)
-  print(f"training on {len(cases)} {config.split} cases: {', '.join(c.name for c in cases)}")
-  state = train.init(config.train, suite)
+  lead = _lead()
+  cases, suite = build_suite(dataclasses.replace(config, progress=config.progress and lead))
+  if lead:
+    print(f"training on {len(cases)} {config.split} cases: {', '.join(c.name for c in cases)}; "
+          f"{mesh.size} devices in {jax.process_count()} process(es)")
+  state = train.replicate(train.init(config.train, suite), mesh)  # From this process's suite, then replicated.
+  suite = train.replicate(suite, mesh)
   checkpoints = checkpoint.TrainCheckpoints(config.run_dir)
   done = checkpoints.latest() or 0
   if done:
     state = checkpoints.restore(done, state)
-    print(f"resumed {config.run_dir} at iteration {done}")
+    if lead:
+      print(f"resumed {config.run_dir} at iteration {done}")
   rows = _read_metrics(config.run_dir, done)
-  logger = _wandb(config)
-  bar = tqdm(total=config.iterations, initial=done, desc="self-play", unit="it", disable=not config.progress,
-             dynamic_ncols=True)
+  logger = wandb_run(config) if lead else None
+  bar = tqdm(total=config.iterations, initial=done, desc="self-play", unit="it",
+             disable=not (config.progress and lead), dynamic_ncols=True)
+  # Compiled before the processes meet, as compile times differ by more than gloo waits.
+  step = train.iteration.lower(state, suite, config.train, mesh).compile()
+  _barrier("compiled the iteration")
   start = time.perf_counter()
   try:
     for i in range(done, config.iterations):
-      state, metrics = train.iteration(state, suite, config.train)
-      row = {"iteration": i + 1, "seconds": time.perf_counter() - start,
-             **{k: float(v) for k, v in jax.device_get(metrics).items()}}
+      state, metrics = step(state, suite)
+      values = {k: float(v) for k, v in train.host_copy(metrics).items()}  # Waits for the iteration.
+      row = {"iteration": i + 1, "seconds": time.perf_counter() - start, **values}
       rows.append(row)
-      _write_metrics(config.run_dir, rows)
+      if lead:
+        _write_metrics(config.run_dir, rows)
       if logger is not None:
         logger.log({k: v for k, v in row.items() if k != "iteration"}, step=i + 1)
       bar.update()
@@ -234,9 +293,9 @@ def run(config: TrainRunConfig) -> TrainResult:
     checkpoints.close()
     if logger is not None:
       logger.finish()
-  if config.learning_curve and rows:
+  if lead and config.learning_curve and rows:
     plot_curve(rows, os.path.join(config.run_dir, CURVE_FILE))
-  if rows:
+  if lead and rows:
     last = rows[-1]
     print(f"iteration {last['iteration']}: mean return {last['score']:+.4f} (plan / best expert "
           f"{last['ratio']:.4f}), policy KL {last['policy_kl']:.4f}, value loss {last['value_loss']:.5f}; "

@@ -26,7 +26,7 @@ from automap_rl.problem import Problem
 from automap_rl.workloads.suite import load_cases
 from experiments import cli, evaluate_cmd, train_cmd
 
-SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], wandb="disabled", progress=False)
+SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], wandb="disabled", progress=False, devices=1)
 
 
 def assert_trees_equal(a, b):

@@ -1,0 +1,159 @@
+"""Training over devices and processes: the smoke preset on 1 or 4 devices of one process
+and on 2 processes of 2 devices each (`jax.distributed` on localhost, gloo between the
+processes' CPU devices) plays the same episodes and reaches the same parameters; one
+process's checkpoint resumes in two; self-play needs no communication but its loops'
+conditions, the update one all-reduce of gradients; work the devices do not divide is
+refused.
+
+Tolerance. The episodes' decisions, the key and every integer in the state match bit for
+bit. The parameters and the optimizer state match to `RTOL`/`ATOL`: the gradient is a sum
+over the minibatch, which one device adds in one order and n devices add as n partial
+sums (all-reduced in the collective's order), so they differ by float reassociation
+(about 1e-7 after two iterations of the smoke preset, on values of order 1); so do the
+second iteration's search policies and value targets, searched with those parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from agents import checkpoint, train
+from automap_rl.xla.hlo.collectives import COLLECTIVE_KINDS, module_collectives
+from automap_rl.xla.hlo.module import parse_module
+from experiments import cli, train_cmd
+from experiments.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+
+SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], iterations=2, wandb="disabled", progress=False,
+                            learning_curve=False)
+RTOL, ATOL = 1e-5, 1e-6
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A worker process: runs `automap-rl train` once per argument (a JSON list of flags).
+WORKER = "import json, sys\nfrom experiments import cli\nfor a in sys.argv[1:]:\n  assert cli.main(json.loads(a)) == 0\n"
+
+
+def flags(config: train_cmd.TrainRunConfig) -> list[str]:
+  """The `automap-rl train` flags of a smoke-based config."""
+  return ["train", "--preset", "smoke", "--iterations", str(config.iterations), "--run-dir", config.run_dir,
+          "--wandb", config.wandb, "--no-progress", "--no-learning-curve"]
+
+
+@pytest.fixture(scope="module")
+def four_devices(tmp_path_factory) -> train_cmd.TrainResult:
+  """Two iterations of the smoke preset on 4 devices of this process."""
+  return train_cmd.run(dataclasses.replace(SMOKE, devices=4, run_dir=str(tmp_path_factory.mktemp("four"))))
+
+
+def assert_same_training(a: train.TrainState, b: train.TrainState) -> None:
+  """The same training: the integer and boolean leaves (the episodes' problems, decisions
+  and masks in the buffer, the key, counts) bit for bit, the float leaves (parameters,
+  optimizer state, the policy and value targets searched with them) within float
+  reassociation."""
+  for x, y in zip(jax.tree.leaves(train.host_copy(a)), jax.tree.leaves(train.host_copy(b)), strict=True):
+    if np.issubdtype(x.dtype, np.floating):
+      np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL)
+    else:
+      np.testing.assert_array_equal(x, y)
+
+
+def assert_same_metrics(rows: list[dict], want: list[dict]) -> None:
+  assert [r["iteration"] for r in rows] == [r["iteration"] for r in want]
+  for r, w in zip(rows, want):
+    assert r.keys() == w.keys()
+    for k in r.keys() - {"seconds"}:
+      assert r[k] == pytest.approx(w[k], rel=RTOL, abs=ATOL), k
+
+
+def test_one_and_four_devices_train_alike(four_devices, tmp_path):
+  one = train_cmd.run(dataclasses.replace(SMOKE, devices=1, run_dir=str(tmp_path)))
+  assert_same_training(one.state, four_devices.state)
+  assert_same_metrics(one.metrics, four_devices.metrics)
+  start = train.init(SMOKE.train, train_cmd.build_suite(SMOKE)[1])
+  moved = [float(np.abs(np.asarray(x) - y).max()) for x, y in zip(jax.tree.leaves(start.params),
+                                                                    jax.tree.leaves(train.host_copy(one.state.params)))]
+  assert max(moved) > 100 * ATOL  # The updates moved the parameters by more than the tolerance.
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_as_one_process_of_four_devices(four_devices, tmp_path):
+  fresh = dataclasses.replace(SMOKE, run_dir=str(tmp_path / "fresh"))
+  # One process's checkpoint after the first iteration, resumed by the two processes.
+  resumed = dataclasses.replace(SMOKE, run_dir=str(tmp_path / "resumed"))
+  train_cmd.run(dataclasses.replace(resumed, devices=4, iterations=1))
+  port = free_port()
+  procs = []
+  for index in range(2):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           COORDINATOR_ENV: f"localhost:{port}", NUM_PROCESSES_ENV: "2", PROCESS_ID_ENV: str(index)}
+    procs.append(subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(flags(fresh)), json.dumps(flags(resumed))],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-4000:]
+  for config in (fresh, resumed):
+    saved = checkpoint.TrainCheckpoints(config.run_dir)
+    assert saved.latest() == 2
+    assert_same_training(saved.restore(2, four_devices.state), four_devices.state)
+    saved.close()
+    rows = [json.loads(line) for line in open(os.path.join(config.run_dir, train_cmd.METRICS_FILE))]
+    assert_same_metrics(rows, four_devices.metrics)
+  assert "4 devices in 2 process(es)" in outputs[0] and "iteration 2:" in outputs[0]
+  assert "iteration 2:" not in outputs[1]  # Process 0 alone reports.
+  assert f"resumed {resumed.run_dir} at iteration 1" in outputs[0]
+
+
+def test_self_play_needs_no_communication_and_the_update_all_reduces_gradients(four_devices):
+  mesh = train.data_mesh(4)
+  suite = train.replicate(train_cmd.build_suite(SMOKE)[1], mesh)
+  state = four_devices.state
+  module = parse_module(train.iteration.lower(state, suite, SMOKE.train, mesh).compile().as_text())
+  found = module_collectives(module, (train.DATA_AXIS,), (4,))
+  where = [re.search(r'op_name="([^"]*)"', inst.attrs).group(1) for body in module.bodies.values() for inst in body
+           if inst.opcode.removesuffix("-start") in COLLECTIVE_KINDS]
+  assert len(where) == len(found) and all(c.mesh_axes == (train.DATA_AXIS,) for c in found)
+  in_self_play = [c for c, name in zip(found, where) if "self_play" in name]
+  # Self-play: only the conditions of mctx's vmapped while loops (tree descent, backup),
+  # "is any episode still walking", one byte each.
+  assert in_self_play and all(c.kind == "all-reduce" and c.dtype == "pred" and c.bytes == 1 for c in in_self_play)
+  # The update: one all-reduce of gradients per optimizer step (of the shared encoder's
+  # outputs and the head's parameters), inside the scan over the updates.
+  gradients = [c for c in found if c.kind == "all-reduce" and "f32" in c.dtype and c.repeat == SMOKE.train.updates]
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(train.host_copy(state.params)))
+  assert len(gradients) == 1 and gradients[0].bytes >= param_bytes / 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "8"], "--train.episodes 4 does not split over the 8 devices"),
+    (["--devices", "2", "--train.batch-size", "15"], "--train.batch-size 15 does not split over the 2 devices"),
+    (["--devices", "9"], "--devices 9: give a multiple of the 1 process(es), at most the 8 devices"),
+    (["--distributed.num-processes", "2"], "needs --distributed.coordinator-address and --distributed.process-id"),
+])
+def test_work_the_devices_do_not_divide_is_refused(argv, message, capsys, tmp_path):
+  assert cli.main(["train", "--preset", "smoke", "--run-dir", str(tmp_path), *argv]) == 2
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert line.startswith("automap-rl train: error:") and message in line
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+  config = dataclasses.replace(SMOKE, run_dir=str(tmp_path), wandb="offline")
+  first = train_cmd.wandb_run(config)
+  first.finish()
+  again = train_cmd.wandb_run(config)
+  again.finish()
+  with open(tmp_path / train_cmd.WANDB_ID_FILE) as f:
+    assert again.id == first.id == f.read()
+  assert len([d for d in os.listdir(tmp_path / "wandb") if d.endswith(first.id)]) == 2  # Both parts, for `wandb sync`.
