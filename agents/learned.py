@@ -8,7 +8,9 @@ without, it follows the network's most likely action from the replicated plan un
 stops (one network call and one plan evaluation per step; as for every agent, the best
 plan on the path is kept); with search, it follows that path first and searches with the
 budget. The greedy path is not search: it always completes, whatever the budget
-(`SearchResult.greedy_steps` counts its plans), so no budget gives a worse plan than it. Its
+(`SearchResult.greedy_steps` counts its plans), so no budget gives a worse plan than it.
+With pipeline options, a greedy path starts from each option (a handful), so the choice
+of a pipeline is compared on whole plans rather than taken from the first logit alone. Its
 environment offers the pipeline options the policy was trained with (`NetworkConfig.pipelines`),
 so its plans may pipeline a layer stack.
 """
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from agents import checkpoint, gumbel
-from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
+from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, row, start
 from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.network import Embeddings, Network, state_features
 from automap_rl.problem import Problem
@@ -103,17 +105,26 @@ def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, sea
            track: Tracker) -> None:
   """Follows the network's most likely action from the replicated plan until it stops or the
   episode ends, offering each plan on the path to `track` (counted as `greedy_steps`,
-  outside its budget)."""
+  outside its budget). With pipeline options the root's actions are those few options: a
+  path is followed from each, so the policy's intra-op plan under every pipeline choice
+  (no pipeline included) is a candidate."""
   env = search_.env
-  state = search_.root
-  actions: list[int] = []
-  while not (bool(state.terminated) or bool(state.truncated)):
-    action, state = jax.device_get(_greedy_step(network, env.config, params, embeddings, env.tables, state))
-    if int(action) == env.stop_action:
-      break
-    actions.append(int(action))
-    track.offer(float(state.objective), float(state.step_time), actions)
-    track.greedy_steps += 1
+  starts: list[tuple[State, list[int]]] = [(search_.root, [])]
+  if env.pipelines:
+    options = [int(a) for a in search_.legal(search_.root)]
+    chosen = search_.children(search_.root, options)
+    starts = [(row(chosen, i), [a]) for i, a in enumerate(options)]
+    for state, actions in starts:
+      track.offer(float(state.objective), float(state.step_time), actions)
+      track.greedy_steps += 1
+  for state, actions in starts:
+    while not (bool(state.terminated) or bool(state.truncated)):
+      action, state = jax.device_get(_greedy_step(network, env.config, params, embeddings, env.tables, state))
+      if int(action) == env.stop_action:
+        break
+      actions = [*actions, int(action)]
+      track.offer(float(state.objective), float(state.step_time), actions)
+      track.greedy_steps += 1
 
 
 def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int = 0,
