@@ -195,7 +195,7 @@ def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
   checkpoint.save_policy(str(tmp_path), network.Network(config).init(jax.random.key(0), e.tables, e.init(jax.random.key(0))), config)
   assert learned.load_network(str(tmp_path)).config.pipelines == 6
   greedy = learned.search(p, learned.LearnedConfig(checkpoint=str(tmp_path), search=False), seed=0, budget=1)
-  assert greedy.greedy_steps >= 2 * len(e.pipelines) - 1  # A path from each option, each at least one step long.
+  assert greedy.greedy_steps >= len(e.pipelines)  # A path from each option.
   result = learned.search(p, learned.LearnedConfig(checkpoint=str(tmp_path)), seed=0, budget=150)
   assert result.pipeline is not None and result.actions[0] == str(result.pipeline)
   assert result.step_time == pytest.approx(float(p.plan_cost(result.decisions, result.pipeline).step_time), rel=1e-5)
