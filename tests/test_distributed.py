@@ -73,6 +73,7 @@ def assert_same_metrics(rows: list[dict], want: list[dict]) -> None:
       assert r[k] == pytest.approx(w[k], rel=RTOL, abs=ATOL), k
 
 
+@pytest.mark.slow  # The two-process test below reads the same four devices against one process.
 def test_one_and_four_devices_train_alike(four_devices, tmp_path):
   one = train_cmd.run(dataclasses.replace(SMOKE, devices=1, run_dir=str(tmp_path)))
   assert_same_training(one.state, four_devices.state)
