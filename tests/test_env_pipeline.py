@@ -125,14 +125,14 @@ def test_a_searched_pipeline_reaches_the_plan():
 
 
 def test_a_mixed_batch_prices_each_program_as_alone():
-  """Programs with and without layer stacks, on meshes of different sizes, stacked into one
+  """Programs with and without layer stacks, on different meshes, stacked into one
   batch with pipeline options: every state of a random episode has the objective its
   program's own environment gives it."""
   from envs import core
   from envs.programs import batch_tables
 
   config = EnvConfig(max_axes=3, pipelines=OPTIONS)
-  problems = [problem("data=4,fsdp=2,model=8"),
+  problems = [problem(),
               Problem.build(workloads.make_workload("mlp", abstract=True).trace(), make_mesh("data=2,model=4", "h100"))]
   tables, _ = batch_tables(problems, config)
   step = jax.jit(functools.partial(core.step, config))
