@@ -19,9 +19,11 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -92,9 +94,11 @@ def free_port() -> int:
 
 def test_two_processes_train_as_one_process_of_four_devices(four_devices, tmp_path):
   fresh = dataclasses.replace(SMOKE, run_dir=str(tmp_path / "fresh"))
-  # One process's checkpoint after the first iteration, resumed by the two processes.
+  # One process's checkpoint after the first iteration (the four-device run's, without its
+  # second), resumed by the two processes.
   resumed = dataclasses.replace(SMOKE, run_dir=str(tmp_path / "resumed"))
-  train_cmd.run(dataclasses.replace(resumed, devices=4, iterations=1))
+  shutil.copytree(four_devices.run_dir, resumed.run_dir)
+  shutil.rmtree(os.path.join(resumed.run_dir, checkpoint.CHECKPOINTS_DIR, "2"))
   port = free_port()
   procs = []
   for index in range(2):
@@ -153,6 +157,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
   config = dataclasses.replace(SMOKE, run_dir=str(tmp_path), wandb="offline")
   first = train_cmd.wandb_run(config)
   first.finish()
+  time.sleep(1.0)  # wandb names a part's directory by its start second: two parts in one second share one.
   again = train_cmd.wandb_run(config)
   again.finish()
   with open(tmp_path / train_cmd.WANDB_ID_FILE) as f:

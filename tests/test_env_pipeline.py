@@ -135,11 +135,11 @@ def test_a_mixed_batch_prices_each_program_as_alone():
   problems = [problem(),
               Problem.build(workloads.make_workload("mlp", abstract=True).trace(), make_mesh("data=2,model=4", "h100"))]
   tables, _ = batch_tables(problems, config)
-  step = jax.jit(functools.partial(core.step, config))
+  init, step = jax.jit(functools.partial(core.init, config)), jax.jit(functools.partial(core.step, config))
   for i, p in enumerate(problems):
-    alone = Env.build(p, config)
+    alone = Env.build(p, config)  # Its own tables: `alone.step` is `step` on them.
     mine = jax.tree.map(lambda x, i=i: x[i], tables)
-    state, batched = alone.init(jax.random.key(0)), core.init(config, mine, jax.random.key(0))
+    state, batched = init(alone.tables, jax.random.key(0)), init(mine, jax.random.key(0))
     for t in range(4):
       legal = np.flatnonzero(np.asarray(state.legal_action_mask)[:-1])
       if not len(legal):
@@ -147,7 +147,7 @@ def test_a_mixed_batch_prices_each_program_as_alone():
       action = int(legal[-1]) if t == 0 else int(jax.random.choice(jax.random.key(10 * i + t), legal))
       # Moves keep their index; the options follow the (padded) moves.
       index = action if action < alone.tables.num_moves else action - alone.tables.num_moves + mine.num_moves
-      state, batched = alone.step(state, jnp.int32(action)), step(mine, batched, jnp.int32(index))
+      state, batched = step(alone.tables, state, jnp.int32(action)), step(mine, batched, jnp.int32(index))
       assert int(batched.pipeline) == int(state.pipeline)
       np.testing.assert_allclose(float(batched.objective), float(state.objective), rtol=1e-5)
       np.testing.assert_allclose(float(batched.peak_memory), float(state.peak_memory), rtol=1e-5)

@@ -168,7 +168,7 @@ def test_one_parameter_tree_reads_environments_with_and_without_pipeline_options
             for e in (piped, plain)]
   assert shapes[0] == shapes[1]
   parameters = jax.jit(NET.init)(jax.random.key(1), plain.tables, plain.init(jax.random.key(0)))
-  root = piped.init(jax.random.key(0))
+  root = jax.jit(piped.init)(jax.random.key(0))
   logits, value = jax.jit(NET.apply)(parameters, piped.tables, root)
   moves, options = piped.tables.num_moves, len(piped.pipelines)
   assert logits.shape == (piped.num_actions,) and np.isfinite(float(value))
@@ -178,7 +178,7 @@ def test_one_parameter_tree_reads_environments_with_and_without_pipeline_options
   assert len(set(kinds)) > 2
   option_logits = dict(zip(kinds, np.asarray(logits)[moves:moves + options]))  # Axes alike here: same link.
   assert len(set(option_logits.values())) == len(option_logits), "options of other S and M share a logit"
-  chosen = piped.step(root, jnp.int32(moves + options - 1))
+  chosen = jax.jit(piped.step)(root, jnp.int32(moves + options - 1))
   after, _ = jax.jit(NET.apply)(parameters, piped.tables, chosen)
   assert (np.asarray(after)[moves:moves + 4] == network.MASKED_LOGIT).all()
   assert (np.asarray(after)[:moves] > network.MASKED_LOGIT / 2).any()
