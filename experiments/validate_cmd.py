@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import Any, Literal
 
@@ -29,9 +30,18 @@ class ValidateConfig:
     json: where to write `{cases, summary}`.
     plot: where to draw the simulated-vs-compiled scatter plots (PNG).
     cases: for `fullsize`, the cases to check (default: all of `FULLSIZE_CASES`).
-    agents: for `fullsize`, the search agents whose plans are checked beside the experts.
-    budget: for `fullsize`, each search's simulator evaluations.
+    sampled: for `fullsize`, the sampled run over every model family
+      (`fullsize.SAMPLED_CASES`: two suite cases of each suite family and the zoo families
+      the suite leaves out) instead of `cases`.
+    agents: for `fullsize`, the search agents whose plans are checked beside the experts,
+      each `NAME` or `NAME@BUDGET` (a searched pipeline is checked in GPipe order).
+    budget: for `fullsize`, each search's simulator evaluations (where its agent names none).
     seed: for `fullsize`, the searches' seed.
+    resume: for `fullsize`, keep the checks of the cases already in `--json` (an earlier run
+      of the same command, stopped or finished) and check only the others; the file is
+      rewritten after every case, so a stopped run loses at most the case it was on.
+    merge: for `fullsize`, no compiles: the report of the checks in these `--json` files
+      (pieces of one run made apart).
     random: instead of a suite, N random plans per model (on `data=8` and
       `data=2,model=4` in turn), each compiled in a child process first (an XLA abort is a
       failed plan, not the end of the command), run and checked against the unpartitioned
@@ -53,9 +63,12 @@ class ValidateConfig:
   json: JsonPath = None
   plot: PlotPath = None
   cases: tuple[str, ...] = ()
+  sampled: bool = False
   agents: tuple[str, ...] = ("mcts", "random")
   budget: int = 2000
   seed: int = 0
+  resume: bool = False
+  merge: tuple[str, ...] = ()
   random: int = 0
   models: tuple[str, ...] = ()
   workers: int = 1
@@ -139,6 +152,8 @@ FULLSIZE_HEADER = (f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {
 
 def _fullsize_row(check) -> str:
   s, c = check.simulated, check.compiled
+  if check.error is not None:
+    return f"{check.case:<31} {check.plan:<18} FAILED TO COMPILE ({check.seconds:.0f}s): {check.error}"
   count = lambda m: sum(m["comm_count_by_kind"].values())
   permute = "stage_permute_bytes" if check.pipeline else "collective_permute_bytes"  # A pipeline's: its transfers.
   return (f"{check.case:<31} {check.plan:<18} {check.differences:>4} {s['comm_bytes'] / 1e6:11.1f} "
@@ -147,47 +162,115 @@ def _fullsize_row(check) -> str:
           f"{c['peak_memory'] / 1e9:6.2f} {s['step_time'] * 1e3:8.2f} {c['step_time'] * 1e3:8.2f} {check.seconds:5.0f}")
 
 
-def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
-  """Compile-only validation at published sizes; see `automap_rl.xla.fullsize`."""
-  from agents.registry import AGENTS, run_agent
+def _search_agents(config: ValidateConfig) -> dict[str, int]:
+  """`--agents` as {agent: budget}; an unknown agent or a bad budget fails before any work."""
+  from agents.registry import AGENTS
+
+  agents = {}
+  for entry in config.agents:
+    name, _, budget = entry.partition("@")
+    if name not in AGENTS:
+      raise ValueError(f"--agents {entry}: unknown agent {name!r}; valid: {', '.join(AGENTS)}.")
+    if budget and not (budget.isdigit() and int(budget) > 0):
+      raise ValueError(f"--agents {entry}: the budget after @ must be a positive number of evaluations.")
+    agents[name] = int(budget) if budget else config.budget
+  return agents
+
+
+def _read_checks(path: str) -> list:
+  """The checks of an earlier `validate --suite fullsize --json` file."""
+  import json
+
   from automap_rl.xla import fullsize
 
-  names = config.cases or fullsize.FULLSIZE_CASES
-  for name in names:
-    fullsize.validation_case(name)  # Unknown names fail before any work.
-  for agent in config.agents:
-    if agent not in AGENTS:
-      raise ValueError(f"Unknown agent {agent!r}; valid: {', '.join(AGENTS)}.")
+  try:
+    with open(path) as f:
+      document = json.load(f)
+    return [fullsize.PlanCheck(**{**c, "decisions": tuple(c["decisions"])}) for c in document["checks"]]
+  except (OSError, ValueError, KeyError, TypeError) as error:
+    raise ValueError(f"{path}: not a `validate --suite fullsize --json` file ({error}).") from None
+
+
+def _fullsize_document(checks: list) -> dict[str, Any]:
+  from automap_rl.xla import fullsize
+
+  finite = lambda d: {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+  return {"checks": [dataclasses.asdict(c) for c in checks], "exploit": fullsize.exploit_gaps(checks),
+          "agreement_by_case": fullsize.agreement_by_case(checks),
+          "families": [finite(row) for row in fullsize.family_table(checks)],
+          "summary": finite(fullsize.summarize(checks))}
+
+
+FAMILY_HEADER = (f"{'family':<8} {'cases':>5} {'plans':>5} {'realized':>8} {'comm':>6} {'flops':>6} {'memory':>6} "
+                 f"{'step':>6} {'rank':>5} {'|gap|':>6} {'max gap':>7}  worst plan (step error; largest term error)")
+
+
+def _family_row(row: dict[str, Any]) -> str:
+  fmt = lambda v, spec: "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+  realized = f"{round(row['realized_fraction'] * row['plans'])}/{row['plans']}"
+  worst = (f"{row['worst_plan']} ({fmt(row['worst_step_time_rel_error'], '.1%')}; {row['worst_term']} "
+           f"{fmt(row['worst_term_rel_error'], '.1%')})" if "worst_plan" in row else "none compiled")
+  return (f"{row['family']:<8} {row['cases']:>5} {row['plans']:>5} {realized:>8} "
+          f"{fmt(row['comm_bytes_median_rel_error'], '6.1%')} {fmt(row['flops_median_rel_error'], '6.1%')} "
+          f"{fmt(row['memory_median_rel_error'], '6.1%')} {fmt(row['step_time_median_rel_error'], '6.1%')} "
+          f"{fmt(row['pairwise_rank_agreement'], '5.3f')} {fmt(row['exploit_gap_median_abs'], '6.3f')} "
+          f"{fmt(row['exploit_gap_max'], '+7.3f')}  {worst}")
+
+
+def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
+  """Compile-only validation at published sizes; see `automap_rl.xla.fullsize`."""
+  from agents.registry import run_agent
+  from automap_rl.xla import fullsize
+
+  if config.merge:
+    checks = [c for path in config.merge for c in _read_checks(path)]
+    names = list(dict.fromkeys(c.case for c in checks))
+  else:
+    names = fullsize.SAMPLED_CASES if config.sampled else config.cases or fullsize.FULLSIZE_CASES
+    for name in names:
+      fullsize.validation_case(name)  # Unknown names fail before any work.
+    agents = _search_agents(config)
+    if config.resume and not config.json:
+      raise ValueError("--resume needs --json, the file of the run to resume.")
+    checks = _read_checks(config.json) if config.resume and os.path.exists(config.json) else []
 
   def search(problem, seed):
     plans = {}
-    for agent in config.agents:
-      print(f"  searching: {agent}@{config.budget} ...", flush=True)
-      plans[f"{agent}@{config.budget}"] = run_agent(agent, problem, seed=seed, budget=config.budget).decisions
+    for agent, budget in agents.items():
+      print(f"  searching: {agent}@{budget} ...", flush=True)
+      result = run_agent(agent, problem, seed=seed, budget=budget)
+      plans[f"{agent}@{budget}"] = (result.decisions, result.pipeline)
     return plans
 
   start = time.perf_counter()
   print(FULLSIZE_HEADER, flush=True)
-  checks = []
-  for name in names:
+  done = {c.case for c in checks}
+  for check in checks:
+    print(_fullsize_row(check), flush=True)
+  for name in ([] if config.merge else names):
+    if name in done:
+      continue
     print(f"{name}: tracing, then one compile per plan ...", flush=True)
-    checks += fullsize.check_case(name, search if config.agents and not config.pipelines else None, seed=config.seed,
+    checks += fullsize.check_case(name, search if agents else None, seed=config.seed,
                                   report=lambda check: print(_fullsize_row(check), flush=True), pipelines=config.pipelines)
-  summary = fullsize.summarize(checks)
-  gaps = fullsize.exploit_gaps(checks)
+    write_json(config.json, _fullsize_document(checks))
+  document = _fullsize_document(checks)
   print(f"\n{len(checks)} plans of {len(names)} cases in {time.perf_counter() - start:.0f}s")
-  for g in gaps:
+  for g in document["exploit"]:
     print(f"  exploit {g['case']:<31} {g['plan']:<12} vs {g['best_expert']:<16} simulated {g['simulated_ratio']:.3f}"
           f"  compiled-implied {g['compiled_ratio']:.3f}  gap {g['gap']:+.3f}")
-  print(_summary_text(summary))
-  for case, agreement in fullsize.agreement_by_case(checks).items():
+  print(_summary_text(document["summary"]))
+  for case, agreement in document["agreement_by_case"].items():
     print(f"  pairwise rank agreement {case:<31} {agreement:.3f}")
+  print(f"\nby family (median relative errors; rank agreement; exploit gaps)\n{FAMILY_HEADER}")
+  for row in document["families"]:
+    print(_family_row(row))
   unrealized = [c for c in checks if c.differences]
   if unrealized:
     print(f"NOT REALIZED AS WRITTEN: {', '.join(f'{c.case}/{c.plan} ({c.differences} values)' for c in unrealized)}")
-  document = {"checks": [dataclasses.asdict(c) for c in checks], "exploit": gaps,
-              "agreement_by_case": fullsize.agreement_by_case(checks),
-              "summary": {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}}
+  for c in checks:
+    if c.error is not None:
+      print(f"FAILED TO COMPILE {c.case}/{c.plan}: {c.error}")
   write_json(config.json, document)
   if config.plot:
     fullsize.plot(checks, config.plot)

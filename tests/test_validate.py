@@ -218,3 +218,101 @@ def test_random_pipelines_of_a_model_without_a_scanned_stack_fail_in_one_line():
   assert "\n" not in str(e.value)
   with pytest.raises(ValueError, match="--pipelines needs --random"):
     validate_cmd.run(validate_cmd.ValidateConfig(pipelines=True))
+
+
+def _metrics(comm: dict[str, float], flops: float, memory: float, step_time: float, permute: float = 0.0) -> dict:
+  from automap_rl.simulator import KINDS
+
+  by_kind = {k: comm.get(k, 0.0) for k in KINDS}
+  return {"comm_bytes": sum(by_kind.values()), "comm_bytes_by_kind": by_kind,
+          "comm_count_by_kind": {k: float(b > 0) for k, b in by_kind.items()}, "collective_permute_bytes": permute,
+          "flops": flops, "peak_memory": memory, "step_time": step_time, "fits": True}
+
+
+def _sampled_checks():
+  """Two families: gpt (an expert and a searched plan that compiled, a searched plan that
+  did not) and ssm (two experts, the second overpriced by its all-gathers)."""
+  from automap_rl.xla import fullsize
+
+  def check(case, family, plan, searched, simulated, compiled, error=None):
+    return fullsize.PlanCheck(case=case, devices=8, plan=plan, searched=searched, decisions=(), simulated=simulated,
+                              compiled=compiled, differences=0, seconds=1.0, family=family, error=error)
+
+  return [
+      check("gpt-350m-8x2-a100-80g", "gpt", "megatron", False, _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0),
+            _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0)),
+      check("gpt-350m-8x2-a100-80g", "gpt", "mcts@2000", True, _metrics({"all-reduce": 50.0}, 10.0, 5.0, 0.8),
+            _metrics({"all-reduce": 60.0}, 10.0, 5.0, 0.9)),
+      check("gpt-350m-8x2-a100-80g", "gpt", "learned@64", True, _metrics({"all-reduce": 50.0}, 10.0, 5.0, 0.7), {},
+            error="ValueError: no lowering"),
+      check("ssm-370m-4x4-tpu-v5e", "ssm", "fsdp", False, _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0),
+            _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0)),
+      check("ssm-370m-4x4-tpu-v5e", "ssm", "megatron", False,
+            _metrics({"all-reduce": 100.0, "all-gather": 300.0, "all-to-all": 1.0}, 10.0, 5.5, 2.0),
+            _metrics({"all-reduce": 100.0, "all-gather": 100.0, "all-to-all": 0.0}, 10.0, 5.0, 1.25)),
+  ]
+
+
+def test_the_family_table_names_each_familys_worst_plan_and_its_largest_term_error():
+  from automap_rl.xla import fullsize
+
+  checks = _sampled_checks()
+  worst = checks[-1]
+  # all-to-all carries under `TERM_SHARE` of the bytes on both sides: no term, though its error is infinite.
+  assert fullsize.term_errors(worst) == pytest.approx({"flops": 0.0, "peak_memory": 0.1, "all-reduce": 0.0,
+                                                       "all-gather": 2.0})
+  gpt, ssm = fullsize.family_table(checks)
+  assert (gpt["family"], gpt["cases"], gpt["plans"], gpt["failed_to_compile"]) == ("gpt", 1, 3, 1)
+  assert gpt["realized_fraction"] == pytest.approx(2 / 3)  # The plan that did not compile is not realized.
+  assert gpt["exploit_gap_max"] == pytest.approx(0.9 - 0.8)  # Only the compiled searched plan has a gap.
+  assert gpt["worst_plan"] == "gpt-350m-8x2-a100-80g/mcts@2000" and gpt["worst_term"] == "all-reduce"
+  assert ssm["worst_plan"] == "ssm-370m-4x4-tpu-v5e/megatron" and ssm["worst_term"] == "all-gather"
+  assert ssm["worst_step_time_rel_error"] == pytest.approx(0.6) and ssm["worst_term_rel_error"] == pytest.approx(2.0)
+  assert ssm["pairwise_rank_agreement"] == 1.0 and math.isnan(ssm["exploit_gap_median_abs"])
+
+
+def test_pieces_of_a_sampled_run_resume_and_merge_without_compiling(tmp_path, capsys):
+  from experiments import cli
+
+  checks = [dataclasses.asdict(c) for c in _sampled_checks()]
+  first, second = tmp_path / "gpt.json", tmp_path / "ssm.json"
+  first.write_text(json.dumps({"checks": checks[:3]}))
+  second.write_text(json.dumps({"checks": checks[3:]}))
+  # The JSON already holds the case asked for: nothing is traced or compiled.
+  assert cli.main(["validate", "--suite", "fullsize", "--cases", "gpt-350m-8x2-a100-80g", "--resume",
+                   "--json", str(first)]) == 0
+  assert [c["plan"] for c in json.loads(first.read_text())["checks"]] == ["megatron", "mcts@2000", "learned@64"]
+  merged = tmp_path / "merged.json"
+  assert cli.main(["validate", "--suite", "fullsize", "--merge", str(first), str(second), "--json", str(merged)]) == 0
+  document = json.loads(merged.read_text())
+  assert [row["family"] for row in document["families"]] == ["gpt", "ssm"]
+  assert document["summary"]["plans"] == 5 and document["summary"]["failed_to_compile"] == 1
+  out = capsys.readouterr().out
+  assert "FAILED TO COMPILE gpt-350m-8x2-a100-80g/learned@64: ValueError: no lowering" in out
+  assert "ssm-370m-4x4-tpu-v5e/megatron (60.0%; all-gather 200.0%)" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--agents", "mcts@lots"], "--agents mcts@lots: the budget after @ must be a positive number"),
+    (["--agents", "uct"], "--agents uct: unknown agent 'uct'"),
+    (["--resume"], "--resume needs --json"),
+    (["--merge", "missing.json"], "missing.json: not a `validate --suite fullsize --json` file"),
+])
+def test_a_bad_fullsize_request_is_one_line_and_exit_2(argv, message, capsys):
+  from experiments import cli
+
+  assert cli.main(["validate", "--suite", "fullsize", "--cases", "gpt-350m-8x2-a100-80g", *argv]) == 2
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert message in line
+
+
+def test_the_sampled_run_covers_every_family_on_8_to_64_devices():
+  from automap_rl.xla import fullsize
+
+  cases = [fullsize.validation_case(name) for name in fullsize.SAMPLED_CASES]
+  families = [c.family for c in cases]
+  assert set(families) == set(workloads.FAMILIES) and all(families.count(f) >= 2 for f in workloads.FAMILIES)
+  assert not set(fullsize.SAMPLED_CASES) & set(fullsize.FULLSIZE_CASES)  # Cases the simulator was not fitted to.
+  devices = [c.make_mesh().num_devices for c in cases]
+  assert min(devices) == 8 and max(devices) == 64
+  assert {c.hardware.split("-")[0] for c in cases} == {"a100", "h100", "tpu"}

@@ -44,7 +44,7 @@ from automap_rl.mesh import HARDWARE, Mesh, make_mesh, to_jax_mesh
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
-from automap_rl.simulator import collective_seconds
+from automap_rl.simulator import KINDS, collective_seconds
 from automap_rl.simulator.tables import program_flops
 from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import lower
@@ -52,8 +52,9 @@ from automap_rl.xla.pipeline_lower import lower_pipelined
 from automap_rl.xla.validate import DONATE_ARGNUMS, compiled_metrics, relative_error, simulated_metrics, trace_problem
 
 __all__ = [
-    "FULLSIZE_CASES", "PlanCheck", "Search", "agreement_by_case", "check_case", "check_pipelined_plan", "exploit_gaps",
-    "implied_cost", "pairwise_agreement", "plot", "stage_permute_bytes", "summarize", "validation_case", "validation_mesh",
+    "FULLSIZE_CASES", "SAMPLED_CASES", "ZOO_CASES", "PlanCheck", "Search", "agreement_by_case", "check_case",
+    "check_pipelined_plan", "compiled_checks", "exploit_gaps", "family_table", "implied_cost", "pairwise_agreement", "plot",
+    "stage_permute_bytes", "summarize", "term_errors", "validation_case", "validation_mesh",
 ]
 
 # Cases at published sizes on 8 and 64 devices: the demo's model on a 2x4 and an 8x8 mesh,
@@ -67,8 +68,41 @@ FULLSIZE_CASES = (
 _DEMO = {"demo-gpt-2x4-h100": "data=2,model=4", "demo-gpt-8x8-h100": "data=8,model=8"}
 DEMO_WORKLOAD = "gpt:layers=8,d_model=1024"
 
-# A search: (problem, seed) -> {plan name: decisions}, e.g. UCT and random at 2000.
-Search = Callable[[Problem, int], Mapping[str, Sequence[Decision]]]
+# The zoo families the task suite leaves out, at sizes of their kind: (workload, mesh,
+# hardware). A ResNet-18-shaped network (uniform basic blocks, GroupNorm) at ImageNet
+# resolution and a wider one; a deep wide MLP; the LSTM language models of Jozefowicz et
+# al. and GNMT's stack.
+ZOO_CASES = {
+    "mlp-8x8192-2x4-h100": ("mlp:layers=8,width=8192,in_dim=1024,classes=1024,batch=1024", "data=2,model=4", "h100"),
+    "mlp-4x16384-4x8-a100-80g": ("mlp:layers=4,width=16384,in_dim=4096,classes=4096,batch=2048", "data=4,model=8",
+                                 "a100-80g"),
+    "resnet-18-4x2-a100-40g": ("resnet:stages=4,blocks=2,width=64,groups=32,image_size=224,classes=1000,batch=256",
+                               "data=4,model=2", "a100-40g"),
+    "resnet-4x3x128-8x4-tpu-v5e": ("resnet:stages=4,blocks=3,width=128,groups=32,image_size=224,classes=1000,batch=512",
+                                   "data=8,model=4", "tpu-v5e"),
+    "lstm-8192-1024-4x4-tpu-v5e": ("lstm:size=8192-1024,batch=64", "data=4,model=4", "tpu-v5e"),
+    "lstm-gnmt-1024-8x4-h100": ("lstm:size=gnmt-1024,batch=128", "data=8,model=4", "h100"),
+}
+
+# The sampled run over every family: two task-suite cases of each suite family that the
+# simulator was not developed against (none of `FULLSIZE_CASES`), and `ZOO_CASES`; 8 to 64
+# devices, two- and three-axis meshes, A100, H100 and TPU profiles.
+SAMPLED_CASES = (
+    "gpt-350m-8x2-a100-80g", "gpt-2.6b-2x2x8-h100",
+    "llama-8b-2x8-h100", "llama-70b-8x8-a100-80g-remat",
+    "moe-690m-4x4-h100", "moe-2.4b-8x4-tpu-v5e",
+    "vit-b16-4x2-a100-40g", "vit-h14-8x4-a100-80g",
+    "wresnet-250m-4x2-a100-40g", "wresnet-2b-4x8-a100-80g",
+    "gnn-mgn-4x4-tpu-v5e", "gnn-graphcast-8x8-h100",
+    "t5-base-4x4-tpu-v5e", "t5-xl-4x8-a100-80g",
+    "unet-ddpm-cifar10-8x2-tpu-v5e", "unet-sd-1.5-4x4-a100-80g",
+    "ssm-370m-4x4-tpu-v5e", "ssm-1.4b-4x8-a100-80g",
+    *ZOO_CASES,
+)
+
+# A search: (problem, seed) -> {plan name: (decisions, pipeline or None)}, e.g. UCT and
+# random at 2000.
+Search = Callable[[Problem, int], Mapping[str, tuple[Sequence[Decision], Pipeline | None]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +124,9 @@ class PlanCheck:
       pipelined plan, whose intermediates are not pinned).
     seconds: wall time of lowering and compiling.
     pipeline: a pipelined plan's `Pipeline.to_json`, else None.
+    family: the case's model family.
+    error: why the plan could not be lowered or compiled (then `compiled` is empty and the
+      plan counts as not realized), else None.
   """
 
   case: str
@@ -102,17 +139,25 @@ class PlanCheck:
   differences: int
   seconds: float
   pipeline: dict[str, Any] | None = None
+  family: str = ""
+  error: str | None = None
 
 
 def validation_case(name: str) -> workloads.Case:
-  """The case called `name` (`FULLSIZE_CASES`, or any task-suite case) in float32."""
+  """The case called `name` (`FULLSIZE_CASES`, `ZOO_CASES` or any task-suite case) in
+  float32."""
   if name in _DEMO:
     case = workloads.Case(name=name, workload=DEMO_WORKLOAD, family="gpt", size="demo", mesh=_DEMO[name],
                           hardware="h100", split="validate")
+  elif name in ZOO_CASES:
+    workload, mesh, hardware = ZOO_CASES[name]
+    case = workloads.Case(name=name, workload=workload, family=workload.partition(":")[0], size="zoo", mesh=mesh,
+                          hardware=hardware, split="validate")
   else:
     known = {c.name: c for c in workloads.load_cases()}
     if name not in known:
-      raise ValueError(f"Unknown validation case {name!r}; valid: {', '.join(FULLSIZE_CASES)} or a suite case.")
+      raise ValueError(f"Unknown validation case {name!r}; valid: {', '.join(FULLSIZE_CASES)}, "
+                       f"{', '.join(ZOO_CASES)} or a suite case.")
     case = known[name]
   return dataclasses.replace(case, workload=f"{case.workload},dtype=float32")
 
@@ -189,40 +234,70 @@ def check_pipelined_plan(case: str, problem: Problem, workload: workloads.Worklo
                    seconds=time.perf_counter() - start, pipeline=pipeline.to_json())
 
 
+def _failed_check(case: workloads.Case, problem: Problem, plan: str, decisions: Sequence[Decision],
+                  pipeline: Pipeline | None, searched: bool, error: Exception, seconds: float) -> PlanCheck:
+  """A plan that did not lower or compile: the simulator's side and the error."""
+  cost = problem.cost(decisions) if pipeline is None else problem.plan_cost(decisions, pipeline)
+  simulated = {**simulated_metrics(problem, decisions, pipeline), "step_time": float(cost.step_time),
+               "fits": bool(cost.fits)}
+  if pipeline is not None:
+    simulated["stage_permute_bytes"] = float(cost.terms.permute_bytes)
+  return PlanCheck(case=case.name, devices=problem.mesh.num_devices, plan=plan, searched=searched,
+                   decisions=tuple(map(str, decisions)), simulated=simulated, compiled={}, differences=0,
+                   seconds=seconds, pipeline=None if pipeline is None else pipeline.to_json(), family=case.family,
+                   error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
+
+
 def check_case(name: str, search: Search | None = None, seed: int = 0,
                report: Callable[[PlanCheck], None] = lambda check: None, pipelines: bool = False) -> list[PlanCheck]:
-  """Every applicable expert plan of case `name` and the plans `search` finds; with
-  `pipelines`, also every applicable pipelined expert plan, in GPipe order (those of one
-  plan and pipeline once)."""
+  """Every applicable expert plan of case `name` and the plans `search` finds (a searched
+  pipeline run in GPipe order, as it is lowered); with `pipelines`, also every applicable
+  pipelined expert plan, in GPipe order (those of one plan and pipeline once). A plan that
+  fails to lower or compile is a check with its `error`, and the case goes on."""
   case = validation_case(name)
   workload = case.make_workload(abstract=True)
   problem = trace_problem(workload, case.mesh, validation_mesh(case).hardware)
-  checks = []
-  plans = [(plan, decisions, False) for plan, decisions in tactics.applicable(problem).items()]
-  if search is not None:
-    plans += [(plan, list(decisions), True) for plan, decisions in search(problem, seed).items()]
-  for plan, decisions, searched in plans:
-    checks.append(check_plan(name, problem, workload, plan, decisions, searched))
-    report(checks[-1])
+  plans = [(plan, decisions, None, False) for plan, decisions in tactics.applicable(problem).items()]
   if pipelines:
-    seen = []
-    for plan, (decisions, pipeline) in tactics.applicable_pipelines(problem).items():
+    plans += [(plan, decisions, pipeline, False)
+              for plan, (decisions, pipeline) in tactics.applicable_pipelines(problem).items()]
+  if search is not None:
+    plans += [(plan, list(decisions), pipeline, True) for plan, (decisions, pipeline) in search(problem, seed).items()]
+  checks, seen = [], []
+  for plan, decisions, pipeline, searched in plans:
+    if pipeline is not None:
       pipeline = dataclasses.replace(pipeline, schedule="gpipe")
-      if (decisions, pipeline) in seen:
+      if not searched and (decisions, pipeline) in seen:
         continue
       seen.append((decisions, pipeline))
-      checks.append(check_pipelined_plan(name, problem, workload, plan, decisions, pipeline))
-      report(checks[-1])
+    start = time.perf_counter()
+    try:
+      if pipeline is None:
+        check = check_plan(name, problem, workload, plan, decisions, searched)
+      else:
+        check = dataclasses.replace(check_pipelined_plan(name, problem, workload, plan, decisions, pipeline),
+                                    searched=searched)
+      checks.append(dataclasses.replace(check, family=case.family))
+    except Exception as error:  # noqa: BLE001 -- one plan's failure is a finding, not the end of the run.
+      checks.append(_failed_check(case, problem, plan, decisions, pipeline, searched, error,
+                                  time.perf_counter() - start))
+    report(checks[-1])
   return checks
 
 
 # -- summary ------------------------------------------------------------------------------
 
 
+def compiled_checks(checks: Sequence[PlanCheck]) -> list[PlanCheck]:
+  """The checks whose plan compiled (no `error`)."""
+  return [c for c in checks if c.error is None]
+
+
 def _ordered_pairs(checks: Sequence[PlanCheck]) -> tuple[int, int]:
   """(pairs the simulator orders as the compiled-implied step times do, pairs) over the
-  pairs of plans of one case, pipelined and intra-op alike (pairs the compiled side ties
-  within 0.1% left out)."""
+  pairs of compiled plans of one case, pipelined and intra-op alike (pairs the compiled
+  side ties within 0.1% left out)."""
+  checks = compiled_checks(checks)
   agree = total = 0
   for i, a in enumerate(checks):
     for b in checks[i + 1:]:
@@ -252,7 +327,8 @@ def exploit_gaps(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
   """Per searched plan: its simulated ratio to the best expert (`tactics.best_expert`
   of the simulator's scores), its compiled-implied ratio to the same expert, and the gap,
   compiled-implied minus simulated ratio: positive where the simulator flatters the
-  searched plan (the search exploited the simulator), negative where it undersells it."""
+  searched plan (the search exploited the simulator), negative where it undersells it.
+  Searched plans that did not compile, and cases whose best expert did not, have none."""
   gaps = []
   for name in dict.fromkeys(c.case for c in checks):
     experts = {c.plan: c for c in checks if c.case == name and not c.searched}
@@ -260,7 +336,9 @@ def exploit_gaps(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
       continue
     best = experts[tactics.best_expert({n: tactics.Score(c.simulated["step_time"], c.simulated["peak_memory"],
                                                         c.simulated["fits"]) for n, c in experts.items()})]
-    for found in (c for c in checks if c.case == name and c.searched):
+    if best.error is not None:
+      continue
+    for found in (c for c in compiled_checks(checks) if c.case == name and c.searched):
       simulated = found.simulated["step_time"] / best.simulated["step_time"]
       compiled = found.compiled["step_time"] / best.compiled["step_time"]
       gaps.append({"case": name, "plan": found.plan, "best_expert": best.plan, "simulated_ratio": simulated,
@@ -269,7 +347,9 @@ def exploit_gaps(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
 
 
 def summarize(checks: Sequence[PlanCheck]) -> dict[str, float]:
-  """The acceptance figures over all plans of all cases."""
+  """The acceptance figures over all plans of all cases (a plan that did not compile is
+  not realized and has no errors)."""
+  everything, checks = checks, compiled_checks(checks)
   median = lambda xs: float(np.median(xs)) if len(xs) else math.nan
   error = lambda key: median([relative_error(c.simulated[key], c.compiled[key]) for c in checks])
   count_ratio = []
@@ -280,18 +360,64 @@ def summarize(checks: Sequence[PlanCheck]) -> dict[str, float]:
   gaps = [g["gap"] for g in exploit_gaps(checks)]
   pipelined = [c for c in checks if c.pipeline is not None]
   return {
-      "plans": len(checks),
-      "realized_fraction": float(np.mean([c.differences == 0 for c in checks])) if checks else math.nan,
+      "plans": len(everything),
+      "failed_to_compile": len(everything) - len(checks),
+      "realized_fraction": float(np.mean([c.error is None and c.differences == 0 for c in everything]))
+                           if everything else math.nan,
       "comm_bytes_median_rel_error": error("comm_bytes"),
       "collective_counts_within_2x_fraction": float(np.mean([r <= 2.0 for r in count_ratio])) if count_ratio else math.nan,
       "flops_median_rel_error": error("flops"),
       "memory_median_rel_error": error("peak_memory"),
       "stage_permute_bytes_median_rel_error": median([
           relative_error(c.simulated["stage_permute_bytes"], c.compiled["stage_permute_bytes"]) for c in pipelined]),
+      "step_time_median_rel_error": median([relative_error(c.simulated["step_time"], c.compiled["step_time"])
+                                            for c in checks]),
       "pairwise_rank_agreement": pairwise_agreement(checks),
       "exploit_gap_median": median(gaps),
       "exploit_gap_median_abs": median(np.abs(gaps)),
+      "exploit_gap_max": max(gaps, default=math.nan),
   }
+
+
+# A collective kind's bytes count as a term of a plan where they carry at least this
+# fraction of its comm bytes (simulated or compiled).
+TERM_SHARE = 0.05
+
+
+def term_errors(check: PlanCheck) -> dict[str, float]:
+  """The relative error of each term of a compiled plan: `flops` (compute), `peak_memory`,
+  the bytes of each collective kind carrying at least `TERM_SHARE` of its comm bytes on
+  either side (keyed by kind), and `collective-permute` bytes likewise."""
+  s, c = check.simulated, check.compiled
+  errors = {"flops": relative_error(s["flops"], c["flops"]),
+            "peak_memory": relative_error(s["peak_memory"], c["peak_memory"])}
+  permute = "stage_permute_bytes" if check.pipeline else "collective_permute_bytes"
+  moved = {**{k: (s["comm_bytes_by_kind"][k], c["comm_bytes_by_kind"][k]) for k in KINDS},
+           "collective-permute": (s[permute], c[permute])}
+  totals = [sum(side) for side in zip(*moved.values())]
+  for kind, (simulated, xla) in moved.items():
+    if any(b >= TERM_SHARE * t > 0 for b, t in zip((simulated, xla), totals)):
+      errors[kind] = relative_error(simulated, xla)
+  return errors
+
+
+def family_table(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
+  """Per model family: the `summarize` figures of its plans, its rank agreement, and its
+  worst plan (the largest relative error of the simulated against the compiled-implied
+  step time) with that plan's largest `term_errors` term."""
+  rows = []
+  for family in dict.fromkeys(c.family for c in checks):
+    mine = [c for c in checks if c.family == family]
+    ok = compiled_checks(mine)
+    worst = max(ok, key=lambda c: relative_error(c.simulated["step_time"], c.compiled["step_time"]), default=None)
+    row = {"family": family, "cases": len({c.case for c in mine}), **summarize(mine)}
+    if worst is not None:
+      term, error = max(term_errors(worst).items(), key=lambda item: item[1])
+      row |= {"worst_plan": f"{worst.case}/{worst.plan}",
+              "worst_step_time_rel_error": relative_error(worst.simulated["step_time"], worst.compiled["step_time"]),
+              "worst_term": term, "worst_term_rel_error": error}
+    rows.append(row)
+  return rows
 
 
 def plot(checks: Sequence[PlanCheck], path: str) -> None:
@@ -302,6 +428,7 @@ def plot(checks: Sequence[PlanCheck], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  checks = compiled_checks(checks)
   best = {g["case"]: g["best_expert"] for g in exploit_gaps(checks)}
   expert = {(c.case, c.plan): c for c in checks if not c.searched}
   panels = (("comm_bytes", "comm bytes / device"), ("flops", "flops / device"), ("peak_memory", "peak memory / device"),
