@@ -41,6 +41,11 @@ def _abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
                       tree)
 
 
+def _without_empty(tree: chex.ArrayTree) -> chex.ArrayTree:
+  """`tree` with None for its empty (zero-size) arrays."""
+  return jax.tree.map(lambda x: None if x.size == 0 else x, tree)
+
+
 class TrainCheckpoints:
   """The training states of a run directory, by iteration (keeps the latest `keep`). With
   several processes (`jax.distributed`) every one makes it and calls `save` and `restore`
@@ -56,13 +61,19 @@ class TrainCheckpoints:
     return self.manager.latest_step()
 
   def save(self, iteration: int, state: chex.ArrayTree) -> None:
-    """Saves `state` as iteration `iteration` and waits until it is on disk."""
-    self.manager.save(iteration, args=ocp.args.StandardSave(state), force=True)
+    """Saves `state` as iteration `iteration` and waits until it is on disk (its empty
+    arrays as None: orbax cannot write them; e.g. option features without options)."""
+    self.manager.save(iteration, args=ocp.args.StandardSave(_without_empty(state)), force=True)
     self.manager.wait_until_finished()
 
   def restore(self, iteration: int, target: chex.ArrayTree) -> chex.ArrayTree:
-    """The state saved at `iteration`, shaped as `target` (a state of the same run config)."""
-    return self.manager.restore(iteration, args=ocp.args.StandardRestore(_abstract(target)))
+    """The state saved at `iteration`, shaped as `target` (a state of the same run config),
+    its empty arrays `target`'s."""
+    restored = self.manager.restore(iteration, args=ocp.args.StandardRestore(_abstract(_without_empty(target))))
+    saved = jax.tree.leaves(restored, is_leaf=lambda x: x is None)
+    return jax.tree.unflatten(jax.tree.structure(target),
+                              [empty if leaf is None else leaf for leaf, empty in zip(saved, jax.tree.leaves(target),
+                                                                                      strict=True)])
 
   def close(self) -> None:
     self.manager.close()

@@ -265,7 +265,8 @@ def iteration(state: TrainState, suite: Suite, config: TrainConfig, mesh: Mesh
   b = config.episodes
   problems = (state.iteration * b + jnp.arange(b, dtype=jnp.int32)) % suite.size
   episodes = self_play(state.params, suite, problems, play_key, config, mesh)
-  flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), episodes.samples)
+  # [episodes, steps, ...] -> [episodes * steps, ...] (sizes spelled out: a field may be empty, e.g. no options).
+  flat = jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), episodes.samples)
   buffer = replay.add(state.buffer, flat, episodes.active.reshape(-1))
   (params, opt_state, buffer), parts = jax.lax.scan(
       functools.partial(_update, config, suite, mesh), (state.params, state.opt_state, buffer),

@@ -203,7 +203,7 @@ def test_a_mesh_object_is_priced_with_the_hardware_asked_for():
     as_mesh(8)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(workload=st.sampled_from([GPT, "test_api:user_mlp_without_roles"]),
        mesh=st.sampled_from(["data=8", "data=2,model=4"]),
        agent=st.sampled_from(["random", "greedy", "mcts", "fsdp_megatron"]),

@@ -35,8 +35,12 @@ from automap_rl.xla.hlo.module import parse_module
 from experiments import cli, train_cmd
 from experiments.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
-SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], iterations=2, wandb="disabled", progress=False,
-                            learning_curve=False)
+# The smoke preset without pipeline options (a third of its compile time): what is
+# distributed does not depend on them.
+_PRESET = train_cmd.PRESETS["smoke"]
+SMOKE = dataclasses.replace(_PRESET, iterations=2, wandb="disabled", progress=False, learning_curve=False,
+                            train=dataclasses.replace(_PRESET.train,
+                                                      network=dataclasses.replace(_PRESET.train.network, pipelines=0)))
 RTOL, ATOL = 1e-5, 1e-6
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A worker process: runs `automap-rl train` once per argument (a JSON list of flags).
@@ -46,7 +50,8 @@ WORKER = "import json, sys\nfrom experiments import cli\nfor a in sys.argv[1:]:\
 def flags(config: train_cmd.TrainRunConfig) -> list[str]:
   """The `automap-rl train` flags of a smoke-based config."""
   return ["train", "--preset", "smoke", "--iterations", str(config.iterations), "--run-dir", config.run_dir,
-          "--wandb", config.wandb, "--no-progress", "--no-learning-curve"]
+          "--wandb", config.wandb, "--no-progress", "--no-learning-curve",
+          "--train.network.pipelines", str(config.train.network.pipelines)]
 
 
 @pytest.fixture(scope="module")

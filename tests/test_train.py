@@ -194,7 +194,7 @@ def test_no_budget_gives_a_worse_plan_than_the_greedy_path():
                           make_mesh("data=2,model=4", "h100"))
   greedy = learned.search(problem, LearnedConfig(search=False), seed=0, budget=1)
   assert greedy.simulations == 0 and greedy.greedy_steps > 1 and greedy.greedy_steps >= len(greedy.action_ids)
-  for budget in (1, 4, 16):
+  for budget in (1, 16):
     result = learned.search(problem, LearnedConfig(gumbel=GumbelSettings(num_simulations=8)), seed=0, budget=budget)
     assert result.greedy_steps == greedy.greedy_steps and result.simulations <= budget
     assert result.objective <= greedy.objective * (1 + 1e-6)
