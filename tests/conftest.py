@@ -1,13 +1,16 @@
-"""Pytest setup, before JAX is imported: 8 virtual CPU devices, and a persistent
-compilation cache in the repository's `.cache/xla` (gitignored), never the user's home:
-tests that build the same functions for the same programs, in either xdist worker or a
-later run, compile them once."""
+"""Pytest setup, before JAX is imported: 8 virtual CPU devices, CPU code generated
+without LLVM's expensive optimisations (the tests' programs are small: compiling them
+costs more than running them; the HLO, its collectives, flops and memory are the same),
+and a persistent compilation cache in the repository's `.cache/xla` (gitignored), never
+the user's home: tests that build the same functions for the same programs, in either
+xdist worker or a later run, compile them once."""
 
 import os
 
 from experiments.cli import compilation_cache
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                                   "--xla_llvm_disable_expensive_passes=true")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                        ".cache", "xla")
 compilation_cache()

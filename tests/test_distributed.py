@@ -107,7 +107,7 @@ def test_two_processes_train_as_one_process_of_four_devices(four_devices, tmp_pa
   port = free_port()
   procs = []
   for index in range(2):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=2"),
            COORDINATOR_ENV: f"localhost:{port}", NUM_PROCESSES_ENV: "2", PROCESS_ID_ENV: str(index)}
     procs.append(subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(flags(fresh)), json.dumps(flags(resumed))],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
