@@ -327,6 +327,21 @@ def test_memory_traffic_of_a_fused_elementwise_chain_is_its_ends():
   assert by_primitive["tanh"] == out_bytes  # Reads the dot's result, writes into the fusion.
   assert by_primitive["mul"] == 0.0  # Inside the fusion.
   assert by_primitive["add"] == out_bytes  # Writes the program's output.
+@pytest.mark.parametrize("fn", [
+    lambda x, w: jnp.tanh((x @ w)[:, :64]),
+    lambda x, w: jnp.tanh(jax.lax.dynamic_slice_in_dim(x @ w, 128, 64, axis=1)),
+    # Slices of the arguments feed a dot; its result updates the first dot's in place.
+    lambda x, w: jax.lax.dynamic_update_slice_in_dim(x @ w, jnp.tanh(x[:, :8] @ w[:8, :64]), 128, axis=1),
+], ids=["slice", "dynamic_slice", "dynamic_update_slice"])
+def test_slices_move_what_they_keep_and_an_update_slice_what_it_writes(fn):
+  """A slice or dynamic slice of a dot's result reads the elements it keeps, not the whole
+  result; a dynamic-update-slice writes its update into its operand's buffer in place:
+  the program's memory traffic is the bytes XLA's compiled module accesses."""
+  x, w = jnp.ones((256, 64)), jnp.ones((64, 512))
+  compiled = jax.jit(fn).lower(x, w).compile().cost_analysis()["bytes accessed"]
+  assert sum(memory_bytes(ir.trace(fn, x, w))) == compiled
+
+
 def test_a_scan_iteration_reads_and_writes_its_slice_not_the_stack():
   """`scan` over 64 steps: each iteration's slice of the stacked input and of the stacked
   output moves one step's bytes (a dynamic-slice, an in-place dynamic-update-slice), so

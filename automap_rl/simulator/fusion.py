@@ -48,6 +48,7 @@ MOVEMENT = frozenset({
 }) | NO_OPS
 PERMUTING = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "slice", "concatenate", "rev", "split",
                        "gather"}) | NO_OPS  # Movement that reads each operand element once.
+SLICES = frozenset({"slice", "dynamic_slice"})  # Movement that reads only the elements it keeps.
 FUSED_REDUCTIONS = frozenset(REDUCTIONS)
 LIBRARY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 LIBRARY_PRODUCERS = frozenset({
@@ -99,8 +100,11 @@ def memory_bytes(program: Program) -> list[float]:
   that only loop-fusible ops read (and the program does not return) into it. A loop
   iteration's `scan_slice` reads its slice of the stacked input, not the whole stack (a
   dynamic-slice), and its `scan_stack` writes its slice of the stacked output in place (a
-  dynamic-update-slice). Dots, convolutions, and everything else read and write their
-  values whole. Per op, [num_ops]."""
+  dynamic-update-slice). Likewise outside loops: a slice or dynamic slice reads the
+  elements it keeps, not its whole operand, and a dynamic-update-slice updates its
+  operand's buffer in place (it reads nothing of it and writes the update). Dots,
+  convolutions, and everything else read and write their values whole. Per op,
+  [num_ops]."""
   producer = {v: op for op in program.ops for v in op.results}
   readers = consumers(program)
   outputs = set(program.outputs)
@@ -110,9 +114,14 @@ def memory_bytes(program: Program) -> list[float]:
     if op.primitive in ("scan_slice", "scan_stack"):
       out.append(2.0 * program.values[op.results[0] if op.primitive == "scan_slice" else op.operands[0]].nbytes)
       continue
-    reads = sum(program.values[v].nbytes for v in op.operands
-                if not (fused(op) and fused(producer.get(v))))
-    writes = sum(program.values[v].nbytes for v in op.results
+    read_bytes = [program.values[v].nbytes for v in op.operands]
+    write_bytes = [program.values[v].nbytes for v in op.results]
+    if op.primitive in SLICES:
+      read_bytes[0] = write_bytes[0]
+    elif op.primitive == "dynamic_update_slice":
+      read_bytes[0], write_bytes[0] = 0, read_bytes[1]
+    reads = sum(b for v, b in zip(op.operands, read_bytes) if not (fused(op) and fused(producer.get(v))))
+    writes = sum(b for v, b in zip(op.results, write_bytes)
                  if not (fused(op) and v not in outputs and readers.get(v)
                          and all(fused(c) for c in readers[v])))
     out.append(float(reads + writes))
