@@ -191,13 +191,14 @@ def _read_checks(path: str) -> list:
     raise ValueError(f"{path}: not a `validate --suite fullsize --json` file ({error}).") from None
 
 
-def _fullsize_document(checks: list) -> dict[str, Any]:
+def _fullsize_document(checks: list, families: list[dict[str, Any]]) -> dict[str, Any]:
+  """The `--json` document of `checks` and their `fullsize.family_table` (infinite errors
+  written as null)."""
   from automap_rl.xla import fullsize
 
   finite = lambda d: {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
   return {"checks": [dataclasses.asdict(c) for c in checks], "exploit": fullsize.exploit_gaps(checks),
-          "agreement_by_case": fullsize.agreement_by_case(checks),
-          "families": [finite(row) for row in fullsize.family_table(checks)],
+          "agreement_by_case": fullsize.agreement_by_case(checks), "families": [finite(row) for row in families],
           "summary": finite(fullsize.summarize(checks))}
 
 
@@ -255,8 +256,9 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
     print(f"{name}: tracing, then one compile per plan ...", flush=True)
     checks += fullsize.check_case(name, search if agents else None, seed=config.seed,
                                   report=lambda check: print(_fullsize_row(check), flush=True), pipelines=config.pipelines)
-    write_json(config.json, _fullsize_document(checks))
-  document = _fullsize_document(checks)
+    write_json(config.json, _fullsize_document(checks, fullsize.family_table(checks)))
+  families = fullsize.family_table(checks)
+  document = _fullsize_document(checks, families)
   print(f"\n{len(checks)} plans of {len(names)} cases in {time.perf_counter() - start:.0f}s")
   for g in document["exploit"]:
     print(f"  exploit {g['case']:<31} {g['plan']:<12} vs {g['best_expert']:<16} simulated {g['simulated_ratio']:.3f}"
@@ -265,7 +267,7 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   for case, agreement in document["agreement_by_case"].items():
     print(f"  pairwise rank agreement {case:<31} {agreement:.3f}")
   print(f"\nby family (median relative errors; rank agreement; exploit gaps)\n{FAMILY_HEADER}")
-  for row in fullsize.family_table(checks):  # Before JSON's None for an infinite error.
+  for row in families:  # Before JSON's null for an infinite error.
     print(_family_row(row))
   unrealized = [c for c in checks if c.differences]
   if unrealized:

@@ -197,13 +197,23 @@ def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, float]:
   return {"step_time": compute + comm, "compute_time": compute, "comm_time": comm}
 
 
+def _simulated(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None) -> dict[str, Any]:
+  """The simulator's side of a check: `simulated_metrics`, `step_time` (seconds), `fits`,
+  and of a pipelined plan `stage_permute_bytes` (`PipelineTerms.permute_bytes`)."""
+  cost = problem.cost(decisions) if pipeline is None else problem.plan_cost(decisions, pipeline)
+  simulated = {**simulated_metrics(problem, decisions, pipeline), "step_time": float(cost.step_time),
+               "fits": bool(cost.fits)}
+  if pipeline is not None:
+    simulated["stage_permute_bytes"] = float(cost.terms.permute_bytes)
+  return simulated
+
+
 def check_plan(case: str, problem: Problem, workload: workloads.Workload, plan: str, decisions: Sequence[Decision],
                searched: bool) -> PlanCheck:
   """Lowers and compiles one plan (abstract arguments) and measures both sides."""
   start = time.perf_counter()
   lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS)
-  cost = problem.cost(decisions)
-  simulated = {**simulated_metrics(problem, decisions), "step_time": float(cost.step_time), "fits": bool(cost.fits)}
+  simulated = _simulated(problem, decisions, None)
   compiled = {**compiled_metrics(lowered.stats), **implied_cost(problem, lowered.stats)}
   return PlanCheck(case=case, devices=problem.mesh.num_devices, plan=plan, searched=searched,
                    decisions=tuple(map(str, decisions)), simulated=simulated, compiled=compiled,
@@ -224,9 +234,7 @@ def check_pipelined_plan(case: str, problem: Problem, workload: workloads.Worklo
   start = time.perf_counter()
   lowered = lower_pipelined(problem, decisions, pipeline, workload.loss_fn, workload.optimizer, workload.args,
                             to_jax_mesh(problem.mesh), DONATE_ARGNUMS, isolated=True)
-  cost = problem.plan_cost(decisions, pipeline)
-  simulated = {**simulated_metrics(problem, decisions, pipeline), "step_time": float(cost.step_time),
-               "fits": bool(cost.fits), "stage_permute_bytes": float(cost.terms.permute_bytes)}
+  simulated = _simulated(problem, decisions, pipeline)
   compiled = {**compiled_metrics(lowered.stats), **implied_cost(problem, lowered.stats),
               "stage_permute_bytes": stage_permute_bytes(lowered.stats, pipeline)}
   return PlanCheck(case=case, devices=problem.mesh.num_devices, plan=plan, searched=False,
@@ -237,13 +245,9 @@ def check_pipelined_plan(case: str, problem: Problem, workload: workloads.Worklo
 def _failed_check(case: workloads.Case, problem: Problem, plan: str, decisions: Sequence[Decision],
                   pipeline: Pipeline | None, searched: bool, error: Exception, seconds: float) -> PlanCheck:
   """A plan that did not lower or compile: the simulator's side and the error."""
-  cost = problem.cost(decisions) if pipeline is None else problem.plan_cost(decisions, pipeline)
-  simulated = {**simulated_metrics(problem, decisions, pipeline), "step_time": float(cost.step_time),
-               "fits": bool(cost.fits)}
-  if pipeline is not None:
-    simulated["stage_permute_bytes"] = float(cost.terms.permute_bytes)
   return PlanCheck(case=case.name, devices=problem.mesh.num_devices, plan=plan, searched=searched,
-                   decisions=tuple(map(str, decisions)), simulated=simulated, compiled={}, differences=0,
+                   decisions=tuple(map(str, decisions)), simulated=_simulated(problem, decisions, pipeline), compiled={},
+                   differences=0,
                    seconds=seconds, pipeline=None if pipeline is None else pipeline.to_json(), family=case.family,
                    error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
 
