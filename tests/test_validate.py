@@ -310,6 +310,9 @@ def test_the_sampled_run_covers_every_family_on_8_to_64_devices():
   from automap_rl.xla import fullsize
 
   cases = [fullsize.validation_case(name) for name in fullsize.SAMPLED_CASES]
+  for case in cases:  # Every workload builds, in float32.
+    config = workloads.spec.make_config(case.workload)[1]
+    assert getattr(config, "dtype", "float32") == "float32", case.name
   families = [c.family for c in cases]
   assert set(families) == set(workloads.FAMILIES) and all(families.count(f) >= 2 for f in workloads.FAMILIES)
   assert not set(fullsize.SAMPLED_CASES) & set(fullsize.FULLSIZE_CASES)  # Cases the simulator was not fitted to.

@@ -144,8 +144,8 @@ class PlanCheck:
 
 
 def validation_case(name: str) -> workloads.Case:
-  """The case called `name` (`FULLSIZE_CASES`, `ZOO_CASES` or any task-suite case) in
-  float32."""
+  """The case called `name` (`FULLSIZE_CASES`, `ZOO_CASES` or any task-suite case),
+  computing in float32."""
   if name in _DEMO:
     case = workloads.Case(name=name, workload=DEMO_WORKLOAD, family="gpt", size="demo", mesh=_DEMO[name],
                           hardware="h100", split="validate")
@@ -159,6 +159,8 @@ def validation_case(name: str) -> workloads.Case:
       raise ValueError(f"Unknown validation case {name!r}; valid: {', '.join(FULLSIZE_CASES)}, "
                        f"{', '.join(ZOO_CASES)} or a suite case.")
     case = known[name]
+  if not hasattr(workloads.spec.make_config(case.workload)[1], "dtype"):
+    return case  # A family without a dtype key computes in float32.
   return dataclasses.replace(case, workload=f"{case.workload},dtype=float32")
 
 
