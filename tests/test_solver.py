@@ -1,8 +1,10 @@
 """Tests for automap_rl.solver: strategy graphs, the IOPDDL format and the solver."""
 
 import gzip
+import importlib
 import itertools
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from automap_rl.solver import (
     plan_cost,
     read_solution,
     solve,
+    tile,
     write_solution,
 )
 from automap_rl.solver import iopddl
@@ -252,3 +255,105 @@ def test_short_solve_of_a_contest_instance(name):
   best = {row.split(",")[0]: int(row.split(",")[1]) for row in (DATA / "best_known.csv").read_text().split()[1:]}
   assert result.cost <= 1.10 * best[name]
   assert result.seconds < 8
+
+
+def binding_chain(n: int = 40, k: int = 3, seed: int = 0) -> StrategyGraph:
+  """A chain whose cheap strategies use more memory than the limit allows everywhere."""
+  rng = np.random.default_rng(seed)
+  costs = (rng.integers(0, 50, (n, k)) + np.arange(k)[::-1] * 40).tolist()  # higher strategies cost less...
+  usages = (np.arange(k) * 10 + rng.integers(0, 5, (n, k))).tolist()  # ...and use more memory
+  intervals = [[i, i + 6] for i in range(n)]
+  return StrategyGraph.from_lists(costs, usages, intervals, [[i, i + 1] for i in range(n - 1)],
+                                  rng.integers(0, 30, (n - 1, k * k)).tolist(), usage_limit=60)
+
+
+def test_every_highs_call_gets_a_time_limit_within_the_shared_deadline(monkeypatch):
+  """The solve's own timeout is long; a `Limits` deadline 3 s away is the earlier one, and every
+  HiGHS call (crossover, whole MIP, neighbourhood) must end by it."""
+  solve_module = importlib.import_module("automap_rl.solver.solve")
+  calls = []
+
+  def spy(*args, time_limit, **kwargs):
+    calls.append(time.monotonic() + time_limit)
+    return reoptimize(*args, time_limit=time_limit, **kwargs)
+
+  reoptimize = solve_module.reoptimize
+  monkeypatch.setattr(solve_module, "reoptimize", spy)
+  limits = Limits.starting_now(3.0, None)
+  result = solve(binding_chain(), timeout_s=600, seed=0, limits=limits)
+  assert result.feasible and calls
+  assert max(calls) <= limits.deadline
+
+
+def test_a_worker_that_hangs_is_stopped_at_the_timeout_with_its_best_plan(monkeypatch):
+  """A stage that never returns (as a HiGHS call past its time limit can) is killed at the
+  timeout; the plan the worker reported before it is returned, marked as stopped."""
+  solve_module = importlib.import_module("automap_rl.solver.solve")
+  monkeypatch.setattr(solve_module._Search, "whole_mip", lambda self, time_limit: time.sleep(3600))
+  graph = binding_chain()
+  result = solve(graph, timeout_s=4, seed=0, workers=1)
+  assert result.stopped_by == "seconds" and is_feasible(graph, result.choice)
+  assert any("killed at the time limit" in line for line in result.log)
+
+
+def solver_views(graph: StrategyGraph):
+  from automap_rl.solver.local import Layout
+  from automap_rl.solver.memory import build_memory
+  reduced = reduce_graph(graph)
+  memory = build_memory(graph, reduced)
+  return reduced, Layout(reduced, memory)
+
+
+def test_repair_turns_a_plan_over_the_limit_into_one_within_it():
+  from automap_rl.solver.local import Plan
+  graph = binding_chain()
+  reduced, layout = solver_views(graph)
+  greedy = np.array([int(np.argmin(reduced.unary[reduced.offsets[g]:reduced.offsets[g + 1]]))
+                     for g in range(reduced.num_groups)])  # the cheapest, heaviest strategies
+  plan = Plan(layout, greedy)
+  assert np.any(plan.excess() > 0) and not is_feasible(graph, reduced.expand(greedy))
+  assert plan.repair(max_switches=200)
+  assert np.all(plan.excess() <= 0) and is_feasible(graph, reduced.expand(plan.choice))
+  assert np.array_equal(plan.profile, layout.memory.profile(plan.choice))  # kept exactly in step
+
+
+def test_a_two_group_move_finds_an_improvement_no_single_switch_can():
+  """From (0, 0), cost 10: switching either node alone costs 3 + 20 = 23; both together 3 + 3 + 0 = 6."""
+  from automap_rl.solver.local import Plan
+  graph = StrategyGraph.from_lists([[0, 3], [0, 3]], [[0, 0], [0, 0]], [[0, 1], [0, 1]], [[0, 1]],
+                                   [[10, 20, 20, 0]], usage_limit=None)
+  reduced, layout = solver_views(graph)
+  plan = Plan(layout, np.zeros(2, np.int64))
+  assert plan.descend(np.arange(2)) == 0
+  assert plan.descend_pairs() == 1 and plan.choice.tolist() == [1, 1]
+  assert plan_cost(graph, reduced.expand(plan.choice)) == 6
+
+
+def test_a_two_group_move_that_would_break_the_limit_is_not_made():
+  from automap_rl.solver.local import Plan
+  graph = StrategyGraph.from_lists([[0, 3], [0, 3]], [[1, 5], [1, 5]], [[0, 1], [0, 1]], [[0, 1]],
+                                   [[10, 20, 20, 0]], usage_limit=9)
+  _, layout = solver_views(graph)
+  plan = Plan(layout, np.zeros(2, np.int64))
+  assert plan.descend_pairs() == 0 and plan.choice.tolist() == [0, 0]
+
+
+def test_the_same_seed_gives_the_same_plan_with_two_workers():
+  """Both workers end by proving their plan optimal (the whole MIP), not on the clock."""
+  graph = binding_chain(n=16, seed=3)
+  first = solve(graph, timeout_s=20, seed=7, workers=2)
+  second = solve(graph, timeout_s=20, seed=7, workers=2)
+  assert first.stopped_by is None and first.cost == second.cost == first.lower_bound
+  assert np.array_equal(first.choice, second.choice)
+
+
+@needs_data
+def test_tiled_copies_cost_and_fit_as_the_original_times_the_copies():
+  graph = load_problem(DATA / "example.json")
+  tiled = tile(graph, 3)
+  assert tiled.num_nodes == 15 and tiled.num_edges == 3 * graph.num_edges
+  verdict = evaluate(tiled, [0, 0, 2, 1, 0] * 3)
+  assert verdict.feasible and verdict.cost == 3 * 445 and verdict.peak_usage == 50  # copies never overlap in time
+  assert not evaluate(tiled, [0, 0, 2, 1, 0] * 2 + [0, 0, 1, 1, 0]).feasible
+  with pytest.raises(ValueError, match="copies must be at least 1"):
+    tile(graph, 0)

@@ -4,7 +4,12 @@
 of switching to it (its unary cost plus its pair costs against the current
 strategies of the neighbours), and the usage in every segment. A switch costs
 one small update per incident pair and one add over the switched group's time
-span, so coordinate descent over thousands of groups runs in Python. `Budget`
+span, so coordinate descent over thousands of groups runs in Python. Moves of
+two joined groups at once (`Plan.descend_pairs`) are priced for every pair in
+one pass over the pair costs; they find what single switches cannot, where a
+pair's cost matrix favours changing both ends together. `Plan.repair` turns a
+plan over the limit into one within it, switch by switch, each the cheapest
+per unit of usage it frees in the segment most over the limit. `Budget`
 builds a plan group by group that stays within the limit by construction.
 
 Usage checks are per "piece": the cuts between a group's members' first and
@@ -21,6 +26,10 @@ from automap_rl.solver.memory import Memory
 from automap_rl.solver.reduce import Reduced
 
 __all__ = ["Budget", "Layout", "Plan"]
+
+# A group's switch that frees less than this share of the excess in the segment most over the
+# limit is priced as if it freed that much, so repairs prefer switches that clear the excess.
+_MIN_FREED_SHARE = 0.05
 
 
 class Layout:
@@ -161,6 +170,102 @@ class Plan:
         self.switch(g, s)
         switches += 1
     return switches
+
+
+  def move_fits(self, moves: list[tuple[int, int]]) -> bool:
+    """Whether switching each (group, strategy) of `moves` together keeps every segment within
+    capacity (or, in segments already over it, adds no usage)."""
+    cuts_of = self.layout.cuts
+    spanned = [g for g, _ in moves if len(self.layout.usage[g])]
+    if not spanned:
+      return True
+    lo = min(int(cuts_of[g][0]) for g in spanned)
+    hi = max(int(cuts_of[g][-1]) for g in spanned)
+    change = np.zeros(hi - lo, self.profile.dtype)
+    for g, s in moves:
+      cuts, usage = cuts_of[g], self.layout.usage[g]
+      if len(usage):
+        change[cuts[0] - lo:cuts[-1] - lo] += np.repeat(usage[:, s] - usage[:, self.choice[g]], np.diff(cuts))
+    slack = self.layout.memory.capacity[lo:hi] - self.profile[lo:hi]
+    return bool(np.all(change <= np.maximum(slack, 0)))
+
+  def descend_pairs(self, min_gain: float = 0.0) -> int:
+    """One pass of two-group moves: for every pair (g, h) the joint switch (s, t) that lowers
+    the cost most, priced over all pairs' cost entries at once; then, best first, each
+    still improving and within the limit is made. Returns the number of moves made."""
+    reduced = self.layout.reduced
+    if not len(reduced.pairs):
+      return 0
+    g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
+    k_h = reduced.counts[h]
+    sizes = np.diff(reduced.pair_offsets)
+    entry_pair = np.repeat(np.arange(len(g)), sizes)
+    local_entry = np.arange(len(entry_pair)) - reduced.pair_offsets[entry_pair]
+    s, t = local_entry // k_h[entry_pair], local_entry % k_h[entry_pair]
+    s0, t0 = self.choice[g][entry_pair], self.choice[h][entry_pair]
+    base = reduced.pair_offsets[entry_pair]
+    with np.errstate(invalid="ignore"):  # inf - inf: a forbidden entry, priced inf below
+      # Group g at s with h at t0 is in g's switch cost; replace that pair term by (s, t).
+      joint = (self.local[reduced.offsets[g][entry_pair] + s] - reduced.pair_costs[base + s * k_h[entry_pair] + t0]
+               + self.local[reduced.offsets[h][entry_pair] + t] - reduced.pair_costs[base + s0 * k_h[entry_pair] + t]
+               + reduced.pair_costs)
+    joint = np.where(np.isnan(joint), np.inf, joint)
+    current = joint[base + s0 * k_h[entry_pair] + t0]
+    gain = current - joint
+    best_entry = reduced.pair_offsets[:-1] + _segment_argmax(gain, reduced.pair_offsets)
+    best_gain = gain[best_entry]
+    moves = 0
+    for p in np.argsort(-best_gain, kind="stable")[:int(np.sum(best_gain > min_gain))].tolist():
+      e = int(best_entry[p] - reduced.pair_offsets[p])
+      gp, hp, sp, tp = int(g[p]), int(h[p]), e // int(k_h[p]), e % int(k_h[p])
+      if sp == self.choice[gp] or tp == self.choice[hp]:
+        continue  # A single switch, which `descend` handles.
+      now = self.switch_costs(gp)[sp] + self.switch_costs(hp)[tp]
+      matrix = reduced.pair_matrix(p)
+      exact = (now - matrix[sp, self.choice[hp]] - matrix[self.choice[gp], tp] + matrix[sp, tp]
+               + matrix[self.choice[gp], self.choice[hp]])
+      if exact < -min_gain and self.move_fits([(gp, sp), (hp, tp)]):
+        self.switch(gp, sp)
+        self.switch(hp, tp)
+        moves += 1
+    return moves
+
+  def repair(self, max_switches: int) -> bool:
+    """Switches groups until the plan is within the limit, each time the cheapest switch
+    per unit of usage freed in the segment most over it that adds no usage where there is
+    no room. True if the plan ends within the limit (at most `max_switches` switches)."""
+    memory, reduced = self.layout.memory, self.layout.reduced
+    member_var = np.repeat(np.arange(len(memory.member_group)), np.diff(memory.member_offsets))
+    var = reduced.offsets[memory.member_group[member_var]] + np.arange(len(member_var)) \
+        - memory.member_offsets[member_var]
+    for _ in range(max_switches):
+      excess = self.excess()
+      worst = int(np.argmax(excess)) if len(excess) else 0
+      if not len(excess) or excess[worst] <= 0:
+        return True
+      live = (memory.member_first <= worst) & (memory.member_last > worst)
+      use = np.bincount(var[live[member_var]], weights=memory.member_usage[live[member_var]],
+                        minlength=len(self.local))
+      current = self.choice[reduced.var_group] + reduced.offsets[:-1][reduced.var_group]
+      freed = use[current] - use
+      raise_cost = self.local - self.local[current]
+      price = np.where(freed > 0, raise_cost / np.maximum(freed, _MIN_FREED_SHARE * excess[worst]), np.inf)
+      for v in np.argsort(price, kind="stable")[:int(np.sum(np.isfinite(price)))].tolist():
+        group = int(reduced.var_group[v])
+        if self.move_fits([(group, v - int(reduced.offsets[group]))]):
+          self.switch(group, v - int(reduced.offsets[group]))
+          break
+      else:
+        return False
+    return bool(np.all(self.excess() <= 0))
+
+
+def _segment_argmax(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+  """[len(offsets) - 1] index within each segment [offsets[i], offsets[i + 1]) of its largest value (first on ties)."""
+  lengths = np.diff(offsets)
+  is_max = values == np.repeat(np.maximum.reduceat(values, offsets[:-1]), lengths)
+  hits = np.flatnonzero(is_max)
+  return hits[np.searchsorted(hits, offsets[:-1])] - offsets[:-1]
 
 
 class Budget:

@@ -1,4 +1,4 @@
-"""The solver: exact reductions, Lagrangian pricing with MIP crossover, MIP polish.
+"""The solver: exact reductions, Lagrangian pricing with MIP crossover, local and MIP polish.
 
 1. `reduce_graph` shrinks the graph exactly (forbidden strategies, determined
    nodes merged into groups, parallel edges summed): the contest instances go
@@ -6,37 +6,50 @@
 2. Pricing (`dual.py`): usage is priced per time segment and the priced,
    unconstrained problem is solved by TRW-S message passing, one sweep per
    round. Each round decodes a plan; prices rise where it breaks the limit and
-   fall where there is room. Decoded plans within the limit that beat the best
-   are polished by coordinate descent (`local.py`); small problems also build
-   a plan greedily within a usage budget every few rounds.
-3. Crossover (`mip.py`), every other round: the best plan and the cheapest
-   plan decoded since the last crossover (usually over the limit somewhere)
-   are merged optimally: the groups where they differ are re-chosen among the
-   two plans' strategies by a MIP (HiGHS) with the usage rows. This is where
-   most of the improvement comes from.
+   fall where there is room (adaptive penalties). Decoded plans within the
+   limit that beat the best are polished (`local.py`: single switches and
+   two-group moves until neither helps); small problems also build a plan
+   greedily within a usage budget every few rounds.
+3. Crossover (`mip.py`), every other round once a decoded plan has fitted: the
+   best plan and the cheapest plan decoded since the last crossover (usually
+   over the limit somewhere) are merged optimally: the groups where they differ
+   are re-chosen among the two plans' strategies by a MIP (HiGHS) with the
+   usage rows. This is where most of the improvement comes from.
 4. Polish: small problems (up to 150k pair-cost entries) first try the whole
    MIP from the best plan for a quarter of the time left, which proves
    optimality on some; then (large ones for their last 5%)
    large-neighbourhood search re-solves ~100 or more groups at a time
    (around a tight time segment or a ball in the graph) exactly.
 
+With `workers` >= 1 the searches run in forked processes after the reduction,
+each with its own seed and role (`_ROLES`): worker 0 prices and crosses over
+as above; worker 1 repairs decoded plans over the limit (`Plan.repair`) until
+one fits, a first plan within seconds, then searches neighbourhoods of the
+best plan any worker has found (the supervisor forwards each new best). The
+supervisor kills the workers still running at the timeout, so a HiGHS call
+that overruns its time limit cannot overrun the solve. With `workers=0` the
+pricing search runs in the calling process.
+
 Every stage keeps only plans within the limit, and the result is checked on
 the original graph before it is returned. Each result carries a lower bound on
 the cost of every plan within the limit: the best Lagrangian bound of the
 pricing rounds (`Dual.lower_bound`) or, when higher, the whole MIP's dual bound.
 A `Limits` (deadline and memory ceiling) is checked in the reduction's loop and
-between stages and rounds; past it the best plan so far is returned with
-`stopped_by` naming the limit. Randomness comes from `seed` only,
-but stages stop on the wall clock, so results can differ between runs, the
-more so on a busy machine.
+between stages and rounds, and every HiGHS call's time limit ends by the
+earlier of its deadline and the solve's; past either limit the best plan so far
+is returned with `stopped_by` naming it. Randomness comes from `seed` only (and
+between workers the lower-numbered wins a tie), but stages stop on the wall
+clock, so results can differ between runs, the more so on a busy machine; a
+search that ends by proving its plan optimal gives the same plan every time.
 
-Measured on the seven public contest instances (60 s, 2 cores, loading
-included) the geometric mean of cost / best known is about 1.01.
+Measured figures on the seven public contest instances are in BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import multiprocessing.connection
 import time
 from collections.abc import Callable, Sequence
 
@@ -62,6 +75,12 @@ _WHOLE_MIP_ENTRIES = 150_000
 _SMALL_PATIENCE = 150
 # Small problems also build a plan within a usage budget every this many rounds.
 _SMALL_BUDGET_EVERY = 16
+# Crossovers wait until a decoded plan has fitted within the limit, or for this many rounds:
+# the first plans of a problem whose limit binds hard (K: 12x over it unpriced) are too far
+# from it for a crossover to help, and each one can take seconds.
+_CROSSOVER_AFTER = 24
+# Switches a repair of a decoded plan over the limit may take before it gives up.
+_REPAIR_SWITCHES = 400
 # Pricing rounds between two Lagrangian bounds (one pass over the pair costs each).
 _BOUND_EVERY = 8
 # Prices stop rising at this multiple of the base price (about the cost per unit of
@@ -118,7 +137,7 @@ class SolveResult:
 
 def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
           warm_start: Sequence[int] | np.ndarray | None = None,
-          progress: Progress | None = None, limits: Limits = Limits()) -> SolveResult:
+          progress: Progress | None = None, limits: Limits = Limits(), workers: int = 0) -> SolveResult:
   """Finds a low-cost plan within the usage limit in about `timeout_s` seconds.
 
   Args:
@@ -130,9 +149,13 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
       plan improves (cost of the reduced problem, equal to the plan's cost).
     limits: A deadline and memory ceiling, checked in the reduction and between
       stages and rounds: past either, the best plan so far is returned.
+    workers: 0 searches in the calling process (each HiGHS call gets a time
+      limit from the deadline, which HiGHS checks only at some points); n >= 1
+      runs n searches in forked processes, differently seeded and sharing their
+      best plans, and stops them at `timeout_s` whatever they are doing.
 
   Raises:
-    ValueError: if `warm_start` is not one strategy index per node.
+    ValueError: if `warm_start` is not one strategy index per node, or `workers` < 0.
     GraphTooLarge: if the exact reduction (which runs first, outside the time limit)
       groups the problem into more than `MAX_PAIR_ENTRIES` pair-cost entries.
     RuntimeError: if no plan within the usage limit was found.
@@ -144,38 +167,174 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
     if (warm_start.shape != (graph.num_nodes,) or warm_start.dtype.kind not in "iu"
         or np.any((warm_start < 0) | (warm_start >= graph.num_strategies))):
       raise ValueError("solve: warm_start must hold one valid strategy index per node")
-  deadline = started + 0.93 * timeout_s - 0.5
-  search = _Search(graph, started, deadline, seed, progress, limits)
-  try:
-    search.run(warm_start)
-  except LimitReached as e:
-    if search.best is None:
-      raise
-    search.stopped_by = e.limit
-    search.note(f"stopped: {e}")
-  choice = search.best_plan()
+  if workers < 0:
+    raise ValueError("solve: workers must be 0 (in this process) or a number of processes")
+  deadline = min(started + 0.93 * timeout_s - 0.5, np.inf if limits.deadline is None else limits.deadline)
+  reduced = reduce_graph(graph, max_entries=MAX_PAIR_ENTRIES, limits=limits)
+  memory = build_memory(graph, reduced)
+  limits.check("setting up the solver")
+  layout = Layout(reduced, memory)
+  limits.check("setting up the solver")
+  problem = _Problem(graph, reduced, memory, layout, started)
+  warm = None if warm_start is None else reduced.node_choice_to_group(warm_start.astype(np.int64))
+  setup = (f"{time.monotonic() - started:6.2f}s reduce: {graph.num_nodes} nodes, {graph.num_edges} edges -> "
+           f"{reduced.num_groups} groups, {len(reduced.pairs)} pairs, {memory.num_segments} time segments")
+  if workers == 0:
+    search = _Search(problem, deadline, seed, limits, progress=progress)
+    search.run_guarded(warm)
+    outcome = search.outcome()
+  else:
+    outcome = _supervise(problem, warm, deadline, limits, [_worker_seed(seed, i) for i in range(workers)],
+                         hard_deadline=deadline + 0.05 * timeout_s + 0.3, progress=progress)
+  if outcome.best is None:
+    if outcome.limit_error is not None:
+      raise outcome.limit_error
+    raise RuntimeError(f"solver: no plan within the usage limit found for {graph.name or 'the graph'}")
+  choice = reduced.expand(outcome.best)
   if not is_feasible(graph, choice):
     raise RuntimeError(f"solver: the plan found for {graph.name or 'the graph'} fails the original graph's check")
+  lower_bound = None if outcome.lower_bound is None else min(outcome.lower_bound, outcome.best_cost)
   return SolveResult(choice=choice, cost=plan_cost(graph, choice), feasible=True, seconds=time.monotonic() - started,
-                     lower_bound=None if search.lower_bound is None else min(search.lower_bound, search.best_cost),
-                     log=tuple(search.log), stopped_by=search.stopped_by)
+                     lower_bound=lower_bound, log=(setup,) + outcome.log, stopped_by=outcome.stopped_by)
+
+
+# What each worker process spends its time on, by worker number (then round robin): pricing
+# rounds with crossovers, or (after pricing until a decoded plan fits) large-neighbourhood
+# search, both on the best plan any worker has found.
+_ROLES = ("pricing", "neighbourhoods")
+
+
+def _worker_seed(seed: int, worker: int) -> int:
+  """Worker 0 searches with `seed` itself (as the in-process search does); the others with seeds derived from it."""
+  return seed if worker == 0 else int(np.random.SeedSequence([seed, worker]).generate_state(1)[0])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Problem:
+  """The views of one problem every search shares (built once, before any worker starts)."""
+
+  graph: StrategyGraph
+  reduced: Reduced
+  memory: Memory
+  layout: Layout
+  started: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+  """What one search, or all of them together, ended with.
+
+  Attributes:
+    best: [G] cheapest group plan within the limit, or None.
+    best_cost: Its cost (inf without one).
+    lower_bound: The highest proven lower bound, or None.
+    log: Lines of the search's log.
+    stopped_by: The limit that stopped it ("seconds" or "memory"), or None.
+    limit_error: The `LimitReached` raised before any plan was found, or None.
+  """
+
+  best: np.ndarray | None
+  best_cost: float
+  lower_bound: float | None
+  log: tuple[str, ...]
+  stopped_by: str | None
+  limit_error: LimitReached | None
+
+
+def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limits: Limits, seeds: list[int],
+               hard_deadline: float, progress: Progress | None) -> _Outcome:
+  """Runs one search per seed in a forked process; forwards each new best plan to the
+  other searches; kills the searches still running at `hard_deadline`. Ties between
+  searches go to the lower-numbered one, so the result does not depend on which
+  message arrives first."""
+  context = multiprocessing.get_context("fork")
+  channels, processes = [], []
+  for worker, seed in enumerate(seeds):
+    here, there = context.Pipe()
+    process = context.Process(target=_search_in_child, args=(problem, warm, deadline, seed, _ROLES[worker % len(_ROLES)], limits, there),
+                              name=f"iopddl-search-{worker}", daemon=True)
+    process.start()
+    there.close()
+    channels.append(here)
+    processes.append(process)
+  best, best_key = None, (np.inf, len(seeds))
+  bounds, logs, stopped, errors = [], [], [], []
+  running = dict(enumerate(channels))
+  while running and time.monotonic() < hard_deadline:
+    for channel in multiprocessing.connection.wait(list(running.values()), timeout=hard_deadline - time.monotonic()):
+      worker = channels.index(channel)
+      try:
+        message = channel.recv()
+      except (EOFError, OSError):
+        logs.append(f"worker {worker}: ended without a report (exit code {processes[worker].exitcode})")
+        del running[worker]
+        continue
+      if message[0] == "plan":
+        _, choice, cost, stage = message
+        if (cost, worker) < best_key:
+          best, best_key = choice, (cost, worker)
+          if progress is not None:
+            progress(time.monotonic() - problem.started, cost, f"{stage}, worker {worker}")
+          for other, peer in running.items():
+            if other != worker:
+              _send(peer, ("plan", choice, cost))
+      else:
+        outcome: _Outcome = message[1]
+        if outcome.lower_bound is not None:
+          bounds.append(outcome.lower_bound)
+        logs += [f"worker {worker}: {line}" for line in outcome.log]
+        stopped += [outcome.stopped_by] if outcome.stopped_by else []
+        errors += [outcome.limit_error] if outcome.limit_error else []
+        del running[worker]
+  for worker in running:
+    processes[worker].kill()
+    logs.append(f"worker {worker}: killed at the time limit")
+    stopped.append("seconds")
+  for process in processes:
+    process.join()
+  for channel in channels:
+    channel.close()
+  return _Outcome(best=best, best_cost=best_key[0], lower_bound=max(bounds, default=None), log=tuple(logs),
+                  stopped_by=stopped[0] if stopped else None, limit_error=errors[0] if errors else None)
+
+
+def _send(channel: multiprocessing.connection.Connection, message: tuple) -> None:
+  """Sends unless the other end has gone (a search that ended)."""
+  try:
+    channel.send(message)
+  except (BrokenPipeError, OSError):
+    pass
+
+
+def _search_in_child(problem: _Problem, warm: np.ndarray | None, deadline: float, seed: int, role: str,
+                     limits: Limits, channel: multiprocessing.connection.Connection) -> None:
+  """A worker process: one search that reports each better plan and its outcome through `channel`."""
+  search = _Search(problem, deadline, seed, limits, channel=channel, role=role)
+  search.run_guarded(warm)
+  _send(channel, ("done", search.outcome()))
+  channel.close()
 
 
 class _Search:
-  """State shared by the stages: the problem views, the best plan, the log."""
+  """State shared by the stages: the problem views, the best plan, the log.
 
-  def __init__(self, graph: StrategyGraph, started: float, deadline: float, seed: int,
-               progress: Progress | None, limits: Limits):
-    self.graph, self.started, self.deadline, self.progress, self.limits = graph, started, deadline, progress, limits
+  In a worker process `channel` carries each better plan to the supervisor and
+  brings back the other searches' better plans, which are adopted between rounds."""
+
+  def __init__(self, problem: _Problem, deadline: float, seed: int, limits: Limits,
+               progress: Progress | None = None,
+               channel: multiprocessing.connection.Connection | None = None, role: str = "pricing"):
+    self.graph, self.reduced, self.memory, self.layout = problem.graph, problem.reduced, problem.memory, problem.layout
+    self.started, self.deadline, self.limits = problem.started, deadline, limits
+    self.progress, self.channel, self.role = progress, channel, role
     self.stopped_by: str | None = None
+    self.limit_error: LimitReached | None = None
     self.rng = np.random.default_rng(seed)
     self.seed = seed
     self.log: list[str] = []
     self.best: np.ndarray | None = None
     self.best_cost = np.inf
     self.lower_bound: float | None = None
-    self.reduced: Reduced
-    self.memory: Memory
 
   def elapsed(self) -> float:
     return time.monotonic() - self.started
@@ -199,32 +358,41 @@ class _Search:
     if cost >= self.best_cost:
       return False
     self.best, self.best_cost = np.array(choice), cost
-    if self.progress is not None:
+    if self.channel is not None:
+      _send(self.channel, ("plan", self.best, cost, stage))
+    elif self.progress is not None:
       self.progress(self.elapsed(), cost, stage)
     return True
 
-  def best_plan(self) -> np.ndarray:
-    if self.best is None:
-      raise RuntimeError(f"solver: no plan within the usage limit found for {self.graph.name or 'the graph'}")
-    return self.reduced.expand(self.best)
+  def adopt(self) -> None:
+    """Takes the other searches' plans that beat this one's best (worker processes only)."""
+    while self.channel is not None and self.channel.poll():
+      _, choice, cost = self.channel.recv()
+      if cost < self.best_cost:
+        self.best, self.best_cost = choice, cost
 
-  def run(self, warm_start: np.ndarray | None) -> None:
-    graph = self.graph
-    self.reduced = reduce_graph(graph, max_entries=MAX_PAIR_ENTRIES, limits=self.limits)
-    self.memory = build_memory(graph, self.reduced)
-    self.limits.check("setting up the solver")
+  def outcome(self) -> _Outcome:
+    return _Outcome(best=self.best, best_cost=self.best_cost, lower_bound=self.lower_bound, log=tuple(self.log),
+                    stopped_by=self.stopped_by, limit_error=self.limit_error)
+
+  def run_guarded(self, warm: np.ndarray | None) -> None:
+    """`run`, turning a `LimitReached` into `stopped_by` (or `limit_error` without a plan)."""
+    try:
+      self.run(warm)
+    except LimitReached as e:
+      self.stopped_by = e.limit
+      if self.best is None:
+        self.limit_error = e
+      self.note(f"stopped: {e}")
+
+  def run(self, warm: np.ndarray | None) -> None:
     reduced = self.reduced
-    self.note(f"reduce: {graph.num_nodes} nodes, {graph.num_edges} edges -> {reduced.num_groups} groups, "
-              f"{len(reduced.pairs)} pairs, {self.memory.num_segments} time segments")
-    if warm_start is not None:
-      start = reduced.node_choice_to_group(warm_start.astype(np.int64))
-      if start is not None and self.offer(start, "warm start"):
-        self.note(f"warm start: {self.best_cost:.6g}")
-    self.layout = Layout(reduced, self.memory)
-    self.limits.check("setting up the solver")
+    if warm is not None and self.offer(warm, "warm start"):
+      self.note(f"warm start: {self.best_cost:.6g}")
     small = len(reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
     self.price(until=self.deadline - (0.55 if small else 0.05) * max(self.left(), 0.0),
-               patience=_SMALL_PATIENCE if small else None, budget_every=_SMALL_BUDGET_EVERY if small else None)
+               patience=_SMALL_PATIENCE if small else None, budget_every=_SMALL_BUDGET_EVERY if small else None,
+               until_fitted=self.role == "neighbourhoods" and not small)
     if self.best is None:
       return
     self.limits.check("starting the whole MIP")
@@ -232,18 +400,22 @@ class _Search:
       return
     self.neighbourhoods()
 
-  def price(self, until: float, patience: int | None, budget_every: int | None) -> None:
+  def price(self, until: float, patience: int | None, budget_every: int | None, until_fitted: bool) -> None:
     """Pricing rounds until `until`, or until `patience` rounds in a row found
     nothing better. Every other round the best plan is crossed with the
     cheapest plan decoded since the last crossover; every `budget_every`
     rounds (and until there is a best plan) a plan is also decoded within a
-    usage budget."""
+    usage budget. With `until_fitted`, decoded plans over the limit are
+    repaired and the rounds end at the first decoded plan within it. Other
+    searches' plans are not adopted here: the crossovers improve a plan of
+    this search's own line, far from the plans repairs and neighbourhoods find."""
     reduced, memory = self.reduced, self.memory
     dual = Dual(reduced, memory)
     prices = np.zeros(memory.num_segments)
     capacity = np.maximum(memory.capacity.astype(np.float64), 1.0)
     pending: tuple[float, np.ndarray] | None = None
     rounds = merges = crossings = last_better = 0
+    fitted = False
     while rounds < 2 or (time.monotonic() < until and (patience is None or rounds - last_better < patience)):
       self.limits.check("pricing")
       best_before = self.best_cost
@@ -257,13 +429,14 @@ class _Search:
       if rounds == 0:  # A plan's cost per unit of capacity (a finite one: a first plan may cost inf).
         scale = next((c for c in (cost, self.best_cost) if np.isfinite(c)), 1.0)
         base = max(abs(scale), 1.0) / max(float(capacity.sum()), 1.0)
-      if cost < self.best_cost and np.all(excess <= 0):
-        self.polish(choice, "pricing")
-      elif pending is None or cost < pending[0]:
+      fitted = fitted or bool(np.all(excess <= 0))
+      if cost < self.best_cost and (until_fitted or np.all(excess <= 0)):
+        self.polish(choice, "pricing" if np.all(excess <= 0) else "pricing, repaired")
+      if np.any(excess > 0) and (pending is None or cost < pending[0]):
         pending = (cost, choice)
       if self.best is None or (budget_every and rounds % budget_every == 0):
         self.polish(dual.decode(Budget(self.layout).pick), "pricing within budget")
-      if rounds % 2 == 1 and pending is not None and self.best is not None:
+      if rounds % 2 == 1 and pending is not None and self.best is not None and (fitted or rounds >= _CROSSOVER_AFTER):
         left = until - time.monotonic()
         if left > 0.3:
           merges += self.crossover(pending[1], time_limit=min(left, 4.0))
@@ -271,19 +444,22 @@ class _Search:
         pending = None
       if self.best_cost < best_before:
         last_better = rounds
+      if until_fitted and fitted and self.best is not None:
+        break
       prices = next_prices(prices, excess, capacity, base)
       rounds += 1
     self.note(f"pricing: {rounds} rounds, {dual.num_colors} colours, {crossings} crossovers "
               f"({merges} improving), best {self.best_cost:.6g}")
 
   def polish(self, choice: np.ndarray, stage: str) -> None:
-    """Coordinate descent until no single switch helps, then offers it."""
+    """Repairs a plan over the limit (`Plan.repair`), then descends with single switches
+    and two-group moves until neither helps, and offers the result."""
     plan = Plan(self.layout, choice)
-    if np.any(plan.excess() > 0):
+    if np.any(plan.excess() > 0) and not plan.repair(max_switches=_REPAIR_SWITCHES):
       return
     order = self.rng.permutation(self.reduced.num_groups)
     tolerance = 1e-12 * max(float(np.abs(self.reduced.unary).max(initial=1.0)), 1.0)
-    while self.left() > 0 and plan.descend(order, min_gain=tolerance):
+    while self.left() > 0 and plan.descend(order, min_gain=tolerance) + plan.descend_pairs(min_gain=tolerance):
       pass
     self.offer(plan.choice, stage)
 
@@ -326,6 +502,7 @@ class _Search:
     size, steps, improved = 100, 0, 0
     while self.left() > 1.0:
       self.limits.check("searching neighbourhoods")
+      self.adopt()
       if steps % 2 == 0:
         free = self._around_tight_segment(size, neighbours)
       else:
