@@ -25,3 +25,9 @@ def test_evaluate_rejects_a_plan_over_the_memory_limit(tmp_path, capsys):
   assert cli.main(["iopddl", "evaluate", str(EXAMPLE), str(solution)]) == 2
   err = capsys.readouterr().err.strip()
   assert "is not a feasible solution" in err and len(err.splitlines()) == 1
+
+
+def test_bench_refuses_fewer_than_one_copy(capsys):
+  assert cli.main(["bench", "iopddl", "--directory", str(EXAMPLE.parent), "--copies", "0"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "--copies must be at least 1" in err and len(err.splitlines()) == 1

@@ -3,10 +3,11 @@
 `StrategyGraph` is the generic problem (one strategy per node, node and edge
 costs, a memory limit over live intervals); `iopddl` reads and scores the
 ASPLOS/EuroSys 2025 IOPDDL contest format; `solve` finds a low-cost plan
-within the limit (and a lower bound) under a deadline and memory ceiling (`Limits`); `bench_iopddl` runs the solver on the contest instances.
+within the limit (and a lower bound) under a deadline and memory ceiling (`Limits`);
+`bench_iopddl` runs the solver on the contest instances, or on `tile`d copies of them.
 """
 
-from automap_rl.solver.bench import bench_iopddl, geometric_mean
+from automap_rl.solver.bench import bench_iopddl, contest_points, geometric_mean
 from automap_rl.solver.graph import (
     FORBIDDEN,
     StrategyGraph,
@@ -14,6 +15,7 @@ from automap_rl.solver.graph import (
     offsets_from_counts,
     peak_usage,
     plan_cost,
+    tile,
     usage_profile,
 )
 from automap_rl.solver.iopddl import Evaluation, evaluate, load_problem, read_solution, write_solution
@@ -30,6 +32,7 @@ __all__ = [
     "SolveResult",
     "StrategyGraph",
     "bench_iopddl",
+    "contest_points",
     "evaluate",
     "geometric_mean",
     "is_feasible",
@@ -40,6 +43,7 @@ __all__ = [
     "read_solution",
     "resident_bytes",
     "solve",
+    "tile",
     "usage_profile",
     "write_solution",
 ]

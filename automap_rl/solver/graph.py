@@ -30,6 +30,7 @@ __all__ = [
     "offsets_from_counts",
     "peak_usage",
     "plan_cost",
+    "tile",
     "usage_profile",
 ]
 
@@ -233,6 +234,34 @@ def _flat(lists: Sequence[Sequence[float]]) -> np.ndarray:
   if array.dtype.kind not in "iuf":
     raise ValueError("StrategyGraph: costs and usages must be numbers within int64 or float64")
   return array.astype(np.float64 if array.dtype.kind == "f" else np.int64)
+
+
+def tile(graph: StrategyGraph, copies: int) -> StrategyGraph:
+  """`copies` independent copies of `graph` one after another in time (copy i's intervals
+  shifted by i times the horizon), under the same usage limit: a problem `copies` times
+  larger whose optimum is exactly `copies` times the graph's (a synthetic instance for
+  measuring how a solver degrades with size).
+
+  Raises:
+    ValueError: if `copies` < 1.
+  """
+  if copies < 1:
+    raise ValueError(f"tile: copies must be at least 1, got {copies}")
+  horizon = int(graph.intervals.max(initial=0))
+  shift = np.repeat(np.arange(copies, dtype=np.int64) * horizon, graph.num_nodes)[:, None]
+  live = np.tile(graph.intervals[:, 0] < graph.intervals[:, 1], copies)[:, None]
+  return StrategyGraph(
+      node_costs=np.tile(graph.node_costs, copies),
+      node_usages=np.tile(graph.node_usages, copies),
+      node_offsets=offsets_from_counts(np.tile(graph.num_strategies, copies)),
+      intervals=np.where(live, np.tile(graph.intervals, (copies, 1)) + shift, 0),
+      edges=(np.tile(graph.edges, (copies, 1))
+             + np.repeat(np.arange(copies, dtype=np.int64) * graph.num_nodes, graph.num_edges)[:, None]),
+      edge_costs=np.tile(graph.edge_costs, copies),
+      edge_offsets=offsets_from_counts(np.tile(np.diff(graph.edge_offsets), copies)),
+      usage_limit=graph.usage_limit,
+      name=f"{graph.name} x{copies}" if copies > 1 else graph.name,
+  )
 
 
 def offsets_from_counts(counts: Sequence[int] | np.ndarray) -> np.ndarray:
