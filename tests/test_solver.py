@@ -182,13 +182,15 @@ def test_a_memory_ceiling_stops_the_solver_before_it_has_a_plan():
 
 
 def test_prices_of_a_segment_no_plan_fits_stay_finite():
-  from automap_rl.solver.solve import next_prices
+  from automap_rl.solver.solve import Role, next_prices
   prices, capacity = np.zeros(3), np.array([10.0, 10.0, 10.0])
   excess = np.array([5.0, -5.0, 0.0])  # Over the limit, well under it, at it.
   for _ in range(5000):  # Far beyond the ~1,750 rounds after which 1.5x a round overflows.
     prices = next_prices(prices, excess, capacity, base=2.0)
   assert np.isfinite(prices).all() and prices[0] == 2.0 * 1e12 and prices[1] == 0.0 == prices[2]
   assert next_prices(np.array([4.0, 4.0, 4.0]), excess, capacity, base=2.0).tolist() == [6.0, 3.2, 4.0]
+  faster = Role(price_rise=2.0, price_fall=0.5)
+  assert next_prices(np.array([4.0, 4.0, 4.0]), excess, capacity, base=2.0, role=faster).tolist() == [8.0, 2.0, 4.0]
 
 
 def test_solve_handles_float_costs():

@@ -44,6 +44,14 @@ class Layout:
       self.incident[h].append((p, 1))
     order = np.argsort(memory.member_group, kind="stable")
     bounds = np.searchsorted(memory.member_group[order], np.arange(groups + 1))
+    # Per pair-cost entry: its pair and the local strategies of the pair's two groups.
+    g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
+    self.entry_pair = np.repeat(np.arange(len(reduced.pairs)), np.diff(reduced.pair_offsets))
+    k_h = reduced.counts[h][self.entry_pair]
+    local_entry = np.arange(len(self.entry_pair)) - reduced.pair_offsets[self.entry_pair]
+    self.entry_row, self.entry_col = local_entry // k_h, local_entry % k_h
+    self.entry_row_var = reduced.offsets[g][self.entry_pair] + self.entry_row
+    self.entry_col_var = reduced.offsets[h][self.entry_pair] + self.entry_col
     self.cuts: list[np.ndarray] = []  # per group: sorted segment cuts of its pieces
     self.usage: list[np.ndarray] = []  # per group: [pieces, k] usage per strategy
     self.lowest: list[np.ndarray] = []  # per group: [pieces] sum of its members' least usages
@@ -193,25 +201,22 @@ class Plan:
     """One pass of two-group moves: for every pair (g, h) the joint switch (s, t) that lowers
     the cost most, priced over all pairs' cost entries at once; then, best first, each
     still improving and within the limit is made. Returns the number of moves made."""
-    reduced = self.layout.reduced
+    layout, reduced = self.layout, self.layout.reduced
     if not len(reduced.pairs):
       return 0
     g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
     k_h = reduced.counts[h]
-    sizes = np.diff(reduced.pair_offsets)
-    entry_pair = np.repeat(np.arange(len(g)), sizes)
-    local_entry = np.arange(len(entry_pair)) - reduced.pair_offsets[entry_pair]
-    s, t = local_entry // k_h[entry_pair], local_entry % k_h[entry_pair]
-    s0, t0 = self.choice[g][entry_pair], self.choice[h][entry_pair]
-    base = reduced.pair_offsets[entry_pair]
+    pair, row, col = layout.entry_pair, layout.entry_row, layout.entry_col
+    base = reduced.pair_offsets[pair]
     with np.errstate(invalid="ignore"):  # inf - inf: a forbidden entry, priced inf below
-      # Group g at s with h at t0 is in g's switch cost; replace that pair term by (s, t).
-      joint = (self.local[reduced.offsets[g][entry_pair] + s] - reduced.pair_costs[base + s * k_h[entry_pair] + t0]
-               + self.local[reduced.offsets[h][entry_pair] + t] - reduced.pair_costs[base + s0 * k_h[entry_pair] + t]
+      # Group g at s with h at its current t0 is in g's switch cost; replace that pair term by (s, t).
+      joint = (self.local[layout.entry_row_var] - reduced.pair_costs[base + row * k_h[pair] + self.choice[h][pair]]
+               + self.local[layout.entry_col_var] - reduced.pair_costs[base + self.choice[g][pair] * k_h[pair] + col]
                + reduced.pair_costs)
     joint = np.where(np.isnan(joint), np.inf, joint)
-    current = joint[base + s0 * k_h[entry_pair] + t0]
-    gain = current - joint
+    current = joint[reduced.pair_offsets[:-1] + self.choice[g] * k_h + self.choice[h]]
+    gain = current[pair] - joint
+    gain[(row == self.choice[g][pair]) | (col == self.choice[h][pair])] = -np.inf  # single switches: `descend`
     best_entry = reduced.pair_offsets[:-1] + _segment_argmax(gain, reduced.pair_offsets)
     best_gain = gain[best_entry]
     moves = 0
@@ -219,7 +224,7 @@ class Plan:
       e = int(best_entry[p] - reduced.pair_offsets[p])
       gp, hp, sp, tp = int(g[p]), int(h[p]), e // int(k_h[p]), e % int(k_h[p])
       if sp == self.choice[gp] or tp == self.choice[hp]:
-        continue  # A single switch, which `descend` handles.
+        continue  # An earlier move switched one of them there already.
       now = self.switch_costs(gp)[sp] + self.switch_costs(hp)[tp]
       matrix = reduced.pair_matrix(p)
       exact = (now - matrix[sp, self.choice[hp]] - matrix[self.choice[gp], tp] + matrix[sp, tp]

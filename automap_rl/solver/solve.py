@@ -22,13 +22,15 @@
    (around a tight time segment or a ball in the graph) exactly.
 
 With `workers` >= 1 the searches run in forked processes after the reduction,
-each with its own seed and role (`_ROLES`): worker 0 prices and crosses over
-as above; worker 1 repairs decoded plans over the limit (`Plan.repair`) until
-one fits, a first plan within seconds, then searches neighbourhoods of the
-best plan any worker has found (the supervisor forwards each new best). The
+each with its own seed and role (`ROLES`): two lines of pricing and crossover
+as above, with different price schedules (their plans differ, so the two
+lines explore different plans; a line adopts no other plan, since a crossover
+improves only plans of its own line), whose final neighbourhoods start from
+the best plan either has found (the supervisor forwards each new best). The
 supervisor kills the workers still running at the timeout, so a HiGHS call
-that overruns its time limit cannot overrun the solve. With `workers=0` the
-pricing search runs in the calling process.
+that overruns its time limit cannot overrun the solve, and stops the others
+once one proves its plan optimal. With `workers=0` the first role's search
+runs in the calling process.
 
 Every stage keeps only plans within the limit, and the result is checked on
 the original graph before it is returned. Each result carries a lower bound on
@@ -79,7 +81,7 @@ _SMALL_BUDGET_EVERY = 16
 # the first plans of a problem whose limit binds hard (K: 12x over it unpriced) are too far
 # from it for a crossover to help, and each one can take seconds.
 _CROSSOVER_AFTER = 24
-# Switches a repair of a decoded plan over the limit may take before it gives up.
+# Switches a repair of a plan over the limit may take before it gives up.
 _REPAIR_SWITCHES = 400
 # Pricing rounds between two Lagrangian bounds (one pass over the pair costs each).
 _BOUND_EVERY = 8
@@ -98,12 +100,31 @@ _MAX_PRICE = 1e12
 MAX_PAIR_ENTRIES = 20_000_000
 
 
-def next_prices(prices: np.ndarray, excess: np.ndarray, capacity: np.ndarray, base: float) -> np.ndarray:
-  """The pricing round's update of the per-segment prices [S]: 1.5x (at least `base`)
-  where the plan's usage `excess` [S] breaks the limit, up to `_MAX_PRICE * base`; 0.8x
-  where 1% of `capacity` [S] is left; unchanged elsewhere."""
-  rising = np.minimum(np.maximum(prices * 1.5, base), _MAX_PRICE * base)
-  return np.where(excess > 0, rising, np.where(excess < -0.01 * capacity, prices * 0.8, prices))
+@dataclasses.dataclass(frozen=True)
+class Role:
+  """What one search spends its time on.
+
+  Attributes:
+    price_rise: factor on a segment's price where the decoded plan breaks the limit.
+    price_fall: factor on it where 1% of the segment's capacity is left.
+  """
+
+  price_rise: float = 1.5
+  price_fall: float = 0.8
+
+
+# The searches' roles by worker number (then round robin); the in-process search takes the first.
+ROLES = (Role(), Role(price_rise=1.8, price_fall=0.75))
+
+
+def next_prices(prices: np.ndarray, excess: np.ndarray, capacity: np.ndarray, base: float,
+                role: Role = Role()) -> np.ndarray:
+  """The pricing round's update of the per-segment prices [S]: `role.price_rise` times (at
+  least `base`) where the plan's usage `excess` [S] breaks the limit, up to
+  `_MAX_PRICE * base`; `role.price_fall` times where 1% of `capacity` [S] is left;
+  unchanged elsewhere."""
+  rising = np.minimum(np.maximum(prices * role.price_rise, base), _MAX_PRICE * base)
+  return np.where(excess > 0, rising, np.where(excess < -0.01 * capacity, prices * role.price_fall, prices))
 
 
 
@@ -198,12 +219,6 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
                      lower_bound=lower_bound, log=(setup,) + outcome.log, stopped_by=outcome.stopped_by)
 
 
-# What each worker process spends its time on, by worker number (then round robin): pricing
-# rounds with crossovers, or (after pricing until a decoded plan fits) large-neighbourhood
-# search, both on the best plan any worker has found.
-_ROLES = ("pricing", "neighbourhoods")
-
-
 def _worker_seed(seed: int, worker: int) -> int:
   """Worker 0 searches with `seed` itself (as the in-process search does); the others with seeds derived from it."""
   return seed if worker == 0 else int(np.random.SeedSequence([seed, worker]).generate_state(1)[0])
@@ -244,14 +259,16 @@ class _Outcome:
 def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limits: Limits, seeds: list[int],
                hard_deadline: float, progress: Progress | None) -> _Outcome:
   """Runs one search per seed in a forked process; forwards each new best plan to the
-  other searches; kills the searches still running at `hard_deadline`. Ties between
+  other searches; kills the searches still running at `hard_deadline`, or once a search
+  has proven the best plan optimal (its lower bound reaches the plan's cost). Ties between
   searches go to the lower-numbered one, so the result does not depend on which
   message arrives first."""
   context = multiprocessing.get_context("fork")
   channels, processes = [], []
   for worker, seed in enumerate(seeds):
     here, there = context.Pipe()
-    process = context.Process(target=_search_in_child, args=(problem, warm, deadline, seed, _ROLES[worker % len(_ROLES)], limits, there),
+    role = ROLES[worker % len(ROLES)]
+    process = context.Process(target=_search_in_child, args=(problem, warm, deadline, seed, role, limits, there),
                               name=f"iopddl-search-{worker}", daemon=True)
     process.start()
     there.close()
@@ -260,7 +277,8 @@ def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limi
   best, best_key = None, (np.inf, len(seeds))
   bounds, logs, stopped, errors = [], [], [], []
   running = dict(enumerate(channels))
-  while running and time.monotonic() < hard_deadline:
+  proven = False
+  while running and not proven and time.monotonic() < hard_deadline:
     for channel in multiprocessing.connection.wait(list(running.values()), timeout=hard_deadline - time.monotonic()):
       worker = channels.index(channel)
       try:
@@ -286,10 +304,14 @@ def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limi
         stopped += [outcome.stopped_by] if outcome.stopped_by else []
         errors += [outcome.limit_error] if outcome.limit_error else []
         del running[worker]
+        proven = bool(bounds) and best_key[0] <= max(bounds) + 1e-9 * abs(best_key[0])
   for worker in running:
     processes[worker].kill()
-    logs.append(f"worker {worker}: killed at the time limit")
-    stopped.append("seconds")
+    if proven:
+      logs.append(f"worker {worker}: stopped, another worker proved the plan optimal")
+    else:
+      logs.append(f"worker {worker}: killed at the time limit")
+      stopped.append("seconds")
   for process in processes:
     process.join()
   for channel in channels:
@@ -306,7 +328,7 @@ def _send(channel: multiprocessing.connection.Connection, message: tuple) -> Non
     pass
 
 
-def _search_in_child(problem: _Problem, warm: np.ndarray | None, deadline: float, seed: int, role: str,
+def _search_in_child(problem: _Problem, warm: np.ndarray | None, deadline: float, seed: int, role: Role,
                      limits: Limits, channel: multiprocessing.connection.Connection) -> None:
   """A worker process: one search that reports each better plan and its outcome through `channel`."""
   search = _Search(problem, deadline, seed, limits, channel=channel, role=role)
@@ -323,7 +345,7 @@ class _Search:
 
   def __init__(self, problem: _Problem, deadline: float, seed: int, limits: Limits,
                progress: Progress | None = None,
-               channel: multiprocessing.connection.Connection | None = None, role: str = "pricing"):
+               channel: multiprocessing.connection.Connection | None = None, role: Role = ROLES[0]):
     self.graph, self.reduced, self.memory, self.layout = problem.graph, problem.reduced, problem.memory, problem.layout
     self.started, self.deadline, self.limits = problem.started, deadline, limits
     self.progress, self.channel, self.role = progress, channel, role
@@ -391,8 +413,7 @@ class _Search:
       self.note(f"warm start: {self.best_cost:.6g}")
     small = len(reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
     self.price(until=self.deadline - (0.55 if small else 0.05) * max(self.left(), 0.0),
-               patience=_SMALL_PATIENCE if small else None, budget_every=_SMALL_BUDGET_EVERY if small else None,
-               until_fitted=self.role == "neighbourhoods" and not small)
+               patience=_SMALL_PATIENCE if small else None, budget_every=_SMALL_BUDGET_EVERY if small else None)
     if self.best is None:
       return
     self.limits.check("starting the whole MIP")
@@ -400,15 +421,14 @@ class _Search:
       return
     self.neighbourhoods()
 
-  def price(self, until: float, patience: int | None, budget_every: int | None, until_fitted: bool) -> None:
+  def price(self, until: float, patience: int | None, budget_every: int | None) -> None:
     """Pricing rounds until `until`, or until `patience` rounds in a row found
     nothing better. Every other round the best plan is crossed with the
     cheapest plan decoded since the last crossover; every `budget_every`
     rounds (and until there is a best plan) a plan is also decoded within a
-    usage budget. With `until_fitted`, decoded plans over the limit are
-    repaired and the rounds end at the first decoded plan within it. Other
-    searches' plans are not adopted here: the crossovers improve a plan of
-    this search's own line, far from the plans repairs and neighbourhoods find."""
+    usage budget (repaired if it overshoots). Other searches' plans are not
+    adopted here: a crossover improves plans of its own line only (on K, a
+    repaired plan adopted mid-pricing left 7 of 9 crossovers without gain)."""
     reduced, memory = self.reduced, self.memory
     dual = Dual(reduced, memory)
     prices = np.zeros(memory.num_segments)
@@ -430,9 +450,9 @@ class _Search:
         scale = next((c for c in (cost, self.best_cost) if np.isfinite(c)), 1.0)
         base = max(abs(scale), 1.0) / max(float(capacity.sum()), 1.0)
       fitted = fitted or bool(np.all(excess <= 0))
-      if cost < self.best_cost and (until_fitted or np.all(excess <= 0)):
-        self.polish(choice, "pricing" if np.all(excess <= 0) else "pricing, repaired")
-      if np.any(excess > 0) and (pending is None or cost < pending[0]):
+      if cost < self.best_cost and np.all(excess <= 0):
+        self.polish(choice, "pricing")
+      elif pending is None or cost < pending[0]:
         pending = (cost, choice)
       if self.best is None or (budget_every and rounds % budget_every == 0):
         self.polish(dual.decode(Budget(self.layout).pick), "pricing within budget")
@@ -444,9 +464,7 @@ class _Search:
         pending = None
       if self.best_cost < best_before:
         last_better = rounds
-      if until_fitted and fitted and self.best is not None:
-        break
-      prices = next_prices(prices, excess, capacity, base)
+      prices = next_prices(prices, excess, capacity, base, self.role)
       rounds += 1
     self.note(f"pricing: {rounds} rounds, {dual.num_colors} colours, {crossings} crossovers "
               f"({merges} improving), best {self.best_cost:.6g}")
