@@ -258,17 +258,19 @@ class _Outcome:
 
 def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limits: Limits, seeds: list[int],
                hard_deadline: float, progress: Progress | None) -> _Outcome:
-  """Runs one search per seed in a forked process; forwards each new best plan to the
-  other searches; kills the searches still running at `hard_deadline`, or once a search
+  """Runs one search per seed in a forked process; publishes each new best plan to the
+  other searches (`_SharedBest`); kills the searches still running at `hard_deadline`, or once a search
   has proven the best plan optimal (its lower bound reaches the plan's cost). Ties between
   searches go to the lower-numbered one, so the result does not depend on which
   message arrives first."""
   context = multiprocessing.get_context("fork")
+  shared = _SharedBest(context, problem.reduced.num_groups)
   channels, processes = [], []
   for worker, seed in enumerate(seeds):
-    here, there = context.Pipe()
+    here, there = context.Pipe(duplex=False)
     role = ROLES[worker % len(ROLES)]
-    process = context.Process(target=_search_in_child, args=(problem, warm, deadline, seed, role, limits, there),
+    process = context.Process(target=_search_in_child,
+                              args=(problem, warm, deadline, seed, role, limits, there, shared, worker),
                               name=f"iopddl-search-{worker}", daemon=True)
     process.start()
     there.close()
@@ -291,11 +293,9 @@ def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limi
         _, choice, cost, stage = message
         if (cost, worker) < best_key:
           best, best_key = choice, (cost, worker)
+          shared.publish(choice, cost, worker)
           if progress is not None:
             progress(time.monotonic() - problem.started, cost, f"{stage}, worker {worker}")
-          for other, peer in running.items():
-            if other != worker:
-              _send(peer, ("plan", choice, cost))
       else:
         outcome: _Outcome = message[1]
         if outcome.lower_bound is not None:
@@ -320,35 +320,59 @@ def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limi
                   stopped_by=stopped[0] if stopped else None, limit_error=errors[0] if errors else None)
 
 
-def _send(channel: multiprocessing.connection.Connection, message: tuple) -> None:
-  """Sends unless the other end has gone (a search that ended)."""
-  try:
-    channel.send(message)
-  except (BrokenPipeError, OSError):
-    pass
+class _SharedBest:
+  """The best plan any search has found, in shared memory: the supervisor writes it, the
+  searches read it between steps. Unlike a pipe, which a search busy in a long step
+  does not drain (a full one blocked the supervisor's send, and with it the timeout), a
+  write never waits on a reader."""
+
+  def __init__(self, context: multiprocessing.context.BaseContext, num_groups: int):
+    self.lock = context.Lock()
+    self.version = context.RawValue("q", 0)
+    self.source = context.RawValue("q", -1)
+    self.cost = context.RawValue("d", np.inf)
+    self.plan = context.RawArray("q", max(num_groups, 1))
+    self.num_groups = num_groups
+
+  def publish(self, choice: np.ndarray, cost: float, worker: int) -> None:
+    with self.lock:
+      np.frombuffer(self.plan, np.int64)[:self.num_groups] = choice
+      self.cost.value, self.source.value = cost, worker
+      self.version.value += 1
+
+  def newer(self, version: int, worker: int) -> tuple[int, np.ndarray, float] | None:
+    """(version, [G] plan, cost) if a plan newer than `version` came from another worker, else None."""
+    if self.version.value == version:
+      return None
+    with self.lock:
+      if self.source.value == worker:
+        return self.version.value, None, np.inf
+      return self.version.value, np.frombuffer(self.plan, np.int64)[:self.num_groups].copy(), self.cost.value
 
 
 def _search_in_child(problem: _Problem, warm: np.ndarray | None, deadline: float, seed: int, role: Role,
-                     limits: Limits, channel: multiprocessing.connection.Connection) -> None:
+                     limits: Limits, channel: multiprocessing.connection.Connection, shared: _SharedBest,
+                     worker: int) -> None:
   """A worker process: one search that reports each better plan and its outcome through `channel`."""
-  search = _Search(problem, deadline, seed, limits, channel=channel, role=role)
+  search = _Search(problem, deadline, seed, limits, role=role, channel=channel, shared=shared, worker=worker)
   search.run_guarded(warm)
-  _send(channel, ("done", search.outcome()))
+  channel.send(("done", search.outcome()))
   channel.close()
 
 
 class _Search:
   """State shared by the stages: the problem views, the best plan, the log.
 
-  In a worker process `channel` carries each better plan to the supervisor and
-  brings back the other searches' better plans, which are adopted between rounds."""
+  In worker number `worker`, `channel` carries each better plan to the supervisor and
+  `shared` holds the best plan of all searches, adopted between neighbourhood steps."""
 
-  def __init__(self, problem: _Problem, deadline: float, seed: int, limits: Limits,
-               progress: Progress | None = None,
-               channel: multiprocessing.connection.Connection | None = None, role: Role = ROLES[0]):
+  def __init__(self, problem: _Problem, deadline: float, seed: int, limits: Limits, role: Role = ROLES[0],
+               progress: Progress | None = None, channel: multiprocessing.connection.Connection | None = None,
+               shared: _SharedBest | None = None, worker: int = 0):
     self.graph, self.reduced, self.memory, self.layout = problem.graph, problem.reduced, problem.memory, problem.layout
     self.started, self.deadline, self.limits = problem.started, deadline, limits
     self.progress, self.channel, self.role = progress, channel, role
+    self.shared, self.worker, self.seen_version = shared, worker, 0
     self.stopped_by: str | None = None
     self.limit_error: LimitReached | None = None
     self.rng = np.random.default_rng(seed)
@@ -381,15 +405,16 @@ class _Search:
       return False
     self.best, self.best_cost = np.array(choice), cost
     if self.channel is not None:
-      _send(self.channel, ("plan", self.best, cost, stage))
+      self.channel.send(("plan", self.best, cost, stage))
     elif self.progress is not None:
       self.progress(self.elapsed(), cost, stage)
     return True
 
   def adopt(self) -> None:
-    """Takes the other searches' plans that beat this one's best (worker processes only)."""
-    while self.channel is not None and self.channel.poll():
-      _, choice, cost = self.channel.recv()
+    """Takes the best plan of all searches if another search found it and it beats this one's."""
+    newer = None if self.shared is None else self.shared.newer(self.seen_version, self.worker)
+    if newer is not None:
+      self.seen_version, choice, cost = newer
       if cost < self.best_cost:
         self.best, self.best_cost = choice, cost
 
