@@ -359,3 +359,14 @@ def test_tiled_copies_cost_and_fit_as_the_original_times_the_copies():
   assert not evaluate(tiled, [0, 0, 2, 1, 0] * 2 + [0, 0, 1, 1, 0]).feasible
   with pytest.raises(ValueError, match="copies must be at least 1"):
     tile(graph, 0)
+
+
+def test_the_shared_best_plan_reaches_the_other_workers_only():
+  import multiprocessing
+  shared = importlib.import_module("automap_rl.solver.solve")._SharedBest(multiprocessing.get_context("fork"), 3)
+  assert shared.newer(0, worker=1) is None
+  shared.publish(np.array([2, 0, 1]), 7.0, worker=0)
+  version, plan, cost = shared.newer(0, worker=1)
+  assert version == 1 and plan.tolist() == [2, 0, 1] and cost == 7.0
+  assert shared.newer(0, worker=0)[1] is None  # its own plan: nothing to adopt
+  assert shared.newer(version, worker=1) is None
