@@ -26,7 +26,10 @@ each with its own seed and role (`ROLES`): two lines of pricing and crossover
 as above, with different price schedules (their plans differ, so the two
 lines explore different plans; a line adopts no other plan, since a crossover
 improves only plans of its own line), whose final neighbourhoods start from
-the best plan either has found (the supervisor forwards each new best). The
+the best plan either has found (the supervisor publishes each new best).
+Until its decoded plans fit, the second line also repairs them (`Plan.repair`):
+plans within the limit in seconds where pricing has none yet, kept apart from
+its crossovers. The
 supervisor kills the workers still running at the timeout, so a HiGHS call
 that overruns its time limit cannot overrun the solve, and stops the others
 once one proves its plan optimal. With `workers=0` the first role's search
@@ -111,14 +114,20 @@ class Role:
   Attributes:
     price_rise: factor on a segment's price where the decoded plan breaks the limit.
     price_fall: factor on it where 1% of the segment's capacity is left.
+    repair_until_fitted: until a decoded plan fits within the limit, repair every fourth
+      decoded plan over it that is cheaper than the best (`Plan.repair`, then descent) until
+      one repair succeeds: a plan within the limit in seconds when pricing has none yet
+      (short timeouts, busy machines; a repair of M takes seconds, so one is enough), kept
+      apart from the line's crossovers, which do not improve repaired plans.
   """
 
   price_rise: float = 1.5
   price_fall: float = 0.8
+  repair_until_fitted: bool = False
 
 
 # The searches' roles by worker number (then round robin); the in-process search takes the first.
-ROLES = (Role(), Role(price_rise=1.8, price_fall=0.75))
+ROLES = (Role(), Role(price_rise=1.8, price_fall=0.75, repair_until_fitted=True))
 
 
 def next_prices(prices: np.ndarray, excess: np.ndarray, capacity: np.ndarray, base: float,
@@ -382,8 +391,10 @@ class _Search:
     self.rng = np.random.default_rng(seed)
     self.seed = seed
     self.log: list[str] = []
-    self.best: np.ndarray | None = None
+    self.best: np.ndarray | None = None  # the best plan of the line: what crossovers and neighbourhoods improve
     self.best_cost = np.inf
+    self.spare: np.ndarray | None = None  # a cheaper plan kept apart from the line (a repaired one), or None
+    self.spare_cost = np.inf
     self.lower_bound: float | None = None
 
   def elapsed(self) -> float:
@@ -400,17 +411,23 @@ class _Search:
     if np.isfinite(value) and (self.lower_bound is None or value > self.lower_bound):
       self.lower_bound = float(value)
 
-  def offer(self, choice: np.ndarray, stage: str) -> bool:
-    """Keeps `choice` if it is within the limit and the cheapest so far."""
+  def offer(self, choice: np.ndarray, stage: str, line: bool = True) -> bool:
+    """Keeps `choice` if it is within the limit and cheaper than the line's best or, kept
+    apart from the line (`line=False`), than every plan so far; reports it when it is the
+    cheapest so far."""
     if np.any(self.memory.excess(choice) > 0):
       return False
     cost = group_cost(self.reduced, choice)
-    if cost >= self.best_cost:
+    cheapest = min(self.best_cost, self.spare_cost)
+    if cost >= (self.best_cost if line else cheapest):
       return False
-    self.best, self.best_cost = np.array(choice), cost
-    if self.channel is not None:
-      self.channel.send(("plan", self.best, cost, stage))
-    elif self.progress is not None:
+    if line:
+      self.best, self.best_cost = np.array(choice), cost
+    else:
+      self.spare, self.spare_cost = np.array(choice), cost
+    if cost < cheapest and self.channel is not None:
+      self.channel.send(("plan", np.array(choice), cost, stage))
+    elif cost < cheapest and self.progress is not None:
       self.progress(self.elapsed(), cost, stage)
     return True
 
@@ -423,8 +440,9 @@ class _Search:
         self.best, self.best_cost = choice, cost
 
   def outcome(self) -> _Outcome:
-    return _Outcome(best=self.best, best_cost=self.best_cost, lower_bound=self.lower_bound, log=tuple(self.log),
-                    stopped_by=self.stopped_by, limit_error=self.limit_error)
+    best, cost = (self.spare, self.spare_cost) if self.spare_cost < self.best_cost else (self.best, self.best_cost)
+    return _Outcome(best=best, best_cost=cost, lower_bound=self.lower_bound, log=tuple(self.log),
+                    stopped_by=self.stopped_by, limit_error=self.limit_error if best is None else None)
 
   def run_guarded(self, warm: np.ndarray | None) -> None:
     """`run`, turning a `LimitReached` into `stopped_by` (or `limit_error` without a plan)."""
@@ -432,7 +450,7 @@ class _Search:
       self.run(warm)
     except LimitReached as e:
       self.stopped_by = e.limit
-      if self.best is None:
+      if self.best is None and self.spare is None:
         self.limit_error = e
       self.note(f"stopped: {e}")
 
@@ -443,6 +461,8 @@ class _Search:
     small = len(reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
     self.price(until=self.deadline - (0.55 if small else 0.05) * max(self.left(), 0.0),
                patience=_SMALL_PATIENCE if small else None, budget_every=_SMALL_BUDGET_EVERY if small else None)
+    if self.spare_cost < self.best_cost:  # Pricing is over: the stages after it improve the cheapest plan.
+      self.best, self.best_cost = self.spare, self.spare_cost
     if self.best is None:
       return
     self.limits.check("starting the whole MIP")
@@ -479,6 +499,9 @@ class _Search:
         scale = next((c for c in (cost, self.best_cost) if np.isfinite(c)), 1.0)
         base = max(abs(scale), 1.0) / max(float(capacity.sum()), 1.0)
       fitted = fitted or bool(np.all(excess <= 0))
+      if (self.role.repair_until_fitted and not fitted and self.spare is None and rounds % 4 == 0
+          and cost < self.best_cost):
+        self.polish(choice, "pricing, repaired", line=False)
       if cost < self.best_cost and np.all(excess <= 0):
         self.polish(choice, "pricing")
       elif pending is None or cost < pending[0]:
@@ -498,9 +521,9 @@ class _Search:
     self.note(f"pricing: {rounds} rounds, {dual.num_colors} colours, {crossings} crossovers "
               f"({merges} improving), best {self.best_cost:.6g}")
 
-  def polish(self, choice: np.ndarray, stage: str) -> None:
+  def polish(self, choice: np.ndarray, stage: str, line: bool = True) -> None:
     """Repairs a plan over the limit (`Plan.repair`), then descends with single switches
-    and two-group moves until neither helps, and offers the result."""
+    and two-group moves until neither helps, and offers the result (to the line or not)."""
     plan = Plan(self.layout, choice)
     if np.any(plan.excess() > 0) and not plan.repair(max_switches=_REPAIR_SWITCHES):
       return
@@ -508,7 +531,7 @@ class _Search:
     tolerance = 1e-12 * max(float(np.abs(self.reduced.unary).max(initial=1.0)), 1.0)
     while self.left() > 0 and plan.descend(order, min_gain=tolerance) + plan.descend_pairs(min_gain=tolerance):
       pass
-    self.offer(plan.choice, stage)
+    self.offer(plan.choice, stage, line)
 
   def crossover(self, other: np.ndarray, time_limit: float) -> bool:
     """Re-chooses the groups where `other` differs from the best plan, each
