@@ -145,7 +145,7 @@ def run_bench(config: IopddlBenchConfig) -> dict[str, Any]:
   for r in rows:
     ratio = "-" if r.ratio is None else f"{r.ratio:.4f}"
     print(f"{r.instance:<9} {str(r.cost):>17} {str(r.best_known):>17} {ratio:>8} {r.seconds:>8.1f} "
-          f"{str(r.feasible):<8} {r.stopped_by or '-'}")
+          f"{str(r.feasible):<8} {r.stopped_by or '-'}" + (f"  ({r.failure})" if r.failure else ""))
   mean, points = solver.geometric_mean(rows), solver.contest_points(rows)
   print(f"geometric mean of cost / best known: {'-' if mean is None else f'{mean:.4f}'}; contest points "
         f"(sum of best known / cost): {points:.3f} of {len(rows)} ({len(rows)} instances, timeout "

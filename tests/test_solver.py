@@ -370,3 +370,17 @@ def test_the_shared_best_plan_reaches_the_other_workers_only():
   assert version == 1 and plan.tolist() == [2, 0, 1] and cost == 7.0
   assert shared.newer(0, worker=0)[1] is None  # its own plan: nothing to adopt
   assert shared.newer(version, worker=1) is None
+
+
+def test_bench_reports_why_an_instance_has_no_plan(tmp_path, monkeypatch):
+  from automap_rl.solver import bench_iopddl
+  problem = {"problem": {"name": "Z", "nodes": {"intervals": [[0, 1], [0, 1]], "costs": [[1, 2], [3, 4]],
+                                                "usages": [[1, 1], [1, 1]]},
+                         "edges": {"nodes": [[0, 1]], "costs": [[0, 1, 1, 0]]}, "usage_limit": 5}}
+  (tmp_path / "asplos-2025-iopddl-Z.json").write_text(json.dumps(problem))
+  (tmp_path / "best_known.csv").write_text("instance,best_known_cost\nZ,4\n")
+  [row] = bench_iopddl(tmp_path, timeout_s=5, seed=0, workers=0, copies=2)
+  assert (row.instance, row.cost, row.best_known, row.feasible, row.failure) == ("Z x2", 8, 8, True, None)
+  monkeypatch.setattr(importlib.import_module("automap_rl.solver.solve"), "MAX_PAIR_ENTRIES", 3)
+  [row] = bench_iopddl(tmp_path, timeout_s=5, seed=0, workers=0)
+  assert not row.feasible and row.cost is None and "more than the 3 the solver can set up" in row.failure

@@ -40,6 +40,7 @@ class BenchRow:
     seconds: Wall time for loading plus solving.
     feasible: Whether the contest's evaluator accepts the plan.
     stopped_by: The limit that stopped the solver early ("seconds" or "memory"), or None.
+    failure: Why the solver returned no plan (its one-line message), or None.
   """
 
   instance: str
@@ -49,6 +50,7 @@ class BenchRow:
   seconds: float
   feasible: bool
   stopped_by: str | None = None
+  failure: str | None = None
 
 
 def bench_iopddl(directory: str | Path, timeout_s: float, seed: int,
@@ -68,9 +70,9 @@ def bench_iopddl(directory: str | Path, timeout_s: float, seed: int,
     known = best[name] * copies if name in best else None
     try:
       result = solve(graph, timeout_s=max(timeout_s - (time.monotonic() - started), 1.0), seed=seed, workers=workers)
-    except RuntimeError as e:  # No plan within the limit (or `LimitReached` before one).
+    except RuntimeError as e:  # No plan within the limit, `LimitReached` before one, or `GraphTooLarge`.
       rows.append(BenchRow(label, None, known, None, time.monotonic() - started, False,
-                           getattr(e, "limit", None)))
+                           getattr(e, "limit", None), str(e)))
       continue
     verdict = evaluate(graph, result.choice)
     seconds = time.monotonic() - started
