@@ -44,8 +44,9 @@ devices, unrolled stacks and steps with model state raise NotImplementedError.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -57,7 +58,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from automap_rl.compile_options import quick_compile_options
 from automap_rl.ir import Role
 from automap_rl.ir.stacks import LayerStack
-from automap_rl.ir.trace import CALL_PRIMITIVES
 from automap_rl.mesh import spec_axes
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
@@ -65,7 +65,9 @@ from automap_rl.sharding import Decision
 from automap_rl.workloads.training import make_train_step
 from automap_rl.xla.hlo import inspect_compiled
 from automap_rl.xla.isolated import compile_directly
-from automap_rl.xla.lower import Lowered, _bind, _call_body, lowering_errors
+from automap_rl.xla.correspond import Flat, Origin, align, flatten
+from automap_rl.xla.lower import (OPERAND_PINNED, grouped_conv_binder, Lowered, _constrained, _constrainer, _pinned, interpret,
+                                  lowering_errors)
 from automap_rl.xla.numerics import program_depth
 
 __all__ = ["batch_axes", "check_lowerable", "gpipe", "jit_pipelined", "lower_pipelined", "pipelined_loss",
@@ -145,77 +147,135 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
   return [merge(o, c) for o, c in zip(outputs, carries)] + [y.reshape(layers, *y.shape[2:]) for y in ys]
 
 
-def _is_stack_scan(eqn, layers: int) -> bool:
-  """Whether `eqn` is a forward scan of `layers` iterations with a carry (a layer stack's)."""
-  return (eqn.primitive.name == "scan" and eqn.params["length"] == layers and eqn.params["num_carry"] > 0
-          and not eqn.params["reverse"])
-
-
-def _stack_scans(jaxpr: jax_core.Jaxpr, layers: int) -> list[Any]:
+def _stack_scans(jaxpr: jax_core.Jaxpr, layers: int) -> list[Flat]:
   """The forward scans of `layers` iterations with a carry in `jaxpr` (calls inlined), in
   order: a layer stack's loop."""
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in CALL_PRIMITIVES:
-      body = _call_body(eqn)
-      out += _stack_scans(getattr(body, "jaxpr", body), layers)
-    elif _is_stack_scan(eqn, layers):
-      out.append(eqn)
-  return out
+  return [e for e in flatten(jaxpr) if e.eqn.primitive.name == "scan" and e.eqn.params["length"] == layers
+          and e.eqn.params["num_carry"] > 0 and not e.eqn.params["reverse"]]
 
 
-def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: LayerStack,
-                   batch_axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+def _in_stage(spec: PartitionSpec, shape: Sequence[int], axis: str, mesh: jax.sharding.Mesh) -> PartitionSpec:
+  """`spec` for an array of `shape` in a stage: without the stage `axis`, and a dim that
+  does not divide over its axes (a microbatch's share) left to XLA."""
+  dims = []
+  for size, axes in zip(shape, spec_axes(spec, len(shape))):
+    axes = tuple(a for a in axes if a != axis)
+    dims.append(PartitionSpec.UNCONSTRAINED if size % math.prod(mesh.shape[a] for a in axes) else axes or None)
+  return PartitionSpec(*dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepPins:
+  """What `lower` pins in the planned step, by the step's origins.
+
+  Attributes:
+    results: origin -> the value id each result of its op is constrained as (None for scalars).
+    values: value id -> its planned spec.
+    ops: origin of a pinned op -> (operand specs, result specs) it computes on.
+  """
+
+  results: Mapping[Origin, tuple[int | None, ...]]
+  values: Mapping[int, PartitionSpec]
+  ops: Mapping[Origin, tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]]
+
+  @classmethod
+  def build(cls, problem: Problem, decisions: Sequence[Decision]) -> _StepPins:
+    """One resolution of the plan for every value and op `lower` pins."""
+    program, results, pinned = problem.program, _constrained(problem), _pinned(problem)
+    value_ids = list(dict.fromkeys(v for ids in results.values() for v in ids if v is not None))
+    value_specs, op_specs = problem.value_and_op_specs(decisions, value_ids, list(pinned.values()))
+    values = dict(zip(value_ids, value_specs))
+    ops = {origin: (operands, [values.get(v, PartitionSpec()) for v in program.ops[op].results]
+                    if program.ops[op].primitive in OPERAND_PINNED else result_specs)  # Dots: their values'.
+           for (origin, op), (operands, result_specs) in zip(pinned.items(), op_specs)}
+    return cls(results, values, ops)
+
+  def constrainer(self, aligned: Mapping[Origin, Origin], entries: Mapping[Origin, Flat], axis: str,
+                  mesh: jax.sharding.Mesh, in_stage: bool):
+    """`(before, constrain, bind)` for `interpret`: the equations at `entries`' origins
+    pinned as their counterparts in the step (`aligned`: origin -> the step's), at their
+    own shapes (`_in_stage`), on `mesh` or (`in_stage`) the stage's, the stage axis manual;
+    grouped convolutions bound by `grouped_conv_binder`."""
+    arrays = lambda vs: [v.aval for v in vs if not isinstance(v, jax_core.Literal)]
+    ranks = lambda specs, avals: len(specs) == len(avals) and all(
+        s is None or len(s) <= len(a.shape) for s, a in zip(specs, avals))
+    results, values, pinned = {}, {}, {}
+    for origin, at in aligned.items():
+      if origin not in entries:
+        continue
+      eqn = entries[origin].eqn
+      outs = arrays(eqn.outvars)
+      ids = self.results.get(at)
+      if ids is not None and ranks([None if v is None else self.values[v] for v in ids], outs):
+        results[origin] = ids
+        values.update((v, _in_stage(self.values[v], a.shape, axis, mesh)) for v, a in zip(ids, outs) if v is not None)
+      if at in self.ops and ranks(self.ops[at][0], arrays(eqn.invars)) and ranks(self.ops[at][1], outs):
+        operands, result_specs = self.ops[at]
+        pinned[origin] = ([_in_stage(sp, a.shape, axis, mesh) for sp, a in zip(operands, arrays(eqn.invars))],
+                          [_in_stage(sp, a.shape, axis, mesh) for sp, a in zip(result_specs, outs)])
+    on = None if in_stage else mesh
+    return (*_constrainer(results, values, pinned, on), grouped_conv_binder(pinned, on))
+
+
+def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: LayerStack, problem: Problem,
+                   decisions: Sequence[Decision], mesh: jax.sharding.Mesh) -> Callable[..., Any]:
   """`loss_fn(params, batch)` with its layer stack's forward scan (the first scan of the
   stack's L layers) run by `gpipe` (module docstring, 1). The loop body `gpipe` runs on a
   microbatch is the same scan's of `loss_fn` traced on a microbatch (every leaf of `batch`
-  [B, ...] cut to [B / M, ...]).
+  [B, ...] cut to [B / M, ...]). Every other equation, in the stages and outside them, is
+  pinned as `lower` pins its counterpart in the planned step (`correspond.align`).
 
   Raises:
     NotImplementedError: the loss has no forward scan of the stack's L layers (an
       unrolled stack), or its loop on a microbatch differs from the loop on the batch
       other than in the batch dim.
+    ValueError: the problem's program keeps no jaxpr to align the loss with.
   """
   m_count, layers = pipeline.microbatches, stack.layers
+  if problem.program.jaxpr is None:
+    raise ValueError("pipeline lowering pins the plan through the traced step's jaxpr; this program has none "
+                     "(build it with automap_rl.ir.trace)")
+  step = problem.program.jaxpr.jaxpr
+  rows = batch_axes(problem, decisions)
+  pins = _StepPins.build(problem, decisions)
 
   def loss(params, batch):
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, batch)
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m_count, *x.shape[1:]), x.dtype), batch)
-    scans = [_stack_scans(jaxpr.jaxpr, layers) for jaxpr in (closed, jax.make_jaxpr(loss_fn)(params, micro))]
+    micro_closed = jax.make_jaxpr(loss_fn)(params, micro)
+    scans = [_stack_scans(c.jaxpr, layers) for c in (closed, micro_closed)]
     if not scans[0] or len(scans[0]) != len(scans[1]):
       raise NotImplementedError(f"pipeline lowering runs a scanned layer stack; the loss function has no forward "
                                 f"scan of the {stack.describe()} (unrolled stacks are not lowered yet)")
-    target, micro_scan = scans[0][0], scans[1][0]
+    target, micro_scan = scans[0][0].eqn, scans[1][0].eqn
     n_const, n_carry = target.params["num_consts"], target.params["num_carry"]
     whole = [v.aval.shape for v in target.invars]
     cut = [(s[0] // m_count, *s[1:]) if n_const <= i < n_const + n_carry else s for i, s in enumerate(whole)]
     if cut != [v.aval.shape for v in micro_scan.invars]:
       raise NotImplementedError(f"the loop of the {stack.describe()} on a microbatch is not its loop on the batch "
                                 "cut along the carries' dim 0; only such loops are pipelined")
-    closed_body = micro_scan.params["jaxpr"]
+    # The loss's inputs are the step's parameters and batch (its optimizer state between).
+    n_params, n_batch = len(jax.tree_util.tree_leaves(params)), len(jax.tree_util.tree_leaves(batch))
+    inputs = list(closed.jaxpr.invars)
+    step_inputs = [*step.invars[:n_params], *step.invars[len(step.invars) - n_batch:]]
+    aligned = align(flatten(closed.jaxpr), flatten(step), dict(zip(inputs, step_inputs)))
+    where = scans[0][0].origin
+    body_closed = micro_scan.params["jaxpr"]
+    entries = lambda jaxpr: {e.origin: e for e in flatten(jaxpr, into_scans=True)}
+    whole_body, in_body = entries(target.params["jaxpr"].jaxpr), entries(body_closed.jaxpr)
+    inside = {o[len(where):]: s for o, s in aligned.items() if o[:len(where)] == where and len(o) > len(where)}
+    inside = {o: s for o, s in inside.items()
+              if o in in_body and o in whole_body and in_body[o].eqn.primitive == whole_body[o].eqn.primitive}
+    before, constrain, bind = pins.constrainer(inside, in_body, pipeline.axis, mesh, in_stage=True)
     # Evaluated as traced, rematerialization (`checkpoint`) kept: the loss is differentiated after this.
-    body = lambda *args: jax.core.eval_jaxpr(closed_body.jaxpr, closed_body.consts, *args)
-
-    def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
-      env: dict = {}
-      read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
-      env.update(zip(jaxpr.constvars, consts))
-      env.update(zip(jaxpr.invars, invals))
-      for eqn in jaxpr.eqns:
-        operands = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in CALL_PRIMITIVES:
-          call = _call_body(eqn)
-          outs = walk(getattr(call, "jaxpr", call), getattr(call, "consts", ()), operands)
-        elif eqn is target:
-          outs = gpipe(body, n_carry, operands[:n_const], operands[n_const:n_const + n_carry],
-                       operands[n_const + n_carry:], stages=pipeline.stages, microbatches=m_count,
-                       axis=pipeline.axis, batch_axes=batch_axes, mesh=mesh)
-        else:
-          outs = _bind(eqn, operands)
-        env.update((var, val) for var, val in zip(eqn.outvars, outs) if not isinstance(var, jax_core.DropVar))
-      return [read(v) for v in jaxpr.outvars]
-
-    outs = walk(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((params, batch)))
+    body = interpret(body_closed, constrain, before, bind, differentiable=True)
+    run = lambda operands: gpipe(body, n_carry, operands[:n_const], operands[n_const:n_const + n_carry],
+                                 operands[n_const + n_carry:], stages=pipeline.stages, microbatches=m_count,
+                                 axis=pipeline.axis, batch_axes=rows, mesh=mesh)
+    outside = {o: s for o, s in aligned.items() if o[:len(where)] != where}
+    before, constrain, bind = pins.constrainer(outside, entries(closed.jaxpr), pipeline.axis, mesh, in_stage=False)
+    evaluate = interpret(closed, constrain, before, bind, replaced={where: run}, differentiable=True)
+    outs = evaluate(*jax.tree_util.tree_leaves((params, batch)))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
   return loss
@@ -282,7 +342,7 @@ def jit_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pip
   program, mesh = problem.program, problem.mesh
   stack = pipeline.check(program, problem.named, mesh)
   check_lowerable(pipeline, stack, mesh.axis_size(pipeline.axis), args)
-  loss = pipelined_loss(loss_fn, pipeline, stack, batch_axes(problem, decisions), jax_mesh)
+  loss = pipelined_loss(loss_fn, pipeline, stack, problem, decisions, jax_mesh)
   step = make_train_step(loss, optimizer)
   specs = staged_specs(problem, decisions, pipeline, stack, [*program.inputs, *program.outputs])
   named = [NamedSharding(jax_mesh, s) for s in specs]
