@@ -76,7 +76,7 @@ __all__ = ["batch_axes", "check_lowerable", "gpipe", "jit_pipelined", "lower_pip
 
 def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any], carries: Sequence[Any],
           xs: Sequence[Any], *, stages: int, microbatches: int, axis: str, batch_axes: tuple[str, ...],
-          mesh: jax.sharding.Mesh) -> list[Any]:
+          mesh: jax.sharding.Mesh, manual_batch: bool = False) -> list[Any]:
   """A layer scan run as a GPipe pipeline over mesh axis `axis` (module docstring, 2).
 
   Args:
@@ -90,6 +90,10 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
     axis: the stage axis (S devices).
     batch_axes: mesh axes a microbatch's batch dim is split over (where they divide it).
     mesh: the mesh.
+    manual_batch: the loop is manual over `batch_axes` too (every microbatch divides over
+      them and no stacked weight is split over them): each device runs its rows, and the
+      stage weights' gradients are summed over the batch axes once, where the backward
+      leaves the loop, not in every iteration.
 
   Returns:
     The final carries, each [B, ...], then the per-layer outputs, each [L, ...] (averaged
@@ -138,11 +142,15 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
     start = ([jnp.zeros_like(i[0]) for i in inputs], [jnp.zeros_like(i) for i in inputs],
              [jnp.zeros(y.shape, y.dtype) for y in ys_shape])
     (_, outputs, ys_sum), _ = jax.lax.scan(tick, start, jnp.arange(m_count + s_count - 1))
+    if manual_batch:  # Per-layer outputs are batch means or do not depend on the batch.
+      ys_sum = [jax.lax.pmean(y, batch_axes) for y in ys_sum]
     return [o[None] for o in outputs], [(y / m_count)[None] for y in ys_sum]
 
-  outputs, ys = jax.shard_map(pipeline, mesh=mesh, in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
-                              out_specs=(PartitionSpec(axis), PartitionSpec(axis)), axis_names={axis},
-                              check_vma=False)(staged, micro, list(consts))
+  rows_spec = PartitionSpec(None, batch_axes) if manual_batch else PartitionSpec()
+  outputs, ys = jax.shard_map(pipeline, mesh=mesh, in_specs=(PartitionSpec(axis), rows_spec, PartitionSpec()),
+                              out_specs=(PartitionSpec(axis, *rows_spec), PartitionSpec(axis)),
+                              axis_names={axis, *batch_axes} if manual_batch else {axis}, check_vma=False
+                              )(staged, micro, list(consts))
   merge = lambda o, c: jnp.swapaxes(o[-1], 0, 1).reshape(c.shape)
   return [merge(o, c) for o, c in zip(outputs, carries)] + [y.reshape(layers, *y.shape[2:]) for y in ys]
 
@@ -154,12 +162,14 @@ def _stack_scans(jaxpr: jax_core.Jaxpr, layers: int) -> list[Flat]:
           and e.eqn.params["num_carry"] > 0 and not e.eqn.params["reverse"]]
 
 
-def _in_stage(spec: PartitionSpec, shape: Sequence[int], axis: str, mesh: jax.sharding.Mesh) -> PartitionSpec:
-  """`spec` for an array of `shape` in a stage: without the stage `axis`, and a dim that
-  does not divide over its axes (a microbatch's share) left to XLA."""
+def _in_stage(spec: PartitionSpec, shape: Sequence[int], manual: frozenset[str], mesh: jax.sharding.Mesh
+              ) -> PartitionSpec:
+  """`spec` for an array of `shape` in a stage: without the `manual` axes (the stage axis,
+  and the batch axes where the loop is manual over them), and a dim that does not divide
+  over its axes (a microbatch's share) left to XLA."""
   dims = []
   for size, axes in zip(shape, spec_axes(spec, len(shape))):
-    axes = tuple(a for a in axes if a != axis)
+    axes = tuple(a for a in axes if a not in manual)
     dims.append(PartitionSpec.UNCONSTRAINED if size % math.prod(mesh.shape[a] for a in axes) else axes or None)
   return PartitionSpec(*dims)
 
@@ -190,12 +200,12 @@ class _StepPins:
            for (origin, op), (operands, result_specs) in zip(pinned.items(), op_specs)}
     return cls(results, values, ops)
 
-  def constrainer(self, aligned: Mapping[Origin, Origin], entries: Mapping[Origin, Flat], axis: str,
+  def constrainer(self, aligned: Mapping[Origin, Origin], entries: Mapping[Origin, Flat], manual: frozenset[str],
                   mesh: jax.sharding.Mesh, in_stage: bool):
     """`(before, constrain, bind)` for `interpret`: the equations at `entries`' origins
     pinned as their counterparts in the step (`aligned`: origin -> the step's), at their
-    own shapes (`_in_stage`), on `mesh` or (`in_stage`) the stage's, the stage axis manual;
-    grouped convolutions bound by `grouped_conv_binder`."""
+    own shapes without the `manual` axes (`_in_stage`), on `mesh` or (`in_stage`) the
+    stage's, those axes manual; grouped convolutions bound by `grouped_conv_binder`."""
     arrays = lambda vs: [v.aval for v in vs if not isinstance(v, jax_core.Literal)]
     ranks = lambda specs, avals: len(specs) == len(avals) and all(
         s is None or len(s) <= len(a.shape) for s, a in zip(specs, avals))
@@ -208,11 +218,11 @@ class _StepPins:
       ids = self.results.get(at)
       if ids is not None and ranks([None if v is None else self.values[v] for v in ids], outs):
         results[origin] = ids
-        values.update((v, _in_stage(self.values[v], a.shape, axis, mesh)) for v, a in zip(ids, outs) if v is not None)
+        values.update((v, _in_stage(self.values[v], a.shape, manual, mesh)) for v, a in zip(ids, outs) if v is not None)
       if at in self.ops and ranks(self.ops[at][0], arrays(eqn.invars)) and ranks(self.ops[at][1], outs):
         operands, result_specs = self.ops[at]
-        pinned[origin] = ([_in_stage(sp, a.shape, axis, mesh) for sp, a in zip(operands, arrays(eqn.invars))],
-                          [_in_stage(sp, a.shape, axis, mesh) for sp, a in zip(result_specs, outs)])
+        pinned[origin] = ([_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(operands, arrays(eqn.invars))],
+                          [_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(result_specs, outs)])
     on = None if in_stage else mesh
     return (*_constrainer(results, values, pinned, on), grouped_conv_binder(pinned, on))
 
@@ -238,42 +248,53 @@ def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: Layer
   step = problem.program.jaxpr.jaxpr
   rows = batch_axes(problem, decisions)
   pins = _StepPins.build(problem, decisions)
+  program, classes = problem.program, set(stack.layer_classes)
+  stacked = [v for v in program.inputs if program.values[v].shape and problem.named.class_of(v, 0) in classes]
+  weights_on_rows = any(set(rows) & {a for axes in spec_axes(spec, len(program.values[v].shape)) for a in axes}
+                        for v, spec in zip(stacked, problem.partition_specs(decisions, stacked)))
 
   def loss(params, batch):
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, batch)
-    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m_count, *x.shape[1:]), x.dtype), batch)
-    micro_closed = jax.make_jaxpr(loss_fn)(params, micro)
-    scans = [_stack_scans(c.jaxpr, layers) for c in (closed, micro_closed)]
-    if not scans[0] or len(scans[0]) != len(scans[1]):
+    scans = _stack_scans(closed.jaxpr, layers)
+    if not scans:
       raise NotImplementedError(f"pipeline lowering runs a scanned layer stack; the loss function has no forward "
                                 f"scan of the {stack.describe()} (unrolled stacks are not lowered yet)")
-    target, micro_scan = scans[0][0].eqn, scans[1][0].eqn
+    target, where = scans[0].eqn, scans[0].origin
     n_const, n_carry = target.params["num_consts"], target.params["num_carry"]
     whole = [v.aval.shape for v in target.invars]
-    cut = [(s[0] // m_count, *s[1:]) if n_const <= i < n_const + n_carry else s for i, s in enumerate(whole)]
-    if cut != [v.aval.shape for v in micro_scan.invars]:
+    splits = math.prod(mesh.shape[a] for a in rows)
+    manual_batch = (bool(rows) and not weights_on_rows
+                    and all((s[0] // m_count) % splits == 0 for s in whole[n_const:n_const + n_carry]))
+    # The body runs on a device's rows of a microbatch where the loop is manual over the batch axes.
+    cut_by = m_count * (splits if manual_batch else 1)
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // cut_by, *x.shape[1:]), x.dtype), batch)
+    micro_scans = _stack_scans(jax.make_jaxpr(loss_fn)(params, micro).jaxpr, layers)
+    cut = [(s[0] // cut_by, *s[1:]) if n_const <= i < n_const + n_carry else s for i, s in enumerate(whole)]
+    if len(micro_scans) != len(scans) or cut != [v.aval.shape for v in micro_scans[0].eqn.invars]:
       raise NotImplementedError(f"the loop of the {stack.describe()} on a microbatch is not its loop on the batch "
                                 "cut along the carries' dim 0; only such loops are pipelined")
+    micro_scan = micro_scans[0].eqn
     # The loss's inputs are the step's parameters and batch (its optimizer state between).
     n_params, n_batch = len(jax.tree_util.tree_leaves(params)), len(jax.tree_util.tree_leaves(batch))
     inputs = list(closed.jaxpr.invars)
     step_inputs = [*step.invars[:n_params], *step.invars[len(step.invars) - n_batch:]]
     aligned = align(flatten(closed.jaxpr), flatten(step), dict(zip(inputs, step_inputs)))
-    where = scans[0][0].origin
     body_closed = micro_scan.params["jaxpr"]
     entries = lambda jaxpr: {e.origin: e for e in flatten(jaxpr, into_scans=True)}
     whole_body, in_body = entries(target.params["jaxpr"].jaxpr), entries(body_closed.jaxpr)
     inside = {o[len(where):]: s for o, s in aligned.items() if o[:len(where)] == where and len(o) > len(where)}
     inside = {o: s for o, s in inside.items()
               if o in in_body and o in whole_body and in_body[o].eqn.primitive == whole_body[o].eqn.primitive}
-    before, constrain, bind = pins.constrainer(inside, in_body, pipeline.axis, mesh, in_stage=True)
+    manual = frozenset({pipeline.axis, *(rows if manual_batch else ())})
+    before, constrain, bind = pins.constrainer(inside, in_body, manual, mesh, in_stage=True)
     # Evaluated as traced, rematerialization (`checkpoint`) kept: the loss is differentiated after this.
     body = interpret(body_closed, constrain, before, bind, differentiable=True)
     run = lambda operands: gpipe(body, n_carry, operands[:n_const], operands[n_const:n_const + n_carry],
                                  operands[n_const + n_carry:], stages=pipeline.stages, microbatches=m_count,
-                                 axis=pipeline.axis, batch_axes=rows, mesh=mesh)
+                                 axis=pipeline.axis, batch_axes=rows, mesh=mesh, manual_batch=manual_batch)
     outside = {o: s for o, s in aligned.items() if o[:len(where)] != where}
-    before, constrain, bind = pins.constrainer(outside, entries(closed.jaxpr), pipeline.axis, mesh, in_stage=False)
+    before, constrain, bind = pins.constrainer(outside, entries(closed.jaxpr), frozenset({pipeline.axis}), mesh,
+                                               in_stage=False)
     evaluate = interpret(closed, constrain, before, bind, replaced={where: run}, differentiable=True)
     outs = evaluate(*jax.tree_util.tree_leaves((params, batch)))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
