@@ -6,7 +6,8 @@ optimizer that the step `(params, opt_state, batch) -> (params, opt_state, loss)
 of (`automap_rl.workloads.training.make_train_step`), and returns the same step with the
 forward pipelined:
 
-1. The loss's jaxpr is evaluated equation by equation (calls inlined); at the forward
+1. The loss's jaxpr is evaluated equation by equation (calls inlined, rematerialization
+   and custom derivative rules kept: it is differentiated after); at the forward
    stack's `scan` (the first top-level scan of the stack's L iterations) it runs
    `gpipe` instead of the loop.
 2. `gpipe`: the scanned inputs (the stacked layer weights, [L, ...]) are reshaped to
@@ -14,7 +15,7 @@ forward pipelined:
    (s + 1) L / S - 1; the carries (activations [B, ...]) are split into M microbatches
    [M, B / M, ...] (microbatch m holds rows m, m + M, m + 2M, ..., so that a batch dim
    sharded over the data axes stays on its devices). One loop of M + S - 1 iterations
-   runs under `jax.shard_map`, manual over the stage axis only: at iteration t stage s
+   runs under `jax.shard_map`, manual over the stage axis (and the batch axes, below): at iteration t stage s
    applies its L / S layers (a scan of the original body, its rematerialization kept) to
    microbatch t - s (stage 0 reads it from the input, the others receive it from the
    stage before with `jax.lax.ppermute`), and the last stage writes its result into the
@@ -28,14 +29,16 @@ forward pipelined:
 
 What the plan's intra-op decisions control: the shardings the step's arguments are stored
 with and its outputs returned with (parameters, optimizer state and batch), the stacked
-values of the stack with the stage axis added on their layer dim; and the batch dim of
-the microbatched activations, which gets the axes the plan gives the batch inputs' dim 0
-(where they divide a microbatch).
-What they do not control (yet): the intermediates inside a stage and outside the stack,
-which XLA's sharding propagation partitions from those (the weights' tensor-parallel
-shardings carry into the stages); `lower` pins every intermediate, this does not. Nor is
-the data-parallel gradient reduction deferred to the end of the loop: XLA reduces the
-stage weights' gradients over the data axes in every iteration of the backward loop.
+values of the stack with the stage axis added on their layer dim, the batch dim of the
+microbatched activations (the axes the plan gives the batch inputs' dim 0, where they
+divide a microbatch), and every intermediate, in the stages and outside them: each loss
+equation is pinned as `lower` pins its counterpart in the planned step
+(`automap_rl.xla.correspond` aligns the two), the stage and manual axes left out. Where no
+stacked weight is split over the batch axes, the loop is manual over them too: each device
+runs its rows of a microbatch, and the stage weights' gradients are summed over the batch
+axes once, where the backward leaves the loop (auto over them, XLA reduced the gradients
+in every iteration). A grouped convolution's kernel gradient is summed per device
+(`lower.grouped_conv_binder`).
 
 Every schedule runs in GPipe order (1F1B computes the same numbers with fewer
 microbatches in flight); the interleaved schedule, stages fewer than the stage axis's
@@ -383,8 +386,9 @@ def lower_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: P
                     jax_mesh: jax.sharding.Mesh, donate_argnums: Sequence[int] = (), isolated: bool = False) -> Lowered:
   """Compiles `jit_pipelined`'s step for `args` (arrays or `jax.ShapeDtypeStruct`s): a
   `Lowered` with its collectives (the stage transfers are collective-permutes over the
-  stage axis), flops and memory. Its `differences` are empty: the intermediates are not
-  pinned (module docstring), so there is no plan to compare them with.
+  stage axis), flops and memory. Its `differences` are empty: the sharding check reads
+  the named scopes of `lower`'s module, which the pipelined step's pins do not carry the
+  same way, so they are not compared (the pins are, module docstring).
 
   `isolated`: first compile the module in a child process (`isolated.compile_directly`,
   one more compile), so that an XLA abort raises `LoweringError` here instead of killing
