@@ -406,9 +406,10 @@ def make_mesh(spec: str | Mapping[str, int], hardware: str | Hardware) -> Mesh:
 
 def spec_axes(spec: Sequence[Any], rank: int) -> list[tuple[str, ...]]:
   """The mesh axes of each of `rank` dims of a `PartitionSpec` (entries None, an axis name
-  or a tuple of them; missing trailing entries are replicated)."""
+  or a tuple of them; missing trailing entries are replicated; `UNCONSTRAINED` names no
+  axes)."""
   entries = list(spec) + [None] * (rank - len(spec))
-  return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
+  return [(e,) if isinstance(e, str) else tuple(e) if isinstance(e, (tuple, list)) else () for e in entries]
 
 
 def to_jax_mesh(mesh: Mesh, devices: Sequence[Any] | None = None):

@@ -38,6 +38,11 @@ CALL_PRIMITIVES = frozenset(
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
+def call_body(eqn) -> Any:
+  """The jaxpr (open or closed) a call-like equation (`CALL_PRIMITIVES`) runs."""
+  return next(eqn.params[k] for k in _CALL_JAXPR_PARAMS if k in eqn.params)
+
+
 def _path_string(path: Sequence[Any]) -> str:
   return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
@@ -154,8 +159,7 @@ class _Builder:
         env[var] = value_id
 
   def inline_call(self, eqn, env: dict, repeat: int, scope: str, origin) -> None:
-    body = next(eqn.params[k] for k in _CALL_JAXPR_PARAMS if k in eqn.params)
-    outs = self.inline(body, self.operands_as_values(eqn, env), repeat, scope, origin)
+    outs = self.inline(call_body(eqn), self.operands_as_values(eqn, env), repeat, scope, origin)
     self.bind_results(eqn, env, outs)
 
   def carry_in(self, init_ids: Sequence[int], body_invars, repeat: int, scope: str) -> list[int]:

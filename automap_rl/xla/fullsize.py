@@ -121,7 +121,7 @@ class PlanCheck:
       `compute_time` and `comm_time` (seconds); of a pipelined plan also
       `stage_permute_bytes` (`stage_permute_bytes`).
     differences: values the compiled module shards otherwise than the plan (0 for a
-      pipelined plan, whose intermediates are not pinned).
+      pipelined plan, whose shardings are pinned but not compared: `lower_pipelined`).
     seconds: wall time of lowering and compiling.
     pipeline: a pipelined plan's `Pipeline.to_json`, else None.
     family: the case's model family.

@@ -41,7 +41,7 @@ from jax.extend import core as jax_core
 from jax.sharding import NamedSharding, PartitionSpec
 
 from automap_rl.compile_options import quick_compile_options
-from automap_rl.ir.trace import CALL_PRIMITIVES
+from automap_rl.ir.trace import CALL_PRIMITIVES, call_body
 from automap_rl.mesh import spec_axes, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
@@ -51,9 +51,7 @@ from automap_rl.xla.numerics import host_copy, program_depth
 from automap_rl.xla.realized import (Expected, ShardingDifference, normalize, partitioner_input, scope_name,
                                      sharding_differences)
 
-__all__ = ["Lowered", "LoweringError", "lower", "lowering_errors"]
-
-_CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+__all__ = ["Lowered", "LoweringError", "grouped_conv_binder", "interpret", "lower", "lowering_errors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +102,6 @@ def _constrained(problem: Problem) -> dict[tuple[int, ...], tuple[int | None, ..
   return out
 
 
-def _call_body(eqn) -> Any:
-  return next(eqn.params[k] for k in _CALL_JAXPR_PARAMS if k in eqn.params)
-
-
 def _bind(eqn, invals: Sequence[Any], **replaced: Any) -> list[Any]:
   """`eqn`'s primitive applied to `invals`, with its params but `replaced`."""
   params = eqn.primitive.get_bind_params({**eqn.params, **replaced})
@@ -116,15 +110,30 @@ def _bind(eqn, invals: Sequence[Any], **replaced: Any) -> list[Any]:
   return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
+# Calls whose custom derivative rule a differentiated interpretation keeps.
+_CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})
+# Calls that rematerialize their body (`jax.checkpoint`) in a differentiated interpretation.
+_REMAT = frozenset({"checkpoint", "remat", "remat2"})
+
+
 def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...], list[Any]], list[Any]],
               before: Callable[[tuple[int, ...], list[Any]], list[Any]] = lambda origin, operands: operands,
-              bind: Callable[[tuple[int, ...], Any, list[Any]], list[Any]] = lambda origin, eqn, invals: _bind(eqn, invals)
-              ) -> Callable[..., list[Any]]:
+              bind: Callable[[tuple[int, ...], Any, list[Any]], list[Any]] = lambda origin, eqn, invals: _bind(eqn, invals),
+              *, replaced: Mapping[tuple[int, ...], Callable[[list[Any]], list[Any]]] | None = None,
+              differentiable: bool = False) -> Callable[..., list[Any]]:
   """A function evaluating `closed` equation by equation, calling `before(origin, operands)`
   on each equation's array (non-literal) operands, `bind(origin, eqn, operands)` to apply it
   and `constrain(origin, results)` on its results, for every equation outside `while` and
   `cond` bodies (calls are inlined and a `scan` is bound with its body interpreted the same
-  way, so origins are index paths through calls and scans, as in `automap_rl.ir.trace`)."""
+  way, so origins are index paths through calls and scans, as in `automap_rl.ir.trace`).
+
+  `replaced`: origin -> a function computing that equation's results from its operands
+  instead. `differentiable`: the function will be differentiated, so a remat call runs
+  its interpreted body under `jax.checkpoint` with the same policy (its rematerialization
+  kept) and a custom derivative rule's call is bound whole (its rule kept; the equations
+  inside get no constraints).
+  """
+  replaced = replaced or {}
 
   def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...]):
     env: dict = {}
@@ -134,10 +143,19 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
     for index, eqn in enumerate(jaxpr.eqns):
       origin = (*prefix, index)
       invals = [read(v) for v in eqn.invars]
-      if eqn.primitive.name in CALL_PRIMITIVES:
-        body = _call_body(eqn)
-        outs = walk(getattr(body, "jaxpr", body), getattr(body, "consts", ()), invals, origin)
-      elif eqn.primitive.name == "scan":
+      name = eqn.primitive.name
+      if origin in replaced:
+        outs = replaced[origin](invals)
+      elif differentiable and name in _CUSTOM_DERIVATIVES:
+        outs = _bind(eqn, invals)
+      elif name in CALL_PRIMITIVES:
+        body = call_body(eqn)
+        run = lambda *a, body=body, origin=origin: walk(getattr(body, "jaxpr", body), getattr(body, "consts", ()),
+                                                         a, origin)
+        if differentiable and name in _REMAT:
+          run = jax.checkpoint(run, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+        outs = run(*invals)
+      elif name == "scan":
         outs = _bind(eqn, invals, jaxpr=scan_body(eqn.params["jaxpr"], origin))
       else:
         arrays = [i for i, v in enumerate(eqn.invars) if not isinstance(v, jax_core.Literal)]
@@ -179,18 +197,20 @@ def _pinned(problem: Problem) -> dict[tuple[int, ...], int]:
 
 def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], specs: Mapping[int, PartitionSpec],
                  pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
-                 mesh: jax.sharding.Mesh):
+                 mesh: jax.sharding.Mesh | None):
   """`(before, constrain)` for `interpret`: each pinned op's operands and results are
   constrained to the shardings it computes on (`pinned`: origin -> (operand specs, result
   specs)); then each array result of a program op is constrained to its value's spec,
-  inside the named scope `realized` finds it by."""
+  inside the named scope `realized` finds it by. `mesh` None: the trace's mesh (inside
+  `shard_map`, with its manual axes)."""
+  on = lambda spec: NamedSharding(jax.sharding.get_abstract_mesh() if mesh is None else mesh, spec)
 
   def pin(x: Any, value: int) -> Any:
     with jax.named_scope(scope_name(value)):
-      return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, specs[value]))
+      return jax.lax.with_sharding_constraint(x, on(specs[value]))
 
   def to(xs: list[Any], specs_: Sequence[PartitionSpec]) -> list[Any]:
-    return [jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)) for x, spec in zip(xs, specs_, strict=True)]
+    return [jax.lax.with_sharding_constraint(x, on(spec)) for x, spec in zip(xs, specs_, strict=True)]
 
   def before(origin: tuple[int, ...], operands: list[Any]) -> list[Any]:
     return to(operands, pinned[origin][0]) if origin in pinned else operands
@@ -242,6 +262,54 @@ def _conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec],
                 spec(rhs_dims, {rhs_dims[0]: groups, rhs_dims[1]: summed}))
     out_spec = spec(out_dims, {out_dims[1]: groups})
     return [jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(*invals)]
+  return bind
+
+
+def grouped_conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
+                        mesh: jax.sharding.Mesh | None) -> Callable[[tuple[int, ...], Any, list[Any]], list[Any]]:
+  """`bind` for an `interpret` that will be differentiated (`_conv_binder`'s counterpart,
+  for a kernel gradient that autodiff writes, not the program): a grouped convolution
+  (`feature_group_count > 1`) whose lhs batch dim the plan shards (`pinned`: origin ->
+  (operand specs, result specs)) gets a custom derivative whose kernel gradient runs per
+  device under `shard_map`, its groups split as the lhs features are, and sums its
+  partial results with a `psum` over the batch's axes; XLA's partitioner, given that
+  batch-grouped convolution, over-counts it (twice the gradient on a 2 x 2 mesh, see
+  tests/test_pipeline_lower.py). `mesh` None: the trace's mesh (inside `shard_map`).
+  Every other equation is bound as is."""
+
+  def bind(origin: tuple[int, ...], eqn, invals: list[Any]) -> list[Any]:
+    groups = eqn.params.get("feature_group_count", 1)
+    if eqn.primitive.name != "conv_general_dilated" or groups <= 1 or origin not in pinned:
+      return _bind(eqn, invals)
+    lhs_dims, rhs_dims, out_dims = eqn.params["dimension_numbers"]
+    lhs_axes = spec_axes(pinned[origin][0][0], len(lhs_dims))
+    batch, features = lhs_axes[lhs_dims[0]], lhs_axes[lhs_dims[1]]
+    if not batch:
+      return _bind(eqn, invals)
+    on = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    shards = int(np.prod([on.shape[a] for a in features]))
+    spec = lambda dims, by_dim: PartitionSpec(*(by_dim.get(d) or None for d in range(len(dims))))
+    specs = (spec(lhs_dims, {lhs_dims[0]: batch, lhs_dims[1]: features}), spec(rhs_dims, {rhs_dims[0]: features}),
+             spec(out_dims, {out_dims[0]: batch, out_dims[1]: features}))
+    conv = lambda lhs, rhs: _bind(eqn, [lhs, rhs])[0]
+
+    def kernel_gradient(lhs, rhs, cotangent):
+      local = lambda w: _bind(eqn, [lhs, w], feature_group_count=groups // shards)[0]
+      return jax.lax.psum(jax.vjp(local, rhs)[1](cotangent)[0], batch)
+
+    @jax.custom_vjp
+    def grouped(lhs, rhs):
+      return conv(lhs, rhs)
+
+    def backward(saved, cotangent):
+      lhs, rhs = saved
+      d_lhs = jax.vjp(lambda x: conv(x, rhs), lhs)[1](cotangent)[0]
+      d_rhs = jax.shard_map(kernel_gradient, mesh=on, in_specs=specs, out_specs=specs[1],
+                            axis_names={*batch, *features}, check_vma=False)(lhs, rhs, cotangent)
+      return d_lhs, d_rhs
+
+    grouped.defvjp(lambda lhs, rhs: (conv(lhs, rhs), (lhs, rhs)), backward)
+    return [grouped(*invals)]
   return bind
 
 

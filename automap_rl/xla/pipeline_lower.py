@@ -6,7 +6,8 @@ optimizer that the step `(params, opt_state, batch) -> (params, opt_state, loss)
 of (`automap_rl.workloads.training.make_train_step`), and returns the same step with the
 forward pipelined:
 
-1. The loss's jaxpr is evaluated equation by equation (calls inlined); at the forward
+1. The loss's jaxpr is evaluated equation by equation (calls inlined, rematerialization
+   and custom derivative rules kept: it is differentiated after); at the forward
    stack's `scan` (the first top-level scan of the stack's L iterations) it runs
    `gpipe` instead of the loop.
 2. `gpipe`: the scanned inputs (the stacked layer weights, [L, ...]) are reshaped to
@@ -14,7 +15,7 @@ forward pipelined:
    (s + 1) L / S - 1; the carries (activations [B, ...]) are split into M microbatches
    [M, B / M, ...] (microbatch m holds rows m, m + M, m + 2M, ..., so that a batch dim
    sharded over the data axes stays on its devices). One loop of M + S - 1 iterations
-   runs under `jax.shard_map`, manual over the stage axis only: at iteration t stage s
+   runs under `jax.shard_map`, manual over the stage axis (and the batch axes, below): at iteration t stage s
    applies its L / S layers (a scan of the original body, its rematerialization kept) to
    microbatch t - s (stage 0 reads it from the input, the others receive it from the
    stage before with `jax.lax.ppermute`), and the last stage writes its result into the
@@ -28,14 +29,16 @@ forward pipelined:
 
 What the plan's intra-op decisions control: the shardings the step's arguments are stored
 with and its outputs returned with (parameters, optimizer state and batch), the stacked
-values of the stack with the stage axis added on their layer dim; and the batch dim of
-the microbatched activations, which gets the axes the plan gives the batch inputs' dim 0
-(where they divide a microbatch).
-What they do not control (yet): the intermediates inside a stage and outside the stack,
-which XLA's sharding propagation partitions from those (the weights' tensor-parallel
-shardings carry into the stages); `lower` pins every intermediate, this does not. Nor is
-the data-parallel gradient reduction deferred to the end of the loop: XLA reduces the
-stage weights' gradients over the data axes in every iteration of the backward loop.
+values of the stack with the stage axis added on their layer dim, the batch dim of the
+microbatched activations (the axes the plan gives the batch inputs' dim 0, where they
+divide a microbatch), and every intermediate, in the stages and outside them: each loss
+equation is pinned as `lower` pins its counterpart in the planned step
+(`automap_rl.xla.correspond` aligns the two), the stage and manual axes left out. Where no
+stacked weight is split over the batch axes, the loop is manual over them too: each device
+runs its rows of a microbatch, and the stage weights' gradients are summed over the batch
+axes once, where the backward leaves the loop (auto over them, XLA reduced the gradients
+in every iteration). A grouped convolution's kernel gradient is summed per device
+(`lower.grouped_conv_binder`).
 
 Every schedule runs in GPipe order (1F1B computes the same numbers with fewer
 microbatches in flight); the interleaved schedule, stages fewer than the stage axis's
@@ -44,8 +47,9 @@ devices, unrolled stacks and steps with model state raise NotImplementedError.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -57,7 +61,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from automap_rl.compile_options import quick_compile_options
 from automap_rl.ir import Role
 from automap_rl.ir.stacks import LayerStack
-from automap_rl.ir.trace import CALL_PRIMITIVES
 from automap_rl.mesh import spec_axes
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
@@ -65,7 +68,9 @@ from automap_rl.sharding import Decision
 from automap_rl.workloads.training import make_train_step
 from automap_rl.xla.hlo import inspect_compiled
 from automap_rl.xla.isolated import compile_directly
-from automap_rl.xla.lower import Lowered, _bind, _call_body, lowering_errors
+from automap_rl.xla.correspond import Flat, Origin, align, flatten
+from automap_rl.xla.lower import (OPERAND_PINNED, grouped_conv_binder, Lowered, _constrained, _constrainer, _pinned, interpret,
+                                  lowering_errors)
 from automap_rl.xla.numerics import program_depth
 
 __all__ = ["batch_axes", "check_lowerable", "gpipe", "jit_pipelined", "lower_pipelined", "pipelined_loss",
@@ -74,7 +79,7 @@ __all__ = ["batch_axes", "check_lowerable", "gpipe", "jit_pipelined", "lower_pip
 
 def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any], carries: Sequence[Any],
           xs: Sequence[Any], *, stages: int, microbatches: int, axis: str, batch_axes: tuple[str, ...],
-          mesh: jax.sharding.Mesh) -> list[Any]:
+          mesh: jax.sharding.Mesh, manual_batch: bool = False) -> list[Any]:
   """A layer scan run as a GPipe pipeline over mesh axis `axis` (module docstring, 2).
 
   Args:
@@ -88,6 +93,10 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
     axis: the stage axis (S devices).
     batch_axes: mesh axes a microbatch's batch dim is split over (where they divide it).
     mesh: the mesh.
+    manual_batch: the loop is manual over `batch_axes` too (every microbatch divides over
+      them and no stacked weight is split over them): each device runs its rows, and the
+      stage weights' gradients are summed over the batch axes once, where the backward
+      leaves the loop, not in every iteration.
 
   Returns:
     The final carries, each [B, ...], then the per-layer outputs, each [L, ...] (averaged
@@ -136,86 +145,161 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
     start = ([jnp.zeros_like(i[0]) for i in inputs], [jnp.zeros_like(i) for i in inputs],
              [jnp.zeros(y.shape, y.dtype) for y in ys_shape])
     (_, outputs, ys_sum), _ = jax.lax.scan(tick, start, jnp.arange(m_count + s_count - 1))
+    if manual_batch:  # Per-layer outputs are batch means or do not depend on the batch.
+      ys_sum = [jax.lax.pmean(y, batch_axes) for y in ys_sum]
     return [o[None] for o in outputs], [(y / m_count)[None] for y in ys_sum]
 
-  outputs, ys = jax.shard_map(pipeline, mesh=mesh, in_specs=(PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
-                              out_specs=(PartitionSpec(axis), PartitionSpec(axis)), axis_names={axis},
-                              check_vma=False)(staged, micro, list(consts))
+  rows_spec = PartitionSpec(None, batch_axes) if manual_batch else PartitionSpec()
+  outputs, ys = jax.shard_map(pipeline, mesh=mesh, in_specs=(PartitionSpec(axis), rows_spec, PartitionSpec()),
+                              out_specs=(PartitionSpec(axis, *rows_spec), PartitionSpec(axis)),
+                              axis_names={axis, *batch_axes} if manual_batch else {axis}, check_vma=False
+                              )(staged, micro, list(consts))
   merge = lambda o, c: jnp.swapaxes(o[-1], 0, 1).reshape(c.shape)
   return [merge(o, c) for o, c in zip(outputs, carries)] + [y.reshape(layers, *y.shape[2:]) for y in ys]
 
 
-def _is_stack_scan(eqn, layers: int) -> bool:
-  """Whether `eqn` is a forward scan of `layers` iterations with a carry (a layer stack's)."""
-  return (eqn.primitive.name == "scan" and eqn.params["length"] == layers and eqn.params["num_carry"] > 0
-          and not eqn.params["reverse"])
-
-
-def _stack_scans(jaxpr: jax_core.Jaxpr, layers: int) -> list[Any]:
+def _stack_scans(jaxpr: jax_core.Jaxpr, layers: int) -> list[Flat]:
   """The forward scans of `layers` iterations with a carry in `jaxpr` (calls inlined), in
   order: a layer stack's loop."""
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in CALL_PRIMITIVES:
-      body = _call_body(eqn)
-      out += _stack_scans(getattr(body, "jaxpr", body), layers)
-    elif _is_stack_scan(eqn, layers):
-      out.append(eqn)
-  return out
+  return [e for e in flatten(jaxpr) if e.eqn.primitive.name == "scan" and e.eqn.params["length"] == layers
+          and e.eqn.params["num_carry"] > 0 and not e.eqn.params["reverse"]]
 
 
-def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: LayerStack,
-                   batch_axes: tuple[str, ...], mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+def _in_stage(spec: PartitionSpec, shape: Sequence[int], manual: frozenset[str], mesh: jax.sharding.Mesh
+              ) -> PartitionSpec:
+  """`spec` for an array of `shape` in a stage: without the `manual` axes (the stage axis,
+  and the batch axes where the loop is manual over them), and a dim that does not divide
+  over its axes (a microbatch's share) left to XLA."""
+  dims = []
+  for size, axes in zip(shape, spec_axes(spec, len(shape))):
+    axes = tuple(a for a in axes if a not in manual)
+    dims.append(PartitionSpec.UNCONSTRAINED if size % math.prod(mesh.shape[a] for a in axes) else axes or None)
+  return PartitionSpec(*dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepPins:
+  """What `lower` pins in the planned step, by the step's origins.
+
+  Attributes:
+    results: origin -> the value id each result of its op is constrained as (None for scalars).
+    values: value id -> its planned spec.
+    ops: origin of a pinned op -> (operand specs, result specs) it computes on.
+  """
+
+  results: Mapping[Origin, tuple[int | None, ...]]
+  values: Mapping[int, PartitionSpec]
+  ops: Mapping[Origin, tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]]
+
+  @classmethod
+  def build(cls, problem: Problem, decisions: Sequence[Decision]) -> _StepPins:
+    """One resolution of the plan for every value and op `lower` pins."""
+    program, results, pinned = problem.program, _constrained(problem), _pinned(problem)
+    value_ids = list(dict.fromkeys(v for ids in results.values() for v in ids if v is not None))
+    value_specs, op_specs = problem.value_and_op_specs(decisions, value_ids, list(pinned.values()))
+    values = dict(zip(value_ids, value_specs))
+    ops = {origin: (operands, [values.get(v, PartitionSpec()) for v in program.ops[op].results]
+                    if program.ops[op].primitive in OPERAND_PINNED else result_specs)  # Dots: their values'.
+           for (origin, op), (operands, result_specs) in zip(pinned.items(), op_specs)}
+    return cls(results, values, ops)
+
+  def constrainer(self, aligned: Mapping[Origin, Origin], entries: Mapping[Origin, Flat], manual: frozenset[str],
+                  mesh: jax.sharding.Mesh, in_stage: bool):
+    """`(before, constrain, bind)` for `interpret`: the equations at `entries`' origins
+    pinned as their counterparts in the step (`aligned`: origin -> the step's), at their
+    own shapes without the `manual` axes (`_in_stage`), on `mesh` or (`in_stage`) the
+    stage's, those axes manual; grouped convolutions bound by `grouped_conv_binder`."""
+    arrays = lambda vs: [v.aval for v in vs if not isinstance(v, jax_core.Literal)]
+    ranks = lambda specs, avals: len(specs) == len(avals) and all(
+        s is None or len(s) <= len(a.shape) for s, a in zip(specs, avals))
+    results, values, pinned = {}, {}, {}
+    for origin, at in aligned.items():
+      if origin not in entries:
+        continue
+      eqn = entries[origin].eqn
+      outs = arrays(eqn.outvars)
+      ids = self.results.get(at)
+      if ids is not None and ranks([None if v is None else self.values[v] for v in ids], outs):
+        results[origin] = ids
+        values.update((v, _in_stage(self.values[v], a.shape, manual, mesh)) for v, a in zip(ids, outs) if v is not None)
+      if at in self.ops and ranks(self.ops[at][0], arrays(eqn.invars)) and ranks(self.ops[at][1], outs):
+        operands, result_specs = self.ops[at]
+        pinned[origin] = ([_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(operands, arrays(eqn.invars))],
+                          [_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(result_specs, outs)])
+    on = None if in_stage else mesh
+    return (*_constrainer(results, values, pinned, on), grouped_conv_binder(pinned, on))
+
+
+def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: LayerStack, problem: Problem,
+                   decisions: Sequence[Decision], mesh: jax.sharding.Mesh) -> Callable[..., Any]:
   """`loss_fn(params, batch)` with its layer stack's forward scan (the first scan of the
   stack's L layers) run by `gpipe` (module docstring, 1). The loop body `gpipe` runs on a
   microbatch is the same scan's of `loss_fn` traced on a microbatch (every leaf of `batch`
-  [B, ...] cut to [B / M, ...]).
+  [B, ...] cut to [B / M, ...]). Every other equation, in the stages and outside them, is
+  pinned as `lower` pins its counterpart in the planned step (`correspond.align`).
 
   Raises:
     NotImplementedError: the loss has no forward scan of the stack's L layers (an
       unrolled stack), or its loop on a microbatch differs from the loop on the batch
       other than in the batch dim.
+    ValueError: the problem's program keeps no jaxpr to align the loss with.
   """
   m_count, layers = pipeline.microbatches, stack.layers
+  if problem.program.jaxpr is None:
+    raise ValueError("pipeline lowering pins the plan through the traced step's jaxpr; this program has none "
+                     "(build it with automap_rl.ir.trace)")
+  step = problem.program.jaxpr.jaxpr
+  rows = batch_axes(problem, decisions)
+  pins = _StepPins.build(problem, decisions)
+  program, classes = problem.program, set(stack.layer_classes)
+  stacked = [v for v in program.inputs if program.values[v].shape and problem.named.class_of(v, 0) in classes]
+  weights_on_rows = any(set(rows) & {a for axes in spec_axes(spec, len(program.values[v].shape)) for a in axes}
+                        for v, spec in zip(stacked, problem.partition_specs(decisions, stacked)))
 
   def loss(params, batch):
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, batch)
-    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // m_count, *x.shape[1:]), x.dtype), batch)
-    scans = [_stack_scans(jaxpr.jaxpr, layers) for jaxpr in (closed, jax.make_jaxpr(loss_fn)(params, micro))]
-    if not scans[0] or len(scans[0]) != len(scans[1]):
+    scans = _stack_scans(closed.jaxpr, layers)
+    if not scans:
       raise NotImplementedError(f"pipeline lowering runs a scanned layer stack; the loss function has no forward "
                                 f"scan of the {stack.describe()} (unrolled stacks are not lowered yet)")
-    target, micro_scan = scans[0][0], scans[1][0]
+    target, where = scans[0].eqn, scans[0].origin
     n_const, n_carry = target.params["num_consts"], target.params["num_carry"]
     whole = [v.aval.shape for v in target.invars]
-    cut = [(s[0] // m_count, *s[1:]) if n_const <= i < n_const + n_carry else s for i, s in enumerate(whole)]
-    if cut != [v.aval.shape for v in micro_scan.invars]:
+    splits = math.prod(mesh.shape[a] for a in rows)
+    manual_batch = (bool(rows) and not weights_on_rows
+                    and all((s[0] // m_count) % splits == 0 for s in whole[n_const:n_const + n_carry]))
+    # The body runs on a device's rows of a microbatch where the loop is manual over the batch axes.
+    cut_by = m_count * (splits if manual_batch else 1)
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // cut_by, *x.shape[1:]), x.dtype), batch)
+    micro_scans = _stack_scans(jax.make_jaxpr(loss_fn)(params, micro).jaxpr, layers)
+    cut = [(s[0] // cut_by, *s[1:]) if n_const <= i < n_const + n_carry else s for i, s in enumerate(whole)]
+    if len(micro_scans) != len(scans) or cut != [v.aval.shape for v in micro_scans[0].eqn.invars]:
       raise NotImplementedError(f"the loop of the {stack.describe()} on a microbatch is not its loop on the batch "
                                 "cut along the carries' dim 0; only such loops are pipelined")
-    closed_body = micro_scan.params["jaxpr"]
+    micro_scan = micro_scans[0].eqn
+    # The loss's inputs are the step's parameters and batch (its optimizer state between).
+    n_params, n_batch = len(jax.tree_util.tree_leaves(params)), len(jax.tree_util.tree_leaves(batch))
+    inputs = list(closed.jaxpr.invars)
+    step_inputs = [*step.invars[:n_params], *step.invars[len(step.invars) - n_batch:]]
+    aligned = align(flatten(closed.jaxpr), flatten(step), dict(zip(inputs, step_inputs)))
+    body_closed = micro_scan.params["jaxpr"]
+    entries = lambda jaxpr: {e.origin: e for e in flatten(jaxpr, into_scans=True)}
+    whole_body, in_body = entries(target.params["jaxpr"].jaxpr), entries(body_closed.jaxpr)
+    inside = {o[len(where):]: s for o, s in aligned.items() if o[:len(where)] == where and len(o) > len(where)}
+    inside = {o: s for o, s in inside.items()
+              if o in in_body and o in whole_body and in_body[o].eqn.primitive == whole_body[o].eqn.primitive}
+    manual = frozenset({pipeline.axis, *(rows if manual_batch else ())})
+    before, constrain, bind = pins.constrainer(inside, in_body, manual, mesh, in_stage=True)
     # Evaluated as traced, rematerialization (`checkpoint`) kept: the loss is differentiated after this.
-    body = lambda *args: jax.core.eval_jaxpr(closed_body.jaxpr, closed_body.consts, *args)
-
-    def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], invals: Sequence[Any]) -> list[Any]:
-      env: dict = {}
-      read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
-      env.update(zip(jaxpr.constvars, consts))
-      env.update(zip(jaxpr.invars, invals))
-      for eqn in jaxpr.eqns:
-        operands = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in CALL_PRIMITIVES:
-          call = _call_body(eqn)
-          outs = walk(getattr(call, "jaxpr", call), getattr(call, "consts", ()), operands)
-        elif eqn is target:
-          outs = gpipe(body, n_carry, operands[:n_const], operands[n_const:n_const + n_carry],
-                       operands[n_const + n_carry:], stages=pipeline.stages, microbatches=m_count,
-                       axis=pipeline.axis, batch_axes=batch_axes, mesh=mesh)
-        else:
-          outs = _bind(eqn, operands)
-        env.update((var, val) for var, val in zip(eqn.outvars, outs) if not isinstance(var, jax_core.DropVar))
-      return [read(v) for v in jaxpr.outvars]
-
-    outs = walk(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((params, batch)))
+    body = interpret(body_closed, constrain, before, bind, differentiable=True)
+    run = lambda operands: gpipe(body, n_carry, operands[:n_const], operands[n_const:n_const + n_carry],
+                                 operands[n_const + n_carry:], stages=pipeline.stages, microbatches=m_count,
+                                 axis=pipeline.axis, batch_axes=rows, mesh=mesh, manual_batch=manual_batch)
+    outside = {o: s for o, s in aligned.items() if o[:len(where)] != where}
+    before, constrain, bind = pins.constrainer(outside, entries(closed.jaxpr), frozenset({pipeline.axis}), mesh,
+                                               in_stage=False)
+    evaluate = interpret(closed, constrain, before, bind, replaced={where: run}, differentiable=True)
+    outs = evaluate(*jax.tree_util.tree_leaves((params, batch)))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
   return loss
@@ -282,7 +366,7 @@ def jit_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pip
   program, mesh = problem.program, problem.mesh
   stack = pipeline.check(program, problem.named, mesh)
   check_lowerable(pipeline, stack, mesh.axis_size(pipeline.axis), args)
-  loss = pipelined_loss(loss_fn, pipeline, stack, batch_axes(problem, decisions), jax_mesh)
+  loss = pipelined_loss(loss_fn, pipeline, stack, problem, decisions, jax_mesh)
   step = make_train_step(loss, optimizer)
   specs = staged_specs(problem, decisions, pipeline, stack, [*program.inputs, *program.outputs])
   named = [NamedSharding(jax_mesh, s) for s in specs]
@@ -302,8 +386,9 @@ def lower_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: P
                     jax_mesh: jax.sharding.Mesh, donate_argnums: Sequence[int] = (), isolated: bool = False) -> Lowered:
   """Compiles `jit_pipelined`'s step for `args` (arrays or `jax.ShapeDtypeStruct`s): a
   `Lowered` with its collectives (the stage transfers are collective-permutes over the
-  stage axis), flops and memory. Its `differences` are empty: the intermediates are not
-  pinned (module docstring), so there is no plan to compare them with.
+  stage axis), flops and memory. Its `differences` are empty: the sharding check reads
+  the named scopes of `lower`'s module, which the pipelined step's pins do not carry the
+  same way, so they are not compared (the pins are, module docstring).
 
   `isolated`: first compile the module in a child process (`isolated.compile_directly`,
   one more compile), so that an XLA abort raises `LoweringError` here instead of killing
