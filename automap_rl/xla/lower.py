@@ -228,6 +228,22 @@ def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], sp
   return before, constrain
 
 
+def _grouped_conv_axes(eqn, pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
+                       origin: tuple[int, ...], count_param: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+  """The mesh axes of a pinned grouped convolution's lhs batch and feature dims, or None
+  when `eqn` is not a convolution at `origin` in `pinned` with `count_param` above one."""
+  if eqn.primitive.name != "conv_general_dilated" or eqn.params.get(count_param, 1) <= 1 or origin not in pinned:
+    return None
+  lhs_dims = eqn.params["dimension_numbers"][0]
+  lhs_axes = spec_axes(pinned[origin][0][0], len(lhs_dims))
+  return lhs_axes[lhs_dims[0]], lhs_axes[lhs_dims[1]]
+
+
+def _dims_spec(dims: Sequence[int], by_dim: Mapping[int, tuple[str, ...]]) -> PartitionSpec:
+  """A spec over `len(dims)` dims with the axes `by_dim` gives (others replicated)."""
+  return PartitionSpec(*(by_dim.get(d) or None for d in range(len(dims))))
+
+
 def _conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
                  mesh: jax.sharding.Mesh) -> Callable[[tuple[int, ...], Any, list[Any]], list[Any]]:
   """`bind` for `interpret`: a batch-grouped convolution (`batch_group_count > 1`, the kernel
@@ -244,18 +260,13 @@ def _conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec],
   """
 
   def bind(origin: tuple[int, ...], eqn, invals: list[Any]) -> list[Any]:
-    groups_count = eqn.params.get("batch_group_count", 1)
-    if eqn.primitive.name != "conv_general_dilated" or groups_count <= 1 or origin not in pinned:
+    axes = _grouped_conv_axes(eqn, pinned, origin, "batch_group_count")
+    if axes is None or not axes[1]:
       return _bind(eqn, invals)
+    groups, summed = axes
+    groups_count = eqn.params["batch_group_count"]
     lhs_dims, rhs_dims, out_dims = eqn.params["dimension_numbers"]
-    lhs_axes = spec_axes(pinned[origin][0][0], len(lhs_dims))
-    groups, summed = lhs_axes[lhs_dims[0]], lhs_axes[lhs_dims[1]]
-    if not summed:
-      return _bind(eqn, invals)
-
-    def spec(dims: Sequence[int], by_dim: Mapping[int, tuple[str, ...]]) -> PartitionSpec:
-      return PartitionSpec(*(by_dim.get(d) or None for d in range(len(dims))))
-
+    spec = _dims_spec
     shards = int(np.prod([mesh.shape[a] for a in groups]))
     local = lambda lhs, rhs: jax.lax.psum(_bind(eqn, [lhs, rhs], batch_group_count=groups_count // shards)[0], summed)
     in_specs = (spec(lhs_dims, {lhs_dims[0]: groups, lhs_dims[1]: summed}),
@@ -278,17 +289,15 @@ def grouped_conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[Partitio
   Every other equation is bound as is."""
 
   def bind(origin: tuple[int, ...], eqn, invals: list[Any]) -> list[Any]:
-    groups = eqn.params.get("feature_group_count", 1)
-    if eqn.primitive.name != "conv_general_dilated" or groups <= 1 or origin not in pinned:
+    axes = _grouped_conv_axes(eqn, pinned, origin, "feature_group_count")
+    if axes is None or not axes[0]:
       return _bind(eqn, invals)
+    batch, features = axes
+    groups = eqn.params["feature_group_count"]
     lhs_dims, rhs_dims, out_dims = eqn.params["dimension_numbers"]
-    lhs_axes = spec_axes(pinned[origin][0][0], len(lhs_dims))
-    batch, features = lhs_axes[lhs_dims[0]], lhs_axes[lhs_dims[1]]
-    if not batch:
-      return _bind(eqn, invals)
     on = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     shards = int(np.prod([on.shape[a] for a in features]))
-    spec = lambda dims, by_dim: PartitionSpec(*(by_dim.get(d) or None for d in range(len(dims))))
+    spec = _dims_spec
     specs = (spec(lhs_dims, {lhs_dims[0]: batch, lhs_dims[1]: features}), spec(rhs_dims, {rhs_dims[0]: features}),
              spec(out_dims, {out_dims[0]: batch, out_dims[1]: features}))
     conv = lambda lhs, rhs: _bind(eqn, [lhs, rhs])[0]
