@@ -10,8 +10,9 @@ shard over the A / S devices of the axis that each stage keeps.
 
 Schedules (the bubble is the share of the step that stages wait):
 
-* `gpipe`: every microbatch's forward, then every backward; M microbatches in flight (M + S - 1
-  sets of residuals as lowered: its bubble iterations keep theirs too).
+* `gpipe`: every microbatch's forward, then every backward; M microbatches in flight (M + S
+  sets of residuals as lowered: its bubble iterations keep theirs too, and the backward
+  of an iteration slices its set out of the loop's stack).
 * `1f1b`: one forward, one backward in the steady state (PipeDream-Flush, Megatron-LM);
   the same bubble as GPipe, (S - 1) / (M + S - 1), and S - s microbatches in flight on
   stage s.
@@ -108,16 +109,17 @@ class Pipeline:
 
   def in_flight(self) -> np.ndarray:
     """Microbatches whose activations a stage holds at once, in units of one microbatch of
-    its whole share of the stack, float [S]: under GPipe M + S - 1, one per iteration of
-    its loop (the S - 1 of the bubble run on garbage and keep what they make for the
-    backward pass as the others do, as `xla.pipeline_lower` runs it); S - s on stage s
+    its whole share of the stack, float [S]: under GPipe M + S, one per iteration of its
+    loop (the S - 1 of the bubble run on garbage and keep what they make for the
+    backward pass as the others do, as `xla.pipeline_lower` runs it) and one more, the
+    iteration whose backward runs, its set sliced out of the loop's stack; S - s on stage s
     under 1F1B (its warm-up forwards); interleaved, Megatron-LM's warm-up count of
     chunk-microbatches (2 (S - s - 1) + (V - 1) S, plus the one in flight, at most M V),
     each 1 / V of the stage's layers."""
     m, s, v = self.microbatches, self.stages, self.chunks
     stage = np.arange(s)
     if self.schedule == "gpipe":
-      return np.full(s, float(m + s - 1))
+      return np.full(s, float(m + s))
     if self.schedule == "1f1b":
       return np.minimum(m, s - stage).astype(float)
     return np.minimum(2 * (s - stage - 1) + (v - 1) * s + 1, m * v) / v

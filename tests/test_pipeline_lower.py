@@ -127,13 +127,19 @@ def test_compiled_stage_transfers_are_the_simulators():
   assert check.pipeline == plan.pipeline.to_json() and check.simulated["collective_permute_bytes"] == 7 * 2 * transfer
 
 
+# A head of 4096 classes: its logits (and the softmax's) at the whole batch are most of the
+# stage's memory.
+WIDE_HEAD = GPT.replace("vocab=64", "vocab=4096")
+
+
 @pytest.mark.parametrize("spec,tactic", [(GPT, tactics.megatron_3d), (GPT, tactics.pipeline),
-                                         (GPT + ",remat=true", tactics.megatron_3d)])
+                                         (WIDE_HEAD, tactics.pipeline), (GPT + ",remat=true", tactics.megatron_3d)])
 def test_compiled_flops_memory_and_transfers_are_the_simulators(spec, tactic):
   """The simulator prices the GPipe step as it is lowered: every stage runs its layers in
   all M + S - 1 iterations of the loop (the bubble's on garbage) and keeps each
-  iteration's residuals for the backward pass; embedding, head and loss run outside the
-  loop on every stage; only the loop's carries cross between stages. A rematerialized
+  iteration's residuals for the backward pass, plus the set the backward slices out;
+  embedding, head and loss run outside the loop on every stage, on the whole batch at
+  once; only the loop's carries cross between stages. A rematerialized
   stack recomputes its layers' forward in the backward pass, in the lowering as in the
   program the simulator prices (its memory is over-predicted: not checked here)."""
   from automap_rl.xla import fullsize

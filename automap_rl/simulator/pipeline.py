@@ -33,12 +33,15 @@ step time = steady + bubble + transfer + gradient_reduction + update, exactly.
 
 Peak memory per stage: the largest live-bytes row of its values for one microbatch (its
 parameters, optimizer state and one microbatch's activations, as `simulator.total`
-counts them; a scanned stack's rows at L / S layers) plus its gathered operand copies,
-plus (in flight - 1) sets of the loop's residuals (the activations its layers' forward
-makes for their backward: with remat only the layer inputs; `Pipeline.in_flight`: under
-GPipe one set per loop iteration, the bubble's included), plus M - 1 microbatches of
-the residuals of the ops off the stack's span (run on the whole batch), plus with M > 1
-the accumulated gradients (as stored). The step's peak is the largest stage's.
+counts them; a scanned stack's rows at L / S layers; the values of the ops off a scanned
+stack's span at the whole batch, M microbatches, as its lowered step makes them at once)
+plus its gathered operand copies, plus (in flight - 1) sets of the loop's residuals (the
+activations its layers' forward makes for their backward: with remat only the layer
+inputs; `Pipeline.in_flight`), plus M - 1 microbatches of the residuals of the other
+ops off the stack's span (an unrolled stack's embedding and head, run per microbatch),
+plus the accumulated gradients (as stored) where the loop runs more than one iteration
+(it sums the gradients over its iterations, the bubble's included). The step's peak is
+the largest stage's.
 
 The terms are a pure function of arrays (`pipeline_cost` jits with the tables as
 arguments: one compile per table shape). Building the tables (placing the ops, the
@@ -92,6 +95,10 @@ class PipelineTables:
       step (resharded once, before the microbatch loop), bool [E].
     live_rows: per stage, its values' live-bytes rows (other stages' columns zero; rows of
       zeros pad T to a power of two, at least 64), float32 [S, T, Uv].
+    value_whole_batch: per signature, whether its values are made on the whole batch
+      at once, not per microbatch: the per-microbatch values of the ops off a scanned
+      stack's span (`stages.EVERY_STAGE`), which the lowered step runs once, outside the
+      stages' loop, bool [Uv].
     residual_bytes: per stage, the global bytes of the residuals it keeps for one
       microbatch, per signature: of the loop's ops, then of the others, float32 [2, S, Uv].
     accumulator_bytes: per stage, the global bytes of its accumulated partial sums,
@@ -118,6 +125,7 @@ class PipelineTables:
   op_looped: np.ndarray
   edge_invariant: np.ndarray
   live_rows: np.ndarray
+  value_whole_batch: np.ndarray
   residual_bytes: np.ndarray
   accumulator_bytes: np.ndarray
   transfer_bytes: np.ndarray
@@ -225,8 +233,9 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
                                    for sig, (_, _, _, results, _) in enumerate(sigs.op_keys)] or [np.zeros(0, bool)])
   nbytes = np.array([v.nbytes for v in program.values], np.float64)
   per_stage = lambda pairs: _by_stage(pairs, sigs.value_sig, nbytes, num_stages, len(sigs.value_keys))
+  whole_batch = (staged.value_stage == EVERY_STAGE) & (value_phase == Phase.MICROBATCH) & ~looped_value  # [values]
   residuals = [per_stage((v, s) for v, stages in staged.residual_stages.items() for s in stages
-                         if looped_value[v] == looped) for looped in (True, False)]
+                         if looped_value[v] == looped and not whole_batch[v]) for looped in (True, False)]
   accumulated = per_stage((v, staged.op_stage[op.id]) for op in program.ops if staged.op_phase[op.id] == Phase.ACCUMULATED
                           for v in op.results if program.values[v].role != Role.OUTPUT)
   sent = [per_stage((t.value, t.stage) for t in staged.transfers if (t.per_step, t.backward) == kind)
@@ -256,7 +265,7 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
       op_phase=_pad(staged.op_phase[op_rep].astype(np.int32), uo, Phase.STEP),
       value_looped=_pad(looped_value[value_rep], uv, False), op_looped=_pad(staged.looped[op_rep], uo, False),
       edge_invariant=_pad(edge_invariant, next_power_of_two(len(edge_invariant), 16), False),
-      live_rows=live_rows,
+      live_rows=live_rows, value_whole_batch=_pad(whole_batch[value_rep], uv, False),
       residual_bytes=np.stack([zeros(x, capacity, uv) for x in residuals]), accumulator_bytes=zeros(accumulated, capacity, uv),
       transfer_bytes=np.stack([zeros(x, capacity, uv) for x in sent]),
       in_flight=_pad(staged.pipeline.in_flight().astype(np.float32), capacity, 1.0),
@@ -409,10 +418,10 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   permute_bytes = iterations * (sent[0] + sent[1]) + sent[2]  # [S]
   permute_count = iterations * ((sent[0] > 0).astype(jnp.float32) + (sent[1] > 0)) + (sent[2] > 0)
 
-  live = jnp.max(t.live_rows @ inverse_shards, axis=1)
+  live = jnp.max(t.live_rows @ (inverse_shards * jnp.where(t.value_whole_batch, m, 1.0)), axis=1)
   gathered = plan.gathered_bytes @ edge_stages
   residual, outer_residual = t.residual_bytes @ inverse_shards  # [S] each.
-  accumulator = jnp.where(m > 1, t.accumulator_bytes @ inverse_shards, 0.0)
+  accumulator = jnp.where(iterations > 1, t.accumulator_bytes @ inverse_shards, 0.0)
   peak = live + gathered + (t.in_flight - 1.0) * residual + (m - 1.0) * outer_residual + accumulator
 
   edge_runs = jnp.where(per_microbatch, m, 1.0)

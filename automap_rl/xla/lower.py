@@ -197,34 +197,63 @@ def _pinned(problem: Problem) -> dict[tuple[int, ...], int]:
 
 def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], specs: Mapping[int, PartitionSpec],
                  pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
-                 mesh: jax.sharding.Mesh | None):
+                 mesh: jax.sharding.Mesh | None, differentiated: bool = False):
   """`(before, constrain)` for `interpret`: each pinned op's operands and results are
   constrained to the shardings it computes on (`pinned`: origin -> (operand specs, result
   specs)); then each array result of a program op is constrained to its value's spec,
   inside the named scope `realized` finds it by. `mesh` None: the trace's mesh (inside
-  `shard_map`, with its manual axes)."""
+  `shard_map`, with its manual axes).
+
+  An operand already constrained to the spec its op computes on is passed as it is: a
+  second constraint would make a second array, and where the function is differentiated
+  afterwards (a pipelined loss) the op and the operand's other readers would each save
+  theirs for the backward pass. For the same reason, with `differentiated`, a result is
+  left unconstrained where an operand of its shape is constrained to its spec (an
+  elementwise op's result is sharded as its operand): constrained, an `exp` or `tanh`
+  whose derivative reads its own output would have it saved twice, as computed and as
+  constrained (the names `realized` reads are then missing, so only for steps whose
+  shardings are not compared)."""
   on = lambda spec: NamedSharding(jax.sharding.get_abstract_mesh() if mesh is None else mesh, spec)
+  pinned_as: dict[int, tuple[Any, PartitionSpec]] = {}  # id(array) -> (the array, its constraint's spec).
+
+  def to(x: Any, spec: PartitionSpec) -> Any:
+    y = jax.lax.with_sharding_constraint(x, on(spec))
+    pinned_as[id(y)] = (y, spec)
+    return y
 
   def pin(x: Any, value: int) -> Any:
     with jax.named_scope(scope_name(value)):
-      return jax.lax.with_sharding_constraint(x, on(specs[value]))
+      return to(x, specs[value])
 
-  def to(xs: list[Any], specs_: Sequence[PartitionSpec]) -> list[Any]:
-    return [jax.lax.with_sharding_constraint(x, on(spec)) for x, spec in zip(xs, specs_, strict=True)]
+  operand_specs: list[tuple[tuple[int, ...], PartitionSpec]] = []  # The last equation's constrained operands.
 
   def before(origin: tuple[int, ...], operands: list[Any]) -> list[Any]:
-    return to(operands, pinned[origin][0]) if origin in pinned else operands
+    if origin in pinned:
+      operands = [x if id(x) in pinned_as and pinned_as[id(x)][1] == spec else to(x, spec)
+                  for x, spec in zip(operands, pinned[origin][0], strict=True)]
+    operand_specs[:] = [(np.shape(x), pinned_as[id(x)][1]) for x in operands if id(x) in pinned_as]
+    return operands
+
+  def follows(x: Any, spec: PartitionSpec) -> bool:
+    """With `differentiated`: an operand of `x`'s shape is constrained to `spec` (`x` is
+    then recorded as so constrained)."""
+    if not differentiated or (np.shape(x), spec) not in operand_specs:
+      return False
+    pinned_as[id(x)] = (x, spec)
+    return True
 
   def constrain(origin: tuple[int, ...], results: list[Any]) -> list[Any]:
     if origin in pinned:
-      results = to(results, pinned[origin][1])
+      results = [x if follows(x, spec) else to(x, spec) for x, spec in zip(results, pinned[origin][1], strict=True)]
     chosen = constrained.get(origin)
     if chosen is None:
       return results
     if len(chosen) != len(results):
       raise ValueError(f"Equation {origin} has {len(results)} results but its program op has {len(chosen)}; "
                        "was the program traced from the same function and arguments?")
-    return [x if v is None else pin(x, v) for x, v in zip(results, chosen)]
+    kept = lambda x, spec: differentiated and id(x) in pinned_as and pinned_as[id(x)][1] == spec
+    return [x if v is None or kept(x, specs[v]) or follows(x, specs[v]) else pin(x, v)
+            for x, v in zip(results, chosen)]
   return before, constrain
 
 

@@ -227,7 +227,7 @@ class _StepPins:
         pinned[origin] = ([_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(operands, arrays(eqn.invars))],
                           [_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(result_specs, outs)])
     on = None if in_stage else mesh
-    return (*_constrainer(results, values, pinned, on), grouped_conv_binder(pinned, on))
+    return (*_constrainer(results, values, pinned, on, differentiated=True), grouped_conv_binder(pinned, on))
 
 
 def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: LayerStack, problem: Problem,
