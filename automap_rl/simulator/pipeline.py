@@ -424,8 +424,12 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   accumulator = jnp.where(iterations > 1, t.accumulator_bytes @ inverse_shards, 0.0)
   peak = live + gathered + (t.in_flight - 1.0) * residual + (m - 1.0) * outer_residual + accumulator
 
-  edge_runs = jnp.where(per_microbatch, m, 1.0)
-  reduction_runs = jnp.where(reduction_phase == Phase.MICROBATCH, m, 1.0)
+  # Per step: a microbatch op off the loop runs M times, one in the loop every iteration
+  # (M + (S - 1) / V microbatches' worth, the bubble's included), a step op once.
+  loop_runs = m + (num_stages - 1) / v
+  edge_runs = jnp.where(per_microbatch, jnp.where(t.op_looped[edge_op], loop_runs, m), 1.0)
+  reduction_runs = jnp.where(reduction_phase == Phase.MICROBATCH,
+                             jnp.where(t.op_looped[reduction_op], loop_runs, m), 1.0)
   kinds = (plan.all_reduce, plan.gather, plan.reduce_scatter, plan.all_to_all)  # In `KINDS` order.
   runs = (reduction_runs, edge_runs, reduction_runs, edge_runs)
   stages = (reduction_stages, edge_stages, reduction_stages, edge_stages)
