@@ -1,9 +1,10 @@
 """The ILP baseline: Alpa's intra-op integer program on the program's strategy graph.
 
-The plan space is `automap_rl.strategy_graph`'s: up to `ILPConfig.max_axes_per_dim` mesh axes
-per named dimension (one, or an ordered pair: FSDP x TP plans put a batch or a stored weight
-over two axes), decided in a fixed class order, which this agent takes from the best expert
-plan (its classes first) so that the expert is a plan of the graph, the warm start. The graph is
+The plan space is `automap_rl.strategy_graph`'s: up to `ILPConfig.max_axes_per_dim` mesh
+axes per named dimension (one, or an ordered pair: FSDP x TP plans put a batch or a stored
+weight over two axes), each decided at a fixed place of a decision order, which this agent
+takes from the best expert plan (each class's axes where the expert decides them, then the
+other classes) so that the expert is a plan of the graph, the warm start. The graph is
 solved by `automap_rl.solver.solve`, the same core that solves the IOPDDL contest problems:
 exact reductions, Lagrangian pricing of the memory rows with MIP crossovers, then the whole
 problem as one MIP (HiGHS, via highspy) when it is small, else large-neighbourhood MIPs,

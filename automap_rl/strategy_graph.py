@@ -9,11 +9,14 @@ and the per-op strategies follow from them:
   its dims: the dimension sharded over a, then b, as FSDP x TP plans shard a batch or a
   stored weight over two data axes. A plan is an *assignment*: a tuple of at most
   `max_axes` axes per class.
-* The assignment becomes a decision list by a fixed class *order* (`ProgramGraph.order`):
-  `[Decision(c, x) for c in order for x in axes of c]`, a class's decisions side by
-  side. Earlier decisions win conflicts (two classes of one op on one axis), as in every
-  decision list. Pair strategies are handed out to class nodes in that order while every
-  site's assignments stay within `MAX_SITE_ASSIGNMENTS`; the other nodes keep single axes.
+* The assignment becomes a decision list by a fixed decision *order* (`build`'s `order`):
+  each class's k-th axis is decided at its k-th *slot* (`decision_slots`; by default a
+  class's axes side by side; `order_from` keeps a plan's places, so that an FSDP x TP
+  expert, which decides a weight's dim on the model axis early and on a data axis late, is
+  a plan of the graph). Earlier decisions win conflicts (two classes of one op on one
+  axis), as in every decision list. Pair strategies are handed out to class nodes in the
+  order of their first slots while every site's assignments stay within
+  `MAX_SITE_ASSIGNMENTS`; the other nodes keep single axes.
 * A *site node* per op signature and per value signature (the units the simulator costs):
   its strategies are the distinct ways the assignment of its classes resolves it. An op
   site covers the op's factors, the values of its edges and, for a linear combination of
