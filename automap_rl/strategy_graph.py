@@ -378,23 +378,20 @@ def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   return np.concatenate([x, np.full((rows - len(x), *x.shape[1:]), -1, x.dtype)]) if len(x) < rows else x
 
 
-@functools.lru_cache(maxsize=8)
-def _apply_in_order(slots: int, steps: int):
-  """Resolves rows decision by decision (`sharding.apply_decision`, the one rule), jitted
-  and vmapped over a batch: `(divisible int32 [B, S], classes int32 [B, S], dec_class int32
-  [B, K], dec_axis int32 [B, K]) -> masks int8 [B, S]`; a decision with axis -1 is none."""
+@jax.jit
+@jax.vmap
+def _apply_in_order(divisible: jax.Array, classes: jax.Array, dec_class: jax.Array, dec_axis: jax.Array) -> jax.Array:
+  """Resolves rows decision by decision (`sharding.apply_decision`, the one rule), vmapped
+  over a batch: `(divisible int32 [B, S], classes int32 [B, S], dec_class int32 [B, K],
+  dec_axis int32 [B, K]) -> masks int8 [B, S]`; a decision with axis -1 is none."""
 
-  def one(divisible: jax.Array, classes: jax.Array, dec_class: jax.Array, dec_axis: jax.Array) -> jax.Array:
-    def step(mask, decision):
-      cls, axis = decision
-      rank = jnp.where((classes == cls) & (cls >= 0) & (axis >= 0), 0, sharding.NO_SLOT_RANK).astype(jnp.int16)
-      return sharding.apply_decision(divisible[None], mask[None], rank[None], jnp.maximum(axis, 0))[0], None
+  def step(mask, decision):
+    cls, axis = decision
+    rank = jnp.where((classes == cls) & (cls >= 0) & (axis >= 0), 0, sharding.NO_SLOT_RANK).astype(jnp.int16)
+    return sharding.apply_decision(divisible[None], mask[None], rank[None], jnp.maximum(axis, 0))[0], None
 
-    mask, _ = jax.lax.scan(step, jnp.zeros(slots, jnp.int8), (dec_class, dec_axis))
-    return mask
-
-  del steps  # A cache key: one compile per shape.
-  return jax.jit(jax.vmap(one))
+  mask, _ = jax.lax.scan(step, jnp.zeros(classes.shape, jnp.int8), (dec_class, dec_axis))
+  return mask
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -462,13 +459,12 @@ def _resolve_rows(problem: Problem, specs: Sequence[_SiteSpec], domains: Mapping
   owner = np.concatenate(owner) if owner else np.zeros(0, np.int32)
   dec_axis = np.concatenate(dec_axis) if dec_axis else np.zeros((0, steps), np.int8)
   masks = np.zeros((len(owner), width), np.int8)
-  fn = _apply_in_order(width, steps)
   for start in range(0, len(owner), _ROW_CHUNK):
     limits.check("resolving the strategy graph's rows")
     end = min(start + _ROW_CHUNK, len(owner))
     mine = _pad_rows(owner[start:end], _ROW_CHUNK).clip(0)
-    batch = fn(bits[mine], slot_class[mine], dec_class[mine],
-               _pad_rows(dec_axis[start:end].astype(np.int32), _ROW_CHUNK))
+    batch = _apply_in_order(bits[mine], slot_class[mine], dec_class[mine],
+                            _pad_rows(dec_axis[start:end].astype(np.int32), _ROW_CHUNK))
     masks[start:end] = np.asarray(jax.device_get(batch))[:end - start]
   del owner, dec_axis
   rows, first = {}, 0
