@@ -1,8 +1,10 @@
 """The ILP baseline: Alpa's intra-op integer program on the program's strategy graph.
 
-The plan space is `automap_rl.strategy_graph`'s: at most one mesh axis per named dimension,
-decided in a fixed class order, which this agent takes from the best expert plan (its
-classes first) so that the expert is a plan of the graph, the warm start. The graph is
+The plan space is `automap_rl.strategy_graph`'s: up to `ILPConfig.max_axes_per_dim` mesh
+axes per named dimension (one, or an ordered pair: FSDP x TP plans put a batch or a stored
+weight over two axes), each decided at a fixed place of a decision order, which this agent
+takes from the best expert plan (each class's axes where the expert decides them, then the
+other classes) so that the expert is a plan of the graph, the warm start. The graph is
 solved by `automap_rl.solver.solve`, the same core that solves the IOPDDL contest problems:
 exact reductions, Lagrangian pricing of the memory rows with MIP crossovers, then the whole
 problem as one MIP (HiGHS, via highspy) when it is small, else large-neighbourhood MIPs,
@@ -62,6 +64,8 @@ class ILPConfig:
       then by id).
     tie_layers: tie repeated layers (`strategy_graph.tied_classes`), untied afterwards by
       local improvement while time is left.
+    max_axes_per_dim: the most mesh axes the graph gives one named dimension: 2 (single
+      axes and ordered pairs) or 1 (single axes only).
     max_resident_gib: the ceiling on the process's resident memory (GiB).
     reserve: the share of the time limit kept for turning the plan into the result (at
       least a second).
@@ -73,12 +77,15 @@ class ILPConfig:
   seconds: float = 20.0
   warm_start: bool = True
   tie_layers: bool = True
+  max_axes_per_dim: int = 2
   max_resident_gib: float = 4.0
   reserve: float = 0.05
   action_space: str = "named_dims"
   max_decisions: int = 256
 
   def __post_init__(self):
+    if self.max_axes_per_dim not in (1, 2):
+      raise ValueError(f"ILPConfig.max_axes_per_dim must be 1 or 2, not {self.max_axes_per_dim}")
     if not self.max_resident_gib > 0:
       raise ValueError(f"ILPConfig.max_resident_gib must be positive, not {self.max_resident_gib}")
     if not 0 <= self.reserve < 1:
@@ -121,9 +128,9 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   setup = 0.0
   lower_bound = None
   try:
-    order = strategy_graph.order_from(problem, expert.decisions if config.warm_start else ())
+    order = strategy_graph.order_from(problem, expert.decisions if config.warm_start else (), config.max_axes_per_dim)
     tie = strategy_graph.tied_classes(problem) if config.tie_layers else None
-    graph = strategy_graph.build(problem, order, tie, limits)
+    graph = strategy_graph.build(problem, order, tie, limits, config.max_axes_per_dim)
     warm = graph.assignment_of(list(expert.decisions)) if config.warm_start else None
     setup = run.elapsed()
     result = solver.solve(graph.graph, timeout_s=max(limits.seconds_left() - reserve, 0.1), seed=seed,
@@ -187,9 +194,9 @@ class _Run:
 def _untie(graph: strategy_graph.ProgramGraph, run: _Run, simulations: int, deadline: float) -> int:
   """Local improvement of the best plan over untied classes until `deadline` (monotonic)
   or a round without improvement: each round prices, for one class node with tied
-  classes, every change of one of its classes to another axis of its domain (in one
-  batch of the simulator) and keeps the best that improves. Returns the simulations."""
-  problem, names = run.problem, run.problem.mesh.axis_names
+  classes, every change of one of its classes to other axes of its domain (in one batch
+  of the simulator) and keeps the best that improves. Returns the simulations."""
+  problem = run.problem
   tied = [(members, domain) for members, domain in zip(graph.members, graph.domains) if len(members) > 1]
   stale = turn = 0
   while stale < len(tied) and time.monotonic() < deadline:
@@ -197,8 +204,8 @@ def _untie(graph: strategy_graph.ProgramGraph, run: _Run, simulations: int, dead
     members, domain = tied[turn % len(tied)]
     turn += 1
     current = _assignment(graph, run.best[0])
-    candidates = [{**current, m: axis} for m in members for axis in domain if axis != current.get(m, -1)]
-    plans = [_decisions(graph.order, {c: a for c, a in plan.items() if a >= 0}, names) for plan in candidates]
+    candidates = [{**current, m: axes} for m in members for axes in domain if axes != current.get(m, ())]
+    plans = [graph.decisions_of(plan) for plan in candidates]
     costs = problem.costs(plans)
     simulations += len(plans)
     best = min(range(len(plans)), key=lambda i: objective(problem, costs[i]), default=None)
@@ -206,13 +213,11 @@ def _untie(graph: strategy_graph.ProgramGraph, run: _Run, simulations: int, dead
   return simulations
 
 
-def _assignment(graph: strategy_graph.ProgramGraph, decisions: Sequence[Decision]) -> dict[int, int]:
-  """Class -> axis index of class decisions (the first decision of a class counts)."""
-  assignment: dict[int, int] = {}
+def _assignment(graph: strategy_graph.ProgramGraph, decisions: Sequence[Decision]) -> dict[int, tuple[int, ...]]:
+  """Class -> axes (indices) of class decisions, in the order of their first decisions."""
+  assignment: dict[int, tuple[int, ...]] = {}
   for d in decisions:
-    assignment.setdefault(int(d.target), graph.problem.mesh.axis_index(d.axis))
+    axis, cls = graph.problem.mesh.axis_index(d.axis), int(d.target)
+    if axis not in assignment.get(cls, ()):
+      assignment[cls] = (*assignment.get(cls, ()), axis)
   return assignment
-
-
-def _decisions(order: Sequence[int], assignment: dict[int, int], names: Sequence[str]) -> list[Decision]:
-  return [Decision(c, names[assignment[c]]) for c in order if c in assignment]

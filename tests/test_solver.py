@@ -384,3 +384,11 @@ def test_bench_reports_why_an_instance_has_no_plan(tmp_path, monkeypatch):
   monkeypatch.setattr(importlib.import_module("automap_rl.solver.solve"), "MAX_PAIR_ENTRIES", 3)
   [row] = bench_iopddl(tmp_path, timeout_s=5, seed=0, workers=0)
   assert not row.feasible and row.cost is None and "more than the 3 the solver can set up" in row.failure
+
+
+def test_the_best_entry_of_each_segment_skips_undefined_gains():
+  """A pair whose current entry costs inf has gains inf - inf (NaN): its best entry is still
+  one of its own, never past the end of the entries."""
+  from automap_rl.solver.local import _segment_argmax
+  values = np.array([np.nan, np.nan, 1.0, np.nan, 3.0, 3.0])
+  np.testing.assert_array_equal(_segment_argmax(values, np.array([0, 2, 3, 6])), [0, 0, 1])

@@ -1,4 +1,5 @@
-"""The strategy graph of a program: its cost of a plan is the simulator's, on every zoo family."""
+"""The strategy graph of a program: its cost of a plan is the simulator's, on every zoo family,
+for plans that put a named dimension on one mesh axis or on two."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ MESHES = {"llama": "data=2,fsdp=2,model=2", "moe": "data=2,fsdp=2,model=2"}  # O
 
 def _random_assignments(graph: strategy_graph.ProgramGraph, rng: np.random.Generator, count: int):
   for density in np.linspace(0.2, 0.8, count):
-    yield {c: int(rng.choice(d[1:])) for c, d in zip(graph.classes, graph.domains)
+    yield {c: d[int(rng.integers(1, len(d)))] for c, d in zip(graph.classes, graph.domains)
            if len(d) > 1 and rng.random() < density}
 
 
@@ -31,10 +32,9 @@ def test_graph_cost_of_a_plan_is_the_simulator_cost(family):
   experts = tactics.applicable(problem)
   graph = strategy_graph.build(problem, strategy_graph.order_from(problem, experts["fsdp"]))
   assignments = list(_random_assignments(graph, np.random.default_rng(0), 4))
+  assert any(len(axes) == 2 for a in assignments for axes in a.values())  # Some dims on two axes.
   assignments += [a for a in (graph.assignment_of(plan) for plan in experts.values()) if a is not None]
-  dec_class, _ = problem.encode(experts["fsdp"])
-  if len(set(dec_class.tolist())) == len(dec_class):  # One axis per named dimension (2-axis meshes).
-    assert graph.assignment_of(experts["fsdp"]) is not None  # The order keeps FSDP's.
+  assert graph.assignment_of(experts["fsdp"]) is not None  # The order keeps FSDP's.
   uncombined = strategy_graph.without_combining(problem)
   for assignment in assignments:
     choice = graph.choice(assignment)
@@ -56,11 +56,41 @@ def test_an_expert_plan_maps_to_the_graph_plan_that_resolves_like_it():
   choice = graph.choice(graph.assignment_of(plan))
   uncombined = strategy_graph.without_combining(problem)
   assert solver.plan_cost(graph.graph, choice) == pytest.approx(float(uncombined.cost(plan).step_time), rel=1e-5)
-  # A class decided on two axes has no assignment; nor do decisions out of the graph's order.
-  cls = graph.classes[0]
-  assert graph.assignment_of([Decision(cls, "data"), Decision(cls, "model")]) is None
-  later, earlier = graph.order[-1], graph.order[0]
-  assert graph.assignment_of([Decision(later, "data"), Decision(earlier, "model")]) is None
+  # A class decided on two axes takes the pair, in its order.
+  cls = next(c for c, d in zip(graph.classes, graph.domains) if (0, 1) in d and (1, 0) in d)
+  assert graph.assignment_of([Decision(cls, "data"), Decision(cls, "model")]) == {cls: (0, 1)}
+  assert graph.assignment_of([Decision(cls, "model"), Decision(cls, "data")]) == {cls: (1, 0)}
+  # Two classes of one op on one axis, out of the graph's order, resolve otherwise: no assignment.
+  rank = {c: i for i, c in enumerate(graph.order)}
+  earlier, later = next(sorted(pair, key=rank.__getitem__) for pair in _shared_pairs(problem, "model"))
+  assert graph.assignment_of([Decision(earlier, "model"), Decision(later, "model")]) == {earlier: (1,), later: (1,)}
+  assert graph.assignment_of([Decision(later, "model"), Decision(earlier, "model")]) is None
+
+
+def _shared_pairs(problem: Problem, axis: str):
+  """Pairs of classes on two factors of one op signature that both divide by `axis`."""
+  size = problem.mesh.axis_sizes[problem.mesh.axis_index(axis)]
+  for classes, sizes in zip(problem.sigs.op_class, problem.sigs.op_size):
+    able = sorted({int(c) for c, n in zip(classes, sizes) if c >= 0 and n % size == 0})
+    yield from ((a, b) for i, a in enumerate(able) for b in able[i + 1:])
+
+
+def test_one_axis_per_dimension_is_the_old_space_and_misses_fsdp_megatron():
+  problem = Problem.build(workloads.make_workload("gpt:layers=2,d_model=64,heads=4,seq=32,vocab=128,batch=8",
+                                                  abstract=True).trace(), make_mesh("data=2,model=4", "h100"))
+  plan = tactics.fsdp_megatron(problem)  # Stored weights over data besides Megatron's model axis.
+  single = strategy_graph.build(problem, strategy_graph.order_from(problem, plan, max_axes=1), max_axes=1)
+  assert all(len(axes) <= 1 for d in single.domains for axes in d)
+  assert single.assignment_of(plan) is None
+  order = strategy_graph.order_from(problem, plan)
+  paired = strategy_graph.build(problem, order)
+  assignment = paired.assignment_of(plan)
+  assert assignment is not None and any(len(axes) == 2 for axes in assignment.values())
+  uncombined = strategy_graph.without_combining(problem)
+  assert solver.plan_cost(paired.graph, paired.choice(assignment)) == pytest.approx(
+      float(uncombined.cost(plan).step_time), rel=1e-5)
+  with pytest.raises(ValueError, match="max_axes must be 1 or 2"):
+    strategy_graph.build(problem, order, max_axes=3)
 
 
 def test_every_graph_plan_without_forbidden_entries_is_an_assignment():
@@ -94,8 +124,8 @@ def test_tied_layers_share_nodes_and_the_graph_cost_is_still_the_simulator_cost(
   uncombined = strategy_graph.without_combining(problem)
   rng = np.random.default_rng(1)
   for _ in range(4):
-    assignment = {m: axis for members, domain in zip(tied.members, tied.domains) if len(domain) > 1
-                  and rng.random() < 0.5 for axis in [int(rng.choice(domain[1:]))] for m in members}
+    assignment = {m: axes for members, domain in zip(tied.members, tied.domains) if len(domain) > 1
+                  and rng.random() < 0.5 for axes in [domain[int(rng.integers(1, len(domain)))]] for m in members}
     choice = tied.choice(assignment)
     assert tied.assignment(choice) == assignment
     cost = uncombined.cost(tied.decisions(choice))
@@ -103,7 +133,7 @@ def test_tied_layers_share_nodes_and_the_graph_cost_is_still_the_simulator_cost(
     assert solver.peak_usage(tied.graph, choice) == pytest.approx(float(cost.peak_memory), rel=1e-5)
   # An assignment that splits tied classes is no plan of the tied graph.
   members = next(m for m in tied.members if len(m) > 1)
-  axis = next(d[1] for m, d in zip(tied.members, tied.domains) if m == members)
+  axes = next(d[1] for m, d in zip(tied.members, tied.domains) if m == members)
   with pytest.raises(ValueError, match="tied"):
-    tied.choice({members[0]: axis})
-  assert tied.assignment_of([Decision(members[0], problem.mesh.axis_names[axis])]) is None
+    tied.choice({members[0]: axes})
+  assert tied.assignment_of([Decision(members[0], problem.mesh.axis_names[axes[0]])]) is None
