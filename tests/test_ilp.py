@@ -37,7 +37,7 @@ def test_a_graph_too_large_for_the_solver_returns_the_best_expert_with_a_warning
   problem = Problem.build(workload.trace(), make_mesh("data=2,model=4", "h100"))
   expert_cost = tactics.best_expert_plan(problem).cost
   with pytest.warns(UserWarning, match="pair-cost entries"):
-    result = ilp.search(problem, budget=Seconds(30))
+    result = ilp.search(problem, budget=Seconds(300))  # Refused once built; a loaded machine builds slowly.
   assert result.cost.step_time == pytest.approx(float(expert_cost.step_time))
 
 
