@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -253,14 +254,20 @@ def live_matrix(program: Program, sigs: Signatures) -> np.ndarray:
   return np.cumsum(diff, axis=0)[:num_ops]
 
 
-def probe_rows(live: np.ndarray, seed: int = 0) -> np.ndarray:
+def probe_rows(live: np.ndarray, seed: int = 0, kinds: np.ndarray | None = None) -> np.ndarray:
   """The rows of a live-bytes matrix [num_ops, Uv] that can be a peak: those that attain
   the maximum for the replicated plan or for one of `_MEMORY_PROBES` random per-signature
   shard factors, so that `max(rows @ 1/shards)` is the peak for the plans that matter at
-  a fraction of the cost, float32 [T, Uv]."""
+  a fraction of the cost, float32 [T, Uv]. With `kinds` (an int per signature, [Uv]),
+  also every shard factor per kind (plans shard values of a kind alike: weights apart
+  from activations)."""
   rng = np.random.default_rng(seed)
   num_sigs = live.shape[1]
   probes = np.concatenate([np.ones((1, num_sigs)), 1.0 / rng.choice([1, 2, 4, 8, 16], (_MEMORY_PROBES, num_sigs))])
+  if kinds is not None:
+    _, kinds = np.unique(kinds, return_inverse=True)
+    factors = np.array(list(itertools.product([1, 8, 64], repeat=kinds.max() + 1)), np.float64)
+    probes = np.concatenate([probes, 1.0 / factors[:, kinds]])
   rows = np.unique(np.argmax(live @ probes.T, axis=0))
   return live[rows].astype(np.float32)
 
