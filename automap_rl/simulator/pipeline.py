@@ -242,7 +242,8 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
           for kind in ((False, False), (False, True))]
   sent.append(per_stage((t.value, t.stage) for t in staged.transfers if t.per_step))
   live = live_matrix(program, sigs)
-  rows = [probe_rows(live * value_stages[:, s]) for s in range(num_stages)]
+  kinds = value_phase[value_rep] * 2 + looped_value[value_rep]
+  rows = [probe_rows(live * value_stages[:, s], kinds=kinds) for s in range(num_stages)]
   link = staged.mesh.link(staged.pipeline.axis)
   # Padded to the largest mesh axis and to power-of-two sizes, with rows that add nothing:
   # every pipeline of a program on a mesh has tables of a few shapes (one compile each).
