@@ -241,7 +241,10 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
   sent = [per_stage((t.value, t.stage) for t in staged.transfers if (t.per_step, t.backward) == kind)
           for kind in ((False, False), (False, True))]
   sent.append(per_stage((t.value, t.stage) for t in staged.transfers if t.per_step))
-  live = live_matrix(program, sigs)
+  # With a loop of more than one iteration, its residual sets and gradient sums are terms
+  # of their own (below), not the rows'; with one, the step is the unpipelined one.
+  pipeline = staged.pipeline
+  live = live_matrix(program, sigs, loops=pipeline.microbatches * pipeline.chunks + pipeline.stages - 1 == 1)
   kinds = value_phase[value_rep] * 2 + looped_value[value_rep]
   rows = [probe_rows(live * value_stages[:, s], kinds=kinds) for s in range(num_stages)]
   link = staged.mesh.link(staged.pipeline.axis)

@@ -214,7 +214,7 @@ def loop_spans(program: Program) -> list[tuple[int, int]]:
   return spans
 
 
-def live_matrix(program: Program, sigs: Signatures) -> np.ndarray:
+def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.ndarray:
   """Global bytes of each value signature live after each op, [num_ops, Uv].
 
   Value v is live from the op that makes it to its last use; arguments from the start,
@@ -223,7 +223,9 @@ def live_matrix(program: Program, sigs: Signatures) -> np.ndarray:
   (`ir.trace`), but it runs every iteration: a value made before the loop and read in it
   (the stacked inputs its `scan_slice` ops read, weights, constants) stays live to the
   loop's last op, and a stacked output (`scan_stack`) is one buffer from the loop's first
-  op, as XLA's while loop holds them.
+  op, as XLA's while loop holds them. `loops=False`: liveness ends at the last read in
+  program order (a pipelined stage's rows, whose loop's residual sets and gradient sums
+  are pipeline terms of their own).
   """
   num_ops = max(program.num_ops, 1)
   num_sigs = len(sigs.value_keys)
@@ -235,7 +237,7 @@ def live_matrix(program: Program, sigs: Signatures) -> np.ndarray:
       end[v] = max(end[v], op.id)
     for v in op.operands:
       end[v] = max(end[v], op.id)
-  for first, last in loop_spans(program):
+  for first, last in loop_spans(program) if loops else ():
     for op in program.ops[first:last + 1]:
       for v in op.operands:
         if start[v] < first:
