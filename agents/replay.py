@@ -53,8 +53,13 @@ def add(buffer: Buffer, batch: chex.ArrayTree, valid: jax.Array) -> Buffer:
                 size=jnp.minimum(buffer.size + count, capacity))
 
 
-def sample(buffer: Buffer, key: chex.PRNGKey, n: int) -> chex.ArrayTree:
-  """`n` samples drawn uniformly with replacement from the filled slots (leaves [n, ...]).
-  The buffer must hold at least one sample."""
+def sample(buffer: Buffer, key: chex.PRNGKey, n: int, start: jax.Array | int = 0, count: int | None = None
+           ) -> chex.ArrayTree:
+  """`n` samples drawn uniformly with replacement from the filled slots (leaves [n, ...]),
+  or of those only the `count` from `start` on (leaves [count, ...]; a device's part of a
+  minibatch: the n draws do not depend on which part is taken). The buffer must hold at
+  least one sample."""
   index = jax.random.randint(key, (n,), 0, jnp.maximum(buffer.size, 1))
+  if count is not None:
+    index = jax.lax.dynamic_slice_in_dim(index, start, count)
   return jax.tree.map(lambda x: x[index], buffer.items)

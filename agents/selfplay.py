@@ -121,18 +121,24 @@ def _row(tree: chex.ArrayTree, index: jax.Array) -> chex.ArrayTree:
   return jax.tree.map(lambda x: x[index], tree)
 
 
-def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PRNGKey, length: int,
-         config: GumbelConfig, env_config: EnvConfig) -> Episodes:
-  """Plays one episode per entry of `problems` (suite indices, int32 [B]) for `length`
-  steps, each step a Gumbel MuZero search from the network (`params`) that picks the
-  action (its root noise explores). Pure; jit it with `length` and the configs static.
+def episode_keys(key: chex.PRNGKey, length: int, episodes: int) -> jax.Array:
+  """The search keys of `episodes` (B) episodes of `length` (L) steps, [L, B]: step l's key
+  split B ways, so episode b's noise does not depend on which episodes share its batch."""
+  return jax.vmap(lambda step_key: jax.random.split(step_key, episodes))(jax.random.split(key, length))
 
-  Each episode searches alone (vmapped over the episodes) with its own key, split from
-  the step's key: episode b's noise is the same whether the B episodes run on one device
-  or are sharded over many, and a sharded batch needs no communication between devices.
+
+def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, keys: jax.Array, config: GumbelConfig,
+         env_config: EnvConfig) -> Episodes:
+  """Plays one episode per entry of `problems` (suite indices, int32 [B]) for L steps, each
+  step a Gumbel MuZero search from the network (`params`) that picks the action (its root
+  noise explores), with `keys` [L, B] (`episode_keys`). Pure; jit it with the configs static.
+
+  Each episode searches alone (vmapped over the episodes) with its own keys: episode b
+  plays the same whether the B episodes run on one device or are split over many, and a
+  split batch needs no communication between devices.
 
   The programs are encoded once per episode; the environment (`env_config`, the one the
-  suite's tables were built for) should truncate episodes at `length` steps (its
+  suite's tables were built for) should truncate episodes at L steps (its
   `max_steps`) so that the search and the targets see the same horizon.
   """
   chex.assert_rank(problems, 1)
@@ -152,12 +158,13 @@ def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PR
     chosen = tree.children_index[0, tree.ROOT_INDEX, out.action[0]]
     return jax.tree.map(lambda x: x[0, chosen], tree.embeddings), out.action_weights[0]
 
-  def body(states: State, key: chex.PRNGKey):
-    after, policy = jax.vmap(search)(embeddings, tables, states, jax.random.split(key, problems.shape[0]))
+  def body(states: State, step_keys: jax.Array):
+    after, policy = jax.vmap(search)(embeddings, tables, states, step_keys)
     record = (features(tables, states), policy, ~(states.terminated | states.truncated), states.objective)
     return after, record
 
-  last, (observed, policy, active, objective) = jax.lax.scan(body, roots, jax.random.split(key, length))
+  chex.assert_shape(keys, (None, problems.shape[0]))
+  last, (observed, policy, active, objective) = jax.lax.scan(body, roots, keys)
   value = jnp.log(objective) - jnp.log(last.objective)[None]
   samples = Samples(problem=jnp.broadcast_to(problems, active.shape), features=observed, policy=policy, value=value)
   return Episodes(samples=samples, active=active, final=last.objective, steps=active.sum(axis=0, dtype=jnp.int32))

@@ -15,14 +15,15 @@ uninterrupted one (the learning rate depends only on the update count, never on 
 length of the run).
 
 Devices. An iteration runs on a 1-D mesh whose one axis, `data`, spans every device of
-every process (`data_mesh`). The B episodes (the problem indices and everything self-play
-vmaps over them) and each update's minibatch are sharded over it with `NamedSharding`
-constraints; the state and the suite are replicated (`replicate`). The rest is XLA's
-(GSPMD): self-play needs no communication, the buffer gathers the new samples, and the
-gradients are all-reduced. jax's partitionable threefry draws the same random numbers
-for a sharded array as for a whole one, so the episodes do not depend on the device
-count, and the parameters depend on it only through the order in which the all-reduce
-sums the per-device gradients (float reassociation, about 1e-7 relative).
+every process (`data_mesh`); the state and the suite are replicated over it
+(`replicate`). Self-play splits the B episodes over it with `shard_map`: each device plays
+its B / n alone, with no communication (each episode has its own keys, so the episodes do
+not depend on the device count), and one all-gather gives every device all of them for
+the replicated buffer. Each update draws the same B samples on every device; each device
+takes the gradient on its B / n of them and one all-reduce averages them. Collectives
+move one flat buffer each (`agents.packed`): between processes they cost milliseconds per
+operand. The parameters depend on the device count only through the order in which the
+all-reduce sums the per-device gradients (float reassociation, about 1e-7 relative).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from agents import replay, selfplay
+from agents import packed, replay, selfplay
 from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.network import Network, NetworkConfig, state_features, static_graph
 from agents.selfplay import Samples, Suite
@@ -178,11 +179,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def sharded(mesh: Mesh) -> NamedSharding:
-  """The leading axis split over the `data` axis."""
-  return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
-
-
 def replicate(tree: chex.ArrayTree, mesh: Mesh) -> chex.ArrayTree:
   """`tree` as global arrays replicated over `mesh`, built from this process's copy (every
   process must hold the same values: a suite built, or a state initialised, from the same
@@ -232,17 +228,39 @@ def loss(params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConf
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
 def self_play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PRNGKey, config: TrainConfig,
               mesh: Mesh) -> selfplay.Episodes:
-  """An iteration's episodes (`agents.selfplay.play` of `problems`, int32 [B]), the
-  problems sharded over the mesh's `data` axis: each device plays its B / n episodes.
+  """An iteration's episodes (`agents.selfplay.play` of `problems`, int32 [B]), split over
+  the mesh's `data` axis: each device plays its B / n episodes alone (`shard_map`: its
+  search loops stop when its own episodes are done, with no collective to ask the others),
+  then one all-gather of them all (`agents.packed`) leaves every device every episode.
   Pure (jitted; its operations are named `jit(self_play)/...` in a compiled iteration)."""
-  problems = jax.lax.with_sharding_constraint(problems, sharded(mesh))
-  return selfplay.play(params, suite, problems, key, config.episode_length, config.search, config.env)
+  keys = selfplay.episode_keys(key, config.episode_length, problems.shape[0])
+
+  def play(params, suite, problems, keys) -> selfplay.Episodes:
+    mine = selfplay.play(params, suite, problems, keys, config.search, config.env)
+    batch_axes = selfplay.Episodes(samples=jax.tree.map(lambda _: 1, mine.samples), active=1, final=0, steps=0)
+    return packed.all_gather(mine, DATA_AXIS, batch_axes)
+
+  split = PartitionSpec(DATA_AXIS)
+  return jax.shard_map(play, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), split, PartitionSpec(None, DATA_AXIS)),
+                       out_specs=PartitionSpec(),
+                       check_vma=False)(params, suite, problems, keys)  # mctx's loops start from constants.
 
 
 def _update(config: TrainConfig, suite: Suite, mesh: Mesh, carry, key: chex.PRNGKey):
+  """One optimizer step on a minibatch of the buffer: each device the loss's gradient on its
+  B / n of the B samples drawn, their mean over the devices in one all-reduce (`agents.packed`)."""
   params, opt_state, buffer = carry
-  batch = jax.lax.with_sharding_constraint(replay.sample(buffer, key, config.batch_size), sharded(mesh))
-  grads, parts = jax.grad(loss, has_aux=True)(params, suite, batch, config)
+  devices = mesh.shape[DATA_AXIS]
+
+  def gradients(params, suite, buffer, key):
+    part = config.batch_size // devices
+    batch = replay.sample(buffer, key, config.batch_size, jax.lax.axis_index(DATA_AXIS) * part, part)
+    return packed.pmean(jax.grad(loss, has_aux=True)(params, suite, batch, config), DATA_AXIS)
+
+  # Unchecked: with checked replication jax would sum the replicated parameters' gradients
+  # itself, leaf by leaf.
+  grads, parts = jax.shard_map(gradients, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+                               check_vma=False)(params, suite, buffer, key)
   updates, opt_state = optimizer(config).update(grads, opt_state, params)
   parts["grad_norm"] = optax.tree.norm(grads)
   return (optax.apply_updates(params, updates), opt_state, buffer), parts

@@ -32,6 +32,8 @@ CASES = [
     (["validate", "--random", "-3"], "--random -3: give a positive number of plans per model"),
     (["validate", "--models", "mlp"], "--models needs --random"),
     (["validate", "--random", "2", "--models", "mlp:widht=3"], "unknown key 'widht' for model 'mlp'"),
+    (["bench", "train", "--episodes", "6", "--devices", "1", "4"], "--episodes 6 does not split over 4 devices"),
+    (["bench", "train", "--devices", "16"], "--devices 16: give a multiple of the 1 process(es), at most the 8 devices"),
     (["bench", "suite", "--best-known", "/nonexistent/best.json"], "--best-known /nonexistent/best.json: no such file"),
 ]
 

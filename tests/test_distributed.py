@@ -1,8 +1,8 @@
 """Training over devices and processes: the smoke preset on 1 or 4 devices of one process
 and on 2 processes of 2 devices each (`jax.distributed` on localhost, gloo between the
 processes' CPU devices) plays the same episodes and reaches the same parameters; one
-process's checkpoint resumes in two; self-play needs no communication but its loops'
-conditions, the update one all-reduce of gradients; work the devices do not divide is
+process's checkpoint resumes in two; self-play needs no communication but one all-gather
+of its episodes, each update one all-reduce of its gradients; work the devices do not divide is
 refused.
 
 Tolerance. The episodes' decisions, the key and every integer in the state match bit for
@@ -26,6 +26,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -135,15 +136,19 @@ def test_self_play_needs_no_communication_and_the_update_all_reduces_gradients(f
   where = [re.search(r'op_name="([^"]*)"', inst.attrs).group(1) for body in module.bodies.values() for inst in body
            if inst.opcode.removesuffix("-start") in COLLECTIVE_KINDS]
   assert len(where) == len(found) and all(c.mesh_axes == (train.DATA_AXIS,) for c in found)
+  # Self-play: one all-gather of every field of the episodes, packed in one buffer, and not
+  # even the conditions of mctx's while loops (each device's loops stop when its own
+  # episodes are done).
   in_self_play = [c for c, name in zip(found, where) if "self_play" in name]
-  # Self-play: only the conditions of mctx's vmapped while loops (tree descent, backup),
-  # "is any episode still walking", one byte each.
-  assert in_self_play and all(c.kind == "all-reduce" and c.dtype == "pred" and c.bytes == 1 for c in in_self_play)
-  # The update: one all-reduce of gradients per optimizer step (of the shared encoder's
-  # outputs and the head's parameters), inside the scan over the updates.
-  gradients = [c for c in found if c.kind == "all-reduce" and "f32" in c.dtype and c.repeat == SMOKE.train.updates]
+  episodes = train.self_play(state.params, suite, jnp.zeros(SMOKE.train.episodes, jnp.int32), jax.random.key(0),
+                             SMOKE.train, mesh)
+  episode_bytes = sum(x.size * 4 for x in jax.tree.leaves(train.host_copy(episodes)))  # bools widened to 32 bits.
+  assert [(c.kind, c.bytes) for c in in_self_play] == [("all-gather", episode_bytes)]
+  # The update: one all-reduce per optimizer step (inside the scan over the updates) of
+  # the parameters' gradients and the loss's parts, packed in one vector.
+  gradients = [c for c in found if c.kind == "all-reduce" and c.repeat == SMOKE.train.updates]
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(train.host_copy(state.params)))
-  assert len(gradients) == 1 and gradients[0].bytes >= param_bytes / 2
+  assert len(gradients) == 1 and param_bytes < gradients[0].bytes < param_bytes + 64
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -107,8 +107,9 @@ def test_returns_are_log_best_expert_over_plan():
     np.testing.assert_allclose(float(suite.best[p]), want, rtol=1e-5)
   state = train.init(SMOKE.train, suite)
   problems_ids = jnp.arange(2, dtype=jnp.int32)
-  episodes = jax.jit(selfplay.play, static_argnums=(4, 5, 6))(
-      state.params, suite, problems_ids, jax.random.key(3), 4, SMOKE.train.search, SMOKE.train.env)
+  episodes = jax.jit(selfplay.play, static_argnums=(4, 5))(
+      state.params, suite, problems_ids, selfplay.episode_keys(jax.random.key(3), 4, 2), SMOKE.train.search,
+      SMOKE.train.env)
   # Value targets: the log-objective still to gain; the earned part plus it is the return.
   objective = np.exp(np.asarray(episodes.samples.value) + np.log(np.asarray(episodes.final))[None])
   np.testing.assert_allclose(objective[0], 1.0, rtol=1e-5)  # Every episode starts replicated.
