@@ -116,6 +116,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: str) -> None:
     ax.plot(xs, ys, "o-", label="measured")
     ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "--", color="gray", label="linear")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("devices")
     ax.set_ylabel(label)
     ax.legend(fontsize=7)
