@@ -60,7 +60,7 @@ ENVIRONMENTS = {
 }
 
 
-@pytest.mark.parametrize("name", [n if n not in ("gpt-groups-bucketed", "gpt-truncated")
+@pytest.mark.parametrize("name", [n if n not in ("gpt-groups-bucketed", "gpt-truncated", "gpt-terminal-reward")
                                   else pytest.param(n, marks=pytest.mark.slow) for n in sorted(ENVIRONMENTS)])
 def test_every_environment_keeps_the_contract(name):
   testing.api_test(ENVIRONMENTS[name]())
@@ -262,7 +262,7 @@ def _batch_arg_action(env: Env) -> int:
   raise AssertionError("no batch target")
 
 
-@pytest.mark.parametrize("model", [m if m in ("gpt", "moe", "unet") else pytest.param(m, marks=pytest.mark.slow)
+@pytest.mark.parametrize("model", [m if m in ("gpt", "unet") else pytest.param(m, marks=pytest.mark.slow)
                                    for m in workloads.FAMILIES])
 def test_random_and_expert_agents_on_the_zoo(model):
   env = Env.build(problem(model), EnvConfig(action_space="arg_dims"))
