@@ -101,27 +101,18 @@ def test_the_objective_is_the_pipelined_plan_cost():
 
 
 def test_search_chooses_a_pipeline_where_it_pays():
+  """MCTS with pipeline options on a mesh whose slow axes pay for stages: its first action
+  picks a pipeline, and the result carries it, priced as the simulator prices it."""
+  import agents
+
   p = problem("data=4,fsdp=2,model=8")
   config = mcts.MCTSConfig(pipelines=OPTIONS)
-  result = mcts.search(p, config, budget=150)
+  result = agents.run_agent("mcts", p, seed=0, budget=150, config=config)
   pipeline = searcher(p, env_config(p, config.action_space, config.max_decisions, OPTIONS)).pipeline(result.action_ids)
-  assert pipeline is not None and result.actions[0] == str(pipeline)
-  assert result.step_time == pytest.approx(float(p.plan_cost(result.decisions, pipeline).step_time))
-
-
-def test_a_searched_pipeline_reaches_the_plan():
-  """MCTS with pipeline options on a mesh whose slow axes pay for stages: the result and the
-  facade's plan carry the pipeline it chose, priced as the simulator prices it."""
-  import agents
-  from agents import MCTSConfig
-
-  problem = Problem.build(workloads.make_workload("gpt:layers=8,d_model=256,heads=8,seq=128,vocab=512,batch=32,"
-                                                  "scan=true", abstract=True).trace(),
-                          make_mesh("data=4,fsdp=2,model=8", "h100"))
-  result = agents.run_agent("mcts", problem, seed=0, budget=150, config=MCTSConfig(pipelines=6))
-  assert result.pipeline is not None
-  assert float(result.cost.step_time) == pytest.approx(
-      float(problem.plan_cost(result.decisions, result.pipeline).step_time), rel=1e-5)
+  assert pipeline is not None and result.pipeline == pipeline and result.actions[0] == str(pipeline)
+  assert float(result.cost.step_time) == pytest.approx(float(p.plan_cost(result.decisions, pipeline).step_time),
+                                                       rel=1e-5)
+  assert result.step_time == pytest.approx(float(result.cost.step_time), rel=1e-5)
 
 
 def test_a_mixed_batch_prices_each_program_as_alone():
