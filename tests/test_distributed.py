@@ -173,3 +173,30 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
   with open(tmp_path / train_cmd.WANDB_ID_FILE) as f:
     assert again.id == first.id == f.read()
   assert len([d for d in os.listdir(tmp_path / "wandb") if d.endswith(first.id)]) == 2  # Both parts, for `wandb sync`.
+
+
+def test_a_packed_all_gather_and_mean_are_the_leafwise_ones():
+  """`agents.packed` moves a tree of mixed dtypes and gathered axes as one buffer; the
+  result is, leaf by leaf and bit for bit, what a collective per leaf gives."""
+  from jax.sharding import PartitionSpec as P
+
+  from agents import packed
+
+  rng = np.random.default_rng(0)
+  tree = {"f32": rng.normal(size=(3, 8, 2)).astype(np.float32), "i32": rng.integers(-9, 9, 8).astype(np.int32),
+          "pred": rng.random((2, 8)) < 0.5, "tiny": np.float32([1e-40, -0.0, np.inf, np.nan, 1, 2, 3, 4])}
+  axes = {"f32": 1, "i32": 0, "pred": 1, "tiny": 0}
+  mesh = train.data_mesh(4)
+  specs = {k: P(*([None] * a), train.DATA_AXIS) for k, a in axes.items()}
+  gather = jax.shard_map(lambda t: packed.all_gather(t, train.DATA_AXIS, axes), mesh=mesh, in_specs=(specs,),
+                         out_specs=P(), check_vma=False)
+  for k, x in jax.jit(gather)(tree).items():
+    assert x.dtype == tree[k].dtype
+    np.testing.assert_array_equal(np.asarray(x), tree[k])
+  floats = {"a": rng.normal(size=(4, 5)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
+  mean = jax.shard_map(lambda t: packed.pmean(t, train.DATA_AXIS), mesh=mesh, in_specs=(P(train.DATA_AXIS),),
+                       out_specs=P(), check_vma=False)
+  leafwise = jax.shard_map(lambda t: jax.lax.pmean(t, train.DATA_AXIS), mesh=mesh, in_specs=(P(train.DATA_AXIS),),
+                           out_specs=P(), check_vma=False)
+  for got, want in zip(jax.tree.leaves(jax.jit(mean)(floats)), jax.tree.leaves(jax.jit(leafwise)(floats))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
