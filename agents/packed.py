@@ -37,11 +37,11 @@ def _unwords(words: jax.Array, like: jax.Array, axis: int) -> jax.Array:
 
 def all_gather(tree: chex.ArrayTree, axis_name: str, axes: chex.ArrayTree) -> chex.ArrayTree:
   """Every device's `tree` concatenated along each leaf's axis `axes` (a tree of ints
-  matching `tree`, or one int for every leaf), in the order of the mesh axis `axis_name`:
-  one all-gather of one uint32 buffer [n * rows, words]. Leaves must agree in the size of
-  their gathered axis and be 32-bit or bool."""
+  matching `tree`), in the order of the mesh axis `axis_name`: one all-gather of one uint32
+  buffer [n * rows, words]. Leaves must agree in the size of their gathered axis and be
+  32-bit or bool."""
   leaves, treedef = jax.tree.flatten(tree)
-  leaf_axes = treedef.flatten_up_to(axes) if not isinstance(axes, int) else [axes] * len(leaves)
+  leaf_axes = treedef.flatten_up_to(axes)
   parts = [_words(x, a) for x, a in zip(leaves, leaf_axes)]
   widths = [p.shape[1] for p in parts]
   gathered = jax.lax.all_gather(jnp.concatenate(parts, axis=1), axis_name, tiled=True)

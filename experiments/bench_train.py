@@ -138,7 +138,7 @@ def run(config: TrainBenchConfig) -> list[dict[str, Any]]:
       raise ValueError(f"--episodes {config.episodes} does not split over {n} devices; give a multiple of each count.")
     train.check_mesh(run_config.train, train.data_mesh(n))
   _, suite = train_cmd.build_suite(run_config)
-  lead = jax.process_index() == 0
+  lead = train_cmd.is_lead()
   rows = []
   for n in config.devices:
     rows.append(measure(run_config.train, suite, n, config.repeats))

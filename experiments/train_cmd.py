@@ -139,7 +139,7 @@ def _check_config(config: TrainRunConfig) -> None:
                      f"of {t.replay_capacity}; raise --train.replay-capacity.")
 
 
-def _lead() -> bool:
+def is_lead() -> bool:
   """Whether this process writes the run's files (process 0)."""
   return jax.process_index() == 0
 
@@ -169,7 +169,7 @@ def _prepare_dir(config: TrainRunConfig) -> None:
     if before.get("train") != json.loads(json.dumps(document["train"])):
       raise ValueError(f"{config.run_dir} holds a run with another --train config; give a new --run-dir.")
   _barrier("checked the run directory")
-  if _lead():
+  if is_lead():
     with open(path, "w") as f:
       json.dump(document, f, indent=1)
 
@@ -250,7 +250,7 @@ def run(config: TrainRunConfig) -> TrainResult:
   mesh = train.data_mesh(config.devices)
   train.check_mesh(config.train, mesh)
   _prepare_dir(config)
-  lead = _lead()
+  lead = is_lead()
   cases, suite = build_suite(dataclasses.replace(config, progress=config.progress and lead))
   if lead:
     print(f"training on {len(cases)} {config.split} cases: {', '.join(c.name for c in cases)}; "
