@@ -80,6 +80,8 @@ COMMANDS: dict[str, Command] = {
     "bench train": Command("bench_train", "TrainBenchConfig",
                            "training throughput (self-play samples/s, iterations/s) over devices and processes",
                            devices=8),
+    "bench step": Command("bench_step", "StepBenchConfig",
+                          "measured training-step times on the local accelerator against the simulator's"),
     "train": Command("train_cmd", "TrainRunConfig",
                      "train the policy/value network by Gumbel MuZero self-play on the task suite",
                      defaults="preset_defaults"),
