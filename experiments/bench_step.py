@@ -83,9 +83,13 @@ def measure_workload(spec: str, config: StepBenchConfig) -> dict[str, Any]:
   if not cost.fits:
     row["skipped"] = f"simulated peak {row['simulated_peak_gib']:.1f} GiB does not fit the {config.hardware} profile"
     return row
-  workload = make_workload(spec, config.seed)
-  timing = time_step(workload.step, workload.args, len(workload.args) - 1, repeats=config.repeats,
-                     warmup=config.warmup)
+  try:
+    workload = make_workload(spec, config.seed)
+    timing = time_step(workload.step, workload.args, len(workload.args) - 1, repeats=config.repeats,
+                       warmup=config.warmup)
+  except jax.errors.JaxRuntimeError as error:  # Out of device memory where the simulator said it fits.
+    row["skipped"] = f"failed on the device: {str(error).splitlines()[0][:160]}"
+    return row
   peak_flops = max(hardware.flops.values())
   row.update({
       "device": timing.device, "measured_ms": 1e3 * timing.seconds, "fastest_ms": 1e3 * timing.fastest,
@@ -143,23 +147,28 @@ def plot(rows: list[dict[str, Any]], title: str, path: str) -> None:
   plt.close(fig)
 
 
+def _summary(rows: list[dict[str, Any]], hardware: str) -> dict[str, Any]:
+  """The device, how many rows were measured and their median measured / simulated ratio."""
+  ratios = [r["measured_over_simulated"] for r in rows if "measured_over_simulated" in r]
+  return {"device": jax.devices()[0].device_kind, "hardware": hardware, "workloads": len(rows),
+          "measured": len(ratios), "median_measured_over_simulated": statistics.median(ratios) if ratios else None}
+
+
 def run(config: StepBenchConfig) -> list[dict[str, Any]]:
-  if config.repeats < 1 or config.warmup < 0:
-    raise ValueError("--repeats must be at least 1 and --warmup at least 0.")
+  if config.repeats < 1 or config.warmup < 0 or not config.workloads:
+    raise ValueError("--repeats must be at least 1, --warmup at least 0, and --workloads name one or more.")
   for spec in config.workloads:  # Bad specs fail before anything is built.
     make_config(spec)
-  rows = []
+  rows: list[dict[str, Any]] = []
   for spec in config.workloads:
     with phase(f"{spec}: build, simulate, compile, time"):
       rows.append(measure_workload(spec, config))
+    summary = _summary(rows, config.hardware)
+    write_json(config.json, {"summary": summary, "rows": rows})  # After every row: a long run keeps what it measured.
   print(table(rows))
-  ratios = [r["measured_over_simulated"] for r in rows if "measured_over_simulated" in r]
-  summary = {"device": jax.devices()[0].device_kind, "hardware": config.hardware, "workloads": len(rows),
-             "measured": len(ratios), "median_measured_over_simulated": statistics.median(ratios) if ratios else None}
   print(json.dumps(summary, indent=1))
-  write_json(config.json, {"summary": summary, "rows": rows})
   if config.plot:
     plot(rows, f"one {summary['device']} against the {config.hardware} profile", config.plot)
-  if not ratios:
+  if not summary["measured"]:
     raise CommandFailed("no workload was measured: every one's simulated peak exceeds the device's memory")
   return rows
