@@ -9,6 +9,8 @@ flop/s the step reached against the profile's peak, and the compiled module's fl
 peak memory against the simulator's. A workload whose simulated peak does not fit the
 profile is not built, and the row says so. On a CPU the measured times mean nothing for an
 accelerator profile; the command is for a machine with the accelerator the profile names.
+Where that machine's jax is not the pinned one the tracer reads, `--no-simulate` measures
+only, and `--measured FILE` prices those rows on a machine with the pinned stack.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import jax
 
-from automap_rl.mesh import make_mesh
+from automap_rl.mesh import get_hardware, make_mesh
 from automap_rl.problem import Problem
 from automap_rl.workloads import make_workload
 from automap_rl.workloads.spec import make_config
@@ -54,6 +56,11 @@ class StepBenchConfig:
     repeats: steps timed per workload.
     warmup: steps run before the timed ones.
     seed: the workloads' parameter and data seed.
+    simulate: price each workload with the simulator; `--no-simulate` only measures, for an
+      accelerator machine whose jax is not the pinned one the tracer reads (its rows are
+      priced later with `--measured`).
+    measured: the JSON of an earlier `--no-simulate` run: its rows are priced here instead of
+      measuring (its workloads replace `--workloads`).
     json: where to write the rows.
     plot: where to draw measured against simulated step times.
   """
@@ -63,60 +70,79 @@ class StepBenchConfig:
   repeats: int = 10
   warmup: int = 3
   seed: int = 0
+  simulate: bool = True
+  measured: str | None = None
   json: JsonPath = None
   plot: PlotPath = None
 
 
-def measure_workload(spec: str, config: StepBenchConfig) -> dict[str, Any]:
-  """One row: the workload's simulated one-device cost and, where it fits, its measured step."""
-  program = make_workload(spec, config.seed, abstract=True).trace()
-  problem = Problem.build(program, make_mesh("data=1", config.hardware))
+def simulated_row(spec: str, hardware: str, seed: int) -> dict[str, Any]:
+  """The simulator's one-device step time, flops and peak memory of a workload (traced
+  abstractly: nothing is allocated)."""
+  program = make_workload(spec, seed, abstract=True).trace()
+  problem = Problem.build(program, make_mesh("data=1", hardware))
   cost = jax.device_get(problem.cost([]))
-  hardware = problem.mesh.hardware
-  row: dict[str, Any] = {
-      "workload": spec, "hardware": config.hardware, "ops": len(program.ops),
-      "simulated_ms": 1e3 * float(cost.step_time),
-      "simulated_flops": simulated_flops(problem, problem.resolution([])),
-      "simulated_peak_gib": float(cost.peak_memory) / 2**30,
-      "simulated_fits": bool(cost.fits),
-  }
-  if not cost.fits:
-    row["skipped"] = f"simulated peak {row['simulated_peak_gib']:.1f} GiB does not fit the {config.hardware} profile"
-    return row
+  return {"workload": spec, "hardware": hardware, "ops": len(program.ops),
+          "simulated_ms": 1e3 * float(cost.step_time),
+          "simulated_flops": simulated_flops(problem, problem.resolution([])),
+          "simulated_peak_gib": float(cost.peak_memory) / 2**30, "simulated_fits": bool(cost.fits)}
+
+
+def measured_row(spec: str, config: StepBenchConfig) -> dict[str, Any]:
+  """A workload's measured step on the default device, or `failed` with XLA's first line
+  (out of device memory, a compiler error)."""
   try:
     workload = make_workload(spec, config.seed)
     timing = time_step(workload.step, workload.args, len(workload.args) - 1, repeats=config.repeats,
                        warmup=config.warmup)
-  except jax.errors.JaxRuntimeError as error:  # Out of device memory where the simulator said it fits.
-    row["skipped"] = f"failed on the device: {str(error).splitlines()[0][:160]}"
-    return row
-  peak_flops = max(hardware.flops.values())
-  row.update({
-      "device": timing.device, "measured_ms": 1e3 * timing.seconds, "fastest_ms": 1e3 * timing.fastest,
-      "slowest_ms": 1e3 * timing.slowest, "steps": timing.steps,
-      "measured_over_simulated": timing.seconds / float(cost.step_time),
-      "compiled_flops": timing.compiled.flops,
-      "compiled_peak_gib": timing.compiled.peak_bytes / 2**30,
-      "achieved_tflops": timing.compiled.flops / timing.seconds / 1e12,
-      "fraction_of_peak": timing.compiled.flops / timing.seconds / peak_flops,
-  })
+  except jax.errors.JaxRuntimeError as error:
+    return {"workload": spec, "failed": str(error).splitlines()[0][:160]}
+  return {"workload": spec, "device": timing.device, "jax": jax.__version__, "measured_ms": 1e3 * timing.seconds,
+          "fastest_ms": 1e3 * timing.fastest, "slowest_ms": 1e3 * timing.slowest, "steps": timing.steps,
+          "compiled_flops": timing.compiled.flops, "compiled_peak_gib": timing.compiled.peak_bytes / 2**30}
+
+
+def compare(simulated: dict[str, Any] | None, measured: dict[str, Any] | None, hardware: str) -> dict[str, Any]:
+  """One row from a workload's simulated and measured figures (either may be missing): the
+  measured over simulated step time and the flop/s reached against the profile's peak."""
+  row = {**(simulated or {}), **(measured or {})}
+  if "measured_ms" in row:
+    peak = max(get_hardware(hardware).flops.values())
+    row["achieved_tflops"] = row["compiled_flops"] / row["measured_ms"] / 1e9
+    row["fraction_of_peak"] = row["achieved_tflops"] * 1e12 / peak
+    if simulated:
+      row["measured_over_simulated"] = row["measured_ms"] / row["simulated_ms"]
   return row
+
+
+def measure_workload(spec: str, config: StepBenchConfig) -> dict[str, Any]:
+  """One row: the workload's simulated cost (unless `--no-simulate`) and, where the simulator
+  says it fits, its measured step."""
+  simulated = simulated_row(spec, config.hardware, config.seed) if config.simulate else None
+  if simulated and not simulated["simulated_fits"]:
+    return {**simulated, "failed": f"not run: simulated peak {simulated['simulated_peak_gib']:.1f} GiB "
+                                   f"does not fit the {config.hardware} profile"}
+  return compare(simulated, measured_row(spec, config), config.hardware)
+
+
+def _cell(row: dict[str, Any], key: str, form: str) -> str:
+  return format(row[key], form) if key in row else "-"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
   """The rows as a Markdown table."""
-  lines = ["| workload | measured ms | simulated ms | measured / simulated "
-           "| TFLOP/s (of peak) | compiled / simulated flops | compiled / simulated peak GiB |", "|---" * 7 + "|"]
+  lines = ["| workload | measured ms (fastest-slowest) | simulated ms | measured / simulated | TFLOP/s (of peak) "
+           "| compiled / simulated flops | compiled / simulated peak GiB |", "|---" * 7 + "|"]
   for r in rows:
-    if "skipped" in r:
-      lines.append(f"| {r['workload']} | not run: {r['skipped']} | {r['simulated_ms']:.1f} | - | - | - | - |")
+    if "failed" in r:
+      lines.append(f"| {r['workload']} | {r['failed']} | {_cell(r, 'simulated_ms', '.1f')} | - | - | - | - |")
       continue
+    flops = f"{r['compiled_flops'] / r['simulated_flops']:.3f}" if "simulated_flops" in r else "-"
     lines.append(
         f"| {r['workload']} | {r['measured_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) "
-        f"| {r['simulated_ms']:.1f} | {r['measured_over_simulated']:.2f} "
-        f"| {r['achieved_tflops']:.1f} ({100 * r['fraction_of_peak']:.0f}%) "
-        f"| {r['compiled_flops'] / r['simulated_flops']:.3f} "
-        f"| {r['compiled_peak_gib']:.1f} / {r['simulated_peak_gib']:.1f} |")
+        f"| {_cell(r, 'simulated_ms', '.1f')} | {_cell(r, 'measured_over_simulated', '.2f')} "
+        f"| {r['achieved_tflops']:.1f} ({100 * r['fraction_of_peak']:.0f}%) | {flops} "
+        f"| {r['compiled_peak_gib']:.1f} / {_cell(r, 'simulated_peak_gib', '.1f')} |")
   return "\n".join(lines)
 
 
@@ -127,7 +153,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  measured = [r for r in rows if "measured_ms" in r]
+  measured = [r for r in rows if "measured_ms" in r and "simulated_ms" in r]
   fig, ax = plt.subplots(figsize=(5.5, 5))
   xs, ys = [r["simulated_ms"] for r in measured], [r["measured_ms"] for r in measured]
   ax.scatter(xs, ys)
@@ -147,11 +173,22 @@ def plot(rows: list[dict[str, Any]], title: str, path: str) -> None:
   plt.close(fig)
 
 
+def _read_measured(path: str) -> list[dict[str, Any]]:
+  """The measured rows of an earlier run's JSON (ValueError naming the file if it has none)."""
+  with open(path) as f:
+    rows = [r for r in json.load(f).get("rows", []) if "measured_ms" in r]
+  if not rows:
+    raise ValueError(f"--measured {path}: no measured rows in it")
+  return [{k: v for k, v in r.items() if not k.startswith("simulated_")} for r in rows]
+
+
 def _summary(rows: list[dict[str, Any]], hardware: str) -> dict[str, Any]:
   """The device, how many rows were measured and their median measured / simulated ratio."""
   ratios = [r["measured_over_simulated"] for r in rows if "measured_over_simulated" in r]
-  return {"device": jax.devices()[0].device_kind, "hardware": hardware, "workloads": len(rows),
-          "measured": len(ratios), "median_measured_over_simulated": statistics.median(ratios) if ratios else None}
+  devices = sorted({r["device"] for r in rows if "device" in r})
+  return {"device": ", ".join(devices) or jax.devices()[0].device_kind, "hardware": hardware,
+          "workloads": len(rows), "measured": sum("measured_ms" in r for r in rows),
+          "median_measured_over_simulated": statistics.median(ratios) if ratios else None}
 
 
 def run(config: StepBenchConfig) -> list[dict[str, Any]]:
@@ -159,10 +196,17 @@ def run(config: StepBenchConfig) -> list[dict[str, Any]]:
     raise ValueError("--repeats must be at least 1, --warmup at least 0, and --workloads name one or more.")
   for spec in config.workloads:  # Bad specs fail before anything is built.
     make_config(spec)
+  if config.measured and not config.simulate:
+    raise ValueError("--measured prices an earlier run's rows: it needs the simulator (drop --no-simulate).")
   rows: list[dict[str, Any]] = []
-  for spec in config.workloads:
-    with phase(f"{spec}: build, simulate, compile, time"):
-      rows.append(measure_workload(spec, config))
+  earlier = _read_measured(config.measured) if config.measured else None
+  for spec in [r["workload"] for r in earlier] if earlier else config.workloads:
+    with phase(f"{spec}: {'simulate' if earlier else 'build, simulate, compile, time'}"):
+      if earlier:
+        measured = next(r for r in earlier if r["workload"] == spec)
+        rows.append(compare(simulated_row(spec, config.hardware, config.seed), measured, config.hardware))
+      else:
+        rows.append(measure_workload(spec, config))
     summary = _summary(rows, config.hardware)
     write_json(config.json, {"summary": summary, "rows": rows})  # After every row: a long run keeps what it measured.
   print(table(rows))
@@ -170,5 +214,5 @@ def run(config: StepBenchConfig) -> list[dict[str, Any]]:
   if config.plot:
     plot(rows, f"one {summary['device']} against the {config.hardware} profile", config.plot)
   if not summary["measured"]:
-    raise CommandFailed("no workload was measured: every one's simulated peak exceeds the device's memory")
+    raise CommandFailed("no workload was measured: each row says why")
   return rows
