@@ -29,7 +29,7 @@ from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from envs import Env, EnvConfig, State
-from envs.tables import BASE_STEP_TIME
+from envs.tables import BASE_STEP_TIME, objective as env_objective, replicated_base
 
 Progress = Callable[[int, float], None]  # (simulations so far, best step time so far in s).
 
@@ -73,6 +73,17 @@ class Budget:
       return cls(simulations=int(budget))
     raise TypeError(f"a budget of {budget!r} ({type(budget).__name__}) has no unit: pass Simulations(n), "
                     "Seconds(s), an int (simulations) or a string ('2000', '30s').")
+
+  def after(self, seconds: float) -> Budget | None:
+    """What is left of this budget after `seconds` of work before the search: the same
+    simulations, `seconds` fewer seconds; None when that leaves no seconds. A budget's
+    seconds count from the start of the call it is given to: a caller that traces and
+    builds the problem before running an agent (`agents.partition`) gives the agent what
+    is left, so one deadline, set when that call started, bounds all of it."""
+    if self.seconds is None:
+      return self
+    left = self.seconds - seconds
+    return dataclasses.replace(self, seconds=left) if left > 0 else None
 
   def left(self, simulations: int) -> int:
     """Simulations still allowed (a large number when only seconds bound the search)."""
@@ -158,6 +169,13 @@ def env_config(problem: Problem, action_space: str, max_decisions: int, pipeline
   `pipelines` pipeline options (`EnvConfig.pipelines`)."""
   return EnvConfig(action_space=action_space, max_decisions=max_decisions,
                    max_axes=len(problem.mesh.axis_sizes), objective="time", pipelines=pipelines)
+
+
+def plan_objective(problem: Problem, cost: simulator.Cost) -> float:
+  """The environment's objective of a plan's cost (1.0 is the replicated plan), for agents
+  that price plans outside the environment."""
+  config = env_config(problem, "named_dims", 1)
+  return float(env_objective(config, cost, replicated_base(config, problem), problem.tables.hbm_bytes))
 
 
 def rollout(env: Env, depth: int, stop_probability: float, state: State, key: jax.Array,

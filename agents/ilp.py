@@ -19,8 +19,9 @@ strength, clause learning on tight combinatorics, does not help the weak couplin
 these graphs.
 
 The agent's budget is its budget: the best expert, the graph's build, its reduction and
-its solve share one deadline (the budget's seconds from the agent's start) and one ceiling
-on the process's resident memory (`ILPConfig.max_resident_gib`), checked inside the build's
+its solve share one deadline (the budget's seconds from the agent's start; through
+`agents.partition`, what tracing and building the problem left of the call's budget,
+`Budget.after`) and one ceiling on the process's resident memory (`ILPConfig.max_resident_gib`), checked inside the build's
 loops and between the solver's stages (`solver.Limits`). Past either, the agent returns
 its best plan so far (the expert's when the solver has none yet) with a warning naming the
 limit, and `SearchResult.stopped_by` says which.
@@ -47,11 +48,10 @@ import time
 import warnings
 from collections.abc import Sequence
 
-from agents.base import Budget, Progress, SearchResult, Seconds, TracePoint, env_config, searcher
+from agents.base import Budget, Progress, SearchResult, Seconds, TracePoint, env_config, plan_objective, searcher
 from automap_rl import simulator, solver, strategy_graph, tactics
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
-from envs.tables import objective as env_objective, replicated_base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +90,6 @@ class ILPConfig:
       raise ValueError(f"ILPConfig.max_resident_gib must be positive, not {self.max_resident_gib}")
     if not 0 <= self.reserve < 1:
       raise ValueError(f"ILPConfig.reserve must be in [0, 1), not {self.reserve}")
-
-
-def objective(problem: Problem, cost: simulator.Cost) -> float:
-  """The environment's objective of a cost (1.0 is the replicated plan)."""
-  config = env_config(problem, "named_dims", 1)
-  return float(env_objective(config, cost, replicated_base(config, problem), problem.tables.hbm_bytes))
 
 
 def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, budget: Budget | int | str = Seconds(20),
@@ -179,7 +173,7 @@ class _Run:
 
   def offer(self, decisions: list[Decision], cost: simulator.Cost, simulations: int) -> bool:
     """Keeps the plan if its objective is the best so far."""
-    value = objective(self.problem, cost)
+    value = plan_objective(self.problem, cost)
     if value >= self.best_objective:
       return False
     self.best, self.best_objective = (list(decisions), cost), value
@@ -208,7 +202,7 @@ def _untie(graph: strategy_graph.ProgramGraph, run: _Run, simulations: int, dead
     plans = [graph.decisions_of(plan) for plan in candidates]
     costs = problem.costs(plans)
     simulations += len(plans)
-    best = min(range(len(plans)), key=lambda i: objective(problem, costs[i]), default=None)
+    best = min(range(len(plans)), key=lambda i: plan_objective(problem, costs[i]), default=None)
     stale = 0 if best is not None and run.offer(plans[best], costs[best], simulations) else stale + 1
   return simulations
 

@@ -15,10 +15,12 @@ plan = partition(step, params, opt_state, batch, mesh="data=2,model=4", hardware
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agents.base import Budget
+from agents.base import Budget, SearchResult, TracePoint, plan_objective
 from agents.registry import run_agent
 from automap_rl import ir, tactics
 from automap_rl.mesh import Hardware, as_mesh
@@ -48,7 +50,10 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
       expert tactic name (`data_megatron`, `fsdp_megatron`, ...; `megatron_3d`,
       `fsdp_megatron_3d` and `pipeline` pipeline the layer stack).
     budget: with its unit: `Simulations(2000)`, `Seconds(30)`, an int (simulations) or a
-      string (`"2000"`, `"30s"`); a float is refused as ambiguous.
+      string (`"2000"`, `"30s"`); a float is refused as ambiguous. Seconds bound the whole
+      call: the agent gets what tracing and building the cost tables left of them
+      (`Budget.after`); where they left nothing, the result is the best expert plan,
+      unsearched, with a warning, and its search's `stopped_by` is `seconds`.
     seed: the search seed; the same seed and a simulations budget give the same plan.
     arg_names: a name per positional argument, the first element of its paths.
     arg_roles: a role (`parameter`, `optimizer_state`, `state`, `input`) per positional
@@ -73,9 +78,10 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     ValueError: an unknown agent, a bad budget or mesh, or a program of which no dimension
       divides by any mesh axis (nothing to shard).
   """
+  start = time.monotonic()
   expert = {**tactics.TACTICS, **tactics.PIPELINE_TACTICS}.get(agent)
   if expert is None:
-    Budget.of(budget)  # A bad budget fails before tracing.
+    budget = Budget.of(budget)  # A bad budget fails before tracing.
   started = phase or (lambda name: None)
   the_mesh, devices = as_mesh(mesh, hardware)
   started("tracing")
@@ -93,6 +99,26 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     return Plan(fn, tuple(args), problem, decisions, agent=agent, devices=devices, pipeline=pipeline,
                 loss_fn=loss_fn, optimizer=optimizer)
   started("searching")
-  result = run_agent(agent, problem, seed=seed, budget=budget, config=config, progress=progress)
+  spent = time.monotonic() - start
+  left = budget.after(spent)
+  result = (_unsearched(problem, agent, budget, spent) if left is None
+            else run_agent(agent, problem, seed=seed, budget=left, config=config, progress=progress))
   return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result, devices=devices,
               pipeline=result.pipeline, loss_fn=loss_fn, optimizer=optimizer)
+
+
+def _unsearched(problem: Problem, agent: str, budget: Budget, spent: float) -> SearchResult:
+  """The best expert plan as the search result of an agent whose seconds went to the work
+  before it (`spent` of `budget.seconds`), with a warning naming the limit."""
+  start = time.monotonic()
+  expert = tactics.best_expert_plan(problem)
+  warnings.warn(f"partition: tracing and building the cost tables took {spent:.1f} s, the whole time budget of "
+                f"{budget.seconds:g} s; returning the best expert plan ({expert.name}) without running {agent} "
+                "(stopped by its time budget).", stacklevel=3)
+  objective = plan_objective(problem, expert.cost)
+  simulations = len(tactics.applicable(problem))
+  seconds = time.monotonic() - start
+  return SearchResult(decisions=list(expert.decisions), cost=expert.cost,
+                      trace=[TracePoint(simulations, seconds, float(expert.cost.step_time), objective)],
+                      simulations=simulations, seconds=seconds, actions=[str(d) for d in expert.decisions],
+                      objective=objective, setup_seconds=seconds, stopped_by="seconds")

@@ -1,6 +1,7 @@
 """`automap_rl.partition` end to end, and the `automap-rl partition` command with agents."""
 
 import json
+import time
 
 import jax
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
 import agents
-from automap_rl import workloads
+from automap_rl import tactics, workloads
 from automap_rl.plan_pictures import shard_blocks
 from experiments import cli, partition_cmd
 
@@ -191,6 +192,42 @@ def test_partition_reads_roles_and_runs_on_a_jax_mesh_with_the_users_function():
   # step normalises gradients, and the attention key bias's is zero up to rounding.
   for a, b in zip(jax.tree.leaves((expected[2], expected[1][0].mu)), jax.tree.leaves((got[2], got[1][0].mu))):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
+
+
+TRACING_S = 2.0  # A large model's tracing, in small: the step sleeps while it is traced.
+OVERRUN_S = 1.5  # What an agent may run past its deadline: the batch in flight, its compiles.
+
+
+def _slow_to_trace(step):
+  """`step`, sleeping `TRACING_S` each time it is traced (a new function: traces are cached
+  per function)."""
+
+  def slow(*args):
+    time.sleep(TRACING_S)
+    return step(*args)
+
+  return slow
+
+
+def test_a_seconds_budget_bounds_the_whole_call_tracing_included():
+  w = workloads.make_workload(GPT, abstract=True)
+  start = time.monotonic()
+  plan = agents.partition(_slow_to_trace(w.step), *w.args, agent="random", budget=agents.Seconds(3),
+                          arg_names=w.arg_names, arg_roles=w.arg_roles)
+  assert time.monotonic() - start <= 3 + OVERRUN_S  # Random search uses all the seconds it gets.
+  assert plan.search.seconds < 3 - TRACING_S + OVERRUN_S
+
+
+def test_a_budget_spent_before_the_search_returns_the_best_expert_naming_the_limit():
+  w = workloads.make_workload(GPT, abstract=True)
+  with pytest.warns(UserWarning, match=r"the whole time budget of 1 s; returning the best expert plan .* without "
+                                       r"running ilp \(stopped by its time budget\)"):
+    plan = agents.partition(_slow_to_trace(w.step), *w.args, agent="ilp", budget="1s",
+                            arg_names=w.arg_names, arg_roles=w.arg_roles)
+  expert = tactics.best_expert_plan(plan.problem)
+  assert plan.search.stopped_by == "seconds" and plan.decisions == list(expert.decisions)
+  assert plan.search.step_time == pytest.approx(float(expert.cost.step_time))
+  assert "stopped by its seconds limit" in plan.report()
 
 
 def test_a_mesh_object_is_priced_with_the_hardware_asked_for():
