@@ -8,7 +8,9 @@ other classes) so that the expert is a plan of the graph, the warm start. The gr
 solved by `automap_rl.solver.solve`, the same core that solves the IOPDDL contest problems:
 exact reductions, Lagrangian pricing of the memory rows with MIP crossovers, then the whole
 problem as one MIP (HiGHS, via highspy) when it is small, else large-neighbourhood MIPs,
-all within the time limit and never leaving the memory limit.
+all within the time limit (by default in a forked process that the deadline stops: a
+HiGHS call can run tens of seconds past its own time limit) and never leaving the memory
+limit.
 
 Why HiGHS: the problem is a MIP with a linear objective over one-hot strategy choices,
 pair terms linearised by marginal constraints and knapsack-like memory rows; HiGHS is an
@@ -67,6 +69,9 @@ class ILPConfig:
     max_axes_per_dim: the most mesh axes the graph gives one named dimension: 2 (single
       axes and ordered pairs) or 1 (single axes only).
     max_resident_gib: the ceiling on the process's resident memory (GiB).
+    workers: the solver's search processes (`solver.solve`): 1 searches in a forked
+      process that the deadline stops whatever it is doing (a HiGHS call can run tens of
+      seconds past its time limit); 0 searches in this process.
     reserve: the share of the time limit kept for turning the plan into the result (at
       least a second).
     action_space: the environment action space the result's `action_ids` are encoded in
@@ -79,6 +84,7 @@ class ILPConfig:
   tie_layers: bool = True
   max_axes_per_dim: int = 2
   max_resident_gib: float = 4.0
+  workers: int = 1
   reserve: float = 0.05
   action_space: str = "named_dims"
   max_decisions: int = 256
@@ -88,6 +94,8 @@ class ILPConfig:
       raise ValueError(f"ILPConfig.max_axes_per_dim must be 1 or 2, not {self.max_axes_per_dim}")
     if not self.max_resident_gib > 0:
       raise ValueError(f"ILPConfig.max_resident_gib must be positive, not {self.max_resident_gib}")
+    if self.workers < 0:
+      raise ValueError(f"ILPConfig.workers must be 0 (search in this process) or more, not {self.workers}")
     if not 0 <= self.reserve < 1:
       raise ValueError(f"ILPConfig.reserve must be in [0, 1), not {self.reserve}")
 
@@ -127,8 +135,13 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
     graph = strategy_graph.build(problem, order, tie, limits, config.max_axes_per_dim)
     warm = graph.assignment_of(list(expert.decisions)) if config.warm_start else None
     setup = run.elapsed()
-    result = solver.solve(graph.graph, timeout_s=max(limits.seconds_left() - reserve, 0.1), seed=seed,
-                          warm_start=None if warm is None else graph.choice(warm), limits=limits)
+    with warnings.catch_warnings():
+      # JAX warns at every fork that its threads may deadlock the child; the solver's
+      # children run numpy and HiGHS only, never JAX.
+      warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+      result = solver.solve(graph.graph, timeout_s=max(limits.seconds_left() - reserve, 0.1), seed=seed,
+                            warm_start=None if warm is None else graph.choice(warm), limits=limits,
+                            workers=config.workers)
     lower_bound = result.lower_bound
     run.stopped(result.stopped_by)
     decisions = graph.decisions(result.choice)

@@ -59,7 +59,8 @@ class PartitionConfig:
     agent: `tactic` (the plan of `--tactic`), or the search agent that finds the plan.
     tactic: the expert tactic that makes the plan (only with `--agent tactic`; default
       data_megatron).
-    budget: the search budget: simulator evaluations (`2000`) or seconds (`30s`).
+    budget: the search budget: simulator evaluations (`2000`) or seconds (`30s`: tracing
+      and building the cost tables included, `agents.partition`).
     seed: the search seed (the same seed and a simulations budget give the same plan).
     json: where to write the figures.
     plot: where to draw the largest arguments' shards (PNG).

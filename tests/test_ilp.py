@@ -49,9 +49,13 @@ def _small_problem(spec: str = "gpt:layers=4,d_model=64,heads=4,seq=32,vocab=128
   return Problem.build(workloads.make_workload(spec, abstract=True).trace(), make_mesh("data=2,model=4", "h100"))
 
 
-def test_a_bad_axes_per_dimension_is_a_one_line_error():
-  with pytest.raises(ValueError, match="max_axes_per_dim must be 1 or 2, not 3"):
-    ilp.ILPConfig(max_axes_per_dim=3)
+@pytest.mark.parametrize("field, value, message", [
+    ("max_axes_per_dim", 3, "max_axes_per_dim must be 1 or 2, not 3"),
+    ("workers", -1, r"workers must be 0 \(search in this process\) or more, not -1"),
+])
+def test_a_bad_config_is_a_one_line_error(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    ilp.ILPConfig(**{field: value})
 
 
 @pytest.mark.parametrize("limit, config, budget, message", [
@@ -68,6 +72,20 @@ def test_a_limit_stops_the_search_and_returns_the_best_expert_naming_it(limit, c
   assert result.step_time == pytest.approx(float(expert_cost.step_time))
   if limit == "seconds":  # Stopped at the first check past the deadline, not after the build.
     assert result.seconds < 30
+
+
+def test_a_solver_step_past_its_time_limit_does_not_hold_the_agent_past_its_deadline(monkeypatch):
+  """A HiGHS call can run tens of seconds past its time limit; the solver's search runs in
+  a forked process that the deadline stops, with the plan and bound it reported."""
+  import importlib
+  import time
+  solve_module = importlib.import_module("automap_rl.solver.solve")
+  monkeypatch.setattr(solve_module, "reoptimize", lambda *args, **kwargs: time.sleep(60))  # Every HiGHS call.
+  problem = _small_problem()
+  with pytest.warns(UserWarning, match="time budget"):
+    result = ilp.search(problem, ilp.ILPConfig(max_resident_gib=64), budget=Seconds(10))
+  assert result.seconds < 12 and result.stopped_by == "seconds"
+  assert result.lower_bound is not None and result.lower_bound <= result.step_time * (1 + 1e-6)
 
 
 def test_a_tied_search_is_never_worse_than_the_best_expert_and_bounds_its_graph():

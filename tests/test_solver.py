@@ -289,13 +289,15 @@ def test_every_highs_call_gets_a_time_limit_within_the_shared_deadline(monkeypat
 
 def test_a_worker_that_hangs_is_stopped_at_the_timeout_with_its_best_plan(monkeypatch):
   """A stage that never returns (as a HiGHS call past its time limit can) is killed at the
-  timeout; the plan the worker reported before it is returned, marked as stopped."""
+  timeout; the plan and the lower bound the worker reported before it are returned, marked
+  as stopped."""
   solve_module = importlib.import_module("automap_rl.solver.solve")
   monkeypatch.setattr(solve_module._Search, "whole_mip", lambda self, time_limit: time.sleep(3600))
   graph = binding_chain()
   result = solve(graph, timeout_s=4, seed=0, workers=1)
   assert result.stopped_by == "seconds" and is_feasible(graph, result.choice)
   assert any("killed at the time limit" in line for line in result.log)
+  assert result.lower_bound is not None and result.lower_bound <= result.cost
 
 
 def solver_views(graph: StrategyGraph):

@@ -272,7 +272,8 @@ class _Outcome:
 def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limits: Limits, seeds: list[int],
                hard_deadline: float, progress: Progress | None) -> _Outcome:
   """Runs one search per seed in a forked process; publishes each new best plan to the
-  other searches (`_SharedBest`); kills the searches still running at `hard_deadline`, or once a search
+  other searches (`_SharedBest`); keeps the best plan and lower bound each search reports
+  as it finds them; kills the searches still running at `hard_deadline`, or once a search
   has proven the best plan optimal (its lower bound reaches the plan's cost). Ties between
   searches go to the lower-numbered one, so the result does not depend on which
   message arrives first."""
@@ -302,7 +303,9 @@ def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limi
         logs.append(f"worker {worker}: ended without a report (exit code {processes[worker].exitcode})")
         del running[worker]
         continue
-      if message[0] == "plan":
+      if message[0] == "bound":
+        bounds.append(message[1])
+      elif message[0] == "plan":
         _, choice, cost, stage = message
         if (cost, worker) < best_key:
           best, best_key = choice, (cost, worker)
@@ -407,9 +410,12 @@ class _Search:
     self.log.append(f"{self.elapsed():6.2f}s {line}")
 
   def bound(self, value: float) -> None:
-    """Keeps the highest finite lower bound."""
+    """Keeps the highest finite lower bound, and reports it at once in a worker (a worker
+    killed at the time limit reports no outcome)."""
     if np.isfinite(value) and (self.lower_bound is None or value > self.lower_bound):
       self.lower_bound = float(value)
+      if self.channel is not None:
+        self.channel.send(("bound", self.lower_bound))
 
   def offer(self, choice: np.ndarray, stage: str, line: bool = True) -> bool:
     """Keeps `choice` if it is within the limit and cheaper than the line's best or, kept
