@@ -177,11 +177,13 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
   return lambda *args: walk(closed.jaxpr, closed.consts, args, ())
 
 
-# Ops XLA would partition along a window (halo exchanges) if it saw their operands sharded
-# there: `lower` pins their operands and results to the shardings their rule computes on.
+# Ops XLA would partition otherwise than their rule if it saw their operands sharded as
+# they are stored: along a window (halo exchanges), or, for gathers and scatter-adds by
+# index (a GNN's messages), over devices of no mesh axis (whole operands all-reduced and
+# permuted). `lower` pins their operands and results to the shardings their rule computes on.
 PINNED_PRIMITIVES = frozenset({
     "conv_general_dilated", "reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
-    "select_and_scatter_add", "select_and_gather_add",
+    "select_and_scatter_add", "select_and_gather_add", "gather", "scatter-add",
 })
 
 
