@@ -158,7 +158,9 @@ def test_bad_targets_raise_errors_that_name_them():
 
 
 def test_expected_order_of_expert_tactics_on_gpt():
-  problem = zoo_problem("gpt:layers=4,d_model=512", "data=2,model=4")
+  # Wide enough that the model-parallel plans' compute savings outweigh their all-reduces
+  # with float32 dots on the H100's TF32 tensor cores.
+  problem = zoo_problem("gpt:layers=4,d_model=1024,batch=32", "data=2,model=4")
   times = {name: float(problem.cost(plan).step_time) for name, plan in tactics.applicable(problem).items()}
   assert times["data_megatron"] < times["megatron"] < times["data_parallel"] < times["replicated"]
 
