@@ -50,6 +50,10 @@ class Link:
   latency: float
 
 
+# The ops `Hardware.matmul_flops` prices: contractions that run on matrix units.
+MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
   """Peak capabilities of one device and of the links around it.
@@ -58,6 +62,10 @@ class Hardware:
     name: Profile name, the key in `HARDWARE`.
     flops: Peak flop/s per device keyed by dtype name ('float32', 'bfloat16',
       'float16', 'int8'); dense (no structured sparsity).
+    matmul_flops: Peak flop/s of dots and convolutions where XLA's default precision runs
+      them on other units than `flops` gives for their dtype, keyed likewise: float32 on
+      TF32 tensor cores on A100 and H100 (XLA:GPU's default for float32 dots and
+      convolutions; measured on one H100, see BENCHMARKS.md). Dtypes not in it take `flops`.
     hbm_bytes: Accelerator memory capacity per device, bytes.
     hbm_bandwidth: Accelerator memory bandwidth per device, bytes/s.
     intra_node: Link between devices of the same node.
@@ -82,8 +90,16 @@ class Hardware:
   inter_node: Link
   devices_per_node: int
   combine_threshold: Mapping[str, float]
+  matmul_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
   reduce_scatter: bool = True
   dense_batch_group_conv: bool = False
+
+  def peak_flops(self, primitive: str, dtype: str) -> float:
+    """Peak flop/s of an op of `primitive` whose result is `dtype` (dtypes without a rate
+    take float32's)."""
+    if primitive in MATMUL_PRIMITIVES and dtype in self.matmul_flops:
+      return self.matmul_flops[dtype]
+    return self.flops.get(dtype, self.flops["float32"])
 
 
 _GB = 1e9
@@ -105,6 +121,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
           "float16": 312e12,  # datasheet "FP16 Tensor Core".
           "int8": 624e12,  # datasheet "INT8 Tensor Core".
       },
+      matmul_flops={"float32": 156e12},  # datasheet "TF32 Tensor Core" 312 / 2 (dense).
       hbm_bytes=hbm_bytes,
       hbm_bandwidth=hbm_bandwidth,
       intra_node=Link(
@@ -141,6 +158,7 @@ HARDWARE: Mapping[str, Hardware] = {
             "float16": 989e12,  # datasheet "FP16 Tensor Core" 1979 / 2.
             "int8": 1979e12,  # datasheet "INT8 Tensor Core" 3958 / 2.
         },
+        matmul_flops={"float32": 494.5e12},  # datasheet "TF32 Tensor Core" 989 / 2 (dense).
         hbm_bytes=80 * _GB,  # H100 datasheet, SXM5: 80 GB HBM3.
         hbm_bandwidth=3.35e12,  # H100 datasheet, SXM5: 3.35 TB/s.
         intra_node=Link(

@@ -35,6 +35,21 @@ def test_contracting_dim_sharded_costs_one_all_reduce_of_the_output():
   assert cost.compute_time < replicated.compute_time
 
 
+@pytest.mark.parametrize("hardware, matmul_rate", [("h100", 494.5e12), ("a100-80g", 156e12), ("tpu-v4", 275e12 / 6)])
+def test_float32_matmuls_are_priced_at_the_rate_xla_runs_them(hardware, matmul_rate):
+  """XLA:GPU runs float32 dots on TF32 tensor cores by default (a float32 GPT step on an
+  H100 reached 80 TFLOP/s, above the 67 of its float32 units); other ops keep the float32
+  rate, and a profile without a matmul rate prices dots like the rest."""
+  n = 1024
+  tables = Problem.build(ir.trace(lambda x, w: x @ w, jnp.ones((n, n)), jnp.ones((n, n))),
+                         make_mesh("data=2", hardware)).tables
+  assert float(tables.op_compute_s.sum() + tables.value_compute_s.sum()) == pytest.approx(2 * n**3 / matmul_rate,
+                                                                                          rel=1e-5)
+  hw = make_mesh("data=2", hardware).hardware
+  assert hw.peak_flops("tanh", "float32") == hw.flops["float32"]
+  assert hw.peak_flops("dot_general", "bfloat16") == hw.flops["bfloat16"]
+
+
 @pytest.mark.parametrize("kind", ["all-gather", "collective-permute"])
 def test_collective_seconds_are_linear_in_buffers_of_gibibytes(kind):
   """Compiled collectives of 2 GiB and more (a stacked scan buffer) are priced, not overflowed."""
@@ -143,7 +158,9 @@ def test_bad_targets_raise_errors_that_name_them():
 
 
 def test_expected_order_of_expert_tactics_on_gpt():
-  problem = zoo_problem("gpt:layers=4,d_model=512", "data=2,model=4")
+  # Wide enough that the model-parallel plans' compute savings outweigh their all-reduces
+  # with float32 dots on the H100's TF32 tensor cores.
+  problem = zoo_problem("gpt:layers=4,d_model=1024,batch=32", "data=2,model=4")
   times = {name: float(problem.cost(plan).step_time) for name, plan in tactics.applicable(problem).items()}
   assert times["data_megatron"] < times["megatron"] < times["data_parallel"] < times["replicated"]
 

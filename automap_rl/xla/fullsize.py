@@ -180,12 +180,13 @@ def _axes_mask(mesh: Mesh, axes: Sequence[str] | None) -> int:
 
 
 @functools.cache
-def _compute_dtype(problem: Problem) -> str:
-  """The result dtype of the op with the most flops (the matmuls' dtype)."""
+def _peak_flops(problem: Problem) -> float:
+  """The peak flop/s of the op with the most flops (a matmul, in the matmuls' dtype)."""
   program = problem.program
   flops = program_flops(program)
   heaviest = max(program.ops, key=lambda op: op.repeat * flops[op.id])
-  return program.values[heaviest.results[0]].dtype if heaviest.results else "float32"
+  dtype = program.values[heaviest.results[0]].dtype if heaviest.results else "float32"
+  return problem.mesh.hardware.peak_flops(heaviest.primitive, dtype)
 
 
 def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, float]:
@@ -194,8 +195,7 @@ def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, float]:
   hardware = problem.mesh.hardware
   comm = sum(c.repeat * collective_seconds(problem.tables, c.kind, c.bytes, _axes_mask(problem.mesh, c.mesh_axes))
              for c in stats.collectives)
-  peak = hardware.flops.get(_compute_dtype(problem), hardware.flops["float32"])
-  compute = stats.flops / peak + stats.bytes_accessed / hardware.hbm_bandwidth
+  compute = stats.flops / _peak_flops(problem) + stats.bytes_accessed / hardware.hbm_bandwidth
   return {"step_time": compute + comm, "compute_time": compute, "comm_time": comm}
 
 
