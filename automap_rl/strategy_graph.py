@@ -730,6 +730,7 @@ def build(problem: Problem, order: Sequence[int] | None = None, tie: np.ndarray 
         edges.append((len(node_costs) - 1, num_nodes + s))
         edge_costs.append(diagonal)
   counts = [len(c) for c in node_costs]
+  limits.check("laying out the strategy graph's edges", allocating=8 * sum(len(c) for c in edge_costs))
   graph = StrategyGraph(
       node_costs=np.concatenate(node_costs).astype(np.float64), node_usages=np.concatenate(node_usages).astype(np.float64),
       node_offsets=offsets_from_counts(counts), intervals=np.array(intervals, np.int64).reshape(-1, 2),

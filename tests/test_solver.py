@@ -181,6 +181,15 @@ def test_a_memory_ceiling_stops_the_solver_before_it_has_a_plan():
     solve(graph, timeout_s=2, seed=0, limits=Limits(deadline=0.0))
 
 
+def test_an_allocation_that_would_pass_the_memory_ceiling_stops_before_it_is_made():
+  from automap_rl.solver.limits import resident_bytes
+  limits = Limits(max_resident_bytes=resident_bytes() + 2**30)
+  limits.check("building")
+  with pytest.raises(LimitReached, match="and 2.00 GiB to allocate, above the ceiling") as raised:
+    limits.check("building", allocating=2**31)
+  assert raised.value.limit == "memory"
+
+
 def test_prices_of_a_segment_no_plan_fits_stay_finite():
   from automap_rl.solver.solve import Role, next_prices
   prices, capacity = np.zeros(3), np.array([10.0, 10.0, 10.0])

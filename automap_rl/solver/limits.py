@@ -58,13 +58,15 @@ class Limits:
     """Seconds to the deadline (inf without one; negative past it)."""
     return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
-  def check(self, where: str) -> None:
-    """Raises `LimitReached` when past the deadline or above the memory ceiling; `where`
-    names the stage for the message."""
+  def check(self, where: str, allocating: int = 0) -> None:
+    """Raises `LimitReached` when past the deadline or above the memory ceiling, counting
+    `allocating` bytes the caller is about to allocate at once (one array that would
+    pass the ceiling before the next check); `where` names the stage for the message."""
     if self.deadline is not None and time.monotonic() > self.deadline:
       raise LimitReached("seconds", f"the time budget ran out while {where}")
     if self.max_resident_bytes is not None:
       rss = resident_bytes()
-      if rss > self.max_resident_bytes:
-        raise LimitReached("memory", f"resident memory reached {rss / 2**30:.2f} GiB, above the ceiling of "
-                                     f"{self.max_resident_bytes / 2**30:.2f} GiB, while {where}")
+      if rss + allocating > self.max_resident_bytes:
+        planned = f" and {allocating / 2**30:.2f} GiB to allocate" if allocating else ""
+        raise LimitReached("memory", f"resident memory reached {rss / 2**30:.2f} GiB{planned}, above the ceiling "
+                                     f"of {self.max_resident_bytes / 2**30:.2f} GiB, while {where}")
