@@ -115,9 +115,8 @@ def test_nested_loops_cost_what_xla_compiles():
       assert simulated["comm_count_by_kind"][kind] == pytest.approx(compiled["comm_count_by_kind"][kind], rel=0.15), name
     if name != "replicated":
       assert compiled["comm_count_by_kind"]["all-reduce"] > layers * seq  # One per time step at least.
-  dp = validate.simulated_metrics(problem, plans["data_parallel"])
-  lowered = lower(problem, plans["data_parallel"], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
-  assert dp["comm_bytes"] == validate.compiled_metrics(lowered.stats)["comm_bytes"]
+    if name == "data_parallel":
+      assert simulated["comm_bytes"] == compiled["comm_bytes"]
 
 
 def test_loop_buffers_are_live_through_the_loop():
