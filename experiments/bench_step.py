@@ -202,14 +202,12 @@ def run(config: StepBenchConfig) -> list[dict[str, Any]]:
   if config.measured and not config.simulate:
     raise ValueError("--measured prices an earlier run's rows: it needs the simulator (drop --no-simulate).")
   rows: list[dict[str, Any]] = []
-  earlier = _read_measured(config.measured) if config.measured else None
-  for spec in [r["workload"] for r in earlier] if earlier else config.workloads:
-    with phase(f"{spec}: {'simulate' if earlier else 'build, simulate, compile, time'}"):
-      if earlier:
-        measured = next(r for r in earlier if r["workload"] == spec)
-        rows.append(compare(simulated_row(spec, config.hardware, config.seed), measured, config.hardware))
-      else:
-        rows.append(measure_workload(spec, config))
+  work = ([(r["workload"], r) for r in _read_measured(config.measured)] if config.measured
+          else [(spec, None) for spec in config.workloads])
+  for spec, measured in work:
+    with phase(f"{spec}: {'simulate' if measured else 'build, simulate, compile, time'}"):
+      rows.append(measure_workload(spec, config) if measured is None
+                  else compare(simulated_row(spec, config.hardware, config.seed), measured, config.hardware))
     summary = _summary(rows, config.hardware)
     write_json(config.json, {"summary": summary, "rows": rows})  # After every row: a long run keeps what it measured.
   print(table(rows))
