@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 $(BIN)/automap-rl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,external]"
 	touch $@
 
 # MCTS partitions an 8-layer GPT for a 2x4 H100 mesh, compares the plan with data parallel,

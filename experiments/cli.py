@@ -148,7 +148,8 @@ def usage() -> str:
            "", __doc__.splitlines()[0], "", "commands:"]
   lines += [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
   lines += ["", f"hardware profiles (--hardware): {', '.join(mesh.HARDWARE)}",
-            f"workload families (WORKLOAD is FAMILY[:key=value,...]): {', '.join(workloads.FAMILIES)}",
+            f"workload families (WORKLOAD is FAMILY[:key=value,...]): {', '.join(workloads.FAMILIES)}; "
+            f"external: {', '.join(workloads.EXTERNAL_FAMILIES)}",
             "meshes (--mesh): axis=size,... e.g. data=2,model=4 (the last axis is the fastest link)",
             f"{DEBUG_FLAG}: show Python tracebacks instead of one-line errors"]
   return "\n".join(lines)

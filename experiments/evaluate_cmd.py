@@ -72,7 +72,7 @@ class EvaluateConfig:
   """
 
   checkpoint: str | None = None
-  split: Literal["smoke", "train", "test"] = "test"
+  split: Literal["smoke", "train", "test", "external"] = "test"
   max_cases: int | None = None
   workload: OptionalWorkload = None
   mesh: MeshSpec = "data=2,model=4"

@@ -90,9 +90,9 @@ class PartitionConfig:
 
 
 def is_user_function(model: str) -> bool:
-  """Whether MODEL names `package.module:function` rather than a zoo spec."""
+  """Whether MODEL names `package.module:function` rather than a zoo or external spec."""
   head, sep, _ = model.partition(":")
-  return bool(sep) and head.strip() not in workloads.FAMILIES and "=" not in head
+  return bool(sep) and head.strip() not in workloads.FAMILIES + workloads.EXTERNAL_FAMILIES and "=" not in head
 
 
 def load_user_function(target: str) -> tuple[str, Any, tuple, tuple[str, ...] | None, tuple[str, ...] | None]:

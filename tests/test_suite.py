@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from automap_rl import mesh as mesh_lib
+from automap_rl import tactics
 from automap_rl.problem import Problem
 from automap_rl.workloads import FAMILIES, SPLITS, canonical_spec, load_cases
 from automap_rl.workloads.suite import MAX_DEVICES
@@ -45,20 +46,42 @@ def test_gpu_meshes_have_a_fast_inner_and_a_slow_outer_axis():
 
 
 def test_unknown_split_is_a_one_line_error():
-  with pytest.raises(ValueError, match=r"^unknown split 'dev'; valid splits: smoke, train, test$"):
+  with pytest.raises(ValueError, match=r"^unknown split 'dev'; valid splits: smoke, train, test, external$"):
     load_cases("dev")
 
 
-@pytest.mark.parametrize("case", load_cases("smoke"), ids=lambda c: c.name)
-def test_smoke_cases_trace_abstractly_and_simulate(case):
+def _traced(case) -> Problem:
+  """The case's problem, traced abstractly, with no unknown primitive."""
   workload = case.make_workload()
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(workload.args))
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # An unknown primitive warns.
     program = workload.trace()
   assert program.unknown_primitives == ()
-  cost = Problem.build(program, case.make_mesh()).cost([])
+  return Problem.build(program, case.make_mesh())
+
+
+@pytest.mark.parametrize("case", load_cases("smoke"), ids=lambda c: c.name)
+def test_smoke_cases_trace_abstractly_and_simulate(case):
+  cost = _traced(case).cost([])
   assert float(cost.step_time) > 0 and bool(cost.fits)
+
+
+# External cases whose abstract trace takes a second or two; the transformers and ResNet
+# ones take 4-11 s each and run in `make test-all`.
+FAST_EXTERNAL = ("jraph-gcn", "jraph-gat", "eqx-mlp")
+
+
+@pytest.mark.parametrize("case", [c if c.family in FAST_EXTERNAL else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in load_cases("external")], ids=lambda c: c.name)
+def test_external_cases_trace_abstractly_and_have_dims_to_shard(case):
+  problem = _traced(case)
+  # Named dimensions that every mesh axis divides, and an expert plan over them that takes
+  # less memory per device than replication.
+  divisible = [c for c in problem.named.classes if all(c.size % a == 0 for a in problem.mesh.axis_sizes)]
+  assert len(divisible) >= 4
+  expert = tactics.best_expert_plan(problem)
+  assert expert.decisions and float(expert.cost.peak_memory) < float(problem.cost([]).peak_memory)
 
 
 def test_suite_list_prints_every_case_of_the_split(capsys):

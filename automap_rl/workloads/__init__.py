@@ -6,15 +6,16 @@
 its gradient and an optax AdamW update (families with batch-norm statistics
 take and return them too). Parameters and batches are random, built from the
 seed. :func:`load_cases` reads the task suite (workload, mesh, hardware) by
-split.
+split. :data:`EXTERNAL_FAMILIES` wrap models that ship inside other packages
+(:mod:`automap_rl.workloads.external`); the suite's ``external`` split holds them.
 """
 
-from automap_rl.workloads.spec import (FAMILIES, SMALL, STYLES, canonical_spec,
-                                       make_workload, parse_model_spec)
+from automap_rl.workloads.spec import (EXTERNAL_FAMILIES, FAMILIES, SMALL, STYLES,
+                                       canonical_spec, make_workload, parse_model_spec)
 from automap_rl.workloads.suite import SPLITS, Case, load_cases
 from automap_rl.workloads.training import Workload
 
 __all__ = [
-    "FAMILIES", "SMALL", "SPLITS", "STYLES", "Case", "Workload", "canonical_spec", "load_cases",
+    "EXTERNAL_FAMILIES", "FAMILIES", "SMALL", "SPLITS", "STYLES", "Case", "Workload", "canonical_spec", "load_cases",
     "make_workload", "parse_model_spec",
 ]

@@ -7,6 +7,10 @@ preset, ``"name:size=label,key=value"``.
 ``unet:size=sd-1.5``, ``gnn:size=graphcast``, ``ssm:size=2.8b``,
 ``lstm:size=8192-1024``); the other
 items override its fields (``gpt:size=1.3b,batch=32``), whatever their order.
+
+The zoo's families (:data:`FAMILIES`) are written here; the external ones
+(:data:`EXTERNAL_FAMILIES`, e.g. ``hf-gpt2:size=medium``) wrap models that ship
+inside other packages (:mod:`automap_rl.workloads.external`).
 """
 
 from __future__ import annotations
@@ -14,18 +18,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 import jax
 
 from automap_rl.compile_options import quick_compile_options
-from automap_rl.workloads import (gnn, gpt, llama, lstm, mlp, moe, resnet, ssm,
-                                  t5, training, unet, vit, wide_resnet)
+from automap_rl.workloads import (external, gnn, gpt, llama, lstm, mlp, moe, resnet,
+                                  ssm, t5, training, unet, vit, wide_resnet)
 
-# Model name -> (module with ``make(config, seed)`` and ``PRESETS``, config
+# Zoo model name -> (module with ``make(config, seed)`` and ``PRESETS``, config
 # class).
-_MODELS: dict[str, tuple[ModuleType, type]] = {
+_ZOO: dict[str, tuple[ModuleType, type]] = {
     "mlp": (mlp, mlp.MLPConfig),
     "gpt": (gpt, gpt.GPTConfig),
     "moe": (moe, moe.MoEConfig),
@@ -39,7 +44,14 @@ _MODELS: dict[str, tuple[ModuleType, type]] = {
     "ssm": (ssm, ssm.SSMConfig),
     "lstm": (lstm, lstm.LSTMConfig),
 }
-FAMILIES: tuple[str, ...] = tuple(_MODELS)
+# Every model name, the zoo's and the external ones -> (``make(config, seed)``,
+# config class, size label -> config fields).
+_MODELS: dict[str, tuple[Callable[[Any, int], training.Workload], type, Mapping[str, Mapping[str, Any]]]] = {
+    **{name: (module.make, config, getattr(module, "PRESETS", {})) for name, (module, config) in _ZOO.items()},
+    **{name: (family.make, family.config, family.presets) for name, family in external.FAMILIES.items()},
+}
+FAMILIES: tuple[str, ...] = tuple(_ZOO)
+EXTERNAL_FAMILIES: tuple[str, ...] = tuple(external.FAMILIES)
 # Family -> its framework style.
 STYLES: dict[str, str] = {
     "mlp": "haiku", "gpt": "flax.linen", "moe": "flax.linen", "gnn": "haiku",
@@ -65,9 +77,9 @@ SMALL: dict[str, str] = {
 }
 
 
-def presets(name: str) -> dict[str, dict[str, Any]]:
+def presets(name: str) -> Mapping[str, Mapping[str, Any]]:
   """Size label -> config fields of family ``name``."""
-  return getattr(_MODELS[name][0], "PRESETS", {})
+  return _MODELS[name][2]
 
 
 def _convert(key: str, value: str, kind: type) -> Any:
@@ -100,7 +112,7 @@ def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
   name = name.strip()
   if name not in _MODELS:
     raise ValueError(
-        f"unknown model {name!r}; valid models: {', '.join(FAMILIES)}")
+        f"unknown model {name!r}; valid models: {', '.join(FAMILIES + EXTERNAL_FAMILIES)}")
   config_cls = _MODELS[name][1]
   types = typing.get_type_hints(config_cls)
   kwargs, size = {}, {}
@@ -171,11 +183,11 @@ def make_workload(spec: str, seed: int = 0, abstract: bool = False) -> training.
   way ``module.make`` runs once, under ``jax.eval_shape`` or ``jax.jit``.
   """
   name, config = make_config(spec)
-  module = _MODELS[name][0]
+  make = _MODELS[name][0]
   built = []
 
   def build():
-    built.append(module.make(config, seed))
+    built.append(make(config, seed))
     return built[0].args
 
   # One compile for the whole build (initializers, data, optimizer state)

@@ -20,6 +20,12 @@ Splits:
   layers) into a structure none of them has, and together they cover three
   of the four framework styles (Haiku, Flax linen, Equinox), each of which
   also appears in train.
+* ``external``: models nobody here wrote, from the code that ships inside
+  other packages (Hugging Face ``transformers``' Flax GPT-2, BERT, ViT and
+  BART, Haiku's ResNets, jraph's GCN and GAT, Equinox's MLP; see
+  :mod:`automap_rl.workloads.external`) at published sizes. For evaluation
+  only: training reads ``smoke`` or ``train``. Only this split holds the
+  external families.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from automap_rl import mesh as mesh_lib
 from automap_rl.workloads import spec as spec_lib
 from automap_rl.workloads import training
 
-SPLITS: tuple[str, ...] = ("smoke", "train", "test")
+SPLITS: tuple[str, ...] = ("smoke", "train", "test", "external")
 MAX_DEVICES = 128  # A GPT-175B-class case spans 16 nodes of 8 GPUs; every case traces abstractly.
 
 
@@ -82,6 +88,9 @@ def _case(entry: dict[str, str]) -> Case:
   if entry["split"] not in SPLITS:
     raise ValueError(f"case {name!r}: unknown split {entry['split']!r}")
   family, _ = spec_lib.parse_model_spec(entry["workload"])
+  if (family in spec_lib.EXTERNAL_FAMILIES) != (entry["split"] == "external"):
+    raise ValueError(f"case {name!r}: family {family!r} does not belong in split {entry['split']!r} "
+                     "(the external split holds exactly the external families)")
   mesh = mesh_lib.make_mesh(entry["mesh"], entry["hardware"])
   if not 8 <= mesh.num_devices <= MAX_DEVICES or len(mesh.axis_names) not in (2, 3):
     raise ValueError(f"case {name!r}: mesh {entry['mesh']!r} is not 8 to {MAX_DEVICES} devices on 2 or 3 axes")
