@@ -29,13 +29,22 @@ its best plan so far (the expert's when the solver has none yet) with a warning 
 limit, and `SearchResult.stopped_by` says which.
 
 Repeated layers are tied (`strategy_graph.tied_classes`): every layer of an unrolled
-stack takes the same axes, so a deep model's graph is about one layer's size. Time left
-after the solve unties them by local improvement: single class changes, each layer's
-classes apart, priced by the simulator in batches, the best improving one kept.
+stack takes the same axes, so a deep model's graph is about one layer's size. With pairs,
+a second solve over the single-axis plans (pairs forbidden: a smaller problem, often
+solved to optimality) runs at the same time on a second core.
 
-Every solve reports a lower bound (`SearchResult.lower_bound`): no plan of the graph (tied
-when tied) costs less, in the graph's cost (the simulator's step time without collective
-combining, which is at least the simulator's own).
+The graph prices each collective alone where the simulator combines them, so plans the
+graph ranks alike can part by tens of percent in step time. The last share of the time
+(`ILPConfig.descent_share`) goes to a steepest descent on the simulator's objective from
+the solves' plans and the expert's: changes of one class node's axes (its tied layers
+together) and of one tied layer alone, priced in batches, until none improves. Where the
+graph is too large to solve, the descent still runs from the expert.
+
+Every run that builds the graph reports a lower bound (`SearchResult.lower_bound`): no plan
+of the graph (tied when tied) costs less, in the graph's cost (the simulator's step time
+without collective combining, which is at least the simulator's own): the solve's proven
+bound, or where the graph is too large to solve, each node's and edge's cheapest entry
+(`solver.separable_lower_bound`).
 
 The result's plan is a decision list over named dimensions, resolved, simulated and
 lowered like any other; its cost is the simulator's (equal to the graph's). The graph's
@@ -45,10 +54,13 @@ peak memory, so the plan fits in memory whenever some plan of the graph does.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
+
+import numpy as np
 
 from agents.base import Budget, Progress, SearchResult, Seconds, TracePoint, env_config, plan_objective, searcher
 from automap_rl import simulator, solver, strategy_graph, tactics
@@ -65,9 +77,15 @@ class ILPConfig:
     warm_start: start from the best expert plan (else from nothing; the class order is
       then by id).
     tie_layers: tie repeated layers (`strategy_graph.tied_classes`), untied afterwards by
-      local improvement while time is left.
+      the descent where that pays.
     max_axes_per_dim: the most mesh axes the graph gives one named dimension: 2 (single
       axes and ordered pairs) or 1 (single axes only).
+    single_axes_alongside: with pairs, also solve the single-axis plans (pairs forbidden)
+      in a second solver process at the same time: a smaller problem, often solved to
+      optimality within the time, where the whole graph's search can end above its best
+      plan. It uses a second core.
+    descent_share: the share of the time left after the graph's build kept for the
+      simulator-priced descent from the solver's plan (`_descend`).
     max_resident_gib: the ceiling on the process's resident memory (GiB).
     workers: the solver's search processes (`solver.solve`): 1 searches in a forked
       process that the deadline stops whatever it is doing (a HiGHS call can run tens of
@@ -83,6 +101,8 @@ class ILPConfig:
   warm_start: bool = True
   tie_layers: bool = True
   max_axes_per_dim: int = 2
+  single_axes_alongside: bool = True
+  descent_share: float = 0.2
   max_resident_gib: float = 4.0
   workers: int = 1
   reserve: float = 0.05
@@ -96,6 +116,8 @@ class ILPConfig:
       raise ValueError(f"ILPConfig.max_resident_gib must be positive, not {self.max_resident_gib}")
     if self.workers < 0:
       raise ValueError(f"ILPConfig.workers must be 0 (search in this process) or more, not {self.workers}")
+    if not 0 <= self.descent_share < 1:
+      raise ValueError(f"ILPConfig.descent_share must be in [0, 1), not {self.descent_share}")
     if not 0 <= self.reserve < 1:
       raise ValueError(f"ILPConfig.reserve must be in [0, 1), not {self.reserve}")
 
@@ -103,18 +125,20 @@ class ILPConfig:
 def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, budget: Budget | int | str = Seconds(20),
            progress: Progress | None = None) -> SearchResult:
   """Finds the best expert plan, builds the strategy graph (layers tied unless
-  `config.tie_layers` is off), solves it from the expert, unties it while time is left,
-  and returns the best of these plans, all within the budget's seconds (else
-  `config.seconds`) and `config.max_resident_gib` (see the module docstring).
+  `config.tie_layers` is off), solves it from the expert (its single-axis plans beside),
+  descends from the solves' plans and the expert's on the simulator's objective, and
+  returns the best plan, all within the budget's seconds (else `config.seconds`) and
+  `config.max_resident_gib` (see the module docstring).
 
-  A simulation is a complete plan simulated: the experts, the untying candidates and the
-  result (the graph's per-site terms, evaluated once in batches, are not counted), so a
-  simulations budget does not bound this agent; its time limit does. The seed drives the
-  solver's random choices; its stages stop on the wall clock, so two runs agree when the
-  whole MIP is solved to optimality (small graphs) and can differ otherwise. The best
-  expert plan is returned when no graph plan fits in memory, when the graph is too large
-  for the solver (`solver.GraphTooLarge`, with a warning), and when a limit stops the
-  search before the solver has a plan (with a warning naming the limit).
+  A simulation is a complete plan simulated: the experts, the solves' plans and the
+  descent's candidates (the graph's per-site terms, evaluated once in batches, are not
+  counted), so a simulations budget does not bound this agent; its time limit does. The
+  seed drives the solver's random choices; its stages stop on the wall clock, so two runs
+  agree when the whole MIP is solved to optimality (small graphs) and can differ
+  otherwise. Where the graph is too large for the solver (`solver.GraphTooLarge`) or no
+  graph plan fits in memory, the descent starts from the expert alone (with a warning for
+  the first); a limit that stops the search before the solver has a plan is named in a
+  warning. The result is never worse than the best expert.
   """
   budget = Budget.of(budget)
   seconds = budget.seconds if budget.seconds is not None else config.seconds
@@ -125,36 +149,48 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   simulations = len(tactics.applicable(problem)) + 1
   dec_class, dec_axis = problem.encode(expert.decisions)
   # The expert as class decisions: the fallback, and the plan to beat.
-  run.offer([Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(dec_class, dec_axis)], expert.cost,
-            simulations)
+  expert_decisions = [Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(dec_class, dec_axis)]
+  run.offer(expert_decisions, expert.cost, simulations)
   setup = 0.0
-  lower_bound = None
+  lower_bound = graph = None
+  starts: list[list[Decision]] = []  # Where the simulator-priced descent starts.
   try:
     order = strategy_graph.order_from(problem, expert.decisions if config.warm_start else (), config.max_axes_per_dim)
     tie = strategy_graph.tied_classes(problem) if config.tie_layers else None
     graph = strategy_graph.build(problem, order, tie, limits, config.max_axes_per_dim)
     warm = graph.assignment_of(list(expert.decisions)) if config.warm_start else None
+    warm = None if warm is None else graph.choice(warm)
     setup = run.elapsed()
-    with warnings.catch_warnings():
+    lower_bound = solver.separable_lower_bound(graph.graph)
+    single = _single_axes(graph) if config.single_axes_alongside else None
+    seconds_left = (1 - config.descent_share) * (limits.seconds_left() - reserve)
+    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
       # JAX warns at every fork that its threads may deadlock the child; the solver's
       # children run numpy and HiGHS only, never JAX.
       warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-      result = solver.solve(graph.graph, timeout_s=max(limits.seconds_left() - reserve, 0.1), seed=seed,
-                            warm_start=None if warm is None else graph.choice(warm), limits=limits,
-                            workers=config.workers)
-    lower_bound = result.lower_bound
-    run.stopped(result.stopped_by)
-    decisions = graph.decisions(result.choice)
-    simulations += 1
-    run.offer(decisions, problem.cost(decisions), simulations)
-    if graph.tied and result.stopped_by is None:
-      simulations = _untie(graph, run, simulations, deadline=limits.deadline - reserve)
+      solves = [pool.submit(_solve, g, config, seed, warm, limits, seconds_left)
+                for g in (graph.graph, single) if g is not None]
+      concurrent.futures.wait(solves)
+    if len(solves) == 2 and solves[1].exception() is None:
+      starts.append(graph.decisions(solves[1].result().choice))
+    result = solves[0].result()  # Raises the whole graph's solve's error.
+    lower_bound = max(lower_bound, result.lower_bound or 0.0)
+    run.stopped(result.stopped_by, f"the solver stopped at its {result.stopped_by} limit")
+    starts.insert(0, graph.decisions(result.choice))
   except solver.LimitReached as e:
     run.stopped(e.limit, str(e))
   except solver.GraphTooLarge as e:
-    warnings.warn(f"ilp: {e}; returning the best expert plan ({expert.name}) instead.", stacklevel=2)
+    warnings.warn(f"ilp: {e}; returning its best plan so far instead.", stacklevel=2)
   except RuntimeError:  # No plan of the graph fits in memory.
     pass
+  try:
+    # From the solves' plans, then from the best expert's.
+    for start in (starts + [expert_decisions] if graph is not None else []):
+      if run.stopped_by == "memory" or limits.seconds_left() <= reserve:
+        break
+      simulations = _descend(graph, run, start, simulations, deadline=limits.deadline - reserve)
+  except solver.LimitReached as e:
+    run.stopped(e.limit, str(e))
   if run.stopped_by is not None:
     warnings.warn(f"ilp: stopped by its {'time budget' if run.stopped_by == 'seconds' else 'memory ceiling'} "
                   f"({run.message}); returning its best plan so far.", stacklevel=2)
@@ -168,6 +204,32 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
                       seconds=run.elapsed(), actions=[env.action_name(a) for a in action_ids],
                       objective=run.trace[-1].objective, setup_seconds=setup or run.elapsed(),
                       action_ids=action_ids, stopped_by=run.stopped_by, lower_bound=lower_bound)
+
+
+def _solve(graph: solver.StrategyGraph, config: ILPConfig, seed: int, warm: np.ndarray | None,
+           limits: solver.Limits, seconds: float) -> solver.SolveResult:
+  """`solver.solve` for `seconds` (at least 0.1) within `limits`, from `warm` when it is a
+  plan of `graph` (the whole graph's warm start may take pairs the single-axis one forbids)."""
+  warm = warm if warm is not None and solver.is_feasible(graph, warm) else None
+  return solver.solve(graph, timeout_s=max(seconds, 0.1), seed=seed, warm_start=warm, limits=limits,
+                      workers=config.workers)
+
+
+def _single_axes(graph: strategy_graph.ProgramGraph) -> solver.StrategyGraph | None:
+  """The strategy graph with every class node's pairs of axes forbidden (its plans are the
+  one-axis-per-dimension ones), or None when no class node has a pair."""
+  offsets = graph.graph.node_offsets
+  pairs = [offsets[node] + s for node, domain in enumerate(graph.domains) for s, axes in enumerate(domain)
+           if len(axes) > 1]
+  if not pairs:
+    return None
+  costs = graph.graph.node_costs.copy()
+  costs[pairs] = solver.FORBIDDEN
+  return dataclasses.replace(graph.graph, node_costs=costs)
+
+
+# Plans per simulator call in the descent (one compile for every batch).
+_DESCENT_BATCH = 256
 
 
 class _Run:
@@ -198,25 +260,46 @@ class _Run:
       self.stopped_by, self.message = limit, message or f"past the {limit} limit while solving"
 
 
-def _untie(graph: strategy_graph.ProgramGraph, run: _Run, simulations: int, deadline: float) -> int:
-  """Local improvement of the best plan over untied classes until `deadline` (monotonic)
-  or a round without improvement: each round prices, for one class node with tied
-  classes, every change of one of its classes to other axes of its domain (in one batch
-  of the simulator) and keeps the best that improves. Returns the simulations."""
+def _descend(graph: strategy_graph.ProgramGraph, run: _Run, start: Sequence[Decision], simulations: int,
+             deadline: float) -> int:
+  """Steepest descent on the simulator's objective from `start` until `deadline`
+  (monotonic) or a round without improvement, offering each step's plan to `run`. A round
+  prices, in batches of `_DESCENT_BATCH`, every change of one class node's axes (its tied
+  classes together) and of one tied class alone (untying it), and moves to the best if it
+  improves. The graph prices each collective alone, the simulator combines them: plans
+  the graph ranks alike can part by tens of percent. Returns the simulations; stops `run`
+  with "seconds" when the deadline cut the descent short."""
   problem = run.problem
-  tied = [(members, domain) for members, domain in zip(graph.members, graph.domains) if len(members) > 1]
-  stale = turn = 0
-  while stale < len(tied) and time.monotonic() < deadline:
-    run.limits.check("untying the layers")
-    members, domain = tied[turn % len(tied)]
-    turn += 1
-    current = _assignment(graph, run.best[0])
-    candidates = [{**current, m: axes} for m in members for axes in domain if axes != current.get(m, ())]
-    plans = [graph.decisions_of(plan) for plan in candidates]
-    costs = problem.costs(plans)
-    simulations += len(plans)
-    best = min(range(len(plans)), key=lambda i: plan_objective(problem, costs[i]), default=None)
-    stale = 0 if best is not None and run.offer(plans[best], costs[best], simulations) else stale + 1
+  current = _assignment(graph, start)
+  cost = problem.cost(graph.decisions_of(current))
+  current_value = plan_objective(problem, cost)
+  simulations += 1
+  run.offer(graph.decisions_of(current), cost, simulations)
+  while time.monotonic() < deadline:
+    run.limits.check("polishing the plan")
+    candidates = []
+    for members, domain in zip(graph.members, graph.domains):
+      for axes in domain:
+        if any(current.get(m, ()) != axes for m in members):
+          candidates.append({**current, **{m: axes for m in members}})
+        if len(members) > 1:
+          candidates += [{**current, m: axes} for m in members if current.get(m, ()) != axes]
+    best: tuple[float, dict[int, tuple[int, ...]], simulator.Cost] | None = None
+    for first in range(0, len(candidates), _DESCENT_BATCH):
+      if time.monotonic() >= deadline:
+        break
+      chunk = candidates[first:first + _DESCENT_BATCH]
+      costs = problem.costs([graph.decisions_of(plan) for plan in chunk])
+      simulations += len(chunk)
+      for plan, cost in zip(chunk, costs):
+        value = plan_objective(problem, cost)
+        if value < current_value and (best is None or value < best[0]):
+          best = (value, plan, cost)
+    if best is None:
+      return simulations
+    current_value, current = best[0], best[1]
+    run.offer(graph.decisions_of(current), best[2], simulations)
+  run.stopped("seconds", "the time budget ended the descent")
   return simulations
 
 

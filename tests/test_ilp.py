@@ -25,10 +25,11 @@ def test_ilp_plan_beats_the_best_expert_and_lowers(case):
   assert plan.check().compiled is not None  # Raises NumericsError on a mismatch.
 
 
-def test_a_graph_too_large_for_the_solver_returns_the_best_expert_with_a_warning(monkeypatch):
+def test_a_graph_too_large_for_the_solver_warns_and_still_descends_from_the_best_expert(monkeypatch):
   """A strategy graph whose reduction leaves more pair-cost entries than the solver can set
   up within a time limit (wresnet-6.8b on 2x4x8: 186 million) is not solved for minutes
-  past the limit: the agent warns and returns the best expert plan."""
+  past the limit: the agent warns, descends from the best expert with the simulator, and
+  bounds the graph's plans without a reduction."""
   import importlib
   from automap_rl.mesh import make_mesh
   from automap_rl.problem import Problem
@@ -40,7 +41,9 @@ def test_a_graph_too_large_for_the_solver_returns_the_best_expert_with_a_warning
     # Refused once built. The limits are far: a loaded machine builds slowly, and a test
     # worker's resident memory holds what the tests before this one left.
     result = ilp.search(problem, ilp.ILPConfig(max_resident_gib=64), budget=Seconds(300))
-  assert result.cost.step_time == pytest.approx(float(expert_cost.step_time))
+  assert result.step_time <= float(expert_cost.step_time) * (1 + 1e-6) and bool(result.cost.fits)
+  assert result.lower_bound is not None and 0 < result.lower_bound <= result.step_time
+  assert result.seconds < 300 and result.stopped_by is None  # The descent ended where nothing improved.
 
 
 def _small_problem(spec: str = "gpt:layers=4,d_model=64,heads=4,seq=32,vocab=128,batch=8"):
@@ -95,7 +98,7 @@ def test_a_tied_search_is_never_worse_than_the_best_expert_and_bounds_its_graph(
   # The ceiling far above what a test worker holds from earlier tests: the limit is the
   # process's resident memory.
   result = ilp.search(problem, ilp.ILPConfig(max_resident_gib=64), budget=Seconds(20))
-  assert result.stopped_by is None
+  assert result.stopped_by != "memory"
   assert bool(result.cost.fits)
   assert result.step_time <= float(expert.cost.step_time) * (1 + 1e-6)
   # The bound holds for the graph's cost (no combining) of the tied graph's plans.
@@ -108,3 +111,28 @@ def test_a_tied_search_is_never_worse_than_the_best_expert_and_bounds_its_graph(
     assignment = graph.assignment_of(list(plan))
     if assignment is not None:
       assert result.lower_bound <= float(uncombined.cost(graph.decisions(graph.choice(assignment))).step_time) * (1 + 1e-6)
+
+
+def test_the_descent_ends_at_a_local_optimum_of_the_simulator_no_worse_than_its_start():
+  """The graph prices each collective alone; the descent after the solve moves, on the
+  simulator's objective, until no change of one class node's axes improves the plan."""
+  import time
+  from agents.base import plan_objective
+  from automap_rl import solver
+  from automap_rl.sharding import Decision
+  problem = _small_problem()
+  expert = tactics.best_expert_plan(problem)
+  graph = strategy_graph.build(problem, strategy_graph.order_from(problem, expert.decisions),
+                               strategy_graph.tied_classes(problem))
+  classes, axes = problem.encode(expert.decisions)
+  start = [Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(classes, axes)]
+  run = ilp._Run(problem, solver.Limits(), time.perf_counter())
+  run.offer(start, expert.cost, 1)
+  ilp._descend(graph, run, start, 1, deadline=time.monotonic() + 600)
+  decisions, cost = run.best
+  assert run.stopped_by is None and plan_objective(problem, cost) <= plan_objective(problem, expert.cost)
+  found = ilp._assignment(graph, decisions)
+  neighbours = [{**found, **{m: axes for m in members}} for members, domain in zip(graph.members, graph.domains)
+                for axes in domain]
+  values = [plan_objective(problem, c) for c in problem.costs([graph.decisions_of(n) for n in neighbours])]
+  assert min(values) >= plan_objective(problem, cost) * (1 - 1e-6)

@@ -23,6 +23,7 @@ from automap_rl.solver import (
     peak_usage,
     plan_cost,
     read_solution,
+    separable_lower_bound,
     solve,
     tile,
     write_solution,
@@ -156,6 +157,21 @@ def test_solve_finds_the_brute_force_optimum(lists):
   assert result.cost == cost
   assert evaluate(graph, result.choice).feasible
   assert result.lower_bound is not None and result.lower_bound <= cost + 1e-9 * max(abs(cost), 1)
+
+
+@given(graph_lists(forbidden=True))
+def test_the_separable_lower_bound_bounds_every_allowed_plan(lists):
+  """Each node's and edge's cheapest allowed entry, chosen apart, is at most the cost of
+  every plan without a forbidden cost (memory ignored), and it is refused where some
+  node or edge allows nothing."""
+  graph = to_graph({**lists, "limit": None})
+  optimum, _ = brute_force(graph)
+  try:
+    bound = separable_lower_bound(graph)
+  except ValueError:
+    assert optimum is None
+    return
+  assert optimum is None or bound <= optimum
 
 
 def test_the_lower_bound_proves_an_optimum_the_memory_limit_does_not_bind():

@@ -15,6 +15,7 @@ from automap_rl.solver.graph import (
     offsets_from_counts,
     peak_usage,
     plan_cost,
+    separable_lower_bound,
     tile,
     usage_profile,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "plan_cost",
     "read_solution",
     "resident_bytes",
+    "separable_lower_bound",
     "solve",
     "tile",
     "usage_profile",

@@ -30,6 +30,7 @@ __all__ = [
     "offsets_from_counts",
     "peak_usage",
     "plan_cost",
+    "separable_lower_bound",
     "tile",
     "usage_profile",
 ]
@@ -151,6 +152,24 @@ def plan_cost(graph: StrategyGraph, choice: Sequence[int] | np.ndarray) -> int |
   """
   node_idx, edge_idx = _chosen_indices(graph, _as_choice(graph, choice))
   return _exact_sum(graph.node_costs[node_idx]) + _exact_sum(graph.edge_costs[edge_idx])
+
+
+def separable_lower_bound(graph: StrategyGraph) -> float:
+  """A lower bound on the cost of every plan without a forbidden cost: each node's cheapest
+  allowed strategy plus each edge's cheapest allowed pair, chosen apart (memory ignored).
+
+  Weak but needs no reduction, so it bounds graphs too large to solve. Raises ValueError
+  when some node or edge allows nothing (no plan is allowed)."""
+  parts = []
+  for costs, offsets in ((graph.node_costs, graph.node_offsets), (graph.edge_costs, graph.edge_offsets)):
+    if len(offsets) < 2:
+      continue
+    allowed = np.where(is_forbidden(costs), np.inf, costs.astype(np.float64))
+    cheapest = np.minimum.reduceat(allowed, offsets[:-1])
+    if not np.all(np.isfinite(cheapest)):
+      raise ValueError(f"{graph.name or 'the graph'}: some node or edge allows no strategy")
+    parts.append(float(cheapest.sum()))
+  return sum(parts)
 
 
 def forbidden_parts(graph: StrategyGraph, choice: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -215,7 +215,9 @@ class Plan:
                + reduced.pair_costs)
     joint = np.where(np.isnan(joint), np.inf, joint)
     current = joint[reduced.pair_offsets[:-1] + self.choice[g] * k_h + self.choice[h]]
-    gain = current[pair] - joint
+    with np.errstate(invalid="ignore"):  # inf - inf: a forbidden current pair, no move
+      gain = current[pair] - joint
+    gain = np.where(np.isnan(gain), -np.inf, gain)
     gain[(row == self.choice[g][pair]) | (col == self.choice[h][pair])] = -np.inf  # single switches: `descend`
     best_entry = reduced.pair_offsets[:-1] + _segment_argmax(gain, reduced.pair_offsets)
     best_gain = gain[best_entry]
