@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from automap_rl import ir, workloads
 from automap_rl.ir import FactorKind, rules
+from automap_rl.ir.trace import scan_counts
 from automap_rl.simulator.fusion import fusion_copies, memory_bytes
 from experiments.inspect_cmd import summarize
 
@@ -161,6 +162,20 @@ def test_unknown_primitive_gets_conservative_rule_and_one_warning():
     assert set(op.rule.factor_kinds) == {FactorKind.NEED_REPLICATION}
 
 
+def test_one_minus_square_is_elementwise_with_the_flops_of_its_lowering():
+  # jax 0.11's primitive (tanh's derivative), stood in for by one of the same name where
+  # the installed jax lacks it; XLA computes it as (1 + x) * (1 - x).
+  prim = getattr(jax.lax, "one_minus_square_p", None)
+  if prim is None:
+    prim = jax.extend.core.Primitive("one_minus_square")
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+  program = ir.trace(prim.bind, jnp.ones((4, 8)))
+  (op,) = program.ops
+  assert program.unknown_primitives == ()
+  assert set(op.rule.factor_kinds) == {FactorKind.PASS_THROUGH}
+  assert op.flops == 3 * 4 * 8
+
+
 def test_scan_body_is_inlined_once_with_trip_count_and_tied_carries():
   def fn(x, ws):
     return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]
@@ -176,6 +191,30 @@ def test_scan_body_is_inlined_once_with_trip_count_and_tied_carries():
   x_in, ws = program.inputs
   out = program.outputs[0]
   assert named.class_of(x_in, 1) == named.class_of(out, 1) == named.class_of(ws, 2)
+
+
+class _Groups:
+  """Stands in for jax 0.11's `ft_in` flat tree: `unpack()` gives (consts, carries, xs)."""
+
+  def __init__(self, *groups):
+    self.groups = groups
+
+  def unpack(self):
+    return self.groups
+
+
+def test_scan_counts_read_both_param_layouts():
+  # The installed jax's own scan: two closed-over arrays are its consts, one carry, one xs.
+  def fn(a, b, x, ws):
+    return jax.lax.scan(lambda h, w: (h @ w * a + b, None), x, ws)[0]
+
+  closed = jax.make_jaxpr(fn)(jnp.ones(16), jnp.ones(16), jnp.ones((8, 16)), jnp.ones((5, 16, 16)))
+  (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+  assert scan_counts(scan.params) == (2, 1)
+  # jax up to 0.10 names the counts; jax 0.11 groups the operands in `ft_in`.
+  assert scan_counts({"num_consts": 3, "num_carry": 2, "length": 4}) == (3, 2)
+  assert scan_counts({"ft_in": _Groups((None,) * 3, (None,) * 2, (None,)), "length": 4}) == (3, 2)
+  assert scan_counts({"ft_in": _Groups((), (None,), (None,) * 4)}) == (0, 1)
 
 
 def test_cond_inlines_every_branch_and_merges_results():

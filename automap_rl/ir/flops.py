@@ -11,7 +11,9 @@ both use these counts, so they follow what XLA reports for the same computation:
   (output, tap) pairs of spatial dim d)`.
 * elementwise arithmetic, comparisons, selects and converts: one per result element.
 * transcendentals (`exp`, `log`, `tanh`, `rsqrt`, `sqrt`, `pow`, `erf`, ...): no flops
-  (XLA counts them apart, as `transcendentals`); `logistic` expands to 3 flops.
+  (XLA counts them apart, as `transcendentals`); `logistic` expands to 3 flops, and so
+  does `one_minus_square(x) = 1 - x**2` (jax 0.11's tanh derivative), lowered as
+  `(1 + x) * (1 - x)`.
 * `integer_pow(x, n)`: the multiplies of square-and-multiply, plus a divide when n < 0.
 * reductions: `in.size - out.size` applications of the reducer (9 for arg-reductions,
   whose variadic reducer compares and selects); windowed reductions `window - 1` per
@@ -44,7 +46,7 @@ TRANSCENDENTAL = frozenset({
     "sinh", "cosh", "asinh", "acosh", "atanh", "atan2", "sqrt", "rsqrt", "cbrt", "pow", "erf",
     "erfc", "erf_inv", "lgamma", "digamma", "igamma", "igammac", "bessel_i0e", "bessel_i1e",
 })
-ELEMENTWISE_FLOPS = {"logistic": 3.0}
+ELEMENTWISE_FLOPS = {"logistic": 3.0, "one_minus_square": 3.0}
 REDUCTIONS = {"reduce_sum": 1.0, "reduce_max": 1.0, "reduce_min": 1.0, "reduce_prod": 1.0,
               "reduce_and": 1.0, "reduce_or": 1.0, "reduce_xor": 1.0, "argmax": 9.0, "argmin": 9.0}
 

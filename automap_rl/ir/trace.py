@@ -1,7 +1,7 @@
 """`trace(fn, *args) -> Program`: the partitioning IR from a jaxpr.
 
 Call-like primitives (`jit`, `closed_call`, `checkpoint`/`remat2`, `custom_jvp_call`,
-`custom_vjp_call`) are inlined. Control flow is kept compact rather than unrolled:
+`custom_vjp_call`, `eval_jaxpr`) are inlined. Control flow is kept compact rather than unrolled:
 
 * `scan`: the body is inlined once and its ops carry `repeat = length` and, like the ops
   of an inlined call, origins through the scan's equation (`automap_rl.xla.lower`
@@ -21,7 +21,7 @@ Call-like primitives (`jit`, `closed_call`, `checkpoint`/`remat2`, `custom_jvp_c
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,9 +31,11 @@ from automap_rl.ir import rules
 from automap_rl.ir.flops import primitive_flops
 from automap_rl.ir.program import Op, Program, Role, Rule, Value, itemsize_of
 
+# `eval_jaxpr` is jax 0.11's plain call, e.g. around the known half of a scan split by
+# `checkpoint` (the forward scan and the residuals it hoists out of the loop).
 CALL_PRIMITIVES = frozenset(
     {"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
-     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin", "eval_jaxpr"}
 )
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
@@ -41,6 +43,22 @@ _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 def call_body(eqn) -> Any:
   """The jaxpr (open or closed) a call-like equation (`CALL_PRIMITIVES`) runs."""
   return next(eqn.params[k] for k in _CALL_JAXPR_PARAMS if k in eqn.params)
+
+
+def scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
+  """`(num_consts, num_carry)` of a `scan` equation, from its params.
+
+  In every jax the scan's operands are its constants, then its initial carries, then its
+  stacked inputs (the same for its body's invars), and its results the final carries, then
+  the stacked outputs. jax up to 0.10 gives the two counts as the params `num_consts` and
+  `num_carry`; jax 0.11 gives them as `ft_in`, a flat tree of the operands whose `unpack()`
+  is the three groups (consts, carries, xs). Both are read here, so nothing else in the
+  project depends on which one the installed jax writes.
+  """
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carries, _ = params["ft_in"].unpack()
+  return len(consts), len(carries)
 
 
 def _path_string(path: Sequence[Any]) -> str:
@@ -172,7 +190,7 @@ class _Builder:
   def inline_scan(self, eqn, env: dict, repeat: int, scope: str, origin) -> None:
     params = eqn.params
     body = params["jaxpr"]
-    length, num_consts, num_carry = params["length"], params["num_consts"], params["num_carry"]
+    length, (num_consts, num_carry) = params["length"], scan_counts(params)
     operands = self.operands_as_values(eqn, env)
     consts, init, xs = operands[:num_consts], operands[num_consts:num_consts + num_carry], operands[num_consts + num_carry:]
     body_invars = body.jaxpr.invars

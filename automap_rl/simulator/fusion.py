@@ -38,6 +38,7 @@ CHEAP_ELEMENTWISE = frozenset({
     "and", "or", "not", "xor", "abs", "sign", "floor", "ceil", "round", "is_finite", "convert_element_type",
     "integer_pow", "square", "copy", "copy_p", "real", "imag", "nextafter", "sin", "cos", "tan", "shift_left",
     "shift_right_logical", "shift_right_arithmetic", "population_count", "clz", "reduce_precision",
+    "one_minus_square",  # jax 0.11's `1 - x**2`, lowered as `(1 + x) * (1 - x)`.
 })
 DIVISIONS = frozenset({"div", "rem"})  # Cheap by a literal (a multiply by its inverse), else expensive.
 EXPENSIVE_ELEMENTWISE = TRANSCENDENTAL | {"logistic"}
@@ -54,7 +55,7 @@ LIBRARY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
 LIBRARY_PRODUCERS = frozenset({
     "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "square", "abs", "ceil", "floor",
     "round", "sign", "neg", "convert_element_type", "erf", "exp", "expm1", "log", "log1p", "logistic", "rsqrt",
-    "sqrt", "tanh", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+    "sqrt", "tanh", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "one_minus_square",
 })
 LIBRARY_MIN_ELEMENTS = 4096
 MAX_FUSED_REDUCTIONS = 5
@@ -72,7 +73,7 @@ KEPT_IN_FUSION = frozenset({
     "cbrt", "pow", "integer_pow", "square", "erf", "erfc", "erf_inv", "select_n", "clamp", "eq", "ne",
     "lt", "le", "gt", "ge", "and", "or", "not", "xor", "is_finite", "convert_element_type",
     "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota", "slice",
-    "stop_gradient", "copy", "copy_p", "nextafter", "atan2",
+    "stop_gradient", "copy", "copy_p", "nextafter", "atan2", "one_minus_square",
 })
 # Readers that fuse a `KEPT_IN_FUSION` producer: those ops and the reductions but `reduce_xor`.
 READS_INSIDE_FUSION = KEPT_IN_FUSION | (FUSED_REDUCTIONS - {"reduce_xor"})

@@ -61,6 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from automap_rl.compile_options import quick_compile_options
 from automap_rl.ir import Role
 from automap_rl.ir.stacks import LayerStack
+from automap_rl.ir.trace import scan_counts
 from automap_rl.mesh import spec_axes
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
@@ -162,7 +163,7 @@ def _stack_scans(jaxpr: jax_core.Jaxpr, layers: int) -> list[Flat]:
   """The forward scans of `layers` iterations with a carry in `jaxpr` (calls inlined), in
   order: a layer stack's loop."""
   return [e for e in flatten(jaxpr) if e.eqn.primitive.name == "scan" and e.eqn.params["length"] == layers
-          and e.eqn.params["num_carry"] > 0 and not e.eqn.params["reverse"]]
+          and scan_counts(e.eqn.params)[1] > 0 and not e.eqn.params["reverse"]]
 
 
 def _in_stage(spec: PartitionSpec, shape: Sequence[int], manual: frozenset[str], mesh: jax.sharding.Mesh
@@ -263,7 +264,7 @@ def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: Layer
       raise NotImplementedError(f"pipeline lowering runs a scanned layer stack; the loss function has no forward "
                                 f"scan of the {stack.describe()} (unrolled stacks are not lowered yet)")
     target, where = scans[0].eqn, scans[0].origin
-    n_const, n_carry = target.params["num_consts"], target.params["num_carry"]
+    n_const, n_carry = scan_counts(target.params)
     whole = [v.aval.shape for v in target.invars]
     splits = math.prod(mesh.shape[a] for a in rows)
     manual_batch = (bool(rows) and not weights_on_rows
