@@ -37,7 +37,7 @@ import numpy as np
 
 from agents.base import Budget, Progress, SearchResult, TracePoint, env_config, searcher
 from automap_rl import simulator, tactics
-from automap_rl.ir.stacks import LayerStack, layer_stacks
+from automap_rl.ir.stacks import LayerStack
 from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
@@ -153,7 +153,7 @@ def search(problem: Problem, config: AlpaConfig = AlpaConfig(), seed: int = 0, b
     if not state.done():
       state.price(plan, pipeline)
   experts = _distinct([*experts, *(plan for plan, _ in pipelined.values())])
-  stacks = layer_stacks(problem.program, problem.named)
+  stacks = problem.layer_stacks
   for pipeline in _pipelines(problem, stacks, config):
     for plan in _inside(experts, pipeline, problem):
       if state.done():

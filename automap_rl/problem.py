@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from automap_rl import ir, sharding, simulator
+from automap_rl.ir.stacks import LayerStack, layer_stacks
 from automap_rl.batching import next_power_of_two
 from automap_rl.mesh import Mesh
 from automap_rl.pipeline import Pipeline
@@ -56,6 +57,12 @@ class Problem:
   def evaluate(self, dec_class: jax.Array, dec_axis: jax.Array) -> simulator.Cost:
     """The cost of encoded decisions; pure, so it jits and vmaps."""
     return simulator.evaluate(self.tables, self.owners, len(self.named.classes), dec_class, dec_axis)
+
+  @functools.cached_property
+  def layer_stacks(self) -> tuple[LayerStack, ...]:
+    """The program's layer stacks (`ir.stacks.layer_stacks`), found once: seconds on a
+    program of thousands of ops."""
+    return layer_stacks(self.program, self.named)
 
   @functools.cached_property
   def plan_length(self) -> int:

@@ -73,7 +73,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from automap_rl import sharding, simulator
-from automap_rl.ir import stacks
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision, Resolution
 from automap_rl.solver import FORBIDDEN, Limits, StrategyGraph, offsets_from_counts
@@ -251,7 +250,7 @@ def tied_classes(problem: Problem) -> np.ndarray:
   stack (one class per layer: the same dim of the same weight in every layer), else the
   class itself. A scanned stack needs no tie: its loop body is one op for every layer."""
   tie = np.arange(len(problem.named.classes), dtype=np.int64)
-  layered = {c for stack in stacks.layer_stacks(problem.program, problem.named) if not stack.scanned
+  layered = {c for stack in problem.layer_stacks if not stack.scanned
              for c in stack.layer_classes}
   for group in problem.named.groups:
     if len(group) > 1 and layered.issuperset(group):

@@ -35,7 +35,7 @@ import numpy as np
 
 from automap_rl import simulator
 from automap_rl.ir import FactorKind, Role
-from automap_rl.ir.stacks import LayerStack, layer_stacks, what_is_looked_for
+from automap_rl.ir.stacks import LayerStack, what_is_looked_for
 from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
@@ -247,7 +247,7 @@ def stage_axis(problem: Problem) -> str:
 
 def _largest_stack(problem: Problem) -> tuple[int, LayerStack]:
   """The index and stack of the program's largest layer stack; ValueError when it has none."""
-  stacks = layer_stacks(problem.program, problem.named)
+  stacks = problem.layer_stacks
   if not stacks:
     raise ValueError(f"the program has no repeated layer stack to pipeline: looked for {what_is_looked_for()}")
   index = max(range(len(stacks)), key=lambda i: stacks[i].layers)

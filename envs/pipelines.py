@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from automap_rl import sharding, simulator
-from automap_rl.ir.stacks import layer_stacks
 from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.stages import EVERY_STAGE, Phase
@@ -67,7 +66,7 @@ def menu(problem: Problem, count: int) -> tuple[Pipeline | None, ...]:
   pipelines that `problem.pipelined` accepts; `count` 0 gives none at all."""
   if count < 1:
     return ()
-  stacks = layer_stacks(problem.program, problem.named)
+  stacks = problem.layer_stacks
   if not stacks:
     return (None,)
   index = max(range(len(stacks)), key=lambda i: stacks[i].layers)

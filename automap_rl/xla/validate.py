@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from automap_rl import ir, workloads, tactics
-from automap_rl.ir.stacks import layer_stacks
 from automap_rl.mesh import Hardware, make_mesh, to_jax_mesh
 from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import PipelineProblem, Problem
@@ -253,7 +252,7 @@ def random_pipeline(problem: Problem, args: Sequence[Any], rng: np.random.Genera
   batch = batch_size(program)
   counts = [m for m in (4, 8) if batch % m == 0]
   options = []
-  for index, stack in enumerate(layer_stacks(program, problem.named)):
+  for index, stack in enumerate(problem.layer_stacks):
     for axis, size in zip(mesh.axis_names, mesh.axis_sizes):
       if size < 2 or stack.layers % size:
         continue
@@ -265,7 +264,7 @@ def random_pipeline(problem: Problem, args: Sequence[Any], rng: np.random.Genera
           continue
         options.append(pipeline)
   if not options:
-    stacks = "; ".join(s.describe() for s in layer_stacks(program, problem.named)) or "no layer stack"
+    stacks = "; ".join(s.describe() for s in problem.layer_stacks) or "no layer stack"
     raise ValueError(f"no lowerable GPipe pipeline (a scanned stack whose layers an axis of {mesh.axis_names} "
                      f"{mesh.axis_sizes} divides, 4 or 8 microbatches of the batch of {batch}, a step of (params, "
                      f"opt_state, batch)); the program has: {stacks}")
