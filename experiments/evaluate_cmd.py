@@ -10,10 +10,16 @@ expert; where no expert fits, over the best plan of the methods that fits), for
   simulations;
 - `gumbel@N`: the same search with a uniform prior and zero values (no network);
 - `mcts@M`: UCT (Automap's search), and `random@M`: random episodes;
+- `ilp@Ts`: the ILP agent (`agents.ilp`) with T = `--ilp-seconds` (20);
+- `mcts@=R` and `random@=R`: UCT and random search given, as a seconds budget, the wall
+  clock the learned search R (`learned+gumbel@64`, else the largest budget) took on the
+  case: which is better at equal time;
 
 with N in `--search-budgets` (16, 64, 256) and M = `--baseline-budget` (2000). Prints a
-table with the median ratio and the share of cases that beat the best expert, writes the
-figures as JSON (`--json`) and draws them (`--plot`).
+table with the median ratio, the share of cases that beat the best expert and each
+method's median seconds, and the share of cases where R beats each equal-time method;
+writes the figures as JSON (`--json`) and draws them with each method's best ratio
+against its seconds (`--plot`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from agents import gumbel, learned, selfplay
-from agents.base import SearchResult, env_config, release, searcher
+from agents.base import Budget, SearchResult, env_config, release, searcher
 from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.learned import LearnedConfig
 from agents.registry import run_agent
@@ -61,8 +67,9 @@ class EvaluateConfig:
     search_budgets: simulation budgets of the Gumbel searches (learned and uniform prior).
     baseline_budget: simulation budget of UCT and random search.
     baselines: run the methods that do not depend on the policy (uniform Gumbel, UCT,
-      random); `--no-baselines` runs the learned ones alone (a new policy against
-      baselines measured before).
+      random, ILP) and the equal-time ones; `--no-baselines` runs the learned ones alone
+      (a new policy against baselines measured before).
+    ilp_seconds: the ILP agent's seconds budget (0: leave it out).
     gumbel: the settings of every Gumbel search, learned and uniform
       (`agents.gumbel.GumbelSettings`).
     seed: the seed of every search.
@@ -80,6 +87,7 @@ class EvaluateConfig:
   search_budgets: tuple[int, ...] = (16, 64, 256)
   baseline_budget: int = 2000
   baselines: bool = True
+  ilp_seconds: float = 20.0
   gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
   seed: int = 0
   json: JsonPath = None
@@ -88,6 +96,8 @@ class EvaluateConfig:
 
 
 Method = Callable[[Problem], SearchResult]
+# A method given the seconds the reference learned search took on the case.
+TimedMethod = Callable[[Problem, float], SearchResult]
 
 
 def methods(config: EvaluateConfig) -> dict[str, Method]:
@@ -106,7 +116,23 @@ def methods(config: EvaluateConfig) -> dict[str, Method]:
   for agent in ("mcts", "random"):
     out[f"{agent}@{config.baseline_budget}"] = lambda p, a=agent: run_agent(a, p, config.seed,
                                                                              config.baseline_budget)
+  if config.ilp_seconds > 0:
+    out[f"ilp@{config.ilp_seconds:g}s"] = lambda p: run_agent("ilp", p, config.seed, Budget(seconds=config.ilp_seconds))
   return out
+
+
+def reference(config: EvaluateConfig) -> str:
+  """The learned search the equal-time methods get the seconds of: `learned+gumbel@64`,
+  else the one with the largest budget."""
+  return f"learned+gumbel@{64 if 64 in config.search_budgets else max(config.search_budgets)}"
+
+
+def timed_methods(config: EvaluateConfig) -> dict[str, TimedMethod]:
+  """UCT and random search for the reference's seconds on each case (none without baselines)."""
+  if not config.baselines:
+    return {}
+  return {f"{agent}@={reference(config)}": lambda p, s, a=agent: run_agent(a, p, config.seed, Budget(seconds=s))
+          for agent in ("mcts", "random")}
 
 
 def problems(config: EvaluateConfig) -> list[tuple[str, str, Callable[[], Problem]]]:
@@ -118,8 +144,10 @@ def problems(config: EvaluateConfig) -> list[tuple[str, str, Callable[[], Proble
   return [(c.name, c.family, lambda c=c: selfplay.case_problem(c)) for c in cases]
 
 
-def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Method]) -> dict[str, Any]:
-  """Every method on one problem, as a JSON case. Ratios are to the best expert's objective
+def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Method],
+                  timed: dict[str, TimedMethod] | None = None, reference_method: str | None = None) -> dict[str, Any]:
+  """Every method on one problem, as a JSON case, then each of `timed` given the seconds
+  `reference_method` took. Ratios are to the best expert's objective
   (`tactics.best_expert`); where no expert fits, to the best objective of the methods'
   plans that fit (`yardstick` names it), never to a plan that cannot run."""
   search = searcher(problem, env_config(problem, "groups", LearnedConfig.max_decisions))
@@ -128,9 +156,9 @@ def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Metho
   expert_fits = expert.fits
   case: dict[str, Any] = {"case": name, "family": family, "best_expert_objective": best,
                           "expert_fits": expert_fits, "yardstick": "best expert", "methods": {}}
-  for method, fn in run.items():
+  for method, fn in [*run.items(), *(timed or {}).items()]:
     start = time.perf_counter()
-    result = fn(problem)
+    result = fn(problem) if method in run else fn(problem, case["methods"][reference_method]["seconds"])
     case["methods"][method] = {
         "objective": float(result.objective), "step_time_s": result.step_time,
         "fits": bool(result.cost.fits), "simulations": result.simulations, "greedy_steps": result.greedy_steps,
@@ -154,6 +182,14 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
               "beats_expert": sum(beats(c, m) for c in cases) / len(cases),
               "median_seconds": statistics.median(c["methods"][m]["seconds"] for c in cases)}
           for m in names}
+
+
+def equal_time_wins(cases: list[dict[str, Any]], reference_method: str) -> dict[str, float]:
+  """Per equal-time method (`@=`): the share of cases where the reference's plan is better
+  (a lower objective)."""
+  names = [m for m in cases[0]["methods"] if "@=" in m]
+  return {m: sum(c["methods"][reference_method]["objective"] < c["methods"][m]["objective"] * (1 - 1e-6)
+                 for c in cases) / len(cases) for m in names}
 
 
 def ratio_at(case: dict[str, Any], method: str, seconds: np.ndarray) -> np.ndarray:
@@ -219,15 +255,16 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
   if not config.search_budgets or min(config.search_budgets) < 1 or config.baseline_budget < 1:
     raise ValueError("--search-budgets and --baseline-budget must be at least 1 simulation.")
   checkpoint = learned.policy_path(config.checkpoint)  # A bad checkpoint fails before any tracing.
-  run_methods = methods(config)
+  run_methods, timed = methods(config), timed_methods(config)
   chosen = problems(config)
   bar = tqdm(chosen, desc="evaluate", unit="case", disable=not config.progress, dynamic_ncols=True)
   cases: list[dict[str, Any]] = []
   document = lambda: {"checkpoint": checkpoint, "split": config.split, "config": dataclasses.asdict(config),
-                      "cases": cases, "summary": summarize(cases)}
+                      "cases": cases, "summary": summarize(cases),
+                      "equal_time_wins": equal_time_wins(cases, reference(config))}
   for name, family, build in bar:
     bar.set_postfix_str(name)
-    cases.append(evaluate_case(name, family, build(), run_methods))
+    cases.append(evaluate_case(name, family, build(), run_methods, timed, reference(config)))
     if not config.progress:
       print(f"{len(cases)}/{len(chosen)} {name}: " + ", ".join(
           f"{m} {r['ratio']:.3f}" for m, r in cases[-1]["methods"].items()), flush=True)
@@ -236,6 +273,8 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
   bar.close()
   summary = summarize(cases)
   Console(width=None if sys.stdout.isatty() else 200).print(table(cases, summary))
+  for method, share in equal_time_wins(cases, reference(config)).items():
+    print(f"{reference(config)} beats {method} (the same seconds) on {share:.0%} of the cases")
   write_json(config.json, document())
   if config.plot:
     plot(cases, summary, config.plot)

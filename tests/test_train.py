@@ -235,5 +235,33 @@ def test_train_command_presets_and_bad_input(capsys):
 def test_evaluate_without_baselines_runs_the_learned_methods_alone():
   config = cli.parse("evaluate", ["--no-baselines", "--search-budgets", "4", "16"])
   assert set(evaluate_cmd.methods(config)) == {"learned", "learned+gumbel@4", "learned+gumbel@16"}
-  assert set(evaluate_cmd.methods(dataclasses.replace(config, baselines=True))) == {
-      "learned", "learned+gumbel@4", "learned+gumbel@16", "gumbel@4", "gumbel@16", "mcts@2000", "random@2000"}
+  assert evaluate_cmd.timed_methods(config) == {}
+  with_baselines = dataclasses.replace(config, baselines=True)
+  assert set(evaluate_cmd.methods(with_baselines)) == {
+      "learned", "learned+gumbel@4", "learned+gumbel@16", "gumbel@4", "gumbel@16", "mcts@2000", "random@2000",
+      "ilp@20s"}
+  assert set(evaluate_cmd.timed_methods(with_baselines)) == {"mcts@=learned+gumbel@16", "random@=learned+gumbel@16"}
+
+
+def test_equal_time_methods_get_the_seconds_the_reference_took():
+  """UCT and random at equal time: each is given, as its seconds budget, the wall clock the
+  reference learned search took on the case, and the share of cases the reference wins is
+  counted against each."""
+  import time
+  from agents.registry import run_agent
+  problem = selfplay.case_problem(load_cases("smoke")[0])
+  given = []
+
+  def reference(p):
+    time.sleep(0.3)
+    return run_agent("random", p, 0, 4)
+
+  def timed(p, seconds):
+    given.append(seconds)
+    return run_agent("random", p, 0, 1)
+
+  case = evaluate_cmd.evaluate_case("gpt-tiny", "gpt", problem, {"ref": reference}, {"random@=ref": timed}, "ref")
+  assert given == [case["methods"]["ref"]["seconds"]] and given[0] >= 0.3
+  wins = evaluate_cmd.equal_time_wins([case], "ref")
+  better = case["methods"]["ref"]["objective"] < case["methods"]["random@=ref"]["objective"] * (1 - 1e-6)
+  assert wins == {"random@=ref": float(better)}
