@@ -33,7 +33,7 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
               arg_names: Sequence[str] | None = None, arg_roles: Sequence[str] | None = None, config: Any = None,
               progress: Callable[[int, float], None] | None = None,
               phase: Callable[[str], None] | None = None, loss_fn: Callable[..., Any] | None = None,
-              optimizer: Any = None) -> Plan:
+              optimizer: Any = None, since: float | None = None) -> Plan:
   """Finds a sharding plan for `fn(*args)` on `mesh` by search (or writes an expert's).
 
   Args:
@@ -70,6 +70,8 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     loss_fn, optimizer: the loss function and optax optimizer `fn` is built from (a
       `Workload` has them): a pipelined plan needs them to run (`Plan.jit`); a bare step's
       pipeline is priced only.
+    since: the `time.monotonic()` a seconds budget counts from (default: the start of
+      this call); a caller that builds `fn` and its arguments first passes its own start.
 
   Returns:
     The plan.
@@ -78,7 +80,7 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     ValueError: an unknown agent, a bad budget or mesh, or a program of which no dimension
       divides by any mesh axis (nothing to shard).
   """
-  start = time.monotonic()
+  start = time.monotonic() if since is None else since
   expert = {**tactics.TACTICS, **tactics.PIPELINE_TACTICS}.get(agent)
   if expert is None:
     budget = Budget.of(budget)  # A bad budget fails before tracing.

@@ -210,6 +210,7 @@ DEFAULT_TACTIC = "data_megatron"
 
 
 def run(config: PartitionConfig) -> dict[str, Any]:
+  started = time.monotonic()  # A seconds budget covers the command from here, loading the workload included.
   if config.agent != "tactic" and config.tactic is not None:
     raise ValueError(f"--tactic {config.tactic} applies only with --agent tactic (the agent {config.agent} "
                      "searches its own plan; the experts are reported beside it).")
@@ -220,7 +221,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   with Phases(config) as phases:
     plan = agents.partition(fn, *args, mesh=config.mesh, hardware=config.hardware, agent=agent,
                             budget=config.budget, seed=config.seed, arg_names=names, arg_roles=roles,
-                            progress=phases.progress, phase=phases)
+                            progress=phases.progress, phase=phases, since=started)
   problem, decisions, found = plan.problem, plan.decisions, plan.search
   with phase("costing the plan and the expert plans", _clocks(config)):
     result = cost_dict(plan.cost)

@@ -230,6 +230,22 @@ def test_a_budget_spent_before_the_search_returns_the_best_expert_naming_the_lim
   assert "stopped by its seconds limit" in plan.report()
 
 
+def test_the_commands_seconds_budget_counts_loading_the_workload(monkeypatch, tmp_path):
+  """`partition --budget` counts from the command's start: a workload whose loading takes
+  longer than the budget leaves the search nothing, and the command says so."""
+  load = partition_cmd.load_target
+
+  def slow_load(spec):
+    time.sleep(TRACING_S)
+    return load(spec)
+
+  monkeypatch.setattr(partition_cmd, "load_target", slow_load)
+  out = tmp_path / "plan.json"
+  with pytest.warns(UserWarning, match="the whole time budget of 1 s"):
+    assert cli.main(["partition", GPT, "--agent", "random", "--budget", "1s", "--no-progress", "--json", str(out)]) == 0
+  assert json.loads(out.read_text())["stopped_by"] == "seconds"
+
+
 def test_a_mesh_object_is_priced_with_the_hardware_asked_for():
   from automap_rl.mesh import as_mesh, make_mesh
 
