@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -175,7 +176,12 @@ def plan_objective(problem: Problem, cost: simulator.Cost) -> float:
   """The environment's objective of a plan's cost (1.0 is the replicated plan), for agents
   that price plans outside the environment."""
   config = env_config(problem, "named_dims", 1)
-  return float(env_objective(config, cost, replicated_base(config, problem), problem.tables.hbm_bytes))
+  if problem not in _REPLICATED_BASES:  # The replicated plan simulated once per problem, not per plan priced.
+    _REPLICATED_BASES[problem] = replicated_base(config, problem)
+  return float(env_objective(config, cost, _REPLICATED_BASES[problem], problem.tables.hbm_bytes))
+
+
+_REPLICATED_BASES: weakref.WeakKeyDictionary[Problem, np.ndarray] = weakref.WeakKeyDictionary()
 
 
 def rollout(env: Env, depth: int, stop_probability: float, state: State, key: jax.Array,

@@ -228,7 +228,7 @@ def _single_axes(graph: strategy_graph.ProgramGraph) -> solver.StrategyGraph | N
   return dataclasses.replace(graph.graph, node_costs=costs)
 
 
-# Plans per simulator call in the descent (one compile for every batch).
+# Plans per simulator call in the descent (every call one batch: one compile).
 _DESCENT_BATCH = 256
 
 
@@ -289,7 +289,9 @@ def _descend(graph: strategy_graph.ProgramGraph, run: _Run, start: Sequence[Deci
       if time.monotonic() >= deadline:
         break
       chunk = candidates[first:first + _DESCENT_BATCH]
-      costs = problem.costs([graph.decisions_of(plan) for plan in chunk])
+      plans = [graph.decisions_of(plan) for plan in chunk]
+      # Padded to a whole batch: one compile of the simulator's batch, whatever the chunk.
+      costs = problem.costs(plans + plans[:1] * (_DESCENT_BATCH - len(plans)))
       simulations += len(chunk)
       for plan, cost in zip(chunk, costs):
         value = plan_objective(problem, cost)
