@@ -165,6 +165,17 @@ def test_expected_order_of_expert_tactics_on_gpt():
   assert times["data_megatron"] < times["megatron"] < times["data_parallel"] < times["replicated"]
 
 
+def test_row_sums_split_into_groups_a_gpu_can_tile_give_the_same_sums(monkeypatch):
+  from automap_rl.simulator import cost
+  terms = tuple(jax.random.normal(jax.random.key(i), (297, 128)) for i in range(30))
+  whole = cost._sum_rows(*terms)
+  monkeypatch.setattr(cost.jax, "default_backend", lambda: "gpu")
+  reductions = [e for e in jax.make_jaxpr(cost._sum_rows)(*terms).eqns if e.primitive.name.startswith("reduce")]
+  assert [len(e.invars) // 2 for e in reductions] == [16, 14]
+  for grouped, one_pass in zip(cost._sum_rows(*terms), whole, strict=True):
+    np.testing.assert_array_equal(grouped, one_pass)
+
+
 def test_jit_and_vmap_agree_with_unbatched_evaluation():
   problem = zoo_problem("gpt", "data=2,model=4")
   classes, axes = random_plans(problem, jax.random.key(3), 8, 6)

@@ -188,12 +188,23 @@ def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divis
                    buffer=buffer_bytes[:, None] * fraction)
 
 
+# XLA:GPU tiles a column reduction in shared memory, one tile per operand (8,320 bytes
+# for float32): 30 operands overrun an H100's 227 KiB and ptxas refuses the kernel.
+_GPU_VARIADIC_OPERANDS = 16
+
+
 def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
   """Sums of each of `terms` [N, B] over N, [B] each, in one variadic reduction: XLA fuses
   the terms' elementwise producers into it (one pass over the edges), where it would
-  hand single sums to a library kernel that needs every input materialised."""
-  return list(jax.lax.reduce(terms, tuple(jnp.zeros((), x.dtype) for x in terms),
-                             lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,)))
+  hand single sums to a library kernel that needs every input materialised. On a GPU
+  the reduction is split into groups of at most `_GPU_VARIADIC_OPERANDS` operands."""
+  group = _GPU_VARIADIC_OPERANDS if jax.default_backend() == "gpu" else len(terms)
+  sums = []
+  for start in range(0, len(terms), group):
+    chunk = terms[start:start + group]
+    sums += jax.lax.reduce(chunk, tuple(jnp.zeros((), x.dtype) for x in chunk),
+                           lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,))
+  return sums
 
 
 @chex.dataclass(frozen=True)
