@@ -34,6 +34,9 @@ from automap_rl.solver.reduce import Reduced
 
 __all__ = ["SubResult", "group_cost", "reoptimize"]
 
+# Divides the usage rows (see `_Model.usage_rows`): 1 + 1/pi.
+_NON_INTEGRAL_FACTOR = 1.3183098861837907
+
 
 @dataclasses.dataclass(frozen=True)
 class SubResult:
@@ -260,9 +263,12 @@ class _Model:
     val = memory.member_usage[memory.member_offsets[em] + s].astype(np.float64)
     used = col >= 0
     matrix = scipy.sparse.csr_matrix((val[used], (er[used], col[used])), shape=(len(segments), self.num_x))
-    # A power of two keeps the coefficients exact; integer usages are at most
-    # half a unit from breaking a row, far above HiGHS's tolerance of 1e-6.
-    scale = 2.0 ** np.floor(np.log2(max(float(np.abs(memory.capacity).max(initial=1)) / 1e6, 1.0)))
+    # The factor is no power of two and no simple fraction, so HiGHS cannot scale the rows
+    # back to integers: its root mod-k separation takes rows it can, and on dense usage
+    # rows it ran for minutes without looking at the time limit (K: over 100 s in a call
+    # given 4 s). Integer usages are at most half a unit from breaking a row, far above
+    # the rounding of the division and HiGHS's tolerance of 1e-6.
+    scale = max(float(np.abs(memory.capacity).max(initial=1)) / 1e6, 1.0) * _NON_INTEGRAL_FACTOR
     slack = 0.5 if memory.capacity.dtype.kind == "i" else 0.0
     return matrix / scale, (upper + slack) / scale
 
