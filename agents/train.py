@@ -20,7 +20,8 @@ every process (`data_mesh`); the state and the suite are replicated over it
 its B / n alone, with no communication (each episode has its own keys, so the episodes do
 not depend on the device count), and one all-gather gives every device all of them for
 the replicated buffer. Each update draws the same B samples on every device; each device
-takes the gradient on its B / n of them and one all-reduce averages them. Collectives
+takes the gradient on its B / n of them, encoding its share of the suite's programs
+(`encode_suite`), and one all-reduce averages them. Collectives
 move one flat buffer each (`agents.packed`): between processes they cost milliseconds per
 operand. The parameters depend on the device count only through the order in which the
 all-reduce sums the per-device gradients (float reassociation, about 1e-7 relative).
@@ -40,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agents import packed, replay, selfplay
 from agents.gumbel import GumbelConfig, GumbelSettings
-from agents.network import Network, NetworkConfig, state_features, static_graph
+from agents.network import Embeddings, Network, NetworkConfig, state_features, static_graph
 from agents.selfplay import Samples, Suite
 from envs import EnvConfig
 
@@ -207,14 +208,30 @@ def init(config: TrainConfig, suite: Suite) -> TrainState:
                     key=jax.random.key_data(key), iteration=jnp.int32(0))
 
 
-def loss(params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConfig
+def encode_suite(params: chex.ArrayTree, suite: Suite, config: TrainConfig, devices: int) -> Embeddings:
+  """The embeddings of the suite's P programs, leaves [P, ...]. With `devices` = n > 1 it
+  runs inside `shard_map` over the `data` axis: each device encodes its ceil(P / n)
+  programs (the last repeated to fill the share) and one all-gather gives every device all
+  of them, so the encoder's work, the larger part of an update, is split over the devices
+  too; its gradient comes back in one reduce-scatter."""
+  network = Network(config.network)
+  encode = jax.vmap(network.encode, in_axes=(None, 0))
+  graphs = jax.vmap(static_graph)(suite.tables, suite.roots)
+  if devices == 1:
+    return encode(params, graphs)
+  share = -(-suite.size // devices)
+  mine = jnp.minimum(jax.lax.axis_index(DATA_AXIS) * share + jnp.arange(share), suite.size - 1)
+  embeddings = packed.all_gather_rows(encode(params, jax.tree.map(lambda x: x[mine], graphs)), DATA_AXIS)
+  return jax.tree.map(lambda x: x[:suite.size], embeddings)
+
+
+def loss(params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConfig, devices: int = 1
          ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The training loss on a batch [n] and its parts. The suite's P programs are encoded
-  once; each sample's head reads its program's embeddings."""
+  once (`encode_suite`, split over `devices`); each sample's head reads its program's
+  embeddings."""
   network = Network(config.network)
-  graphs = jax.vmap(static_graph)(suite.tables, suite.roots)
-  embeddings = jax.vmap(network.encode, in_axes=(None, 0))(params, graphs)
-  mine = jax.tree.map(lambda x: x[batch.problem], embeddings)
+  mine = jax.tree.map(lambda x: x[batch.problem], encode_suite(params, suite, config, devices))
   logits, value = jax.vmap(network.head, in_axes=(None, 0, 0))(params, mine, batch.features)
   chex.assert_equal_shape([logits, batch.policy])
   policy_loss = -(batch.policy * jax.nn.log_softmax(logits)).sum(axis=-1).mean()
@@ -255,7 +272,7 @@ def _update(config: TrainConfig, suite: Suite, mesh: Mesh, carry, key: chex.PRNG
   def gradients(params, suite, buffer, key):
     part = config.batch_size // devices
     batch = replay.sample(buffer, key, config.batch_size, jax.lax.axis_index(DATA_AXIS) * part, part)
-    return packed.pmean(jax.grad(loss, has_aux=True)(params, suite, batch, config), DATA_AXIS)
+    return packed.pmean(jax.grad(loss, has_aux=True)(params, suite, batch, config, devices), DATA_AXIS)
 
   # Unchecked: with checked replication jax would sum the replicated parameters' gradients
   # itself, leaf by leaf.

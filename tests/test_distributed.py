@@ -149,6 +149,15 @@ def test_self_play_needs_no_communication_and_the_update_all_reduces_gradients(f
   gradients = [c for c in found if c.kind == "all-reduce" and c.repeat == SMOKE.train.updates]
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(train.host_copy(state.params)))
   assert len(gradients) == 1 and param_bytes < gradients[0].bytes < param_bytes + 64
+  # Each device encodes a quarter of the suite's programs: one all-gather of their
+  # embeddings, and one reduce-scatter of the embeddings' gradients, per optimizer step.
+  in_updates = sorted(c.kind for c, name in zip(found, where) if "self_play" not in name
+                      and c.repeat == SMOKE.train.updates and c.kind != "all-reduce")
+  embeddings = jax.eval_shape(lambda p: train.encode_suite(p, suite, SMOKE.train, 1), state.params)
+  per_program = sum(x.size * 4 // suite.size for x in jax.tree.leaves(embeddings))  # Sent as float32.
+  rows = 4 * -(-suite.size // 4)  # Each device's share, the last program repeated to fill it.
+  assert in_updates == ["all-gather", "reduce-scatter"]
+  assert [c.bytes for c in found if c.kind == "all-gather" and c.repeat == SMOKE.train.updates] == [rows * per_program]
 
 
 @pytest.mark.parametrize("argv, message", [
