@@ -419,3 +419,20 @@ def test_the_best_entry_of_each_segment_skips_undefined_gains():
   from automap_rl.solver.local import _segment_argmax
   values = np.array([np.nan, np.nan, 1.0, np.nan, 3.0, 3.0])
   np.testing.assert_array_equal(_segment_argmax(values, np.array([0, 2, 3, 6])), [0, 0, 1])
+
+
+def test_usage_rows_have_no_power_of_two_scale_to_integers():
+  """HiGHS's root mod-k separation works on rows it can scale to integers and checks no
+  time limit; on dense usage rows it ran for minutes past a crossover's. The rows the
+  crossover adds must have no power-of-two scale that makes them integral."""
+  from automap_rl.solver.local import Plan
+  from automap_rl.solver.mip import _Model
+  graph = binding_chain()
+  reduced, layout = solver_views(graph)
+  plan = Plan(layout, np.zeros(reduced.num_groups, dtype=np.int64))
+  assert plan.repair(max_switches=200)
+  model = _Model(reduced, layout.memory, plan.choice, np.ones(reduced.num_groups, dtype=bool), None)
+  matrix, upper = model.usage_rows(np.arange(len(layout.memory.capacity)))
+  values = np.concatenate([matrix.data, upper])
+  assert len(matrix.data) > 0
+  assert not any(np.all(np.mod(values * 2.0 ** k, 1.0) == 0) for k in range(-32, 33))  # 2**52 makes any float whole.
