@@ -68,6 +68,8 @@ class TrainConfig:
     weight_decay: AdamW's decoupled weight decay.
     max_grad_norm: gradients are clipped to this global norm.
     value_weight: weight of the value loss beside the policy loss.
+    imitation_updates: optimizer steps on teacher samples (`agents.imitation`, the train
+      cases' best-known plans) before the first iteration; 0: none.
     network: the network's sizes, and the pipeline options self-play's environment offers
       (`NetworkConfig.pipelines`).
   """
@@ -88,6 +90,7 @@ class TrainConfig:
   weight_decay: float = 1e-4
   max_grad_norm: float = 1.0
   value_weight: float = 1.0
+  imitation_updates: int = 0
   network: NetworkConfig = NetworkConfig(pipelines=5)
 
   @property
@@ -281,6 +284,31 @@ def _update(config: TrainConfig, suite: Suite, mesh: Mesh, carry, key: chex.PRNG
   updates, opt_state = optimizer(config).update(grads, opt_state, params)
   parts["grad_norm"] = optax.tree.norm(grads)
   return (optax.apply_updates(params, updates), opt_state, buffer), parts
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh"))
+def imitate(state: TrainState, suite: Suite, teacher: Samples, config: TrainConfig, mesh: Mesh
+            ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """The warm start: the teacher samples (`agents.imitation.teacher_samples`, leaves [N, ...],
+  replicated over `mesh`) into the replay buffer, then `config.imitation_updates` optimizer
+  steps on the buffer (as an iteration's updates), before any self-play. Self-play's
+  samples later overwrite the teacher's, oldest first. Pure (jitted).
+
+  Returns:
+    The state (same iteration count) and the mean losses of the last tenth of its steps.
+  """
+  n = jax.tree.leaves(teacher)[0].shape[0]
+  key = jax.random.wrap_key_data(state.key)
+  key, update_key = jax.random.split(key)
+  buffer = replay.add(state.buffer, teacher, jnp.ones(n, bool))
+  (params, opt_state, buffer), parts = jax.lax.scan(
+      functools.partial(_update, config, suite, mesh), (state.params, state.opt_state, buffer),
+      jax.random.split(update_key, config.imitation_updates))
+  tail = max(config.imitation_updates // 10, 1)
+  metrics = {name: value[-tail:].mean() for name, value in parts.items()}
+  new = TrainState(params=params, opt_state=opt_state, buffer=buffer, key=jax.random.key_data(key),
+                   iteration=state.iteration)
+  return jax.lax.with_sharding_constraint((new, metrics), replicated(mesh))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))

@@ -34,11 +34,13 @@ import jax
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from agents import checkpoint, selfplay, train
+from agents import checkpoint, imitation, selfplay, train
 from agents.gumbel import GumbelSettings
 from agents.network import NetworkConfig
 from agents.train import TrainConfig, TrainState
+from automap_rl.plan import plan_from_json
 from automap_rl.workloads.suite import Case, load_cases
+from experiments import suite_cmd
 from experiments.distributed import DistributedConfig, initialize
 
 Preset = Literal["smoke", "small", "full"]
@@ -65,6 +67,8 @@ class TrainRunConfig:
     progress: show progress bars.
     learning_curve: draw the learning curve into the run directory.
     devices: shard over this many devices, as many from each process (None: all of them).
+    best_known: the best-known plans the imitation warm start learns from
+      (`--train.imitation-updates`; None: the suite's own).
     distributed: how this process joins a multi-process run (`experiments.distributed`).
     train: what self-play and the updates do (`agents.train.TrainConfig`).
   """
@@ -79,6 +83,7 @@ class TrainRunConfig:
   progress: bool = True
   learning_curve: bool = True
   devices: int | None = None
+  best_known: str | None = None
   distributed: DistributedConfig = DistributedConfig()
   train: TrainConfig = TrainConfig()
 
@@ -134,6 +139,14 @@ def _check_config(config: TrainRunConfig) -> None:
   t = config.train
   if t.batch_size < 1 or t.episodes < 1 or t.episode_length < 1 or t.gumbel.num_simulations < 1:
     raise ValueError("--train.batch-size, episodes, episode-length and gumbel.num-simulations must be at least 1.")
+  if t.imitation_updates < 0:
+    raise ValueError(f"--train.imitation-updates {t.imitation_updates}: give 0 (none) or more.")
+  if t.imitation_updates:
+    known = suite_cmd.load_best_known(config.best_known).get("cases", {})
+    cases = pick_cases(load_cases(config.split), config.max_cases)
+    if not any(c.name in known for c in cases):
+      raise ValueError(f"--train.imitation-updates {t.imitation_updates}: none of the {len(cases)} {config.split} "
+                       "cases has a best-known plan to imitate")
   if t.episodes * t.episode_length > t.replay_capacity:
     raise ValueError(f"an iteration's {t.episodes * t.episode_length} samples do not fit the replay buffer "
                      f"of {t.replay_capacity}; raise --train.replay-capacity.")
@@ -244,6 +257,38 @@ def build_suite(config: TrainRunConfig) -> tuple[list[Case], selfplay.Suite]:
   return cases, selfplay.build_suite(tuple(problems), config.train.env)
 
 
+def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfplay.Suite, state: TrainState,
+               suite: selfplay.Suite, mesh: jax.sharding.Mesh, lead: bool) -> TrainState:
+  """`state` after the imitation warm start (`train.imitate`) on the best-known plans of
+  `cases` (`agents.imitation`); `host_suite` is this process's copy of the replicated `suite`."""
+  known = suite_cmd.load_best_known(config.best_known).get("cases", {})
+  plans = []
+  for i, case in enumerate(cases):
+    if case.name in known:
+      decisions, pipeline = plan_from_json(known[case.name])
+      tables = jax.tree.map(lambda x, i=i: x[i], host_suite.tables)
+      actions = imitation.teacher_actions(selfplay.case_problem(case), config.train.env, tables, decisions, pipeline)
+      if actions is not None:
+        plans.append((i, actions))
+  flag = f"--train.imitation-updates {config.train.imitation_updates}"
+  if not plans:
+    raise ValueError(f"{flag}: the environment can choose the pipeline of none of the best-known plans")
+  teacher = imitation.teacher_samples(host_suite, config.train.env, plans)
+  count = len(teacher.problem)
+  if count > config.train.replay_capacity:
+    raise ValueError(f"{flag}: {count} teacher samples do not fit --train.replay-capacity "
+                     f"{config.train.replay_capacity}")
+  state, metrics = train.imitate(state, suite, train.replicate(teacher, mesh), config.train, mesh)
+  if lead:
+    values = {k: float(v) for k, v in train.host_copy(metrics).items()}
+    actions = sum(len(a) for _, a in plans)
+    print(f"imitation: {count} samples ({count / actions:.0%} of the teachers' actions; the rest illegal there or "
+          f"past the step limit) from the best-known plans of {len(plans)} of {len(cases)} cases, "
+          f"{config.train.imitation_updates} updates: policy KL {values['policy_kl']:.4f}, "
+          f"value loss {values['value_loss']:.5f}")
+  return state
+
+
 def run(config: TrainRunConfig) -> TrainResult:
   initialize(config.distributed)
   _check_config(config)
@@ -255,6 +300,7 @@ def run(config: TrainRunConfig) -> TrainResult:
   if lead:
     print(f"training on {len(cases)} {config.split} cases: {', '.join(c.name for c in cases)}; "
           f"{mesh.size} devices in {jax.process_count()} process(es)")
+  host_suite = suite
   state = train.replicate(train.init(config.train, suite), mesh)  # From this process's suite, then replicated.
   suite = train.replicate(suite, mesh)
   checkpoints = checkpoint.TrainCheckpoints(config.run_dir)
@@ -263,6 +309,8 @@ def run(config: TrainRunConfig) -> TrainResult:
     state = checkpoints.restore(done, state)
     if lead:
       print(f"resumed {config.run_dir} at iteration {done}")
+  elif config.train.imitation_updates:
+    state = warm_start(config, cases, host_suite, state, suite, mesh, lead)
   rows = _read_metrics(config.run_dir, done)
   logger = wandb_run(config) if lead else None
   bar = tqdm(total=config.iterations, initial=done, desc="self-play", unit="it",

@@ -1,0 +1,91 @@
+"""The imitation warm start: teacher plans replayed as the environment's actions, and a
+network that learns to take them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from agents import imitation, selfplay, train
+from agents.network import Network, static_graph
+from automap_rl.plan import plan_to_json
+from automap_rl.sharding import Decision
+from automap_rl.workloads.suite import load_cases
+from envs import Env
+from experiments import cli, train_cmd
+
+SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], wandb="disabled", progress=False, devices=1)
+
+
+@pytest.fixture(scope="module")
+def teacher():
+  """A smoke case's suite (alone) and a teacher plan of three decisions, the second of
+  which the first already covers (the environment refuses it)."""
+  case = load_cases("smoke")[0]
+  problem = selfplay.case_problem(case)
+  config = SMOKE.train
+  suite = selfplay.build_suite((problem,), config.env)
+  env = Env.build(problem, config.env)
+  axes = problem.mesh.axis_names
+  decisions = [Decision(env.targets[0].target, axes[-1]), Decision(env.targets[0].target, axes[0]),
+               Decision(env.targets[-1].target, axes[0])]
+  return case, problem, suite, env, decisions
+
+
+def test_a_teacher_plan_replays_to_its_objective_in_the_padded_suite_and_alone(teacher):
+  _, problem, suite, env, decisions = teacher
+  config = SMOKE.train.env
+  padded = jax.tree.map(lambda x: x[0], suite.tables)
+  ids = imitation.teacher_actions(problem, config, padded, decisions, None)
+  samples = imitation.teacher_samples(suite, config, [(0, ids)])
+  # Alone: the unpadded tables number the pipeline options and `stop` differently.
+  state = env.init(jax.random.key(0))
+  taken = []
+  for action in imitation.teacher_actions(problem, config, env.tables, decisions, None):
+    if bool(state.legal_action_mask[action]) and not bool(state.terminated | state.truncated):
+      taken.append(env.action_name(action))
+      state = env.step(state, action)
+  assert taken[0] == env.action_name(env.tables.num_moves) and taken[-1] == "stop"  # No pipeline, then the plan.
+  assert len(samples.problem) == len(taken) == len(ids) - 1  # The repeated target is refused.
+  assert samples.value[0] == pytest.approx(-np.log(float(state.objective)), rel=1e-5)  # The root's objective is 1.
+  assert samples.value[-1] == 0.0
+  np.testing.assert_array_equal(samples.policy.argmax(-1), [a for a in ids if a != ids[2]])
+
+
+def test_the_warm_start_learns_the_teachers_actions(teacher):
+  _, problem, suite, env, decisions = teacher
+  config = dataclasses.replace(SMOKE.train, imitation_updates=200, learning_rate=3e-3, warmup_updates=10)
+  samples = imitation.teacher_samples(
+      suite, config.env, [(0, imitation.teacher_actions(problem, config.env, jax.tree.map(lambda x: x[0], suite.tables),
+                                                         decisions, None))])
+  mesh = train.data_mesh(1)
+  start = train.init(config, suite)
+  state, metrics = train.imitate(start, suite, samples, config, mesh)
+  network = Network(config.network)
+  tables, root = jax.tree.map(lambda x: x[0], suite.tables), jax.tree.map(lambda x: x[0], suite.roots)
+
+  def chosen(params):
+    embeddings = network.encode(params, static_graph(tables, root))
+    logits = jax.vmap(network.head, in_axes=(None, None, 0))(params, embeddings, samples.features)[0]
+    return np.asarray(logits.argmax(-1))
+
+  teacher_actions = samples.policy.argmax(-1)
+  assert not np.array_equal(chosen(start.params), teacher_actions)
+  np.testing.assert_array_equal(chosen(state.params), teacher_actions)
+  assert float(metrics["policy_kl"]) < 0.05 and int(state.iteration) == 0 and int(state.buffer.size) == len(teacher_actions)
+
+
+def test_a_warm_start_without_a_teacher_is_refused(tmp_path, capsys):
+  path = tmp_path / "known.json"
+  path.write_text(json.dumps({"cases": {}}))
+  argv = ["train", "--preset", "smoke", "--run-dir", str(tmp_path / "run"), "--wandb", "disabled", "--no-progress",
+          "--devices", "1", "--train.imitation-updates", "10"]
+  assert cli.main([*argv, "--best-known", str(tmp_path / "missing.json")]) == 2
+  assert "no such file" in capsys.readouterr().err and not (tmp_path / "run").exists()
+  assert cli.main([*argv, "--best-known", str(path)]) == 2
+  assert "none of the 2 smoke cases has a best-known plan" in capsys.readouterr().err
+  assert not (tmp_path / "run").exists()
