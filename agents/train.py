@@ -68,8 +68,6 @@ class TrainConfig:
     weight_decay: AdamW's decoupled weight decay.
     max_grad_norm: gradients are clipped to this global norm.
     value_weight: weight of the value loss beside the policy loss.
-    imitation_updates: optimizer steps on teacher samples (`agents.imitation`, the train
-      cases' best-known plans) before the first iteration; 0: none.
     network: the network's sizes, and the pipeline options self-play's environment offers
       (`NetworkConfig.pipelines`).
   """
@@ -90,7 +88,6 @@ class TrainConfig:
   weight_decay: float = 1e-4
   max_grad_norm: float = 1.0
   value_weight: float = 1.0
-  imitation_updates: int = 0
   network: NetworkConfig = NetworkConfig(pipelines=5)
 
   @property
@@ -286,13 +283,13 @@ def _update(config: TrainConfig, suite: Suite, mesh: Mesh, carry, key: chex.PRNG
   return (optax.apply_updates(params, updates), opt_state, buffer), parts
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh"))
-def imitate(state: TrainState, suite: Suite, teacher: Samples, config: TrainConfig, mesh: Mesh
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "updates"))
+def imitate(state: TrainState, suite: Suite, teacher: Samples, config: TrainConfig, mesh: Mesh, updates: int
             ) -> tuple[TrainState, dict[str, jax.Array]]:
   """The warm start: the teacher samples (`agents.imitation.teacher_samples`, leaves [N, ...],
-  replicated over `mesh`) into the replay buffer, then `config.imitation_updates` optimizer
-  steps on the buffer (as an iteration's updates), before any self-play. Self-play's
-  samples later overwrite the teacher's, oldest first. Pure (jitted).
+  replicated over `mesh`) into the replay buffer, then `updates` optimizer steps on the
+  buffer (as an iteration's updates), before any self-play. Self-play's samples later
+  overwrite the teacher's, oldest first. Pure (jitted).
 
   Returns:
     The state (same iteration count) and the mean losses of the last tenth of its steps.
@@ -303,8 +300,8 @@ def imitate(state: TrainState, suite: Suite, teacher: Samples, config: TrainConf
   buffer = replay.add(state.buffer, teacher, jnp.ones(n, bool))
   (params, opt_state, buffer), parts = jax.lax.scan(
       functools.partial(_update, config, suite, mesh), (state.params, state.opt_state, buffer),
-      jax.random.split(update_key, config.imitation_updates))
-  tail = max(config.imitation_updates // 10, 1)
+      jax.random.split(update_key, updates))
+  tail = max(updates // 10, 1)
   metrics = {name: value[-tail:].mean() for name, value in parts.items()}
   new = TrainState(params=params, opt_state=opt_state, buffer=buffer, key=jax.random.key_data(key),
                    iteration=state.iteration)

@@ -67,8 +67,10 @@ class TrainRunConfig:
     progress: show progress bars.
     learning_curve: draw the learning curve into the run directory.
     devices: shard over this many devices, as many from each process (None: all of them).
-    best_known: the best-known plans the imitation warm start learns from
-      (`--train.imitation-updates`; None: the suite's own).
+    imitation_updates: optimizer steps on the best-known plans of the run's cases
+      (`agents.imitation`) before the first iteration; 0: none.
+    best_known: the best-known plans the imitation warm start learns from (None: the
+      suite's own).
     distributed: how this process joins a multi-process run (`experiments.distributed`).
     train: what self-play and the updates do (`agents.train.TrainConfig`).
   """
@@ -83,6 +85,7 @@ class TrainRunConfig:
   progress: bool = True
   learning_curve: bool = True
   devices: int | None = None
+  imitation_updates: int = 0
   best_known: str | None = None
   distributed: DistributedConfig = DistributedConfig()
   train: TrainConfig = TrainConfig()
@@ -139,13 +142,13 @@ def _check_config(config: TrainRunConfig) -> None:
   t = config.train
   if t.batch_size < 1 or t.episodes < 1 or t.episode_length < 1 or t.gumbel.num_simulations < 1:
     raise ValueError("--train.batch-size, episodes, episode-length and gumbel.num-simulations must be at least 1.")
-  if t.imitation_updates < 0:
-    raise ValueError(f"--train.imitation-updates {t.imitation_updates}: give 0 (none) or more.")
-  if t.imitation_updates:
+  if config.imitation_updates < 0:
+    raise ValueError(f"--imitation-updates {config.imitation_updates}: give 0 (none) or more.")
+  if config.imitation_updates:
     known = suite_cmd.load_best_known(config.best_known).get("cases", {})
     cases = pick_cases(load_cases(config.split), config.max_cases)
     if not any(c.name in known for c in cases):
-      raise ValueError(f"--train.imitation-updates {t.imitation_updates}: none of the {len(cases)} {config.split} "
+      raise ValueError(f"--imitation-updates {config.imitation_updates}: none of the {len(cases)} {config.split} "
                        "cases has a best-known plan to imitate")
   if t.episodes * t.episode_length > t.replay_capacity:
     raise ValueError(f"an iteration's {t.episodes * t.episode_length} samples do not fit the replay buffer "
@@ -270,7 +273,7 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
       actions = imitation.teacher_actions(selfplay.case_problem(case), config.train.env, tables, decisions, pipeline)
       if actions is not None:
         plans.append((i, actions))
-  flag = f"--train.imitation-updates {config.train.imitation_updates}"
+  flag = f"--imitation-updates {config.imitation_updates}"
   if not plans:
     raise ValueError(f"{flag}: the environment can choose the pipeline of none of the best-known plans")
   teacher = imitation.teacher_samples(host_suite, config.train.env, plans)
@@ -278,13 +281,16 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
   if count > config.train.replay_capacity:
     raise ValueError(f"{flag}: {count} teacher samples do not fit --train.replay-capacity "
                      f"{config.train.replay_capacity}")
-  state, metrics = train.imitate(state, suite, train.replicate(teacher, mesh), config.train, mesh)
+  teacher = train.replicate(teacher, mesh)
+  imitate = train.imitate.lower(state, suite, teacher, config.train, mesh, config.imitation_updates).compile()
+  _barrier("compiled the warm start")  # As for the iteration: compile times differ by more than gloo waits.
+  state, metrics = imitate(state, suite, teacher)
   if lead:
     values = {k: float(v) for k, v in train.host_copy(metrics).items()}
     actions = sum(len(a) for _, a in plans)
     print(f"imitation: {count} samples ({count / actions:.0%} of the teachers' actions; the rest illegal there or "
           f"past the step limit) from the best-known plans of {len(plans)} of {len(cases)} cases, "
-          f"{config.train.imitation_updates} updates: policy KL {values['policy_kl']:.4f}, "
+          f"{config.imitation_updates} updates: policy KL {values['policy_kl']:.4f}, "
           f"value loss {values['value_loss']:.5f}")
   return state
 
@@ -309,7 +315,7 @@ def run(config: TrainRunConfig) -> TrainResult:
     state = checkpoints.restore(done, state)
     if lead:
       print(f"resumed {config.run_dir} at iteration {done}")
-  elif config.train.imitation_updates:
+  elif config.imitation_updates:
     state = warm_start(config, cases, host_suite, state, suite, mesh, lead)
   rows = _read_metrics(config.run_dir, done)
   logger = wandb_run(config) if lead else None

@@ -56,34 +56,35 @@ def test_a_teacher_plan_replays_to_its_objective_in_the_padded_suite_and_alone(t
   np.testing.assert_array_equal(samples.policy.argmax(-1), [a for a in ids if a != ids[2]])
 
 
-def test_the_warm_start_learns_the_teachers_actions(teacher):
-  _, problem, suite, env, decisions = teacher
-  config = dataclasses.replace(SMOKE.train, imitation_updates=200, learning_rate=3e-3, warmup_updates=10)
-  samples = imitation.teacher_samples(
-      suite, config.env, [(0, imitation.teacher_actions(problem, config.env, jax.tree.map(lambda x: x[0], suite.tables),
-                                                         decisions, None))])
+def test_the_warm_start_learns_the_teachers_actions(teacher, tmp_path):
+  case, problem, suite, env, decisions = teacher
+  path = tmp_path / "known.json"
+  path.write_text(json.dumps({"cases": {case.name: plan_to_json(decisions)}}))
+  config = dataclasses.replace(SMOKE, imitation_updates=200, best_known=str(path),
+                               train=dataclasses.replace(SMOKE.train, learning_rate=3e-3, warmup_updates=10))
   mesh = train.data_mesh(1)
-  start = train.init(config, suite)
-  state, metrics = train.imitate(start, suite, samples, config, mesh)
-  network = Network(config.network)
+  start = train.init(config.train, suite)
+  state = train_cmd.warm_start(config, [case], suite, start, suite, mesh, lead=True)
+  ids = imitation.teacher_actions(problem, config.train.env, jax.tree.map(lambda x: x[0], suite.tables), decisions, None)
+  samples = imitation.teacher_samples(suite, config.train.env, [(0, ids)])
+  network = Network(config.train.network)
   tables, root = jax.tree.map(lambda x: x[0], suite.tables), jax.tree.map(lambda x: x[0], suite.roots)
 
   def chosen(params):
     embeddings = network.encode(params, static_graph(tables, root))
-    logits = jax.vmap(network.head, in_axes=(None, None, 0))(params, embeddings, samples.features)[0]
-    return np.asarray(logits.argmax(-1))
+    return np.asarray(jax.vmap(network.head, in_axes=(None, None, 0))(params, embeddings, samples.features)[0].argmax(-1))
 
   teacher_actions = samples.policy.argmax(-1)
   assert not np.array_equal(chosen(start.params), teacher_actions)
   np.testing.assert_array_equal(chosen(state.params), teacher_actions)
-  assert float(metrics["policy_kl"]) < 0.05 and int(state.iteration) == 0 and int(state.buffer.size) == len(teacher_actions)
+  assert int(state.iteration) == 0 and int(state.buffer.size) == len(teacher_actions)
 
 
 def test_a_warm_start_without_a_teacher_is_refused(tmp_path, capsys):
   path = tmp_path / "known.json"
   path.write_text(json.dumps({"cases": {}}))
   argv = ["train", "--preset", "smoke", "--run-dir", str(tmp_path / "run"), "--wandb", "disabled", "--no-progress",
-          "--devices", "1", "--train.imitation-updates", "10"]
+          "--devices", "1", "--imitation-updates", "10"]
   assert cli.main([*argv, "--best-known", str(tmp_path / "missing.json")]) == 2
   assert "no such file" in capsys.readouterr().err and not (tmp_path / "run").exists()
   assert cli.main([*argv, "--best-known", str(path)]) == 2
