@@ -309,6 +309,9 @@ def run(config: TrainRunConfig) -> TrainResult:
   host_suite = suite
   state = train.replicate(train.init(config.train, suite), mesh)  # From this process's suite, then replicated.
   suite = train.replicate(suite, mesh)
+  # Orbax's checkpoint manager meets the other processes in a collective (30 s of gloo):
+  # processes that traced the suite at different speeds meet at a barrier first.
+  _barrier("built the suite")
   checkpoints = checkpoint.TrainCheckpoints(config.run_dir)
   done = checkpoints.latest() or 0
   if done:
