@@ -49,9 +49,9 @@ def pipelined_plan(mesh: str, tactic, microbatches: int, bare: bool = False, spe
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("mesh,tactic,microbatches", [
     ("stage=2,data=2,model=2", tactics.megatron_3d, 4),
-    ("stage=2,data=2,model=2", tactics.megatron_3d, 8),
+    pytest.param("stage=2,data=2,model=2", tactics.megatron_3d, 8, marks=pytest.mark.slow),  # The same with more microbatches.
     ("stage=4,data=2", tactics.pipeline, 4),
-    ("stage=4,data=2", tactics.pipeline, 8),
+    pytest.param("stage=4,data=2", tactics.pipeline, 8, marks=pytest.mark.slow),
 ])
 def test_pipelined_step_matches_the_unpartitioned_step(family, mesh, tactic, microbatches):
   spec, width = FAMILIES[family]
