@@ -51,6 +51,19 @@ def teacher_actions(problem: Problem, config: EnvConfig, tables: EnvTables, deci
   return out + [tables.num_actions - 1]
 
 
+def teacher_plans(problems: Sequence[Problem], plans: Sequence[tuple[list[sharding.Decision], Pipeline | None] | None],
+                  suite: Suite, config: EnvConfig) -> list[tuple[int, list[int]]]:
+  """(suite index, `teacher_actions`) of each problem of `suite` whose plan (`plans`, None:
+  none) the environment can reach."""
+  out = []
+  for i, (problem, plan) in enumerate(zip(problems, plans, strict=True)):
+    if plan is not None:
+      actions = teacher_actions(problem, config, jax.tree.map(lambda x, i=i: x[i], suite.tables), *plan)
+      if actions is not None:
+        out.append((i, actions))
+  return out
+
+
 @functools.partial(jax.jit, static_argnames="config")
 def _replay(config: EnvConfig, tables: EnvTables, root: core.State, action_ids: jax.Array
             ) -> tuple[jax.Array, jax.Array, jax.Array, chex.ArrayTree]:

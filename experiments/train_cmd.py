@@ -265,14 +265,9 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
   """`state` after the imitation warm start (`train.imitate`) on the best-known plans of
   `cases` (`agents.imitation`); `host_suite` is this process's copy of the replicated `suite`."""
   known = suite_cmd.load_best_known(config.best_known).get("cases", {})
-  plans = []
-  for i, case in enumerate(cases):
-    if case.name in known:
-      decisions, pipeline = plan_from_json(known[case.name])
-      tables = jax.tree.map(lambda x, i=i: x[i], host_suite.tables)
-      actions = imitation.teacher_actions(selfplay.case_problem(case), config.train.env, tables, decisions, pipeline)
-      if actions is not None:
-        plans.append((i, actions))
+  plans = imitation.teacher_plans([selfplay.case_problem(c) for c in cases],
+                                  [plan_from_json(known[c.name]) if c.name in known else None for c in cases],
+                                  host_suite, config.train.env)
   flag = f"--imitation-updates {config.imitation_updates}"
   if not plans:
     raise ValueError(f"{flag}: the environment can choose the pipeline of none of the best-known plans")
