@@ -322,7 +322,7 @@ class Network:
   def init(self, key: chex.PRNGKey, tables: EnvTables, state: State) -> chex.ArrayTree:
     """Fresh parameters (their shapes do not depend on the program used here)."""
     graph, features = observation(tables, state)
-    return self.module.init(key, graph, features)
+    return jax.jit(self.module.init)(key, graph, features)
 
   def encode(self, params: chex.ArrayTree, graph: jraph.GraphsTuple) -> Embeddings:
     """Embeddings of one program (see `PolicyValueNet.encode`)."""

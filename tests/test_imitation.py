@@ -43,12 +43,12 @@ def test_a_teacher_plan_replays_to_its_objective_in_the_padded_suite_and_alone(t
   ids = imitation.teacher_actions(problem, config, padded, decisions, None)
   samples = imitation.teacher_samples(suite, config, [(0, ids)])
   # Alone: the unpadded tables number the pipeline options and `stop` differently.
-  state = env.init(jax.random.key(0))
+  state, step = env.init(jax.random.key(0)), jax.jit(env.step)
   taken = []
   for action in imitation.teacher_actions(problem, config, env.tables, decisions, None):
     if bool(state.legal_action_mask[action]) and not bool(state.terminated | state.truncated):
       taken.append(env.action_name(action))
-      state = env.step(state, action)
+      state = step(state, action)
   assert taken[0] == env.action_name(env.tables.num_moves) and taken[-1] == "stop"  # No pipeline, then the plan.
   assert len(samples.problem) == len(taken) == len(ids) - 1  # The repeated target is refused.
   assert samples.value[0] == pytest.approx(-np.log(float(state.objective)), rel=1e-5)  # The root's objective is 1.
@@ -60,7 +60,7 @@ def test_the_warm_start_learns_the_teachers_actions(teacher, tmp_path):
   case, problem, suite, env, decisions = teacher
   path = tmp_path / "known.json"
   path.write_text(json.dumps({"cases": {case.name: plan_to_json(decisions)}}))
-  config = dataclasses.replace(SMOKE, imitation_updates=200, best_known=str(path),
+  config = dataclasses.replace(SMOKE, imitation_updates=100, best_known=str(path),
                                train=dataclasses.replace(SMOKE.train, learning_rate=3e-3, warmup_updates=10))
   mesh = train.data_mesh(1)
   start = train.init(config.train, suite)
