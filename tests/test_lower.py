@@ -24,6 +24,8 @@ from automap_rl.xla.realized import Expected, partitioner_input, sharding_differ
 
 MLP = "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16"
 GPT = "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8"
+# Activations outweigh parameters: what the backward pass keeps decides the peak.
+RESNET = "resnet:stages=2,blocks=1,width=16,groups=4,image_size=16,classes=10,batch=32"
 
 
 @functools.cache
@@ -398,8 +400,10 @@ def test_fsdp_gathers_each_parameter_once_as_xla_does():
 
 
 @pytest.mark.parametrize("spec, mesh, plan", [(MLP, "data=8", "replicated"), (GPT, "data=8", "fsdp"),
-                                              (MLP, "data=2,model=4", "megatron")])
+                                              (MLP, "data=2,model=4", "megatron"), (RESNET, "data=8", "data_parallel")])
 def test_peak_memory_within_tolerance_of_memory_analysis(spec, mesh, plan):
+  """On the ResNet, the group norms' backward recomputes fused intermediates from the
+  convolutions' outputs, which stay live until then (25% under before that was modelled)."""
   workload, problem = _setup(spec, mesh)
   decisions = tactics.TACTICS[plan](problem)
   lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)

@@ -219,7 +219,8 @@ def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.nd
 
   Value v is live from the op that makes it to its last use; arguments from the start,
   and to the end unless donated; outputs to the end. Fused intermediates (see
-  `fusion.unmaterialized_values`) take no memory. A loop's body is inlined once
+  `fusion.unmaterialized_values`) take no memory, but their readers recompute them, so
+  what they are computed from stays live to their last reader. A loop's body is inlined once
   (`ir.trace`), but it runs every iteration: a value made before the loop and read in it
   (the stacked inputs its `scan_slice` ops read, weights, constants) stays live to the
   loop's last op, and a stacked output (`scan_stack`) is one buffer from the loop's first
@@ -248,9 +249,15 @@ def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.nd
     if not donated:
       end[value_id] = num_ops - 1
   end[list(program.outputs)] = num_ops - 1
+  fused = unmaterialized_values(program)
+  for op in reversed(program.ops):  # Readers recompute a fused value from its operands.
+    if any(v in fused for v in op.results):
+      last = max(end[v] for v in op.results)
+      for v in op.operands:
+        end[v] = max(end[v], last)
   diff = np.zeros((num_ops + 1, num_sigs), np.float64)
   nbytes = np.array([v.nbytes for v in program.values], np.float64)
-  nbytes[list(unmaterialized_values(program))] = 0.0
+  nbytes[list(fused)] = 0.0
   np.add.at(diff, (start, sigs.value_sig), nbytes)
   np.add.at(diff, (end + 1, sigs.value_sig), -nbytes)
   return np.cumsum(diff, axis=0)[:num_ops]
