@@ -399,6 +399,20 @@ def test_fsdp_gathers_each_parameter_once_as_xla_does():
   assert sim["comm_count_by_kind"]["all-gather"] == pytest.approx(len(gathers))
 
 
+def test_a_gnn_gathers_its_node_features_for_the_edges_and_not_its_zero_accumulators():
+  """Data parallelism on a GNN shards the batch's flattened nodes: every edge gather
+  all-gathers the node features (senders and receivers once for both), while the zeros
+  a segment sum (a scatter-add) accumulates into are made in the sharding it needs."""
+  workload, problem = _setup("gnn:n_node=32,n_edge=64,node_dim=16,edge_dim=16,latent=64,steps=2,batch=8", "data=8")
+  decisions = tactics.data_parallel(problem)
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  gathered = sum(c.repeat * c.bytes for c in lowered.stats.collectives if c.kind == "all-gather")
+  # Four all-gathers of the node latents [256, 64] f32 and two small ones. Gathering the
+  # scatter-adds' zeros too would be 2.5x these bytes.
+  assert gathered == 264224
+  assert _simulated(problem, decisions)["comm_bytes_by_kind"]["all-gather"] == pytest.approx(gathered)
+
+
 @pytest.mark.parametrize("spec, mesh, plan", [(MLP, "data=8", "replicated"), (GPT, "data=8", "fsdp"),
                                               (MLP, "data=2,model=4", "megatron"), (RESNET, "data=8", "data_parallel")])
 def test_peak_memory_within_tolerance_of_memory_analysis(spec, mesh, plan):

@@ -206,7 +206,7 @@ def _common_subexpressions(program: Program) -> tuple[dict[int, int], frozenset[
   return canon, frozenset(merged)
 
 
-def _constant_ops(program: Program) -> frozenset[int]:
+def constant_ops(program: Program) -> frozenset[int]:
   """Ops that read only constants and literals (transitively): XLA folds them, or sinks
   them into the broadcast of a scalar (the seed of a gradient and what follows it)."""
   constant = {v.id for v in program.values if v.role == Role.CONSTANT}
@@ -352,7 +352,7 @@ def _graph(program: Program, shapes: Sequence[Shape]) -> _Graph:
   """The fusion graph of `program` with values of these (per-device) shapes."""
   ops = program.ops
   canon, merged = _common_subexpressions(program)
-  folded = _constant_ops(program)
+  folded = constant_ops(program)
   skip = merged | folded
   producer = {v: op.id for op in ops if op.id not in skip for v in op.results}
   producer.update({v: producer[c] for v, c in canon.items() if c in producer})

@@ -13,7 +13,7 @@ from automap_rl.ir import FactorKind, Op, Program
 from automap_rl.ir.rules import conv_batch_group_factor
 from automap_rl.mesh import Hardware, Mesh
 from automap_rl.sharding import Owners, Signatures
-from automap_rl.simulator.fusion import fusion_copies, memory_bytes, unmaterialized_values
+from automap_rl.simulator.fusion import constant_ops, fusion_copies, memory_bytes, unmaterialized_values
 
 _MEMORY_PROBES = 256
 
@@ -290,8 +290,11 @@ def _operand_read_shares(program: Program, sigs: Signatures) -> dict[tuple[int, 
   factors of the same named dimensions: they resolve alike under every plan (up to one
   op's axis conflicts). Each of the n ops that read a value with the same such key pays
   1/n of a resharding, so the n reads together cost one. Only ops with a signature read
-  through edges (ops that follow their values never communicate).
+  through edges (ops that follow their values never communicate). A value folded from
+  constants (the zeros a scatter-add accumulates into) costs nothing: XLA makes it in
+  the sharding each reader needs.
   """
+  folded = {v for op in constant_ops(program) for v in program.ops[op].results}
   keys: dict[tuple[int, int], tuple] = {}
   for op in program.ops:
     sig = sigs.op_sig[op.id]
@@ -303,7 +306,7 @@ def _operand_read_shares(program: Program, sigs: Signatures) -> dict[tuple[int, 
   counts: dict[tuple, int] = {}
   for key in keys.values():
     counts[key] = counts.get(key, 0) + 1
-  return {read: 1.0 / counts[key] for read, key in keys.items()}
+  return {read: 0.0 if key[0] in folded else 1.0 / counts[key] for read, key in keys.items()}
 
 
 def _terminal_reductions(program: Program, sigs: Signatures, reduces: np.ndarray) -> np.ndarray:
