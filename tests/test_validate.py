@@ -141,15 +141,19 @@ def test_gathers_and_scatter_adds_move_what_the_simulator_prices():
   partitions the gathers and scatter-adds over devices of no mesh axis (all-reduces and
   collective-permutes of whole node arrays, 1.59x the simulated comm bytes; GraphCast's
   fsdp plan on 8x8 moved 2,191x its simulated all-gather bytes). Pinned to the shardings
-  their rules compute on, they move the bytes the simulator prices (2.3% here)."""
+  their rules compute on, they all-gather the bytes the simulator prices, and reduce no
+  more than it prices (its segment sums' all-reduces are 1.36x XLA's here: a known gap).
+  In float32: XLA's CPU backend computes bfloat16 in float32, collectives included."""
   from automap_rl.xla.lower import lower
-  workload = workloads.make_workload("gnn:n_node=256,n_edge=1024,latent=64,steps=1,batch=8,dtype=bfloat16",
+  workload = workloads.make_workload("gnn:n_node=256,n_edge=1024,latent=64,steps=1,batch=8,dtype=float32",
                                      abstract=True)
-  problem = validate.trace_problem(workload, "data=2,model=4", "h100")
+  problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
   plan = tactics.applicable(problem)["fsdp"]
   lowered = lower(problem, plan, workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
   simulated, compiled = validate.simulated_metrics(problem, plan), validate.compiled_metrics(lowered.stats)
-  assert compiled["comm_bytes"] == pytest.approx(simulated["comm_bytes"], rel=0.05)
+  gathered = compiled["comm_bytes_by_kind"]["all-gather"]
+  assert gathered == pytest.approx(simulated["comm_bytes_by_kind"]["all-gather"], rel=1e-3) and gathered > 1e6
+  assert compiled["comm_bytes"] <= simulated["comm_bytes"] < 1.25 * compiled["comm_bytes"]
   assert not lowered.differences
 
 
