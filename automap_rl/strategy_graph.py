@@ -36,7 +36,9 @@ and the per-op strategies follow from them:
   value site (a diagonal edge) with usage bytes / shards.
 
 Hence for every assignment the graph's cost is the simulator's step time and its peak
-usage the simulator's peak memory (`tests/test_strategy_graph.py`), and the usage limit is
+usage the simulator's peak memory (`tests/test_strategy_graph.py`), but for operand copies
+gathered for one read alone: the simulator adds the largest of them to the peak, the graph
+each of them (a bound above, so a graph plan within the limit fits). The usage limit is
 the device's memory. Resolution runs per *row* (a value signature's dims or an op
 signature's factors): a row's masks depend only on the decisions of its own classes, in
 order, so every joint assignment of a row's classes is resolved once, by the one rule
@@ -575,7 +577,7 @@ def _site_terms(problem: Problem, sites: Sequence[Site], limits: Limits) -> tupl
     np.add.at(per_op.T, tables.edge_op, edge_seconds.T)
     np.add.at(per_op.T, tables.edge_op[tables.reduction_edge], reduction_seconds.T)
     gathered = np.zeros((len(rows), num_ops))
-    np.add.at(gathered.T, tables.edge_op, terms.gathered_bytes.T)
+    np.add.at(gathered.T, tables.edge_op, (terms.gathered_bytes + terms.transient_bytes).T)
     for site, o in op_sites:
       mine = rows < site.num_strategies
       cost[id(site)][rows[mine]] += per_op[mine, o]

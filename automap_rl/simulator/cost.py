@@ -21,9 +21,11 @@ Collectives are ring algorithms in an alpha-beta model over the mesh axes they s
 slowest link bounds the bandwidth).
 Bytes follow `automap_rl.xla.hlo`'s convention: the larger, group-level buffer per device.
 Peak memory is the largest live-bytes row of the program (see `tables.probe_rows`) with
-every value divided by its shard count, plus the gathered copies of operands (once per
-value and sharding, as XLA reuses them), all taken to be live at the peak, as FSDP's
-gathered parameters live from the forward to the backward pass. (Full-size partial sums
+every value divided by its shard count, plus the gathered copies of operands that several
+reads share (once per value and sharding, as XLA reuses them), all taken to be live at the
+peak, as FSDP's gathered parameters live from the forward to the backward pass, plus the
+largest copy gathered for one read alone (an activation gathered for one op lives only
+while that op runs). (Full-size partial sums
 before a reduce-scatter are not added: on the validation suite that over-estimates FSDP
 plans.) It is compared with XLA's `memory_analysis()` figure `argument + output + temp -
 alias`.
@@ -229,7 +231,9 @@ class CostTerms:
       are sharded: reduce-scattered over the axes its stored sharding uses, all-reduced
       over the rest, [R].
     gathered_bytes: bytes per device of gathered operand copies each edge adds to the
-      peak, [E].
+      peak: those several reads share, [E].
+    transient_bytes: bytes per device of the largest gathered operand copy each edge makes
+      for one read alone, [E]; the largest of the program adds to the peak.
     value_shards: how many shards each value signature is split into, [Uv].
   """
 
@@ -240,6 +244,7 @@ class CostTerms:
   reduce_scatter: EdgeTerms
   all_reduce: EdgeTerms
   gathered_bytes: jax.Array
+  transient_bytes: jax.Array
   value_shards: jax.Array
 
 
@@ -297,9 +302,10 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   if per_edge:
     nbytes = t.value_bytes[t.edge_value]
     weight, weighted_bytes, buffers, buffer_bytes = t.edge_weight, t.edge_weight * nbytes, t.edge_buffers, nbytes
+    transient = (t.edge_transient > 0).astype(jnp.float32)
   else:
     weight, weighted_bytes, buffers = t.unique_weight, t.unique_weighted_bytes, t.unique_buffer_bytes
-    buffer_bytes = jnp.ones_like(buffers)
+    buffer_bytes, transient = jnp.ones_like(buffers), t.unique_transient_bytes
   misplaced, placed_out = stored_all - overlap, required_all - overlap
   gather_in = stored_all & ~required_all
   # Every possible collective on every edge: its axes, and the axes dividing its bytes
@@ -330,6 +336,7 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
       all_reduce=_edge_terms(t, 2.0, r_reduced & ~scatter_axes, partial_axes | scatter_axes, t.reduction_weight,
                              r_weighted, r_nbytes, (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
+      transient_bytes=jnp.where(operand & (gather_axes != 0), transient[:, None], 0.0) * gather.buffer,
       value_shards=value_shards,
   )
 
@@ -338,7 +345,7 @@ def _total(t: CostTables, terms: CostTerms) -> Cost:
   """The cost of a batch of plans from their terms (batch-last), each field [B, ...]."""
   compute = jnp.sum(terms.op_compute_s, axis=0) + jnp.sum(terms.value_compute_s, axis=0)
   gather, to_all = terms.gather, terms.all_to_all
-  gather_time, transient, gather_bytes, to_all_bytes, gather_count, to_all_count = _sum_rows(
+  gather_time, shared_copies, gather_bytes, to_all_bytes, gather_count, to_all_count = _sum_rows(
       gather.seconds + to_all.seconds, terms.gathered_bytes, gather.bytes, to_all.bytes, gather.count, to_all.count)
   scatter, reduce = terms.reduce_scatter, terms.all_reduce
   reduce_time, scatter_bytes, reduce_bytes, scatter_count, reduce_count = _sum_rows(
@@ -347,7 +354,8 @@ def _total(t: CostTables, terms: CostTerms) -> Cost:
   comm_time = gather_time + reduce_time
   comm_bytes = [reduce_bytes, gather_bytes, scatter_bytes, to_all_bytes]  # In `KINDS` order.
   comm_count = [reduce_count, gather_count, scatter_count, to_all_count]
-  peak = jnp.max(t.live_bytes @ (1.0 / terms.value_shards), axis=0) + transient
+  copies = shared_copies + jnp.max(terms.transient_bytes, axis=0, initial=0.0)
+  peak = jnp.max(t.live_bytes @ (1.0 / terms.value_shards), axis=0) + copies
   return Cost(
       step_time=compute + comm_time,
       compute_time=compute,

@@ -145,7 +145,8 @@ class PipelineTerms:
   and intra-op collectives), `loop_s` (the part of the two in the stages' loop),
   `gradient_reduction_stage_s` (its accumulated gradients' reduction, once per step),
   `update_stage_s` (its step ops' compute and collectives), `live_bytes` (largest live
-  row for one microbatch), `gathered_bytes` (gathered operand copies), `residual_bytes`
+  row for one microbatch), `gathered_bytes` (gathered operand copies: those reads share,
+  and the stage's largest one made for one read), `residual_bytes`
   (one microbatch's residuals of the loop's ops), `in_flight` (sets of them held),
   `outer_residual_bytes` (one microbatch's residuals of the ops off the stack's span, M
   held), `accumulator_bytes` (accumulated gradients, 0 for M = 1), `peak_memory`.
@@ -298,10 +299,12 @@ def _padded(t: CostTables, uv: int, uo: int) -> CostTables:
       edge_op=_pad(t.edge_op, edges, 0), edge_value=_pad(t.edge_value, edges, 0),
       edge_result=_pad(t.edge_result, edges, False), edge_dim_factors=_pad(t.edge_dim_factors, edges, rf),
       edge_weight=_pad(t.edge_weight, edges, 0.0), edge_buffers=_pad(t.edge_buffers, edges, 0.0),
+      edge_transient=_pad(t.edge_transient, edges, 0.0),
       edge_unique=_pad(t.edge_unique, edges, 0),
       unique_edge=_pad(t.unique_edge, unique, 0), unique_weight=_pad(t.unique_weight, unique, 0.0),
       unique_weighted_bytes=_pad(t.unique_weighted_bytes, unique, 0.0),
       unique_buffer_bytes=_pad(t.unique_buffer_bytes, unique, 0.0),
+      unique_transient_bytes=_pad(t.unique_transient_bytes, unique, 0.0),
       reduction_edge=_pad(t.reduction_edge, reductions, 0), reduction_weight=_pad(t.reduction_weight, reductions, 0.0),
       reduction_partial_sums=_pad(t.reduction_partial_sums, reductions, 1.0),
       reduction_combines=_pad(t.reduction_combines, reductions, 0.0),
@@ -423,7 +426,8 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   permute_count = iterations * ((sent[0] > 0).astype(jnp.float32) + (sent[1] > 0)) + (sent[2] > 0)
 
   live = jnp.max(t.live_rows @ (inverse_shards * jnp.where(t.value_whole_batch, m, 1.0)), axis=1)
-  gathered = plan.gathered_bytes @ edge_stages
+  largest_transient = jnp.max(plan.transient_bytes[:, None] * edge_stages, axis=0, initial=0.0)
+  gathered = plan.gathered_bytes @ edge_stages + largest_transient
   residual, outer_residual = t.residual_bytes @ inverse_shards  # [S] each.
   accumulator = jnp.where(iterations > 1, t.accumulator_bytes @ inverse_shards, 0.0)
   peak = live + gathered + (t.in_flight - 1.0) * residual + (m - 1.0) * outer_residual + accumulator

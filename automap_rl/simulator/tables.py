@@ -120,9 +120,14 @@ class CostTables:
       carry (`Hardware.combine_threshold`; 0: the backend does not combine), [2].
     native_scatter: whether the backend runs a reduce-scatter as one (else an all-reduce
       over all the reduced axes and a slice; `Hardware.reduce_scatter`), bool [].
-    edge_buffers: how many distinct buffers the edge's resharding materialises (its ops,
-      not times their repeat counts; operand reads shared as in `edge_weight`), [E]: the
-      simulator adds gathered operands to the peak memory.
+    edge_buffers: how many distinct buffers the edge's resharding materialises that
+      several reads share (its ops, not times their repeat counts; operand reads shared
+      as in `edge_weight`: an FSDP parameter gathered for the forward and the backward
+      pass), [E]: the simulator adds them all to the peak memory, live from the first
+      read to the last.
+    edge_transient: how many of the edge's reads reshard for themselves alone, [E]: such a
+      gathered copy lives only while its op runs, so only the largest one of the program
+      adds to the peak.
     edge_unique: the class of each edge among edges that resolve alike (`_unique_edges`),
       [E]; unique_edge: one edge of each class, [Eu]. Under a resolved plan the simulator
       computes each class's masks once, and an edge's collective terms are linear in its
@@ -131,7 +136,9 @@ class CostTables:
     unique_weight: the classes' summed `edge_weight`, [Eu];
     unique_weighted_bytes: their summed `edge_weight` times value bytes, [Eu];
     unique_buffer_bytes: their summed `edge_buffers` times value bytes (operands; 0 for
-      results, whose gathers add nothing to the peak), [Eu].
+      results, whose gathers add nothing to the peak), [Eu];
+    unique_transient_bytes: the largest value bytes of their edges with a transient read
+      (`edge_transient`; 0 for results), [Eu].
     live_bytes: global bytes of each value signature live at each probe point (`probe_rows`), [T, Uv].
     mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
       group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency
@@ -154,11 +161,13 @@ class CostTables:
   edge_dim_factors: np.ndarray
   edge_weight: np.ndarray
   edge_buffers: np.ndarray
+  edge_transient: np.ndarray
   edge_unique: np.ndarray
   unique_edge: np.ndarray
   unique_weight: np.ndarray
   unique_weighted_bytes: np.ndarray
   unique_buffer_bytes: np.ndarray
+  unique_transient_bytes: np.ndarray
   reduction_edge: np.ndarray
   reduction_weight: np.ndarray
   reduction_partial_sums: np.ndarray
@@ -406,6 +415,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   buffers = np.zeros(num_ops, np.float64)
   operand_buffers: dict[int, np.ndarray] = {}
   operand_weight: dict[int, np.ndarray] = {}  # Op signature -> gather weight of each operand.
+  operand_transient: dict[int, np.ndarray] = {}  # Op signature -> reads of each operand resharded alone.
   read_share = _operand_read_shares(program, sigs)
   made = np.ones(program.num_values, np.float64)  # How often each value is made a step.
   for op in program.ops:
@@ -432,12 +442,14 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
     operand_weight.setdefault(sig, np.zeros(len(op.operands), np.float64))
     operand_weight[sig] += [min(op.repeat, made[v]) * read_share[op.id, i] for i, v in enumerate(op.operands)]
     operand_buffers.setdefault(sig, np.zeros(len(op.operands), np.float64))
-    operand_buffers[sig] += [read_share[op.id, i] for i in range(len(op.operands))]
+    operand_buffers[sig] += [read_share[op.id, i] * (read_share[op.id, i] < 1.0) for i in range(len(op.operands))]
+    operand_transient.setdefault(sig, np.zeros(len(op.operands), np.float64))
+    operand_transient[sig] += [read_share[op.id, i] == 1.0 for i in range(len(op.operands))]
     buffers[sig] += 1.0
   rv = sigs.value_class.shape[1]
   rf = sigs.op_class.shape[1]
   edge_op, edge_value, edge_result, edge_dims = [], [], [], []
-  edge_weight, edge_buffers = [], []
+  edge_weight, edge_buffers, edge_transient = [], [], []
   for sig, (_, factors, operands, results, _) in enumerate(sigs.op_keys):
     first = len(edge_op)
     for is_result, edges in ((False, operands), (True, results)):
@@ -447,6 +459,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
           table[dim, list(dim_factors)] = True
         edge_weight.append(operand_weight[sig][len(edge_op) - first] if not is_result else weight[sig])
         edge_buffers.append(operand_buffers[sig][len(edge_op) - first] if not is_result else buffers[sig])
+        edge_transient.append(operand_transient[sig][len(edge_op) - first] if not is_result else 0.0)
         edge_op.append(sig)
         edge_value.append(value_sig)
         edge_result.append(is_result)
@@ -475,6 +488,9 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
                                            edge_result, edge_dim_factors, reduction_source, reduction, deferred)
   value_bytes = np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32)
   weight32, buffers32 = np.array(edge_weight, np.float32), np.array(edge_buffers, np.float32)
+  transient32 = np.array(edge_transient, np.float32)
+  transient_bytes = np.zeros(len(unique_edge), np.float32)
+  np.maximum.at(transient_bytes, edge_unique, np.where(transient32 > 0, value_bytes[edge_value], 0.0))
 
   def per_class(x: np.ndarray) -> np.ndarray:
     return np.bincount(edge_unique, x.astype(np.float64), len(unique_edge)).astype(np.float32)
@@ -495,11 +511,13 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       edge_dim_factors=edge_dim_factors,
       edge_weight=weight32,
       edge_buffers=buffers32,
+      edge_transient=transient32,
       edge_unique=edge_unique,
       unique_edge=unique_edge,
       unique_weight=per_class(weight32),
       unique_weighted_bytes=per_class(weight32 * value_bytes[edge_value]),
       unique_buffer_bytes=per_class(np.where(edge_result, 0.0, buffers32 * value_bytes[edge_value])),
+      unique_transient_bytes=transient_bytes,
       reduction_edge=reduction_edge,
       reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
       reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
