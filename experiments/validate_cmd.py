@@ -42,6 +42,9 @@ class ValidateConfig:
       rewritten after every case, so a stopped run loses at most the case it was on.
     merge: for `fullsize`, no compiles: the report of the checks in these `--json` files
       (pieces of one run made apart).
+    resimulate: with `merge`, the merged plans priced again by this checkout's simulator
+      against their stored compiled figures (which do not depend on it): a simulator
+      change re-measured by tracing the cases, without compiling.
     random: instead of a suite, N random plans per model (on `data=8` and
       `data=2,model=4` in turn), each compiled in a child process first (an XLA abort is a
       failed plan, not the end of the command), run and checked against the unpartitioned
@@ -69,6 +72,7 @@ class ValidateConfig:
   seed: int = 0
   resume: bool = False
   merge: tuple[str, ...] = ()
+  resimulate: bool = False
   random: int = 0
   models: tuple[str, ...] = ()
   workers: int = 1
@@ -225,9 +229,14 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   from agents.registry import run_agent
   from automap_rl.xla import fullsize
 
+  if config.resimulate and not config.merge:
+    raise ValueError("--resimulate needs --merge, the checks to price again.")
   if config.merge:
     checks = [c for path in config.merge for c in _read_checks(path)]
     names = list(dict.fromkeys(c.case for c in checks))
+    if config.resimulate:
+      checks = fullsize.resimulated(checks, report=lambda case: print(f"{case}: tracing, then pricing its plans again",
+                                                                       flush=True))
   else:
     names = fullsize.SAMPLED_CASES if config.sampled else config.cases or fullsize.FULLSIZE_CASES
     for name in names:

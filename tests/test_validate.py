@@ -5,8 +5,10 @@ import json
 import math
 
 import pytest
+from hypothesis import given, strategies as st
 
 from automap_rl import workloads, tactics
+from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.xla import validate
 from automap_rl.xla.numerics import reference_outputs
 from experiments import validate_cmd
@@ -329,11 +331,42 @@ def test_pieces_of_a_sampled_run_resume_and_merge_without_compiling(tmp_path, ca
   assert "ssm-370m-4x4-tpu-v5e/megatron (60.0%; all-gather 200.0%)" in out
 
 
+@given(st.one_of(st.builds(ArgDim, st.text(max_size=20), st.integers(0, 5)),
+                 st.builds(Group, st.integers(0, 10**6)), st.integers(0, 10**6)),
+       st.sampled_from(["data", "model", "fsdp_2"]))
+def test_a_decision_is_read_back_from_its_repr(target, axis):
+  from automap_rl.xla import fullsize
+
+  decision = Decision(target, axis)
+  assert fullsize.decision_from_text(repr(decision)) == decision
+
+
+def test_merged_checks_are_priced_again_by_this_simulator_without_compiling():
+  """`--merge --resimulate`: a check whose simulated side is stale gets this simulator's
+  figures; its compiled side stays as stored."""
+  from automap_rl.xla import fullsize
+
+  name = "gpt-350m-8x2-a100-80g"
+  case = fullsize.validation_case(name)
+  problem = validate.trace_problem(case.make_workload(abstract=True), case.mesh,
+                                   fullsize.validation_mesh(case).hardware)
+  decisions = tactics.applicable(problem)["megatron"]
+  stale = _metrics({"all-reduce": 1.0}, 1.0, 1.0, 1.0)
+  check = fullsize.PlanCheck(case=name, devices=16, plan="megatron", searched=False,
+                             decisions=tuple(map(repr, decisions)), simulated=stale, compiled=stale, differences=0,
+                             seconds=1.0, family="gpt")
+  (priced,) = fullsize.resimulated([check])
+  assert priced.compiled == stale
+  assert priced.simulated["peak_memory"] == pytest.approx(float(problem.cost(decisions).peak_memory))
+  assert priced.simulated["comm_bytes"] == pytest.approx(validate.simulated_metrics(problem, decisions)["comm_bytes"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--agents", "mcts@lots"], "--agents mcts@lots: the budget after @ must be a positive number"),
     (["--agents", "uct"], "--agents uct: unknown agent 'uct'"),
     (["--resume"], "--resume needs --json"),
     (["--merge", "missing.json"], "missing.json: not a `validate --suite fullsize --json` file"),
+    (["--resimulate"], "--resimulate needs --merge"),
 ])
 def test_a_bad_fullsize_request_is_one_line_and_exit_2(argv, message, capsys):
   from experiments import cli

@@ -30,9 +30,11 @@ hardware's links and peaks.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import math
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -43,7 +45,7 @@ from automap_rl import tactics, workloads
 from automap_rl.mesh import HARDWARE, Mesh, make_mesh, to_jax_mesh
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
-from automap_rl.sharding import Decision
+from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, collective_seconds
 from automap_rl.simulator.tables import program_flops
 from automap_rl.xla.hlo import CompiledStats
@@ -53,8 +55,9 @@ from automap_rl.xla.validate import DONATE_ARGNUMS, compiled_metrics, relative_e
 
 __all__ = [
     "FULLSIZE_CASES", "SAMPLED_CASES", "ZOO_CASES", "PlanCheck", "Search", "agreement_by_case", "check_case",
-    "check_pipelined_plan", "compiled_checks", "exploit_gaps", "family_table", "implied_cost", "pairwise_agreement", "plot",
-    "stage_permute_bytes", "summarize", "term_errors", "validation_case", "validation_mesh",
+    "check_pipelined_plan", "compiled_checks", "decision_from_text", "exploit_gaps", "family_table", "implied_cost",
+    "pairwise_agreement", "plot", "resimulated", "stage_permute_bytes", "summarize", "term_errors", "validation_case",
+    "validation_mesh",
 ]
 
 # Cases at published sizes on 8 and 64 devices: the demo's model on a 2x4 and an 8x8 mesh,
@@ -289,6 +292,42 @@ def check_case(name: str, search: Search | None = None, seed: int = 0,
                                   time.perf_counter() - start))
     report(checks[-1])
   return checks
+
+
+# `repr` of a `Decision`: an `ArgDim` (its path a Python string literal), a `Group` or a class id.
+_STRING_LITERAL = r"'(?:[^'\\]|\\.)*'" + "|" + r'"(?:[^"\\]|\\.)*"'
+_DECISION = re.compile(rf"Decision\(target=(?:ArgDim\(path=(?P<path>{_STRING_LITERAL}), dim=(?P<dim>\d+)\)"
+                       r"|Group\(id=(?P<group>\d+)\)|(?:np\.int\d+\()?(?P<cls>\d+)\)?), axis='(?P<axis>[^']+)'\)")
+
+
+def decision_from_text(text: str) -> Decision:
+  """The decision whose `repr` is `text` (`PlanCheck.decisions`)."""
+  match = _DECISION.fullmatch(text)
+  if match is None:
+    raise ValueError(f"Not a decision: {text!r}")
+  if match["path"] is not None:
+    target = ArgDim(ast.literal_eval(match["path"]), int(match["dim"]))
+  else:
+    target = Group(int(match["group"])) if match["group"] is not None else int(match["cls"])
+  return Decision(target, match["axis"])
+
+
+def resimulated(checks: Sequence[PlanCheck], report: Callable[[str], None] = lambda case: None) -> list[PlanCheck]:
+  """`checks` with their simulated side priced again by this checkout's simulator. Their
+  compiled side does not depend on it, so a change of the simulator is re-measured on
+  compiled plans in the time it takes to trace their cases; `report` sees each case
+  before it is traced."""
+  problems: dict[str, Problem] = {}
+  out = []
+  for check in checks:
+    if check.case not in problems:
+      report(check.case)
+      case = validation_case(check.case)
+      problems[check.case] = trace_problem(case.make_workload(abstract=True), case.mesh, validation_mesh(case).hardware)
+    pipeline = None if check.pipeline is None else Pipeline.from_json(check.pipeline)
+    decisions = [decision_from_text(d) for d in check.decisions]
+    out.append(dataclasses.replace(check, simulated=_simulated(problems[check.case], decisions, pipeline)))
+  return out
 
 
 # -- summary ------------------------------------------------------------------------------
