@@ -24,11 +24,11 @@ demo: $(BIN)/automap-rl
 # `make test-all` runs everything.
 test: $(BIN)/automap-rl
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 --durations=15 -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 -m "not slow" tests
 
 test-all: $(BIN)/automap-rl
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 tests
 
 clean:
 	rm -rf $(VENV) *.egg-info .cache

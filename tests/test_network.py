@@ -194,9 +194,8 @@ def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
   e = Env.build(p, EnvConfig(max_axes=3, pipelines=6))
   checkpoint.save_policy(str(tmp_path), network.Network(config).init(jax.random.key(0), e.tables, e.init(jax.random.key(0))), config)
   assert learned.load_network(str(tmp_path)).config.pipelines == 6
-  greedy = learned.search(p, learned.LearnedConfig(checkpoint=str(tmp_path), search=False), seed=0, budget=1)
-  assert greedy.greedy_steps >= len(e.pipelines)  # A path from each option.
   result = learned.search(p, learned.LearnedConfig(checkpoint=str(tmp_path)), seed=0, budget=32)
+  assert result.greedy_steps >= len(e.pipelines)  # A greedy path from each option before the search.
   assert result.pipeline is not None and result.actions[0] == str(result.pipeline)
   assert result.step_time == pytest.approx(float(p.plan_cost(result.decisions, result.pipeline).step_time), rel=1e-5)
   with pytest.raises(ValueError, match="6 pipeline options"):
