@@ -60,7 +60,7 @@ def test_the_warm_start_learns_the_teachers_actions(teacher, tmp_path):
   case, problem, suite, env, decisions = teacher
   path = tmp_path / "known.json"
   path.write_text(json.dumps({"cases": {case.name: plan_to_json(decisions)}}))
-  config = dataclasses.replace(SMOKE, imitation_updates=200, best_known=str(path),
+  config = dataclasses.replace(SMOKE, imitation_updates=150, best_known=str(path),
                                train=dataclasses.replace(SMOKE.train, learning_rate=3e-3, warmup_updates=10))
   mesh = train.data_mesh(1)
   start = train.init(config.train, suite)
