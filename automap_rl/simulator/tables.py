@@ -439,12 +439,13 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
     compute[sig] += flop_s
     memory[sig] += memory_s
     weight[sig] += op.repeat
+    shares = np.array([read_share[op.id, i] for i in range(len(op.operands))], np.float64)
     operand_weight.setdefault(sig, np.zeros(len(op.operands), np.float64))
-    operand_weight[sig] += [min(op.repeat, made[v]) * read_share[op.id, i] for i, v in enumerate(op.operands)]
+    operand_weight[sig] += np.minimum(op.repeat, made[list(op.operands)]) * shares
     operand_buffers.setdefault(sig, np.zeros(len(op.operands), np.float64))
-    operand_buffers[sig] += [read_share[op.id, i] * (read_share[op.id, i] < 1.0) for i in range(len(op.operands))]
+    operand_buffers[sig] += np.where(shares < 1.0, shares, 0.0)  # Copies several reads share.
     operand_transient.setdefault(sig, np.zeros(len(op.operands), np.float64))
-    operand_transient[sig] += [read_share[op.id, i] == 1.0 for i in range(len(op.operands))]
+    operand_transient[sig] += shares == 1.0  # Copies made for this read alone.
     buffers[sig] += 1.0
   rv = sigs.value_class.shape[1]
   rf = sigs.op_class.shape[1]
