@@ -35,6 +35,9 @@ class ValidateConfig:
       the suite leaves out) instead of `cases`.
     agents: for `fullsize`, the search agents whose plans are checked beside the experts,
       each `NAME` or `NAME@BUDGET` (a searched pipeline is checked in GPipe order).
+    experts: for `fullsize`, check the cases' expert plans; `--no-experts`: the searched
+      plans alone (their exploit gaps and rankings come from `--merge` with a run of the
+      experts of the same cases).
     budget: for `fullsize`, each search's simulator evaluations (where its agent names none).
     seed: for `fullsize`, the searches' seed.
     resume: for `fullsize`, keep the checks of the cases already in `--json` (an earlier run
@@ -68,6 +71,7 @@ class ValidateConfig:
   cases: tuple[str, ...] = ()
   sampled: bool = False
   agents: tuple[str, ...] = ("mcts", "random")
+  experts: bool = True
   budget: int = 2000
   seed: int = 0
   resume: bool = False
@@ -242,6 +246,8 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
     for name in names:
       fullsize.validation_case(name)  # Unknown names fail before any work.
     agents = _search_agents(config)
+    if not config.experts and not agents:
+      raise ValueError("--no-experts needs --agents, the searches whose plans to check.")
     if config.resume and not config.json:
       raise ValueError("--resume needs --json, the file of the run to resume.")
     checks = _read_checks(config.json) if config.resume and os.path.exists(config.json) else []
@@ -264,7 +270,8 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
       continue
     print(f"{name}: tracing, then one compile per plan ...", flush=True)
     checks += fullsize.check_case(name, search if agents else None, seed=config.seed,
-                                  report=lambda check: print(_fullsize_row(check), flush=True), pipelines=config.pipelines)
+                                  report=lambda check: print(_fullsize_row(check), flush=True), pipelines=config.pipelines,
+                                  experts=config.experts)
     write_json(config.json, _fullsize_document(checks, fullsize.family_table(checks)))
   families = fullsize.family_table(checks)
   document = _fullsize_document(checks, families)

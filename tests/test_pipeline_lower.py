@@ -157,3 +157,18 @@ def test_compiled_flops_memory_and_transfers_are_the_simulators(spec, tactic):
   # layers run in every iteration of the loop, the bubble's included.
   assert compiled["comm_bytes_by_axes"]["data"] == pytest.approx(simulated["comm_bytes_by_kind"]["all-reduce"],
                                                                  rel=0.01)
+
+
+def test_gradient_reductions_over_an_axis_the_loop_is_auto_over_run_in_every_iteration():
+  """FSDP inside the stages stores the stage weights split over the data axis the batch
+  is split over, so the loop cannot be manual over it: XLA reduces (reduce-scatters) the
+  layers' gradients over `data` in every iteration of the loop, not once after it. The
+  simulator prices those reductions per iteration; priced once, it saw a third of the
+  bytes."""
+  from automap_rl.xla import fullsize
+
+  plan = pipelined_plan("stage=2,data=2,model=2", tactics.fsdp_megatron_3d, 4)
+  check = fullsize.check_pipelined_plan("gpt", plan.problem, workload(), "plan", plan.decisions, plan.pipeline)
+  simulated, compiled = check.simulated["comm_bytes_by_kind"], check.compiled["comm_bytes_by_kind"]
+  reductions = lambda by_kind: by_kind["all-reduce"] + by_kind["reduce-scatter"]
+  assert reductions(simulated) == pytest.approx(reductions(compiled), rel=0.2)

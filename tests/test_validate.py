@@ -367,6 +367,7 @@ def test_merged_checks_are_priced_again_by_this_simulator_without_compiling():
     (["--resume"], "--resume needs --json"),
     (["--merge", "missing.json"], "missing.json: not a `validate --suite fullsize --json` file"),
     (["--resimulate"], "--resimulate needs --merge"),
+    (["--no-experts", "--agents"], "--no-experts needs --agents"),
 ])
 def test_a_bad_fullsize_request_is_one_line_and_exit_2(argv, message, capsys):
   from experiments import cli

@@ -234,6 +234,7 @@ class CostTerms:
       peak: those several reads share, [E].
     transient_bytes: bytes per device of the largest gathered operand copy each edge makes
       for one read alone, [E]; the largest of the program adds to the peak.
+    reduced_axes: the mesh axes (bit mask) each reduction sums over, 0 where none, int8 [R].
     value_shards: how many shards each value signature is split into, [Uv].
   """
 
@@ -245,6 +246,7 @@ class CostTerms:
   all_reduce: EdgeTerms
   gathered_bytes: jax.Array
   transient_bytes: jax.Array
+  reduced_axes: jax.Array
   value_shards: jax.Array
 
 
@@ -337,6 +339,7 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
                              r_weighted, r_nbytes, (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
       transient_bytes=jnp.where(operand & (gather_axes != 0), transient[:, None], 0.0) * gather.buffer,
+      reduced_axes=r_reduced,
       value_shards=value_shards,
   )
 

@@ -27,7 +27,11 @@ microbatch size). From those terms:
 * `gradient_reduction` and `update`: once per step after the last microbatch, on every
   stage at once (the stage whose sum is largest counts): the reduction of the
   accumulated gradients, and the step ops (optimizer update, weight casts, reshards of
-  loop invariants).
+  loop invariants). The lowered loop defers a reduction of its layers' gradients only
+  over the axes it is manual over (`manual_axes`): the stage axis, and the batch axes
+  where no stacked weight is split over them other than on its layer dim. A reduction
+  over any other axis XLA runs in every iteration, where the gradient is made: it is a
+  microbatch collective of the loop.
 
 step time = steady + bubble + transfer + gradient_reduction + update, exactly.
 
@@ -105,6 +109,10 @@ class PipelineTables:
       float32 [S, Uv].
     transfer_bytes: per kind (forward per microbatch, backward per microbatch, once per
       step) and sending stage, the global bytes of the values sent, float32 [3, S, Uv].
+    batch_signature: the full program's signature of the batch (the first batched input),
+      whose dim 0 the plan's batch axes shard; -1 without one, int32 [].
+    stacked_signatures: the full program's signatures of the stack's stacked weights
+      (inputs [L, ...]), int32 [K].
     in_flight: `Pipeline.in_flight`, float32 [S].
     stages, microbatches, chunks: S, M and V, float32 [].
     permute_seconds_per_byte, permute_latency: the stage axis's link, float32 [].
@@ -129,6 +137,8 @@ class PipelineTables:
   residual_bytes: np.ndarray
   accumulator_bytes: np.ndarray
   transfer_bytes: np.ndarray
+  batch_signature: np.ndarray
+  stacked_signatures: np.ndarray
   in_flight: np.ndarray
   stages: np.ndarray
   microbatches: np.ndarray
@@ -258,6 +268,9 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
   for stage, r in enumerate(rows):
     live_rows[stage, :len(r), :r.shape[1]] = r
   zeros = lambda x, *shape: np.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])  # Zeros up to `shape`.
+  batched = [v for v in program.inputs if program.values[v].role == Role.INPUT and program.values[v].shape]
+  classes = set(staged.stack.layer_classes)
+  stacked = [v for v in program.inputs if program.values[v].shape and named.class_of(v, 0) in classes]
   return PipelineTables(
       tables=_padded(tables, uv, uo),
       value_source=_pad(full.value_sig[value_rep].astype(np.int32), uv, 0),
@@ -273,6 +286,8 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
       live_rows=live_rows, value_whole_batch=_pad(whole_batch[value_rep], uv, False),
       residual_bytes=np.stack([zeros(x, capacity, uv) for x in residuals]), accumulator_bytes=zeros(accumulated, capacity, uv),
       transfer_bytes=np.stack([zeros(x, capacity, uv) for x in sent]),
+      batch_signature=np.int32(full.value_sig[batched[0]] if batched else -1),
+      stacked_signatures=full.value_sig[stacked].astype(np.int32),
       in_flight=_pad(staged.pipeline.in_flight().astype(np.float32), capacity, 1.0),
       stages=np.float32(num_stages), microbatches=np.float32(staged.pipeline.microbatches),
       chunks=np.float32(staged.pipeline.chunks),
@@ -376,6 +391,17 @@ def _permute(t: PipelineTables, nbytes: jax.Array) -> jax.Array:
   return jnp.where(nbytes > 0, nbytes * t.permute_seconds_per_byte + t.permute_latency, 0.0)
 
 
+def manual_axes(t: PipelineTables, value_mask: jax.Array) -> jax.Array:
+  """The mesh axes (bit mask of the stage mesh's) the lowered loop is manual over besides
+  the stage axis: the plan's batch axes (its mask of the batch's dim 0), where no stacked
+  weight is split over them other than on its layer dim; else none. `value_mask` is the
+  full program's [Uv_full, Rv]; int8 []."""
+  value_mask = value_mask.astype(jnp.int8)
+  rows = jnp.where(t.batch_signature >= 0, value_mask[jnp.maximum(t.batch_signature, 0), 0], 0).astype(jnp.int8)
+  weights = value_mask[t.stacked_signatures, 1:]  # [K, Rv - 1]
+  return jnp.where(jnp.any((weights & rows) != 0), jnp.int8(0), rows)
+
+
 def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) -> PipelineCost:
   """The cost of a pipelined plan from the full program's resolution (`value_mask`
   [Uv_full, Rv], `op_mask` [Uo_full, Rf] on the stage mesh, as `sharding.resolve` gives
@@ -387,7 +413,12 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   reduction_op = edge_op[t.tables.reduction_edge]  # [R]
   edge_stages, reduction_stages = t.op_stages[edge_op], t.op_stages[reduction_op]
   per_microbatch = ~step_op[edge_op] & ~t.edge_invariant  # [E]
-  reduction_phase = t.op_phase[reduction_op]
+  # The loop's reductions of accumulated gradients over axes it is not manual over run in
+  # every iteration, like its microbatch reductions.
+  deferred = (plan.reduced_axes & ~manual_axes(t, value_mask)) == 0  # [R]
+  accumulated = t.op_phase[reduction_op] == Phase.ACCUMULATED
+  reduction_phase = jnp.where(accumulated & t.op_looped[reduction_op] & ~deferred, Phase.MICROBATCH,
+                              t.op_phase[reduction_op])
 
   def by_stage(x: jax.Array, where: jax.Array, stages: jax.Array) -> jax.Array:
     return jnp.where(where, x, 0.0) @ stages

@@ -258,16 +258,18 @@ def _failed_check(case: workloads.Case, problem: Problem, plan: str, decisions: 
 
 
 def check_case(name: str, search: Search | None = None, seed: int = 0,
-               report: Callable[[PlanCheck], None] = lambda check: None, pipelines: bool = False) -> list[PlanCheck]:
-  """Every applicable expert plan of case `name` and the plans `search` finds (a searched
-  pipeline run in GPipe order, as it is lowered); with `pipelines`, also every applicable
-  pipelined expert plan, in GPipe order (those of one plan and pipeline once). A plan that
-  fails to lower or compile is a check with its `error`, and the case goes on."""
+               report: Callable[[PlanCheck], None] = lambda check: None, pipelines: bool = False,
+               experts: bool = True) -> list[PlanCheck]:
+  """Every applicable expert plan of case `name` (none without `experts`: a run of the
+  searched plans alone, merged later with one of the experts) and the plans `search` finds
+  (a searched pipeline run in GPipe order, as it is lowered); with `pipelines`, also every
+  applicable pipelined expert plan, in GPipe order (those of one plan and pipeline once). A
+  plan that fails to lower or compile is a check with its `error`, and the case goes on."""
   case = validation_case(name)
   workload = case.make_workload(abstract=True)
   problem = trace_problem(workload, case.mesh, validation_mesh(case).hardware)
-  plans = [(plan, decisions, None, False) for plan, decisions in tactics.applicable(problem).items()]
-  if pipelines:
+  plans = [(plan, decisions, None, False) for plan, decisions in tactics.applicable(problem).items() if experts]
+  if pipelines and experts:
     plans += [(plan, decisions, pipeline, False)
               for plan, (decisions, pipeline) in tactics.applicable_pipelines(problem).items()]
   if search is not None:

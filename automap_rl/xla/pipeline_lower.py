@@ -34,10 +34,11 @@ microbatched activations (the axes the plan gives the batch inputs' dim 0, where
 divide a microbatch), and every intermediate, in the stages and outside them: each loss
 equation is pinned as `lower` pins its counterpart in the planned step
 (`automap_rl.xla.correspond` aligns the two), the stage and manual axes left out. Where no
-stacked weight is split over the batch axes, the loop is manual over them too: each device
-runs its rows of a microbatch, and the stage weights' gradients are summed over the batch
-axes once, where the backward leaves the loop (auto over them, XLA reduced the gradients
-in every iteration). A grouped convolution's kernel gradient is summed per device
+stacked weight is split over the batch axes (other than on its layer dim, which is gathered
+before the loop), the loop is manual over them too: each device runs its rows of a
+microbatch, and the stage weights' gradients are summed over the batch axes once, where
+the backward leaves the loop. Over the axes it is auto over, XLA reduces the gradients in
+every iteration (`simulator.pipeline.manual_axes` prices both). A grouped convolution's kernel gradient is summed per device
 (`lower.grouped_conv_binder`).
 
 Every schedule runs in GPipe order (1F1B computes the same numbers with fewer
@@ -254,7 +255,9 @@ def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: Layer
   pins = _StepPins.build(problem, decisions)
   program, classes = problem.program, set(stack.layer_classes)
   stacked = [v for v in program.inputs if program.values[v].shape and problem.named.class_of(v, 0) in classes]
-  weights_on_rows = any(set(rows) & {a for axes in spec_axes(spec, len(program.values[v].shape)) for a in axes}
+  # A stacked weight split over the batch axes on its layer dim only is gathered over them
+  # before the loop (`gpipe` takes the stage's layers whole); on another dim, it cannot be.
+  weights_on_rows = any(set(rows) & {a for axes in spec_axes(spec, len(program.values[v].shape))[1:] for a in axes}
                         for v, spec in zip(stacked, problem.partition_specs(decisions, stacked)))
 
   def loss(params, batch):
