@@ -4,7 +4,9 @@ A strategy is an ordered list of `Decision(target, axis)`; earlier decisions win
 is an argument dimension (`ArgDim`, Automap's action), a named dimension (its class id,
 TOAST's) or a `Group` of classes. Every target expands to classes; every dimension of a
 class then takes the axis in decision order, unless its value (op) already uses the axis on
-another dimension (factor) or the size does not divide.
+another dimension (factor) or the size does not divide. A dimension split over several
+axes takes them in mesh order (`specs.dim_axes`): the order decides which decision wins,
+not the layout of the shards.
 
 Resolution is a pure `jax.numpy` function of small arrays: the program is compressed to
 its unique value and op *signatures* (the classes and sizes of their dims or factors),

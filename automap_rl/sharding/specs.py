@@ -15,9 +15,13 @@ from automap_rl.sharding.signatures import Signatures
 
 
 def dim_axes(mask: int, cls: int, dec_class: np.ndarray, dec_axis: np.ndarray, axis_names: Sequence[str]):
-  """The axes of a dim with bit mask `mask` and class `cls`, in decision order."""
+  """The axes of a dim with bit mask `mask` and class `cls` (those of its class's
+  decisions), in mesh order, major to minor, whatever the decisions' order: the simulator
+  prices a dim's axes as a set, and a partial sum reduce-scattered over a later axis of the
+  mesh comes out split in mesh order (the other order would make XLA gather the operands
+  whole and recompute)."""
   order = [int(a) for c, a in zip(dec_class, dec_axis) if c == cls and c >= 0 and mask >> int(a) & 1]
-  names = tuple(axis_names[a] for a in dict.fromkeys(order))
+  names = tuple(axis_names[a] for a in sorted(set(order)))
   return None if not names else names[0] if len(names) == 1 else names
 
 
