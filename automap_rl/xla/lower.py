@@ -187,8 +187,11 @@ PINNED_PRIMITIVES = frozenset({
 })
 
 
-# Ops whose operands (not results) `lower` pins to the shardings their rule computes on.
-OPERAND_PINNED = frozenset({"dot_general"})
+# Ops whose operands (not results) `lower` pins to the shardings their rule computes on: a
+# dot (below); a split along a sharded dim (an LSTM's gates), which XLA otherwise computes
+# with a collective-permute per piece and device pair, where the rule gathers the operand
+# once.
+OPERAND_PINNED = frozenset({"dot_general", "split"})
 
 
 def _pinned(problem: Problem) -> dict[tuple[int, ...], int]:
