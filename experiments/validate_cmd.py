@@ -44,7 +44,8 @@ class ValidateConfig:
       of the same command, stopped or finished) and check only the others; the file is
       rewritten after every case, so a stopped run loses at most the case it was on.
     merge: for `fullsize`, no compiles: the report of the checks in these `--json` files
-      (pieces of one run made apart).
+      (pieces of one run made apart); a plan of a case checked in several, the last
+      file's check.
     resimulate: with `merge`, the merged plans priced again by this checkout's simulator
       against their stored compiled figures (which do not depend on it): a simulator
       change re-measured by tracing the cases, without compiling.
@@ -236,7 +237,9 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   if config.resimulate and not config.merge:
     raise ValueError("--resimulate needs --merge, the checks to price again.")
   if config.merge:
-    checks = [c for path in config.merge for c in _read_checks(path)]
+    # A plan checked again in a later file replaces its earlier check (a case's experts or
+    # searches compiled anew after a lowering change).
+    checks = list({(c.case, c.plan): c for path in config.merge for c in _read_checks(path)}.values())
     names = list(dict.fromkeys(c.case for c in checks))
     if config.resimulate:
       checks = fullsize.resimulated(checks, report=lambda case: print(f"{case}: tracing, then pricing its plans again",

@@ -329,6 +329,13 @@ def test_pieces_of_a_sampled_run_resume_and_merge_without_compiling(tmp_path, ca
   out = capsys.readouterr().out
   assert "FAILED TO COMPILE gpt-350m-8x2-a100-80g/learned@64: ValueError: no lowering" in out
   assert "ssm-370m-4x4-tpu-v5e/megatron (60.0%; all-gather 200.0%)" in out
+  # A plan compiled again in a later piece replaces its earlier check: the failed plan, now compiled.
+  again = tmp_path / "again.json"
+  again.write_text(json.dumps({"checks": [{**checks[1], "plan": "learned@64"}]}))
+  assert cli.main(["validate", "--suite", "fullsize", "--merge", str(first), str(second), str(again),
+                   "--json", str(merged)]) == 0
+  summary = json.loads(merged.read_text())["summary"]
+  assert summary["plans"] == 5 and summary["failed_to_compile"] == 0
 
 
 @given(st.one_of(st.builds(ArgDim, st.text(max_size=20), st.integers(0, 5)),
