@@ -1,8 +1,10 @@
 """The environment's pipeline options: a small menu of `Pipeline`s of one program on one mesh.
 
 With `EnvConfig.pipelines = P > 0` an episode starts with a pipeline action: one of P
-options, option 0 "no pipeline", then 1F1B pipelines of the program's largest layer stack
-(padded to P with options never legal). Each pipelines over one mesh axis (slowest link
+options, option 0 "no pipeline", then 1F1B pipelines of the program's largest scanned
+layer stack, the ones `xla.pipeline_lower` runs (padded to P with options never legal; an
+unrolled stack is priced when asked for, `Problem.plan_cost`, but offered only once it is
+lowered). Each pipelines over one mesh axis (slowest link
 first) with S equal to that axis's size (when S divides the stack's layers), so the stages
 take the axis whole: the intra-op decisions after it may not use the stage axis (its
 actions are masked) and resolve as without a pipeline, on the full mesh; no stage-mesh
@@ -67,9 +69,10 @@ def menu(problem: Problem, count: int) -> tuple[Pipeline | None, ...]:
   if count < 1:
     return ()
   stacks = problem.layer_stacks
-  if not stacks:
+  scanned = [i for i, stack in enumerate(stacks) if stack.scanned]
+  if not scanned:
     return (None,)
-  index = max(range(len(stacks)), key=lambda i: stacks[i].layers)
+  index = max(scanned, key=lambda i: stacks[i].layers)
   mesh, batch = problem.mesh, batch_size(problem.program)
   axes = sorted(mesh.axis_names, key=lambda a: (mesh.link(a).bandwidth, mesh.axis_index(a)))
   out: list[Pipeline | None] = [None]

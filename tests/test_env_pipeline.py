@@ -142,3 +142,15 @@ def test_a_mixed_batch_prices_each_program_as_alone():
       assert int(batched.pipeline) == int(state.pipeline)
       np.testing.assert_allclose(float(batched.objective), float(state.objective), rtol=1e-5)
       np.testing.assert_allclose(float(batched.peak_memory), float(state.peak_memory), rtol=1e-5)
+
+
+def test_only_a_scanned_stack_is_offered_a_pipeline():
+  """The menu offers what the lowering runs: the scanned GPT's stack gets pipelines, the
+  same GPT unrolled (its layers priced as a stack all the same) only "no pipeline"."""
+  from envs.pipelines import menu
+
+  unrolled = Problem.build(workloads.make_workload(GPT.replace("scan=true", "scan=false"), abstract=True).trace(),
+                           make_mesh(MESH, "h100"))
+  assert unrolled.layer_stacks and not unrolled.layer_stacks[0].scanned
+  assert menu(unrolled, OPTIONS) == (None,)
+  assert len(menu(problem(), OPTIONS)) > 1
