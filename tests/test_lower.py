@@ -518,3 +518,19 @@ def test_a_split_along_a_sharded_dim_gathers_its_operand_once():
   compiled = compiled_metrics(lowered.stats)
   assert compiled["collective_permute_count"] == 0
   assert compiled["comm_count_by_kind"]["all-gather"] == simulated_metrics(problem, decisions)["comm_count_by_kind"]["all-gather"]
+
+
+def test_partial_sums_over_two_reduction_factors_are_all_reduced_one_factor_at_a_time():
+  """Sequence parallelism: the batch over `data`, the sequence over `model`. A weight's
+  gradient sums over both, and XLA's partitioner all-reduces the partial sums over
+  `model`, then over `data`, each moving the whole gradient, as the simulator prices
+  them now (one all-reduce over both axes was half the bytes)."""
+  from automap_rl.xla.validate import compiled_metrics, simulated_metrics
+
+  workload, problem = _setup("t5:size=base,batch=16,layers=1,d_model=64,heads=4,d_ff=128,seq=32,vocab=128,dtype=float32",
+                             "data=2,model=4")
+  decisions = tactics.sequence_parallel(problem)
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
+  assert simulated["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(compiled["comm_bytes_by_kind"]["all-reduce"],
+                                                                       rel=0.02)

@@ -10,7 +10,9 @@ the op's shard count. Per edge (an op using or making a value):
   reduces all their buffers in one collective, as XLA's combiner does, each as its source
   computed it); on a backend without a native reduce-scatter (`Hardware.reduce_scatter`:
   XLA on CPU), one all-reduce over all those axes and a slice, as the SPMD partitioner
-  writes it; computed sharded on axes it is not stored on: all-gather.
+  writes it; the partial sums of two sharded reduction factors (a batch on one axis and a
+  sequence on another) are all-reduced one factor after the other, as the partitioner
+  does; computed sharded on axes it is not stored on: all-gather.
 
 XLA's combiners merge independent reductions of one kind over the same axes (the
 gradients of data parallelism) into few collectives, up to the hardware profile's
@@ -190,6 +192,13 @@ def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divis
                    buffer=buffer_bytes[:, None] * fraction)
 
 
+def _sum_terms(*terms: EdgeTerms) -> EdgeTerms:
+  """The terms of several collectives of one kind on the same edges: seconds, bytes and
+  counts add; the buffer is the largest."""
+  return EdgeTerms(seconds=sum(x.seconds for x in terms), bytes=sum(x.bytes for x in terms),
+                   count=sum(x.count for x in terms), buffer=jnp.maximum(*(x.buffer for x in terms)))
+
+
 # XLA:GPU tiles a column reduction in shared memory, one tile per operand (8,320 bytes
 # for float32): 30 operands overrun an H100's 227 KiB and ptxas refuses the kernel.
 _GPU_VARIADIC_OPERANDS = 16
@@ -295,10 +304,15 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E or Eu, B]
   required_all = required.sum(axis=1, dtype=jnp.int8)
   overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
-  op_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0).sum(axis=1, dtype=jnp.int8)
-  reduced = jnp.where(t.op_deferred[:, None], 0, op_reduced[t.op_reduction_source])[edge_op]  # [E or Eu, B]
+  factor_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0)  # [Uo, Rf, B]
+  op_reduced = factor_reduced.sum(axis=1, dtype=jnp.int8)
+  op_first = jnp.zeros_like(op_reduced)  # The axes of each op's first sharded reduction factor.
+  for k in reversed(range(factor_reduced.shape[1])):
+    op_first = jnp.where(factor_reduced[:, k] != 0, factor_reduced[:, k], op_first)
+  reduced, first = (jnp.where(t.op_deferred[:, None], 0, x[t.op_reduction_source])[edge_op]  # [E or Eu, B]
+                    for x in (op_reduced, op_first))
   reduction = t.reduction_edge if per_edge else t.edge_unique[t.reduction_edge]
-  r_stored, r_required, r_reduced = (x[reduction] for x in (stored_all, required_all, reduced))  # [R, B]
+  r_stored, r_required, r_reduced, r_first = (x[reduction] for x in (stored_all, required_all, reduced, first))  # [R, B]
 
   operand = ~t.edge_result[edge][:, None]
   if per_edge:
@@ -325,7 +339,10 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   # a linear combination of partial sums may compute on those too, but XLA reduces the
   # buffers its sources made.
   partial_axes = r_required & ~r_reduced
-  # A reduction may carry several partial sums' buffers in one collective.
+  # A reduction may carry several partial sums' buffers in one collective. Partial sums of
+  # several sharded reduction factors (a weight's gradient summed over the batch on `data`
+  # and the sequence on `model`) XLA's partitioner all-reduces one factor at a time: the
+  # first factor's axes, then the others', each moving the whole buffer.
   r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]] * t.reduction_partial_sums
   r_weighted = t.reduction_weight * r_nbytes
   return CostTerms(
@@ -335,8 +352,10 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
       all_to_all=to_all,
       reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight, r_weighted, r_nbytes,
                                  (t.reduction_combines, t.reduction_loop, t.combine_bytes[1])),
-      all_reduce=_edge_terms(t, 2.0, r_reduced & ~scatter_axes, partial_axes | scatter_axes, t.reduction_weight,
-                             r_weighted, r_nbytes, (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
+      all_reduce=_sum_terms(*(_edge_terms(t, 2.0, axes & ~scatter_axes, partial_axes | scatter_axes, t.reduction_weight,
+                                          r_weighted, r_nbytes,
+                                          (t.reduction_combines, t.reduction_loop, t.combine_bytes[0]))
+                              for axes in (r_first, r_reduced & ~r_first))),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
       transient_bytes=jnp.where(operand & (gather_axes != 0), transient[:, None], 0.0) * gather.buffer,
       reduced_axes=r_reduced,
