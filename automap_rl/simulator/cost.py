@@ -192,11 +192,17 @@ def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divis
                    buffer=buffer_bytes[:, None] * fraction)
 
 
-def _sum_terms(*terms: EdgeTerms) -> EdgeTerms:
-  """The terms of several collectives of one kind on the same edges: seconds, bytes and
-  counts add; the buffer is the largest."""
-  return EdgeTerms(seconds=sum(x.seconds for x in terms), bytes=sum(x.bytes for x in terms),
-                   count=sum(x.count for x in terms), buffer=jnp.maximum(*(x.buffer for x in terms)))
+def _with_second_factor(t: CostTables, first: EdgeTerms, axes: jax.Array, divisor: jax.Array,
+                        weighted_bytes: jax.Array) -> EdgeTerms:
+  """`first`, the all-reduces of the reductions' first sharded factor [R, B], plus those
+  of their other factors, over `axes` [R, B]: the same buffers (`weighted_bytes` [R]),
+  combined as the first factor's are (their counts), without a second pass of the
+  combiner over the edges."""
+  per_byte, fixed, fraction = _collective(t, 2.0, axes, divisor)
+  runs_bytes = jnp.where(axes != 0, weighted_bytes[:, None], 0.0)
+  count = jnp.where(axes != 0, first.count, 0.0)
+  return EdgeTerms(seconds=first.seconds + runs_bytes * per_byte + count * fixed,
+                   bytes=first.bytes + runs_bytes * fraction, count=first.count + count, buffer=first.buffer)
 
 
 # XLA:GPU tiles a column reduction in shared memory, one tile per operand (8,320 bytes
@@ -352,10 +358,10 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
       all_to_all=to_all,
       reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight, r_weighted, r_nbytes,
                                  (t.reduction_combines, t.reduction_loop, t.combine_bytes[1])),
-      all_reduce=_sum_terms(*(_edge_terms(t, 2.0, axes & ~scatter_axes, partial_axes | scatter_axes, t.reduction_weight,
-                                          r_weighted, r_nbytes,
-                                          (t.reduction_combines, t.reduction_loop, t.combine_bytes[0]))
-                              for axes in (r_first, r_reduced & ~r_first))),
+      all_reduce=_with_second_factor(t, _edge_terms(t, 2.0, r_first & ~scatter_axes, partial_axes | scatter_axes,
+                                                    t.reduction_weight, r_weighted, r_nbytes,
+                                                    (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
+                                     r_reduced & ~r_first & ~scatter_axes, partial_axes | scatter_axes, r_weighted),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
       transient_bytes=jnp.where(operand & (gather_axes != 0), transient[:, None], 0.0) * gather.buffer,
       reduced_axes=r_reduced,
