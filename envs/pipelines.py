@@ -33,7 +33,7 @@ from automap_rl.stages import EVERY_STAGE, Phase
 # Fills of padded rows that add nothing (as `simulator.build_pipeline_tables` pads; -1: the
 # simulator's never-sharded factor), by field; 0 otherwise.
 _FILL = {"in_flight": 1.0, "value_phase": int(Phase.STEP), "op_phase": int(Phase.STEP), "op_dense_factor": -1,
-         "reduction_partial_sums": 1.0, "loop_repeats": 1.0, "edge_dim_factors": -1}
+         "reduction_partial_sums": 1.0, "loop_repeats": 1.0, "edge_dim_factors": -1, "stacked_signatures": -1}
 
 
 @chex.dataclass(frozen=True)

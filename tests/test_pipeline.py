@@ -257,3 +257,23 @@ def test_plan_carries_its_pipeline_and_json_round_trips_it():
                  "stages=3 does not divide")
   unpipelined = Plan(workload.step, workload.args, p, decisions, pipeline=Pipeline("data", 1, 1))
   assert cost_dict(unpipelined.cost) == cost_dict(p.cost(decisions))
+
+
+@pytest.mark.parametrize("weight_dim, manual", [(None, True), (0, True), (1, False)])
+def test_the_loop_is_manual_over_the_batch_axes_unless_a_stacked_weight_is_split_over_them(weight_dim, manual):
+  """`manual_axes`: the batch over `fsdp` keeps the pipelined loop manual over `fsdp`
+  (its layers' gradients reduced once), also with a stacked weight split over `fsdp` on
+  its layer dim (gathered before the loop), not with one split over it on another dim.
+  Tables padded for a mixed batch (`envs.pipelines`: -1 for stacked weights a program
+  lacks) decide the same."""
+  from automap_rl.simulator.pipeline import manual_axes
+
+  p = problem(GPT + ",scan=true")
+  decisions = [Decision(d.target, "fsdp") for d in tactics.data_parallel(p)]
+  if weight_dim is not None:
+    decisions.append(Decision(ArgDim("params/blocks/mlp/fc1/kernel", weight_dim), "fsdp"))
+  staged = p.pipelined(Pipeline("data", 2, 2, "gpipe"))
+  mask = staged.resolution(decisions).value_mask
+  fsdp = 1 << p.mesh.axis_index("fsdp")
+  padded = staged.tables.replace(stacked_signatures=np.concatenate([staged.tables.stacked_signatures, [-1, -1]]))
+  assert int(manual_axes(staged.tables, mask)) == int(manual_axes(padded, mask)) == (fsdp if manual else 0)

@@ -112,7 +112,7 @@ class PipelineTables:
     batch_signature: the full program's signature of the batch (the first batched input),
       whose dim 0 the plan's batch axes shard; -1 without one, int32 [].
     stacked_signatures: the full program's signatures of the stack's stacked weights
-      (inputs [L, ...]), int32 [K].
+      (inputs [L, ...]), -1 where padded, int32 [K].
     in_flight: `Pipeline.in_flight`, float32 [S].
     stages, microbatches, chunks: S, M and V, float32 [].
     permute_seconds_per_byte, permute_latency: the stage axis's link, float32 [].
@@ -398,7 +398,7 @@ def manual_axes(t: PipelineTables, value_mask: jax.Array) -> jax.Array:
   full program's [Uv_full, Rv]; int8 []."""
   value_mask = value_mask.astype(jnp.int8)
   rows = jnp.where(t.batch_signature >= 0, value_mask[jnp.maximum(t.batch_signature, 0), 0], 0).astype(jnp.int8)
-  weights = value_mask[t.stacked_signatures, 1:]  # [K, Rv - 1]
+  weights = jnp.where((t.stacked_signatures >= 0)[:, None], value_mask[jnp.maximum(t.stacked_signatures, 0), 1:], 0)
   return jnp.where(jnp.any((weights & rows) != 0), jnp.int8(0), rows)
 
 
