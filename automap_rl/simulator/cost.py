@@ -196,11 +196,11 @@ def _with_second_factor(t: CostTables, first: EdgeTerms, axes: jax.Array, diviso
                         weighted_bytes: jax.Array) -> EdgeTerms:
   """`first`, the all-reduces of the reductions' first sharded factor [R, B], plus those
   of their other factors, over `axes` [R, B]: the same buffers (`weighted_bytes` [R]),
-  combined as the first factor's are (their counts), without a second pass of the
-  combiner over the edges."""
+  combined as the first factor's are (their counts; uncombined, their runs, where the first
+  factor is reduce-scattered), without a second pass of the combiner over the edges."""
   per_byte, fixed, fraction = _collective(t, 2.0, axes, divisor)
   runs_bytes = jnp.where(axes != 0, weighted_bytes[:, None], 0.0)
-  count = jnp.where(axes != 0, first.count, 0.0)
+  count = jnp.where(axes != 0, jnp.where(first.count > 0, first.count, t.reduction_weight[:, None]), 0.0)
   return EdgeTerms(seconds=first.seconds + runs_bytes * per_byte + count * fixed,
                    bytes=first.bytes + runs_bytes * fraction, count=first.count + count, buffer=first.buffer)
 
