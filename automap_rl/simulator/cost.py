@@ -318,7 +318,8 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   reduced, first = (jnp.where(t.op_deferred[:, None], 0, x[t.op_reduction_source])[edge_op]  # [E or Eu, B]
                     for x in (op_reduced, op_first))
   reduction = t.reduction_edge if per_edge else t.edge_unique[t.reduction_edge]
-  r_stored, r_required, r_reduced, r_first = (x[reduction] for x in (stored_all, required_all, reduced, first))  # [R, B]
+  r_stored, r_required, r_reduced, r_first = (x[reduction]  # [R, B] each.
+                                               for x in (stored_all, required_all, reduced, first))
 
   operand = ~t.edge_result[edge][:, None]
   if per_edge:

@@ -38,8 +38,8 @@ stacked weight is split over the batch axes (other than on its layer dim, which 
 before the loop), the loop is manual over them too: each device runs its rows of a
 microbatch, and the stage weights' gradients are summed over the batch axes once, where
 the backward leaves the loop. Over the axes it is auto over, XLA reduces the gradients in
-every iteration (`simulator.pipeline.manual_axes` prices both). A grouped convolution's kernel gradient is summed per device
-(`lower.grouped_conv_binder`).
+every iteration (`simulator.pipeline.manual_axes` prices both). A grouped convolution's
+kernel gradient is summed per device (`lower.grouped_conv_binder`).
 
 Every schedule runs in GPipe order (1F1B computes the same numbers with fewer
 microbatches in flight); the interleaved schedule, stages fewer than the stage axis's
