@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from automap_rl.ir import NamedDims, Program, Role
+from automap_rl.ir import NamedDims, Program
 from automap_rl.ir.stacks import LayerStack, layer_stacks, what_is_looked_for
 from automap_rl.mesh import Mesh
 from automap_rl.sharding import Decision
@@ -43,8 +43,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 def batch_size(program: Program) -> int:
   """The batch a pipeline's microbatches split: the greatest common divisor of dim 0 of the
   program's batched inputs (role `input`), 1 when it has none."""
-  sizes = [program.values[v].shape[0] for v in program.inputs
-           if program.values[v].role == Role.INPUT and program.values[v].shape]
+  sizes = [program.values[v].shape[0] for v in program.batch_inputs]
   return math.gcd(*sizes) if sizes else 1
 
 
@@ -170,7 +169,7 @@ class Pipeline:
   def _check_batch(self, program: Program) -> None:
     if self.microbatches == 1:
       return
-    inputs = [program.values[v] for v in program.inputs if program.values[v].role == Role.INPUT and program.values[v].shape]
+    inputs = [program.values[v] for v in program.batch_inputs]
     if not inputs:
       raise ValueError(f"microbatches={self.microbatches} but the program has no batch input (an argument of role "
                        "input) to split")

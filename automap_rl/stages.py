@@ -201,8 +201,7 @@ def _loop_invariant_reads(program: Program, phase: np.ndarray) -> tuple[tuple[bo
 
 def _batch_classes(program: Program, named: NamedDims) -> set[int]:
   """The named dimensions of the inputs' leading (batch) dims."""
-  return {int(named.class_of(v, 0)) for v in program.inputs
-          if program.values[v].role == Role.INPUT and program.values[v].shape} - {-1}
+  return {int(named.class_of(v, 0)) for v in program.batch_inputs} - {-1}
 
 
 def _phases(program: Program, named: NamedDims, graph: _Graph, batch: set[int]) -> np.ndarray:

@@ -142,9 +142,7 @@ def replicated(problem: Problem) -> list[Decision]:
 def data_parallel(problem: Problem) -> list[Decision]:
   """Shard dim 0 of every input (the batch) over the data axis."""
   axis = data_axis(problem)
-  return [Decision(ArgDim(problem.program.values[v].path, 0), axis)
-          for v in problem.program.inputs
-          if problem.program.values[v].role == Role.INPUT and problem.program.values[v].shape]
+  return [Decision(ArgDim(problem.program.values[v].path, 0), axis) for v in problem.program.batch_inputs]
 
 
 def megatron(problem: Problem) -> list[Decision]:

@@ -166,6 +166,12 @@ class Program:
   def num_values(self) -> int:
     return len(self.values)
 
+  @property
+  def batch_inputs(self) -> tuple[int, ...]:
+    """The value ids of the batched arguments (role `input`, not scalars), in order:
+    their dim 0 is the batch."""
+    return tuple(v for v in self.inputs if self.values[v].role == Role.INPUT and self.values[v].shape)
+
   def input_by_path(self, path: str) -> Value:
     """Returns the argument value at `path`; a KeyError lists close matches."""
     for value_id in self.inputs:

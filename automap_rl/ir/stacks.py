@@ -64,6 +64,12 @@ class LayerStack:
   def describe(self) -> str:
     return f"{'scanned' if self.scanned else 'unrolled'} stack of {self.layers} layers ({self.example})"
 
+  def stacked_inputs(self, program: Program, named: NamedDims) -> list[int]:
+    """The arguments stacked along the layers ([L, ...]: a scanned stack's weights and
+    their optimizer state), by value id."""
+    classes = set(self.layer_classes)
+    return [v for v in program.inputs if program.values[v].shape and named.class_of(v, 0) in classes]
+
 
 def layer_stacks(program: Program, named: NamedDims) -> tuple[LayerStack, ...]:
   """The program's layer stacks, scanned ones first, each in order of its first op."""

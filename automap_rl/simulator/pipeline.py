@@ -268,9 +268,7 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
   for stage, r in enumerate(rows):
     live_rows[stage, :len(r), :r.shape[1]] = r
   zeros = lambda x, *shape: np.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])  # Zeros up to `shape`.
-  batched = [v for v in program.inputs if program.values[v].role == Role.INPUT and program.values[v].shape]
-  classes = set(staged.stack.layer_classes)
-  stacked = [v for v in program.inputs if program.values[v].shape and named.class_of(v, 0) in classes]
+  batched, stacked = program.batch_inputs, staged.stack.stacked_inputs(program, named)
   return PipelineTables(
       tables=_padded(tables, uv, uo),
       value_source=_pad(full.value_sig[value_rep].astype(np.int32), uv, 0),

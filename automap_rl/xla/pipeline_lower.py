@@ -60,7 +60,6 @@ from jax.extend import core as jax_core
 from jax.sharding import NamedSharding, PartitionSpec
 
 from automap_rl.compile_options import quick_compile_options
-from automap_rl.ir import Role
 from automap_rl.ir.stacks import LayerStack
 from automap_rl.ir.trace import scan_counts
 from automap_rl.mesh import spec_axes
@@ -253,8 +252,7 @@ def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: Layer
   step = problem.program.jaxpr.jaxpr
   rows = batch_axes(problem, decisions)
   pins = _StepPins.build(problem, decisions)
-  program, classes = problem.program, set(stack.layer_classes)
-  stacked = [v for v in program.inputs if program.values[v].shape and problem.named.class_of(v, 0) in classes]
+  program, stacked = problem.program, stack.stacked_inputs(problem.program, problem.named)
   # A stacked weight split over the batch axes on its layer dim only is gathered over them
   # before the loop (`gpipe` takes the stage's layers whole); on another dim, it cannot be.
   weights_on_rows = any(set(rows) & {a for axes in spec_axes(spec, len(program.values[v].shape))[1:] for a in axes}
@@ -342,7 +340,7 @@ def staged_specs(problem: Problem, decisions: Sequence[Decision], pipeline: Pipe
 def batch_axes(problem: Problem, decisions: Sequence[Decision]) -> tuple[str, ...]:
   """The mesh axes the plan splits the batch dim (dim 0 of the batch inputs) over."""
   program = problem.program
-  inputs = [v for v in program.inputs if program.values[v].role == Role.INPUT and program.values[v].shape]
+  inputs = program.batch_inputs
   return spec_axes(problem.partition_specs(decisions, inputs[:1])[0], 1)[0] if inputs else ()
 
 
