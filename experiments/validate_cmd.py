@@ -49,6 +49,10 @@ class ValidateConfig:
     resimulate: with `merge`, the merged plans priced again by this checkout's simulator
       against their stored compiled figures (which do not depend on it): a simulator
       change re-measured by tracing the cases, without compiling.
+    recompile: with `merge`, the merged plans (those of `cases`, where given) lowered,
+      compiled and simulated again by this checkout, without searching for them again: a
+      change of the lowering or of the compiled side's measures re-measured; `--json` is
+      rewritten after every case, and `--resume` keeps the cases already there.
     random: instead of a suite, N random plans per model (on `data=8` and
       `data=2,model=4` in turn), each compiled in a child process first (an XLA abort is a
       failed plan, not the end of the command), run and checked against the unpartitioned
@@ -78,6 +82,7 @@ class ValidateConfig:
   resume: bool = False
   merge: tuple[str, ...] = ()
   resimulate: bool = False
+  recompile: bool = False
   random: int = 0
   models: tuple[str, ...] = ()
   workers: int = 1
@@ -229,6 +234,24 @@ def _family_row(row: dict[str, Any]) -> str:
           f"{fmt(row['exploit_gap_max'], '+7.3f')}  {worst}")
 
 
+def _recompiled(checks: list, config: ValidateConfig) -> list:
+  """`fullsize.recompiled`, case by case, `--json` rewritten after each (with `--resume`,
+  the cases already there kept)."""
+  from automap_rl.xla import fullsize
+
+  done = _read_checks(config.json) if config.resume and config.json and os.path.exists(config.json) else []
+  kept = {c.case for c in done}
+  out = list(done)
+  for name in dict.fromkeys(c.case for c in checks):
+    if name in kept:
+      continue
+    out += fullsize.recompiled([c for c in checks if c.case == name],
+                               report=lambda check: print(_fullsize_row(check), flush=True),
+                               started=lambda case: print(f"{case}: tracing, then one compile per plan ...", flush=True))
+    write_json(config.json, _fullsize_document(out, fullsize.family_table(out)))
+  return out
+
+
 def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   """Compile-only validation at published sizes; see `automap_rl.xla.fullsize`."""
   from agents.registry import run_agent
@@ -236,11 +259,21 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
 
   if config.resimulate and not config.merge:
     raise ValueError("--resimulate needs --merge, the checks to price again.")
+  if config.recompile and (not config.merge or config.resimulate):
+    raise ValueError("--recompile needs --merge, the checks to compile again (and re-simulates them: no --resimulate).")
   if config.merge:
     # A plan checked again in a later file replaces its earlier check (a case's experts or
     # searches compiled anew after a lowering change).
     checks = list({(c.case, c.plan): c for path in config.merge for c in _read_checks(path)}.values())
     names = list(dict.fromkeys(c.case for c in checks))
+    unknown = [name for name in config.cases if name not in names]
+    if unknown:
+      raise ValueError(f"--cases {' '.join(unknown)}: not in the merged checks; they have {', '.join(names)}.")
+    if config.cases:
+      names = list(config.cases)
+      checks = [c for c in checks if c.case in config.cases]
+    if config.recompile:
+      checks = _recompiled(checks, config)
     if config.resimulate:
       checks = fullsize.resimulated(checks, report=lambda case: print(f"{case}: tracing, then pricing its plans again",
                                                                        flush=True))
@@ -266,7 +299,7 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   start = time.perf_counter()
   print(FULLSIZE_HEADER, flush=True)
   done = {c.case for c in checks}
-  for check in checks:
+  for check in ([] if config.recompile else checks):  # Recompiled checks were printed as they came.
     print(_fullsize_row(check), flush=True)
   for name in ([] if config.merge else names):
     if name in done:

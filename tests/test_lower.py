@@ -465,6 +465,24 @@ def test_a_reduce_scatter_costs_the_all_reduce_xla_on_cpu_runs():
       simulator.collective_seconds(gpu.tables, "reduce-scatter", compiled.bytes, 0b10), rel=1e-6)
 
 
+def test_the_implied_compute_is_a_roofline_over_the_compiled_kernels():
+  """A compute-bound kernel and a memory-bound one: the implied compute is the first's
+  flop time plus the second's memory time, not the module's flops and bytes both
+  charged in full."""
+  import dataclasses
+
+  from automap_rl.xla.fullsize import _peak_flops
+
+  workload, problem = _setup(MLP, "data=8")
+  lowered = lower(problem, tactics.data_parallel(problem), workload.step, workload.args, donate_argnums=(0, 1),
+                  isolated=False)
+  peak, bandwidth = _peak_flops(problem), problem.mesh.hardware.hbm_bandwidth
+  dot, elementwise = (peak, 1.0), (1.0, 2 * bandwidth)  # One second each at the roofline.
+  stats = dataclasses.replace(lowered.stats, kernels=(dot, elementwise), flops=peak + 1.0,
+                              bytes_accessed=2 * bandwidth + 1.0)
+  assert implied_cost(problem, stats)["compute_time"] == pytest.approx(1.0 + 2.0, rel=1e-9)
+
+
 def test_a_linear_combination_of_partial_sums_reduces_the_buffers_its_sources_made():
   """`x @ w1 + x @ w2` contracted on `model`, the sum stored on `data` and `model` (a
   sequence-parallel layer's query, key and value input gradients): XLA reduces the two

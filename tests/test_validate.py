@@ -368,12 +368,42 @@ def test_merged_checks_are_priced_again_by_this_simulator_without_compiling():
   assert priced.simulated["comm_bytes"] == pytest.approx(validate.simulated_metrics(problem, decisions)["comm_bytes"])
 
 
+def test_merged_checks_are_compiled_again_case_by_case_without_searching(tmp_path, monkeypatch, capsys):
+  """A stored searched plan with stale figures on both sides: `--recompile` lowers and
+  compiles it again (a small copy of the case here), keeps its name and searched flag,
+  and measures what a fresh check measures."""
+  from experiments import cli
+  from automap_rl.xla import fullsize
+
+  name, small = "mlp-8x8192-2x4-h100", "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16"
+  validation_case = fullsize.validation_case
+  monkeypatch.setattr(fullsize, "validation_case",
+                      lambda case: dataclasses.replace(validation_case(case), workload=small))
+  case = fullsize.validation_case(name)
+  workload = case.make_workload(abstract=True)
+  problem = validate.trace_problem(workload, case.mesh, fullsize.validation_mesh(case).hardware)
+  decisions = tactics.applicable(problem)["data_megatron"]
+  fresh = fullsize.check_plan(name, problem, workload, "mcts@2000", decisions, searched=True)
+  stale = {"comm_bytes": 1.0, "step_time": 1.0}
+  stored = dataclasses.replace(fresh, simulated=stale, compiled=stale, family="mlp")
+  merged, out = tmp_path / "stored.json", tmp_path / "again.json"
+  merged.write_text(json.dumps({"checks": [dataclasses.asdict(stored)]}))
+  assert cli.main(["validate", "--suite", "fullsize", "--merge", str(merged), "--recompile", "--json", str(out)]) == 0
+  (check,) = json.loads(out.read_text())["checks"]
+  assert (check["plan"], check["searched"], check["decisions"]) == ("mcts@2000", True, list(fresh.decisions))
+  for side in ("simulated", "compiled"):
+    assert check[side]["comm_bytes"] == pytest.approx(getattr(fresh, side)["comm_bytes"])
+    assert check[side]["step_time"] == pytest.approx(getattr(fresh, side)["step_time"])
+  assert "mlp-8x8192-2x4-h100: tracing, then one compile per plan" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--agents", "mcts@lots"], "--agents mcts@lots: the budget after @ must be a positive number"),
     (["--agents", "uct"], "--agents uct: unknown agent 'uct'"),
     (["--resume"], "--resume needs --json"),
     (["--merge", "missing.json"], "missing.json: not a `validate --suite fullsize --json` file"),
     (["--resimulate"], "--resimulate needs --merge"),
+    (["--recompile"], "--recompile needs --merge"),
     (["--no-experts", "--agents"], "--no-experts needs --agents"),
 ])
 def test_a_bad_fullsize_request_is_one_line_and_exit_2(argv, message, capsys):

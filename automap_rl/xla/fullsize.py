@@ -9,9 +9,11 @@ whether the compiled module shards every value as the plan says (`Lowered.differ
 
 The compiled-implied cost prices what XLA compiled with the simulator's own model:
 every compiled collective (collective-permutes included) in the alpha-beta model of
-`simulator.collective_seconds`, times the loop trip counts around it, plus compute as the
-module's flops at the hardware's peak plus its bytes accessed at HBM bandwidth (a sum, so
-an upper bound of the per-kernel roofline the simulator charges per op).
+`simulator.collective_seconds`, times the loop trip counts around it, plus compute as a
+roofline over the compiled kernels (`hlo.kernel_costs`: each fusion or unfused
+instruction, times its loop trip counts), each at the larger of its flops at the
+hardware's matmul peak and its bytes accessed at HBM bandwidth, as the simulator prices
+its ops.
 
 Pipelined plans (`check_case(..., pipelines=True)`): the case's pipelined expert plans
 (`tactics.applicable_pipelines`), run in GPipe order as `automap_rl.xla.pipeline_lower`
@@ -56,7 +58,7 @@ from automap_rl.xla.validate import DONATE_ARGNUMS, compiled_metrics, relative_e
 __all__ = [
     "FULLSIZE_CASES", "SAMPLED_CASES", "ZOO_CASES", "PlanCheck", "Search", "agreement_by_case", "check_case",
     "check_pipelined_plan", "compiled_checks", "decision_from_text", "exploit_gaps", "family_table", "implied_cost",
-    "pairwise_agreement", "plot", "resimulated", "stage_permute_bytes", "summarize", "term_errors", "validation_case",
+    "pairwise_agreement", "plot", "recompiled", "resimulated", "stage_permute_bytes", "summarize", "term_errors", "validation_case",
     "validation_mesh",
 ]
 
@@ -198,7 +200,8 @@ def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, float]:
   hardware = problem.mesh.hardware
   comm = sum(c.repeat * collective_seconds(problem.tables, c.kind, c.bytes, _axes_mask(problem.mesh, c.mesh_axes))
              for c in stats.collectives)
-  compute = stats.flops / _peak_flops(problem) + stats.bytes_accessed / hardware.hbm_bandwidth
+  peak = _peak_flops(problem)
+  compute = sum(max(flops / peak, nbytes / hardware.hbm_bandwidth) for flops, nbytes in stats.kernels)
   return {"step_time": compute + comm, "compute_time": compute, "comm_time": comm}
 
 
@@ -274,6 +277,15 @@ def check_case(name: str, search: Search | None = None, seed: int = 0,
               for plan, (decisions, pipeline) in tactics.applicable_pipelines(problem).items()]
   if search is not None:
     plans += [(plan, list(decisions), pipeline, True) for plan, (decisions, pipeline) in search(problem, seed).items()]
+  return _check_plans(case, problem, workload, plans, report)
+
+
+def _check_plans(case: workloads.Case, problem: Problem, workload: workloads.Workload,
+                 plans: Sequence[tuple[str, Sequence[Decision], Pipeline | None, bool]],
+                 report: Callable[[PlanCheck], None]) -> list[PlanCheck]:
+  """A check of each of `plans`, `(name, decisions, pipeline or None, searched)`, of one
+  case (a pipeline run in GPipe order; an expert's pipelined plan met before, once)."""
+  name = case.name
   checks, seen = [], []
   for plan, decisions, pipeline, searched in plans:
     if pipeline is not None:
@@ -329,6 +341,28 @@ def resimulated(checks: Sequence[PlanCheck], report: Callable[[str], None] = lam
     pipeline = None if check.pipeline is None else Pipeline.from_json(check.pipeline)
     decisions = [decision_from_text(d) for d in check.decisions]
     out.append(dataclasses.replace(check, simulated=_simulated(problems[check.case], decisions, pipeline)))
+  return out
+
+
+def recompiled(checks: Sequence[PlanCheck], report: Callable[[PlanCheck], None] = lambda check: None,
+               started: Callable[[str], None] = lambda case: None) -> list[PlanCheck]:
+  """`checks` measured again on both sides by this checkout: each plan lowered and
+  compiled anew and priced by this simulator (a change of the lowering or of the compiled
+  side's measures re-measured on stored plans, without searching for them again), case by
+  case in the order met; `started` sees each case before it is traced, `report` each
+  check."""
+  by_case: dict[str, list[PlanCheck]] = {}
+  for check in checks:
+    by_case.setdefault(check.case, []).append(check)
+  out = []
+  for name, stored in by_case.items():
+    started(name)
+    case = validation_case(name)
+    workload = case.make_workload(abstract=True)
+    problem = trace_problem(workload, case.mesh, validation_mesh(case).hardware)
+    plans = [(c.plan, [decision_from_text(d) for d in c.decisions],
+              None if c.pipeline is None else Pipeline.from_json(c.pipeline), c.searched) for c in stored]
+    out += _check_plans(case, problem, workload, plans, report)
   return out
 
 

@@ -10,7 +10,8 @@ that each piece can be tested on hand-written HLO:
 * `sharding`: `sharding=` attributes as the mesh axes of each array dim;
 * `collectives`: the collectives of a module and their bytes (the byte convention
   shared with the simulator);
-* `cost`: the flops and bytes of the loop iterations `cost_analysis()` leaves out;
+* `cost`: the flops and bytes of each kernel, and of the loop iterations
+  `cost_analysis()` leaves out;
 * `compiled`: all of it for a `jax.stages.Compiled`.
 """
 
@@ -23,6 +24,7 @@ from automap_rl.xla.hlo.compiled import CompiledStats
 from automap_rl.xla.hlo.compiled import inspect_compiled
 from automap_rl.xla.hlo.cost import instruction_bytes
 from automap_rl.xla.hlo.cost import instruction_flops
+from automap_rl.xla.hlo.cost import kernel_costs
 from automap_rl.xla.hlo.cost import uncounted_loop_cost
 from automap_rl.xla.hlo.groups import axes_for_groups
 from automap_rl.xla.hlo.groups import device_groups
@@ -64,6 +66,7 @@ __all__ = [
     "inspect_compiled",
     "instruction_bytes",
     "instruction_flops",
+    "kernel_costs",
     "mesh_axes_groups",
     "module_collectives",
     "parse_explicit_groups",

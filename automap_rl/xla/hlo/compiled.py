@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from automap_rl.xla.hlo.collectives import Collective, module_collectives
-from automap_rl.xla.hlo.cost import uncounted_loop_cost
+from automap_rl.xla.hlo.cost import kernel_costs, uncounted_loop_cost
 from automap_rl.xla.hlo.module import parse_module
 
 
@@ -22,6 +22,8 @@ class CompiledStats:
       adds the other iterations).
     bytes_accessed: XLA's estimate of memory traffic, bytes, every loop
       iteration counted likewise.
+    kernels: `(flops, bytes accessed)` per step of each kernel (`cost.kernel_costs`),
+      for a per-kernel roofline.
     argument_bytes: Size of the inputs.
     output_bytes: Size of the outputs.
     temp_bytes: Size of XLA's temporary allocations.
@@ -34,6 +36,7 @@ class CompiledStats:
   collectives: tuple[Collective, ...]
   flops: float
   bytes_accessed: float
+  kernels: tuple[tuple[float, float], ...]
   argument_bytes: int
   output_bytes: int
   temp_bytes: int
@@ -72,6 +75,7 @@ def inspect_compiled(
       collectives=module_collectives(module, axis_names, axis_sizes),
       flops=_cost(cost, "flops") + loop_flops,
       bytes_accessed=_cost(cost, "bytes accessed") + loop_bytes,
+      kernels=kernel_costs(module),
       argument_bytes=argument,
       output_bytes=output,
       temp_bytes=temp,

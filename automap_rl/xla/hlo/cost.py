@@ -1,4 +1,12 @@
-"""Flops and bytes accessed of the loop iterations `cost_analysis()` leaves out.
+"""Flops and bytes accessed of a compiled module's kernels and of the loop iterations
+`cost_analysis()` leaves out.
+
+`kernel_costs` lists the `(flops, bytes)` of every kernel the module runs per step: each
+instruction of a computation that is not a fusion's body (the entry, loop bodies and
+conditions, called computations and branches), times how often that computation runs,
+its flops those of its fused computation; collectives and control flow are not kernels.
+A roofline prices each kernel at the larger of its flop time and its memory time, as the
+simulator prices its ops.
 
 `cost_analysis()` counts a while body once. `uncounted_loop_cost` adds `(repeat - 1)`
 times the flops and bytes of each looped computation, counted from the HLO text for the
@@ -17,6 +25,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
+from automap_rl.xla.hlo.collectives import COLLECTIVE_KINDS
 from automap_rl.xla.hlo.module import Instruction, Module, called_computations, parse_shapes, shape_bytes
 
 _CONTRACTING_RE = re.compile(r"\blhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
@@ -112,13 +121,47 @@ def instruction_bytes(inst: Instruction, types: Mapping[str, str],
   return float(result_bytes + sum(operand_bytes))
 
 
+def _fused_computations(bodies: Mapping[str, Sequence[Instruction]]) -> set[str]:
+  """The computations that are a fusion's body."""
+  return {callee for body in bodies.values() for inst in body if inst.opcode == "fusion"
+          for callee, _ in called_computations(inst)}
+
+
+def _is_kernel(inst: Instruction) -> bool:
+  """Whether `inst` runs a kernel of its own: not a collective (its `-start` or `-done`
+  either), not control flow, not an instruction that moves no data."""
+  base = inst.opcode.removesuffix("-start").removesuffix("-done")
+  return inst.opcode not in _FREE_OPCODES and base not in COLLECTIVE_KINDS
+
+
+def kernel_costs(module: Module) -> tuple[tuple[float, float], ...]:
+  """`(flops, bytes accessed)` per step of each kernel of `module` (see the module
+  docstring), in text order of the computations; a looped kernel's figures are its trip
+  count times one run's."""
+  bodies, types = module.bodies, module.types
+  fused = _fused_computations(bodies)
+  kernels = []
+  for name, body in bodies.items():
+    runs = module.repeats.get(name, 0)
+    if name in fused or runs == 0:
+      continue
+    for inst in body:
+      if not _is_kernel(inst):
+        continue
+      flops = instruction_flops(inst, types)
+      if inst.opcode == "fusion":
+        flops += sum(instruction_flops(i, types) for callee, _ in called_computations(inst)
+                     for i in bodies.get(callee, ()))
+      kernels.append((runs * flops, runs * instruction_bytes(inst, types, bodies)))
+  return tuple(kernels)
+
+
 def uncounted_loop_cost(module: Module) -> tuple[float, float]:
   """`(flops, bytes accessed)` of the loop iterations `cost_analysis()` leaves out:
   for every computation that runs `r > 1` times, `(r - 1)` times its instructions'
   flops, and for the unfused ones among them (not the body of a fusion), their bytes."""
   bodies, types = module.bodies, module.types
-  fused = {callee for body in bodies.values() for inst in body if inst.opcode == "fusion"
-           for callee, _ in called_computations(inst)}
+  fused = _fused_computations(bodies)
   flops = nbytes = 0.0
   for name, body in bodies.items():
     extra = module.repeats.get(name, 1) - 1
