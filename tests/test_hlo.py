@@ -1,10 +1,13 @@
 """Tests for automap_rl.xla.hlo: HLO text parsing and real CPU compiles."""
 
+import math
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from automap_rl.xla import hlo
@@ -125,6 +128,21 @@ def test_permute_groups_are_connected_components():
   assert hlo.permute_groups([(0, 0), (2, 1)]) == ((0,), (1, 2))
 
 
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.data())
+def test_a_permute_crosses_the_axes_its_pairs_move_along(sizes, data):
+  """Pairs that shift devices along some axes (a ring step on each, the others fixed)
+  cross exactly those axes, whichever devices take part."""
+  names = tuple(f"a{i}" for i in range(len(sizes)))
+  moved = data.draw(st.sets(st.sampled_from(range(len(sizes)))))
+  devices = data.draw(st.lists(st.integers(0, math.prod(sizes) - 1), min_size=1, unique=True))
+  pairs = []
+  for device in devices:
+    coords = list(np.unravel_index(device, sizes))
+    target = [(c + 1) % n if i in moved else c for i, (c, n) in enumerate(zip(coords, sizes))]
+    pairs.append((device, int(np.ravel_multi_index(target, sizes))))
+  assert hlo.crossed_axes(pairs, names, sizes) == tuple(names[i] for i in sorted(moved) if sizes[i] > 1)
+
+
 def test_group_mode_and_device_groups():
   assert hlo.group_mode("all-reduce", ", replica_groups={}") == "cross_replica"
   assert hlo.group_mode("all-gather-start",
@@ -214,8 +232,9 @@ def test_async_forms_are_counted_once():
   assert (ar.bytes, ar.shape, ar.mesh_axes) == (
       16 * 8 * 4 + 4 * 4, ((16, 8), (4,)), ("data",),
   )
+  # Pairs {0, 1}, {2, 3}, ...: no axis's groups, but every hop is along `model`.
   assert (cp.bytes, cp.group_size, cp.num_groups, cp.mesh_axes) == (
-      16, 2, 4, None,
+      16, 2, 4, ("model",),
   )
   assert hlo.summarize(collectives) == {
       "reduce-scatter": (1, 4096),

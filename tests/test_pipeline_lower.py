@@ -117,14 +117,22 @@ def test_compiled_stage_transfers_are_the_simulators():
   """Compile-only check of a pipelined plan (`fullsize.check_pipelined_plan`): with four
   stages the compiled collective-permutes over the stage axis inside the loop move, per
   device, what the simulator's stage transfers do: M + S - 1 iterations of one
-  microbatch's activations forward and their gradients back."""
+  microbatch's activations forward and their gradients back. Once a step, the stack's
+  output at the whole batch goes from the last stage to every stage, and its input's
+  gradient from the first: a collective-permute and an all-reduce over the stage axis
+  each, which the simulator prices too."""
   from automap_rl.xla import fullsize
 
   plan = pipelined_plan("stage=4,data=2", tactics.megatron_3d, 4)
   check = fullsize.check_pipelined_plan("gpt", plan.problem, workload(), "megatron_3d", plan.decisions, plan.pipeline)
   transfer = 2 * 16 * 64 * 4  # [8 / M rows, seq, d_model] float32, not split: megatron_3d leaves no data axis here.
+  boundary = 4 * transfer  # The M microbatches at once.
   assert check.compiled["stage_permute_bytes"] == check.simulated["stage_permute_bytes"] == 7 * 2 * transfer
-  assert check.pipeline == plan.pipeline.to_json() and check.simulated["collective_permute_bytes"] == 7 * 2 * transfer
+  assert check.pipeline == plan.pipeline.to_json()
+  for side in (check.simulated, check.compiled):
+    assert side["collective_permute_bytes"] == 7 * 2 * transfer + 2 * boundary
+  # The scalar loss's all-reduce over the stage axis aside.
+  assert check.compiled["comm_bytes_by_axes"]["stage"] == 7 * 2 * transfer + 2 * boundary + 2 * boundary + 4
 
 
 # A head of 4096 classes: its logits (and the softmax's) at the whole batch are most of the
@@ -151,12 +159,13 @@ def test_compiled_flops_memory_and_transfers_are_the_simulators(spec, tactic):
   assert simulated["flops"] == pytest.approx(compiled["flops"], rel=0.05)
   if "remat" not in spec:
     assert simulated["peak_memory"] == pytest.approx(compiled["peak_memory"], rel=0.15)
-  # The all-reduces over `data`, as the simulator counts them: PP x DP's gradient reduction
+  # The all-reduces, as the simulator counts them: PP x DP's gradient reduction over `data`
   # runs once, after the loop (the stages run manual over the data axis; XLA reduced the
   # stage weights' gradients in every one of the M + S - 1 iterations); Megatron's in the
-  # layers run in every iteration of the loop, the bubble's included.
-  assert compiled["comm_bytes_by_axes"]["data"] == pytest.approx(simulated["comm_bytes_by_kind"]["all-reduce"],
-                                                                 rel=0.01)
+  # layers run in every iteration of the loop, the bubble's included; over the stage axis,
+  # the stack's output and its input's gradient once a step.
+  assert compiled["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(simulated["comm_bytes_by_kind"]["all-reduce"],
+                                                                       rel=0.01)
 
 
 def test_gradient_reductions_over_an_axis_the_loop_is_auto_over_run_in_every_iteration():

@@ -23,7 +23,9 @@ microbatch size). From those terms:
   forward and their gradients backward with a collective-permute on the stage axis's
   link (alpha-beta: one hop of each device's shard), the stages at once (the slowest
   boundary counts); values summed on another stage once per step (a tied weight's
-  gradient) once;
+  gradient) once; and once per step the stack's output at the whole batch goes from the
+  last stage to every stage (a collective-permute to the first, an all-reduce over the
+  stage axis), as its input's gradient does from the first stage back (the same two);
 * `gradient_reduction` and `update`: once per step after the last microbatch, on every
   stage at once (the stage whose sum is largest counts): the reduction of the
   accumulated gradients, and the step ops (optimizer update, weight casts, reshards of
@@ -109,6 +111,10 @@ class PipelineTables:
       float32 [S, Uv].
     transfer_bytes: per kind (forward per microbatch, backward per microbatch, once per
       step) and sending stage, the global bytes of the values sent, float32 [3, S, Uv].
+    boundary_bytes: per direction (forward, backward), the global bytes of the stack's
+      carries at the whole batch (the loop's output, its input's gradient), each sent
+      between the last and the first stage and all-reduced over the stage axis once a
+      step; zero for one stage, float32 [2, Uv].
     batch_signature: the full program's signature of the batch (the first batched input),
       whose dim 0 the plan's batch axes shard; -1 without one, int32 [].
     stacked_signatures: the full program's signatures of the stack's stacked weights
@@ -137,6 +143,7 @@ class PipelineTables:
   residual_bytes: np.ndarray
   accumulator_bytes: np.ndarray
   transfer_bytes: np.ndarray
+  boundary_bytes: np.ndarray
   batch_signature: np.ndarray
   stacked_signatures: np.ndarray
   in_flight: np.ndarray
@@ -252,6 +259,8 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
   sent = [per_stage((t.value, t.stage) for t in staged.transfers if (t.per_step, t.backward) == kind)
           for kind in ((False, False), (False, True))]
   sent.append(per_stage((t.value, t.stage) for t in staged.transfers if t.per_step))
+  boundary = np.stack([per_stage((t.value, 0) for t in staged.transfers if t.stage == EVERY_STAGE and t.backward == b)[0]
+                       for b in (False, True)]) * staged.pipeline.microbatches
   # With a loop of more than one iteration, its residual sets and gradient sums are terms
   # of their own (below), not the rows'; with one, the step is the unpipelined one.
   pipeline = staged.pipeline
@@ -284,6 +293,7 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
       live_rows=live_rows, value_whole_batch=_pad(whole_batch[value_rep], uv, False),
       residual_bytes=np.stack([zeros(x, capacity, uv) for x in residuals]), accumulator_bytes=zeros(accumulated, capacity, uv),
       transfer_bytes=np.stack([zeros(x, capacity, uv) for x in sent]),
+      boundary_bytes=zeros(boundary.astype(np.float32), 2, uv),
       batch_signature=np.int32(full.value_sig[batched[0]] if batched else -1),
       stacked_signatures=full.value_sig[stacked].astype(np.int32),
       in_flight=_pad(staged.pipeline.in_flight().astype(np.float32), capacity, 1.0),
@@ -389,6 +399,12 @@ def _permute(t: PipelineTables, nbytes: jax.Array) -> jax.Array:
   return jnp.where(nbytes > 0, nbytes * t.permute_seconds_per_byte + t.permute_latency, 0.0)
 
 
+def _stage_all_reduce(t: PipelineTables, nbytes: jax.Array) -> jax.Array:
+  """Seconds of a ring all-reduce of `nbytes` per device over the stage axis, 0 for none."""
+  hops = t.stages - 1.0
+  return jnp.where(nbytes > 0, 2.0 * hops * (nbytes / t.stages * t.permute_seconds_per_byte + t.permute_latency), 0.0)
+
+
 def manual_axes(t: PipelineTables, value_mask: jax.Array) -> jax.Array:
   """The mesh axes (bit mask of the stage mesh's) the lowered loop is manual over besides
   the stage axis: the plan's batch axes (its mask of the batch's dim 0), where no stacked
@@ -449,8 +465,9 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   inverse_shards = 1.0 / plan.value_shards
   sent = t.transfer_bytes @ inverse_shards  # [3, S]
   iterations = m * v + num_stages - 1
+  boundary = t.boundary_bytes @ inverse_shards  # [2]
   transfer = (iterations * (jnp.max(_permute(t, sent[0])) + jnp.max(_permute(t, sent[1])))
-              + jnp.max(_permute(t, sent[2])))
+              + jnp.max(_permute(t, sent[2])) + jnp.sum(_permute(t, boundary) + _stage_all_reduce(t, boundary)))
   permute_bytes = iterations * (sent[0] + sent[1]) + sent[2]  # [S]
   permute_count = iterations * ((sent[0] > 0).astype(jnp.float32) + (sent[1] > 0)) + (sent[2] > 0)
 
@@ -470,8 +487,11 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   kinds = (plan.all_reduce, plan.gather, plan.reduce_scatter, plan.all_to_all)  # In `KINDS` order.
   runs = (reduction_runs, edge_runs, reduction_runs, edge_runs)
   stages = (reduction_stages, edge_stages, reduction_stages, edge_stages)
-  comm_bytes = jnp.stack([(k.bytes * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_bytes])  # [5, S]
-  comm_count = jnp.stack([(k.count * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_count])
+  at_boundary = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0])[:, None]  # An all-reduce and a permute each.
+  comm_bytes = (jnp.stack([(k.bytes * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_bytes])
+                + at_boundary * jnp.sum(boundary))  # [5, S]
+  comm_count = (jnp.stack([(k.count * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_count])
+                + at_boundary * jnp.sum(boundary > 0))
 
   steady, bubble = m * pace, (num_stages - 1) / v * loop[pace_stage]
   pipeline_terms = PipelineTerms(

@@ -27,6 +27,7 @@ from automap_rl.xla.hlo.cost import instruction_flops
 from automap_rl.xla.hlo.cost import kernel_costs
 from automap_rl.xla.hlo.cost import uncounted_loop_cost
 from automap_rl.xla.hlo.groups import axes_for_groups
+from automap_rl.xla.hlo.groups import crossed_axes
 from automap_rl.xla.hlo.groups import device_groups
 from automap_rl.xla.hlo.groups import group_mode
 from automap_rl.xla.hlo.groups import mesh_axes_groups
@@ -60,6 +61,7 @@ __all__ = [
     "collectives_from_hlo",
     "computation_repeats",
     "computations",
+    "crossed_axes",
     "device_groups",
     "element_bytes",
     "group_mode",

@@ -24,8 +24,8 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from automap_rl.xla.hlo.groups import (axes_for_groups, device_groups, group_mode, parse_replica_groups,
-                                       parse_source_target_pairs, permute_groups)
+from automap_rl.xla.hlo.groups import (axes_for_groups, crossed_axes, device_groups, group_mode,
+                                       parse_replica_groups, parse_source_target_pairs, permute_groups)
 from automap_rl.xla.hlo.module import Instruction, Module, Shape, element_bytes, parse_module, parse_shapes
 
 COLLECTIVE_KINDS = (
@@ -49,7 +49,8 @@ class Collective:
     num_groups: Number of disjoint groups.
     mesh_axes: Mesh axes whose combination yields exactly these groups, in
       mesh order; `()` when every group is a single device; None if no subset
-      of axes matches.
+      of axes matches. Of a collective-permute: the axes its pairs move along
+      (`groups.crossed_axes`), the links its hops take.
     dtype: HLO element type of the buffer, e.g. 'f32'; for combined
       collectives of mixed types, the distinct types joined by ','.
     shape: Shape of the larger buffer; for combined collectives a tuple with
@@ -113,13 +114,16 @@ def _collective(
   """Builds the `Collective` record of one collective instruction."""
   mode = group_mode(inst.opcode, inst.attrs)
   if kind == "collective-permute":
-    groups = permute_groups(device_groups(parse_source_target_pairs(inst.attrs), mode, *counts))
+    pairs = device_groups(parse_source_target_pairs(inst.attrs), mode, *counts)
+    groups = permute_groups(pairs)
+    mesh_axes = crossed_axes(pairs, axis_names, axis_sizes)
   else:
     groups = device_groups(
         parse_replica_groups(inst.attrs) or (), mode, *counts
     )
+    covers_mesh = sum(map(len, groups)) == math.prod(axis_sizes)
+    mesh_axes = axes_for_groups(groups, axis_names, axis_sizes) if covers_mesh else None
   group_size = max(len(g) for g in groups)
-  covers_mesh = sum(map(len, groups)) == math.prod(axis_sizes)
   shapes = _buffer(kind, inst, types, group_size)
   dtypes = dict.fromkeys(dtype for dtype, _ in shapes)
   return Collective(
@@ -127,10 +131,7 @@ def _collective(
       bytes=sum(element_bytes(d) * math.prod(s) for d, s in shapes),
       group_size=group_size,
       num_groups=len(groups),
-      mesh_axes=(
-          axes_for_groups(groups, axis_names, axis_sizes)
-          if covers_mesh else None
-      ),
+      mesh_axes=mesh_axes,
       dtype=",".join(dtypes),
       shape=shapes[0][1] if len(shapes) == 1 else tuple(s for _, s in shapes),
   )

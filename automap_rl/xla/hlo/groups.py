@@ -197,6 +197,18 @@ def permute_groups(pairs: Iterable[Sequence[int]]) -> Groups:
   return tuple(sorted(tuple(c) for c in components.values()))
 
 
+def crossed_axes(pairs: Iterable[Sequence[int]], axis_names: Sequence[str],
+                 axis_sizes: Sequence[int]) -> tuple[str, ...]:
+  """The mesh axes along which some source->target pair of a collective-permute moves
+  (its devices' coordinates differ), in mesh order: the links its hops take. Device
+  position `i` is the row-major index over `axis_sizes`."""
+  crossed = set()
+  for source, target in pairs:
+    a, b = np.unravel_index(source, axis_sizes), np.unravel_index(target, axis_sizes)
+    crossed |= {i for i, (x, y) in enumerate(zip(a, b)) if x != y}
+  return tuple(axis_names[i] for i in sorted(crossed))
+
+
 def group_mode(opcode: str, attrs: str) -> str:
   """How a collective's ids are interpreted (XLA's CollectiveOpGroupMode).
 
