@@ -146,8 +146,9 @@ class Problem:
     one resolution for both."""
     dec_class, dec_axis = self.encode_padded(decisions)
     resolution = jax.device_get(self._resolve_jit(dec_class, dec_axis))
-    values = [sharding.partition_spec(v, self.sigs, resolution, dec_class, dec_axis, self.mesh) for v in value_ids]
-    ops = [sharding.op_partition_specs(self.program.ops[o], self.sigs, resolution, dec_class, dec_axis, self.mesh)
+    use = sharding.class_axis_use(self.sigs, resolution, len(self.named.classes), len(self.mesh.axis_names))
+    values = [sharding.partition_spec(v, self.sigs, resolution, dec_class, dec_axis, self.mesh, use) for v in value_ids]
+    ops = [sharding.op_partition_specs(self.program.ops[o], self.sigs, resolution, dec_class, dec_axis, self.mesh, use)
            for o in op_ids]
     return values, ops
 

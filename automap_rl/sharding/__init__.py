@@ -5,8 +5,8 @@ is an argument dimension (`ArgDim`, Automap's action), a named dimension (its cl
 TOAST's) or a `Group` of classes. Every target expands to classes; every dimension of a
 class then takes the axis in decision order, unless its value (op) already uses the axis on
 another dimension (factor) or the size does not divide. A dimension split over several
-axes takes them in mesh order (`specs.dim_axes`): the order decides which decision wins,
-not the layout of the shards.
+axes lays them out with the axis more values of its class are split over major
+(`specs.dim_axes`): the order decides which decision wins, not the layout of the shards.
 
 Resolution is a pure `jax.numpy` function of small arrays: the program is compressed to
 its unique value and op *signatures* (the classes and sizes of their dims or factors),
@@ -23,11 +23,11 @@ from automap_rl.sharding.resolution import (NO_SLOT_RANK, Owners, Resolution, ap
                                             resolve, resolve_batch_last, resolve_tile, takes_axis, with_slots)
 from automap_rl.sharding.signatures import (LINEAR_COMBINES, Signatures, divisibility_bits, pending_partial_sums,
                                             signatures)
-from automap_rl.sharding.specs import dim_axes, op_partition_specs, partition_spec
+from automap_rl.sharding.specs import class_axis_use, dim_axes, op_partition_specs, partition_spec
 
 __all__ = [
     "LINEAR_COMBINES", "NO_SLOT_RANK", "ArgDim", "Decision", "Group", "Owners", "Resolution", "Signatures",
-    "apply_decision", "classes_of", "decision_slots", "dim_axes", "divisibility_bits", "encode",
+    "apply_decision", "class_axis_use", "classes_of", "decision_slots", "dim_axes", "divisibility_bits", "encode",
     "op_partition_specs", "partition_spec", "pending_partial_sums", "resolve", "resolve_batch_last",
     "resolve_tile", "signatures", "takes_axis", "with_slots",
 ]
