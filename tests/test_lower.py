@@ -501,13 +501,14 @@ def test_a_linear_combination_of_partial_sums_reduces_the_buffers_its_sources_ma
   assert float(cost.comm_time) == pytest.approx(implied_cost(problem, lowered.stats)["comm_time"], rel=1e-6)
 
 
-def test_a_dim_over_two_axes_takes_them_in_mesh_order_whatever_the_decision_order():
-  """The batch over `model` then `data`, the residual stream's group over `model`: a dot
-  whose contraction runs over `model` leaves partial sums that a reduce-scatter splits
-  over `model` inside each `data` shard, data-major. Stored model-major (the decisions'
-  order), XLA gathered the whole batch to every device and ran the layers' dots on it,
-  with 1.9x the flops the simulator prices (its masks are sets of axes); in mesh order
-  the compiled flops are the simulator's."""
+def test_a_dim_over_two_axes_lays_out_the_axis_its_class_uses_most_as_major():
+  """The batch over `model` then `data`, the residual stream's group over `model`: the
+  activations split the batch over `data` alone, and a dot whose contraction runs over
+  `model` leaves partial sums that a reduce-scatter splits over `model` inside each
+  `data` shard, data-major. Stored model-major (the decisions' order), XLA gathered the
+  whole batch to every device and ran the layers' dots on it, with 1.9x the flops the
+  simulator prices (its masks are sets of axes); data-major, the compiled flops are the
+  simulator's."""
   from automap_rl.sharding import Group
   from automap_rl.xla.validate import simulated_flops
 
@@ -521,6 +522,23 @@ def test_a_dim_over_two_axes_takes_them_in_mesh_order_whatever_the_decision_orde
   assert lowered.in_shardings[2]["inputs"].spec == P(("data", "model"), None)
   resolution = problem.resolve(*problem.encode(decisions))
   assert simulated_flops(problem, resolution) == pytest.approx(lowered.stats.flops, rel=0.02)
+
+
+def test_an_fsdp_stored_bias_gathers_into_the_megatron_shard_its_readers_use():
+  """FSDP x Megatron on an MLP: each bias split over `model` (its layer's output
+  features), then over `data` (storage). Its readers split the features over `model`
+  alone, so the bias is laid out model-major and gathering `data` leaves each device its
+  `model` shard. Laid out in mesh order (data-major), XLA computed the layers at twice the
+  simulated flops and moved 2.5x the bytes."""
+  from automap_rl.xla.validate import compiled_metrics, simulated_metrics
+
+  workload, problem = _setup("mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", "data=2,model=4")
+  decisions = tactics.applicable(problem)["fsdp_megatron"]
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  assert lowered.in_shardings[0]["mlp/~/linear_0"]["b"].spec == P(("model", "data"))
+  simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
+  assert compiled["flops"] == pytest.approx(simulated["flops"], rel=0.01)
+  assert compiled["comm_bytes"] == pytest.approx(simulated["comm_bytes"], rel=0.05)
 
 
 def test_a_split_along_a_sharded_dim_gathers_its_operand_once():
