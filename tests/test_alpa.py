@@ -15,7 +15,7 @@ from automap_rl.problem import Problem
 GPT = "gpt:layers=8,d_model=256,heads=8,seq=128,vocab=512,batch=32"
 SCANNED = GPT + ",scan=true"
 HEAD_HEAVY = "gpt:layers=8,d_model=128,heads=4,seq=128,vocab=8192,batch=32"  # The head costs about 5 layers.
-MESH = "data=4,model=2"
+MESH = "data=8,model=4"  # Four nodes: the data axis crosses them, and pipeline stages pay.
 CONFIG = AlpaConfig(microbatches=(4, 8))  # Fewer pipelines to build: the tests stay quick.
 CONFIGS = {HEAD_HEAVY: AlpaConfig(microbatches=(8,), schedules=("1f1b",))}
 

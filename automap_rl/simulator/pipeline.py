@@ -16,6 +16,11 @@ microbatch size). From those terms:
   (`StagedProgram.looped`: its layers' compute and collectives), which the bubble's
   iterations run too; the ops off the stack's span (embedding, head, loss: on every
   stage, outside the loop) run M times only;
+* `stacking`: per stage, per iteration of the loop: the stages' loop keeps every
+  iteration's residuals for the backward pass in a buffer of all iterations' and slices
+  them back out (a dynamic-update-slice and a dynamic slice, each reading and writing the
+  residuals: four passes over one microbatch's residuals of the loop's ops at HBM
+  bandwidth), in the loop's time;
 * the pace-setting stage: the one whose M microbatches plus (S - 1) / V bubble loop
   times are longest; `pace` its microbatch time; `steady` = M x pace; `bubble` =
   (S - 1) / V x its loop time (interleaved: Megatron-LM's (S - 1) / V stage-times);
@@ -122,6 +127,7 @@ class PipelineTables:
     in_flight: `Pipeline.in_flight`, float32 [S].
     stages, microbatches, chunks: S, M and V, float32 [].
     permute_seconds_per_byte, permute_latency: the stage axis's link, float32 [].
+    hbm_seconds_per_byte: the device's memory, float32 [].
   """
 
   tables: CostTables
@@ -152,14 +158,15 @@ class PipelineTables:
   chunks: np.ndarray
   permute_seconds_per_byte: np.ndarray
   permute_latency: np.ndarray
+  hbm_seconds_per_byte: np.ndarray
 
 
 @chex.dataclass(frozen=True)
 class PipelineTerms:
   """The typed terms of a pipelined step (seconds and bytes per device).
 
-  Per stage, [S]: `microbatch_compute_s`, `microbatch_comm_s` (one microbatch's compute
-  and intra-op collectives), `loop_s` (the part of the two in the stages' loop),
+  Per stage, [S]: `microbatch_compute_s`, `microbatch_comm_s` (one microbatch's compute,
+  its loop residuals' `stacking` included, and intra-op collectives), `loop_s` (the part of the two in the stages' loop),
   `gradient_reduction_stage_s` (its accumulated gradients' reduction, once per step),
   `update_stage_s` (its step ops' compute and collectives), `live_bytes` (largest live
   row for one microbatch), `gathered_bytes` (gathered operand copies: those reads share,
@@ -299,7 +306,8 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
       in_flight=_pad(staged.pipeline.in_flight().astype(np.float32), capacity, 1.0),
       stages=np.float32(num_stages), microbatches=np.float32(staged.pipeline.microbatches),
       chunks=np.float32(staged.pipeline.chunks),
-      permute_seconds_per_byte=np.float32(1.0 / link.bandwidth), permute_latency=np.float32(link.latency))
+      permute_seconds_per_byte=np.float32(1.0 / link.bandwidth), permute_latency=np.float32(link.latency),
+      hbm_seconds_per_byte=np.float32(1.0 / staged.mesh.hardware.hbm_bandwidth))
 
 
 def _pad(x: np.ndarray, size: int, fill) -> np.ndarray:
@@ -447,13 +455,17 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
 
   reshard = plan.gather.seconds + plan.all_to_all.seconds
   reduce = plan.reduce_scatter.seconds + plan.all_reduce.seconds
-  microbatch_compute = compute(False)
+  inverse_shards = 1.0 / plan.value_shards
+  residual, outer_residual = t.residual_bytes @ inverse_shards  # [S] each.
+  iterations = m * v + num_stages - 1
+  stacking = jnp.where(iterations > 1, 4.0 * residual * t.hbm_seconds_per_byte, 0.0)  # [S], per iteration.
+  microbatch_compute = compute(False) + stacking
   microbatch_comm = (by_stage(reshard, per_microbatch, edge_stages)
                      + by_stage(reduce, reduction_phase == Phase.MICROBATCH, reduction_stages))
   gradient_reduction = by_stage(reduce, reduction_phase == Phase.ACCUMULATED, reduction_stages)
   update = (compute(True) + by_stage(reshard, ~per_microbatch, edge_stages)
             + by_stage(reduce, reduction_phase == Phase.STEP, reduction_stages))
-  loop_compute = compute(False, looped=True)
+  loop_compute = compute(False, looped=True) + stacking
   loop = loop_compute + (by_stage(reshard, per_microbatch & t.op_looped[edge_op], edge_stages)
                          + by_stage(reduce, (reduction_phase == Phase.MICROBATCH) & t.op_looped[reduction_op],
                                     reduction_stages))
@@ -462,9 +474,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   flush_stage = jnp.argmax(gradient_reduction + update)
   pace = microbatch[pace_stage]
 
-  inverse_shards = 1.0 / plan.value_shards
   sent = t.transfer_bytes @ inverse_shards  # [3, S]
-  iterations = m * v + num_stages - 1
   boundary = t.boundary_bytes @ inverse_shards  # [2]
   transfer = (iterations * (jnp.max(_permute(t, sent[0])) + jnp.max(_permute(t, sent[1])))
               + jnp.max(_permute(t, sent[2])) + jnp.sum(_permute(t, boundary) + _stage_all_reduce(t, boundary)))
@@ -474,7 +484,6 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   live = jnp.max(t.live_rows @ (inverse_shards * jnp.where(t.value_whole_batch, m, 1.0)), axis=1)
   largest_transient = jnp.max(plan.transient_bytes[:, None] * edge_stages, axis=0, initial=0.0)
   gathered = plan.gathered_bytes @ edge_stages + largest_transient
-  residual, outer_residual = t.residual_bytes @ inverse_shards  # [S] each.
   accumulator = jnp.where(iterations > 1, t.accumulator_bytes @ inverse_shards, 0.0)
   peak = live + gathered + (t.in_flight - 1.0) * residual + (m - 1.0) * outer_residual + accumulator
 
