@@ -431,6 +431,25 @@ ENTRY %main (a: f32[8,16], b: f32[16,4], c: f32[8,4]) -> f32[8,4] {
 """
 
 
+def test_an_unfused_slice_reads_what_it_keeps_and_an_update_writes_in_place():
+  """As `HloCostAnalysis` counts them: a dynamic slice of one layer out of a stack of 24
+  reads that layer, and a dynamic-update-slice of one layer into it reads and writes
+  the layer, not the stack."""
+  module = hlo.parse_module("""ENTRY %main (a: f32[24,8,4], i: s32[], u: f32[1,8,4]) -> f32[24,8,4] {
+  %a = f32[24,8,4]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %u = f32[1,8,4]{2,1,0} parameter(2)
+  %z = s32[] constant(0)
+  %ds = f32[1,8,4]{2,1,0} dynamic-slice(%a, %i, %z, %z), dynamic_slice_sizes={1,8,4}
+  ROOT %dus = f32[24,8,4]{2,1,0} dynamic-update-slice(%a, %u, %i, %z, %z)
+}
+""")
+  ds, dus = module.bodies["main"][-2:]
+  layer = 8 * 4 * 4
+  assert hlo.instruction_bytes(ds, module.types, module.bodies) == layer + 3 * 4 + layer
+  assert hlo.instruction_bytes(dus, module.types, module.bodies) == layer + 3 * 4 + layer
+
+
 def test_kernels_are_the_fusions_and_unfused_instructions_per_step():
   """A loop of 3 runs its dot fusion 3 times (its flops those of its fused dot and
   negate, its bytes its operands and result); the all-reduce, the loop and the tuples

@@ -98,15 +98,18 @@ def _parameter_utilization(body: Sequence[Instruction], types: Mapping[str, str]
 def instruction_bytes(inst: Instruction, types: Mapping[str, str],
                       bodies: Mapping[str, Sequence[Instruction]]) -> float:
   """Bytes an unfused instruction reads and writes, as `HloCostAnalysis` counts a
-  fusion from its boundary: its operands and its result, except that a fusion operand
-  counts only the fraction its computation reads (`_parameter_utilization`: a slice of
-  it, even through a transpose or elementwise ops), and a fusion whose root updates a
-  parameter in place (`dynamic-update-slice`) counts the update twice instead of the
-  whole buffer in and out."""
+  fusion from its boundary: its operands and its result, except that a (dynamic) slice
+  reads only what it keeps, a fusion operand counts only the fraction its computation
+  reads (`_parameter_utilization`: a slice of it, even through a transpose or
+  elementwise ops), and a dynamic-update-slice, or a fusion whose root updates a
+  parameter in place, counts the update twice instead of the whole buffer in and out."""
   if inst.opcode in _FREE_OPCODES:
     return 0.0
-  operand_bytes = [shape_bytes(types[name]) if name in types else 0 for name in inst.operands]
+  operand_bytes = [shape_bytes(types[name]) * _read_fraction(inst, i, types) if name in types else 0
+                   for i, name in enumerate(inst.operands)]
   result_bytes = shape_bytes(inst.type)
+  if inst.opcode == "dynamic-update-slice":  # In place: the update read and written.
+    operand_bytes[0], result_bytes = 0, shape_bytes(types[inst.operands[1]])
   fused = called_computations(inst) if inst.opcode == "fusion" else ()
   body = next((bodies.get(callee, ()) for callee, _ in fused), ())
   params = {i.name: int(i.operands[0]) for i in body if i.opcode == "parameter" and i.operands}
