@@ -135,6 +135,42 @@ def test_compiled_stage_transfers_are_the_simulators():
   assert check.compiled["comm_bytes_by_axes"]["stage"] == 7 * 2 * transfer + 2 * boundary + 2 * boundary + 4
 
 
+def test_each_iterations_residuals_are_stacked_and_sliced_back_as_the_simulator_prices():
+  """The loop of M + S - 1 iterations keeps each iteration's residuals for the backward
+  pass in buffers of all iterations': per iteration, XLA's dynamic-update-slices into
+  them and dynamic slices out of them move between one and two times what the simulator
+  prices, four passes over a microbatch's residuals of the loop (XLA keeps some values
+  the simulator does not count as residuals)."""
+  from automap_rl.xla import hlo
+  from automap_rl.xla.hlo.module import called_computations, parse_shapes
+  from automap_rl.xla.pipeline_lower import lower_pipelined
+  from automap_rl.xla.validate import DONATE_ARGNUMS
+  from automap_rl.mesh import to_jax_mesh
+
+  plan = pipelined_plan("stage=4,data=2", tactics.megatron_3d, 4)
+  w = workload()
+  lowered = lower_pipelined(plan.problem, plan.decisions, plan.pipeline, w.loss_fn, w.optimizer, w.args,
+                            to_jax_mesh(plan.problem.mesh), DONATE_ARGNUMS, isolated=False)
+  module = hlo.parse_module(lowered.compiled.as_text())
+  iterations = 4 + 4 - 1
+  moved = 0.0
+  for name, body in module.bodies.items():
+    if module.repeats.get(name) != iterations:
+      continue
+    for inst in body:
+      inner = module.bodies.get(called_computations(inst)[0][0], ()) if inst.opcode == "fusion" else (inst,)
+      root = inner[-1] if inner else None
+      if root is None or root.opcode not in ("dynamic-update-slice", "dynamic-slice"):
+        continue
+      types = {**module.types, **{i.name: i.type for i in inner}}
+      if parse_shapes(types[root.operands[0]])[0][1][:1] == (iterations,):  # A buffer of all iterations'.
+        moved += hlo.instruction_bytes(inst, module.types, module.bodies)
+  terms = plan.problem.plan_cost(plan.decisions, plan.pipeline).terms
+  priced = float(terms.stacking_s[0]) * plan.problem.mesh.hardware.hbm_bandwidth
+  assert priced == pytest.approx(4 * float(terms.residual_bytes[0]), rel=1e-5)
+  assert priced <= moved <= 2 * priced
+
+
 # A head of 4096 classes: its logits (and the softmax's) at the whole batch are most of the
 # stage's memory.
 WIDE_HEAD = GPT.replace("vocab=64", "vocab=4096")

@@ -166,7 +166,8 @@ class PipelineTerms:
   """The typed terms of a pipelined step (seconds and bytes per device).
 
   Per stage, [S]: `microbatch_compute_s`, `microbatch_comm_s` (one microbatch's compute,
-  its loop residuals' `stacking` included, and intra-op collectives), `loop_s` (the part of the two in the stages' loop),
+  its loop residuals' `stacking_s` included, and intra-op collectives), `stacking_s`,
+  `loop_s` (the part of the two in the stages' loop),
   `gradient_reduction_stage_s` (its accumulated gradients' reduction, once per step),
   `update_stage_s` (its step ops' compute and collectives), `live_bytes` (largest live
   row for one microbatch), `gathered_bytes` (gathered operand copies: those reads share,
@@ -183,6 +184,7 @@ class PipelineTerms:
 
   microbatch_compute_s: jax.Array
   microbatch_comm_s: jax.Array
+  stacking_s: jax.Array
   loop_s: jax.Array
   gradient_reduction_stage_s: jax.Array
   update_stage_s: jax.Array
@@ -223,7 +225,8 @@ class PipelineCost(Cost):
   terms: PipelineTerms
 
 
-STAGE_TERMS = ("microbatch_compute_s", "microbatch_comm_s", "loop_s", "gradient_reduction_stage_s", "update_stage_s",
+STAGE_TERMS = ("microbatch_compute_s", "microbatch_comm_s", "stacking_s", "loop_s", "gradient_reduction_stage_s",
+               "update_stage_s",
                "live_bytes", "gathered_bytes", "residual_bytes", "in_flight", "outer_residual_bytes",
                "accumulator_bytes", "peak_memory")
 
@@ -504,7 +507,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
 
   steady, bubble = m * pace, (num_stages - 1) / v * loop[pace_stage]
   pipeline_terms = PipelineTerms(
-      microbatch_compute_s=microbatch_compute, microbatch_comm_s=microbatch_comm, loop_s=loop,
+      microbatch_compute_s=microbatch_compute, microbatch_comm_s=microbatch_comm, stacking_s=stacking, loop_s=loop,
       gradient_reduction_stage_s=gradient_reduction, update_stage_s=update,
       live_bytes=live, gathered_bytes=gathered, residual_bytes=residual, in_flight=t.in_flight,
       outer_residual_bytes=outer_residual, accumulator_bytes=accumulator, peak_memory=peak, pace_s=pace, steady_s=steady, bubble_s=bubble,
