@@ -226,8 +226,7 @@ class PipelineCost(Cost):
 
 
 STAGE_TERMS = ("microbatch_compute_s", "microbatch_comm_s", "stacking_s", "loop_s", "gradient_reduction_stage_s",
-               "update_stage_s",
-               "live_bytes", "gathered_bytes", "residual_bytes", "in_flight", "outer_residual_bytes",
+               "update_stage_s", "live_bytes", "gathered_bytes", "residual_bytes", "in_flight", "outer_residual_bytes",
                "accumulator_bytes", "peak_memory")
 
 
