@@ -257,6 +257,7 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   from agents.registry import run_agent
   from automap_rl.xla import fullsize
 
+  start = time.perf_counter()
   if config.resimulate and not config.merge:
     raise ValueError("--resimulate needs --merge, the checks to price again.")
   if config.recompile and (not config.merge or config.resimulate):
@@ -296,7 +297,6 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
       plans[f"{agent}@{budget}"] = (result.decisions, result.pipeline)
     return plans
 
-  start = time.perf_counter()
   print(FULLSIZE_HEADER, flush=True)
   done = {c.case for c in checks}
   for check in ([] if config.recompile else checks):  # Recompiled checks were printed as they came.
