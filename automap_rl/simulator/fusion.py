@@ -103,13 +103,18 @@ def memory_bytes(program: Program) -> list[float]:
   dynamic-slice), and its `scan_stack` writes its slice of the stacked output in place (a
   dynamic-update-slice). Likewise outside loops: a slice or dynamic slice reads the
   elements it keeps, not its whole operand, and a dynamic-update-slice updates its
-  operand's buffer in place (it reads nothing of it and writes the update). Dots,
-  convolutions, and everything else read and write their values whole. Per op,
-  [num_ops]."""
+  operand's buffer in place (it reads nothing of it and writes the update). A reduction
+  ends its fusion: its result goes through memory, and a value it reads that another op
+  reads too (a normalization's input, read for its statistics and to be normalized) is
+  written once and read by each. Dots, convolutions, and everything else read and write
+  their values whole. Per op, [num_ops]."""
   producer = {v: op for op in program.ops for v in op.results}
   readers = consumers(program)
   outputs = set(program.outputs)
   fused = lambda op: op is not None and op.primitive in LOOP_FUSIBLE
+  reduction = lambda op: op is not None and op.primitive in FUSED_REDUCTIONS
+  materialized = {v for v, ops in readers.items() if reduction(producer.get(v))
+                  or (len(ops) > 1 and any(reduction(r) for r in ops))}
   out = []
   for op in program.ops:
     if op.primitive in ("scan_slice", "scan_stack"):
@@ -121,9 +126,10 @@ def memory_bytes(program: Program) -> list[float]:
       read_bytes[0] = write_bytes[0]
     elif op.primitive == "dynamic_update_slice":
       read_bytes[0], write_bytes[0] = 0, read_bytes[1]
-    reads = sum(b for v, b in zip(op.operands, read_bytes) if not (fused(op) and fused(producer.get(v))))
+    reads = sum(b for v, b in zip(op.operands, read_bytes)
+                if not (fused(op) and fused(producer.get(v)) and v not in materialized))
     writes = sum(b for v, b in zip(op.results, write_bytes)
-                 if not (fused(op) and v not in outputs and readers.get(v)
+                 if not (fused(op) and v not in outputs and readers.get(v) and v not in materialized
                          and all(fused(c) for c in readers[v])))
     out.append(float(reads + writes))
   return out
