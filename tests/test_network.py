@@ -189,7 +189,8 @@ def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
   and its search can end in a pipelined plan priced as the simulator prices it."""
   from agents import checkpoint, learned
 
-  p = problem("gpt:layers=4,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true", "data=2,fsdp=2,model=2")
+  # Four nodes: `data` crosses them, and pipeline stages pay.
+  p = problem("gpt:layers=4,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true", "data=4,fsdp=2,model=4")
   config = network.NetworkConfig(pipelines=6)
   e = Env.build(p, EnvConfig(max_axes=3, pipelines=6))
   checkpoint.save_policy(str(tmp_path), network.Network(config).init(jax.random.key(0), e.tables, e.init(jax.random.key(0))), config)
