@@ -245,9 +245,9 @@ def _recompiled(checks: list, config: ValidateConfig) -> list:
   for name in dict.fromkeys(c.case for c in checks):
     if name in kept:
       continue
+    print(f"{name}: tracing, then one compile per plan ...", flush=True)
     out += fullsize.recompiled([c for c in checks if c.case == name],
-                               report=lambda check: print(_fullsize_row(check), flush=True),
-                               started=lambda case: print(f"{case}: tracing, then one compile per plan ...", flush=True))
+                               report=lambda check: print(_fullsize_row(check), flush=True))
     write_json(config.json, _fullsize_document(out, fullsize.family_table(out)))
   return out
 

@@ -268,8 +268,9 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
   sent = [per_stage((t.value, t.stage) for t in staged.transfers if (t.per_step, t.backward) == kind)
           for kind in ((False, False), (False, True))]
   sent.append(per_stage((t.value, t.stage) for t in staged.transfers if t.per_step))
-  boundary = np.stack([per_stage((t.value, 0) for t in staged.transfers if t.stage == EVERY_STAGE and t.backward == b)[0]
-                       for b in (False, True)]) * staged.pipeline.microbatches
+  carries = [t for t in staged.transfers if t.stage == EVERY_STAGE]  # Each direction's at the whole batch.
+  boundary = np.stack([per_stage((t.value, 0) for t in carries if t.backward == backward)[0]
+                       for backward in (False, True)]) * staged.pipeline.microbatches
   # With a loop of more than one iteration, its residual sets and gradient sums are terms
   # of their own (below), not the rows'; with one, the step is the unpipelined one.
   pipeline = staged.pipeline

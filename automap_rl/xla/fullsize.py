@@ -58,8 +58,8 @@ from automap_rl.xla.validate import DONATE_ARGNUMS, compiled_metrics, relative_e
 __all__ = [
     "FULLSIZE_CASES", "SAMPLED_CASES", "ZOO_CASES", "PlanCheck", "Search", "agreement_by_case", "check_case",
     "check_pipelined_plan", "compiled_checks", "decision_from_text", "exploit_gaps", "family_table", "implied_cost",
-    "pairwise_agreement", "plot", "recompiled", "resimulated", "stage_permute_bytes", "summarize", "term_errors", "validation_case",
-    "validation_mesh",
+    "pairwise_agreement", "plot", "recompiled", "resimulated", "stage_permute_bytes", "summarize", "term_errors",
+    "validation_case", "validation_mesh",
 ]
 
 # Cases at published sizes on 8 and 64 devices: the demo's model on a 2x4 and an 8x8 mesh,
@@ -344,19 +344,17 @@ def resimulated(checks: Sequence[PlanCheck], report: Callable[[str], None] = lam
   return out
 
 
-def recompiled(checks: Sequence[PlanCheck], report: Callable[[PlanCheck], None] = lambda check: None,
-               started: Callable[[str], None] = lambda case: None) -> list[PlanCheck]:
+def recompiled(checks: Sequence[PlanCheck], report: Callable[[PlanCheck], None] = lambda check: None
+               ) -> list[PlanCheck]:
   """`checks` measured again on both sides by this checkout: each plan lowered and
   compiled anew and priced by this simulator (a change of the lowering or of the compiled
   side's measures re-measured on stored plans, without searching for them again), case by
-  case in the order met; `started` sees each case before it is traced, `report` each
-  check."""
+  case in the order met; `report` sees each check."""
   by_case: dict[str, list[PlanCheck]] = {}
   for check in checks:
     by_case.setdefault(check.case, []).append(check)
   out = []
   for name, stored in by_case.items():
-    started(name)
     case = validation_case(name)
     workload = case.make_workload(abstract=True)
     problem = trace_problem(workload, case.mesh, validation_mesh(case).hardware)
