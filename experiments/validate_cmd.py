@@ -234,24 +234,6 @@ def _family_row(row: dict[str, Any]) -> str:
           f"{fmt(row['exploit_gap_max'], '+7.3f')}  {worst}")
 
 
-def _recompiled(checks: list, config: ValidateConfig) -> list:
-  """`fullsize.recompiled`, case by case, `--json` rewritten after each (with `--resume`,
-  the cases already there kept)."""
-  from automap_rl.xla import fullsize
-
-  done = _read_checks(config.json) if config.resume and config.json and os.path.exists(config.json) else []
-  kept = {c.case for c in done}
-  out = list(done)
-  for name in dict.fromkeys(c.case for c in checks):
-    if name in kept:
-      continue
-    print(f"{name}: tracing, then one compile per plan ...", flush=True)
-    out += fullsize.recompiled([c for c in checks if c.case == name],
-                               report=lambda check: print(_fullsize_row(check), flush=True))
-    write_json(config.json, _fullsize_document(out, fullsize.family_table(out)))
-  return out
-
-
 def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   """Compile-only validation at published sizes; see `automap_rl.xla.fullsize`."""
   from agents.registry import run_agent
@@ -262,6 +244,10 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
     raise ValueError("--resimulate needs --merge, the checks to price again.")
   if config.recompile and (not config.merge or config.resimulate):
     raise ValueError("--recompile needs --merge, the checks to compile again (and re-simulates them: no --resimulate).")
+  if config.resume and not config.json:
+    raise ValueError("--resume needs --json, the file of the run to resume.")
+  resumed = lambda: _read_checks(config.json) if config.resume and os.path.exists(config.json) else []
+  stored = []  # With --recompile: the merged checks to compile again, case by case below.
   if config.merge:
     # A plan checked again in a later file replaces its earlier check (a case's experts or
     # searches compiled anew after a lowering change).
@@ -274,7 +260,7 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
       names = list(config.cases)
       checks = [c for c in checks if c.case in config.cases]
     if config.recompile:
-      checks = _recompiled(checks, config)
+      stored, checks = checks, resumed()
     if config.resimulate:
       checks = fullsize.resimulated(checks, report=lambda case: print(f"{case}: tracing, then pricing its plans again",
                                                                        flush=True))
@@ -285,9 +271,7 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
     agents = _search_agents(config)
     if not config.experts and not agents:
       raise ValueError("--no-experts needs --agents, the searches whose plans to check.")
-    if config.resume and not config.json:
-      raise ValueError("--resume needs --json, the file of the run to resume.")
-    checks = _read_checks(config.json) if config.resume and os.path.exists(config.json) else []
+    checks = resumed()
 
   def search(problem, seed):
     plans = {}
@@ -299,15 +283,18 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
 
   print(FULLSIZE_HEADER, flush=True)
   done = {c.case for c in checks}
-  for check in ([] if config.recompile else checks):  # Recompiled checks were printed as they came.
+  for check in checks:
     print(_fullsize_row(check), flush=True)
-  for name in ([] if config.merge else names):
+  report = lambda check: print(_fullsize_row(check), flush=True)
+  for name in (names if not config.merge or config.recompile else []):
     if name in done:
       continue
     print(f"{name}: tracing, then one compile per plan ...", flush=True)
-    checks += fullsize.check_case(name, search if agents else None, seed=config.seed,
-                                  report=lambda check: print(_fullsize_row(check), flush=True), pipelines=config.pipelines,
-                                  experts=config.experts)
+    if config.recompile:
+      checks += fullsize.recompiled([c for c in stored if c.case == name], report=report)
+    else:
+      checks += fullsize.check_case(name, search if agents else None, seed=config.seed, report=report,
+                                    pipelines=config.pipelines, experts=config.experts)
     write_json(config.json, _fullsize_document(checks, fullsize.family_table(checks)))
   families = fullsize.family_table(checks)
   document = _fullsize_document(checks, families)
