@@ -180,24 +180,47 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
 # Ops XLA would partition otherwise than their rule if it saw their operands sharded as
 # they are stored: along a window (halo exchanges), or, for gathers and scatter-adds by
 # index (a GNN's messages), over devices of no mesh axis (whole operands all-reduced and
-# permuted). `lower` pins their operands and results to the shardings their rule computes on.
+# permuted), or, for a split, along the split dim (an LSTM's gates; a GNN's edge features
+# split where their pieces are stored over the feature dim), where XLA moves the operand
+# to the results' sharding and exchanges each piece's unaligned edges by collective-permute
+# between device pairs, while the rule splits the operand where it is and moves the pieces
+# by one all-to-all each. `lower` pins their operands and results to the shardings their rule computes on.
 PINNED_PRIMITIVES = frozenset({
     "conv_general_dilated", "reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
-    "select_and_scatter_add", "select_and_gather_add", "gather", "scatter-add",
+    "select_and_scatter_add", "select_and_gather_add", "gather", "scatter-add", "split",
 })
 
 
 # Ops whose operands (not results) `lower` pins to the shardings their rule computes on: a
-# dot (below); a split along a sharded dim (an LSTM's gates), which XLA otherwise computes
-# with a collective-permute per piece and device pair, where the rule gathers the operand
-# once.
-OPERAND_PINNED = frozenset({"dot_general", "split"})
+# dot (below).
+OPERAND_PINNED = frozenset({"dot_general"})
 
 
 def _pinned(problem: Problem) -> dict[tuple[int, ...], int]:
   """Origin -> op id of every program op in `PINNED_PRIMITIVES` or `OPERAND_PINNED`."""
   return {op.origin: op.id for op in problem.program.ops
           if op.origin and (op.primitive in PINNED_PRIMITIVES or op.primitive in OPERAND_PINNED)}
+
+
+def staged_spec(stored: PartitionSpec, required: PartitionSpec, rank: int) -> PartitionSpec | None:
+  """The sharding between `stored` and `required` through which an operand that both moves
+  axes between dims and gathers others is resharded: every required axis already on its
+  dim, the axes to be gathered kept (minor) where they are stored; None where the operand
+  only moves or only gathers.
+
+  The simulator prices such an operand as an all-to-all of the moved axes and an
+  all-gather of the rest. XLA's partitioner, asked for `required` at once, finds no such
+  path where a dim is split over several axes (`(data, model)` on the rows to `model` on
+  the columns): it gathers the whole array over every axis and slices it
+  ("involuntary full rematerialization"). Through this sharding it does one all-to-all,
+  then one all-gather, as priced."""
+  have, want = spec_axes(stored, rank), spec_axes(required, rank)
+  wanted = {a for axes in want for a in axes}
+  gathered = {a for axes in have for a in axes} - wanted
+  moved = any(a in wanted and a not in want[d] for d, axes in enumerate(have) for a in axes)
+  if not gathered or not moved:
+    return None
+  return PartitionSpec(*(tuple(w) + tuple(a for a in h if a in gathered) or None for h, w in zip(have, want)))
 
 
 def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], specs: Mapping[int, PartitionSpec],
@@ -230,12 +253,24 @@ def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], sp
     with jax.named_scope(scope_name(value)):
       return to(x, specs[value])
 
+  resharded: dict[tuple[int, PartitionSpec], tuple[Any, Any]] = {}  # (id(x), spec) -> (x, x resharded).
+
+  def reshard(x: Any, spec: PartitionSpec) -> Any:
+    """`x` constrained to `spec` for a pinned op, through `staged_spec` where it has one;
+    once per array and spec, so that the ops reading one value on one sharding share one
+    resharded copy (one collective), as the simulator prices them."""
+    if id(x) in pinned_as and pinned_as[id(x)][1] == spec:
+      return x
+    if (id(x), spec) not in resharded:
+      middle = staged_spec(pinned_as[id(x)][1], spec, np.ndim(x)) if id(x) in pinned_as else None
+      resharded[id(x), spec] = (x, to(x if middle is None else to(x, middle), spec))
+    return resharded[id(x), spec][1]
+
   operand_specs: list[tuple[tuple[int, ...], PartitionSpec]] = []  # The last equation's constrained operands.
 
   def before(origin: tuple[int, ...], operands: list[Any]) -> list[Any]:
     if origin in pinned:
-      operands = [x if id(x) in pinned_as and pinned_as[id(x)][1] == spec else to(x, spec)
-                  for x, spec in zip(operands, pinned[origin][0], strict=True)]
+      operands = [reshard(x, spec) for x, spec in zip(operands, pinned[origin][0], strict=True)]
     operand_specs[:] = [(np.shape(x), pinned_as[id(x)][1]) for x in operands if id(x) in pinned_as]
     return operands
 
