@@ -22,7 +22,11 @@ their operands constrained to the shardings their rule computes on, so XLA resha
 operand at the constraint, as the simulator prices it, rather than choosing its own
 strategy inside the dot (which moved 1.6x the bytes on the demo's searched plan); their
 results keep only their value's constraint, since a dot computed with a sharded
-contraction leaves partial sums that the value's sharding reduces. Arguments and
+contraction leaves partial sums that the value's sharding reduces. The ops reading one
+array on one sharding share one constrained copy (one collective, as priced), and an
+operand that must both move axes between dims and gather others goes through
+`staged_spec` (an all-to-all, then an all-gather), where XLA asked at once would gather
+the whole array. Arguments and
 outputs get the plan's `NamedSharding`s as `in_shardings` / `out_shardings`. The compiled
 module's shardings are compared with the plan's (`automap_rl.xla.realized`):
 `Lowered.differences` lists every value XLA shards otherwise.
