@@ -141,8 +141,9 @@ def test_returns_sum_to_the_simulated_improvement(objective):
   prob = problem("gpt:layers=2")
   config = EnvConfig(objective=objective, action_space="named_dims")
   env = Env.build(prob, config)
+  step = jax.jit(env.step)  # One trace and compile for the three episodes.
   for seed in range(3):
-    states = random_episode(env, seed, jax.jit(env.step))
+    states = random_episode(env, seed, step)
     total = sum(float(s.reward) for s in states[1:])
     base, final = prob.cost([]), prob.cost(env.decisions(states[-1]))
     ref = np.array([base.step_time, base.peak_memory, 0.0], np.float32)

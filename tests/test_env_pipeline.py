@@ -33,10 +33,17 @@ def env(pipelines: int) -> Env:
   return Env.build(problem(), EnvConfig(max_axes=2, pipelines=pipelines))
 
 
+@functools.lru_cache(maxsize=None)
+def jitted(e: Env):
+  """`e`'s init, step and observe, jitted once per environment: a new `jax.jit` of a bound
+  method traces, lowers and compiles it again."""
+  return jax.jit(e.init), jax.jit(e.step), jax.jit(e.observe)
+
+
 def random_episode(e: Env, key: jax.Array, first: int | None = None, steps: int = 6) -> list:
   """States of a random episode (`first`: its first action)."""
-  step = jax.jit(e.step)
-  states = [jax.jit(e.init)(key)]
+  init, step, _ = jitted(e)
+  states = [init(key)]
   for i in range(steps):
     legal = np.flatnonzero(np.asarray(states[-1].legal_action_mask)[:-1])
     if not len(legal):
@@ -49,7 +56,7 @@ def random_episode(e: Env, key: jax.Array, first: int | None = None, steps: int 
 def test_without_pipeline_options_the_environment_is_todays():
   e = env(0)
   assert e.pipelines == () and e.tables.pipeline is None and e.num_actions == e.tables.num_moves + 1
-  graph = jax.jit(e.observe)(e.init(jax.random.key(0)))
+  graph = jitted(e)[2](e.init(jax.random.key(0)))
   assert graph.nodes.shape[1] == node_features(2) and graph.globals.shape[1] == global_features(2)
   for seed in range(3):
     for state in random_episode(e, jax.random.key(seed))[1:]:
@@ -70,10 +77,11 @@ def test_the_first_action_chooses_a_pipeline_and_masks_its_stage_axis():
   legal = np.flatnonzero(np.asarray(root.legal_action_mask))
   np.testing.assert_array_equal(legal, [*range(moves, moves + len(e.pipelines)), e.stop_action])
   assert e.pipelines[0] is None and len(e.pipelines) > 2
-  graph = jax.jit(e.observe)(root)
+  _, step, observe = jitted(e)
+  graph = observe(root)
   assert graph.nodes.shape[1] == node_features(2, True) and graph.globals.shape[1] == global_features(2, True)
   for k, pipeline in enumerate(e.pipelines):
-    state = jax.jit(e.step)(root, jnp.int32(moves + k))
+    state = step(root, jnp.int32(moves + k))
     assert int(state.pipeline) == k and e.pipeline(state) == pipeline
     mask = np.asarray(state.legal_action_mask)
     assert not mask[moves:-1].any(), "a second pipeline action is legal"
@@ -83,7 +91,7 @@ def test_the_first_action_chooses_a_pipeline_and_masks_its_stage_axis():
     else:
       stage_axis = problem().mesh.axis_names.index(pipeline.axis)
       assert not by_axis[:, stage_axis].any() and by_axis[:, 1 - stage_axis].any()
-      nodes = np.asarray(jax.jit(e.observe)(state).nodes)
+      nodes = np.asarray(observe(state).nodes)
       assert nodes[:, -1].max() > 0, "the observation shows no stage membership"
 
 

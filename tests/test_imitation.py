@@ -70,9 +70,13 @@ def test_the_warm_start_learns_the_teachers_actions(teacher, tmp_path):
   network = Network(config.train.network)
   tables, root = jax.tree.map(lambda x: x[0], suite.tables), jax.tree.map(lambda x: x[0], suite.roots)
 
-  def chosen(params):
+  @jax.jit  # One compile for both parameter sets (op by op, the forward compiles each of its primitives).
+  def argmax_actions(params):
     embeddings = network.encode(params, static_graph(tables, root))
-    return np.asarray(jax.vmap(network.head, in_axes=(None, None, 0))(params, embeddings, samples.features)[0].argmax(-1))
+    return jax.vmap(network.head, in_axes=(None, None, 0))(params, embeddings, samples.features)[0].argmax(-1)
+
+  def chosen(params):
+    return np.asarray(argmax_actions(params))
 
   teacher_actions = samples.policy.argmax(-1)
   assert not np.array_equal(chosen(start.params), teacher_actions)

@@ -193,7 +193,8 @@ def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
   p = problem("gpt:layers=4,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true", "data=4,fsdp=2,model=4")
   config = network.NetworkConfig(pipelines=6)
   e = Env.build(p, EnvConfig(max_axes=3, pipelines=6))
-  checkpoint.save_policy(str(tmp_path), network.Network(config).init(jax.random.key(0), e.tables, e.init(jax.random.key(0))), config)
+  root = jax.jit(e.init)(jax.random.key(0))  # Jitted: op by op, each primitive compiles alone.
+  checkpoint.save_policy(str(tmp_path), jax.jit(network.Network(config).init)(jax.random.key(0), e.tables, root), config)
   assert learned.load_network(str(tmp_path)).config.pipelines == 6
   result = learned.search(p, learned.LearnedConfig(checkpoint=str(tmp_path)), seed=0, budget=32)
   assert result.greedy_steps >= len(e.pipelines)  # A greedy path from each option before the search.
@@ -201,4 +202,4 @@ def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
   assert result.step_time == pytest.approx(float(p.plan_cost(result.decisions, result.pipeline).step_time), rel=1e-5)
   with pytest.raises(ValueError, match="6 pipeline options"):
     gumbel.search(p, gumbel.GumbelConfig(network=config), budget=10, params=learned.load_policy(
-        str(tmp_path), e.tables, e.init(jax.random.key(0)))[1])
+        str(tmp_path), e.tables, root)[1])
