@@ -188,7 +188,8 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
 # split where their pieces are stored over the feature dim), where XLA moves the operand
 # to the results' sharding and exchanges each piece's unaligned edges by collective-permute
 # between device pairs, while the rule splits the operand where it is and moves the pieces
-# by one all-to-all each. `lower` pins their operands and results to the shardings their rule computes on.
+# by one all-to-all each. `lower` pins their operands and results to the shardings their
+# rule computes on.
 PINNED_PRIMITIVES = frozenset({
     "conv_general_dilated", "reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
     "select_and_scatter_add", "select_and_gather_add", "gather", "scatter-add", "split",
