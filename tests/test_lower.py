@@ -665,3 +665,19 @@ def test_a_gnn_splits_its_edge_features_where_they_are_and_moves_the_pieces_as_p
   assert compiled["collective_permute_count"] == 0
   moved = lambda metrics: sum(metrics["comm_bytes_by_kind"][k] for k in ("all-gather", "all-to-all"))
   assert moved(simulated) <= moved(compiled) <= 1.2 * moved(simulated)
+
+
+def test_a_gnns_megatron_expert_is_realized_where_the_propagation_reshards_a_sum_for_its_reader():
+  """Data x Megatron on a GNN: a segment sum (scatter-add) computes replicated over `data`
+  and is stored split over it. XLA's propagation reshards the stored sum again for the
+  concatenate that reads it, a copy named like the value's constraint: that copy is the
+  reader's, not the value's sharding (it was reported as two values XLA shards otherwise)."""
+  workload, problem = _setup("gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8",
+                             "data=2,model=4")
+  decisions = tactics.data_megatron(problem)
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  assert lowered.differences == ()
+  scatters = [op for op in problem.program.ops if op.primitive == "scatter-add"
+              and problem.program.values[op.results[0]].dtype == "float32"]
+  specs = problem.partition_specs(decisions, [op.results[0] for op in scatters])
+  assert P("data", "model") in specs  # A sum stored otherwise than it is computed is checked.

@@ -132,11 +132,13 @@ def sharding_differences(hlo_text: str, arguments: Mapping[str, Expected], const
   Returns:
     The differences in module text order (arguments, results, then outputs), each once: a
     value constrained at several instructions (the copies of an unrolled `scan` body) is
-    reported once per sharding XLA gave it. Values absent from the module (XLA removed
+    reported once per sharding XLA gave it; a copy the propagation made of a constrained
+    value for a reader that wants it otherwise (named like the constraint) is not compared. Values absent from the module (XLA removed
     them as dead) are not compared.
   """
   differences = []
   shardings = {}
+  constraint_of: dict[str, int] = {}  # Constraint instruction -> the value it constrains.
   entry, root = False, None
 
   def compare(expected: Expected, actual: str | None) -> None:
@@ -157,7 +159,12 @@ def sharding_differences(hlo_text: str, arguments: Mapping[str, Expected], const
       compare(arguments[op_name], shardings[inst.name])
     match = _CONSTRAINT_RE.search(op_name)
     if match and inst.opcode in _CONSTRAINT_OPCODES and int(match.group(1)) in constrained:
-      compare(constrained[int(match.group(1))], shardings[inst.operands[0]])
+      value = int(match.group(1))
+      constraint_of[inst.name] = value
+      # A copy of the constrained value itself is a reshard the propagation inserted for a
+      # reader (it takes the constraint's `op_name`), not the value as computed.
+      if constraint_of.get(inst.operands[0]) != value:
+        compare(constrained[value], shardings[inst.operands[0]])
     if entry and line.lstrip().startswith("ROOT"):
       root = inst
   if root is not None and outputs:
