@@ -133,8 +133,8 @@ def sharding_differences(hlo_text: str, arguments: Mapping[str, Expected], const
     The differences in module text order (arguments, results, then outputs), each once: a
     value constrained at several instructions (the copies of an unrolled `scan` body) is
     reported once per sharding XLA gave it; a copy the propagation made of a constrained
-    value for a reader that wants it otherwise (named like the constraint) is not compared. Values absent from the module (XLA removed
-    them as dead) are not compared.
+    value for a reader that wants it otherwise (named like the constraint) is not compared.
+    Values absent from the module (XLA removed them as dead) are not compared.
   """
   differences = []
   shardings = {}
