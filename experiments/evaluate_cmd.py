@@ -13,7 +13,10 @@ expert; where no expert fits, over the best plan of the methods that fits), for
 - `ilp@Ts`: the ILP agent (`agents.ilp`) with T = `--ilp-seconds` (20);
 - `mcts@=R` and `random@=R`: UCT and random search given, as a seconds budget, the wall
   clock the learned search R (`learned+gumbel@64`, else the largest budget) took on the
-  case: which is better at equal time;
+  case: which is better at equal time; every method's seconds are its first call's on the
+  case, compiles included (none inherits another's); `mcts@=R, compiled` and
+  `random@=R, compiled` run again, compiled, for the seconds R takes when called again:
+  equal time once every compile is cached;
 
 with N in `--search-budgets` (16, 64, 256) and M = `--baseline-budget` (2000). Prints a
 table with the median ratio, the share of cases that beat the best expert and each
@@ -144,44 +147,74 @@ def problems(config: EvaluateConfig) -> list[tuple[str, str, Callable[[], Proble
   return [(c.name, c.family, lambda c=c: selfplay.case_problem(c)) for c in cases]
 
 
+COMPILED = ", compiled"  # Suffix of an equal-time method's second run: the reference's compiled seconds.
+
+
+def _call(fn: Callable[..., SearchResult], *args: Any) -> dict[str, Any]:
+  """One timed call of a method, as its JSON figures."""
+  start = time.perf_counter()
+  result = fn(*args)
+  return {"objective": float(result.objective), "step_time_s": result.step_time, "fits": bool(result.cost.fits),
+          "simulations": result.simulations, "greedy_steps": result.greedy_steps,
+          "seconds": time.perf_counter() - start, "actions": result.actions,
+          "trace": [[p.seconds, p.objective] for p in result.trace]}
+
+
 def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Method],
                   timed: dict[str, TimedMethod] | None = None, reference_method: str | None = None) -> dict[str, Any]:
   """Every method on one problem, as a JSON case, then each of `timed` given the seconds
   `reference_method` took. Ratios are to the best expert's objective
   (`tactics.best_expert`); where no expert fits, to the best objective of the methods'
-  plans that fit (`yardstick` names it), never to a plan that cannot run."""
+  plans that fit (`yardstick` names it), never to a plan that cannot run.
+
+  Each method's `seconds` are those of its first call on the problem, as for a user's
+  first call on a new model: compiled environments and searches are released before it
+  (`agents.base.release`), so its environment's build and every compile it needs count,
+  and no method inherits another's. The reference is then called again, its compiles
+  cached (`compiled_seconds`, the same plan). Each equal-time method runs twice: a first
+  call given the reference's seconds (`mcts@=R`), then, compiled, its compiled seconds
+  (`mcts@=R, compiled`): at equal time with compiles counted, and with them cached.
+  """
   search = searcher(problem, env_config(problem, "groups", LearnedConfig.max_decisions))
   expert = tactics.best_expert_plan(problem)
   best = selfplay.expert_objective(problem, search.env.config, search.env.tables, expert)
   expert_fits = expert.fits
   case: dict[str, Any] = {"case": name, "family": family, "best_expert_objective": best,
                           "expert_fits": expert_fits, "yardstick": "best expert", "methods": {}}
-  for method, fn in [*run.items(), *(timed or {}).items()]:
-    start = time.perf_counter()
-    result = fn(problem) if method in run else fn(problem, case["methods"][reference_method]["seconds"])
-    case["methods"][method] = {
-        "objective": float(result.objective), "step_time_s": result.step_time,
-        "fits": bool(result.cost.fits), "simulations": result.simulations, "greedy_steps": result.greedy_steps,
-        "seconds": time.perf_counter() - start, "actions": result.actions,
-        "trace": [[p.seconds, p.objective] for p in result.trace]}
-  fitting = {m: r["objective"] for m, r in case["methods"].items() if r["fits"]}
+  methods_ = case["methods"]
+  for method, fn in run.items():
+    release()
+    methods_[method] = _call(fn, problem)
+  if timed:
+    reference_figures = methods_[reference_method]
+    reference_figures["compiled_seconds"] = _call(run[reference_method], problem)["seconds"]
+    for method, fn in timed.items():
+      release()
+      methods_[method] = _call(fn, problem, reference_figures["seconds"])
+      methods_[method + COMPILED] = _call(fn, problem, reference_figures["compiled_seconds"])
+  fitting = {m: r["objective"] for m, r in methods_.items() if r["fits"]}
   if not expert_fits and fitting:
     case["yardstick"] = min(fitting, key=fitting.get)
     best = fitting[case["yardstick"]]
-  for figures in case["methods"].values():
+  for figures in methods_.values():
     figures["ratio"] = figures["objective"] / best
   return case
 
 
 def summarize(cases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
   """Per method: the median ratio to the yardstick, the share of cases that beat the best
-  expert (below 1; where no expert fits, any plan that fits does) and the median seconds."""
+  expert (below 1; where no expert fits, any plan that fits does), the median seconds of a
+  first call and, for the equal-time reference, of a compiled one."""
   names = list(cases[0]["methods"])
   beats = lambda c, m: (c["methods"][m]["ratio"] < 1 - 1e-6 if c["expert_fits"] else c["methods"][m]["fits"])
-  return {m: {"median_ratio": statistics.median(c["methods"][m]["ratio"] for c in cases),
-              "beats_expert": sum(beats(c, m) for c in cases) / len(cases),
-              "median_seconds": statistics.median(c["methods"][m]["seconds"] for c in cases)}
-          for m in names}
+  out = {m: {"median_ratio": statistics.median(c["methods"][m]["ratio"] for c in cases),
+             "beats_expert": sum(beats(c, m) for c in cases) / len(cases),
+             "median_seconds": statistics.median(c["methods"][m]["seconds"] for c in cases)}
+         for m in names}
+  for m in names:
+    if all("compiled_seconds" in c["methods"][m] for c in cases):
+      out[m]["median_compiled_seconds"] = statistics.median(c["methods"][m]["compiled_seconds"] for c in cases)
+  return out
 
 
 def equal_time_wins(cases: list[dict[str, Any]], reference_method: str) -> dict[str, float]:
@@ -273,6 +306,10 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
   bar.close()
   summary = summarize(cases)
   Console(width=None if sys.stdout.isatty() else 200).print(table(cases, summary))
+  compiled = summary[reference(config)].get("median_compiled_seconds") if config.baselines else None
+  if compiled is not None:
+    print(f"{reference(config)}: median {summary[reference(config)]['median_seconds']:.1f} s on a first call, "
+          f"{compiled:.1f} s compiled")
   for method, share in equal_time_wins(cases, reference(config)).items():
     print(f"{reference(config)} beats {method} (the same seconds) on {share:.0%} of the cases")
   write_json(config.json, document())
