@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from agents import checkpoint, gumbel
-from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, row, start
+from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
 from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.network import Embeddings, Network, state_features
 from automap_rl.problem import Problem
@@ -94,10 +94,12 @@ def load_policy(path: str | None, tables: EnvTables, root: State) -> tuple[Netwo
 
 @functools.partial(jax.jit, static_argnames=("network", "env_config"))
 def _greedy_step(network: Network, env_config: EnvConfig, params: chex.ArrayTree, embeddings: Embeddings,
-                 tables: EnvTables, state: State) -> tuple[jax.Array, State]:
-  """The network's most likely action in `state` (int32 []) and the state it leads to."""
+                 tables: EnvTables, state: State, forced: jax.Array) -> tuple[jax.Array, State]:
+  """The network's most likely action in `state`, or `forced` where it is not negative
+  (int32 []), and the state it leads to. One compile serves the whole path, its pipeline
+  options included (a batched step for them would be a second compile of the environment)."""
   logits, _ = network.head(params, embeddings, state_features(tables, state))
-  action = jnp.argmax(logits).astype(jnp.int32)
+  action = jnp.where(forced >= 0, forced, jnp.argmax(logits)).astype(jnp.int32)
   return action, core.step(env_config, tables, state, action)
 
 
@@ -109,17 +111,17 @@ def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, sea
   path is followed from each, so the policy's intra-op plan under every pipeline choice
   (no pipeline included) is a candidate."""
   env = search_.env
+  step = lambda state, forced=-1: jax.device_get(
+      _greedy_step(network, env.config, params, embeddings, env.tables, state, jnp.int32(forced)))
   starts: list[tuple[State, list[int]]] = [(search_.root, [])]
   if env.pipelines:
-    options = [int(a) for a in search_.legal(search_.root)]
-    chosen = search_.children(search_.root, options)
-    starts = [(row(chosen, i), [a]) for i, a in enumerate(options)]
+    starts = [(step(search_.root, a)[1], [a]) for a in map(int, search_.legal(search_.root))]
     for state, actions in starts:
       track.offer(float(state.objective), float(state.step_time), actions)
       track.greedy_steps += 1
   for state, actions in starts:
     while not (bool(state.terminated) or bool(state.truncated)):
-      action, state = jax.device_get(_greedy_step(network, env.config, params, embeddings, env.tables, state))
+      action, state = step(state)
       if int(action) == env.stop_action:
         break
       actions = [*actions, int(action)]
