@@ -132,7 +132,8 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
 
   A simulation is a complete plan simulated: the experts, the solves' plans and the
   descent's candidates (the graph's per-site terms, evaluated once in batches, are not
-  counted), so a simulations budget does not bound this agent; its time limit does. The
+  counted). A simulations budget stops the descent (`stopped_by` `simulations`; the
+  experts are simulated whatever the budget); the solver is bounded by the seconds. The
   seed drives the solver's random choices; its stages stop on the wall clock, so two runs
   agree when the whole MIP is solved to optimality (small graphs) and can differ
   otherwise. Where the graph is too large for the solver (`solver.GraphTooLarge`) or no
@@ -188,12 +189,15 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
     for start in (starts + [expert_decisions] if graph is not None else []):
       if run.stopped_by == "memory" or limits.seconds_left() <= reserve:
         break
-      simulations = _descend(graph, run, start, simulations, deadline=limits.deadline - reserve)
+      if run.stopped_by == "simulations":
+        break
+      simulations = _descend(graph, run, start, simulations, deadline=limits.deadline - reserve,
+                             max_simulations=budget.simulations)
   except solver.LimitReached as e:
     run.stopped(e.limit, str(e))
   if run.stopped_by is not None:
-    warnings.warn(f"ilp: stopped by its {'time budget' if run.stopped_by == 'seconds' else 'memory ceiling'} "
-                  f"({run.message}); returning its best plan so far.", stacklevel=2)
+    warnings.warn(f"ilp: stopped by its {_LIMIT_NAMES[run.stopped_by]} ({run.message}); returning its best plan "
+                  "so far.", stacklevel=2)
   decisions, cost = run.best
   if progress is not None:
     progress(simulations, float(cost.step_time))
@@ -228,6 +232,8 @@ def _single_axes(graph: strategy_graph.ProgramGraph) -> solver.StrategyGraph | N
   return dataclasses.replace(graph.graph, node_costs=costs)
 
 
+_LIMIT_NAMES = {"seconds": "time budget", "memory": "memory ceiling", "simulations": "simulations budget"}
+
 # Plans per simulator call in the descent (every call one batch: one compile).
 _DESCENT_BATCH = 256
 
@@ -261,15 +267,20 @@ class _Run:
 
 
 def _descend(graph: strategy_graph.ProgramGraph, run: _Run, start: Sequence[Decision], simulations: int,
-             deadline: float) -> int:
+             deadline: float, max_simulations: int | None = None) -> int:
   """Steepest descent on the simulator's objective from `start` until `deadline`
-  (monotonic) or a round without improvement, offering each step's plan to `run`. A round
-  prices, in batches of `_DESCENT_BATCH`, every change of one class node's axes (its tied
-  classes together) and of one tied class alone (untying it), and moves to the best if it
-  improves. The graph prices each collective alone, the simulator combines them: plans
-  the graph ranks alike can part by tens of percent. Returns the simulations; stops `run`
-  with "seconds" when the deadline cut the descent short."""
+  (monotonic), `max_simulations` (None: no limit) or a round without improvement, offering
+  each step's plan to `run`. A round prices, in batches of `_DESCENT_BATCH`, every change
+  of one class node's axes (its tied classes together) and of one tied class alone
+  (untying it), and moves to the best if it improves. The graph prices each collective
+  alone, the simulator combines them: plans the graph ranks alike can part by tens of
+  percent. Returns the simulations; stops `run` with "seconds" or "simulations" when a
+  limit cut the descent short."""
+  left = lambda: float("inf") if max_simulations is None else max_simulations - simulations
   problem = run.problem
+  if left() < 1:
+    run.stopped("simulations", "the simulations budget was spent before the descent")
+    return simulations
   current = _assignment(graph, start)
   cost = problem.cost(graph.decisions_of(current))
   current_value = plan_objective(problem, cost)
@@ -286,9 +297,9 @@ def _descend(graph: strategy_graph.ProgramGraph, run: _Run, start: Sequence[Deci
           candidates += [{**current, m: axes} for m in members if current.get(m, ()) != axes]
     best: tuple[float, dict[int, tuple[int, ...]], simulator.Cost] | None = None
     for first in range(0, len(candidates), _DESCENT_BATCH):
-      if time.monotonic() >= deadline:
+      if time.monotonic() >= deadline or left() < 1:
         break
-      chunk = candidates[first:first + _DESCENT_BATCH]
+      chunk = candidates[first:first + int(min(_DESCENT_BATCH, left()))]
       plans = [graph.decisions_of(plan) for plan in chunk]
       # Padded to a whole batch: one compile of the simulator's batch, whatever the chunk.
       costs = problem.costs(plans + plans[:1] * (_DESCENT_BATCH - len(plans)))
@@ -297,10 +308,14 @@ def _descend(graph: strategy_graph.ProgramGraph, run: _Run, start: Sequence[Deci
         value = plan_objective(problem, cost)
         if value < current_value and (best is None or value < best[0]):
           best = (value, plan, cost)
+    if best is not None:
+      current_value, current = best[0], best[1]
+      run.offer(graph.decisions_of(current), best[2], simulations)
+    if left() < 1:
+      run.stopped("simulations", "the simulations budget ended the descent")
+      return simulations
     if best is None:
       return simulations
-    current_value, current = best[0], best[1]
-    run.offer(graph.decisions_of(current), best[2], simulations)
   run.stopped("seconds", "the time budget ended the descent")
   return simulations
 
