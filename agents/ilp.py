@@ -187,9 +187,7 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   try:
     # From the solves' plans, then from the best expert's.
     for start in (starts + [expert_decisions] if graph is not None else []):
-      if run.stopped_by == "memory" or limits.seconds_left() <= reserve:
-        break
-      if run.stopped_by == "simulations":
+      if run.stopped_by in ("memory", "simulations") or limits.seconds_left() <= reserve:
         break
       simulations = _descend(graph, run, start, simulations, deadline=limits.deadline - reserve,
                              max_simulations=budget.simulations)
