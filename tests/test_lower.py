@@ -357,6 +357,38 @@ def test_a_scan_body_follows_the_plan():
   assert [(d.expected, d.actual) for d in wrong] == [("P(None, 'data')", "P('data', None)")]
 
 
+def _stacked_gradient_step(w, x):
+  """A sign-like AdamW update of layers `w` [L, D] from their gradient, stacked by the
+  backward layer scan and squared after it."""
+  def loss(w):
+    return jnp.sum(jax.lax.scan(lambda h, wi: (jnp.tanh(h * wi), None), x, w)[0])
+
+  g = jax.grad(loss)(w)
+  return w - 0.1 * g / (jnp.sqrt(g ** 2) + 1e-8)
+
+
+def test_a_stacked_gradient_gathers_each_iteration_where_its_layer_dim_takes_the_iterations_axis():
+  """The layers' dim over `model` and the features' over `model` too: each iteration's
+  gradient [D] is split over `model`, which the stacked gradient [L, D] gives its layer
+  dim. The simulator gathers each iteration's gradient and keeps its layers' slices; left
+  to itself XLA stacked the split gradients and moved the stack by all-to-alls after the
+  loop (no all-gather), where the square read it before the reshard."""
+  args = (jax.random.normal(jax.random.key(0), (4, 64)), jax.random.normal(jax.random.key(1), (64,)))
+  program = ir.trace(_stacked_gradient_step, *args, arg_names=("w", "x"))
+  problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
+  decisions = [Decision(ArgDim("w", 0), "model"), Decision(ArgDim("x", 0), "model")]
+  squared = next(op for op in program.ops if op.primitive == "integer_pow").operands[0]
+  stacked = next(op for op in program.ops if op.primitive == "scan_stack" and op.results[0] == squared)
+  _, [(operand_specs, result_specs)] = problem.value_and_op_specs(decisions, (), [stacked.id])
+  assert (tuple(operand_specs[0]), tuple(result_specs[0])) == ((None,), ("model", None))
+  lowered = lower(problem, decisions, _stacked_gradient_step, args, isolated=False)
+  gathered = [(c.mesh_axes, c.bytes, c.repeat) for c in lowered.stats.collectives if c.kind == "all-gather"]
+  assert gathered == [(("model",), 64 * 4, 4)]  # Each iteration's gradient, in the loop.
+  assert float(problem.cost(decisions).comm_bytes[1]) == 4 * 64 * 4  # All-gather bytes, as priced.
+  assert lowered.differences == ()
+  check_numerics(_stacked_gradient_step, args, lowered)
+
+
 def test_sharding_differences_report_what_xla_decided_against_a_wrong_expectation():
   """The same compiled module checked against a perturbed plan: w1's stored sharding and
   the first product's result expected on `data` instead of XLA's (and the plan's)

@@ -111,8 +111,8 @@ class Op:
     repeat: how many times the op runs per step (a loop body's trip count).
     scope: where the op came from, e.g. `scan/cond` for loop and branch bodies, else ''.
     origin: the equation it came from, as indices through inlined calls and `scan` bodies:
-      `(5, 2)` is eqn 2 of the body of eqn 5 of the top-level jaxpr; () for the IR's own
-      ops and for ops inside `while` and `cond` bodies.
+      `(5, 2)` is eqn 2 of the body of eqn 5 of the top-level jaxpr; a `scan_stack` op has
+      its scan's; () for the IR's other ops and for ops inside `while` and `cond` bodies.
     flops: flops of one call, in XLA's `cost_analysis()` convention (see
       `automap_rl.ir.flops`), set by `trace`; None for hand-built ops (the simulator then
       falls back to `simulator.tables.op_flops`).

@@ -7,7 +7,9 @@ Call-like primitives (`jit`, `closed_call`, `checkpoint`/`remat2`, `custom_jvp_c
   of an inlined call, origins through the scan's equation (`automap_rl.xla.lower`
   constrains them inside the loop body). Each stacked input gets a `scan_slice` op (the
   stacked dim needs replication, the rest passes through), each stacked output a
-  `scan_stack` op, and each carry a `scan_carry` op in and out, with the carry's value in
+  `scan_stack` op (whose origin is the scan's: the lowering constrains the stacked
+  results and, inside the loop, each iteration's value as the op reads it), and each
+  carry a `scan_carry` op in and out, with the carry's value in
   the body *tied* to its value out of the body, so the two share named dimensions. A
   48-layer `nn.scan` transformer therefore has the size of one layer, and the simulator
   multiplies the body's costs by the trip count: exactly what XLA's while loop does,
@@ -101,11 +103,12 @@ class _Builder:
     for var in closed.jaxpr.constvars:
       env[var] = self.new_value(var.aval, Role.CONSTANT)
 
-  def add_rule_op(self, primitive: str, operands, results, repeat: int, scope: str) -> None:
+  def add_rule_op(self, primitive: str, operands, results, repeat: int, scope: str,
+                  origin: tuple[int, ...] = ()) -> None:
     """Adds one of the IR's own ops (`scan_slice`, `scan_carry`, ...) with its registry rule."""
     rule, _ = rules.rule_for(
         primitive, [self.values[v].shape for v in operands], [self.values[v].shape for v in results], {})
-    self.add_op(primitive, operands, results, rule, repeat, scope)
+    self.add_op(primitive, operands, results, rule, repeat, scope, origin)
 
   def identity(self, primitive: str, source: int, aval, repeat: int, scope: str) -> int:
     """A pass-through copy of `source`, e.g. a loop carry entering or leaving a body."""
@@ -207,7 +210,7 @@ class _Builder:
     stacked = []
     for y, var in zip(outs[num_carry:], eqn.outvars[num_carry:]):
       result = self.new_value(var.aval)
-      self.add_rule_op("scan_stack", [y], [result], inner_repeat, inner_scope)
+      self.add_rule_op("scan_stack", [y], [result], inner_repeat, inner_scope, origin or ())
       stacked.append(result)
     self.bind_results(eqn, env, [*finals, *stacked])
 

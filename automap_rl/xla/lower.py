@@ -26,7 +26,9 @@ contraction leaves partial sums that the value's sharding reduces. The ops readi
 array on one sharding share one constrained copy (one collective, as priced), and an
 operand that must both move axes between dims and gather others goes through
 `staged_spec` (an all-to-all, then an all-gather), where XLA asked at once would gather
-the whole array. Arguments and
+the whole array. A scan's stacked outputs are constrained after the loop, and each
+iteration's value inside it to the sharding its `scan_stack` op reads it on (`_stacks`).
+Arguments and
 outputs get the plan's `NamedSharding`s as `in_shardings` / `out_shardings`. The compiled
 module's shardings are compared with the plan's (`automap_rl.xla.realized`):
 `Lowered.differences` lists every value XLA shards otherwise.
@@ -97,13 +99,14 @@ class Lowered:
 
 
 def _constrained(problem: Problem) -> dict[tuple[int, ...], tuple[int | None, ...]]:
-  """Origin -> the value id each result of its op is constrained as (None for scalars)."""
-  out = {}
+  """Origin -> the value id each result of its op is constrained as (None for scalars); a
+  scan's origin -> its stacked results (its `scan_stack` ops', in order)."""
+  out: dict[tuple[int, ...], tuple[int | None, ...]] = {}
   for op in problem.program.ops:
-    chosen = tuple(v if problem.program.values[v].shape else None for v in op.results)
-    if op.origin and any(v is not None for v in chosen):
-      out[op.origin] = chosen
-  return out
+    if op.origin:
+      out[op.origin] = out.get(op.origin, ()) + tuple(v if problem.program.values[v].shape else None
+                                                      for v in op.results)
+  return {origin: chosen for origin, chosen in out.items() if any(v is not None for v in chosen)}
 
 
 def _bind(eqn, invals: Sequence[Any], **replaced: Any) -> list[Any]:
@@ -124,7 +127,7 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
               before: Callable[[tuple[int, ...], list[Any]], list[Any]] = lambda origin, operands: operands,
               bind: Callable[[tuple[int, ...], Any, list[Any]], list[Any]] = lambda origin, eqn, invals: _bind(eqn, invals),
               *, replaced: Mapping[tuple[int, ...], Callable[[list[Any]], list[Any]]] | None = None,
-              differentiable: bool = False) -> Callable[..., list[Any]]:
+              differentiable: bool = False, stacks: bool = False) -> Callable[..., list[Any]]:
   """A function evaluating `closed` equation by equation, calling `before(origin, operands)`
   on each equation's array (non-literal) operands, `bind(origin, eqn, operands)` to apply it
   and `constrain(origin, results)` on its results, for every equation outside `while` and
@@ -135,7 +138,10 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
   instead. `differentiable`: the function will be differentiated, so a remat call runs
   its interpreted body under `jax.checkpoint` with the same policy (its rematerialization
   kept) and a custom derivative rule's call is bound whole (its rule kept; the equations
-  inside get no constraints).
+  inside get no constraints). `stacks`: a scan's stacked outputs are treated as the
+  results of an equation at the scan's origin: in the body each iteration's values go
+  through `before(origin, values)`, after the loop the stacked results through
+  `constrain(origin, results)`.
   """
   replaced = replaced or {}
 
@@ -160,7 +166,10 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
           run = jax.checkpoint(run, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
         outs = run(*invals)
       elif name == "scan":
-        outs = _bind(eqn, invals, jaxpr=scan_body(eqn.params["jaxpr"], origin))
+        carried = eqn.params["num_carry"]
+        outs = _bind(eqn, invals, jaxpr=scan_body(eqn.params["jaxpr"], origin, carried))
+        if stacks:
+          outs[carried:] = constrain(origin, outs[carried:])
       else:
         arrays = [i for i, v in enumerate(eqn.invars) if not isinstance(v, jax_core.Literal)]
         for i, x in zip(arrays, before(origin, [invals[i] for i in arrays])):
@@ -171,12 +180,16 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
           env[var] = val
     return [read(v) for v in jaxpr.outvars]
 
-  def scan_body(body: jax_core.ClosedJaxpr, prefix: tuple[int, ...]) -> jax_core.ClosedJaxpr:
+  def scan_body(body: jax_core.ClosedJaxpr, prefix: tuple[int, ...], carried: int) -> jax_core.ClosedJaxpr:
     """A scan's body, interpreted with origins under `prefix` (the scan's): the same
     inputs and outputs, so the scan's other params stay valid (constants the trace hoists
-    stay in the closed jaxpr, which `scan` accepts)."""
+    stay in the closed jaxpr, which `scan` accepts); with `stacks`, its outputs after the
+    `carried` carries go through `before(prefix, ...)`."""
+    def run(*args):
+      outs = walk(body.jaxpr, body.consts, args, prefix)
+      return [*outs[:carried], *before(prefix, outs[carried:])] if stacks else outs
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in body.in_avals]
-    return jax.make_jaxpr(lambda *args: walk(body.jaxpr, body.consts, args, prefix))(*avals)
+    return jax.make_jaxpr(run)(*avals)
 
   return lambda *args: walk(closed.jaxpr, closed.consts, args, ())
 
@@ -205,6 +218,23 @@ def _pinned(problem: Problem) -> dict[tuple[int, ...], int]:
   """Origin -> op id of every program op in `PINNED_PRIMITIVES` or `OPERAND_PINNED`."""
   return {op.origin: op.id for op in problem.program.ops
           if op.origin and (op.primitive in PINNED_PRIMITIVES or op.primitive in OPERAND_PINNED)}
+
+
+def _stacks(problem: Problem) -> dict[tuple[int, ...], tuple[int, ...]]:
+  """A scan's origin -> its `scan_stack` ops, in the order of its stacked outputs.
+
+  Each stacks an iteration's value into the scan's result. Where the value is split over
+  an axis the stacked layer dim takes, the op computes on the value gathered over that
+  axis (the simulator's price: each iteration's value all-gathered, each device keeping
+  its layers' slices). Left to itself XLA stacks the values as computed and reshards the
+  stacked array after the loop, where its first reader (AdamW's square of a stacked
+  gradient) computes before the reshard; `lower` pins each iteration's value to the
+  sharding its `scan_stack` op reads it on, and the stacked results to their own."""
+  stacks: dict[tuple[int, ...], tuple[int, ...]] = {}
+  for op in problem.program.ops:
+    if op.primitive == "scan_stack" and op.origin:
+      stacks[op.origin] = stacks.get(op.origin, ()) + (op.id,)
+  return stacks
 
 
 def staged_spec(stored: PartitionSpec, required: PartitionSpec, rank: int) -> PartitionSpec | None:
@@ -498,14 +528,19 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   constrained = _constrained(problem)
   results = [v for chosen in constrained.values() for v in chosen if v is not None]
   value_ids = list(dict.fromkeys([*program.inputs, *program.outputs, *results]))
-  pinned = _pinned(problem)
-  value_specs, op_specs = problem.value_and_op_specs(decisions, value_ids, list(pinned.values()))  # One resolution.
+  pinned, stacks = _pinned(problem), _stacks(problem)
+  stack_ops = [op for ops in stacks.values() for op in ops]
+  value_specs, op_specs = problem.value_and_op_specs(decisions, value_ids,
+                                                     [*pinned.values(), *stack_ops])  # One resolution.
   specs = dict(zip(value_ids, value_specs))
+  stack_specs = dict(zip(stack_ops, op_specs[len(pinned):]))
   op_specs = [(operands, tuple(specs.get(v, PartitionSpec()) for v in program.ops[op].results)
                if program.ops[op].primitive in OPERAND_PINNED else results)
               for op, (operands, results) in zip(pinned.values(), op_specs)]
   pinned_specs = dict(zip(pinned, op_specs))
-  computed = {v: spec for op, (_, result_specs) in zip(pinned.values(), op_specs)
+  pinned_specs.update({origin: ([stack_specs[op][0][0] for op in ops], [stack_specs[op][1][0] for op in ops])
+                       for origin, ops in stacks.items()})
+  computed = {v: spec for op, (_, result_specs) in [*zip(pinned.values(), op_specs), *stack_specs.items()]
               for v, spec in zip(program.ops[op].results, result_specs)}
   in_leaves = [NamedSharding(mesh, specs[v]) for v in program.inputs]
   out_leaves = [NamedSharding(mesh, specs[v]) for v in program.outputs]
@@ -513,7 +548,7 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   in_shardings = jax.tree_util.tree_unflatten(arg_tree, in_leaves)
   out_shardings = jax.tree_util.tree_unflatten(out_tree, out_leaves)
   before, constrain = _constrainer(constrained, specs, pinned_specs, mesh)
-  body = interpret(closed, constrain, before, _conv_binder(pinned_specs, mesh))
+  body = interpret(closed, constrain, before, _conv_binder(pinned_specs, mesh), stacks=True)
 
   def interpreted(*call_args):
     flat = jax.tree_util.tree_leaves(call_args)
