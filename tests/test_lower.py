@@ -357,6 +357,32 @@ def test_a_scan_body_follows_the_plan():
   assert [(d.expected, d.actual) for d in wrong] == [("P(None, 'data')", "P('data', None)")]
 
 
+def _batched_dot_into_a_residual(h, a, b):
+  """A residual stream `h` [B, S, D] plus a dot batched over B that sums over E."""
+  return h + jnp.einsum("bsek,ebkd->bsd", a, b)
+
+
+def test_a_dot_summed_over_an_axis_its_value_adds_to_a_split_dim_reduces_and_keeps_its_part():
+  """The batch over `model` (`a`'s) and `data` (`h`'s, where the dot's operands do not use
+  it): the dot computes its batch over `model` and sums over `data` (the experts), and its
+  value splits the batch over (`model`, `data`). The simulator prices one all-reduce and
+  a local slice; asked for the value's sharding at once, XLA all-reduced, then gathered
+  the batch over `model` and sliced it (a 4x larger all-gather than the reduction)."""
+  args = (jnp.ones((32, 8, 64)), jnp.ones((32, 8, 4, 16)), jnp.ones((4, 32, 16, 64)))
+  program = ir.trace(_batched_dot_into_a_residual, *args, arg_names=("h", "a", "b"))
+  problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
+  decisions = [Decision(ArgDim("a", 0), "model"), Decision(ArgDim("a", 2), "data"), Decision(ArgDim("h", 0), "data")]
+  dot = next(op for op in program.ops if op.primitive == "dot_general")
+  [stored], [(_, [computed])] = problem.value_and_op_specs(decisions, dot.results, [dot.id])
+  assert (stored, computed) == (P(("model", "data"), None, None), P("model", None, None))
+  lowered = lower(problem, decisions, _batched_dot_into_a_residual, args, isolated=False)
+  result_bytes = 32 * 8 * 64 * 4 // 4  # The dot's result on a device, its batch over `model`.
+  assert summarize(lowered.stats.collectives) == {"all-reduce": (1, result_bytes)}
+  assert [float(b) for b in problem.cost(decisions).comm_bytes] == [result_bytes, 0, 0, 0]
+  assert lowered.differences == ()
+  check_numerics(_batched_dot_into_a_residual, args, lowered)
+
+
 def _stacked_gradient_step(w, x):
   """A sign-like AdamW update of layers `w` [L, D] from their gradient, stacked by the
   backward layer scan and squared after it."""

@@ -22,7 +22,8 @@ their operands constrained to the shardings their rule computes on, so XLA resha
 operand at the constraint, as the simulator prices it, rather than choosing its own
 strategy inside the dot (which moved 1.6x the bytes on the demo's searched plan); their
 results keep only their value's constraint, since a dot computed with a sharded
-contraction leaves partial sums that the value's sharding reduces. The ops reading one
+contraction leaves partial sums that the value's sharding reduces, unless the value
+splits a dim the dot computes split over more axes (`result_pins`). The ops reading one
 array on one sharding share one constrained copy (one collective, as priced), and an
 operand that must both move axes between dims and gather others goes through
 `staged_spec` (an all-to-all, then an all-gather), where XLA asked at once would gather
@@ -47,6 +48,7 @@ from jax.extend import core as jax_core
 from jax.sharding import NamedSharding, PartitionSpec
 
 from automap_rl.compile_options import quick_compile_options
+from automap_rl.ir.program import Program
 from automap_rl.ir.trace import CALL_PRIMITIVES, call_body
 from automap_rl.mesh import spec_axes, to_jax_mesh
 from automap_rl.problem import Problem
@@ -209,9 +211,35 @@ PINNED_PRIMITIVES = frozenset({
 })
 
 
-# Ops whose operands (not results) `lower` pins to the shardings their rule computes on: a
-# dot (below).
+# Ops whose operands (not results, see `result_pins`) `lower` pins to the shardings their
+# rule computes on: a dot (below).
 OPERAND_PINNED = frozenset({"dot_general"})
+
+
+def _splits_further(computed: PartitionSpec, stored: PartitionSpec, rank: int) -> bool:
+  """`stored` splits a dim that `computed` splits over more axes, the computed ones major."""
+  return any(c and s[:len(c)] == c and len(s) > len(c)
+             for c, s in zip(spec_axes(computed, rank), spec_axes(stored, rank)))
+
+
+def result_pins(program: Program, op: int, computed: Sequence[PartitionSpec],
+                values: Mapping[int, PartitionSpec]) -> tuple[PartitionSpec, ...]:
+  """The shardings the results of a pinned op (`_pinned`) are constrained to before their
+  values' own (`values`), given those it computes them on (`computed`).
+
+  An op of `PINNED_PRIMITIVES`: the computed ones. A dot: its values' (a dot computed with
+  a sharded contraction leaves partial sums, which its value's sharding reduces), except
+  a result whose value splits a dim the dot computes split over more axes (a batch over
+  `model` summed over `data`, stored over (`model`, `data`)): that one first as computed.
+  XLA then reduces the partial sums and keeps each device's part of the dim, a local
+  slice, as the simulator prices it; asked for the value's sharding at once, it gathered
+  the dim over the axes it was computed on and sliced it."""
+  results = program.ops[op].results
+  if program.ops[op].primitive not in OPERAND_PINNED:
+    return tuple(computed)
+  stored = [values.get(v, PartitionSpec()) for v in results]
+  return tuple(c if _splits_further(c, s, len(program.values[v].shape)) else s
+               for v, c, s in zip(results, computed, stored))
 
 
 def _pinned(problem: Problem) -> dict[tuple[int, ...], int]:
@@ -534,8 +562,7 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
                                                      [*pinned.values(), *stack_ops])  # One resolution.
   specs = dict(zip(value_ids, value_specs))
   stack_specs = dict(zip(stack_ops, op_specs[len(pinned):]))
-  op_specs = [(operands, tuple(specs.get(v, PartitionSpec()) for v in program.ops[op].results)
-               if program.ops[op].primitive in OPERAND_PINNED else results)
+  op_specs = [(operands, result_pins(program, op, results, specs))
               for op, (operands, results) in zip(pinned.values(), op_specs)]
   pinned_specs = dict(zip(pinned, op_specs))
   pinned_specs.update({origin: ([stack_specs[op][0][0] for op in ops], [stack_specs[op][1][0] for op in ops])

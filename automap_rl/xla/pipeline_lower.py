@@ -70,8 +70,8 @@ from automap_rl.workloads.training import make_train_step
 from automap_rl.xla.hlo import inspect_compiled
 from automap_rl.xla.isolated import compile_directly
 from automap_rl.xla.correspond import Flat, Origin, align, flatten
-from automap_rl.xla.lower import (OPERAND_PINNED, grouped_conv_binder, Lowered, _constrained, _constrainer, _pinned, interpret,
-                                  lowering_errors)
+from automap_rl.xla.lower import (grouped_conv_binder, Lowered, _constrained, _constrainer, _pinned, interpret,
+                                  lowering_errors, result_pins)
 from automap_rl.xla.numerics import program_depth
 
 __all__ = ["batch_axes", "check_lowerable", "gpipe", "jit_pipelined", "lower_pipelined", "pipelined_loss",
@@ -199,8 +199,7 @@ class _StepPins:
     value_ids = list(dict.fromkeys(v for ids in results.values() for v in ids if v is not None))
     value_specs, op_specs = problem.value_and_op_specs(decisions, value_ids, list(pinned.values()))
     values = dict(zip(value_ids, value_specs))
-    ops = {origin: (operands, [values.get(v, PartitionSpec()) for v in program.ops[op].results]
-                    if program.ops[op].primitive in OPERAND_PINNED else result_specs)  # Dots: their values'.
+    ops = {origin: (operands, result_pins(program, op, result_specs, values))
            for (origin, op), (operands, result_specs) in zip(pinned.items(), op_specs)}
     return cls(results, values, ops)
 
