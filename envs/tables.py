@@ -334,7 +334,11 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
 
 
 def _device(tables: EnvTables) -> EnvTables:
-  return jax.tree.map(jnp.asarray, tables)
+  """The tables on the default device, each array in jax's dtype for it (int64 as int32
+  without x64). Converted on the host: `jnp.asarray` would compile a conversion for each
+  array's shape, a second on an environment's build."""
+  return jax.tree.map(lambda x: jax.device_put(np.asarray(x, jax.dtypes.canonicalize_dtype(np.asarray(x).dtype))),
+                      tables)
 
 
 def _dims(tables: EnvTables):
