@@ -26,7 +26,7 @@ import numpy as np
 
 from automap_rl import simulator
 from automap_rl.batching import next_power_of_two
-from automap_rl.compile_options import search_jit
+from automap_rl.compile_options import SearchJit
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
@@ -225,8 +225,8 @@ class Searcher:
     self.problem = problem
     self.env = Env.build(problem, config)
     env = self.env
-    self.root: State = jax.device_get(search_jit(env.init, "few")(jax.random.key(0)))
-    self._children = search_jit(jax.vmap(env.step, in_axes=(None, 0)), "many")
+    self.root: State = jax.device_get(SearchJit(env.init, "few")(jax.random.key(0)))
+    self._children = SearchJit(jax.vmap(env.step, in_axes=(None, 0)), "many")
     self.chunk = min(next_power_of_two(env.num_actions - 1, 8), 32)
     self._rollouts: dict[tuple[int, float], Callable] = {}
 
@@ -252,7 +252,7 @@ class Searcher:
     """`len(keys)` random episodes from `state` (see `rollout`), as numpy arrays [R, depth]."""
     fn = self._rollouts.get((depth, stop_probability))
     if fn is None:
-      fn = search_jit(jax.vmap(functools.partial(rollout, self.env, depth, stop_probability), in_axes=(None, 0, 0)),
+      fn = SearchJit(jax.vmap(functools.partial(rollout, self.env, depth, stop_probability), in_axes=(None, 0, 0)),
                       "many")
       self._rollouts[(depth, stop_probability)] = fn
     return jax.device_get(fn(state, keys, jnp.asarray(limits, jnp.int32)))

@@ -35,7 +35,7 @@ import numpy as np
 
 from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
 from agents.network import MASKED_LOGIT, Embeddings, Network, NetworkConfig, state_features, static_graph
-from automap_rl.compile_options import search_jit
+from automap_rl.compile_options import SearchJit
 from automap_rl.problem import Problem
 from envs import EnvConfig, State
 from envs import core
@@ -184,7 +184,7 @@ class _Nodes:
   action: jax.Array
 
 
-@functools.partial(search_jit, calls="few", static_argnames=("config", "env_config"))
+@functools.partial(SearchJit, calls="few", static_argnames=("config", "env_config"))
 def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex.PRNGKey, limit: jax.Array,
                  config: GumbelConfig, env_config: EnvConfig) -> tuple[jax.Array, State, _Nodes]:
   """A search from each state of one program's episodes: the selected actions [B], the
@@ -203,7 +203,7 @@ def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex
                                    parent=parent, action=tree.action_from_parent)
 
 
-@functools.partial(search_jit, calls="few", static_argnames="network")
+@functools.partial(SearchJit, calls="few", static_argnames="network")
 def encode(network: Network, params: chex.ArrayTree, tables: EnvTables, state: State) -> Embeddings:
   """The embeddings of one program (from any of its states), jitted once per network."""
   return network.encode(params, static_graph(tables, state))

@@ -29,7 +29,7 @@ from agents import checkpoint, gumbel
 from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
 from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.network import Embeddings, Network, state_features
-from automap_rl.compile_options import search_jit
+from automap_rl.compile_options import SearchJit
 from automap_rl.problem import Problem
 from envs import EnvConfig, State, core
 from envs.tables import EnvTables
@@ -93,7 +93,7 @@ def load_policy(path: str | None, tables: EnvTables, root: State) -> tuple[Netwo
   return _POLICIES[where]
 
 
-@functools.partial(search_jit, calls="few", static_argnames=("network", "env_config"))
+@functools.partial(SearchJit, calls="few", static_argnames=("network", "env_config"))
 def _greedy_step(network: Network, env_config: EnvConfig, params: chex.ArrayTree, embeddings: Embeddings,
                  tables: EnvTables, state: State, forced: jax.Array) -> tuple[jax.Array, State]:
   """The network's most likely action in `state`, or `forced` where it is not negative

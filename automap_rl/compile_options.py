@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import jax
 
-__all__ = ["quick_compile_options", "search_compile_options", "search_jit"]
+__all__ = ["SearchJit", "quick_compile_options", "search_compile_options"]
 
 Calls = Literal["few", "many"]
 
@@ -42,17 +42,25 @@ def search_compile_options(platform: str, calls: Calls) -> dict[str, Any]:
   return options
 
 
-def search_jit(fun: Callable, calls: Calls, **jit_kwargs: Any) -> Callable:
-  """`jax.jit(fun, **jit_kwargs)` compiled with `search_compile_options` for the default
-  backend's platform, read at the first call (not at import, where it would start the
-  backends before `jax.distributed` or the XLA flags are set)."""
-  jitted: dict[str, Callable] = {}
+class SearchJit:
+  """`jax.jit(fun, **jit_kwargs)` for a search, compiled with `search_compile_options(platform,
+  calls)` (`calls`: `few` or `many`) for the default backend's platform, read at the first
+  call (not at import, where it would start the backends before `jax.distributed` or the
+  XLA flags are set)."""
 
-  @functools.wraps(fun)
-  def call(*args, **kwargs):
+  def __init__(self, fun: Callable, calls: Calls, **jit_kwargs: Any):
+    functools.update_wrapper(self, fun)
+    self._fun, self._calls, self._jit_kwargs = fun, calls, jit_kwargs
+    self._by_platform: dict[str, Callable] = {}
+
+  def jitted(self) -> Callable:
+    """The `jax.jit` of the default backend's platform (its `lower`, its cache)."""
     platform = jax.default_backend()
-    if platform not in jitted:
-      jitted[platform] = jax.jit(fun, compiler_options=search_compile_options(platform, calls), **jit_kwargs)
-    return jitted[platform](*args, **kwargs)
+    if platform not in self._by_platform:
+      self._by_platform[platform] = jax.jit(self._fun, compiler_options=search_compile_options(platform, self._calls),
+                                            **self._jit_kwargs)
+    return self._by_platform[platform]
 
-  return call
+  def __call__(self, *args, **kwargs):
+    return self.jitted()(*args, **kwargs)
+

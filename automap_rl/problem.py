@@ -13,7 +13,7 @@ import numpy as np
 from automap_rl import ir, sharding, simulator
 from automap_rl.ir.stacks import LayerStack, layer_stacks
 from automap_rl.batching import next_power_of_two
-from automap_rl.compile_options import search_jit
+from automap_rl.compile_options import SearchJit
 from automap_rl.mesh import Mesh
 from automap_rl.pipeline import Pipeline
 from automap_rl.stages import StagedProgram
@@ -74,15 +74,15 @@ class Problem:
 
   @functools.cached_property
   def _evaluate_many_jit(self):
-    return search_jit(jax.vmap(self.evaluate), "many")  # The ILP agent's descent calls it in a loop.
+    return SearchJit(jax.vmap(self.evaluate), "many")  # The ILP agent's descent calls it in a loop.
 
   @functools.cached_property
   def _resolve_jit(self):
-    return search_jit(self.resolve, "few")
+    return SearchJit(self.resolve, "few")
 
   @functools.cached_property
   def _terms_jit(self):
-    return search_jit(lambda dec_class, dec_axis: simulator.terms(self.tables, self.resolve(dec_class, dec_axis)), "few")
+    return SearchJit(lambda dec_class, dec_axis: simulator.terms(self.tables, self.resolve(dec_class, dec_axis)), "few")
 
   def encode_padded(self, decisions: Sequence[sharding.Decision]) -> tuple[np.ndarray, np.ndarray]:
     """`encode` padded with -1 to `plan_length` entries (or the power of two above a longer plan)."""
@@ -154,7 +154,7 @@ class Problem:
     return values, ops
 
 
-_pipeline_cost = search_jit(simulator.pipeline_cost, "few")  # Tables as arguments: one compile per table shape.
+_pipeline_cost = SearchJit(simulator.pipeline_cost, "few")  # Tables as arguments: one compile per table shape.
 
 
 @functools.lru_cache(maxsize=16)

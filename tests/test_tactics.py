@@ -193,7 +193,7 @@ def test_expert_costs_are_evaluated_together_with_one_compile(problems):
   evaluated = tactics.applicable_costs(problem)
   lengths = {len(problem.encode(plan)[0]) for plan, _ in evaluated.values()}
   assert len(lengths) > 1  # Plans of several lengths (buckets), compiled once for the set.
-  assert problem._evaluate_many_jit._cache_size() == 1
+  assert problem._evaluate_many_jit.jitted()._cache_size() == 1
   for name, (plan, cost) in evaluated.items():
     alone = problem.cost(plan)
     assert float(cost.step_time) == pytest.approx(float(alone.step_time), rel=1e-6), name
