@@ -337,8 +337,12 @@ def _device(tables: EnvTables) -> EnvTables:
   """The tables on the default device, each array in jax's dtype for it (int64 as int32
   without x64). Converted on the host: `jnp.asarray` would compile a conversion for each
   array's shape, a second on an environment's build."""
-  return jax.tree.map(lambda x: jax.device_put(np.asarray(x, jax.dtypes.canonicalize_dtype(np.asarray(x).dtype))),
-                      tables)
+
+  def put(array) -> jax.Array:
+    host = np.asarray(array)
+    return jax.device_put(host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False))
+
+  return jax.tree.map(put, tables)
 
 
 def _dims(tables: EnvTables):
@@ -377,6 +381,11 @@ def _remap_slots(tables: EnvTables, size: Mapping[str, int]) -> np.ndarray:
 
 def pad(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
   """Pads every array to `size` (at least its own) with inert values."""
+  return _device(_pad_on_host(tables, size))
+
+
+def _pad_on_host(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
+  """`pad`, as numpy arrays."""
 
   def padded(name: str, dims: tuple[str, ...], array) -> np.ndarray:
     array = np.asarray(array)
@@ -399,7 +408,7 @@ def pad(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
         slot_divisible=padded("slot_divisible", ("P", "Q", "W"), options.slot_divisible),
         value_stage=padded("value_stage", ("P", "Uv"), options.value_stage),
         op_stage=padded("op_stage", ("P", "Uo"), options.op_stage))
-  return _device(EnvTables(**fields))
+  return EnvTables(**fields)
 
 
 def stack(tables: Sequence[EnvTables]) -> EnvTables:
@@ -408,7 +417,7 @@ def stack(tables: Sequence[EnvTables]) -> EnvTables:
   for t in tables:
     for dim, n in bucket_sizes(sizes(t)).items():
       common[dim] = max(common.get(dim, 0), n)
-  padded = [pad(t, common) for t in tables]
+  padded = [_pad_on_host(t, common) for t in tables]
   if padded[0].pipeline is not None:
     padded = [t.replace(pipeline=o) for t, o in zip(padded, alike([t.pipeline for t in padded]))]
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *padded)
+  return _device(jax.tree.map(lambda *xs: np.stack(xs), *padded))  # Stacked on the host: no compile per array.
