@@ -13,6 +13,7 @@ seen on any path, at any depth, is kept).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -30,7 +31,7 @@ from automap_rl.compile_options import SearchJit
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
-from envs import Env, EnvConfig, State
+from envs import Env, EnvConfig, State, core
 from envs.tables import BASE_STEP_TIME, objective as env_objective, replicated_base
 
 Progress = Callable[[int, float], None]  # (simulations so far, best step time so far in s).
@@ -129,7 +130,7 @@ class SearchResult:
     actions: the plan as readable actions (`shard group 8 (batch/inputs:0, x1) on data`).
     action_ids: the plan as the environment's encoded actions (`target * max_axes + axis`),
       how plans travel between agents, training and evaluation: replaying them through
-      the same environment reproduces the plan.
+      the same environment from `start` reproduces the plan.
     objective: the environment objective of the plan (1.0 is the replicated plan).
     setup_seconds: of `seconds`, how many went to building the environment and compiling.
     pipeline: the plan's pipeline stages (`decisions` apply inside every stage; `cost` is
@@ -142,6 +143,8 @@ class SearchResult:
       plans, priced without collective combining), else None.
     greedy_steps: plans evaluated on a policy's greedy path (`agents.learned`), outside
       the budget: that path always completes, and the budget buys search beyond it.
+    start: the expert tactic whose plan the actions refine (`Searcher.rooted_at`;
+      `decisions` begin with its plan), None when they start from the replicated plan.
   """
 
   decisions: list[Decision]
@@ -157,6 +160,7 @@ class SearchResult:
   stopped_by: str | None = None
   lower_bound: float | None = None
   greedy_steps: int = 0
+  start: str | None = None
 
   @property
   def step_time(self) -> float:
@@ -213,13 +217,21 @@ def rollout(env: Env, depth: int, stop_probability: float, state: State, key: ja
   return out
 
 
+_from_plan = SearchJit(core.from_plan, "few", static_argnames="config")
+
+
 class Searcher:
   """An `Env` over a problem with the jitted calls agents need, built once per
   (problem, environment config) and cached (see `searcher`).
 
   Host-side states are numpy pytrees (`State` of numpy arrays); every call takes and
-  returns them, so a search tree holds plain numpy.
+  returns them, so a search tree holds plain numpy. Searches start at `root`: the
+  replicated plan, or a plan made elsewhere (`rooted_at`), whose decisions (`prefix`)
+  then begin every plan found.
   """
+
+  prefix: tuple[Decision, ...] = ()
+  start: str | None = None
 
   def __init__(self, problem: Problem, config: EnvConfig):
     self.problem = problem
@@ -257,11 +269,28 @@ class Searcher:
       self._rollouts[(depth, stop_probability)] = fn
     return jax.device_get(fn(state, keys, jnp.asarray(limits, jnp.int32)))
 
+  def rooted_at(self, name: str, decisions: Sequence[Decision]) -> Searcher | None:
+    """This searcher with its root at the intra-op plan `decisions` (an expert tactic's,
+    called `name`), so that a search refines that plan rather than build one from the
+    replicated plan: the plan of actions from it is `decisions` and then theirs. None when
+    the plan takes more class decisions than the environment holds."""
+    dec_class, dec_axis = self.problem.encode(decisions)
+    size = self.env.config.max_decisions
+    if len(dec_class) > size:
+      return None
+    resolution = self.problem.resolution(decisions)
+    pad = lambda x: np.concatenate([x, np.full(size - len(x), -1, np.int32)])
+    view = copy.copy(self)
+    view.root = jax.device_get(_from_plan(self.env.config, self.env.tables, pad(dec_class), pad(dec_axis),
+                                          resolution.value_mask, resolution.op_mask))
+    view.prefix, view.start = tuple(decisions), name
+    return view
+
   def decisions(self, actions: Sequence[int]) -> list[Decision]:
-    """The intra-op plan of an action sequence: one `Decision(target, axis)` per intra-op
-    action (a pipeline action is `pipeline`'s)."""
+    """The intra-op plan of an action sequence from the root: `prefix`, then one
+    `Decision(target, axis)` per intra-op action (a pipeline action is `pipeline`'s)."""
     axes = self.problem.mesh.axis_names
-    out = []
+    out = list(self.prefix)
     for a in actions:
       if int(a) < self.env.tables.num_moves:
         target, axis = divmod(int(a), self.env.config.max_axes)
@@ -297,10 +326,15 @@ def release() -> None:
 
 
 class Tracker:
-  """Keeps the best action sequence, the simulation count, the clock and the trace."""
+  """Keeps the best action sequence, the simulation count, the clock and the trace.
+
+  Offered action sequences start at `search`'s root; an agent that searches from several
+  roots (`Searcher.rooted_at`) sets `search` to each before offering its plans, and the
+  best plan keeps the searcher it came from."""
 
   def __init__(self, search: Searcher, budget: Budget, start: float, progress: Progress | None):
     self.search, self.budget, self.start, self.progress = search, budget, start, progress
+    self.best_search = search
     self.simulations = 0
     self.greedy_steps = 0  # Plans of a greedy path, outside the budget (`SearchResult.greedy_steps`).
     self.best_objective = 1.0
@@ -332,20 +366,24 @@ class Tracker:
       return False
     self.best_objective, self.best_step_time = float(objective), float(step_time)
     self.best_actions = [int(a) for a in actions]
+    self.best_search = self.search
     at = self.simulations if simulations_at is None else simulations_at
     self.trace.append(TracePoint(at, self.elapsed, self.best_step_time, self.best_objective))
     return True
 
   def result(self) -> SearchResult:
-    decisions = self.search.decisions(self.best_actions)
-    cost = self.search.cost(self.best_actions)
-    names = [self.search.env.action_name(a) for a in self.best_actions]
+    search = self.best_search
+    decisions = search.decisions(self.best_actions)
+    cost = search.cost(self.best_actions)
+    names = [f"start from the {search.start} plan"] * (search.start is not None)
+    names += [search.env.action_name(a) for a in self.best_actions]
     seconds = self.elapsed
     self.trace.append(TracePoint(self.simulations, seconds, self.best_step_time, self.best_objective))
     return SearchResult(decisions=decisions, cost=cost, trace=self.trace, simulations=self.simulations,
                         seconds=seconds, actions=names, objective=self.best_objective,
                         setup_seconds=self.setup_seconds, action_ids=tuple(self.best_actions),
-                        pipeline=self.search.pipeline(self.best_actions), greedy_steps=self.greedy_steps)
+                        pipeline=search.pipeline(self.best_actions), greedy_steps=self.greedy_steps,
+                        start=search.start)
 
 
 def start(problem: Problem, action_space: str, max_decisions: int, budget, progress: Progress | None,

@@ -9,6 +9,10 @@ stops (one network call and one plan evaluation per step; as for every agent, th
 plan on the path is kept); with search, it follows that path first and searches with the
 budget. The greedy path is not search: it always completes, whatever the budget
 (`SearchResult.greedy_steps` counts its plans), so no budget gives a worse plan than it.
+A greedy path also starts from the best expert's plan (`LearnedConfig.from_expert`): a
+plan the groups action space may not reach (an expert shards single dimensions where
+a group shards many), which the policy then refines; the search starts from whichever
+start's path ended better, and `SearchResult.start` says when that was the expert's.
 With pipeline options, a greedy path starts from each option (a handful), so the choice
 of a pipeline is compared on whole plans rather than taken from the first logit alone. Its
 environment offers the pipeline options the policy was trained with (`NetworkConfig.pipelines`),
@@ -29,6 +33,7 @@ from agents import checkpoint, gumbel
 from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
 from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.network import Embeddings, Network, state_features
+from automap_rl import tactics
 from automap_rl.compile_options import SearchJit
 from automap_rl.problem import Problem
 from envs import EnvConfig, State, core
@@ -52,6 +57,10 @@ class LearnedConfig:
       than the greedy path.
     action_space: the environment's action space (the one the network was trained on).
     max_decisions: the environment's capacity in class decisions.
+    from_expert: also start from the best expert's plan (`tactics.best_expert_plan`, where
+      it fits): the policy's greedy path from it refines it, and the search (after
+      `greedy_first`) starts from whichever start's path found the better plan. The
+      result's `start` names the expert when its plan came from there.
     gumbel: the Gumbel searches' settings (`agents.gumbel.GumbelSettings`).
   """
 
@@ -60,6 +69,7 @@ class LearnedConfig:
   greedy_first: bool = True
   action_space: str = "groups"
   max_decisions: int = 256
+  from_expert: bool = True
   gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
 
 
@@ -115,7 +125,7 @@ def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, sea
   step = lambda state, forced=-1: jax.device_get(
       _greedy_step(network, env.config, params, embeddings, env.tables, state, jnp.int32(forced)))
   starts: list[tuple[State, list[int]]] = [(search_.root, [])]
-  if env.pipelines:
+  if env.pipelines and int(search_.root.pipeline) < 0:
     starts = [(step(search_.root, a)[1], [a]) for a in map(int, search_.legal(search_.root))]
     for state, actions in starts:
       track.offer(float(state.objective), float(state.step_time), actions)
@@ -138,8 +148,17 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
   search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, pipelines)
   network, params = load_policy(config.checkpoint, search_.env.tables, search_.root)
   embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
+  roots = [search_]
+  if config.from_expert:
+    expert = tactics.best_expert_plan(problem)
+    rooted = search_.rooted_at(expert.name, expert.decisions) if expert.fits else None
+    roots += [rooted] * (rooted is not None)
   if not config.search or config.greedy_first:
-    follow(network, params, embeddings, search_, track)
+    for root in roots:
+      track.search = root
+      track.offer(float(root.root.objective), float(root.root.step_time), [])
+      follow(network, params, embeddings, root, track)
+    search_ = track.search = track.best_search
   if config.search:
     search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
                                  gumbel=config.gumbel, network=network.config, pipelines=pipelines)

@@ -222,6 +222,33 @@ def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:
       legal_action_mask=legal, step_count=zero, pipeline=option)
 
 
+def from_plan(config: EnvConfig, tables: EnvTables, dec_class: jax.Array, dec_axis: jax.Array,
+              value_mask: jax.Array, op_mask: jax.Array) -> State:
+  """The state of a plan made outside the environment (an expert tactic's), to search on
+  from: its class decisions `dec_class`, `dec_axis` (`sharding.encode`, -1 padded, int32
+  [K]) and their resolution (`sharding.resolve`: masks [Uv, Rv] and [Uo, Rf]). Without a
+  pipeline: with pipeline options, option 0 (none) is chosen. Its masks, figures and legal
+  actions are those of the state that the same class decisions, taken one at a time,
+  would reach; its step count is 0."""
+  k = config.max_decisions
+  chex.assert_shape((dec_class, dec_axis), (k,))
+  value_mask, op_mask = value_mask.astype(jnp.int8), op_mask.astype(jnp.int8)
+  num_decisions = (dec_class >= 0).sum().astype(jnp.int32)
+  option, micro = jnp.int32(0), None
+  if config.pipelines:
+    micro = tables.pipeline.slot_divisible[option]
+  none = (jnp.full(value_mask.shape[:1], -1, jnp.int8), jnp.full(op_mask.shape[:1], -1, jnp.int8))
+  legal = _legal_after(tables, (value_mask, op_mask), none, jnp.int32(0), num_decisions, k, micro)
+  if config.pipelines:
+    legal = _with_options(tables, legal, option)
+  objective, step_time, peak_memory = _evaluate(config, tables, (value_mask, op_mask, option))
+  return State(
+      dec_class=dec_class, dec_axis=dec_axis, num_decisions=num_decisions, value_mask=value_mask, op_mask=op_mask,
+      objective=objective, step_time=step_time, peak_memory=peak_memory, reward=jnp.float32(0.0),
+      terminated=~legal[:-1].any(), truncated=jnp.bool_(False), legal_action_mask=legal,
+      step_count=jnp.int32(0), pipeline=option)
+
+
 def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Array) -> State:
   num_axes = tables.axis_sizes.shape[0]
   stop = (action == state.legal_action_mask.shape[0] - 1) | ~state.legal_action_mask[action]

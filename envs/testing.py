@@ -12,6 +12,9 @@ one row of a mixed batch) and raises `AssertionError` naming the broken rule:
 * the state's resolution is `sharding.resolve` of its encoded decisions;
 * observations are graphs of fixed shapes with finite features and in-range edges.
 
+`check_plan_state(made, reached)` checks that a state made from a plan elsewhere
+(`core.from_plan`) is the one its actions reach.
+
 `gym_api_test(gym_env)` checks the Gymnasium-style wrapper's `reset`/`step` signatures,
 seeding and masks.
 """
@@ -90,6 +93,17 @@ def _check_episode(env: Env, step, states: list[State]) -> None:
     np.testing.assert_array_equal(padded[:rows, :cols], exact,
                                   err_msg=f"the state's {name} is not the resolution of its decisions")
     assert not padded[rows:].any() and not padded[:, cols:].any(), f"padding of {name} was sharded"
+
+
+def check_plan_state(made: State, reached: State) -> None:
+  """Checks that a state made from a plan (`core.from_plan`) is the one its actions
+  reached, but for the step count and reward; raises `AssertionError` naming the field."""
+  for name in ("dec_class", "dec_axis", "num_decisions", "value_mask", "op_mask", "legal_action_mask", "terminated",
+               "pipeline"):
+    np.testing.assert_array_equal(getattr(made, name), getattr(reached, name), err_msg=name)
+  for name in ("objective", "step_time", "peak_memory"):
+    np.testing.assert_allclose(float(getattr(made, name)), float(getattr(reached, name)), rtol=TOLERANCE, err_msg=name)
+  assert int(made.step_count) == 0 and not bool(made.truncated)
 
 
 def _check_observation(env: Env, states: list[State]) -> None:

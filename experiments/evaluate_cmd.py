@@ -156,7 +156,7 @@ def _call(fn: Callable[..., SearchResult], *args: Any) -> dict[str, Any]:
   result = fn(*args)
   return {"objective": float(result.objective), "step_time_s": result.step_time, "fits": bool(result.cost.fits),
           "simulations": result.simulations, "greedy_steps": result.greedy_steps,
-          "seconds": time.perf_counter() - start, "actions": result.actions,
+          "seconds": time.perf_counter() - start, "actions": result.actions, "start": result.start,
           "trace": [[p.seconds, p.objective] for p in result.trace]}
 
 

@@ -136,6 +136,21 @@ def test_mask_is_exact_and_resolution_incremental(model, space):
     assert state.legal_action_mask[-1]
 
 
+@pytest.mark.parametrize("model,space", [("mlp", "groups"), ("gpt:layers=2", "named_dims")])
+def test_a_plan_made_elsewhere_is_the_state_its_decisions_reach(model, space):
+  """`from_plan` of a state's decisions and their resolution gives that state, at every step
+  of random episodes: a search from an expert's plan starts where its actions would."""
+  prob = problem(model)
+  env = Env.build(prob, EnvConfig(action_space=space, max_decisions=24))
+  made = jax.jit(functools.partial(core.from_plan, env.config, env.tables))
+  resolve = jax.jit(prob.resolve)
+  for seed in range(3):
+    for state in random_episode(env, seed, jax.jit(env.step))[1:]:
+      if not (bool(state.terminated) or bool(state.truncated)):  # A stop ends an episode, not a plan.
+        masks = resolve(state.dec_class, state.dec_axis)
+        testing.check_plan_state(made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask), state)
+
+
 @pytest.mark.parametrize("objective", ["time", "memory", "mix"])
 def test_returns_sum_to_the_simulated_improvement(objective):
   prob = problem("gpt:layers=2")

@@ -13,10 +13,10 @@ from agents.base import env_config, searcher
 from automap_rl import workloads
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
-from envs import Env, EnvConfig
+from envs import Env, EnvConfig, core
 from envs.observe import global_features, node_features
 from envs.tables import objective
-from envs.testing import api_test
+from envs.testing import api_test, check_plan_state
 
 GPT = "gpt:layers=8,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true"
 MESH = "data=4,model=2"
@@ -93,6 +93,18 @@ def test_the_first_action_chooses_a_pipeline_and_masks_its_stage_axis():
       assert not by_axis[:, stage_axis].any() and by_axis[:, 1 - stage_axis].any()
       nodes = np.asarray(observe(state).nodes)
       assert nodes[:, -1].max() > 0, "the observation shows no stage membership"
+
+
+def test_a_plan_made_elsewhere_chooses_no_pipeline():
+  """With pipeline options, `from_plan`'s state is the one reached by choosing option 0 (no
+  pipeline) and then the plan's moves."""
+  e = env(OPTIONS)
+  made = jax.jit(functools.partial(core.from_plan, e.config, e.tables))
+  resolve = jax.jit(problem().resolve)
+  for seed in range(2):
+    for state in random_episode(e, jax.random.key(seed), first=e.tables.num_moves)[1:]:
+      masks = resolve(state.dec_class, state.dec_axis)
+      check_plan_state(made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask), state)
 
 
 def test_the_objective_is_the_pipelined_plan_cost():
