@@ -269,11 +269,12 @@ class Searcher:
       self._rollouts[(depth, stop_probability)] = fn
     return jax.device_get(fn(state, keys, jnp.asarray(limits, jnp.int32)))
 
-  def rooted_at(self, name: str, decisions: Sequence[Decision]) -> Searcher | None:
+  def rooted_at(self, name: str, decisions: Sequence[Decision], cost: simulator.Cost) -> Searcher | None:
     """This searcher with its root at the intra-op plan `decisions` (an expert tactic's,
-    called `name`), so that a search refines that plan rather than build one from the
-    replicated plan: the plan of actions from it is `decisions` and then theirs. None when
-    the plan takes more class decisions than the environment holds."""
+    called `name`, of cost `cost`: `Problem.cost`), so that a search refines that plan
+    rather than build one from the replicated plan: the plan of actions from it is
+    `decisions` and then theirs. None when the plan takes more class decisions than the
+    environment holds."""
     dec_class, dec_axis = self.problem.encode(decisions)
     size = self.env.config.max_decisions
     if len(dec_class) > size:
@@ -282,7 +283,7 @@ class Searcher:
     pad = lambda x: np.concatenate([x, np.full(size - len(x), -1, np.int32)])
     view = copy.copy(self)
     view.root = jax.device_get(_from_plan(self.env.config, self.env.tables, pad(dec_class), pad(dec_axis),
-                                          resolution.value_mask, resolution.op_mask))
+                                          resolution.value_mask, resolution.op_mask, cost))
     view.prefix, view.start = tuple(decisions), name
     return view
 

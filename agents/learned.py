@@ -151,7 +151,7 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
   roots = [search_]
   if config.from_expert:
     expert = tactics.best_expert_plan(problem)
-    rooted = search_.rooted_at(expert.name, expert.decisions) if expert.fits else None
+    rooted = search_.rooted_at(expert.name, expert.decisions, expert.cost) if expert.fits else None
     roots += [rooted] * (rooted is not None)
   if not config.search or config.greedy_first:
     for root in roots:

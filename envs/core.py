@@ -223,13 +223,14 @@ def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:
 
 
 def from_plan(config: EnvConfig, tables: EnvTables, dec_class: jax.Array, dec_axis: jax.Array,
-              value_mask: jax.Array, op_mask: jax.Array) -> State:
+              value_mask: jax.Array, op_mask: jax.Array, cost: simulator.Cost) -> State:
   """The state of a plan made outside the environment (an expert tactic's), to search on
   from: its class decisions `dec_class`, `dec_axis` (`sharding.encode`, -1 padded, int32
-  [K]) and their resolution (`sharding.resolve`: masks [Uv, Rv] and [Uo, Rf]). Without a
-  pipeline: with pipeline options, option 0 (none) is chosen. Its masks, figures and legal
-  actions are those of the state that the same class decisions, taken one at a time,
-  would reach; its step count is 0."""
+  [K]), their resolution (`sharding.resolve`: masks [Uv, Rv] and [Uo, Rf]) and the cost the
+  simulator gives them (`Problem.cost`; the plan has been priced where it was made, so
+  this does not compile the simulator again). Without a pipeline: with pipeline options,
+  option 0 (none) is chosen. Its masks, figures and legal actions are those of the state
+  that the same class decisions, taken one at a time, would reach; its step count is 0."""
   k = config.max_decisions
   chex.assert_shape((dec_class, dec_axis), (k,))
   value_mask, op_mask = value_mask.astype(jnp.int8), op_mask.astype(jnp.int8)
@@ -241,7 +242,8 @@ def from_plan(config: EnvConfig, tables: EnvTables, dec_class: jax.Array, dec_ax
   legal = _legal_after(tables, (value_mask, op_mask), none, jnp.int32(0), num_decisions, k, micro)
   if config.pipelines:
     legal = _with_options(tables, legal, option)
-  objective, step_time, peak_memory = _evaluate(config, tables, (value_mask, op_mask, option))
+  objective = env_objective(config, cost, tables.base, tables.cost.hbm_bytes)
+  step_time, peak_memory = jnp.asarray(cost.step_time, jnp.float32), jnp.asarray(cost.peak_memory, jnp.float32)
   return State(
       dec_class=dec_class, dec_axis=dec_axis, num_decisions=num_decisions, value_mask=value_mask, op_mask=op_mask,
       objective=objective, step_time=step_time, peak_memory=peak_memory, reward=jnp.float32(0.0),

@@ -204,12 +204,14 @@ def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Metho
 
 def summarize(cases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
   """Per method: the median ratio to the yardstick, the share of cases that beat the best
-  expert (below 1; where no expert fits, any plan that fits does), the median seconds of a
-  first call and, for the equal-time reference, of a compiled one."""
+  expert (below 1; where no expert fits, any plan that fits does), the share whose plan
+  started from the best expert's (`SearchResult.start`), the median seconds of a first
+  call and, for the equal-time reference, of a compiled one."""
   names = list(cases[0]["methods"])
   beats = lambda c, m: (c["methods"][m]["ratio"] < 1 - 1e-6 if c["expert_fits"] else c["methods"][m]["fits"])
   out = {m: {"median_ratio": statistics.median(c["methods"][m]["ratio"] for c in cases),
              "beats_expert": sum(beats(c, m) for c in cases) / len(cases),
+             "from_expert": sum(c["methods"][m].get("start") is not None for c in cases) / len(cases),
              "median_seconds": statistics.median(c["methods"][m]["seconds"] for c in cases)}
          for m in names}
   for m in names:
@@ -313,6 +315,10 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
           f"{compiled:.1f} s compiled")
   for method, share in equal_time_wins(cases, reference(config)).items():
     print(f"{reference(config)} beats {method} (the same seconds) on {share:.0%} of the cases")
+  for method, figures in summary.items():
+    if figures["from_expert"]:
+      print(f"{method}: its plan refines the best expert's on {round(figures['from_expert'] * len(cases))} of "
+            f"{len(cases)} cases")
   write_json(config.json, document())
   if config.plot:
     plot(cases, summary, config.plot)

@@ -138,7 +138,7 @@ def test_mask_is_exact_and_resolution_incremental(model, space):
 
 @pytest.mark.parametrize("model,space", [("mlp", "groups"), ("gpt:layers=2", "named_dims")])
 def test_a_plan_made_elsewhere_is_the_state_its_decisions_reach(model, space):
-  """`from_plan` of a state's decisions and their resolution gives that state, at every step
+  """`from_plan` of a state's decisions, their resolution and their cost gives that state, at every step
   of random episodes: a search from an expert's plan starts where its actions would."""
   prob = problem(model)
   env = Env.build(prob, EnvConfig(action_space=space, max_decisions=24))
@@ -148,7 +148,8 @@ def test_a_plan_made_elsewhere_is_the_state_its_decisions_reach(model, space):
     for state in random_episode(env, seed, jax.jit(env.step))[1:]:
       if not (bool(state.terminated) or bool(state.truncated)):  # A stop ends an episode, not a plan.
         masks = resolve(state.dec_class, state.dec_axis)
-        testing.check_plan_state(made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask), state)
+        cost = prob.cost(env.decisions(state))
+        testing.check_plan_state(made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask, cost), state)
 
 
 @pytest.mark.parametrize("objective", ["time", "memory", "mix"])

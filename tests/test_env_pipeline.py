@@ -104,7 +104,8 @@ def test_a_plan_made_elsewhere_chooses_no_pipeline():
   for seed in range(2):
     for state in random_episode(e, jax.random.key(seed), first=e.tables.num_moves)[1:]:
       masks = resolve(state.dec_class, state.dec_axis)
-      check_plan_state(made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask), state)
+      cost = problem().cost(e.decisions(state))
+      check_plan_state(made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask, cost), state)
 
 
 def test_the_objective_is_the_pipelined_plan_cost():

@@ -169,6 +169,8 @@ def test_evaluate_on_a_tiny_split(smoke_run, tmp_path):
     assert curve[1] == pytest.approx(figures["ratio"], rel=1e-6) and curve[1] <= curve[0] * (1 + 1e-6)
   for name, summary in document["summary"].items():
     assert summary["median_ratio"] == pytest.approx(case["methods"][name]["ratio"])
+    start = case["methods"][name]["start"]
+    assert summary["from_expert"] == (start is not None) and (start is None or name.startswith("learned"))
 
 
 @pytest.mark.slow
