@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import chex
 import jax
@@ -229,19 +230,23 @@ def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 
                      f"{config.network.pipelines} pipeline options; give it as many.")
   search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, config.pipelines)
   embeddings = None if params is None else encode(Network(config.network), params, search_.env.tables, search_.root)
-  play(search_, track, config, seed, params, embeddings)
+  play([search_], track, config, seed, params, embeddings)
   return track.result()
 
 
-def play(search_: Searcher, track: Tracker, config: GumbelConfig, seed: int, params: chex.ArrayTree | None,
+def play(roots: Sequence[Searcher], track: Tracker, config: GumbelConfig, seed: int, params: chex.ArrayTree | None,
          embeddings: Embeddings | None) -> None:
-  """Plays Gumbel MuZero episodes from the replicated plan until `track`'s budget is spent,
-  offering every plan the trees evaluate to `track`."""
-  env = search_.env
-  if bool(search_.root.terminated):
+  """Plays Gumbel MuZero episodes until `track`'s budget is spent, offering every plan the
+  trees evaluate to `track`: `config.episodes` from the root of each of `roots` (searchers
+  of one environment: the replicated plan, or a plan made elsewhere, `Searcher.rooted_at`),
+  side by side in one batched search, so that they share the budget."""
+  roots = [r for r in roots if not bool(r.root.terminated)]
+  if not roots:
     return
-  count = config.episodes
-  root = jax.tree.map(lambda x: np.stack([x] * count), search_.root)
+  env = roots[0].env
+  owner = [r for r in roots for _ in range(config.episodes)]  # The searcher of each episode.
+  count = len(owner)
+  root = jax.tree.map(lambda *xs: np.stack(xs), *[r.root for r in owner])
   states, paths = root, [[] for _ in range(count)]
   key = jax.random.key(seed)
   while not track.done:
@@ -260,6 +265,7 @@ def play(search_: Searcher, track: Tracker, config: GumbelConfig, seed: int, par
       if evaluated.any():
         best = int(np.argmin(np.where(evaluated, nodes.objective[e], np.inf)))
         at = base + int(nodes.evaluated[:e].sum()) + int(evaluated[:best + 1].sum())
+        track.search = owner[e]
         track.offer(nodes.objective[e, best], nodes.step_time[e, best],
                     paths[e] + _path(nodes.parent[e], nodes.action[e], best), at)
     track.count(used)

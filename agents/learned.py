@@ -11,8 +11,9 @@ budget. The greedy path is not search: it always completes, whatever the budget
 (`SearchResult.greedy_steps` counts its plans), so no budget gives a worse plan than it.
 A greedy path also starts from the best expert's plan (`LearnedConfig.from_expert`): a
 plan the groups action space may not reach (an expert shards single dimensions where
-a group shards many), which the policy then refines; the search starts from whichever
-start's path ended better, and `SearchResult.start` says when that was the expert's.
+a group shards many), which the policy then refines; the search plays an episode from
+each start, side by side on one budget, and `SearchResult.start` says when the plan came
+from the expert's.
 With pipeline options, a greedy path starts from each option (a handful), so the choice
 of a pipeline is compared on whole plans rather than taken from the first logit alone. Its
 environment offers the pipeline options the policy was trained with (`NetworkConfig.pipelines`),
@@ -58,9 +59,9 @@ class LearnedConfig:
     action_space: the environment's action space (the one the network was trained on).
     max_decisions: the environment's capacity in class decisions.
     from_expert: also start from the best expert's plan (`tactics.best_expert_plan`, where
-      it fits): the policy's greedy path from it refines it, and the search (after
-      `greedy_first`) starts from whichever start's path found the better plan. The
-      result's `start` names the expert when its plan came from there.
+      it fits): a greedy path runs from it as from the replicated plan, and the search
+      plays an episode from each, side by side, sharing the budget. The result's `start`
+      names the expert when its plan came from there.
     gumbel: the Gumbel searches' settings (`agents.gumbel.GumbelSettings`).
   """
 
@@ -158,9 +159,8 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
       track.search = root
       track.offer(float(root.root.objective), float(root.root.step_time), [])
       follow(network, params, embeddings, root, track)
-    search_ = track.search = track.best_search
   if config.search:
     search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
                                  gumbel=config.gumbel, network=network.config, pipelines=pipelines)
-    gumbel.play(search_, track, search_config, seed, params, embeddings)
+    gumbel.play(roots, track, search_config, seed, params, embeddings)
   return track.result()

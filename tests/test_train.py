@@ -209,26 +209,26 @@ def test_no_budget_gives_a_worse_plan_than_the_greedy_path():
 @pytest.mark.parametrize("model", ["gpt:layers=2", "mlp:layers=4,width=4096,batch=64"])
 def test_the_learned_agent_refines_the_best_experts_plan(model):
   """From the best expert's plan as well as the replicated one, the learned agent ends no
-  worse than that plan (on the wide MLP its policy alone is 3x the expert's Megatron); a
-  plan found from it starts with its decisions and is priced as the simulator prices the
-  whole plan."""
+  worse than that plan or the greedy path from the replicated one (on the wide MLP that
+  path is 3x the expert's Megatron); a plan found from the expert's starts with its
+  decisions and is priced as the simulator prices the whole plan."""
   problem = Problem.build(workloads.make_workload(model, abstract=True).trace(), make_mesh("data=2,model=4", "h100"))
   expert = tactics.best_expert_plan(problem)
   assert expert.fits
   expert_objective = agents_base.plan_objective(problem, expert.cost)
+  alone = learned.search(problem, LearnedConfig(search=False, from_expert=False), seed=0, budget=16)
+  assert alone.start is None
   for search in (False, True):
     config = LearnedConfig(search=search, gumbel=GumbelSettings(num_simulations=8))
     result = learned.search(problem, config, seed=0, budget=16)
-    assert result.objective <= expert_objective * (1 + 1e-5)
+    assert result.objective <= min(expert_objective, alone.objective) * (1 + 1e-5)
     assert result.objective == pytest.approx(agents_base.plan_objective(problem, result.cost), rel=1e-5)
     assert result.step_time == pytest.approx(float(problem.cost(result.decisions).step_time), rel=1e-5)
     if result.start is not None:
       assert result.start == expert.name and result.actions[0] == f"start from the {expert.name} plan"
       assert tuple(result.decisions[:len(expert.decisions)]) == expert.decisions
-    alone = learned.search(problem, dataclasses.replace(config, from_expert=False), seed=0, budget=16)
-    assert alone.start is None and result.objective <= alone.objective * (1 + 1e-6)
-    if alone.objective > expert_objective * (1 + 1e-5):
-      assert result.start == expert.name
+    if not search and alone.objective > expert_objective * (1 + 1e-5):
+      assert result.start == expert.name  # The greedy path from the expert's plan is the better.
 
 
 @pytest.mark.slow
