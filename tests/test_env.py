@@ -232,12 +232,12 @@ def test_batched_legal_mask_is_each_states_own():
 
 def test_capacity_ends_episodes_and_truncation():
   env = Env.build(problem("gpt:layers=2"), EnvConfig(action_space="groups", max_decisions=4))
-  states = random_episode(env, 0)
+  states = random_episode(env, 0, jax.jit(env.step))  # Jitted: op by op, each primitive compiles alone.
   assert int(states[-1].num_decisions) <= 4
   env = Env.build(problem("gpt:layers=2"), EnvConfig(action_space="named_dims", max_steps=2))
-  state = env.init(jax.random.key(0))
+  state, step = jax.jit(env.init)(jax.random.key(0)), jax.jit(env.step)
   for _ in range(2):
-    state = env.step(state, jnp.argmax(state.legal_action_mask).astype(jnp.int32))
+    state = step(state, jnp.argmax(state.legal_action_mask).astype(jnp.int32))
   assert state.truncated and not state.terminated
 
 
