@@ -154,10 +154,10 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
     expert = tactics.best_expert_plan(problem)
     rooted = search_.rooted_at(expert.name, expert.decisions, expert.cost) if expert.fits else None
     roots += [rooted] * (rooted is not None)
-  if not config.search or config.greedy_first:
-    for root in roots:
-      track.search = root
-      track.offer(float(root.root.objective), float(root.root.step_time), [])
+  for root in roots:  # Each start's own plan is a candidate (the expert's, at no simulation).
+    track.search = root
+    track.offer(float(root.root.objective), float(root.root.step_time), [])
+    if not config.search or config.greedy_first:
       follow(network, params, embeddings, root, track)
   if config.search:
     search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
