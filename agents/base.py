@@ -376,8 +376,9 @@ class Tracker:
     search = self.best_search
     decisions = search.decisions(self.best_actions)
     cost = search.cost(self.best_actions)
-    names = [f"start from the {search.start} plan"] * (search.start is not None)
-    names += [search.env.action_name(a) for a in self.best_actions]
+    names = [search.env.action_name(a) for a in self.best_actions]
+    if search.start is not None:
+      names.insert(0, f"start from the {search.start} plan")
     seconds = self.elapsed
     self.trace.append(TracePoint(self.simulations, seconds, self.best_step_time, self.best_objective))
     return SearchResult(decisions=decisions, cost=cost, trace=self.trace, simulations=self.simulations,

@@ -153,7 +153,8 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
   if config.from_expert:
     expert = tactics.best_expert_plan(problem)
     rooted = search_.rooted_at(expert.name, expert.decisions, expert.cost) if expert.fits else None
-    roots += [rooted] * (rooted is not None)
+    if rooted is not None:
+      roots.append(rooted)
   for root in roots:  # Each start's own plan is a candidate (the expert's, at no simulation).
     track.search = root
     track.offer(float(root.root.objective), float(root.root.step_time), [])

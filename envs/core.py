@@ -120,8 +120,9 @@ def _legal(tables: EnvTables, arrays: tuple[jax.Array, ...], max_decisions: int)
 
 
 def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, num_decisions: jax.Array,
-                  max_decisions: int) -> jax.Array:
-  """The legal action mask (see the module docstring), bool [T * X + 1].
+                  max_decisions: int, micro: jax.Array | None = None) -> jax.Array:
+  """The legal action mask (see the module docstring), bool [T * X + 1]; `micro`: the
+  slots' divisibility under a chosen pipeline option (`_legal_after`; None: none).
 
   A slot is open on an axis if it `sharding.takes_axis`; a class is open if one of its slots is (an any
   over chunks of `tables.slot_order`, then a sorted segment max); a target if one of its
@@ -129,7 +130,7 @@ def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, 
   (`_legal`) runs in one batch-last call.
   """
   none = (jnp.full(value_mask.shape[:1], -1, jnp.int8), jnp.full(op_mask.shape[:1], -1, jnp.int8))
-  return _legal_after(tables, (value_mask, op_mask), none, jnp.int32(0), num_decisions, max_decisions)
+  return _legal_after(tables, (value_mask, op_mask), none, jnp.int32(0), num_decisions, max_decisions, micro)
 
 
 def _legal_after(tables: EnvTables, masks: tuple[jax.Array, jax.Array], chosen: tuple[jax.Array, jax.Array],
@@ -235,13 +236,12 @@ def from_plan(config: EnvConfig, tables: EnvTables, dec_class: jax.Array, dec_ax
   chex.assert_shape((dec_class, dec_axis), (k,))
   value_mask, op_mask = value_mask.astype(jnp.int8), op_mask.astype(jnp.int8)
   num_decisions = (dec_class >= 0).sum().astype(jnp.int32)
-  option, micro = jnp.int32(0), None
+  option = jnp.int32(0)
   if config.pipelines:
-    micro = tables.pipeline.slot_divisible[option]
-  none = (jnp.full(value_mask.shape[:1], -1, jnp.int8), jnp.full(op_mask.shape[:1], -1, jnp.int8))
-  legal = _legal_after(tables, (value_mask, op_mask), none, jnp.int32(0), num_decisions, k, micro)
-  if config.pipelines:
+    legal = legal_actions(tables, value_mask, op_mask, num_decisions, k, tables.pipeline.slot_divisible[option])
     legal = _with_options(tables, legal, option)
+  else:
+    legal = legal_actions(tables, value_mask, op_mask, num_decisions, k)
   objective = env_objective(config, cost, tables.base, tables.cost.hbm_bytes)
   step_time, peak_memory = jnp.asarray(cost.step_time, jnp.float32), jnp.asarray(cost.peak_memory, jnp.float32)
   return State(
