@@ -104,41 +104,69 @@ def load_policy(path: str | None, tables: EnvTables, root: State) -> tuple[Netwo
   return _POLICIES[where]
 
 
+@chex.dataclass(frozen=True)
+class GreedyPath:
+  """A greedy path, padded to L = `max_decisions + 1` steps (the longest episode: a
+  pipeline option, then actions that each add at least one class decision).
+
+  Attributes:
+    actions: the path's actions, then -1 (a stop ends the path and is not recorded),
+      int32 [L].
+    objective, step_time: the plan after each action, f32 [L].
+  """
+
+  actions: jax.Array
+  objective: jax.Array
+  step_time: jax.Array
+
+
 @functools.partial(SearchJit, calls="few", static_argnames=("network", "env_config"))
-def _greedy_step(network: Network, env_config: EnvConfig, params: chex.ArrayTree, embeddings: Embeddings,
-                 tables: EnvTables, state: State, forced: jax.Array) -> tuple[jax.Array, State]:
-  """The network's most likely action in `state`, or `forced` where it is not negative
-  (int32 []), and the state it leads to. One compile serves the whole path, its pipeline
-  options included (a batched step for them would be a second compile of the environment)."""
-  logits, _ = network.head(params, embeddings, state_features(tables, state))
-  action = jnp.where(forced >= 0, forced, jnp.argmax(logits)).astype(jnp.int32)
-  return action, core.step(env_config, tables, state, action)
+def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree, embeddings: Embeddings,
+                tables: EnvTables, state: State, first: jax.Array) -> GreedyPath:
+  """The network's greedy path from `state`: `first` where it is not negative (int32 []),
+  then the most likely action at each state, until the network stops or the episode ends.
+  One `lax.while_loop`, so a path is one call (a step at a time, the host's copies of
+  each state took longer than the steps); one compile serves every start of a problem."""
+  size = env_config.max_decisions + 1
+  stop = state.legal_action_mask.shape[0] - 1
+  path = GreedyPath(actions=jnp.full(size, -1, jnp.int32), objective=jnp.zeros(size, jnp.float32),
+                    step_time=jnp.zeros(size, jnp.float32))
+
+  def going(carry):
+    i, state, _ = carry
+    return (i < size) & ~(state.terminated | state.truncated)
+
+  def advance(carry):
+    i, state, path = carry
+    logits, _ = network.head(params, embeddings, state_features(tables, state))
+    action = jnp.where((i == 0) & (first >= 0), first, jnp.argmax(logits)).astype(jnp.int32)
+    state = core.step(env_config, tables, state, action)
+    path = GreedyPath(actions=path.actions.at[i].set(jnp.where(action == stop, -1, action)),
+                      objective=path.objective.at[i].set(state.objective),
+                      step_time=path.step_time.at[i].set(state.step_time))
+    return i + 1, state, path
+
+  return jax.lax.while_loop(going, advance, (jnp.int32(0), state, path))[2]
 
 
 def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, search_: Searcher,
            track: Tracker) -> None:
-  """Follows the network's most likely action from the replicated plan until it stops or the
+  """Follows the network's most likely action from `search_`'s root until it stops or the
   episode ends, offering each plan on the path to `track` (counted as `greedy_steps`,
   outside its budget). With pipeline options the root's actions are those few options: a
   path is followed from each, so the policy's intra-op plan under every pipeline choice
   (no pipeline included) is a candidate."""
   env = search_.env
-  step = lambda state, forced=-1: jax.device_get(
-      _greedy_step(network, env.config, params, embeddings, env.tables, state, jnp.int32(forced)))
-  starts: list[tuple[State, list[int]]] = [(search_.root, [])]
+  firsts = [-1]
   if env.pipelines and int(search_.root.pipeline) < 0:
-    starts = [(step(search_.root, a)[1], [a]) for a in map(int, search_.legal(search_.root))]
-    for state, actions in starts:
-      track.offer(float(state.objective), float(state.step_time), actions)
-      track.greedy_steps += 1
-  for state, actions in starts:
-    while not (bool(state.terminated) or bool(state.truncated)):
-      action, state = step(state)
-      if int(action) == env.stop_action:
-        break
-      actions = [*actions, int(action)]
-      track.offer(float(state.objective), float(state.step_time), actions)
-      track.greedy_steps += 1
+    firsts = [int(a) for a in search_.legal(search_.root)]
+  for first in firsts:
+    path = jax.device_get(greedy_path(network, env.config, params, embeddings, env.tables, search_.root,
+                                      jnp.int32(first)))
+    length = int((path.actions >= 0).sum())
+    for i in range(length):
+      track.offer(float(path.objective[i]), float(path.step_time[i]), path.actions[:i + 1].tolist())
+    track.greedy_steps += length
 
 
 def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int = 0,

@@ -9,6 +9,7 @@ a resume and from the same seed, returns recomputed from the plans, budgets resp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -18,13 +19,15 @@ import numpy as np
 import pytest
 
 from agents import base as agents_base
-from agents import checkpoint, learned, partition, replay, selfplay, train
+from agents import checkpoint, gumbel, learned, partition, replay, selfplay, train
 from agents.gumbel import GumbelSettings
 from agents.learned import LearnedConfig
+from agents.network import state_features
 from automap_rl import tactics, workloads
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.workloads.suite import load_cases
+from envs import core
 from experiments import cli, evaluate_cmd, train_cmd
 
 SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], wandb="disabled", progress=False, devices=1)
@@ -204,6 +207,37 @@ def test_no_budget_gives_a_worse_plan_than_the_greedy_path():
     result = learned.search(problem, LearnedConfig(gumbel=GumbelSettings(num_simulations=8)), seed=0, budget=budget)
     assert result.greedy_steps == greedy.greedy_steps and result.simulations <= budget
     assert result.objective <= greedy.objective * (1 + 1e-6)
+
+
+def test_a_greedy_path_is_the_networks_most_likely_action_step_by_step():
+  """`learned.greedy_path` (one while loop) takes the actions and reaches the plans that
+  stepping the environment with the network's most likely action reaches, from the
+  replicated plan with pipeline options, its first action forced or the network's."""
+  problem = Problem.build(workloads.make_workload("gpt:layers=4,scan=true", abstract=True).trace(),
+                          make_mesh("data=2,model=4", "h100"))
+  network = learned.load_network(None)
+  search, _, _ = agents_base.start(problem, "groups", 256, 1, None, network.config.pipelines)
+  env = search.env
+  network, params = learned.load_policy(None, env.tables, search.root)
+  embeddings = gumbel.encode(network, params, env.tables, search.root)
+  head = jax.jit(lambda state: network.head(params, embeddings, state_features(env.tables, state))[0])
+  step = jax.jit(functools.partial(core.step, env.config, env.tables))
+  options = search.legal(search.root)
+  assert len(options) > 1  # The root's actions are the pipeline options.
+  for first in (-1, int(options[-1])):
+    path = jax.device_get(learned.greedy_path(network, env.config, params, embeddings, env.tables, search.root,
+                                              jnp.int32(first)))
+    state, actions, objectives = search.root, [], []
+    while not (bool(state.terminated) or bool(state.truncated)):
+      action = first if not actions and first >= 0 else int(jnp.argmax(head(state)))
+      state = step(state, jnp.int32(action))
+      if action == env.stop_action:
+        break
+      actions.append(action)
+      objectives.append(float(state.objective))
+    assert len(actions) > 2 and path.actions.tolist() == actions + [-1] * (len(path.actions) - len(actions))
+    np.testing.assert_allclose(path.objective[:len(actions)], objectives, rtol=1e-6)
+  assert path.actions[0] == first
 
 
 def test_the_learned_agent_refines_the_best_experts_plan():
