@@ -3,7 +3,9 @@ without LLVM's expensive optimisations (the tests' programs are small: compiling
 costs more than running them; the HLO, its collectives, flops and memory are the same),
 and a persistent compilation cache in the repository's `.cache/xla` (gitignored), never
 the user's home: tests that build the same functions for the same programs, in either
-xdist worker or a later run, compile them once."""
+xdist worker or a later run, compile them once. Every compile is kept, however short (a
+user's commands keep those over half a second): the tests compile many small programs
+more than once, in both workers and after releasing their caches."""
 
 import os
 
@@ -13,6 +15,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --x
                                    "--xla_llvm_disable_expensive_passes=true")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                        ".cache", "xla")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 compilation_cache()
 
 

@@ -66,7 +66,8 @@ def test_every_environment_keeps_the_contract(name):
   testing.api_test(ENVIRONMENTS[name]())
 
 
-@pytest.mark.parametrize("model,mesh", [("mlp", "data=2,model=4"), ("gpt:layers=2", "data=2,fsdp=2,model=2")])
+@pytest.mark.parametrize("model,mesh", [pytest.param("mlp", "data=2,model=4", marks=pytest.mark.slow),
+                                        ("gpt:layers=2", "data=2,fsdp=2,model=2")])
 def test_padded_tables_give_the_exact_masks_and_target_features(model, mesh):
   exact = Env.build(problem(model, mesh), EnvConfig(action_space="named_dims"))
   padded = Env.build(problem(model, mesh), EnvConfig(action_space="named_dims"), bucket=True)
