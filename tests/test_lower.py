@@ -88,7 +88,8 @@ def test_quick_compile_options_leave_what_the_checks_read_unchanged():
   partitioned module's collectives, flops and memory are those of XLA's default compile."""
   workload, problem = _setup(GPT, "data=2,model=4")
   lowered = lower(problem, tactics.data_megatron(problem), workload.step, workload.args, isolated=False)
-  default = lowered.jitted.lower(*workload.args).compile()
+  # XLA's default compile: its fusion emitters on (the tests' XLA_FLAGS turn them off).
+  default = lowered.jitted.lower(*workload.args).compile(compiler_options={"xla_cpu_use_fusion_emitters": True})
   assert quick_compile_options("cpu")  # The checks' compile differs from the default on CPU...
   stats = inspect_compiled(default, problem.mesh.axis_names, problem.mesh.axis_sizes)
   assert stats == lowered.stats  # ...yet XLA compiled the same module.

@@ -201,7 +201,9 @@ def compile_directly(stage: Any, devices: np.ndarray, isolated: bool = True, dum
   platform = flat[0].platform
   shardy = bool(jax.config.jax_use_shardy_partitioner)
   ids = [d.id for d in flat]
-  options = quick_compile_options(platform)
+  # Fusion emitters are a code generation choice: the partitioner's module does not depend
+  # on them, and `DebugOptions` has no field for them (XLA_FLAGS then decides).
+  options = {k: v for k, v in quick_compile_options(platform).items() if k != "xla_cpu_use_fusion_emitters"}
   text = stage.as_text(debug_info=True)
   if not isolated:
     backend_compile(text, platform, shardy, ids, dump_to, options)
