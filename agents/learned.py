@@ -125,8 +125,8 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
                 tables: EnvTables, state: State, first: jax.Array) -> GreedyPath:
   """The network's greedy path from `state`: `first` where it is not negative (int32 []),
   then the most likely action at each state, until the network stops or the episode ends.
-  One `lax.while_loop`, so a path is one call (a step at a time, the host's copies of
-  each state took longer than the steps); one compile serves every start of a problem."""
+  One `lax.while_loop`: a path is one call and one copy to the host (a copy of each state
+  would cost more than its step); one compile serves every start of a problem."""
   size = env_config.max_decisions + 1
   stop = state.legal_action_mask.shape[0] - 1
   path = GreedyPath(actions=jnp.full(size, -1, jnp.int32), objective=jnp.zeros(size, jnp.float32),

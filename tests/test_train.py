@@ -275,10 +275,16 @@ def test_shipped_policy_partitions_from_the_command_line(tmp_path):
                    "--seed", "1", "--no-progress", "--json", str(out)]) == 0
   result = json.load(open(out))
   assert result["agent"] == "learned" and 0 < result["simulations"] <= 16
-  # Its first action is one of the pipeline options it was trained with, the rest decisions.
-  if result.get("pipeline") is None:
-    assert result["actions"][0] == "no pipeline"
-  assert len(result["decisions"]) == len(result["actions"]) - 1
+  # Its first action is one of the pipeline options it was trained with, or the start from
+  # an expert's plan, whose decisions then come first; the rest are decisions.
+  first, rest = result["actions"][0], result["actions"][1:]
+  if first.startswith("start from the "):
+    assert first.removeprefix("start from the ").removesuffix(" plan") in result["baselines"]
+    assert len(result["decisions"]) > len(rest)
+  else:
+    assert result.get("pipeline") is not None or first == "no pipeline"
+    assert len(result["decisions"]) == len(rest)
+  assert all(a.startswith("shard ") for a in rest)
   assert result["step_time_s"] <= result["baselines"]["replicated"]["step_time_s"] * (1 + 1e-6)
 
 
