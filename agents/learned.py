@@ -163,10 +163,10 @@ def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, sea
   for first in firsts:
     path = jax.device_get(greedy_path(network, env.config, params, embeddings, env.tables, search_.root,
                                       jnp.int32(first)))
-    length = int((path.actions >= 0).sum())
-    for i in range(length):
-      track.offer(float(path.objective[i]), float(path.step_time[i]), path.actions[:i + 1].tolist())
-    track.greedy_steps += length
+    actions = path.actions[path.actions >= 0].tolist()  # A stop ends the path: -1 only after it.
+    for i in range(len(actions)):
+      track.offer(float(path.objective[i]), float(path.step_time[i]), actions[:i + 1])
+    track.greedy_steps += len(actions)
 
 
 def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int = 0,
