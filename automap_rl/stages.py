@@ -23,7 +23,11 @@ Phases (`Phase`), from the dataflow and the batch's named dimensions:
   gradients, the loss): computed per microbatch, their partial sums accumulate locally
   and reduce once per step.
 * STEP: everything else, once per step: weight preprocessing (casts), which XLA hoists out
-  of the microbatch loop as it hoists loop invariants, and the optimizer update.
+  of the microbatch loop as it hoists loop invariants, and the optimizer update. Not the
+  ops of a scanned stack's loop body that depend on its layer: a stage runs its layers'
+  loop in every iteration of the stages' loop, so a slice of a stacked weight and what is
+  made of it (a cast, a transpose) run per microbatch (MICROBATCH, as they feed its work),
+  and so does the stacking of a weight's gradients (ACCUMULATED).
 
 The forward pass is what the loss depends on; the backward pass the other microbatch
 ops. Those the trace makes before the loss (the factors a derivative needs, the stacking
@@ -149,7 +153,8 @@ class StagedProgram:
     stack = pipeline.check(program, named, mesh)
     graph = _Graph(program)
     batch = _batch_classes(program, named)
-    phase = _phases(program, named, graph, batch)
+    loops = np.array([stack.op_layer[op.id] == EVERY_LAYER and op.scope.startswith("scan") for op in program.ops])
+    phase = _phases(program, named, graph, batch, _layer_dependent(program, loops))
     forward = _forward(program, graph, phase)
     last_forward = np.flatnonzero(forward).max(initial=-1)
     forward_time = forward | ((phase != Phase.STEP) & (np.arange(program.num_ops) < last_forward))
@@ -165,7 +170,6 @@ class StagedProgram:
     if stack.scanned:
       ratios.update({c: pipeline.stages for c in stack.layer_classes})
       loop_ratio = pipeline.stages
-    loops = np.array([stack.op_layer[op.id] == EVERY_LAYER and op.scope.startswith("scan") for op in program.ops])
     return cls(pipeline, stack, _resized(program, named, ratios, loops, loop_ratio), pipeline.stage_mesh(mesh),
                op_stage, phase, forward_time, _loop_invariant_reads(program, phase), value_stage,
                _residuals(program, graph, phase, forward_time, op_stage),
@@ -204,8 +208,23 @@ def _batch_classes(program: Program, named: NamedDims) -> set[int]:
   return {int(named.class_of(v, 0)) for v in program.batch_inputs} - {-1}
 
 
-def _phases(program: Program, named: NamedDims, graph: _Graph, batch: set[int]) -> np.ndarray:
-  """The `Phase` of each op (module docstring), int [num_ops]."""
+def _layer_dependent(program: Program, loop_body: np.ndarray) -> np.ndarray:
+  """Which ops of a scanned stack's loop body (`loop_body`, bool [num_ops]) depend on the
+  layer the loop is at: its slices of the stacked inputs, its stacking of per-layer
+  outputs, and the ops that read what those make; bool [num_ops]. The others are loop
+  invariants, which XLA hoists out of the loop."""
+  dependent = np.zeros(program.num_ops, bool)
+  made = np.zeros(program.num_values, bool)
+  for op in program.ops:
+    if loop_body[op.id] and (op.primitive in ("scan_slice", "scan_stack") or any(made[v] for v in op.operands)):
+      dependent[op.id] = True
+      made[list(op.results)] = True
+  return dependent
+
+
+def _phases(program: Program, named: NamedDims, graph: _Graph, batch: set[int], per_layer: np.ndarray) -> np.ndarray:
+  """The `Phase` of each op (module docstring; `per_layer`: the ops of a scanned stack's
+  loop body that depend on its layer, `_layer_dependent`), int [num_ops]."""
   has_batch = np.array([bool(batch & set(named.op_factor_classes(op.id).tolist())) for op in program.ops])
   on_batch = np.array([v.role == Role.INPUT for v in program.values])
   for op in program.ops:
@@ -215,6 +234,7 @@ def _phases(program: Program, named: NamedDims, graph: _Graph, batch: set[int]) 
   for op in reversed(program.ops):
     feeds[op.id] = any(has_batch[c] or feeds[c] for c in graph.consumers(op))
   microbatch = has_batch | (feeds & np.array([any(on_batch[v] for v in op.operands) for op in program.ops]))
+  microbatch |= per_layer  # Each stage runs its layers' loop in every iteration.
   return np.where(microbatch, np.where(feeds, Phase.MICROBATCH, Phase.ACCUMULATED), Phase.STEP).astype(np.int64)
 
 

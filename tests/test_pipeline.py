@@ -158,6 +158,28 @@ def test_stage_placement_cuts_the_residual_stream():
   assert 0.5 < flops[looped].sum() / flops.sum() < 1 and not looped[staged.op_phase == Phase.STEP].any()
 
 
+def test_a_stage_slices_its_stacked_weights_and_stacks_their_gradients_in_every_iteration():
+  """A stage runs its layers' loop in every iteration of the stages' loop, so what the
+  loop body does with a layer's weights runs there too, not once per step: slicing each
+  layer's weights out of the stack (per microbatch: its work reads them), stacking their
+  gradients (accumulated); and their sums are those stacked gradients, as many bytes as
+  the stage's layers' weights."""
+  p = problem(LLAMA)
+  staged = StagedProgram.build(p.program, p.named, p.mesh, Pipeline("data", 2, 4))
+  program = staged.program
+  stacked = set(staged.stack.stacked_inputs(program, p.named))
+  weights = [v for v in stacked if program.values[v].role == ir.Role.PARAMETER]
+  slices = [op for op in program.ops if op.primitive == "scan_slice" and op.operands[0] in weights]
+  assert slices and all(staged.looped[op.id] and staged.op_phase[op.id] == Phase.MICROBATCH for op in slices)
+  step_reads = {v for op in program.ops if staged.op_phase[op.id] == Phase.STEP for v in op.operands}
+  gradients = [op for op in program.ops if op.primitive == "scan_stack" and op.results[0] in step_reads]
+  assert gradients and all(staged.looped[op.id] and staged.op_phase[op.id] == Phase.ACCUMULATED for op in gradients)
+  # The sums the loop carries: per stage, the stage's layers' weight gradients.
+  tables = p.pipelined(Pipeline("data", 2, 4)).tables
+  weight_bytes = sum(program.values[v].nbytes for v in weights)
+  assert np.allclose(tables.accumulator_bytes[0, :2].sum(axis=1), weight_bytes, rtol=1e-6)
+
+
 def test_layer_stacks_scanned_and_unrolled():
   for spec, scanned in ((GPT, False), (LLAMA, True), (GPT + ",scan=true,remat=true", True)):
     program = workloads.make_workload(spec, abstract=True).trace()

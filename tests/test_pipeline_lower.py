@@ -173,6 +173,44 @@ def test_each_iterations_residuals_are_stacked_and_sliced_back_as_the_simulator_
   assert priced <= moved <= 2 * priced
 
 
+def test_each_iterations_weight_gradients_are_added_into_their_sums_as_the_simulator_prices():
+  """With two layers per stage, each of the M + S - 1 iterations of the loop runs the
+  stage's loop of its layers, which stacks their weight gradients into a buffer it first
+  fills with zeros; the backward pass then adds that buffer into the gradients' sums. XLA
+  writes the zeros and the sums, and reads the sums and the new gradients, in kernels of
+  the stacked gradients' shapes: the four passes over them the simulator prices per
+  iteration (`PipelineTerms.accumulation_s`), within 10%."""
+  from automap_rl.xla import hlo
+  from automap_rl.xla.hlo.module import called_computations, parse_shapes
+  from automap_rl.xla.pipeline_lower import lower_pipelined
+  from automap_rl.xla.validate import DONATE_ARGNUMS
+  from automap_rl.mesh import to_jax_mesh
+
+  spec = GPT.replace("layers=4", "layers=8")
+  plan = pipelined_plan("stage=4,data=2", tactics.pipeline, 4, spec=spec)  # Weights whole on each device.
+  w = workload(spec)
+  lowered = lower_pipelined(plan.problem, plan.decisions, plan.pipeline, w.loss_fn, w.optimizer, w.args,
+                            to_jax_mesh(plan.problem.mesh), DONATE_ARGNUMS, isolated=False)
+  staged = plan.problem.pipelined(plan.pipeline).staged
+  program = staged.program
+  gradient_shapes = {program.values[v].shape for v in staged.stack.stacked_inputs(program, plan.problem.named)
+                     if program.values[v].role == Role.PARAMETER}
+  assert all(shape[0] == 2 for shape in gradient_shapes)  # The stage's two layers.
+  module = hlo.parse_module(lowered.compiled.as_text())
+  moved = 0.0
+  for name, body in module.bodies.items():
+    if module.repeats.get(name) != 4 + 4 - 1:
+      continue
+    for inst in body:
+      inner = module.bodies.get(called_computations(inst)[0][0], ()) if inst.opcode == "fusion" else (inst,)
+      if (inst.opcode in ("fusion", "copy") and parse_shapes(inst.type)[0][1] in gradient_shapes
+          and not any(i.opcode in ("dynamic-slice", "dynamic-update-slice") for i in inner)):
+        moved += hlo.instruction_bytes(inst, module.types, module.bodies)
+  terms = plan.problem.plan_cost(plan.decisions, plan.pipeline).terms
+  priced = float(terms.accumulation_s[0]) * plan.problem.mesh.hardware.hbm_bandwidth
+  assert moved == pytest.approx(priced, rel=0.1)
+
+
 # A head of 4096 classes: its logits (and the softmax's) at the whole batch are most of the
 # stage's memory.
 WIDE_HEAD = GPT.replace("vocab=64", "vocab=4096")

@@ -21,6 +21,13 @@ microbatch size). From those terms:
   them back out (a dynamic-update-slice and a dynamic slice, each reading and writing the
   residuals: four passes over one microbatch's residuals of the loop's ops at HBM
   bandwidth), in the loop's time;
+* `accumulation`: per stage, per iteration of the loop: the backward pass adds the
+  iteration's gradients of the stage's weights into their sums (three passes over the
+  loop's accumulated gradients: the sum and the gradient read, the sum written), in the
+  loop's time. Where a stage runs its layers in a loop of its own (a scanned stack with
+  more than one layer per stage), every iteration first fills that loop's stacked outputs
+  with zeros: one more pass over the gradients here, and one over the residuals in
+  `stacking`;
 * the pace-setting stage: the one whose M microbatches plus (S - 1) / V bubble loop
   times are longest; `pace` its microbatch time; `steady` = M x pace; `bubble` =
   (S - 1) / V x its loop time (interleaved: Megatron-LM's (S - 1) / V stage-times);
@@ -112,8 +119,9 @@ class PipelineTables:
       stages' loop, bool [Uv].
     residual_bytes: per stage, the global bytes of the residuals it keeps for one
       microbatch, per signature: of the loop's ops, then of the others, float32 [2, S, Uv].
-    accumulator_bytes: per stage, the global bytes of its accumulated partial sums,
-      float32 [S, Uv].
+    accumulator_bytes: per stage, the global bytes of its accumulated partial sums, per
+      signature: of the loop's ops (its layers' weight gradients), then of the others,
+      float32 [2, S, Uv].
     transfer_bytes: per kind (forward per microbatch, backward per microbatch, once per
       step) and sending stage, the global bytes of the values sent, float32 [3, S, Uv].
     boundary_bytes: per direction (forward, backward), the global bytes of the stack's
@@ -125,6 +133,8 @@ class PipelineTables:
     stacked_signatures: the full program's signatures of the stack's stacked weights
       (inputs [L, ...]), -1 where padded, int32 [K].
     in_flight: `Pipeline.in_flight`, float32 [S].
+    inner_loop: 1 where each stage runs its layers in a loop of its own (a scanned stack
+      with more than one layer per stage and chunk), else 0, float32 [].
     stages, microbatches, chunks: S, M and V, float32 [].
     permute_seconds_per_byte, permute_latency: the stage axis's link, float32 [].
     hbm_seconds_per_byte: the device's memory, float32 [].
@@ -153,6 +163,7 @@ class PipelineTables:
   batch_signature: np.ndarray
   stacked_signatures: np.ndarray
   in_flight: np.ndarray
+  inner_loop: np.ndarray
   stages: np.ndarray
   microbatches: np.ndarray
   chunks: np.ndarray
@@ -166,8 +177,9 @@ class PipelineTerms:
   """The typed terms of a pipelined step (seconds and bytes per device).
 
   Per stage, [S]: `microbatch_compute_s`, `microbatch_comm_s` (one microbatch's compute,
-  its loop residuals' `stacking_s` included, and intra-op collectives), `stacking_s`,
-  `loop_s` (the part of the two in the stages' loop),
+  its loop residuals' `stacking_s` and its gradients' `accumulation_s` included, and
+  intra-op collectives), `stacking_s`, `accumulation_s`, `loop_s` (the part of the two in
+  the stages' loop),
   `gradient_reduction_stage_s` (its accumulated gradients' reduction, once per step),
   `update_stage_s` (its step ops' compute and collectives), `live_bytes` (largest live
   row for one microbatch), `gathered_bytes` (gathered operand copies: those reads share,
@@ -185,6 +197,7 @@ class PipelineTerms:
   microbatch_compute_s: jax.Array
   microbatch_comm_s: jax.Array
   stacking_s: jax.Array
+  accumulation_s: jax.Array
   loop_s: jax.Array
   gradient_reduction_stage_s: jax.Array
   update_stage_s: jax.Array
@@ -225,8 +238,8 @@ class PipelineCost(Cost):
   terms: PipelineTerms
 
 
-STAGE_TERMS = ("microbatch_compute_s", "microbatch_comm_s", "stacking_s", "loop_s", "gradient_reduction_stage_s",
-               "update_stage_s", "live_bytes", "gathered_bytes", "residual_bytes", "in_flight", "outer_residual_bytes",
+STAGE_TERMS = ("microbatch_compute_s", "microbatch_comm_s", "stacking_s", "accumulation_s", "loop_s",
+               "gradient_reduction_stage_s", "update_stage_s", "live_bytes", "gathered_bytes", "residual_bytes", "in_flight", "outer_residual_bytes",
                "accumulator_bytes", "peak_memory")
 
 
@@ -263,8 +276,14 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
   whole_batch = (staged.value_stage == EVERY_STAGE) & (value_phase == Phase.MICROBATCH) & ~looped_value  # [values]
   residuals = [per_stage((v, s) for v, stages in staged.residual_stages.items() for s in stages
                          if looped_value[v] == looped and not whole_batch[v]) for looped in (True, False)]
-  accumulated = per_stage((v, staged.op_stage[op.id]) for op in program.ops if staged.op_phase[op.id] == Phase.ACCUMULATED
-                          for v in op.results if program.values[v].role != Role.OUTPUT)
+  # The sums the loop carries: its ops' results that a step op reads (its layers' weight
+  # gradients, stacked by a scanned stack's loop); and the partial sums of the ops off it.
+  read_per_step = {v for op in program.ops if staged.op_phase[op.id] == Phase.STEP for v in op.operands}
+  accumulated = [per_stage((v, staged.op_stage[op.id]) for op in program.ops if staged.looped[op.id]
+                           for v in op.results if v in read_per_step),
+                 per_stage((v, staged.op_stage[op.id]) for op in program.ops
+                           if staged.op_phase[op.id] == Phase.ACCUMULATED and not staged.looped[op.id]
+                           for v in op.results if program.values[v].role != Role.OUTPUT)]
   sent = [per_stage((t.value, t.stage) for t in staged.transfers if (t.per_step, t.backward) == kind)
           for kind in ((False, False), (False, True))]
   sent.append(per_stage((t.value, t.stage) for t in staged.transfers if t.per_step))
@@ -288,6 +307,7 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
     live_rows[stage, :len(r), :r.shape[1]] = r
   zeros = lambda x, *shape: np.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])  # Zeros up to `shape`.
   batched, stacked = program.batch_inputs, staged.stack.stacked_inputs(program, named)
+  layers_per_loop = staged.stack.layers // (pipeline.stages * pipeline.chunks)
   return PipelineTables(
       tables=_padded(tables, uv, uo),
       value_source=_pad(full.value_sig[value_rep].astype(np.int32), uv, 0),
@@ -301,12 +321,14 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
       value_looped=_pad(looped_value[value_rep], uv, False), op_looped=_pad(staged.looped[op_rep], uo, False),
       edge_invariant=_pad(edge_invariant, next_power_of_two(len(edge_invariant), 16), False),
       live_rows=live_rows, value_whole_batch=_pad(whole_batch[value_rep], uv, False),
-      residual_bytes=np.stack([zeros(x, capacity, uv) for x in residuals]), accumulator_bytes=zeros(accumulated, capacity, uv),
+      residual_bytes=np.stack([zeros(x, capacity, uv) for x in residuals]),
+      accumulator_bytes=np.stack([zeros(x, capacity, uv) for x in accumulated]),
       transfer_bytes=np.stack([zeros(x, capacity, uv) for x in sent]),
       boundary_bytes=zeros(boundary.astype(np.float32), 2, uv),
       batch_signature=np.int32(full.value_sig[batched[0]] if batched else -1),
       stacked_signatures=full.value_sig[stacked].astype(np.int32),
       in_flight=_pad(staged.pipeline.in_flight().astype(np.float32), capacity, 1.0),
+      inner_loop=np.float32(staged.stack.scanned and layers_per_loop > 1),
       stages=np.float32(num_stages), microbatches=np.float32(staged.pipeline.microbatches),
       chunks=np.float32(staged.pipeline.chunks),
       permute_seconds_per_byte=np.float32(1.0 / link.bandwidth), permute_latency=np.float32(link.latency),
@@ -460,15 +482,18 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   reduce = plan.reduce_scatter.seconds + plan.all_reduce.seconds
   inverse_shards = 1.0 / plan.value_shards
   residual, outer_residual = t.residual_bytes @ inverse_shards  # [S] each.
+  looped_accumulator, outer_accumulator = t.accumulator_bytes @ inverse_shards  # [S] each.
   iterations = m * v + num_stages - 1
-  stacking = jnp.where(iterations > 1, 4.0 * residual * t.hbm_seconds_per_byte, 0.0)  # [S], per iteration.
-  microbatch_compute = compute(False) + stacking
+  # [S] each, per iteration.
+  stacking = jnp.where(iterations > 1, (4.0 + t.inner_loop) * residual * t.hbm_seconds_per_byte, 0.0)
+  accumulation = jnp.where(iterations > 1, (3.0 + t.inner_loop) * looped_accumulator * t.hbm_seconds_per_byte, 0.0)
+  microbatch_compute = compute(False) + stacking + accumulation
   microbatch_comm = (by_stage(reshard, per_microbatch, edge_stages)
                      + by_stage(reduce, reduction_phase == Phase.MICROBATCH, reduction_stages))
   gradient_reduction = by_stage(reduce, reduction_phase == Phase.ACCUMULATED, reduction_stages)
   update = (compute(True) + by_stage(reshard, ~per_microbatch, edge_stages)
             + by_stage(reduce, reduction_phase == Phase.STEP, reduction_stages))
-  loop_compute = compute(False, looped=True) + stacking
+  loop_compute = compute(False, looped=True) + stacking + accumulation
   loop = loop_compute + (by_stage(reshard, per_microbatch & t.op_looped[edge_op], edge_stages)
                          + by_stage(reduce, (reduction_phase == Phase.MICROBATCH) & t.op_looped[reduction_op],
                                     reduction_stages))
@@ -487,7 +512,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   live = jnp.max(t.live_rows @ (inverse_shards * jnp.where(t.value_whole_batch, m, 1.0)), axis=1)
   largest_transient = jnp.max(plan.transient_bytes[:, None] * edge_stages, axis=0, initial=0.0)
   gathered = plan.gathered_bytes @ edge_stages + largest_transient
-  accumulator = jnp.where(iterations > 1, t.accumulator_bytes @ inverse_shards, 0.0)
+  accumulator = jnp.where(iterations > 1, looped_accumulator + outer_accumulator, 0.0)
   peak = live + gathered + (t.in_flight - 1.0) * residual + (m - 1.0) * outer_residual + accumulator
 
   # Per step: a microbatch op off the loop runs M times, one in the loop every iteration
@@ -507,7 +532,8 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
 
   steady, bubble = m * pace, (num_stages - 1) / v * loop[pace_stage]
   pipeline_terms = PipelineTerms(
-      microbatch_compute_s=microbatch_compute, microbatch_comm_s=microbatch_comm, stacking_s=stacking, loop_s=loop,
+      microbatch_compute_s=microbatch_compute, microbatch_comm_s=microbatch_comm, stacking_s=stacking,
+      accumulation_s=accumulation, loop_s=loop,
       gradient_reduction_stage_s=gradient_reduction, update_stage_s=update,
       live_bytes=live, gathered_bytes=gathered, residual_bytes=residual, in_flight=t.in_flight,
       outer_residual_bytes=outer_residual, accumulator_bytes=accumulator, peak_memory=peak, pace_s=pace, steady_s=steady, bubble_s=bubble,
