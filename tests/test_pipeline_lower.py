@@ -165,12 +165,41 @@ def test_each_iterations_residuals_are_stacked_and_sliced_back_as_the_simulator_
       if root is None or root.opcode not in ("dynamic-update-slice", "dynamic-slice"):
         continue
       types = {**module.types, **{i.name: i.type for i in inner}}
-      if parse_shapes(types[root.operands[0]])[0][1][:1] == (iterations,):  # A buffer of all iterations'.
+      shape = parse_shapes(types[root.operands[0]])[0][1]
+      # A buffer of all iterations', but the loop's input and output (one microbatch each).
+      if shape[:1] == (iterations,) and shape[1:] != (2, 16, 64):
         moved += hlo.instruction_bytes(inst, module.types, module.bodies)
   terms = plan.problem.plan_cost(plan.decisions, plan.pipeline).terms
   priced = float(terms.stacking_s[0]) * plan.problem.mesh.hardware.hbm_bandwidth
   assert priced == pytest.approx(4 * float(terms.residual_bytes[0]), rel=1e-5)
   assert priced <= moved <= 2 * priced
+
+
+def test_each_iteration_reads_and_writes_only_its_own_microbatch_of_the_loops_input_and_output():
+  """The loop takes microbatch t as its input of iteration t and gives its result as its
+  output of iteration t: no iteration reads, writes or copies the whole buffer of the
+  microbatches, forward or backward (a buffer carried through the loop and written where
+  the iteration is valid was selected over whole, and its gradient summed whole, in every
+  iteration)."""
+  from automap_rl.xla import hlo
+  from automap_rl.xla.hlo.module import parse_shapes, shape_bytes
+  from automap_rl.xla.hlo.cost import instruction_bytes
+  from automap_rl.xla.pipeline_lower import lower_pipelined
+  from automap_rl.xla.validate import DONATE_ARGNUMS
+  from automap_rl.mesh import to_jax_mesh
+
+  plan = pipelined_plan("stage=4,data=2", tactics.pipeline, 4)
+  w = workload()
+  lowered = lower_pipelined(plan.problem, plan.decisions, plan.pipeline, w.loss_fn, w.optimizer, w.args,
+                            to_jax_mesh(plan.problem.mesh), DONATE_ARGNUMS, isolated=False)
+  module = hlo.parse_module(lowered.compiled.as_text())
+  microbatch = (1, 16, 64)  # [8 / M / 2 rows, seq, d_model]: this plan splits a microbatch over `data`.
+  buffers = [inst for name, body in module.bodies.items() if module.repeats.get(name) == 4 + 4 - 1
+             for inst in body if inst.opcode in ("fusion", "copy")
+             and parse_shapes(inst.type)[0][1] in ((4, *microbatch), (7, *microbatch))]
+  assert buffers  # The loop's output of each iteration is written in place.
+  for inst in buffers:
+    assert instruction_bytes(inst, module.types, module.bodies) < shape_bytes(inst.type), inst.name
 
 
 def test_each_iterations_weight_gradients_are_added_into_their_sums_as_the_simulator_prices():

@@ -17,9 +17,10 @@ forward pipelined:
    sharded over the data axes stays on its devices). One loop of M + S - 1 iterations
    runs under `jax.shard_map`, manual over the stage axis (and the batch axes, below): at iteration t stage s
    applies its L / S layers (a scan of the original body, its rematerialization kept) to
-   microbatch t - s (stage 0 reads it from the input, the others receive it from the
-   stage before with `jax.lax.ppermute`), and the last stage writes its result into the
-   output buffer.
+   microbatch t - s (stage 0 reads it as the loop's input of iteration t, the others
+   receive it from the stage before with `jax.lax.ppermute`); its result is the loop's
+   output of iteration t (the last stage's from iteration S - 1 on are the M
+   microbatches').
    The outputs are re-assembled in microbatch order. Per-layer outputs of the scan (its
    `ys`, [L, ...]) are averaged over the microbatches: exact for outputs that do not
    depend on the activations (a dense block's zero auxiliary loss) or are batch means.
@@ -130,25 +131,25 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
     ys_shape = jax.eval_shape(run_stage, consts, weights, [i[0] for i in inputs])[1]
     shift = [(s, s + 1) for s in range(s_count - 1)]  # The last stage sends nothing on.
 
-    def tick(state, t):
-      received, outputs, ys_sum = state
+    def tick(state, step):
+      (received, ys_sum), (t, fresh) = state, step
       m = t - stage
       valid = (m >= 0) & (m < m_count)
-      fresh = [jax.lax.dynamic_index_in_dim(i, jnp.minimum(t, m_count - 1), keepdims=False) for i in inputs]
       current = [jnp.where(stage == 0, f, r) for f, r in zip(fresh, received)]
       done, ys = run_stage(consts, weights, current)
-      at = jnp.clip(m, 0, m_count - 1)
-      write = valid & (stage == s_count - 1)
-      outputs = [jnp.where(write, jax.lax.dynamic_update_index_in_dim(o, d, at, 0), o) for o, d in zip(outputs, done)]
       ys_sum = [a + jnp.where(valid, y, jnp.zeros_like(y)) for a, y in zip(ys_sum, ys)]
-      return ([jax.lax.ppermute(d, axis, shift) for d in done], outputs, ys_sum), None
+      return ([jax.lax.ppermute(d, axis, shift) for d in done], ys_sum), done
 
-    start = ([jnp.zeros_like(i[0]) for i in inputs], [jnp.zeros_like(i) for i in inputs],
-             [jnp.zeros(y.shape, y.dtype) for y in ys_shape])
-    (_, outputs, ys_sum), _ = jax.lax.scan(tick, start, jnp.arange(m_count + s_count - 1))
+    # The loop reads microbatch t as its input of iteration t (zeros after the M-th) and
+    # gives its result as its output of iteration t (the last stage's from iteration S - 1
+    # on are the M microbatches'): read from, or written into, a carried buffer, the
+    # buffer's gradient would be summed and selected over whole in every iteration.
+    padded = [jnp.concatenate([i, jnp.zeros((s_count - 1, *i.shape[1:]), i.dtype)]) for i in inputs]
+    start = ([jnp.zeros_like(i[0]) for i in inputs], [jnp.zeros(y.shape, y.dtype) for y in ys_shape])
+    (_, ys_sum), outputs = jax.lax.scan(tick, start, (jnp.arange(m_count + s_count - 1), padded))
     if manual_batch:  # Per-layer outputs are batch means or do not depend on the batch.
       ys_sum = [jax.lax.pmean(y, batch_axes) for y in ys_sum]
-    return [o[None] for o in outputs], [(y / m_count)[None] for y in ys_sum]
+    return [o[None, s_count - 1:] for o in outputs], [(y / m_count)[None] for y in ys_sum]
 
   rows_spec = PartitionSpec(None, batch_axes) if manual_batch else PartitionSpec()
   outputs, ys = jax.shard_map(pipeline, mesh=mesh, in_specs=(PartitionSpec(axis), rows_spec, PartitionSpec()),
