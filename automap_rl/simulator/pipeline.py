@@ -239,8 +239,8 @@ class PipelineCost(Cost):
 
 
 STAGE_TERMS = ("microbatch_compute_s", "microbatch_comm_s", "stacking_s", "accumulation_s", "loop_s",
-               "gradient_reduction_stage_s", "update_stage_s", "live_bytes", "gathered_bytes", "residual_bytes", "in_flight", "outer_residual_bytes",
-               "accumulator_bytes", "peak_memory")
+               "gradient_reduction_stage_s", "update_stage_s", "live_bytes", "gathered_bytes", "residual_bytes",
+               "in_flight", "outer_residual_bytes", "accumulator_bytes", "peak_memory")
 
 
 def for_stages(cost: PipelineCost, stages: int) -> PipelineCost:
