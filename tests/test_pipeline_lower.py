@@ -46,6 +46,25 @@ def pipelined_plan(mesh: str, tactic, microbatches: int, bare: bool = False, spe
   return Plan(w.step, w.args, p, decisions, pipeline=pipeline, **training)
 
 
+TWO_LAYERS_A_STAGE = GPT.replace("layers=4", "layers=8")  # Over 4 stages, each runs a loop of 2 layers.
+
+
+@functools.cache
+def compiled_module(tactic, spec: str = GPT):
+  """The tactic's plan of `spec` on stage=4,data=2 as GPipe with 4 microbatches, and its
+  compiled module, parsed (`hlo.parse_module`)."""
+  from automap_rl.mesh import to_jax_mesh
+  from automap_rl.xla import hlo
+  from automap_rl.xla.pipeline_lower import lower_pipelined
+  from automap_rl.xla.validate import DONATE_ARGNUMS
+
+  plan = pipelined_plan("stage=4,data=2", tactic, 4, spec=spec)
+  w = workload(spec)
+  lowered = lower_pipelined(plan.problem, plan.decisions, plan.pipeline, w.loss_fn, w.optimizer, w.args,
+                            to_jax_mesh(plan.problem.mesh), DONATE_ARGNUMS, isolated=False)
+  return plan, hlo.parse_module(lowered.compiled.as_text())
+
+
 # Every family as GPipe over 4 stages; Megatron inside 2 stages on GPT (on the other
 # families, and with more microbatches, in `make test-all`).
 @pytest.mark.parametrize("family,mesh,tactic,microbatches", [
@@ -145,15 +164,8 @@ def test_each_iterations_residuals_are_stacked_and_sliced_back_as_the_simulator_
   the simulator does not count as residuals)."""
   from automap_rl.xla import hlo
   from automap_rl.xla.hlo.module import called_computations, parse_shapes
-  from automap_rl.xla.pipeline_lower import lower_pipelined
-  from automap_rl.xla.validate import DONATE_ARGNUMS
-  from automap_rl.mesh import to_jax_mesh
 
-  plan = pipelined_plan("stage=4,data=2", tactics.megatron_3d, 4)
-  w = workload()
-  lowered = lower_pipelined(plan.problem, plan.decisions, plan.pipeline, w.loss_fn, w.optimizer, w.args,
-                            to_jax_mesh(plan.problem.mesh), DONATE_ARGNUMS, isolated=False)
-  module = hlo.parse_module(lowered.compiled.as_text())
+  plan, module = compiled_module(tactics.megatron_3d)
   iterations = 4 + 4 - 1
   moved = 0.0
   for name, body in module.bodies.items():
@@ -181,18 +193,10 @@ def test_each_iteration_reads_and_writes_only_its_own_microbatch_of_the_loops_in
   microbatches, forward or backward (a buffer carried through the loop and written where
   the iteration is valid was selected over whole, and its gradient summed whole, in every
   iteration)."""
-  from automap_rl.xla import hlo
-  from automap_rl.xla.hlo.module import parse_shapes, shape_bytes
   from automap_rl.xla.hlo.cost import instruction_bytes
-  from automap_rl.xla.pipeline_lower import lower_pipelined
-  from automap_rl.xla.validate import DONATE_ARGNUMS
-  from automap_rl.mesh import to_jax_mesh
+  from automap_rl.xla.hlo.module import parse_shapes, shape_bytes
 
-  plan = pipelined_plan("stage=4,data=2", tactics.pipeline, 4)
-  w = workload()
-  lowered = lower_pipelined(plan.problem, plan.decisions, plan.pipeline, w.loss_fn, w.optimizer, w.args,
-                            to_jax_mesh(plan.problem.mesh), DONATE_ARGNUMS, isolated=False)
-  module = hlo.parse_module(lowered.compiled.as_text())
+  _, module = compiled_module(tactics.pipeline, TWO_LAYERS_A_STAGE)
   microbatch = (1, 16, 64)  # [8 / M / 2 rows, seq, d_model]: this plan splits a microbatch over `data`.
   buffers = [inst for name, body in module.bodies.items() if module.repeats.get(name) == 4 + 4 - 1
              for inst in body if inst.opcode in ("fusion", "copy")
@@ -211,21 +215,13 @@ def test_each_iterations_weight_gradients_are_added_into_their_sums_as_the_simul
   iteration (`PipelineTerms.accumulation_s`), within 10%."""
   from automap_rl.xla import hlo
   from automap_rl.xla.hlo.module import called_computations, parse_shapes
-  from automap_rl.xla.pipeline_lower import lower_pipelined
-  from automap_rl.xla.validate import DONATE_ARGNUMS
-  from automap_rl.mesh import to_jax_mesh
 
-  spec = GPT.replace("layers=4", "layers=8")
-  plan = pipelined_plan("stage=4,data=2", tactics.pipeline, 4, spec=spec)  # Weights whole on each device.
-  w = workload(spec)
-  lowered = lower_pipelined(plan.problem, plan.decisions, plan.pipeline, w.loss_fn, w.optimizer, w.args,
-                            to_jax_mesh(plan.problem.mesh), DONATE_ARGNUMS, isolated=False)
+  plan, module = compiled_module(tactics.pipeline, TWO_LAYERS_A_STAGE)  # Weights whole on each device.
   staged = plan.problem.pipelined(plan.pipeline).staged
   program = staged.program
   gradient_shapes = {program.values[v].shape for v in staged.stack.stacked_inputs(program, plan.problem.named)
                      if program.values[v].role == Role.PARAMETER}
   assert all(shape[0] == 2 for shape in gradient_shapes)  # The stage's two layers.
-  module = hlo.parse_module(lowered.compiled.as_text())
   moved = 0.0
   for name, body in module.bodies.items():
     if module.repeats.get(name) != 4 + 4 - 1:
