@@ -307,7 +307,6 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
     live_rows[stage, :len(r), :r.shape[1]] = r
   zeros = lambda x, *shape: np.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])  # Zeros up to `shape`.
   batched, stacked = program.batch_inputs, staged.stack.stacked_inputs(program, named)
-  layers_per_loop = staged.stack.layers // (pipeline.stages * pipeline.chunks)
   return PipelineTables(
       tables=_padded(tables, uv, uo),
       value_source=_pad(full.value_sig[value_rep].astype(np.int32), uv, 0),
@@ -328,7 +327,7 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
       batch_signature=np.int32(full.value_sig[batched[0]] if batched else -1),
       stacked_signatures=full.value_sig[stacked].astype(np.int32),
       in_flight=_pad(staged.pipeline.in_flight().astype(np.float32), capacity, 1.0),
-      inner_loop=np.float32(staged.stack.scanned and layers_per_loop > 1),
+      inner_loop=np.float32(staged.stack.scanned and max(pipeline.chunk_layers(staged.stack.layers)) > 1),
       stages=np.float32(num_stages), microbatches=np.float32(staged.pipeline.microbatches),
       chunks=np.float32(staged.pipeline.chunks),
       permute_seconds_per_byte=np.float32(1.0 / link.bandwidth), permute_latency=np.float32(link.latency),
