@@ -630,13 +630,17 @@ def live_pieces(profile: np.ndarray) -> list[tuple[int, int, float]]:
   return pieces
 
 
-def without_combining(problem: Problem) -> Problem:
-  """`problem` with no reduction combined by XLA's combiners (`CostTables.reduction_combines`
-  off): every reduction then pays its own latency, a cost local to its edge. A graph's
-  costs are sums of per-node and per-edge terms, so the graph is built on this problem;
-  the plan cost it gives is exactly this problem's and an upper bound on `problem`'s
-  (combining only merges latencies)."""
-  tables = dataclasses.replace(problem.tables, reduction_combines=np.zeros_like(problem.tables.reduction_combines))
+def local_costs(problem: Problem) -> Problem:
+  """`problem` with every cost local to a node or an edge of a graph, whose costs are
+  sums of per-node and per-edge terms, so the graph is built on it; the plan cost the
+  graph gives is exactly this problem's. Two costs of `problem` are not local:
+  reductions combined by XLA's combiners (`CostTables.reduction_combines`), here each
+  paying its own latency (an upper bound: combining only merges latencies); and reads
+  of one value priced as sharing one resharding that resolve apart under a plan
+  (`CostTables.shared_slot_edge`), here each paying its static share (a lower bound:
+  those only add)."""
+  tables = dataclasses.replace(problem.tables, reduction_combines=np.zeros_like(problem.tables.reduction_combines),
+                               shared_slot_runs=np.zeros_like(problem.tables.shared_slot_runs))
   return Problem(problem.program, problem.named, problem.mesh, problem.sigs, tables)
 
 
@@ -644,7 +648,7 @@ def build(problem: Problem, order: Sequence[int] | None = None, tie: np.ndarray 
           limits: Limits = Limits(), max_axes: int = 2) -> ProgramGraph:
   """The strategy graph of `problem` with class order `order` (default: by id; see
   `order_from` to keep an expert plan's order), costed without collective combining
-  (`without_combining`).
+  (`local_costs`).
 
   Args:
     problem: the problem.
@@ -665,7 +669,7 @@ def build(problem: Problem, order: Sequence[int] | None = None, tie: np.ndarray 
   """
   if max_axes not in (1, 2):
     raise ValueError(f"max_axes must be 1 or 2, not {max_axes}")
-  problem = without_combining(problem)
+  problem = local_costs(problem)
   num_classes = len(problem.named.classes)
   order = tuple(range(num_classes)) if order is None else tuple(int(c) for c in order)
   counts = np.bincount(np.asarray(order, np.int64), minlength=num_classes) if order and min(order) >= 0 else None

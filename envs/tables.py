@@ -8,11 +8,12 @@ values cost nothing, padded edges and reduction edges have weight 0, padded targ
 never legal.
 
 Size names: Uv value signatures with Rv dims, Uo op signatures with Rf factors, E edges
-(Eu classes of edges that resolve alike) of which R reduce, L memory probe rows, D factors per dim, Q chunks of W slots (value dims
-and op factors) of one class, C classes, T targets covering at most M classes each, G coverage
-edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B = 2**X axis masks, P
-pipeline options (`envs.pipelines`; bucket padding keeps their pricing tables, which index
-the signatures, as they are).
+(Eu classes of edges that resolve alike) of which R reduce, Ss reads priced as sharing a
+resharding (Sp pairs of them), L memory probe rows, D factors per dim, Q chunks of W slots
+(value dims and op factors) of one class, C classes, T targets covering at most M classes
+each, G coverage edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B = 2**X
+axis masks, P pipeline options (`envs.pipelines`; bucket padding keeps their pricing
+tables, which index the signatures, as they are).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ DIMS: Mapping[str, tuple[str, ...]] = {
 COST_DIMS: Mapping[str, tuple[str, ...]] = {
     "op_reduction": ("Uo", "Rf"), "edge_dim_factors": ("E", "Rv", "D"), "live_bytes": ("L", "Uv"),
     "hbm_bytes": (), "combine_bytes": ("2",), "native_scatter": (), "loop_repeats": ("K",),
+    "shared_slot_edge": ("Ss",), "shared_slot_runs": ("Ss",), "shared_slot_share": ("Ss",), "shared_pairs": ("2", "Sp"),
 }
 _PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "unique": "Eu", "reduction": "R", "mask": "B"}
 
@@ -84,8 +86,10 @@ def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
 
 _FILL = {"value_class": -1, "value_divisible": 1, "op_class": -1, "op_divisible": 1, "target_classes": -1,
          "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_divisible": 1,
-         "edge_dim_factors": -1, "op_dense_factor": -1, "value_rank": sharding.NO_SLOT_RANK, "op_rank": sharding.NO_SLOT_RANK}  # -1: the simulator's never-sharded factor.
-BUCKETED = ("Uv", "Uo", "E", "Eu", "R", "L", "Q", "C", "T", "G")
+         "edge_dim_factors": -1, "op_dense_factor": -1,  # -1: the simulator's never-sharded factor.
+         "shared_pairs": -1,  # -1: a pair that counts for no slot.
+         "value_rank": sharding.NO_SLOT_RANK, "op_rank": sharding.NO_SLOT_RANK}
+BUCKETED = ("Uv", "Uo", "E", "Eu", "R", "L", "Q", "C", "T", "G", "Ss", "Sp")
 CHUNK = 8  # W: slots per chunk.
 
 

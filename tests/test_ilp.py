@@ -103,16 +103,16 @@ def test_a_tied_search_is_never_worse_than_the_best_expert_and_bounds_its_graph(
   assert result.stopped_by != "memory"
   assert bool(result.cost.fits)
   assert result.step_time <= float(expert.cost.step_time) * (1 + 1e-6)
-  # The bound holds for the graph's cost (no combining) of the tied graph's plans.
+  # The bound holds for the graph's cost (`local_costs`) of the tied graph's plans.
   graph = strategy_graph.build(problem, strategy_graph.order_from(problem, expert.decisions),
                                strategy_graph.tied_classes(problem))
   assert graph.tied
   assert result.lower_bound is not None and result.lower_bound > 0
-  uncombined = strategy_graph.without_combining(problem)
+  local = strategy_graph.local_costs(problem)
   for plan in (expert.decisions, result.decisions):
     assignment = graph.assignment_of(list(plan))
     if assignment is not None:
-      assert result.lower_bound <= float(uncombined.cost(graph.decisions(graph.choice(assignment))).step_time) * (1 + 1e-6)
+      assert result.lower_bound <= float(local.cost(graph.decisions(graph.choice(assignment))).step_time) * (1 + 1e-6)
 
 
 def test_the_descent_ends_at_a_local_optimum_of_the_simulator_no_worse_than_its_start():

@@ -5,6 +5,9 @@ the op's shard count. Per edge (an op using or making a value):
 
 * operand stored on axes the op does not shard: all-gather over those axes; on an axis
   the op shards on another dim: all-to-all; sharded where stored replicated: a free slice.
+  The reads of one value that need the same sharding share one such collective, as XLA
+  reshards a value once per sharding (`tables._operand_read_shares`, and
+  `_unshared_reads` where a plan resolves such reads apart).
 * result with sharded reduction factors: a partial sum, reduce-scattered over the axes its
   stored sharding uses, all-reduced over the rest (a linear combination of partial sums
   reduces all their buffers in one collective, as XLA's combiner does, each as its source
@@ -176,16 +179,17 @@ def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divis
                 weighted_bytes: jax.Array, buffer_bytes: jax.Array,
                 combine: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> EdgeTerms:
   """The terms of one collective kind over the axes `axes` [N, B] of edges run `weight`
-  [N] times a step, moving values of `weighted_bytes / weight` bytes (`weighted_bytes`
-  [N]: weight times bytes; see `_collective`): bandwidth per byte moved, latency per
+  [N, 1] or [N, B] times a step, moving values of `weighted_bytes / weight` bytes
+  (`weighted_bytes` of `weight`'s shape: weight times bytes; see `_collective`):
+  bandwidth per byte moved, latency per
   collective. Linear in `weight` and `weighted_bytes`, so the terms of several edges with
   the same axes are those of one edge with their sums. `buffer` is `buffer_bytes` [N]
   over the group. With `combine = (combines [N], loop [N], threshold)`, the collectives of
   the combining edges are merged as XLA's combiner does (`_combined_count`), so latency
   is charged per combined collective."""
   per_byte, fixed, fraction = _collective(t, rounds, axes, divisor)
-  runs = jnp.where(axes != 0, weight[:, None], 0.0)
-  runs_bytes = jnp.where(axes != 0, weighted_bytes[:, None], 0.0)
+  runs = jnp.where(axes != 0, weight, 0.0)
+  runs_bytes = jnp.where(axes != 0, weighted_bytes, 0.0)
   moved = runs_bytes * fraction
   count = runs if combine is None else _combined_count(t, axes, moved, runs, *combine)
   return EdgeTerms(seconds=runs_bytes * per_byte + count * fixed, bytes=moved, count=count,
@@ -273,6 +277,29 @@ def _dense_shards(t: CostTables, op_mask: jax.Array) -> jax.Array:
   return jnp.where((t.op_dense_factor >= 0)[:, None], _group_size(t, _axes_of(t, mask)), 1.0)
 
 
+def _unshared_reads(t: CostTables, row_of_edge: jax.Array | None, moves: jax.Array, required: jax.Array,
+                    num_axes: int) -> tuple[jax.Array, jax.Array]:
+  """The runs of resharding a step, [S, B], that reads `edge_weight` prices as sharing one
+  resharding add where they do not share it under the plan, and the row of each, [S].
+
+  A read of a group of n (`CostTables.shared_slot_edge`) pays 1/n of a resharding in
+  `edge_weight`. XLA (and the lowering) share one resharded copy among the reads that
+  need the same sharding; a read that reshards where m reads of its group (itself
+  included) reshard to the sharding it needs pays 1/m. Rows are edges (`row_of_edge`
+  None) or classes of edges (`row_of_edge` [E], `CostTables.edge_unique`); `moves`
+  [rows, B]: the row is an operand resharded (gathered or moved by all-to-all);
+  `required` [rows, Rv, B]: the axes its op computes each dim on. Padding pairs (-1)
+  count for no slot."""
+  slot_row = t.shared_slot_edge if row_of_edge is None else row_of_edge[t.shared_slot_edge]  # [S]
+  words = packing.pack(required[slot_row], num_axes)  # [W, S, B]
+  slot_moves = moves[slot_row]  # [S, B]
+  first, second = t.shared_pairs  # [Q] each, `first` ascending.
+  same = slot_moves[second] & jnp.all(words[:, first] == words[:, second], axis=0)  # [Q, B]
+  sharers = jax.ops.segment_sum(same.astype(jnp.float32), first, slot_row.shape[0], indices_are_sorted=True)
+  share = jnp.where(slot_moves, 1.0 / jnp.maximum(sharers, 1.0) - t.shared_slot_share[:, None], 0.0)  # [S, B]
+  return share * t.shared_slot_runs[:, None], slot_row
+
+
 def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) -> CostTerms:
   """The cost terms of a batch of plans laid out batch-last (see `automap_rl.batching`).
 
@@ -336,10 +363,16 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   # all-to-all, so those share a row. Only the reduction edges [R] (results of ops that
   # reduce) can reduce-scatter or all-reduce: those run over them alone.
   gather_axes = jnp.where(operand, gather_in, required_all & ~stored_all)
-  gather = _edge_terms(t, 1.0, gather_axes, jnp.where(operand, stored_all & ~gather_in, stored_all),
-                       weight, weighted_bytes, buffer_bytes)
-  to_all = _edge_terms(t, 1.0, jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced),
-                       stored_all, weight, weighted_bytes, buffer_bytes)
+  gather_divisor = jnp.where(operand, stored_all & ~gather_in, stored_all)
+  to_all_axes = jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced)
+  # Reads priced as sharing a resharding that do not share it under this plan run more.
+  extra, slot_row = _unshared_reads(t, None if per_edge else t.edge_unique,
+                                    operand & ((gather_axes | to_all_axes) != 0), required, num_axes)
+  extra_bytes = extra * t.value_bytes[t.edge_value[t.shared_slot_edge]][:, None]
+  weight = weight[:, None] + jax.ops.segment_sum(extra, slot_row, edge.shape[0])
+  weighted_bytes = weighted_bytes[:, None] + jax.ops.segment_sum(extra_bytes, slot_row, edge.shape[0])
+  gather = _edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
+  to_all = _edge_terms(t, 1.0, to_all_axes, stored_all, weight, weighted_bytes, buffer_bytes)
 
   scatter_axes = jnp.where(t.native_scatter, r_reduced & r_stored, 0).astype(r_reduced.dtype)
   # The partial sums are sharded as their op computes less the axes they are pending over:
@@ -357,10 +390,11 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
       op_compute_s=jnp.maximum(t.op_compute_s[:, None] / _dense_shards(t, op_mask), t.op_memory_s[:, None]) / op_shards,
       gather=gather,
       all_to_all=to_all,
-      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight, r_weighted, r_nbytes,
+      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight[:, None], r_weighted[:, None],
+                                 r_nbytes,
                                  (t.reduction_combines, t.reduction_loop, t.combine_bytes[1])),
       all_reduce=_with_second_factor(t, _edge_terms(t, 2.0, r_first & ~scatter_axes, partial_axes | scatter_axes,
-                                                    t.reduction_weight, r_weighted, r_nbytes,
+                                                    t.reduction_weight[:, None], r_weighted[:, None], r_nbytes,
                                                     (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
                                      r_reduced & ~r_first & ~scatter_axes, partial_axes | scatter_axes, r_weighted),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,

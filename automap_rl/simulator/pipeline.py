@@ -341,9 +341,10 @@ def _pad(x: np.ndarray, size: int, fill) -> np.ndarray:
 
 def _padded(t: CostTables, uv: int, uo: int) -> CostTables:
   """`t` with rows that cost nothing up to `uv` value and `uo` op signatures, power-of-two
-  edges, reductions and unique edges, every combining group, and no live rows (the
+  edges, reductions, unique edges and shared reads, every combining group, and no live rows (the
   stages' are `PipelineTables.live_rows`)."""
   edges, unique, reductions = (next_power_of_two(len(x), 16) for x in (t.edge_op, t.unique_edge, t.reduction_edge))
+  slots, pairs = next_power_of_two(len(t.shared_slot_edge), 16), next_power_of_two(t.shared_pairs.shape[1], 16)
   rf = t.op_reduction.shape[1]
   return t.replace(
       value_bytes=_pad(t.value_bytes, uv, 0.0), value_compute_s=_pad(t.value_compute_s, uv, 0.0),
@@ -360,6 +361,8 @@ def _padded(t: CostTables, uv: int, uo: int) -> CostTables:
       unique_weighted_bytes=_pad(t.unique_weighted_bytes, unique, 0.0),
       unique_buffer_bytes=_pad(t.unique_buffer_bytes, unique, 0.0),
       unique_transient_bytes=_pad(t.unique_transient_bytes, unique, 0.0),
+      shared_slot_edge=_pad(t.shared_slot_edge, slots, 0), shared_slot_runs=_pad(t.shared_slot_runs, slots, 0.0),
+      shared_slot_share=_pad(t.shared_slot_share, slots, 0.0), shared_pairs=_pad(t.shared_pairs.T, pairs, -1).T,
       reduction_edge=_pad(t.reduction_edge, reductions, 0), reduction_weight=_pad(t.reduction_weight, reductions, 0.0),
       reduction_partial_sums=_pad(t.reduction_partial_sums, reductions, 1.0),
       reduction_combines=_pad(t.reduction_combines, reductions, 0.0),

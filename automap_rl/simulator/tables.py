@@ -139,6 +139,16 @@ class CostTables:
       results, whose gathers add nothing to the peak), [Eu];
     unique_transient_bytes: the largest value bytes of their edges with a transient read
       (`edge_transient`; 0 for results), [Eu].
+    shared_slot_edge, shared_slot_runs, shared_slot_share: the reads `edge_weight` prices
+      as sharing one resharding, in groups of 2 to `MAX_SHARED_READS` (`_shared_reads`):
+      per slot (one read of a pattern of groups), its edge, its summed runs a step and
+      the share 1/n of a resharding it pays there (n its group's size), [S]. Under a plan
+      where some reads of a group resolve otherwise (an op that shards another factor of
+      the same named dims, or reads the value as stored), only reads resharded to the
+      same sharding share: the simulator charges a slot 1/m of a resharding, m the reads
+      of its group resharded as it is. Padding slots have runs 0.
+    shared_pairs: every ordered pair of slots of one pattern (a slot with itself
+      included), int32 [2, Q]; padding pairs are -1.
     live_bytes: global bytes of each value signature live at each probe point (`probe_rows`), [T, Uv].
     mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
       group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency
@@ -168,6 +178,10 @@ class CostTables:
   unique_weighted_bytes: np.ndarray
   unique_buffer_bytes: np.ndarray
   unique_transient_bytes: np.ndarray
+  shared_slot_edge: np.ndarray
+  shared_slot_runs: np.ndarray
+  shared_slot_share: np.ndarray
+  shared_pairs: np.ndarray
   reduction_edge: np.ndarray
   reduction_weight: np.ndarray
   reduction_partial_sums: np.ndarray
@@ -290,20 +304,12 @@ def probe_rows(live: np.ndarray, seed: int = 0, kinds: np.ndarray | None = None)
   return live[rows].astype(np.float32)
 
 
-def _operand_read_shares(program: Program, sigs: Signatures) -> dict[tuple[int, int], float]:
-  """(op, operand index) -> the share of the operand's resharding this read pays.
-
-  XLA reshards a value once and reuses the result for every op that needs it in that
-  sharding (an FSDP parameter is all-gathered once for the forward and the backward
-  matmul). Reads that need the same sharding are taken to be those whose dims map to
-  factors of the same named dimensions: they resolve alike under every plan (up to one
-  op's axis conflicts). Each of the n ops that read a value with the same such key pays
-  1/n of a resharding, so the n reads together cost one. Only ops with a signature read
-  through edges (ops that follow their values never communicate). A value folded from
-  constants (the zeros a scatter-add accumulates into) costs nothing: XLA makes it in
-  the sharding each reader needs.
-  """
-  folded = {v for op in constant_ops(program) for v in program.ops[op].results}
+def _read_keys(program: Program, sigs: Signatures) -> dict[tuple[int, int], tuple]:
+  """(op, operand index) -> what reads that share one resharding have in common: the value
+  and the classes of the factors each of its dims maps to (reads on factors of the same
+  named dimensions resolve alike under every plan, up to one op's axis conflicts). Only
+  ops with a signature read through edges (ops that follow their values never
+  communicate)."""
   keys: dict[tuple[int, int], tuple] = {}
   for op in program.ops:
     sig = sigs.op_sig[op.id]
@@ -312,10 +318,69 @@ def _operand_read_shares(program: Program, sigs: Signatures) -> dict[tuple[int, 
     classes = sigs.op_class[sig]
     for i, (v, dims) in enumerate(zip(op.operands, op.rule.operand_dims)):
       keys[op.id, i] = (v, tuple(tuple(int(classes[f]) for f in dim) for dim in dims))
+  return keys
+
+
+def _operand_read_shares(program: Program, keys: dict[tuple[int, int], tuple]) -> dict[tuple[int, int], float]:
+  """(op, operand index) -> the share of the operand's resharding this read pays.
+
+  XLA reshards a value once and reuses the result for every op that needs it in that
+  sharding (an FSDP parameter is all-gathered once for the forward and the backward
+  matmul). Reads that need the same sharding are taken to be those with the same
+  `_read_keys` key. Each of the n ops that read a value with the same such key pays
+  1/n of a resharding, so the n reads together cost one (under a plan where some of them
+  resolve otherwise, the simulator corrects the shares: `CostTables.shared_slot_edge`). A
+  value folded from constants (the zeros a scatter-add accumulates into) costs nothing:
+  XLA makes it in the sharding each reader needs.
+  """
+  folded = {v for op in constant_ops(program) for v in program.ops[op].results}
   counts: dict[tuple, int] = {}
   for key in keys.values():
     counts[key] = counts.get(key, 0) + 1
   return {read: 0.0 if key[0] in folded else 1.0 / counts[key] for read, key in keys.items()}
+
+
+# The largest group of reads whose shared resharding the simulator checks under each plan
+# (`_shared_reads`): a larger group (a mask or a table that every layer reads) keeps its
+# static shares, since its pairs of reads would outnumber all the others.
+MAX_SHARED_READS = 16
+
+
+def _shared_reads(program: Program, sigs: Signatures, keys: dict[tuple[int, int], tuple],
+                  shares: dict[tuple[int, int], float], operand_edge: np.ndarray, edge_unique: np.ndarray,
+                  made: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """The groups of 2 to `MAX_SHARED_READS` reads that `_operand_read_shares` prices as
+  sharing one resharding, but for those whose edges all resolve alike under every plan
+  (one class of `edge_unique`: they always share), by pattern (the edges of a group's reads, in edge order; groups
+  of one pattern add their runs), as `(slot_edge [S], slot_runs [S], slot_share [S],
+  pairs [2, Q])`: one slot per read of each pattern, its edge, its reads' summed runs a
+  step (as `edge_weight` counts them) and its share 1/n of a group of n; every ordered pair of slots
+  of one pattern, a slot with itself included. `operand_edge`: the edge of each op
+  signature's first operand, [Uo]; `made`: how often each value is made a step."""
+  groups: dict[tuple, list[tuple[int, int]]] = {}
+  for read, key in keys.items():
+    if shares[read] > 0.0:
+      groups.setdefault(key, []).append(read)
+  patterns: dict[tuple[int, ...], np.ndarray] = {}
+  for reads in groups.values():
+    if not 2 <= len(reads) <= MAX_SHARED_READS:
+      continue
+    edges = [int(operand_edge[sigs.op_sig[op]]) + i for op, i in reads]
+    if len(set(edge_unique[edges])) == 1:
+      continue
+    runs = [min(program.ops[op].repeat, made[program.ops[op].operands[i]]) for op, i in reads]
+    order = np.argsort(edges, kind="stable")
+    pattern = tuple(edges[k] for k in order)
+    patterns[pattern] = patterns.get(pattern, np.zeros(len(reads))) + np.array(runs, np.float64)[order]
+  slot_edge, slot_runs, slot_share, pairs = [], [], [], []
+  for pattern, runs in patterns.items():
+    first = len(slot_edge)
+    slot_edge += pattern
+    slot_runs += list(runs)
+    slot_share += [1.0 / len(pattern)] * len(pattern)
+    pairs += [(first + a, first + b) for a in range(len(pattern)) for b in range(len(pattern))]
+  return (np.array(slot_edge, np.int32), np.array(slot_runs, np.float32), np.array(slot_share, np.float32),
+          np.array(pairs, np.int32).reshape(-1, 2).T)
 
 
 def _terminal_reductions(program: Program, sigs: Signatures, reduces: np.ndarray) -> np.ndarray:
@@ -416,7 +481,8 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   operand_buffers: dict[int, np.ndarray] = {}
   operand_weight: dict[int, np.ndarray] = {}  # Op signature -> gather weight of each operand.
   operand_transient: dict[int, np.ndarray] = {}  # Op signature -> reads of each operand resharded alone.
-  read_share = _operand_read_shares(program, sigs)
+  keys = _read_keys(program, sigs)
+  read_share = _operand_read_shares(program, keys)
   made = np.ones(program.num_values, np.float64)  # How often each value is made a step.
   for op in program.ops:
     made[list(op.results)] = op.repeat
@@ -451,8 +517,9 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   rf = sigs.op_class.shape[1]
   edge_op, edge_value, edge_result, edge_dims = [], [], [], []
   edge_weight, edge_buffers, edge_transient = [], [], []
+  operand_edge = np.zeros(num_ops, np.int64)
   for sig, (_, factors, operands, results, _) in enumerate(sigs.op_keys):
-    first = len(edge_op)
+    first = operand_edge[sig] = len(edge_op)
     for is_result, edges in ((False, operands), (True, results)):
       for value_sig, dims in edges:
         table = np.zeros((rv, rf), bool)
@@ -493,6 +560,9 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   transient_bytes = np.zeros(len(unique_edge), np.float32)
   np.maximum.at(transient_bytes, edge_unique, np.where(transient32 > 0, value_bytes[edge_value], 0.0))
 
+  slot_edge, slot_runs, slot_share, pairs = _shared_reads(program, sigs, keys, read_share, operand_edge,
+                                                        edge_unique, made)
+
   def per_class(x: np.ndarray) -> np.ndarray:
     return np.bincount(edge_unique, x.astype(np.float64), len(unique_edge)).astype(np.float32)
 
@@ -519,6 +589,10 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       unique_weighted_bytes=per_class(weight32 * value_bytes[edge_value]),
       unique_buffer_bytes=per_class(np.where(edge_result, 0.0, buffers32 * value_bytes[edge_value])),
       unique_transient_bytes=transient_bytes,
+      shared_slot_edge=slot_edge,
+      shared_slot_runs=slot_runs,
+      shared_slot_share=slot_share,
+      shared_pairs=pairs,
       reduction_edge=reduction_edge,
       reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
       reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
