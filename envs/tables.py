@@ -67,7 +67,8 @@ DIMS: Mapping[str, tuple[str, ...]] = {
 COST_DIMS: Mapping[str, tuple[str, ...]] = {
     "op_reduction": ("Uo", "Rf"), "edge_dim_factors": ("E", "Rv", "D"), "live_bytes": ("L", "Uv"),
     "hbm_bytes": (), "combine_bytes": ("2",), "native_scatter": (), "loop_repeats": ("K",),
-    "shared_slot_edge": ("Ss",), "shared_slot_runs": ("Ss",), "shared_slot_share": ("Ss",), "shared_pairs": ("2", "Sp"),
+    "shared_slot_edge": ("Ss",), "shared_slot_runs": ("Ss",), "shared_slot_share": ("Ss",),
+    "shared_pairs": ("2", "Sp"),
 }
 _PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "unique": "Eu", "reduction": "R", "mask": "B"}
 

@@ -181,10 +181,9 @@ def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divis
   """The terms of one collective kind over the axes `axes` [N, B] of edges run `weight`
   [N, 1] or [N, B] times a step, moving values of `weighted_bytes / weight` bytes
   (`weighted_bytes` of `weight`'s shape: weight times bytes; see `_collective`):
-  bandwidth per byte moved, latency per
-  collective. Linear in `weight` and `weighted_bytes`, so the terms of several edges with
-  the same axes are those of one edge with their sums. `buffer` is `buffer_bytes` [N]
-  over the group. With `combine = (combines [N], loop [N], threshold)`, the collectives of
+  bandwidth per byte moved, latency per collective. Linear in `weight` and
+  `weighted_bytes`, so the terms of several edges with the same axes are those of one
+  edge with their sums. `buffer` is `buffer_bytes` [N] over the group. With `combine = (combines [N], loop [N], threshold)`, the collectives of
   the combining edges are merged as XLA's combiner does (`_combined_count`), so latency
   is charged per combined collective."""
   per_byte, fixed, fraction = _collective(t, rounds, axes, divisor)
@@ -293,9 +292,9 @@ def _unshared_reads(t: CostTables, row_of_edge: jax.Array | None, moves: jax.Arr
   slot_row = t.shared_slot_edge if row_of_edge is None else row_of_edge[t.shared_slot_edge]  # [S]
   words = packing.pack(required[slot_row], num_axes)  # [W, S, B]
   slot_moves = moves[slot_row]  # [S, B]
-  first, second = t.shared_pairs  # [Q] each, `first` ascending.
+  first, second = t.shared_pairs  # [Q] each.
   same = slot_moves[second] & jnp.all(words[:, first] == words[:, second], axis=0)  # [Q, B]
-  sharers = jax.ops.segment_sum(same.astype(jnp.float32), first, slot_row.shape[0], indices_are_sorted=True)
+  sharers = jax.ops.segment_sum(same.astype(jnp.float32), first, slot_row.shape[0])  # Drops padding (-1).
   share = jnp.where(slot_moves, 1.0 / jnp.maximum(sharers, 1.0) - t.shared_slot_share[:, None], 0.0)  # [S, B]
   return share * t.shared_slot_runs[:, None], slot_row
 

@@ -351,12 +351,13 @@ def _shared_reads(program: Program, sigs: Signatures, keys: dict[tuple[int, int]
                   made: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """The groups of 2 to `MAX_SHARED_READS` reads that `_operand_read_shares` prices as
   sharing one resharding, but for those whose edges all resolve alike under every plan
-  (one class of `edge_unique`: they always share), by pattern (the edges of a group's reads, in edge order; groups
-  of one pattern add their runs), as `(slot_edge [S], slot_runs [S], slot_share [S],
-  pairs [2, Q])`: one slot per read of each pattern, its edge, its reads' summed runs a
-  step (as `edge_weight` counts them) and its share 1/n of a group of n; every ordered pair of slots
-  of one pattern, a slot with itself included. `operand_edge`: the edge of each op
-  signature's first operand, [Uo]; `made`: how often each value is made a step."""
+  (one class of `edge_unique`: they always share), by pattern (the edges of a group's
+  reads, in edge order; groups of one pattern add their runs), as `(slot_edge [S],
+  slot_runs [S], slot_share [S], pairs [2, Q])`: one slot per read of each pattern, its
+  edge, its reads' summed runs a step (as `edge_weight` counts them) and its share 1/n of
+  a group of n; every ordered pair of slots of one pattern, a slot with itself included.
+  `operand_edge`: the edge of each op signature's first operand, [Uo]; `made`: how often
+  each value is made a step."""
   groups: dict[tuple, list[tuple[int, int]]] = {}
   for read, key in keys.items():
     if shares[read] > 0.0:
