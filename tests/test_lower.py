@@ -666,6 +666,26 @@ def test_reads_of_one_value_on_different_shardings_each_pay_their_own_collective
     assert simulated["comm_bytes_by_kind"][kind] == pytest.approx(compiled["comm_bytes_by_kind"][kind], rel=1e-6)
 
 
+@pytest.mark.parametrize("mesh, shards", [("data=2,model=4", 2), ("data=4,model=2", 1)])
+def test_a_weight_gradient_stored_split_is_computed_split_over_the_idle_axis(mesh, shards):
+  """FSDP leaves `model` idle. Where the idle axis has a multiple of the devices the
+  gradient is stored split over, XLA computes each weight gradient's share on the idle
+  devices, all-reduces that share and permutes it to its owner: half of every weight's
+  gradient bytes on data=2,model=4; the whole on data=4,model=2 (two idle devices cannot
+  hold four shares). The simulator all-reduced the whole gradient in both."""
+  from automap_rl.xla.validate import compiled_metrics, simulated_metrics
+
+  workload, problem = _setup("mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", mesh)
+  decisions = tactics.fsdp(problem)
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(workload.args[0]) if x.ndim == 2)
+  assert compiled["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(weights / shards, rel=0.05)
+  assert simulated["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(compiled["comm_bytes_by_kind"]["all-reduce"],
+                                                                       rel=1e-6)
+  assert (compiled["collective_permute_count"] > 0) == (shards > 1)
+
+
 @given(st.data())
 @settings(max_examples=200, deadline=None)
 def test_a_staged_reshard_first_moves_axes_then_only_gathers(data):

@@ -15,7 +15,9 @@ the op's shard count. Per edge (an op using or making a value):
   XLA on CPU), one all-reduce over all those axes and a slice, as the SPMD partitioner
   writes it; the partial sums of two sharded reduction factors (a batch on one axis and a
   sequence on another) are all-reduced one factor after the other, as the partitioner
-  does; computed sharded on axes it is not stored on: all-gather.
+  does; computed sharded on axes it is not stored on: all-gather. A dot that leaves mesh
+  axes idle computes, reduces and sends only the share its stored split owns, where the
+  idle devices can hold the shares (`_split_over_idle_axes`).
 
 XLA's combiners merge independent reductions of one kind over the same axes (the
 gradients of data parallelism) into few collectives, up to the hardware profile's
@@ -198,11 +200,11 @@ def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divis
 def _with_second_factor(t: CostTables, first: EdgeTerms, axes: jax.Array, divisor: jax.Array,
                         weighted_bytes: jax.Array) -> EdgeTerms:
   """`first`, the all-reduces of the reductions' first sharded factor [R, B], plus those
-  of their other factors, over `axes` [R, B]: the same buffers (`weighted_bytes` [R]),
+  of their other factors, over `axes` [R, B]: the same buffers (`weighted_bytes` [R, B]),
   combined as the first factor's are (their counts; uncombined, their runs, where the first
   factor is reduce-scattered), without a second pass of the combiner over the edges."""
   per_byte, fixed, fraction = _collective(t, 2.0, axes, divisor)
-  runs_bytes = jnp.where(axes != 0, weighted_bytes[:, None], 0.0)
+  runs_bytes = jnp.where(axes != 0, weighted_bytes, 0.0)
   count = jnp.where(axes != 0, jnp.where(first.count > 0, first.count, t.reduction_weight[:, None]), 0.0)
   return EdgeTerms(seconds=first.seconds + runs_bytes * per_byte + count * fixed,
                    bytes=first.bytes + runs_bytes * fraction, count=first.count + count, buffer=first.buffer)
@@ -299,6 +301,32 @@ def _unshared_reads(t: CostTables, row_of_edge: jax.Array | None, moves: jax.Arr
   return share * t.shared_slot_runs[:, None], slot_row
 
 
+def _split_over_idle_axes(t: CostTables, op_axes: jax.Array, reduced: jax.Array,
+                          stored: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """How many ways XLA's partitioner splits each dot whose partial sums it reduces over
+  devices its plan leaves idle, per reduction [R, B] and per op signature [Uo, B] (1 where
+  it does not split).
+
+  A dot's partial sums (`CostTables.reduction_dot`) summed over axes `reduced` [R, B] and
+  stored split over axes S of those (`stored` [R, B]: the value's axes) are reduce-scattered,
+  on a backend without a native reduce-scatter all-reduced whole and sliced. Where the dot
+  leaves axes I of the mesh idle (`op_axes` [Uo, B]: the axes its factors use), its
+  devices along I compute alike, and with |I| a multiple of |S| XLA has them compute a
+  1/|S| share each instead: the share along S owned by the devices of their position
+  along I, all-reduced over `reduced` and sent to its owner by a collective-permute (FSDP
+  with the model axis idle: a quarter of each weight gradient on a 4 x 8 mesh, as XLA:CPU
+  compiles it)."""
+  every = t.mask_group.shape[-1] - 1  # The mask of every axis.
+  op = t.edge_op[t.reduction_edge]
+  idle = every & ~op_axes[op]
+  scattered = reduced & stored
+  n_idle, n_scattered = (_group_size(t, _axes_of(t, mask)) for mask in (idle, scattered))
+  split = t.reduction_dot[:, None] & (scattered != 0) & (jnp.mod(n_idle, n_scattered) == 0)
+  shards = jnp.where(split, n_scattered, 1.0)
+  op_shards = jax.ops.segment_max(shards, op, t.op_compute_s.shape[0])
+  return shards, jnp.maximum(op_shards, 1.0)
+
+
 def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) -> CostTerms:
   """The cost terms of a batch of plans laid out batch-last (see `automap_rl.batching`).
 
@@ -373,7 +401,9 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   gather = _edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
   to_all = _edge_terms(t, 1.0, to_all_axes, stored_all, weight, weighted_bytes, buffer_bytes)
 
-  scatter_axes = jnp.where(t.native_scatter, r_reduced & r_stored, 0).astype(r_reduced.dtype)
+  op_axes = op_mask.sum(axis=1, dtype=jnp.int8)  # [Uo, B]
+  split, op_split = _split_over_idle_axes(t, op_axes, r_reduced, r_stored)  # [R, B], [Uo, B]
+  scatter_axes = jnp.where(t.native_scatter & (split == 1.0), r_reduced & r_stored, 0).astype(r_reduced.dtype)
   # The partial sums are sharded as their op computes less the axes they are pending over:
   # a linear combination of partial sums may compute on those too, but XLA reduces the
   # buffers its sources made.
@@ -383,19 +413,25 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   # and the sequence on `model`) XLA's partitioner all-reduces one factor at a time: the
   # first factor's axes, then the others', each moving the whole buffer.
   r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]] * t.reduction_partial_sums
-  r_weighted = t.reduction_weight * r_nbytes
+  r_weighted = (t.reduction_weight * r_nbytes)[:, None] / split  # [R, B]
+  # A split dot's share goes to its owner: one hop over the axes its pairs cross.
+  sent = (r_reduced & r_stored) | (t.mask_group.shape[-1] - 1 & ~op_axes[t.edge_op[t.reduction_edge]])
+  sent = sent.astype(jnp.uint8)
+  permute_s = jnp.where(split > 1.0, r_weighted * jnp.asarray(t.mask_seconds_per_byte)[sent]
+                        + t.reduction_weight[:, None] * jnp.asarray(t.mask_latency)[sent], 0.0)
+  all_reduce = _with_second_factor(t, _edge_terms(t, 2.0, r_first & ~scatter_axes, partial_axes | scatter_axes,
+                                                  t.reduction_weight[:, None], r_weighted, r_nbytes,
+                                                  (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
+                                   r_reduced & ~r_first & ~scatter_axes, partial_axes | scatter_axes, r_weighted)
   return CostTerms(
       value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards,
-      op_compute_s=jnp.maximum(t.op_compute_s[:, None] / _dense_shards(t, op_mask), t.op_memory_s[:, None]) / op_shards,
+      op_compute_s=(jnp.maximum(t.op_compute_s[:, None] / _dense_shards(t, op_mask) / op_split, t.op_memory_s[:, None])
+                    / op_shards),
       gather=gather,
       all_to_all=to_all,
-      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight[:, None], r_weighted[:, None],
-                                 r_nbytes,
+      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight[:, None], r_weighted, r_nbytes,
                                  (t.reduction_combines, t.reduction_loop, t.combine_bytes[1])),
-      all_reduce=_with_second_factor(t, _edge_terms(t, 2.0, r_first & ~scatter_axes, partial_axes | scatter_axes,
-                                                    t.reduction_weight[:, None], r_weighted[:, None], r_nbytes,
-                                                    (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
-                                     r_reduced & ~r_first & ~scatter_axes, partial_axes | scatter_axes, r_weighted),
+      all_reduce=all_reduce._replace(seconds=all_reduce.seconds + permute_s),
       gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
       transient_bytes=jnp.where(operand & (gather_axes != 0), transient[:, None], 0.0) * gather.buffer,
       reduced_axes=r_reduced,

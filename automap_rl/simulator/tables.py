@@ -102,6 +102,10 @@ class CostTables:
     reduction_partial_sums: how many partial sums (one buffer each) the reduction carries
       in one collective: more than 1 for a linear combination of partial sums (see
       `sharding.pending_partial_sums`), [R].
+    reduction_dot: the reduction is a dot's own (not a combination of partial sums), bool
+      [R]: where its value is stored split over some of the axes it sums over and the dot
+      leaves mesh axes idle, XLA's partitioner computes each device's share of that split
+      on the idle devices (see `simulator.cost._split_over_idle_axes`).
     reduction_combines: how XLA's combiners treat the reduction's collectives, [R]: 0, not
       combined; 1, merged with those of the other combining reductions outside loops; r >
       1, merged with those of the other combining reductions of the same loop iteration,
@@ -185,6 +189,7 @@ class CostTables:
   reduction_edge: np.ndarray
   reduction_weight: np.ndarray
   reduction_partial_sums: np.ndarray
+  reduction_dot: np.ndarray
   reduction_combines: np.ndarray
   reduction_loop: np.ndarray
   loop_repeats: np.ndarray
@@ -491,6 +496,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   dense = dense_group_factors(program, hw)
   dense_factor = np.full(num_ops, -1, np.int32)
   traffic = memory_bytes(program)
+  dots = np.zeros(num_ops, bool)  # Op signatures of dots.
   for op in program.ops:
     sig = sigs.op_sig[op.id]
     dtype = program.values[op.results[0]].dtype if op.results else "float32"
@@ -505,6 +511,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       continue
     compute[sig] += flop_s
     memory[sig] += memory_s
+    dots[sig] |= op.primitive == "dot_general"
     weight[sig] += op.repeat
     shares = np.array([read_share[op.id, i] for i in range(len(op.operands))], np.float64)
     operand_weight.setdefault(sig, np.zeros(len(op.operands), np.float64))
@@ -597,6 +604,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       reduction_edge=reduction_edge,
       reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
       reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
+      reduction_dot=(dots & (reduction_source == np.arange(num_ops)))[edge_op[reduction_edge]],
       reduction_combines=terminal[edge_op[reduction_edge]],
       reduction_loop=loop_groups,
       loop_repeats=loop_repeats,
