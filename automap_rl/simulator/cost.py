@@ -323,8 +323,7 @@ def _split_over_idle_axes(t: CostTables, op_axes: jax.Array, reduced: jax.Array,
   n_idle, n_scattered = (_group_size(t, _axes_of(t, mask)) for mask in (idle, scattered))
   split = t.reduction_dot[:, None] & (scattered != 0) & (jnp.mod(n_idle, n_scattered) == 0)
   shards = jnp.where(split, n_scattered, 1.0)
-  op_shards = jax.ops.segment_max(shards, op, t.op_compute_s.shape[0])
-  return shards, jnp.maximum(op_shards, 1.0)
+  return shards, jnp.take(shards, t.op_dot_reduction, axis=0, mode="fill", fill_value=1.0)
 
 
 def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) -> CostTerms:
@@ -347,7 +346,8 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   # which keeps the whole computation's scratch memory small (see BENCHMARKS.md).
   value_mask, op_mask = (m.astype(jnp.int8) for m in masks)
   value_shards = _group_size(t, _axes_of(t, value_mask.sum(axis=1, dtype=jnp.int8)))  # [Uv, B]
-  op_shards = _group_size(t, _axes_of(t, op_mask.sum(axis=1, dtype=jnp.int8)))  # [Uo, B]
+  op_axes = op_mask.sum(axis=1, dtype=jnp.int8)  # [Uo, B]
+  op_shards = _group_size(t, _axes_of(t, op_axes))
 
   # Masks are disjoint bit sets across the dims of a value and the factors of an op, so
   # sums over dims are ORs.
@@ -401,7 +401,6 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   gather = _edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
   to_all = _edge_terms(t, 1.0, to_all_axes, stored_all, weight, weighted_bytes, buffer_bytes)
 
-  op_axes = op_mask.sum(axis=1, dtype=jnp.int8)  # [Uo, B]
   split, op_split = _split_over_idle_axes(t, op_axes, r_reduced, r_stored)  # [R, B], [Uo, B]
   scatter_axes = jnp.where(t.native_scatter & (split == 1.0), r_reduced & r_stored, 0).astype(r_reduced.dtype)
   # The partial sums are sharded as their op computes less the axes they are pending over:

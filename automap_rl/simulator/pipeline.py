@@ -366,6 +366,7 @@ def _padded(t: CostTables, uv: int, uo: int) -> CostTables:
       reduction_edge=_pad(t.reduction_edge, reductions, 0), reduction_weight=_pad(t.reduction_weight, reductions, 0.0),
       reduction_partial_sums=_pad(t.reduction_partial_sums, reductions, 1.0),
       reduction_dot=_pad(t.reduction_dot, reductions, False),
+      op_dot_reduction=_pad(t.op_dot_reduction, uo, reductions),
       reduction_combines=_pad(t.reduction_combines, reductions, 0.0),
       reduction_loop=_pad(t.reduction_loop, reductions, 0),
       loop_repeats=_pad(t.loop_repeats, MAX_LOOP_GROUPS, 1.0),

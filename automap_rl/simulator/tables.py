@@ -106,6 +106,8 @@ class CostTables:
       [R]: where its value is stored split over some of the axes it sums over and the dot
       leaves mesh axes idle, XLA's partitioner computes each device's share of that split
       on the idle devices (see `simulator.cost._split_over_idle_axes`).
+    op_dot_reduction: the row in [R] of the reduction of each op signature that is such
+      a dot, R (past the last row) for the others, int32 [Uo].
     reduction_combines: how XLA's combiners treat the reduction's collectives, [R]: 0, not
       combined; 1, merged with those of the other combining reductions outside loops; r >
       1, merged with those of the other combining reductions of the same loop iteration,
@@ -190,6 +192,7 @@ class CostTables:
   reduction_weight: np.ndarray
   reduction_partial_sums: np.ndarray
   reduction_dot: np.ndarray
+  op_dot_reduction: np.ndarray
   reduction_combines: np.ndarray
   reduction_loop: np.ndarray
   loop_repeats: np.ndarray
@@ -568,6 +571,9 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   transient_bytes = np.zeros(len(unique_edge), np.float32)
   np.maximum.at(transient_bytes, edge_unique, np.where(transient32 > 0, value_bytes[edge_value], 0.0))
 
+  reduction_dot = (dots & (reduction_source == np.arange(num_ops)))[edge_op[reduction_edge]]
+  op_dot_reduction = np.full(num_ops, len(reduction_edge), np.int32)
+  op_dot_reduction[edge_op[reduction_edge[reduction_dot]]] = np.flatnonzero(reduction_dot)
   slot_edge, slot_runs, slot_share, pairs = _shared_reads(program, sigs, keys, read_share, operand_edge,
                                                         edge_unique, made)
 
@@ -604,7 +610,8 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       reduction_edge=reduction_edge,
       reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
       reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
-      reduction_dot=(dots & (reduction_source == np.arange(num_ops)))[edge_op[reduction_edge]],
+      reduction_dot=reduction_dot,
+      op_dot_reduction=op_dot_reduction,
       reduction_combines=terminal[edge_op[reduction_edge]],
       reduction_loop=loop_groups,
       loop_repeats=loop_repeats,
