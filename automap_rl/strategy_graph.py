@@ -553,7 +553,9 @@ def _site_terms(problem: Problem, sites: Sequence[Site], limits: Limits) -> tupl
       op_reduction=np.concatenate([tables.op_reduction, tables.op_reduction[sources]]),
       op_reduction_source=source,
       op_deferred=np.concatenate([tables.op_deferred, np.zeros(len(combos), bool)]),
-      op_dense_factor=np.concatenate([tables.op_dense_factor, np.full(len(combos), -1, np.int32)]))
+      op_dense_factor=np.concatenate([tables.op_dense_factor, np.full(len(combos), -1, np.int32)]),
+      op_dot_reduction=np.concatenate([tables.op_dot_reduction,
+                                       np.full(len(combos), len(tables.reduction_edge), np.int32)]))
   rf, rv = problem.sigs.op_class.shape[1], problem.sigs.value_class.shape[1]
   edges_of = [np.flatnonzero(tables.edge_op == o) for o in range(num_ops)]
 
