@@ -185,9 +185,10 @@ def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divis
   (`weighted_bytes` of `weight`'s shape: weight times bytes; see `_collective`):
   bandwidth per byte moved, latency per collective. Linear in `weight` and
   `weighted_bytes`, so the terms of several edges with the same axes are those of one
-  edge with their sums. `buffer` is `buffer_bytes` [N] over the group. With `combine = (combines [N], loop [N], threshold)`, the collectives of
-  the combining edges are merged as XLA's combiner does (`_combined_count`), so latency
-  is charged per combined collective."""
+  edge with their sums. `buffer` is `buffer_bytes` [N] over the group. With
+  `combine = (combines [N], loop [N], threshold)`, the collectives of the combining edges
+  are merged as XLA's combiner does (`_combined_count`), so latency is charged per
+  combined collective."""
   per_byte, fixed, fraction = _collective(t, rounds, axes, divisor)
   runs = jnp.where(axes != 0, weight, 0.0)
   runs_bytes = jnp.where(axes != 0, weighted_bytes, 0.0)
@@ -302,10 +303,10 @@ def _unshared_reads(t: CostTables, row_of_edge: jax.Array | None, moves: jax.Arr
 
 
 def _split_over_idle_axes(t: CostTables, op_axes: jax.Array, reduced: jax.Array,
-                          stored: jax.Array) -> tuple[jax.Array, jax.Array]:
+                          stored: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """How many ways XLA's partitioner splits each dot whose partial sums it reduces over
   devices its plan leaves idle, per reduction [R, B] and per op signature [Uo, B] (1 where
-  it does not split).
+  it does not split), and the axes a split dot's shares cross to their owners [R, B].
 
   A dot's partial sums (`CostTables.reduction_dot`) summed over axes `reduced` [R, B] and
   stored split over axes S of those (`stored` [R, B]: the value's axes) are reduce-scattered,
@@ -323,7 +324,7 @@ def _split_over_idle_axes(t: CostTables, op_axes: jax.Array, reduced: jax.Array,
   n_idle, n_scattered = (_group_size(t, _axes_of(t, mask)) for mask in (idle, scattered))
   split = t.reduction_dot[:, None] & (scattered != 0) & (jnp.mod(n_idle, n_scattered) == 0)
   shards = jnp.where(split, n_scattered, 1.0)
-  return shards, jnp.take(shards, t.op_dot_reduction, axis=0, mode="fill", fill_value=1.0)
+  return shards, jnp.take(shards, t.op_dot_reduction, axis=0, mode="fill", fill_value=1.0), scattered | idle
 
 
 def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) -> CostTerms:
@@ -401,7 +402,7 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   gather = _edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
   to_all = _edge_terms(t, 1.0, to_all_axes, stored_all, weight, weighted_bytes, buffer_bytes)
 
-  split, op_split = _split_over_idle_axes(t, op_axes, r_reduced, r_stored)  # [R, B], [Uo, B]
+  split, op_split, crossed = _split_over_idle_axes(t, op_axes, r_reduced, r_stored)  # [R, B], [Uo, B], [R, B]
   scatter_axes = jnp.where(t.native_scatter & (split == 1.0), r_reduced & r_stored, 0).astype(r_reduced.dtype)
   # The partial sums are sharded as their op computes less the axes they are pending over:
   # a linear combination of partial sums may compute on those too, but XLA reduces the
@@ -414,8 +415,7 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]] * t.reduction_partial_sums
   r_weighted = (t.reduction_weight * r_nbytes)[:, None] / split  # [R, B]
   # A split dot's share goes to its owner: one hop over the axes its pairs cross.
-  sent = (r_reduced & r_stored) | (t.mask_group.shape[-1] - 1 & ~op_axes[t.edge_op[t.reduction_edge]])
-  sent = sent.astype(jnp.uint8)
+  sent = crossed.astype(jnp.uint8)
   permute_s = jnp.where(split > 1.0, r_weighted * jnp.asarray(t.mask_seconds_per_byte)[sent]
                         + t.reduction_weight[:, None] * jnp.asarray(t.mask_latency)[sent], 0.0)
   all_reduce = _with_second_factor(t, _edge_terms(t, 2.0, r_first & ~scatter_axes, partial_axes | scatter_axes,
