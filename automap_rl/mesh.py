@@ -147,36 +147,44 @@ _A100_40G = _a100("a100-40g", 40 * _GB, 1.555e12)
 # A100 80GB SXM: A100 datasheet "80GB HBM2e", "2,039 GB/s".
 _A100_80G = _a100("a100-80g", 80 * _GB, 2.039e12)
 
-HARDWARE: Mapping[str, Hardware] = {
-    "h100": Hardware(
-        name="h100",
-        flops={
-            # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column, dense
-            # (the datasheet's headline figures are with sparsity, i.e. 2x).
-            "float32": 67e12,  # datasheet "FP32" (non-tensor-core).
-            "bfloat16": 989e12,  # datasheet "BF16 Tensor Core" 1979 / 2.
-            "float16": 989e12,  # datasheet "FP16 Tensor Core" 1979 / 2.
-            "int8": 1979e12,  # datasheet "INT8 Tensor Core" 3958 / 2.
-        },
-        matmul_flops={"float32": 494.5e12},  # datasheet "TF32 Tensor Core" 989 / 2 (dense).
-        hbm_bytes=80 * _GB,  # H100 datasheet, SXM5: 80 GB HBM3.
-        hbm_bandwidth=3.35e12,  # H100 datasheet, SXM5: 3.35 TB/s.
-        intra_node=Link(
-            name="nvlink4",
-            # H100 datasheet: NVLink 900 GB/s, bidirectional total -> 450 one way.
-            bandwidth=450 * _GB,
-            latency=2e-6,  # Estimate (order of NCCL small-message latency).
-        ),
-        inter_node=Link(
-            name="infiniband-ndr",
-            # NVIDIA DGX H100 user guide: one ConnectX-7 400 Gb/s NDR port
-            # per GPU -> 400e9 / 8 = 50 GB/s per device per direction.
-            bandwidth=50 * _GB,
-            latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
-        ),
-        devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
-        combine_threshold=_GPU_COMBINE,
+_H100 = Hardware(
+    name="h100",
+    flops={
+        # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column, dense
+        # (the datasheet's headline figures are with sparsity, i.e. 2x).
+        "float32": 67e12,  # datasheet "FP32" (non-tensor-core).
+        "bfloat16": 989e12,  # datasheet "BF16 Tensor Core" 1979 / 2.
+        "float16": 989e12,  # datasheet "FP16 Tensor Core" 1979 / 2.
+        "int8": 1979e12,  # datasheet "INT8 Tensor Core" 3958 / 2.
+    },
+    matmul_flops={"float32": 494.5e12},  # datasheet "TF32 Tensor Core" 989 / 2 (dense).
+    hbm_bytes=80 * _GB,  # H100 datasheet, SXM5: 80 GB HBM3.
+    hbm_bandwidth=3.35e12,  # H100 datasheet, SXM5: 3.35 TB/s.
+    intra_node=Link(
+        name="nvlink4",
+        # H100 datasheet: NVLink 900 GB/s, bidirectional total -> 450 one way.
+        bandwidth=450 * _GB,
+        latency=2e-6,  # Estimate (order of NCCL small-message latency).
     ),
+    inter_node=Link(
+        name="infiniband-ndr",
+        # NVIDIA DGX H100 user guide: one ConnectX-7 400 Gb/s NDR port
+        # per GPU -> 400e9 / 8 = 50 GB/s per device per direction.
+        bandwidth=50 * _GB,
+        latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
+    ),
+    devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
+    combine_threshold=_GPU_COMBINE,
+)
+
+
+# H200 SXM: the H100 SXM5's compute and NVLink (H200 datasheet: same "BF16 Tensor Core",
+# "TF32 Tensor Core" and "NVLink 900GB/s"), with 141 GB of HBM3e at 4.8 TB/s.
+_H200 = dataclasses.replace(_H100, name="h200", hbm_bytes=141 * _GB, hbm_bandwidth=4.8e12)
+
+HARDWARE: Mapping[str, Hardware] = {
+    "h100": _H100,
+    "h200": _H200,
     "a100-40g": _A100_40G,
     "a100-80g": _A100_80G,
     # The 80GB A100 (a100-80g's figures) under the name older specs use.

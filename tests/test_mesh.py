@@ -68,7 +68,7 @@ def test_unknown_axis_and_hardware_errors():
 
 
 def test_hardware_profiles_are_complete():
-  assert set(mesh_lib.HARDWARE) == {"h100", "a100", "a100-40g", "a100-80g", "tpu-v4", "tpu-v5e", "cpu"}
+  assert set(mesh_lib.HARDWARE) == {"h100", "h200", "a100", "a100-40g", "a100-80g", "tpu-v4", "tpu-v5e", "cpu"}
   for name, hw in mesh_lib.HARDWARE.items():
     assert hw.name == name
     assert set(hw.flops) == {"float32", "bfloat16", "float16", "int8"}
