@@ -549,7 +549,6 @@ def _site_terms(problem: Problem, sites: Sequence[Site], limits: Limits) -> tupl
       value_compute_s=np.zeros(num_edges, np.float32), value_memory_s=np.zeros(num_edges, np.float32),
       edge_value=np.arange(num_edges, dtype=np.int32), live_bytes=np.zeros((1, num_edges), np.float32),
       op_compute_s=np.concatenate([tables.op_compute_s, np.zeros(len(combos), np.float32)]),
-      op_memory_s=np.concatenate([tables.op_memory_s, np.zeros(len(combos), np.float32)]),
       op_reduction=np.concatenate([tables.op_reduction, tables.op_reduction[sources]]),
       op_reduction_source=source,
       op_deferred=np.concatenate([tables.op_deferred, np.zeros(len(combos), bool)]),

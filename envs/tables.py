@@ -254,7 +254,8 @@ def _op_features(problem: Problem, tables: simulator.CostTables) -> np.ndarray:
       kind = 2 if op.primitive in _LAYOUT else 3
     kinds[sigs.op_sig[op.id], kind] += 1.0
   kinds /= np.maximum(kinds.sum(1, keepdims=True), 1.0)
-  seconds = np.maximum(tables.op_compute_s, tables.op_memory_s).astype(np.float64)
+  memory = np.bincount(tables.edge_op, tables.edge_memory_s.astype(np.float64), len(tables.op_compute_s))
+  seconds = np.maximum(tables.op_compute_s, memory)
   head = np.stack([np.log10(np.maximum(seconds, 1e-12)) / 12.0 + 1.0, seconds / max(seconds.sum(), 1e-30)], 1)
   tail = np.stack([tables.op_reduction.any(1), (sigs.op_size > 1).sum(1) / 8.0], 1)
   return np.concatenate([head, kinds, tail], 1).astype(np.float32)

@@ -686,6 +686,18 @@ def test_a_weight_gradient_stored_split_is_computed_split_over_the_idle_axis(mes
   assert (compiled["collective_permute_count"] > 0) == (shards > 1)
 
 
+def test_a_dot_that_splits_its_batch_still_reads_its_weight_whole():
+  """Data parallelism on an LSTM of batch 8 over 8 devices: every time step's dots
+  multiply one row by the whole recurrent weight, so their time is the weight's traffic.
+  The simulator divided an op's traffic by all its shards (0.63x the compiled compute);
+  each operand and result now moves its share as the op computes on it."""
+  workload, problem = _setup("lstm:layers=1,cells=512,d_model=256,seq=32,vocab=256,batch=8", "data=8")
+  decisions = tactics.data_parallel(problem)
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  compiled = implied_cost(problem, lowered.stats)["compute_time"]
+  assert float(problem.cost(decisions).compute_time) == pytest.approx(compiled, rel=0.1)
+
+
 @given(st.data())
 @settings(max_examples=200, deadline=None)
 def test_a_staged_reshard_first_moves_axes_then_only_gathers(data):

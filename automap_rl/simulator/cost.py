@@ -364,6 +364,10 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
                           num_axes).sum(axis=2, dtype=jnp.int8)  # [E or Eu, Rv, B]; factor Rf (padding) is none.
   stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E or Eu, B]
   required_all = required.sum(axis=1, dtype=jnp.int8)
+  # Each op moves each operand and result as it computes on it: its share of the value.
+  edge_shards = _group_size(t, _axes_of(t, required_all))  # [E or Eu, B]
+  op_memory_s = jax.ops.segment_sum(t.edge_memory_s[:, None] / (edge_shards if per_edge else edge_shards[t.edge_unique]),
+                                    t.edge_op, t.op_compute_s.shape[0])  # [Uo, B]
   overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
   factor_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0)  # [Uo, Rf, B]
   op_reduced = factor_reduced.sum(axis=1, dtype=jnp.int8)
@@ -424,8 +428,8 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
                                    r_reduced & ~r_first & ~scatter_axes, partial_axes | scatter_axes, r_weighted)
   return CostTerms(
       value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards,
-      op_compute_s=(jnp.maximum(t.op_compute_s[:, None] / _dense_shards(t, op_mask) / op_split, t.op_memory_s[:, None])
-                    / op_shards),
+      op_compute_s=jnp.maximum(t.op_compute_s[:, None] / _dense_shards(t, op_mask) / op_split / op_shards,
+                               op_memory_s),
       gather=gather,
       all_to_all=to_all,
       reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight[:, None], r_weighted, r_nbytes,

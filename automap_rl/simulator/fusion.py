@@ -95,7 +95,12 @@ def consumers(program: Program) -> dict[int, list[Op]]:
 
 
 def memory_bytes(program: Program) -> list[float]:
-  """Bytes each op reads from and writes to memory once XLA has fused loop-fusible
+  """Bytes each op reads from and writes to memory (`memory_traffic`, summed), [num_ops]."""
+  return [float(sum(reads) + sum(writes)) for reads, writes in memory_traffic(program)]
+
+
+def memory_traffic(program: Program) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+  """Bytes each op reads of each operand and writes of each result once XLA has fused loop-fusible
   chains (elementwise ops, data movement, reductions): a loop-fusible op reads an operand
   that a loop-fusible op produced from the fusion, not from memory, and writes a result
   that only loop-fusible ops read (and the program does not return) into it. A loop
@@ -107,7 +112,7 @@ def memory_bytes(program: Program) -> list[float]:
   ends its fusion: its result goes through memory, and a value it reads that another op
   reads too (a normalization's input, read for its statistics and to be normalized) is
   written once and read by each. Dots, convolutions, and everything else read and write
-  their values whole. Per op, [num_ops]."""
+  their values whole. Per op, `(bytes read per operand, bytes written per result)`."""
   producer = {v: op for op in program.ops for v in op.results}
   readers = consumers(program)
   outputs = set(program.outputs)
@@ -117,21 +122,25 @@ def memory_bytes(program: Program) -> list[float]:
                   or (len(ops) > 1 and any(reduction(r) for r in ops))}
   out = []
   for op in program.ops:
-    if op.primitive in ("scan_slice", "scan_stack"):
-      out.append(2.0 * program.values[op.results[0] if op.primitive == "scan_slice" else op.operands[0]].nbytes)
+    read_bytes = [float(program.values[v].nbytes) for v in op.operands]
+    write_bytes = [float(program.values[v].nbytes) for v in op.results]
+    if op.primitive == "scan_slice":  # Reads its slice of the stack, writes the slice.
+      out.append(((write_bytes[0],) + (0.0,) * (len(read_bytes) - 1), tuple(write_bytes)))
       continue
-    read_bytes = [program.values[v].nbytes for v in op.operands]
-    write_bytes = [program.values[v].nbytes for v in op.results]
+    if op.primitive == "scan_stack":  # Reads the slice, writes it into the stack.
+      out.append(((read_bytes[0],) + (0.0,) * (len(read_bytes) - 1),
+                  (read_bytes[0],) + (0.0,) * (len(write_bytes) - 1)))
+      continue
     if op.primitive in SLICES:
       read_bytes[0] = write_bytes[0]
     elif op.primitive == "dynamic_update_slice":
-      read_bytes[0], write_bytes[0] = 0, read_bytes[1]
-    reads = sum(b for v, b in zip(op.operands, read_bytes)
-                if not (fused(op) and fused(producer.get(v)) and v not in materialized))
-    writes = sum(b for v, b in zip(op.results, write_bytes)
-                 if not (fused(op) and v not in outputs and readers.get(v) and v not in materialized
-                         and all(fused(c) for c in readers[v])))
-    out.append(float(reads + writes))
+      read_bytes[0], write_bytes[0] = 0.0, read_bytes[1]
+    reads = tuple(0.0 if fused(op) and fused(producer.get(v)) and v not in materialized else b
+                  for v, b in zip(op.operands, read_bytes))
+    writes = tuple(0.0 if (fused(op) and v not in outputs and readers.get(v) and v not in materialized
+                           and all(fused(c) for c in readers[v])) else b
+                   for v, b in zip(op.results, write_bytes))
+    out.append((reads, writes))
   return out
 
 

@@ -13,7 +13,7 @@ from automap_rl.ir import FactorKind, Op, Program
 from automap_rl.ir.rules import conv_batch_group_factor
 from automap_rl.mesh import Hardware, Mesh
 from automap_rl.sharding import Owners, Signatures
-from automap_rl.simulator.fusion import constant_ops, fusion_copies, memory_bytes, unmaterialized_values
+from automap_rl.simulator.fusion import constant_ops, fusion_copies, memory_traffic, unmaterialized_values
 
 _MEMORY_PROBES = 256
 
@@ -78,7 +78,6 @@ class CostTables:
       their values (no op signature), by the signature of their first result, [Uv].
     op_compute_s: summed flop time at peak of all ops of each signature (times their
       repeat count; flops as XLA's fused module does them, see `program_flops`), [Uo].
-    op_memory_s: summed HBM traffic time of those ops, [Uo].
     op_reduction: which factors are reductions, bool [Uo, Rf].
     op_reduction_source: the op signature whose reduction axes each op's results reduce
       over: itself, or for a linear combination of pending partial sums, their source, [Uo].
@@ -134,6 +133,11 @@ class CostTables:
     edge_transient: how many of the edge's reads reshard for themselves alone, [E]: such a
       gathered copy lives only while its op runs, so only the largest one of the program
       adds to the peak.
+    edge_memory_s: HBM traffic time of the edge's reads (an operand) or writes (a result)
+      by all ops of its signature (times their repeat counts; bytes as XLA's fused module
+      moves them, `fusion.memory_traffic`), [E]: each device moves its share of the value
+      as the op computes on it, so a dot that splits its batch still reads a replicated
+      weight whole (a memory-bound dot of a small batch).
     edge_unique: the class of each edge among edges that resolve alike (`_unique_edges`),
       [E]; unique_edge: one edge of each class, [Eu]. Under a resolved plan the simulator
       computes each class's masks once, and an edge's collective terms are linear in its
@@ -166,7 +170,6 @@ class CostTables:
   value_compute_s: np.ndarray
   value_memory_s: np.ndarray
   op_compute_s: np.ndarray
-  op_memory_s: np.ndarray
   op_reduction: np.ndarray
   op_reduction_source: np.ndarray
   op_deferred: np.ndarray
@@ -178,6 +181,7 @@ class CostTables:
   edge_weight: np.ndarray
   edge_buffers: np.ndarray
   edge_transient: np.ndarray
+  edge_memory_s: np.ndarray
   edge_unique: np.ndarray
   unique_edge: np.ndarray
   unique_weight: np.ndarray
@@ -482,7 +486,6 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   hw = mesh.hardware
   num_ops = len(sigs.op_keys)
   compute = np.zeros(num_ops, np.float64)
-  memory = np.zeros(num_ops, np.float64)
   weight = np.zeros(num_ops, np.float64)
   value_compute = np.zeros(len(sigs.value_keys), np.float64)
   value_memory = np.zeros(len(sigs.value_keys), np.float64)
@@ -490,6 +493,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   operand_buffers: dict[int, np.ndarray] = {}
   operand_weight: dict[int, np.ndarray] = {}  # Op signature -> gather weight of each operand.
   operand_transient: dict[int, np.ndarray] = {}  # Op signature -> reads of each operand resharded alone.
+  use_memory: dict[int, np.ndarray] = {}  # Op signature -> HBM seconds of each operand, then each result.
   keys = _read_keys(program, sigs)
   read_share = _operand_read_shares(program, keys)
   made = np.ones(program.num_values, np.float64)  # How often each value is made a step.
@@ -498,7 +502,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   flops = program_flops(program)
   dense = dense_group_factors(program, hw)
   dense_factor = np.full(num_ops, -1, np.int32)
-  traffic = memory_bytes(program)
+  traffic = memory_traffic(program)
   dots = np.zeros(num_ops, bool)  # Op signatures of dots.
   for op in program.ops:
     sig = sigs.op_sig[op.id]
@@ -507,13 +511,14 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
     flop_s = op.repeat * flops[op.id] * groups / hw.peak_flops(op.primitive, dtype)
     if groups > 1:
       dense_factor[sig] = dense[op.id]
-    memory_s = op.repeat * traffic[op.id] / hw.hbm_bandwidth
+    reads, writes = traffic[op.id]
+    memory_s = op.repeat * np.array(reads + writes, np.float64) / hw.hbm_bandwidth
     if sig < 0:  # Sharded like its values: charged to its first result.
       value_compute[sigs.value_sig[op.results[0]]] += flop_s
-      value_memory[sigs.value_sig[op.results[0]]] += memory_s
+      value_memory[sigs.value_sig[op.results[0]]] += memory_s.sum()
       continue
     compute[sig] += flop_s
-    memory[sig] += memory_s
+    use_memory[sig] = use_memory.get(sig, 0.0) + memory_s
     dots[sig] |= op.primitive == "dot_general"
     weight[sig] += op.repeat
     shares = np.array([read_share[op.id, i] for i in range(len(op.operands))], np.float64)
@@ -528,6 +533,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   rf = sigs.op_class.shape[1]
   edge_op, edge_value, edge_result, edge_dims = [], [], [], []
   edge_weight, edge_buffers, edge_transient = [], [], []
+  edge_memory = np.concatenate([use_memory[sig] for sig in range(num_ops)]) if num_ops else np.zeros(0)
   operand_edge = np.zeros(num_ops, np.int64)
   for sig, (_, factors, operands, results, _) in enumerate(sigs.op_keys):
     first = operand_edge[sig] = len(edge_op)
@@ -585,7 +591,6 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       value_compute_s=value_compute.astype(np.float32),
       value_memory_s=value_memory.astype(np.float32),
       op_compute_s=compute.astype(np.float32),
-      op_memory_s=memory.astype(np.float32),
       op_reduction=reduction,
       op_reduction_source=reduction_source,
       op_deferred=deferred,
@@ -597,6 +602,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       edge_weight=weight32,
       edge_buffers=buffers32,
       edge_transient=transient32,
+      edge_memory_s=edge_memory.astype(np.float32),
       edge_unique=edge_unique,
       unique_edge=unique_edge,
       unique_weight=per_class(weight32),
