@@ -80,6 +80,10 @@ class Hardware:
     dense_batch_group_conv: Whether XLA computes a convolution with `batch_group_count
       = B > 1` (the kernel gradient of a grouped or depthwise convolution) as a dense
       convolution over all B groups and masks the result: B times the flops.
+    multi_output_fusion: Whether XLA fuses an elementwise chain that writes several
+      results (an optimizer's new parameter and moments) into one kernel. Where not, each
+      result that is written anyway is its own fusion, and the fusions that go on from it
+      read it back from memory.
   """
 
   name: str
@@ -93,6 +97,7 @@ class Hardware:
   matmul_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
   reduce_scatter: bool = True
   dense_batch_group_conv: bool = False
+  multi_output_fusion: bool = True
 
   def peak_flops(self, primitive: str, dtype: str) -> float:
     """Peak flop/s of an op of `primitive` whose result is `dtype` (dtypes without a rate
@@ -288,6 +293,10 @@ HARDWARE: Mapping[str, Hardware] = {
         # The CPU compiler's ConvolutionGroupConverter (convert_batch_groups_only)
         # expands batch-grouped convolutions into dense ones with a mask.
         dense_batch_group_conv=True,
+        # No multi-output fusion pass in the CPU compiler: Adam's update is three loop
+        # fusions, the parameter's reading the new moments from memory (10 passes over a
+        # parameter's size, not 7).
+        multi_output_fusion=False,
     ),
 }
 

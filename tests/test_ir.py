@@ -366,6 +366,25 @@ def test_memory_traffic_of_a_fused_elementwise_chain_is_its_ends():
   assert by_primitive["tanh"] == out_bytes  # Reads the dot's result, writes into the fusion.
   assert by_primitive["mul"] == 0.0  # Inside the fusion.
   assert by_primitive["add"] == out_bytes  # Writes the program's output.
+def test_an_optimizer_update_moves_what_each_backend_fuses():
+  """Adam's update of one parameter: XLA:CPU has no multi-output fusion, so each new
+  moment is a fusion of its own that the parameter's fusion reads back (10 passes over the
+  parameter's size, its compiled module's bytes); with multi-output fusion (XLA:GPU) one
+  fusion reads the gradient, the parameter and the moments once and writes three (7).
+  Each fusion reads the gradient once, however many of its ops read it."""
+  def update(w, g, m, v):
+    m = 0.9 * m + 0.1 * g
+    v = 0.99 * v + 0.01 * g * g
+    return w - 1e-3 * m / (jnp.sqrt(v) + 1e-8), m, v
+
+  x = jnp.ones((256, 256))
+  compiled = jax.jit(update, donate_argnums=(0, 2, 3)).lower(x, x, x, x).compile().cost_analysis()["bytes accessed"]
+  program = ir.trace(update, x, x, x, x)
+  assert compiled == pytest.approx(10 * x.nbytes, abs=64)  # And a few scalar constants.
+  assert sum(memory_bytes(program, multi_output_fusion=False)) == 10 * x.nbytes
+  assert sum(memory_bytes(program, multi_output_fusion=True)) == 7 * x.nbytes
+
+
 @pytest.mark.parametrize("fn", [
     lambda x, w: jnp.tanh((x @ w)[:, :64]),
     lambda x, w: jnp.tanh(jax.lax.dynamic_slice_in_dim(x @ w, 128, 64, axis=1)),

@@ -94,12 +94,13 @@ def consumers(program: Program) -> dict[int, list[Op]]:
   return readers
 
 
-def memory_bytes(program: Program) -> list[float]:
+def memory_bytes(program: Program, multi_output_fusion: bool = True) -> list[float]:
   """Bytes each op reads from and writes to memory (`memory_traffic`, summed), [num_ops]."""
-  return [float(sum(reads) + sum(writes)) for reads, writes in memory_traffic(program)]
+  return [float(sum(reads) + sum(writes)) for reads, writes in memory_traffic(program, multi_output_fusion)]
 
 
-def memory_traffic(program: Program) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+def memory_traffic(program: Program, multi_output_fusion: bool = True
+                   ) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
   """Bytes each op reads of each operand and writes of each result once XLA has fused loop-fusible
   chains (elementwise ops, data movement, reductions): a loop-fusible op reads an operand
   that a loop-fusible op produced from the fusion, not from memory, and writes a result
@@ -112,7 +113,11 @@ def memory_traffic(program: Program) -> list[tuple[tuple[float, ...], tuple[floa
   ends its fusion: its result goes through memory, and a value it reads that another op
   reads too (a normalization's input, read for its statistics and to be normalized) is
   written once and read by each. Dots, convolutions, and everything else read and write
-  their values whole. Per op, `(bytes read per operand, bytes written per result)`."""
+  their values whole; a fusion reads each of its inputs once (an argument that several of
+  its ops read, `x * x`). Without `multi_output_fusion` (XLA:CPU), a loop-fusible result that
+  is written anyway (returned, or read by an op that does not fuse) ends its fusion, and
+  the fusions that read it read it from memory. Per op, `(bytes read per operand, bytes
+  written per result)`."""
   producer = {v: op for op in program.ops for v in op.results}
   readers = consumers(program)
   outputs = set(program.outputs)
@@ -120,6 +125,22 @@ def memory_traffic(program: Program) -> list[tuple[tuple[float, ...], tuple[floa
   reduction = lambda op: op is not None and op.primitive in FUSED_REDUCTIONS
   materialized = {v for v, ops in readers.items() if reduction(producer.get(v))
                   or (len(ops) > 1 and any(reduction(r) for r in ops))}
+  ends = materialized if multi_output_fusion else materialized | {
+      v for v in producer if v in outputs or any(not fused(c) for c in readers.get(v, ()))}
+  inside = lambda op, v: fused(op) and fused(producer.get(v)) and v not in ends  # Read in its fusion.
+  fusion = list(range(program.num_ops))  # Union-find over the fused producer-consumer pairs.
+
+  def root(o: int) -> int:
+    while fusion[o] != o:
+      fusion[o] = fusion[fusion[o]]
+      o = fusion[o]
+    return o
+
+  for op in program.ops:
+    for v in op.operands:
+      if inside(op, v):
+        fusion[root(op.id)] = root(producer[v].id)
+  read_by_fusion: set[tuple[int, int]] = set()
   out = []
   for op in program.ops:
     read_bytes = [float(program.values[v].nbytes) for v in op.operands]
@@ -135,8 +156,12 @@ def memory_traffic(program: Program) -> list[tuple[tuple[float, ...], tuple[floa
       read_bytes[0] = write_bytes[0]
     elif op.primitive == "dynamic_update_slice":
       read_bytes[0], write_bytes[0] = 0.0, read_bytes[1]
-    reads = tuple(0.0 if fused(op) and fused(producer.get(v)) and v not in materialized else b
-                  for v, b in zip(op.operands, read_bytes))
+    reads = []
+    for v, b in zip(op.operands, read_bytes):
+      once = (root(op.id) if fused(op) else -1 - op.id, v)  # A fusion reads each input once.
+      reads.append(0.0 if inside(op, v) or once in read_by_fusion else b)
+      read_by_fusion.add(once)
+    reads = tuple(reads)
     writes = tuple(0.0 if (fused(op) and v not in outputs and readers.get(v) and v not in materialized
                            and all(fused(c) for c in readers[v])) else b
                    for v, b in zip(op.results, write_bytes))

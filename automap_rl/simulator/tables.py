@@ -502,7 +502,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   flops = program_flops(program)
   dense = dense_group_factors(program, hw)
   dense_factor = np.full(num_ops, -1, np.int32)
-  traffic = memory_traffic(program)
+  traffic = memory_traffic(program, hw.multi_output_fusion)
   dots = np.zeros(num_ops, bool)  # Op signatures of dots.
   for op in program.ops:
     sig = sigs.op_sig[op.id]
