@@ -153,7 +153,7 @@ class StagedProgram:
     stack = pipeline.check(program, named, mesh)
     graph = _Graph(program)
     batch = _batch_classes(program, named)
-    loops = np.array([stack.op_layer[op.id] == EVERY_LAYER and op.scope.startswith("scan") for op in program.ops])
+    loops = layers_loop(program, stack)
     phase = _phases(program, named, graph, batch, _layer_dependent(program, loops))
     forward = _forward(program, graph, phase)
     last_forward = np.flatnonzero(forward).max(initial=-1)
@@ -192,6 +192,13 @@ class _Graph:
 
   def consumers(self, op: Op) -> list[int]:
     return [r for v in op.results for r in self.readers.get(v, ())]
+
+
+def layers_loop(program: Program, stack: LayerStack) -> np.ndarray:
+  """The ops of a scanned stack's loop over its layers (none for an unrolled stack), bool
+  [num_ops]."""
+  return np.array([stack.op_layer[op.id] == EVERY_LAYER and op.scope.startswith("scan") for op in program.ops],
+                  bool).reshape(program.num_ops)
 
 
 def _loop_invariant_reads(program: Program, phase: np.ndarray) -> tuple[tuple[bool, ...], ...]:

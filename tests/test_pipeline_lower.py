@@ -299,3 +299,19 @@ def test_a_stacked_weight_split_over_the_batch_axis_on_its_layer_dim_keeps_the_l
   check = fullsize.check_pipelined_plan("gpt", p, workload(), "plan", decisions, pipeline)
   simulated, compiled = check.simulated["comm_bytes_by_kind"], check.compiled["comm_bytes_by_kind"]
   assert compiled["all-reduce"] == pytest.approx(simulated["all-reduce"], rel=0.1)  # 2.9x, reduced per iteration.
+
+
+def test_a_recurrent_layers_weight_gradient_is_summed_over_time_and_reduced_once():
+  """An LSTM pipelined over 2 stages with its batch over `data`: each time step adds its
+  partial sum of a weight's gradient into one sum, which the stages' loop reduces over
+  `data` once, after the loop. The simulator reduced every time step's partial sum (16
+  times the bytes)."""
+  from automap_rl.xla import fullsize
+
+  spec = "lstm:layers=2,cells=64,d_model=32,seq=16,vocab=64,batch=8"
+  p = problem("stage=2,data=2", spec)
+  decisions, pipeline = tactics.pipeline(p)
+  pipeline = dataclasses.replace(pipeline, microbatches=2, schedule="gpipe")
+  check = fullsize.check_pipelined_plan("lstm", p, workload(spec), "plan", decisions, pipeline)
+  simulated, compiled = check.simulated["comm_bytes_by_kind"], check.compiled["comm_bytes_by_kind"]
+  assert compiled["all-reduce"] == pytest.approx(simulated["all-reduce"], rel=0.1)

@@ -81,7 +81,7 @@ from automap_rl.ir.program import Role
 from automap_rl.sharding import Resolution, Signatures
 from automap_rl.simulator.cost import KINDS, Cost, terms
 from automap_rl.simulator.tables import MAX_LOOP_GROUPS, CostTables, build_cost_tables, live_matrix, probe_rows
-from automap_rl.stages import EVERY_STAGE, Phase, StagedProgram
+from automap_rl.stages import EVERY_STAGE, Phase, StagedProgram, layers_loop
 
 PIPELINE_KINDS = (*KINDS, "collective-permute")  # `PipelineCost.comm_bytes` order: `KINDS`, then permutes.
 
@@ -132,6 +132,11 @@ class PipelineTables:
       whose dim 0 the plan's batch axes shard; -1 without one, int32 [].
     stacked_signatures: the full program's signatures of the stack's stacked weights
       (inputs [L, ...]), -1 where padded, int32 [K].
+    reduction_once: per reduction, the share of its runs a step that a reduction deferred
+      to once per step still runs: its distinct sums over its runs, float32 [R]. A
+      loop inside a layer (a recurrence over time) adds each iteration's partial sum of a
+      weight's gradient into one sum, reduced once; a scanned stack's loop makes one sum
+      per layer.
     in_flight: `Pipeline.in_flight`, float32 [S].
     inner_loop: 1 where each stage runs its layers in a loop of its own (a scanned stack
       with more than one layer per stage and chunk), else 0, float32 [].
@@ -162,6 +167,7 @@ class PipelineTables:
   boundary_bytes: np.ndarray
   batch_signature: np.ndarray
   stacked_signatures: np.ndarray
+  reduction_once: np.ndarray
   in_flight: np.ndarray
   inner_loop: np.ndarray
   stages: np.ndarray
@@ -307,6 +313,15 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
     live_rows[stage, :len(r), :r.shape[1]] = r
   zeros = lambda x, *shape: np.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])  # Zeros up to `shape`.
   batched, stacked = program.batch_inputs, staged.stack.stacked_inputs(program, named)
+  # Distinct sums of each op: a scanned stack's layers on a stage, or one.
+  distinct = np.where(layers_loop(program, staged.stack), max(staged.stack.layers // num_stages, 1), 1)
+  sums, runs = np.zeros(len(op_rep)), np.zeros(len(op_rep))
+  for op in program.ops:
+    if sigs.op_sig[op.id] >= 0:
+      sums[sigs.op_sig[op.id]] += distinct[op.id]
+      runs[sigs.op_sig[op.id]] += op.repeat
+  reduction_op = tables.edge_op[tables.reduction_edge]
+  once = np.minimum(sums[reduction_op] / np.maximum(runs[reduction_op], 1.0), 1.0).astype(np.float32)
   return PipelineTables(
       tables=_padded(tables, uv, uo),
       value_source=_pad(full.value_sig[value_rep].astype(np.int32), uv, 0),
@@ -326,6 +341,7 @@ def build_pipeline_tables(staged: StagedProgram, named: NamedDims, full: Signatu
       boundary_bytes=zeros(boundary.astype(np.float32), 2, uv),
       batch_signature=np.int32(full.value_sig[batched[0]] if batched else -1),
       stacked_signatures=full.value_sig[stacked].astype(np.int32),
+      reduction_once=_pad(once, next_power_of_two(len(once), 16), 1.0),
       in_flight=_pad(staged.pipeline.in_flight().astype(np.float32), capacity, 1.0),
       inner_loop=np.float32(staged.stack.scanned and max(pipeline.chunk_layers(staged.stack.layers)) > 1),
       stages=np.float32(num_stages), microbatches=np.float32(staged.pipeline.microbatches),
@@ -494,7 +510,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   microbatch_compute = compute(False) + stacking + accumulation
   microbatch_comm = (by_stage(reshard, per_microbatch, edge_stages)
                      + by_stage(reduce, reduction_phase == Phase.MICROBATCH, reduction_stages))
-  gradient_reduction = by_stage(reduce, reduction_phase == Phase.ACCUMULATED, reduction_stages)
+  gradient_reduction = by_stage(reduce * t.reduction_once, reduction_phase == Phase.ACCUMULATED, reduction_stages)
   update = (compute(True) + by_stage(reshard, ~per_microbatch, edge_stages)
             + by_stage(reduce, reduction_phase == Phase.STEP, reduction_stages))
   loop_compute = compute(False, looped=True) + stacking + accumulation
@@ -523,8 +539,8 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   # (M + (S - 1) / V microbatches' worth, the bubble's included), a step op once.
   loop_runs = m + (num_stages - 1) / v
   edge_runs = jnp.where(per_microbatch, jnp.where(t.op_looped[edge_op], loop_runs, m), 1.0)
-  reduction_runs = jnp.where(reduction_phase == Phase.MICROBATCH,
-                             jnp.where(t.op_looped[reduction_op], loop_runs, m), 1.0)
+  reduction_runs = jnp.where(reduction_phase == Phase.MICROBATCH, jnp.where(t.op_looped[reduction_op], loop_runs, m),
+                             jnp.where(reduction_phase == Phase.ACCUMULATED, t.reduction_once, 1.0))
   kinds = (plan.all_reduce, plan.gather, plan.reduce_scatter, plan.all_to_all)  # In `KINDS` order.
   runs = (reduction_runs, edge_runs, reduction_runs, edge_runs)
   stages = (reduction_stages, edge_stages, reduction_stages, edge_stages)
