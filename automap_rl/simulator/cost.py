@@ -366,8 +366,9 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   required_all = required.sum(axis=1, dtype=jnp.int8)
   # Each op moves each operand and result as it computes on it: its share of the value.
   edge_shards = _group_size(t, _axes_of(t, required_all))  # [E or Eu, B]
-  op_memory_s = jax.ops.segment_sum(t.edge_memory_s[:, None] / (edge_shards if per_edge else edge_shards[t.edge_unique]),
-                                    t.edge_op, t.op_compute_s.shape[0])  # [Uo, B]
+  edge_shards = edge_shards if per_edge else edge_shards[t.edge_unique]  # [E, B]
+  op_memory_s = jax.ops.segment_sum(t.edge_memory_s[:, None] / edge_shards, t.edge_op,
+                                    t.op_compute_s.shape[0])  # [Uo, B]
   overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
   factor_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0)  # [Uo, Rf, B]
   op_reduced = factor_reduced.sum(axis=1, dtype=jnp.int8)

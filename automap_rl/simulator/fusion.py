@@ -101,10 +101,11 @@ def memory_bytes(program: Program, multi_output_fusion: bool = True) -> list[flo
 
 def memory_traffic(program: Program, multi_output_fusion: bool = True
                    ) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
-  """Bytes each op reads of each operand and writes of each result once XLA has fused loop-fusible
-  chains (elementwise ops, data movement, reductions): a loop-fusible op reads an operand
-  that a loop-fusible op produced from the fusion, not from memory, and writes a result
-  that only loop-fusible ops read (and the program does not return) into it. A loop
+  """Bytes each op reads of each operand and writes of each result once XLA has fused
+  loop-fusible chains (elementwise ops, data movement, reductions): a loop-fusible op
+  reads an operand that a loop-fusible op produced from the fusion, not from memory, and
+  writes a result that only loop-fusible ops read (and the program does not return) into
+  it. A loop
   iteration's `scan_slice` reads its slice of the stacked input, not the whole stack (a
   dynamic-slice), and its `scan_stack` writes its slice of the stacked output in place (a
   dynamic-update-slice). Likewise outside loops: a slice or dynamic slice reads the
@@ -114,10 +115,10 @@ def memory_traffic(program: Program, multi_output_fusion: bool = True
   reads too (a normalization's input, read for its statistics and to be normalized) is
   written once and read by each. Dots, convolutions, and everything else read and write
   their values whole; a fusion reads each of its inputs once (an argument that several of
-  its ops read, `x * x`). Without `multi_output_fusion` (XLA:CPU), a loop-fusible result that
-  is written anyway (returned, or read by an op that does not fuse) ends its fusion, and
-  the fusions that read it read it from memory. Per op, `(bytes read per operand, bytes
-  written per result)`."""
+  its ops read, `x * x`). Without `multi_output_fusion` (XLA:CPU), a loop-fusible result
+  that is written anyway (returned, or read by an op that does not fuse) ends its fusion,
+  and the fusions that read it read it from memory. Per op, `(bytes read per operand,
+  bytes written per result)`."""
   producer = {v: op for op in program.ops for v in op.results}
   readers = consumers(program)
   outputs = set(program.outputs)
@@ -161,11 +162,10 @@ def memory_traffic(program: Program, multi_output_fusion: bool = True
       once = (root(op.id) if fused(op) else -1 - op.id, v)  # A fusion reads each input once.
       reads.append(0.0 if inside(op, v) or once in read_by_fusion else b)
       read_by_fusion.add(once)
-    reads = tuple(reads)
     writes = tuple(0.0 if (fused(op) and v not in outputs and readers.get(v) and v not in materialized
                            and all(fused(c) for c in readers[v])) else b
                    for v, b in zip(op.results, write_bytes))
-    out.append((reads, writes))
+    out.append((tuple(reads), writes))
   return out
 
 
