@@ -258,6 +258,30 @@ def constant_ops(program: Program) -> frozenset[int]:
   return frozenset(folded)
 
 
+def dead_ops(program: Program) -> frozenset[int]:
+  """Ops whose results reach none of the program's outputs (a loop carry reaches them
+  through its tie): XLA's dead-code elimination removes them (a model that computes an
+  aggregation twice and uses one)."""
+  live_values, live_ops = set(program.outputs), set()
+  tied = {}
+  for a, b in program.ties:
+    tied.setdefault(a, []).append(b)
+    tied.setdefault(b, []).append(a)
+  changed = True
+  while changed:
+    changed = False
+    for op in reversed(program.ops):
+      if op.id not in live_ops and any(v in live_values for v in op.results):
+        live_ops.add(op.id)
+        live_values.update(op.operands)
+        changed = True
+    for v in [v for v in live_values if v in tied]:
+      new = [u for u in tied.pop(v) if u not in live_values]
+      live_values.update(new)
+      changed |= bool(new)
+  return frozenset(range(program.num_ops)) - live_ops
+
+
 def _dim_roles(op: Op, index: int) -> list[str | None]:
   """Per dim of operand `index` of a dot or convolution, from its rule: 'contract' (a
   reduction factor: contracting dims, a convolution's input features), 'batch' (a dot

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Set as AbstractSet
 
 import chex
 import numpy as np
@@ -13,7 +13,7 @@ from automap_rl.ir import FactorKind, Op, Program
 from automap_rl.ir.rules import conv_batch_group_factor
 from automap_rl.mesh import Hardware, Mesh
 from automap_rl.sharding import Owners, Signatures
-from automap_rl.simulator.fusion import constant_ops, fusion_copies, memory_traffic, unmaterialized_values
+from automap_rl.simulator.fusion import constant_ops, dead_ops, fusion_copies, memory_traffic, unmaterialized_values
 
 _MEMORY_PROBES = 256
 
@@ -316,16 +316,16 @@ def probe_rows(live: np.ndarray, seed: int = 0, kinds: np.ndarray | None = None)
   return live[rows].astype(np.float32)
 
 
-def _read_keys(program: Program, sigs: Signatures) -> dict[tuple[int, int], tuple]:
+def _read_keys(program: Program, sigs: Signatures, dead: AbstractSet[int]) -> dict[tuple[int, int], tuple]:
   """(op, operand index) -> what reads that share one resharding have in common: the value
   and the classes of the factors each of its dims maps to (reads on factors of the same
   named dimensions resolve alike under every plan, up to one op's axis conflicts). Only
   ops with a signature read through edges (ops that follow their values never
-  communicate)."""
+  communicate), and not the `dead` ops."""
   keys: dict[tuple[int, int], tuple] = {}
   for op in program.ops:
     sig = sigs.op_sig[op.id]
-    if sig < 0:
+    if sig < 0 or op.id in dead:
       continue
     classes = sigs.op_class[sig]
     for i, (v, dims) in enumerate(zip(op.operands, op.rule.operand_dims)):
@@ -494,7 +494,12 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   operand_weight: dict[int, np.ndarray] = {}  # Op signature -> gather weight of each operand.
   operand_transient: dict[int, np.ndarray] = {}  # Op signature -> reads of each operand resharded alone.
   use_memory: dict[int, np.ndarray] = {}  # Op signature -> HBM seconds of each operand, then each result.
-  keys = _read_keys(program, sigs)
+  for sig, (_, _, operands, results, _) in enumerate(sigs.op_keys):
+    for table in (operand_weight, operand_buffers, operand_transient):
+      table[sig] = np.zeros(len(operands), np.float64)
+    use_memory[sig] = np.zeros(len(operands) + len(results), np.float64)
+  dead = dead_ops(program)  # XLA removes them: they cost nothing.
+  keys = _read_keys(program, sigs, dead)
   read_share = _operand_read_shares(program, keys)
   made = np.ones(program.num_values, np.float64)  # How often each value is made a step.
   for op in program.ops:
@@ -505,6 +510,8 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   traffic = memory_traffic(program, hw.multi_output_fusion)
   dots = np.zeros(num_ops, bool)  # Op signatures of dots.
   for op in program.ops:
+    if op.id in dead:
+      continue
     sig = sigs.op_sig[op.id]
     dtype = program.values[op.results[0]].dtype if op.results else "float32"
     groups = op.rule.factor_sizes[dense[op.id]] if dense[op.id] >= 0 and sig >= 0 else 1
@@ -518,15 +525,12 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       value_memory[sigs.value_sig[op.results[0]]] += memory_s.sum()
       continue
     compute[sig] += flop_s
-    use_memory[sig] = use_memory.get(sig, 0.0) + memory_s
+    use_memory[sig] += memory_s
     dots[sig] |= op.primitive == "dot_general"
     weight[sig] += op.repeat
     shares = np.array([read_share[op.id, i] for i in range(len(op.operands))], np.float64)
-    operand_weight.setdefault(sig, np.zeros(len(op.operands), np.float64))
     operand_weight[sig] += np.minimum(op.repeat, made[list(op.operands)]) * shares
-    operand_buffers.setdefault(sig, np.zeros(len(op.operands), np.float64))
     operand_buffers[sig] += np.where(shares < 1.0, shares, 0.0)  # Copies several reads share.
-    operand_transient.setdefault(sig, np.zeros(len(op.operands), np.float64))
     operand_transient[sig] += shares == 1.0  # Copies made for this read alone.
     buffers[sig] += 1.0
   rv = sigs.value_class.shape[1]
