@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from automap_rl import ir, workloads
 from automap_rl.ir import FactorKind, rules
 from automap_rl.ir.trace import scan_counts
-from automap_rl.simulator.fusion import fusion_copies, memory_bytes
+from automap_rl.simulator.fusion import fusion_copies, memory_traffic
 from experiments.inspect_cmd import summarize
 
 ZOO = ("mlp", "gpt", "gpt:scan=true", "moe", "gnn", "resnet", "unet")
@@ -351,6 +351,11 @@ def test_fused_flops_of_training_steps_follow_the_compiled_module(fn, args):
   program = ir.trace(step, *args)
   compiled = _xla_flops(step, *args)
   assert abs(_fused_flops(program) - compiled) <= 0.005 * compiled
+
+
+def memory_bytes(program: ir.Program, multi_output_fusion: bool = True) -> list[float]:
+  """Bytes each op moves, its operands' and results' summed."""
+  return [sum(reads) + sum(writes) for reads, writes in memory_traffic(program, multi_output_fusion)]
 
 
 def test_memory_traffic_of_a_fused_elementwise_chain_is_its_ends():

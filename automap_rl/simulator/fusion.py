@@ -4,8 +4,8 @@ an op's memory traffic, to how often it is computed and to the memory it holds.
 XLA's CPU compiler fuses chains of elementwise ops, data movement and reductions into
 loops (`LOOP_FUSIBLE`, XLA's `CanBeLoopFused`). Three consequences are modelled here:
 
-* `memory_bytes`: the bytes an op moves: a loop-fusible op reads a loop-fusible
-  producer's result inside their fusion, not from memory.
+* `memory_traffic`: the bytes an op moves, per operand and result: a loop-fusible op
+  reads a loop-fusible producer's result inside their fusion, not from memory.
 * `fusion_copies`: how many times the compiled module computes each op: XLA clones cheap
   producers into every fusion that reads them, and `cost_analysis()` counts each fusion's
   instructions, while CSE merges duplicate ops and constant folding removes ops on
@@ -92,11 +92,6 @@ def consumers(program: Program) -> dict[int, list[Op]]:
     for v in set(op.operands):
       readers.setdefault(v, []).append(op)
   return readers
-
-
-def memory_bytes(program: Program, multi_output_fusion: bool = True) -> list[float]:
-  """Bytes each op reads from and writes to memory (`memory_traffic`, summed), [num_ops]."""
-  return [float(sum(reads) + sum(writes)) for reads, writes in memory_traffic(program, multi_output_fusion)]
 
 
 def memory_traffic(program: Program, multi_output_fusion: bool = True
