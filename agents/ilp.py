@@ -187,7 +187,10 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   try:
     # From the solves' plans, then from the best expert's.
     for start in (starts + [expert_decisions] if graph is not None else []):
-      if run.stopped_by in ("memory", "simulations") or limits.seconds_left() <= reserve:
+      if run.stopped_by in ("memory", "simulations"):
+        break
+      if limits.seconds_left() <= reserve:
+        run.stopped("seconds", "the time budget ran out before the descent")
         break
       simulations = _descend(graph, run, start, simulations, deadline=limits.deadline - reserve,
                              max_simulations=budget.simulations)

@@ -325,6 +325,16 @@ def test_a_worker_that_hangs_is_stopped_at_the_timeout_with_its_best_plan(monkey
   assert result.lower_bound is not None and result.lower_bound <= result.cost
 
 
+def test_a_worker_killed_before_its_first_plan_names_the_time_limit(monkeypatch):
+  """Killed at the timeout before it found a plan, the search says the time limit
+  stopped it (not that no plan is within the usage limit)."""
+  solve_module = importlib.import_module("automap_rl.solver.solve")
+  monkeypatch.setattr(solve_module._Search, "price", lambda self, **kwargs: time.sleep(3600))
+  with pytest.raises(LimitReached, match="the time limit came before the solver found a plan") as error:
+    solve(binding_chain(), timeout_s=2, seed=0, workers=1)
+  assert error.value.limit == "seconds"
+
+
 def solver_views(graph: StrategyGraph):
   from automap_rl.solver.local import Layout
   from automap_rl.solver.memory import build_memory

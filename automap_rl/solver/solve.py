@@ -193,7 +193,8 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
     GraphTooLarge: if the exact reduction (which runs first, outside the time limit)
       groups the problem into more than `MAX_PAIR_ENTRIES` pair-cost entries.
     RuntimeError: if no plan within the usage limit was found.
-    LimitReached: past `limits` before any plan within the usage limit was found.
+    LimitReached: past `limits`, or with the searches killed at `timeout_s`, before any
+      plan within the usage limit was found.
   """
   started = time.monotonic()
   if warm_start is not None:
@@ -223,6 +224,9 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
   if outcome.best is None:
     if outcome.limit_error is not None:
       raise outcome.limit_error
+    if outcome.stopped_by == "seconds":
+      raise LimitReached("seconds", f"the time limit came before the solver found a plan for "
+                                    f"{graph.name or 'the graph'}")
     raise RuntimeError(f"solver: no plan within the usage limit found for {graph.name or 'the graph'}")
   choice = reduced.expand(outcome.best)
   if not is_feasible(graph, choice):
