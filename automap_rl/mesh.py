@@ -84,6 +84,11 @@ class Hardware:
       results (an optimizer's new parameter and moments) into one kernel. Where not, each
       result that is written anyway is its own fusion, and the fusions that go on from it
       read it back from memory.
+    minor_concatenate_fusion: Whether XLA fuses a concatenate along its minor (last)
+      dimension with its operands' producers and its readers. XLA:CPU does not (its
+      instruction fusion: rows of at least 64 bytes and 2 KiB in all, or more than 8
+      operands): the concatenate is a data-movement kernel of its own, its operands are
+      written to memory and read back, and its result is written.
   """
 
   name: str
@@ -98,6 +103,7 @@ class Hardware:
   reduce_scatter: bool = True
   dense_batch_group_conv: bool = False
   multi_output_fusion: bool = True
+  minor_concatenate_fusion: bool = True
 
   def peak_flops(self, primitive: str, dtype: str) -> float:
     """Peak flop/s of an op of `primitive` whose result is `dtype` (dtypes without a rate
@@ -297,6 +303,9 @@ HARDWARE: Mapping[str, Hardware] = {
         # fusions, the parameter's reading the new moments from memory (10 passes over a
         # parameter's size, not 7).
         multi_output_fusion=False,
+        # A concatenate along the minor dim is its own kernel: "LLVM tends to do a better
+        # job with pure data movement loops" (xla/service/cpu/cpu_instruction_fusion.cc).
+        minor_concatenate_fusion=False,
     ),
 }
 

@@ -353,9 +353,11 @@ def test_fused_flops_of_training_steps_follow_the_compiled_module(fn, args):
   assert abs(_fused_flops(program) - compiled) <= 0.005 * compiled
 
 
-def memory_bytes(program: ir.Program, multi_output_fusion: bool = True) -> list[float]:
+def memory_bytes(program: ir.Program, multi_output_fusion: bool = True,
+                 minor_concatenate_fusion: bool = True) -> list[float]:
   """Bytes each op moves, its operands' and results' summed."""
-  return [sum(reads) + sum(writes) for reads, writes in memory_traffic(program, multi_output_fusion)]
+  return [sum(reads) + sum(writes)
+          for reads, writes in memory_traffic(program, multi_output_fusion, minor_concatenate_fusion)]
 
 
 def test_memory_traffic_of_a_fused_elementwise_chain_is_its_ends():
@@ -371,6 +373,8 @@ def test_memory_traffic_of_a_fused_elementwise_chain_is_its_ends():
   assert by_primitive["tanh"] == out_bytes  # Reads the dot's result, writes into the fusion.
   assert by_primitive["mul"] == 0.0  # Inside the fusion.
   assert by_primitive["add"] == out_bytes  # Writes the program's output.
+
+
 def test_an_optimizer_update_moves_what_each_backend_fuses():
   """Adam's update of one parameter: XLA:CPU has no multi-output fusion, so each new
   moment is a fusion of its own that the parameter's fusion reads back (10 passes over the
@@ -388,6 +392,25 @@ def test_an_optimizer_update_moves_what_each_backend_fuses():
   assert compiled == pytest.approx(10 * x.nbytes, abs=64)  # And a few scalar constants.
   assert sum(memory_bytes(program, multi_output_fusion=False)) == 10 * x.nbytes
   assert sum(memory_bytes(program, multi_output_fusion=True)) == 7 * x.nbytes
+
+
+def test_a_concatenate_along_the_minor_dim_is_a_kernel_of_its_own_on_xla_cpu():
+  """A graph network's edge update: the senders' and receivers' node features gathered
+  and concatenated with the edge features on the last dim feed a dot. XLA:CPU fuses the
+  concatenate with nothing: each gather writes its rows and the concatenate reads them back
+  (the compiled module's bytes); where concatenates fuse, the gathers are read inside it."""
+  def edge_update(nodes, edges, senders, receivers, w):
+    return jnp.tanh(jnp.concatenate([nodes[senders], nodes[receivers], edges], axis=-1) @ w)
+
+  nodes, edges, w = jnp.ones((256, 64)), jnp.ones((2048, 64)), jnp.ones((192, 64))
+  indices = jnp.zeros(2048, jnp.int32)
+  args = (nodes, edges, indices, indices, w)
+  compiled = jax.jit(edge_update).lower(*args).compile().cost_analysis()["bytes accessed"]
+  program = ir.trace(edge_update, *args)
+  assert sum(memory_bytes(program, multi_output_fusion=False, minor_concatenate_fusion=False)) == compiled
+  # Each gather's rows written once and read once more.
+  fused = sum(memory_bytes(program, multi_output_fusion=False, minor_concatenate_fusion=True))
+  assert fused == compiled - 2 * 2 * edges.nbytes - nodes.nbytes  # And the table read once by one fusion.
 
 
 @pytest.mark.parametrize("fn", [

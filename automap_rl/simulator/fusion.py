@@ -61,6 +61,11 @@ LIBRARY_MIN_ELEMENTS = 4096
 MAX_FUSED_REDUCTIONS = 5
 ELEMENTWISE = CHEAP_ELEMENTWISE | DIVISIONS | EXPENSIVE_ELEMENTWISE
 LOOP_FUSIBLE = ELEMENTWISE | MOVEMENT | FUSED_REDUCTIONS  # XLA's `CanBeLoopFused`.
+# XLA:CPU's bounds on a fused concatenate (cpu_instruction_fusion.cc): at most this many
+# operands, and along the minor dim, rows under 64 bytes or under 2 KiB in all.
+MAX_FUSED_CONCATENATE_OPERANDS = 8
+MIN_KERNEL_CONCATENATE_ROW_BYTES = 64
+MIN_KERNEL_CONCATENATE_BYTES = 2048
 
 # Producers whose results the peak-memory model keeps inside their readers' fusions (never
 # materialised): the common elementwise ops and the movement that reads one operand at
@@ -94,7 +99,25 @@ def consumers(program: Program) -> dict[int, list[Op]]:
   return readers
 
 
-def memory_traffic(program: Program, multi_output_fusion: bool = True
+def kernel_concatenates(program: Program) -> set[int]:
+  """Ids of the concatenates XLA:CPU makes kernels of their own rather than fuse: more
+  than `MAX_FUSED_CONCATENATE_OPERANDS` operands, or along the minor (last) dim with rows
+  of at least `MIN_KERNEL_CONCATENATE_ROW_BYTES` and `MIN_KERNEL_CONCATENATE_BYTES` in all
+  (global shapes: a shard of a value that size is that size or near it)."""
+  kernels = set()
+  for op in program.ops:
+    if op.primitive != "concatenate":
+      continue
+    result, first = program.values[op.results[0]], program.values[op.operands[0]]
+    minor = (len(result.shape) > 1 and result.shape[-1] != first.shape[-1]
+             and result.shape[-1] * result.itemsize >= MIN_KERNEL_CONCATENATE_ROW_BYTES
+             and result.nbytes >= MIN_KERNEL_CONCATENATE_BYTES)
+    if minor or len(op.operands) > MAX_FUSED_CONCATENATE_OPERANDS:
+      kernels.add(op.id)
+  return kernels
+
+
+def memory_traffic(program: Program, multi_output_fusion: bool = True, minor_concatenate_fusion: bool = True
                    ) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
   """Bytes each op reads of each operand and writes of each result once XLA has fused
   loop-fusible chains (elementwise ops, data movement, reductions): a loop-fusible op
@@ -112,12 +135,15 @@ def memory_traffic(program: Program, multi_output_fusion: bool = True
   their values whole; a fusion reads each of its inputs once (an argument that several of
   its ops read, `x * x`). Without `multi_output_fusion` (XLA:CPU), a loop-fusible result
   that is written anyway (returned, or read by an op that does not fuse) ends its fusion,
-  and the fusions that read it read it from memory. Per op, `(bytes read per operand,
-  bytes written per result)`."""
+  and the fusions that read it read it from memory. Without `minor_concatenate_fusion`
+  (XLA:CPU), a `kernel_concatenates` concatenate fuses with nothing: it reads its
+  operands from memory and writes its result. Per op, `(bytes read per operand, bytes
+  written per result)`."""
   producer = {v: op for op in program.ops for v in op.results}
   readers = consumers(program)
   outputs = set(program.outputs)
-  fused = lambda op: op is not None and op.primitive in LOOP_FUSIBLE
+  kernels = set() if minor_concatenate_fusion else kernel_concatenates(program)
+  fused = lambda op: op is not None and op.primitive in LOOP_FUSIBLE and op.id not in kernels
   reduction = lambda op: op is not None and op.primitive in FUSED_REDUCTIONS
   materialized = {v for v, ops in readers.items() if reduction(producer.get(v))
                   or (len(ops) > 1 and any(reduction(r) for r in ops))}

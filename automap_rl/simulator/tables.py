@@ -507,7 +507,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   flops = program_flops(program)
   dense = dense_group_factors(program, hw)
   dense_factor = np.full(num_ops, -1, np.int32)
-  traffic = memory_traffic(program, hw.multi_output_fusion)
+  traffic = memory_traffic(program, hw.multi_output_fusion, hw.minor_concatenate_fusion)
   dots = np.zeros(num_ops, bool)  # Op signatures of dots.
   for op in program.ops:
     if op.id in dead:
