@@ -475,6 +475,22 @@ def test_a_gnn_gathers_its_node_features_for_the_edges_and_not_its_zero_accumula
   assert _simulated(problem, decisions)["comm_bytes_by_kind"]["all-gather"] == pytest.approx(gathered)
 
 
+def test_a_scatter_adds_zeros_are_made_in_the_sharding_it_reads_them_on():
+  """MCTS's plan for GraphCast, on the reduced GNN: node-sized values stored split over
+  the nodes on both axes, the scatter-adds computing on their zeros split over the
+  features alone. XLA makes the zeros in that sharding, as the simulator prices them;
+  constrained first to their own sharding they were an array that XLA moved there (an
+  all-to-all and an all-gather each: 1.24x the all-gathered bytes)."""
+  workload, problem = _setup(GNN, "data=2,model=4")
+  decisions = [Decision(Group(group), axis) for group, axis in (
+      (9, "data"), (12, "model"), (2, "model"), (1, "model"), (9, "model"), (14, "model"), (12, "data"))]
+  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  assert lowered.differences == ()
+  simulated = _simulated(problem, decisions)["comm_bytes_by_kind"]
+  for kind in ("all-gather", "all-to-all"):
+    assert sum(c.repeat * c.bytes for c in lowered.stats.collectives if c.kind == kind) == simulated[kind]
+
+
 @pytest.mark.parametrize("spec, mesh, plan", [(MLP, "data=8", "replicated"), (GPT, "data=8", "fsdp"),
                                               (MLP, "data=2,model=4", "megatron"), (RESNET, "data=8", "data_parallel"),
                                               (GNN, "data=2,model=4", "megatron")])

@@ -53,6 +53,7 @@ from automap_rl.ir.trace import CALL_PRIMITIVES, call_body
 from automap_rl.mesh import spec_axes, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
+from automap_rl.simulator.fusion import constant_ops
 from automap_rl.xla.hlo import CompiledStats, inspect_compiled
 from automap_rl.xla.isolated import CompileAborted
 from automap_rl.xla.numerics import host_copy, program_depth
@@ -101,13 +102,20 @@ class Lowered:
 
 
 def _constrained(problem: Problem) -> dict[tuple[int, ...], tuple[int | None, ...]]:
-  """Origin -> the value id each result of its op is constrained as (None for scalars); a
-  scan's origin -> its stacked results (its `scan_stack` ops', in order)."""
+  """Origin -> the value id each result of its op is constrained as (None for scalars and
+  for values folded from constants); a scan's origin -> its stacked results (its
+  `scan_stack` ops', in order).
+
+  A value folded from constants (the zeros a scatter-add accumulates into) is left to
+  XLA, which makes it in the sharding each reader needs, as the simulator prices it:
+  constrained to its own sharding first, it is a real array that XLA moves to the
+  reader's (a scatter-add's zeros stored split over the nodes, gathered whole for it)."""
+  folded = constant_ops(problem.program)
   out: dict[tuple[int, ...], tuple[int | None, ...]] = {}
   for op in problem.program.ops:
     if op.origin:
-      out[op.origin] = out.get(op.origin, ()) + tuple(v if problem.program.values[v].shape else None
-                                                      for v in op.results)
+      out[op.origin] = out.get(op.origin, ()) + tuple(
+          v if problem.program.values[v].shape and op.id not in folded else None for v in op.results)
   return {origin: chosen for origin, chosen in out.items() if any(v is not None for v in chosen)}
 
 
