@@ -10,7 +10,9 @@ propagation partitions them as it chooses. After every equation that is a progra
 each array result gets `jax.lax.with_sharding_constraint` to the
 `PartitionSpec` the plan resolves for it, replicated ones included: every dim names its
 axes or `None` (replicated), never `PartitionSpec.UNCONSTRAINED`, so XLA's sharding
-propagation cannot spread an op over a mesh axis the plan leaves idle. Convolutions and
+propagation cannot spread an op over a mesh axis the plan leaves idle. Values folded from
+constants (a scatter-add's zeros) are the exception: XLA makes them in the sharding each
+reader needs. Convolutions and
 windowed reductions (`PINNED_PRIMITIVES`) also get their operands and results constrained to
 the shardings their rule computes on, so that XLA never splits a window (a spatial dim): a
 spatially sharded activation is gathered before the convolution, as the simulator prices
