@@ -53,6 +53,11 @@ class Link:
 # The ops `Hardware.matmul_flops` prices: contractions that run on matrix units.
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
+# The fields of `Hardware` that describe its XLA backend's compiler (how it combines,
+# rewrites and fuses), not the device: `Hardware.compiled_by` takes them from another.
+COMPILER_FIELDS = ("combine_threshold", "reduce_scatter", "dense_batch_group_conv", "multi_output_fusion",
+                   "minor_concatenate_fusion")
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -104,6 +109,11 @@ class Hardware:
   dense_batch_group_conv: bool = False
   multi_output_fusion: bool = True
   minor_concatenate_fusion: bool = True
+
+  def compiled_by(self, backend: Hardware) -> Hardware:
+    """This device's peaks, memory and links with `backend`'s compiler (`COMPILER_FIELDS`):
+    a GPU's plan priced as XLA:CPU compiles it."""
+    return dataclasses.replace(self, **{field: getattr(backend, field) for field in COMPILER_FIELDS})
 
   def peak_flops(self, primitive: str, dtype: str) -> float:
     """Peak flop/s of an op of `primitive` whose result is `dtype` (dtypes without a rate

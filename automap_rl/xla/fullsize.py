@@ -170,15 +170,11 @@ def validation_case(name: str) -> workloads.Case:
 
 
 def validation_mesh(case: workloads.Case) -> Mesh:
-  """The case's mesh and hardware, with the CPU backend's collective combiner,
-  reduce-scatter (an all-reduce), dense batch-grouped convolutions, fusions of one
-  result each and minor-dim concatenates as kernels of their own."""
-  cpu = HARDWARE["cpu"]
-  hardware = dataclasses.replace(HARDWARE[case.hardware], combine_threshold=cpu.combine_threshold,
-                                 reduce_scatter=cpu.reduce_scatter, dense_batch_group_conv=cpu.dense_batch_group_conv,
-                                 multi_output_fusion=cpu.multi_output_fusion,
-                                 minor_concatenate_fusion=cpu.minor_concatenate_fusion)
-  return make_mesh(case.mesh, hardware)
+  """The case's mesh and hardware, compiled by the CPU backend (`Hardware.compiled_by`):
+  its collective combiner, reduce-scatter (an all-reduce), dense batch-grouped
+  convolutions, fusions of one result each and minor-dim concatenates as kernels of their
+  own."""
+  return make_mesh(case.mesh, HARDWARE[case.hardware].compiled_by(HARDWARE["cpu"]))
 
 
 def _axes_mask(mesh: Mesh, axes: Sequence[str] | None) -> int:
