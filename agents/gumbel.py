@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import chex
 import jax
@@ -230,24 +231,35 @@ def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 
                      f"{config.network.pipelines} pipeline options; give it as many.")
   search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, config.pipelines)
   embeddings = None if params is None else encode(Network(config.network), params, search_.env.tables, search_.root)
-  play([search_], track, config, seed, params, embeddings)
+  play([Start(search_, search_.root)], track, config, seed, params, embeddings)
   return track.result()
 
 
-def play(roots: Sequence[Searcher], track: Tracker, config: GumbelConfig, seed: int, params: chex.ArrayTree | None,
+class Start(NamedTuple):
+  """Where a searched episode starts: a state of `searcher`'s environment, reached from its
+  root by `actions` (none for the root itself), so that every plan found from it is that
+  searcher's plan of `actions` and then the episode's."""
+
+  searcher: Searcher
+  state: State
+  actions: tuple[int, ...] = ()
+
+
+def play(starts: Sequence[Start], track: Tracker, config: GumbelConfig, seed: int, params: chex.ArrayTree | None,
          embeddings: Embeddings | None) -> None:
   """Plays Gumbel MuZero episodes until `track`'s budget is spent, offering every plan the
-  trees evaluate to `track`: `config.episodes` from the root of each of `roots` (searchers
-  of one environment: the replicated plan, or a plan made elsewhere, `Searcher.rooted_at`),
-  side by side in one batched search, so that they share the budget."""
-  roots = [r for r in roots if not bool(r.root.terminated)]
-  if not roots:
+  trees evaluate to `track`: `config.episodes` from each of `starts` (of searchers of one
+  environment: the replicated plan's, or ones rooted at a plan made elsewhere,
+  `Searcher.rooted_at`), side by side in one batched search, so that they share the
+  budget; an episode that ends starts again where it started."""
+  starts = [s for s in starts if not (bool(s.state.terminated) or bool(s.state.truncated))]
+  if not starts:
     return
-  env = roots[0].env
-  owner = [r for r in roots for _ in range(config.episodes)]  # The searcher of each episode.
+  env = starts[0].searcher.env
+  owner = [s for s in starts for _ in range(config.episodes)]  # The start of each episode.
   count = len(owner)
-  root = jax.tree.map(lambda *xs: np.stack(xs), *[r.root for r in owner])
-  states, paths = root, [[] for _ in range(count)]
+  root = jax.tree.map(lambda *xs: np.stack(xs), *[s.state for s in owner])
+  states, paths = root, [list(s.actions) for s in owner]
   key = jax.random.key(seed)
   while not track.done:
     limit = min(config.gumbel.num_simulations, track.left // count)
@@ -265,10 +277,10 @@ def play(roots: Sequence[Searcher], track: Tracker, config: GumbelConfig, seed: 
       if evaluated.any():
         best = int(np.argmin(np.where(evaluated, nodes.objective[e], np.inf)))
         at = base + int(nodes.evaluated[:e].sum()) + int(evaluated[:best + 1].sum())
-        track.search = owner[e]
+        track.search = owner[e].searcher
         track.offer(nodes.objective[e, best], nodes.step_time[e, best],
                     paths[e] + _path(nodes.parent[e], nodes.action[e], best), at)
     track.count(used)
     ended = (actions == env.stop_action) | after.terminated | after.truncated
     states = jax.tree.map(lambda r, a: np.where(ended.reshape((-1,) + (1,) * (a.ndim - 1)), r, a), root, after)
-    paths = [[] if ended[e] else paths[e] + [int(actions[e])] for e in range(count)]
+    paths = [list(owner[e].actions) if ended[e] else paths[e] + [int(actions[e])] for e in range(count)]

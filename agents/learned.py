@@ -9,11 +9,12 @@ stops (one network call and one plan evaluation per step; as for every agent, th
 plan on the path is kept); with search, it follows that path first and searches with the
 budget. The greedy path is not search: it always completes, whatever the budget
 (`SearchResult.greedy_steps` counts its plans), so no budget gives a worse plan than it.
-A greedy path also starts from the best expert's plan (`LearnedConfig.from_expert`): a
-plan the groups action space may not reach (an expert shards single dimensions where
-a group shards many), which the policy then refines; the search plays an episode from
-each start, side by side on one budget, and `SearchResult.start` says when the plan came
-from the expert's.
+A greedy path also starts from each expert's plan that fits (`LearnedConfig.from_expert`):
+plans the groups action space may not reach (an expert shards single dimensions where
+a group shards many), which the policy then refines; `SearchResult.start` says when the
+plan came from an expert's. The search starts where the best greedy paths found their
+best plans (`LearnedConfig.search_starts` of them, side by side on one budget), so the
+budget refines the policy's best plans rather than replay their first moves.
 With pipeline options, a greedy path starts from each option (a handful), so the choice
 of a pipeline is compared on whole plans rather than taken from the first logit alone. Its
 environment offers the pipeline options the policy was trained with (`NetworkConfig.pipelines`),
@@ -58,10 +59,12 @@ class LearnedConfig:
       than the greedy path.
     action_space: the environment's action space (the one the network was trained on).
     max_decisions: the environment's capacity in class decisions.
-    from_expert: also start from the best expert's plan (`tactics.best_expert_plan`, where
-      it fits): a greedy path runs from it as from the replicated plan, and the search
-      plays an episode from each, side by side, sharing the budget. The result's `start`
-      names the expert when its plan came from there.
+    from_expert: also start from each expert's plan that fits (`tactics.expert_plans`): a
+      greedy path runs from each as from the replicated plan. The result's `start` names
+      the expert when its plan came from there.
+    search_starts: the search plays episodes from this many starts, the best plans first,
+      side by side, sharing the budget: the state of each greedy path's best plan (with
+      `greedy_first`), else the starts themselves (the replicated plan, the experts').
     gumbel: the Gumbel searches' settings (`agents.gumbel.GumbelSettings`).
   """
 
@@ -71,6 +74,7 @@ class LearnedConfig:
   action_space: str = "groups"
   max_decisions: int = 256
   from_expert: bool = True
+  search_starts: int = 2
   gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
 
 
@@ -113,11 +117,15 @@ class GreedyPath:
     actions: the path's actions, then -1 (a stop ends the path and is not recorded),
       int32 [L].
     objective, step_time: the plan after each action, f32 [L].
+    best: the state of the path's best plan (the start's when no step improves on it).
+    best_length: the actions from the start to `best`, int32 [].
   """
 
   actions: jax.Array
   objective: jax.Array
   step_time: jax.Array
+  best: State
+  best_length: jax.Array
 
 
 @functools.partial(SearchJit, calls="few", static_argnames=("network", "env_config"))
@@ -130,7 +138,7 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
   size = env_config.max_decisions + 1
   stop = state.legal_action_mask.shape[0] - 1
   path = GreedyPath(actions=jnp.full(size, -1, jnp.int32), objective=jnp.zeros(size, jnp.float32),
-                    step_time=jnp.zeros(size, jnp.float32))
+                    step_time=jnp.zeros(size, jnp.float32), best=state, best_length=jnp.int32(0))
 
   def going(carry):
     i, state, _ = carry
@@ -141,23 +149,26 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
     logits, _ = network.head(params, embeddings, state_features(tables, state))
     action = jnp.where((i == 0) & (first >= 0), first, jnp.argmax(logits)).astype(jnp.int32)
     state = core.step(env_config, tables, state, action)
+    better = state.objective < path.best.objective
     path = GreedyPath(actions=path.actions.at[i].set(jnp.where(action == stop, -1, action)),
                       objective=path.objective.at[i].set(state.objective),
-                      step_time=path.step_time.at[i].set(state.step_time))
+                      step_time=path.step_time.at[i].set(state.step_time),
+                      best=jax.tree.map(lambda new, old: jnp.where(better, new, old), state, path.best),
+                      best_length=jnp.where(better, i + 1, path.best_length))
     return i + 1, state, path
 
   return jax.lax.while_loop(going, advance, (jnp.int32(0), state, path))[2]
 
 
 def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, search_: Searcher,
-           track: Tracker) -> None:
+           track: Tracker) -> list[gumbel.Start]:
   """Follows the network's most likely action from `search_`'s root until it stops or the
   episode ends, offering each plan on the path to `track` (counted as `greedy_steps`,
   outside its budget). With pipeline options the root's actions are those few options: a
   path is followed from each, so the policy's intra-op plan under every pipeline choice
-  (no pipeline included) is a candidate."""
+  (no pipeline included) is a candidate. Returns where each path found its best plan."""
   env = search_.env
-  firsts = [-1]
+  firsts, bests = [-1], []
   if env.pipelines and int(search_.root.pipeline) < 0:
     firsts = [int(a) for a in search_.legal(search_.root)]
   for first in firsts:
@@ -167,6 +178,8 @@ def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, sea
     for i in range(len(actions)):
       track.offer(float(path.objective[i]), float(path.step_time[i]), actions[:i + 1])
     track.greedy_steps += len(actions)
+    bests.append(gumbel.Start(search_, path.best, tuple(actions[:int(path.best_length)])))
+  return bests
 
 
 def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int = 0,
@@ -178,18 +191,21 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
   network, params = load_policy(config.checkpoint, search_.env.tables, search_.root)
   embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
   roots = [search_]
-  if config.from_expert:
-    expert = tactics.best_expert_plan(problem)
-    rooted = search_.rooted_at(expert.name, expert.decisions, expert.cost) if expert.fits else None
-    if rooted is not None:
-      roots.append(rooted)
-  for root in roots:  # Each start's own plan is a candidate (the expert's, at no simulation).
+  if config.from_expert:  # The experts' plans are priced to find the best one: no simulation.
+    rooted = (search_.rooted_at(e.name, e.decisions, e.cost) for e in tactics.expert_plans(problem)
+              if e.fits and e.decisions)
+    roots += [r for r in rooted if r is not None]
+  starts = []
+  for root in roots:  # Each start's own plan is a candidate.
     track.search = root
     track.offer(float(root.root.objective), float(root.root.step_time), [])
     if not config.search or config.greedy_first:
-      follow(network, params, embeddings, root, track)
+      starts += follow(network, params, embeddings, root, track)
+    else:
+      starts.append(gumbel.Start(root, root.root))
   if config.search:
     search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
                                  gumbel=config.gumbel, network=network.config, pipelines=pipelines)
-    gumbel.play(roots, track, search_config, seed, params, embeddings)
+    best = sorted(starts, key=lambda s: float(s.state.objective))[:config.search_starts]
+    gumbel.play(best, track, search_config, seed, params, embeddings)
   return track.result()

@@ -395,9 +395,16 @@ class Expert:
     return bool(self.cost.fits)
 
 
+def expert_plans(problem: Problem) -> list[Expert]:
+  """Every applicable tactic's plan and cost (`applicable_costs`), in the yardstick's order:
+  the `best_expert` first, then the other plans that fit from the fastest, then those that
+  do not fit from the least memory per device."""
+  experts = [Expert(n, tuple(plan), cost) for n, (plan, cost) in applicable_costs(problem).items()]
+  return sorted(experts, key=lambda e: (not e.fits, float(e.cost.step_time) if e.fits else float(e.cost.peak_memory)))
+
+
 def best_expert_plan(problem: Problem) -> Expert:
   """The problem's `best_expert`, with its plan and cost."""
-  costs = applicable_costs(problem)
-  name = best_expert({n: Score.of(cost) for n, (_, cost) in costs.items()})
-  plan, cost = costs[name]
-  return Expert(name, tuple(plan), cost)
+  experts = expert_plans(problem)
+  name = best_expert({e.name: Score.of(e.cost) for e in experts})
+  return next(e for e in experts if e.name == name)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from agents import base as agents_base
 from agents import gumbel, network
 from automap_rl import tactics, workloads
 from automap_rl.mesh import make_mesh
@@ -205,3 +206,24 @@ def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
   with pytest.raises(ValueError, match="6 pipeline options"):
     gumbel.search(p, gumbel.GumbelConfig(network=config), budget=10, params=learned.load_policy(
         str(tmp_path), e.tables, root)[1])
+
+
+def test_episodes_from_a_start_below_the_root_search_below_it():
+  """Every plan a search offers from a `Start` reached by two actions begins with them, and
+  the best is priced as the simulator prices its whole plan."""
+  p = problem(*GPT)
+  search, track, _ = agents_base.start(p, CONFIG.action_space, CONFIG.max_decisions, 24, None)
+  state, prefix = search.root, []
+  for _ in range(2):
+    action = int(search.legal(state)[-1])
+    state, prefix = agents_base.row(search.children(state, [action]), 0), prefix + [action]
+  offered = []
+  offer = track.offer
+  track.offer = lambda objective, step_time, actions, at=None: offered.append(list(actions)) or offer(
+      objective, step_time, actions, at)
+  gumbel.play([gumbel.Start(search, state, tuple(prefix))], track, CONFIG, 0, None, None)
+  assert offered and all(a[:2] == prefix and len(a) > 2 for a in offered)
+  assert 0 < track.simulations <= 24
+  result = track.result()
+  assert result.action_ids[:2] == tuple(prefix)
+  assert result.objective == pytest.approx(agents_base.plan_objective(p, p.cost(result.decisions)), rel=1e-5)

@@ -260,6 +260,20 @@ def test_the_best_expert_plan_is_the_best_of_the_applicable_costs(problems):
   assert expert.name == tactics.best_expert({n: tactics.Score.of(c) for n, (_, c) in costs.items()})
 
 
+def test_the_expert_plans_come_in_the_yardsticks_order(problems):
+  for problem in problems.values():
+    experts = tactics.expert_plans(problem)
+    assert {e.name for e in experts} == set(tactics.applicable(problem))
+    assert experts[0].name == tactics.best_expert_plan(problem).name
+    fits = [e.fits for e in experts]
+    assert fits == sorted(fits, reverse=True)  # Every plan that fits before any that does not.
+    for a, b in zip(experts, experts[1:]):
+      if a.fits and b.fits:
+        assert a.cost.step_time <= b.cost.step_time
+      elif not a.fits:
+        assert a.cost.peak_memory <= b.cost.peak_memory
+
+
 def _gpt(spec: str, mesh: str) -> Problem:
   return Problem.build(make_workload(spec, abstract=True).trace(), make_mesh(mesh, "h100"))
 

@@ -263,6 +263,25 @@ def test_the_learned_agent_refines_the_best_experts_plan():
     assert result.start == expert.name  # The path from the expert's plan is the better.
 
 
+def test_the_learned_search_starts_where_the_greedy_paths_found_their_best_plans(monkeypatch):
+  """The budget is spent below the best plans of the greedy paths (from the replicated plan
+  and each expert's), the best first: on a small GPT the best is two actions down the path
+  from the replicated plan."""
+  problem = Problem.build(workloads.make_workload("gpt:layers=2", abstract=True).trace(),
+                          make_mesh("data=2,model=4", "h100"))
+  greedy = learned.search(problem, LearnedConfig(search=False), seed=0, budget=16)
+  assert greedy.start is None and len(greedy.action_ids) == 2
+  for count in (1, 3):
+    starts = []
+    monkeypatch.setattr(gumbel, "play", lambda given, *_: starts.extend(given))
+    learned.search(problem, LearnedConfig(search_starts=count), seed=0, budget=16)
+    assert len(starts) == count
+    assert starts[0].searcher.start is None and starts[0].actions == greedy.action_ids
+    assert float(starts[0].state.objective) == pytest.approx(greedy.objective, rel=1e-6)
+    objectives = [float(s.state.objective) for s in starts]
+    assert objectives == sorted(objectives)
+
+
 @pytest.mark.slow
 def test_shipped_policy_partitions_from_the_command_line(tmp_path):
   shipped = learned.policy_path(None)
