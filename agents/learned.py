@@ -77,6 +77,10 @@ class LearnedConfig:
   search_starts: int = 2
   gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
 
+  def __post_init__(self):
+    if self.search_starts < 1:
+      raise ValueError(f"search_starts={self.search_starts}: the search needs at least one start.")
+
 
 _POLICIES: dict[str, tuple[Network, chex.ArrayTree]] = {}
 

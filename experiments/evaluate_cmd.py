@@ -205,7 +205,7 @@ def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Metho
 def summarize(cases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
   """Per method: the median ratio to the yardstick, the share of cases that beat the best
   expert (below 1; where no expert fits, any plan that fits does), the share whose plan
-  started from the best expert's (`SearchResult.start`), the median seconds of a first
+  started from an expert's (`SearchResult.start`), the median seconds of a first
   call and, for the equal-time reference, of a compiled one."""
   names = list(cases[0]["methods"])
   beats = lambda c, m: (c["methods"][m]["ratio"] < 1 - 1e-6 if c["expert_fits"] else c["methods"][m]["fits"])
@@ -317,7 +317,7 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
     print(f"{reference(config)} beats {method} (the same seconds) on {share:.0%} of the cases")
   for method, figures in summary.items():
     if figures["from_expert"]:
-      print(f"{method}: its plan refines the best expert's on {round(figures['from_expert'] * len(cases))} of "
+      print(f"{method}: its plan refines an expert's on {round(figures['from_expert'] * len(cases))} of "
             f"{len(cases)} cases")
   write_json(config.json, document())
   if config.plot:

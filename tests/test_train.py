@@ -280,6 +280,8 @@ def test_the_learned_search_starts_where_the_greedy_paths_found_their_best_plans
     assert float(starts[0].state.objective) == pytest.approx(greedy.objective, rel=1e-6)
     objectives = [float(s.state.objective) for s in starts]
     assert objectives == sorted(objectives)
+  with pytest.raises(ValueError, match="search_starts=0"):
+    LearnedConfig(search_starts=0)
 
 
 @pytest.mark.slow
