@@ -366,6 +366,12 @@ class Score(NamedTuple):
   def of(cls, cost: simulator.Cost) -> Score:
     return cls(float(cost.step_time), float(cost.peak_memory), bool(cost.fits))
 
+  @property
+  def yardstick_order(self) -> tuple[bool, float]:
+    """The key `best_expert` takes the least of: every plan that fits before any that
+    does not; among those that fit the fastest, among the others the least memory."""
+    return (not self.fits, self.step_time if self.fits else self.peak_memory)
+
 
 def best_expert(scores: Mapping[str, Score]) -> str:
   """The yardstick every ratio in the project is relative to, from the scores of the
@@ -376,10 +382,7 @@ def best_expert(scores: Mapping[str, Score]) -> str:
   never use as a denominator beside a plan that fits."""
   if not scores:
     raise ValueError("No expert scores to choose the best expert from.")
-  fitting = [n for n, s in scores.items() if s.fits]
-  if fitting:
-    return min(fitting, key=lambda n: scores[n].step_time)
-  return min(scores, key=lambda n: scores[n].peak_memory)
+  return min(scores, key=lambda n: scores[n].yardstick_order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,15 +399,13 @@ class Expert:
 
 
 def expert_plans(problem: Problem) -> list[Expert]:
-  """Every applicable tactic's plan and cost (`applicable_costs`), in the yardstick's order:
-  the `best_expert` first, then the other plans that fit from the fastest, then those that
-  do not fit from the least memory per device."""
+  """Every applicable tactic's plan and cost (`applicable_costs`), in the yardstick's order
+  (`Score.yardstick_order`): the `best_expert` first, then the other plans that fit from
+  the fastest, then those that do not fit from the least memory per device."""
   experts = [Expert(n, tuple(plan), cost) for n, (plan, cost) in applicable_costs(problem).items()]
-  return sorted(experts, key=lambda e: (not e.fits, float(e.cost.step_time) if e.fits else float(e.cost.peak_memory)))
+  return sorted(experts, key=lambda e: Score.of(e.cost).yardstick_order)
 
 
 def best_expert_plan(problem: Problem) -> Expert:
   """The problem's `best_expert`, with its plan and cost."""
-  experts = expert_plans(problem)
-  name = best_expert({e.name: Score.of(e.cost) for e in experts})
-  return next(e for e in experts if e.name == name)
+  return expert_plans(problem)[0]
