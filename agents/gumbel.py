@@ -8,11 +8,12 @@ and value come from the network's head (`agents.network`) on the program's embed
 encoded once per search and closed over. Without parameters the prior is uniform over the
 legal actions and every value is 0: the uniform-prior Gumbel baseline.
 
-`policy` is the pure, batched search (root and recurrent functions vmapped over episodes,
-and over programs when the tables are batched); `run_search` wraps it for self-play over
-a mixed batch of programs; `search` is the agent: it plays episodes from the replicated
-plan, one Gumbel search per step from the current state, taking the action it selects
-until stop or the end of the episode, then starts over, until the budget is spent.
+`policy` is the pure, batched search (the environment and the network vmapped over a
+mixed batch of programs, mapped over one program's episodes one at a time); `run_search`
+wraps it for self-play over a mixed batch of programs; `search` is the agent: it plays
+episodes from the replicated plan, one Gumbel search per step from the current state,
+taking the action it selects until stop or the end of the episode, then starts over,
+until the budget is spent.
 Every plan a search tree evaluated is a candidate (read from the tree's nodes), so the
 best plan seen at any depth of any tree is kept.
 
@@ -24,6 +25,7 @@ last search of a budget runs fewer (a traced loop bound, so no recompile).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -39,7 +41,7 @@ from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
 from agents.network import MASKED_LOGIT, Embeddings, Network, NetworkConfig, state_features, static_graph
 from automap_rl.compile_options import SearchJit
 from automap_rl.problem import Problem
-from envs import EnvConfig, State
+from envs import Env, EnvConfig, State
 from envs import core
 from envs.tables import EnvTables
 
@@ -70,7 +72,7 @@ class GumbelConfig:
     action_space: the environment's action space (`groups`, `arg_dims`, `named_dims`).
     max_decisions: the environment's capacity in class decisions.
     gumbel: the search's settings (simulations, considered actions, noise).
-    episodes: episodes searched side by side (one vmapped search over all of them).
+    episodes: episodes searched side by side (one search over all of them).
     network: the network's sizes (used when parameters are given).
     pipelines: the environment's pipeline options (`EnvConfig.pipelines`; 0: none); with
       parameters, the network's (`NetworkConfig.pipelines`).
@@ -119,9 +121,12 @@ def policy(params: chex.ArrayTree | None, embeddings: Embeddings | None, tables:
     node embeddings are the environment states of the nodes).
   """
   network = Network(config.network)
-  axis = 0 if batched else None
-  evaluate = jax.vmap(functools.partial(_evaluate, network, params), in_axes=(axis, axis, 0))
-  step = jax.vmap(functools.partial(core.step, env_config), in_axes=(axis, 0, 0))
+  if batched:  # A mixed batch of programs: vmapped.
+    evaluate = jax.vmap(functools.partial(_evaluate, network, params))
+    step = jax.vmap(functools.partial(core.step, env_config))
+  else:  # One program's few episodes, one at a time: less than half a vmap's tracing, as fast to run.
+    evaluate = lambda e, t, s: jax.lax.map(functools.partial(_evaluate, network, params, e, t), s)
+    step = lambda t, s, a: jax.lax.map(lambda x: core.step(env_config, t, *x), (s, a))
 
   def recurrent_fn(_, key, action, state):
     del key  # The environment is deterministic.
@@ -203,6 +208,33 @@ def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex
   after = jax.tree.map(lambda x: x[batch, chosen], nodes)
   return out.action, after, _Nodes(objective=nodes.objective, step_time=nodes.step_time, evaluated=evaluated,
                                    parent=parent, action=tree.action_from_parent)
+
+
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gumbel-compile")
+
+
+def compile_ahead(env: Env, config: GumbelConfig, params: chex.ArrayTree | None, root: State,
+                  episodes: int) -> concurrent.futures.Future:
+  """Compiles `play`'s search of `episodes` episodes side by side (its starts times
+  `config.episodes`) over `env` in a background thread, by a search of no simulations from
+  `root` (a host state of `env`) on embeddings of zeros (only their shapes matter), so that
+  the caller works meanwhile (a learned agent encodes its program and follows its greedy
+  paths while XLA compiles) and `play`'s first search finds it compiled. Wait on the future
+  before `play`: a search called while this one compiles would compile it again."""
+
+  def search_nothing() -> None:
+    embeddings = None
+    if params is not None:
+      network = Network(config.network)
+      shapes = jax.eval_shape(lambda p, t, s: network.encode(p, static_graph(t, s)), params, env.tables, root)
+      # Placed as `encode`'s are (a jit of the parameters), or `play` would compile again.
+      zeros = jax.jit(lambda _: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), keep_unused=True)
+      embeddings = zeros(params)
+    states = jax.tree.map(lambda x: np.stack([x] * episodes), root)
+    _search_step(params, embeddings, env.tables, states, jax.random.key(0), jnp.int32(0), config=config,
+                 env_config=env.config)
+
+  return _COMPILER.submit(search_nothing)
 
 
 @functools.partial(SearchJit, calls="few", static_argnames="network")

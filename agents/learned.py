@@ -14,7 +14,9 @@ plans the groups action space may not reach (an expert shards single dimensions 
 a group shards many), which the policy then refines; `SearchResult.start` says when the
 plan came from an expert's. The search starts where the best greedy paths found their
 best plans (`LearnedConfig.search_starts` of them, side by side on one budget), so the
-budget refines the policy's best plans rather than replay their first moves.
+budget refines the policy's best plans rather than replay their first moves. XLA
+compiles that search in the background while the program is encoded and the greedy paths
+run (`gumbel.compile_ahead`), so a first call on a new model overlaps the two compiles.
 With pipeline options, a greedy path starts from each option (a handful), so the choice
 of a pipeline is compared on whole plans rather than taken from the first logit alone. Its
 environment offers the pipeline options the policy was trained with (`NetworkConfig.pipelines`),
@@ -164,6 +166,14 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
   return jax.lax.while_loop(going, advance, (jnp.int32(0), state, path))[2]
 
 
+def path_firsts(search_: Searcher) -> list[int]:
+  """The first action of each greedy path `follow` takes from `search_`'s root: each
+  pipeline option where the root has chosen none yet, else -1 (the policy's own)."""
+  if search_.env.pipelines and int(search_.root.pipeline) < 0:
+    return [int(a) for a in search_.legal(search_.root)]
+  return [-1]
+
+
 def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, search_: Searcher,
            track: Tracker) -> list[gumbel.Start]:
   """Follows the network's most likely action from `search_`'s root until it stops or the
@@ -172,10 +182,8 @@ def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, sea
   path is followed from each, so the policy's intra-op plan under every pipeline choice
   (no pipeline included) is a candidate. Returns where each path found its best plan."""
   env = search_.env
-  firsts, bests = [-1], []
-  if env.pipelines and int(search_.root.pipeline) < 0:
-    firsts = [int(a) for a in search_.legal(search_.root)]
-  for first in firsts:
+  bests = []
+  for first in path_firsts(search_):
     path = jax.device_get(greedy_path(network, env.config, params, embeddings, env.tables, search_.root,
                                       jnp.int32(first)))
     actions = path.actions[path.actions >= 0].tolist()  # A stop ends the path: -1 only after it.
@@ -193,23 +201,29 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
   pipelines = load_network(config.checkpoint).config.pipelines
   search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, pipelines)
   network, params = load_policy(config.checkpoint, search_.env.tables, search_.root)
-  embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
   roots = [search_]
   if config.from_expert:  # The experts' plans are priced to find the best one: no simulation.
     rooted = (search_.rooted_at(e.name, e.decisions, e.cost) for e in tactics.expert_plans(problem)
               if e.fits and e.decisions)
     roots += [r for r in rooted if r is not None]
+  search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
+                               gumbel=config.gumbel, network=network.config, pipelines=pipelines)
+  greedy = not config.search or config.greedy_first
+  if config.search:  # XLA compiles the search while the program is encoded and the greedy paths run.
+    paths = sum(len(path_firsts(root)) for root in roots) if greedy else len(roots)
+    compiled = gumbel.compile_ahead(search_.env, search_config, params, search_.root,
+                                    min(config.search_starts, paths) * search_config.episodes)
+  embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
   starts = []
   for root in roots:  # Each start's own plan is a candidate.
     track.search = root
     track.offer(float(root.root.objective), float(root.root.step_time), [])
-    if not config.search or config.greedy_first:
+    if greedy:
       starts += follow(network, params, embeddings, root, track)
     else:
       starts.append(gumbel.Start(root, root.root))
   if config.search:
-    search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
-                                 gumbel=config.gumbel, network=network.config, pipelines=pipelines)
+    compiled.result()
     best = sorted(starts, key=lambda s: float(s.state.objective))[:config.search_starts]
     gumbel.play(best, track, search_config, seed, params, embeddings)
   return track.result()

@@ -155,6 +155,28 @@ def test_learned_prior_run_search_on_a_mixed_batch():
   assert np.isfinite(np.asarray(value)).all()
 
 
+def test_a_search_over_one_programs_states_is_the_batched_search():
+  """Over one program's tables, `gumbel.policy` maps the environment and the network over
+  the episodes one at a time (cheaper to trace and compile than a batch); it searches as
+  the batched search over copies of the tables does: the same actions, policy and trees."""
+  config = EnvConfig(max_decisions=64, max_axes=2)
+  env = Env.build(problem(*GPT), config)
+  count = 3
+  key = jax.random.key(0)
+  states = jax.vmap(env.init)(jax.random.split(key, count))  # Three episodes from the replicated plan.
+  embeddings = jax.jit(NET.encode)(params(), network.static_graph(env.tables, env.init(key)))
+  copies = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (count,) + x.shape), tree)
+  limit = jnp.int32(CONFIG.gumbel.num_simulations)
+  search = jax.jit(gumbel.policy, static_argnames=("config", "env_config", "batched"))
+  one = search(params(), embeddings, env.tables, states, jax.random.key(3), limit, CONFIG, config, batched=False)
+  many = search(params(), copies(embeddings), copies(env.tables), states, jax.random.key(3), limit, CONFIG, config,
+                batched=True)
+  np.testing.assert_array_equal(one.action, many.action)
+  np.testing.assert_allclose(one.action_weights, many.action_weights, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(one.search_tree.children_index, many.search_tree.children_index)
+  np.testing.assert_allclose(one.search_tree.embeddings.objective, many.search_tree.embeddings.objective, rtol=1e-6)
+
+
 PIPED = ("gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=true", "data=2,fsdp=2,model=2")
 
 

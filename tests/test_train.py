@@ -284,6 +284,18 @@ def test_the_learned_search_starts_where_the_greedy_paths_found_their_best_plans
     LearnedConfig(search_starts=0)
 
 
+def test_the_learned_search_compiles_once_while_the_greedy_paths_run():
+  """The search is compiled in the background (`gumbel.compile_ahead`, on placeholder
+  embeddings) while the greedy paths run, and the budget's searches reuse that compile: one
+  executable of the search per problem and number of starts."""
+  problem = Problem.build(workloads.make_workload("gpt:layers=2", abstract=True).trace(),
+                          make_mesh("data=2,model=4", "h100"))
+  agents_base.release()
+  result = learned.search(problem, LearnedConfig(gumbel=GumbelSettings(num_simulations=8)), seed=0, budget=32)
+  assert result.simulations > 8  # More than one search ran.
+  assert gumbel._search_step.jitted()._cache_size() == 1
+
+
 @pytest.mark.slow
 def test_shipped_policy_partitions_from_the_command_line(tmp_path):
   shipped = learned.policy_path(None)
