@@ -210,6 +210,14 @@ def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex
                                    parent=parent, action=tree.action_from_parent)
 
 
+@functools.partial(SearchJit, calls="few", static_argnames="network", keep_unused=True)
+def _placeholder(network: Network, params: chex.ArrayTree, tables: EnvTables, state: State) -> Embeddings:
+  """Zeros shaped as `encode`'s embeddings of the program and placed as they are (a jit of
+  the same arguments, none pruned): what compiling a search needs of them, without the
+  encoder's work (XLA drops it)."""
+  return jax.tree.map(jnp.zeros_like, network.encode(params, static_graph(tables, state)))
+
+
 _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gumbel-compile")
 
 
@@ -223,13 +231,7 @@ def compile_ahead(env: Env, config: GumbelConfig, params: chex.ArrayTree | None,
   before `play`: a search called while this one compiles would compile it again."""
 
   def search_nothing() -> None:
-    embeddings = None
-    if params is not None:
-      network = Network(config.network)
-      shapes = jax.eval_shape(lambda p, t, s: network.encode(p, static_graph(t, s)), params, env.tables, root)
-      # Placed as `encode`'s are (a jit of the parameters), or `play` would compile again.
-      zeros = jax.jit(lambda _: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), keep_unused=True)
-      embeddings = zeros(params)
+    embeddings = None if params is None else _placeholder(Network(config.network), params, env.tables, root)
     states = jax.tree.map(lambda x: np.stack([x] * episodes), root)
     _search_step(params, embeddings, env.tables, states, jax.random.key(0), jnp.int32(0), config=config,
                  env_config=env.config)
