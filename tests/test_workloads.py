@@ -14,7 +14,7 @@ from automap_rl.xla.numerics import reference_outputs
 # The largest preset of every family with presets.
 LARGEST = ("gpt:size=39b", "moe:size=70b", "llama:size=70b", "t5:size=xxl",
            "vit:size=22b", "wresnet:size=13b", "unet:size=sd-1.5",
-           "gnn:size=graphcast", "ssm:size=2.8b", "lstm:size=8192-2048")
+           "gnn:size=graphcast", "ssm:size=2.8b", "lstm:size=8192-2048", "dit:size=xl-2")
 
 
 def _shapes(tree):
@@ -225,3 +225,13 @@ def test_lstm_parameters_are_stacked_per_layer_and_the_time_loop_runs_inside_the
       "w_input": (2, 1024, 32768), "w_recurrent": (2, 1024, 32768), "bias": (2, 32768), "w_project": (2, 8192, 1024)}
   program = w.trace()
   assert max(op.repeat for op in program.ops) == 2 * 256  # Two layers of 256 time steps (forward and backward).
+
+
+def test_dit_presets_have_the_published_parameter_counts():
+  """DiT-B/2 and DiT-XL/2: 130M and 675M parameters (Peebles & Xie 2023)."""
+
+  def count(size):
+    return sum(leaf.size for leaf in jax.tree_util.tree_leaves(make_workload(f"dit:size={size}", abstract=True).params))
+
+  assert count("b-2") == pytest.approx(130e6, rel=0.01)
+  assert count("xl-2") == pytest.approx(675e6, rel=0.01)

@@ -5,7 +5,7 @@ preset, ``"name:size=label,key=value"``.
 ``PRESETS``: e.g. ``gpt:size=1.3b``, ``llama:size=8b``, ``moe:size=10b``,
 ``t5:size=xl``, ``vit:size=h14``, ``wresnet:size=2b``,
 ``unet:size=sd-1.5``, ``gnn:size=graphcast``, ``ssm:size=2.8b``,
-``lstm:size=8192-1024``); the other
+``lstm:size=8192-1024``, ``dit:size=xl-2``); the other
 items override its fields (``gpt:size=1.3b,batch=32``), whatever their order.
 
 The zoo's families (:data:`FAMILIES`) are written here; the external ones
@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from automap_rl.compile_options import quick_compile_options
-from automap_rl.workloads import (external, gnn, gpt, llama, lstm, mlp, moe, resnet,
+from automap_rl.workloads import (dit, external, gnn, gpt, llama, lstm, mlp, moe, resnet,
                                   ssm, t5, training, unet, vit, wide_resnet)
 
 # Zoo model name -> (module with ``make(config, seed)`` and ``PRESETS``, config
@@ -43,6 +43,7 @@ _ZOO: dict[str, tuple[ModuleType, type]] = {
     "wresnet": (wide_resnet, wide_resnet.WideResNetConfig),
     "ssm": (ssm, ssm.SSMConfig),
     "lstm": (lstm, lstm.LSTMConfig),
+    "dit": (dit, dit.DiTConfig),
 }
 # Every model name, the zoo's and the external ones -> (``make(config, seed)``,
 # config class, size label -> config fields).
@@ -57,6 +58,7 @@ STYLES: dict[str, str] = {
     "mlp": "haiku", "gpt": "flax.linen", "moe": "flax.linen", "gnn": "haiku",
     "resnet": "haiku", "unet": "flax.linen", "llama": "flax.nnx", "t5": "haiku",
     "vit": "equinox", "wresnet": "flax.linen", "ssm": "equinox", "lstm": "flax.linen",
+    "dit": "flax.nnx",
 }
 
 # A tiny spec per family, for numerics (`automap-rl validate --random`) and concrete tests:
@@ -74,6 +76,7 @@ SMALL: dict[str, str] = {
     "wresnet": "wresnet:width=4,image_size=16",
     "ssm": "ssm:layers=1",
     "lstm": "lstm:layers=1",
+    "dit": "dit:layers=1,image_size=16",
 }
 
 

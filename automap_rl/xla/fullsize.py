@@ -76,7 +76,7 @@ DEMO_WORKLOAD = "gpt:layers=8,d_model=1024"
 # The zoo families the task suite leaves out, at sizes of their kind: (workload, mesh,
 # hardware). A ResNet-18-shaped network (uniform basic blocks, GroupNorm) at ImageNet
 # resolution and a wider one; a deep wide MLP; the LSTM language models of Jozefowicz et
-# al. and GNMT's stack.
+# al. and GNMT's stack; DiT-B/2 and DiT-XL/2 at the paper's batch of 256.
 ZOO_CASES = {
     "mlp-8x8192-2x4-h100": ("mlp:layers=8,width=8192,in_dim=1024,classes=1024,batch=1024", "data=2,model=4", "h100"),
     "mlp-4x16384-4x8-a100-80g": ("mlp:layers=4,width=16384,in_dim=4096,classes=4096,batch=2048", "data=4,model=8",
@@ -87,6 +87,8 @@ ZOO_CASES = {
                                    "data=8,model=4", "tpu-v5e"),
     "lstm-8192-1024-4x4-tpu-v5e": ("lstm:size=8192-1024,batch=64", "data=4,model=4", "tpu-v5e"),
     "lstm-gnmt-1024-8x4-h100": ("lstm:size=gnmt-1024,batch=128", "data=8,model=4", "h100"),
+    "dit-b-2-4x2-a100-40g": ("dit:size=b-2,batch=256", "data=4,model=2", "a100-40g"),
+    "dit-xl-2-8x4-h100": ("dit:size=xl-2,batch=256", "data=8,model=4", "h100"),
 }
 
 # The sampled run over every family: two task-suite cases of each suite family that the
