@@ -98,8 +98,8 @@ PRESETS: dict[str, TrainRunConfig] = {
                           replay_capacity=256, batch_size=16, updates=2, warmup_updates=4,
                           network=NetworkConfig(width=32, rounds=2, state_width=16, pipelines=5))),
     "small": TrainRunConfig(),
-    # The small recipe twice as long, after a warm start on the train split's best-known plans.
-    "medium": TrainRunConfig(preset="medium", iterations=480, run_dir="runs/medium", imitation_updates=300),
+    # The small recipe half as long again, after a warm start on the train split's best-known plans.
+    "medium": TrainRunConfig(preset="medium", iterations=360, run_dir="runs/medium", imitation_updates=300),
     "full": TrainRunConfig(
         preset="full", iterations=2000, run_dir="runs/full", checkpoint_every=50,
         train=TrainConfig(episodes=16, episode_length=16,
