@@ -57,6 +57,7 @@ class SuiteBenchConfig:
 
   Attributes:
     split: the cases to score.
+    families: only the split's cases of these families (empty: all of them).
     agents: search agents, each run for `budget` simulations.
     budget: simulations per search.
     seed: search seed.
@@ -68,6 +69,7 @@ class SuiteBenchConfig:
   """
 
   split: Split = "smoke"
+  families: tuple[str, ...] = ()
   agents: tuple[AgentName, ...] = ("random", "mcts")
   budget: int = 2000
   seed: int = 0
@@ -240,8 +242,23 @@ def update_best_known(rows: list[dict[str, Any]], path: str | None, command: str
   return changed
 
 
-def run_bench(config: SuiteBenchConfig) -> dict[str, Any]:
+def bench_cases(config: SuiteBenchConfig) -> list[Case]:
+  """The split's cases of `config.families` (every case when none is named).
+
+  Raises:
+    ValueError: a named family has no case in the split.
+  """
   cases = load_cases(config.split)
+  present = list(dict.fromkeys(c.family for c in cases))
+  missing = [f for f in config.families if f not in present]
+  if missing:
+    raise ValueError(f"--families {' '.join(missing)}: no such family in the {config.split} split "
+                     f"(its families: {', '.join(present)})")
+  return [c for c in cases if not config.families or c.family in config.families]
+
+
+def run_bench(config: SuiteBenchConfig) -> dict[str, Any]:
+  cases = bench_cases(config)
   stored = load_best_known(config.best_known)["cases"]
   rows: list[dict[str, Any]] = []
   for case in tqdm(cases, desc=f"bench suite {config.split}", unit="case"):
@@ -253,7 +270,8 @@ def run_bench(config: SuiteBenchConfig) -> dict[str, Any]:
   print("ratios to the best expert; * does not fit in memory")
   print(json.dumps(summary, indent=1))
   if config.update_best_known:
-    command = (f"automap-rl bench suite --split {config.split} --agents {' '.join(config.agents)} "
+    families = f" --families {' '.join(config.families)}" if config.families else ""
+    command = (f"automap-rl bench suite --split {config.split}{families} --agents {' '.join(config.agents)} "
                f"--budget {config.budget} --seed {config.seed} --update-best-known")
     print(f"{update_best_known(rows, config.best_known, command)} best-known plans written")
   document = {"summary": summary, "cases": rows}

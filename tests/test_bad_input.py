@@ -35,6 +35,7 @@ CASES = [
     (["bench", "train", "--episodes", "6", "--devices", "1", "4"], "--episodes 6 does not split over 4 devices"),
     (["bench", "train", "--devices", "16"], "--devices 16: give a multiple of the 1 process(es), at most the 8 devices"),
     (["bench", "suite", "--best-known", "/nonexistent/best.json"], "--best-known /nonexistent/best.json: no such file"),
+    (["bench", "suite", "--split", "test", "--families", "t5", "gpt"], "--families gpt: no such family in the test split"),
 ]
 
 

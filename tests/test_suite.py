@@ -94,6 +94,13 @@ def test_suite_list_prints_every_case_of_the_split(capsys):
   assert cli.main(["suite", "list", "--split", "nope"]) == 2
 
 
+def test_bench_suite_families_picks_their_cases_in_suite_order():
+  from experiments import suite_cmd
+  picked = suite_cmd.bench_cases(suite_cmd.SuiteBenchConfig(split="train", families=("dit", "mlp")))
+  assert picked == [c for c in load_cases("train") if c.family in ("mlp", "dit")] and len(picked) >= 2
+  assert suite_cmd.bench_cases(suite_cmd.SuiteBenchConfig(split="test")) == load_cases("test")
+
+
 def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
   from automap_rl.plan import plan_from_json, plan_to_json
   from automap_rl.sharding import ArgDim, Decision

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import haiku as hk
 import jax
@@ -31,6 +32,16 @@ class MLPConfig:
   batch: int = 16
 
 
+# Size label (hidden layers x width) -> config fields: deep and wide classifiers of
+# 0.06B to 1.04B parameters.
+PRESETS: dict[str, dict[str, Any]] = {
+    "4x4096": {"layers": 4, "width": 4096, "in_dim": 1024, "classes": 1024},
+    "8x8192": {"layers": 8, "width": 8192, "in_dim": 1024, "classes": 1024},
+    "4x16384": {"layers": 4, "width": 16384, "in_dim": 4096, "classes": 4096},
+    "16x8192": {"layers": 16, "width": 8192, "in_dim": 2048, "classes": 2048},
+}
+
+
 def make(config: MLPConfig, seed: int = 0) -> training.Workload:
   """Builds the MLP training step.
 
@@ -54,4 +65,4 @@ def make(config: MLPConfig, seed: int = 0) -> training.Workload:
 
   params = jax.jit(net.init)(params_key, batch["inputs"])
   return training.build_workload(
-      training.spec_string("mlp", config), loss_fn, params, batch)
+      training.spec_string("mlp", config, PRESETS), loss_fn, params, batch)

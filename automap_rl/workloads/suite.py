@@ -12,7 +12,10 @@ v5e slices of up to 256 chips are all ICI.
 Splits:
 
 * ``smoke``: a few tiny cases that trace in seconds, for tests.
-* ``train`` and ``test``: published sizes, disjoint by family. The test
+* ``train`` and ``test``: published sizes, disjoint by family. The train
+  families are GPT, Llama, MoE, ViT, Wide-ResNet, the mesh GNNs, wide MLPs,
+  LSTM language models (a recurrence unlike Mamba's: gated cells, no state
+  expansion) and the diffusion transformer (DiT). The test
   families are T5 (an encoder-decoder with cross-attention), the diffusion
   U-Net (convolutions, skips and attention at several resolutions) and the
   Mamba SSM (a recurrence scanned over time): each recombines parts the train
