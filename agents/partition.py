@@ -52,8 +52,9 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
     budget: with its unit: `Simulations(2000)`, `Seconds(30)`, an int (simulations) or a
       string (`"2000"`, `"30s"`); a float is refused as ambiguous. Seconds bound the whole
       call: the agent gets what tracing and building the cost tables left of them
-      (`Budget.after`); where they left nothing, the result is the best expert plan,
-      unsearched, with a warning, and its search's `stopped_by` is `seconds`.
+      (`Budget.after`); where they (or the agent's own set-up) left nothing, the result
+      is the best expert plan, unsearched, with a warning, and its search's `stopped_by`
+      is `seconds`.
     seed: the search seed; the same seed and a simulations budget give the same plan.
     arg_names: a name per positional argument, the first element of its paths.
     arg_roles: a role (`parameter`, `optimizer_state`, `state`, `input`) per positional
@@ -105,13 +106,21 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
   left = budget.after(spent)
   result = (_unsearched(problem, agent, budget, spent) if left is None
             else run_agent(agent, problem, seed=seed, budget=left, config=config, progress=progress))
+  if _evaluated_nothing(result) and budget.seconds is not None:  # The agent's own set-up took the rest.
+    result = _unsearched(problem, agent, budget, time.monotonic() - start)
   return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result, devices=devices,
               pipeline=result.pipeline, loss_fn=loss_fn, optimizer=optimizer)
 
 
+def _evaluated_nothing(result: SearchResult) -> bool:
+  """The agent returned the replicated plan without pricing a single plan: its time ran
+  out before its first simulation."""
+  return result.simulations == 0 and result.greedy_steps == 0 and not result.decisions and result.pipeline is None
+
+
 def _unsearched(problem: Problem, agent: str, budget: Budget, spent: float) -> SearchResult:
   """The best expert plan as the search result of an agent whose seconds went to the work
-  before it (`spent` of `budget.seconds`), with a warning naming the limit."""
+  before its first simulation (`spent` of `budget.seconds`), with a warning naming the limit."""
   start = time.monotonic()
   expert = tactics.best_expert_plan(problem)
   warnings.warn(f"partition: tracing and building the cost tables took {spent:.1f} s, the whole time budget of "

@@ -3,6 +3,7 @@
 import json
 import sys
 import time
+import warnings
 
 import jax
 import pytest
@@ -220,12 +221,36 @@ def test_a_seconds_budget_bounds_the_whole_call_tracing_included(monkeypatch):
   module = sys.modules["agents.partition"]  # The package's `partition` is the function.
   run_agent = module.run_agent
   monkeypatch.setattr(module, "run_agent", spy)
-  plan = agents.partition(_slow_to_trace(w.step), *w.args, agent="random", budget=agents.Seconds(5),
-                          arg_names=w.arg_names, arg_roles=w.arg_roles)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    plan = agents.partition(_slow_to_trace(w.step), *w.args, agent="random", budget=agents.Seconds(5),
+                            arg_names=w.arg_names, arg_roles=w.arg_roles)
   # The agent gets only what tracing left (all 5 s without the rule); how far its last batch
   # runs past that deadline is not asserted: a loaded test worker compiles slowly.
   assert [b.simulations for b in given] == [None] and given[0].seconds <= 5 - TRACING_S
-  assert plan.search.simulations > 0 and plan.search.stopped_by is None
+  if plan.search.stopped_by is None:
+    assert plan.search.simulations > 0
+  else:  # A loaded worker built the random agent's environment past the deadline: said, and the best expert.
+    assert plan.search.stopped_by == "seconds" and any("whole time budget of 5 s" in str(c.message) for c in caught)
+    assert plan.decisions == list(tactics.best_expert_plan(plan.problem).decisions)
+
+
+def test_an_agent_whose_set_up_takes_the_budget_returns_the_best_expert_naming_the_limit(monkeypatch):
+  w = workloads.make_workload(GPT, abstract=True)
+  base = sys.modules["agents.base"]
+  searcher = base.searcher
+
+  def slow_set_up(*args, **kwargs):  # The agent's clock runs out while it builds its environment.
+    time.sleep(2)
+    return searcher(*args, **kwargs)
+
+  monkeypatch.setattr(base, "searcher", slow_set_up)
+  with pytest.warns(UserWarning, match=r"the whole time budget of 2 s; returning the best expert plan .* without "
+                                       r"running random \(stopped by its time budget\)"):
+    plan = agents.partition(w.step, *w.args, agent="random", budget="2s", arg_names=w.arg_names,
+                            arg_roles=w.arg_roles)
+  assert plan.search.stopped_by == "seconds"
+  assert plan.decisions == list(tactics.best_expert_plan(plan.problem).decisions)
 
 
 def test_a_budget_spent_before_the_search_returns_the_best_expert_naming_the_limit():

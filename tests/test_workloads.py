@@ -136,7 +136,8 @@ def test_presets_expand_and_round_trip():
 @pytest.mark.parametrize("spec_, match", [
     ("transformer:layers=2", r"unknown model 'transformer'.*gpt.*unet"),
     ("gpt:depth=3", r"unknown key 'depth'.*valid keys: layers, d_model.*size"),
-    ("mlp:size=1b", r"unknown size '1b' for model 'mlp'; valid sizes: none"),
+    ("resnet:size=18", r"unknown size '18' for model 'resnet'; valid sizes: none"),
+    ("mlp:size=1b", r"unknown size '1b' for model 'mlp'; valid sizes: 4x4096, 8x8192"),
     ("gpt:size=7b", r"unknown size '7b'.*350m, 1.3b"),
     ("gpt:size=1.3b,size=350m", r"'size' given twice"),
     ("gpt:layers=1,layers=2", r"'layers' given twice"),
