@@ -43,7 +43,7 @@ from automap_rl.problem import Problem
 from envs import EnvConfig, State, core
 from envs.tables import EnvTables
 
-DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "small")
+DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "medium")
 
 
 @dataclasses.dataclass(frozen=True)
