@@ -231,7 +231,7 @@ def test_a_greedy_path_is_the_networks_most_likely_action_step_by_step():
                                               jnp.int32(first)))
     state, actions, objectives = search.root, [], []
     while not (bool(state.terminated) or bool(state.truncated)):
-      action = int(path.actions[len(actions)]) if len(actions) < len(path.actions) else -1
+      action = int(path.actions[len(actions)])  # -1 where the path stopped: the stop action.
       action = env.stop_action if action < 0 else action
       if actions or first < 0:
         # The path's action is the most likely one here; the loop and the step-by-step
