@@ -171,7 +171,7 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
   from automap_rl import plan as plan_lib
   from automap_rl.xla import hlo
   from automap_rl.xla.lower import lower
-  from automap_rl.xla.numerics import check_numerics, reference_outputs
+  from automap_rl.xla.numerics import check_numerics, compute_dtype, reference_outputs
 
   start = time.perf_counter()
   spec = config.check_workload or config.workload
@@ -192,7 +192,7 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
     print(f"{len(moved)} of {len(decisions)} decisions carried over to {name}")
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     # The unpartitioned reference runs compile beside the plan's compile (two cores).
-    references = pool.submit(reference_outputs, fn, args)
+    references = pool.submit(reference_outputs, fn, args, compute=compute_dtype(target.program))
     with phase(f"compiling the plan for {len(jax.devices())} devices", _clocks(config)):
       lowered = lower(target, moved, fn, args)
     with phase("checking numerics against the unpartitioned step", _clocks(config)):

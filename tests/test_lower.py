@@ -16,8 +16,8 @@ from automap_rl.mesh import make_mesh, spec_axes, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.xla.lower import lower, staged_spec
-from automap_rl.xla.numerics import (NumericsError, check_numerics, compare_leaf, compare_outputs, program_depth,
-                                     reference_outputs)
+from automap_rl.xla.numerics import (NumericsError, check_numerics, compare_leaf, compare_outputs, compute_dtype,
+                                     program_depth, reference_outputs)
 from automap_rl.xla.fullsize import implied_cost
 from automap_rl.compile_options import quick_compile_options
 from automap_rl.xla.hlo import inspect_compiled, summarize
@@ -147,6 +147,43 @@ def test_compare_leaf_without_a_reference_scales_float32_tolerances_by_depth():
   compare_leaf("x", None, plain, off, depth=100)  # Allowed: 10 * 1e-4 relative.
   with pytest.raises(NumericsError, match=r"Output x: .*no float64 reference.*depth 4"):
     compare_leaf("x", None, plain, off, depth=4)  # Allowed: 2 * 1e-4 relative.
+
+
+def test_compare_leaf_allows_the_compute_dtypes_rounding_of_what_the_step_changed():
+  """A float32 leaf of a bfloat16 program: the step's change (from the argument leaf it
+  updates) may be off by bfloat16's rtol (2e-2), the leaf itself only by float32's."""
+  before = np.linspace(-1, 1, 64)
+  ref = before + 1e-2  # The step moved every element by 1e-2: |change| = 0.08.
+  plain = ref.astype(np.float32)
+  off = plain + np.float32(1e-4)  # 1% of the change, 1e-4 absolute: |error| = 8e-4.
+  compare_leaf("p", ref, plain, off, compute="bfloat16", before=before)
+  with pytest.raises(NumericsError, match="Output p"):
+    compare_leaf("p", ref, plain, off, compute="float32", before=before)
+  with pytest.raises(NumericsError, match="Output p"):  # 5% of the change.
+    compare_leaf("p", ref, plain, plain + np.float32(5e-4), compute="bfloat16", before=before)
+  moment = np.full(64, 1e-2)  # A new value (an AdamW moment from zero): all of it is change.
+  compare_leaf("m", moment, moment.astype(np.float32), np.float32(moment * 1.01), compute="bfloat16")
+
+
+def test_a_bfloat16_step_is_checked_at_the_precision_it_computes_in():
+  """A bfloat16 GPT of float32 parameters, data parallel over 8 devices: each device
+  rounds its partial gradients to bfloat16 where one device rounds the whole sum, and
+  AdamW's first step turns that rounding into an O(lr) move of a parameter. Checked at
+  float32's precision the plan fails; at bfloat16's it passes, and a doubled update or a
+  loss 10% off still fail."""
+  workload, problem = _setup(GPT.replace("batch=8", "batch=32") + ",dtype=bfloat16", "data=8")
+  lowered = lower(problem, tactics.data_parallel(problem), workload.step, workload.args, isolated=False)
+  assert compute_dtype(problem.program) == lowered.compute_dtype == "bfloat16"
+  with pytest.raises(NumericsError, match=r"Output \[0\]"):
+    compare_outputs(reference_outputs(workload.step, workload.args), lowered.run(workload.args), lowered.depth)
+  assert check_numerics(workload.step, workload.args, lowered).note == "float64"
+  doubled = lambda params, *rest: (lambda out: (jax.tree.map(lambda new, old: 2 * new - old, out[0], params),
+                                                *out[1:]))(workload.step(params, *rest))
+  with pytest.raises(NumericsError, match=r"Output \[0\]"):
+    check_numerics(doubled, workload.args, lowered)
+  with pytest.raises(NumericsError, match=r"Output \[2\]"):
+    check_numerics(lambda *args: (lambda out: (*out[:2], out[2] * 1.1))(workload.step(*args)), workload.args,
+                   lowered)
 
 
 def test_program_depth_counts_a_loop_body_once_per_trip():

@@ -49,14 +49,14 @@ class InferredRoles:
 
 def _leaf_shapes(tree: Any) -> collections.Counter:
   """The multiset of (shape, dtype) of a pytree's array leaves."""
-  return collections.Counter((tuple(np.shape(x)), str(np.dtype(x.dtype))) for x in jax.tree.leaves(tree))
+  return collections.Counter((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(tree))
 
 
 def _same_tree(a: Any, b: Any) -> bool:
   """Whether two pytrees have one structure and leaves of equal shapes and dtypes."""
   if jax.tree.structure(a) != jax.tree.structure(b):
     return False
-  return all(np.shape(x) == np.shape(y) and np.dtype(x.dtype) == np.dtype(y.dtype)
+  return all(np.shape(x) == np.shape(y) and x.dtype == y.dtype  # Typed PRNG keys have no numpy dtype.
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
@@ -69,6 +69,17 @@ def _mirrors(outer: collections.Counter, inner: collections.Counter) -> bool:
   """Whether `outer` holds every leaf shape of `inner` and more (optimizer state over
   its parameters)."""
   return bool(inner) and not (inner - outer) and sum(outer.values()) > sum(inner.values())
+
+
+def updated_arguments(returned: Sequence[Any], args: Sequence[Any]) -> list[int | None]:
+  """For each of a step's returned pytrees, the argument it updates: the first with arrays
+  and the same structure, shapes and dtypes (one not yet taken where several match), or
+  None (a new value, such as the loss)."""
+  taken: list[int | None] = []
+  for r in returned:
+    matches = [i for i, arg in enumerate(args) if jax.tree.leaves(arg) and _same_tree(arg, r)]
+    taken.append(next((i for i in matches if i not in taken), matches[0] if matches else None))
+  return taken
 
 
 def infer_roles(fn: Callable[..., Any], *args: Any, arg_names: Sequence[str] | None = None) -> InferredRoles:

@@ -58,7 +58,7 @@ from automap_rl.sharding import Decision
 from automap_rl.simulator.fusion import constant_ops
 from automap_rl.xla.hlo import CompiledStats, inspect_compiled
 from automap_rl.xla.isolated import CompileAborted
-from automap_rl.xla.numerics import host_copy, program_depth
+from automap_rl.xla.numerics import compute_dtype, host_copy, program_depth
 from automap_rl.xla.realized import (Expected, ShardingDifference, normalize, partitioner_input, scope_name,
                                      sharding_differences)
 
@@ -81,6 +81,8 @@ class Lowered:
       XLA's SPMD partitioner shards otherwise than the plan; empty when the plan is
       realized as written.
     depth: the program's op depth (`program_depth`), for numerics tolerances.
+    compute_dtype: the narrowest float dtype the program computes in (`compute_dtype`),
+      for numerics tolerances.
   """
 
   jitted: Any
@@ -91,6 +93,7 @@ class Lowered:
   mesh: jax.sharding.Mesh
   differences: tuple[ShardingDifference, ...]
   depth: int
+  compute_dtype: str
 
   def run(self, args: Sequence[Any]) -> Any:
     """Copies `args` onto the mesh with `in_shardings` and runs the compiled program.
@@ -604,4 +607,5 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   stats = inspect_compiled(compiled, axis_names, axis_sizes)
   differences = () if partitioned is None else sharding_differences(
       partitioned, *_expectations(problem, specs, args, constrained, computed), axis_names, axis_sizes)
-  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh, differences, program_depth(program))
+  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh, differences, program_depth(program),
+                 compute_dtype(program))

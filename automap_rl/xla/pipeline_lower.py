@@ -73,7 +73,7 @@ from automap_rl.xla.isolated import compile_directly
 from automap_rl.xla.correspond import Flat, Origin, align, flatten
 from automap_rl.xla.lower import (grouped_conv_binder, Lowered, _constrained, _constrainer, _pinned, interpret,
                                   lowering_errors, result_pins)
-from automap_rl.xla.numerics import program_depth
+from automap_rl.xla.numerics import compute_dtype, program_depth
 
 __all__ = ["batch_axes", "check_lowerable", "gpipe", "jit_pipelined", "lower_pipelined", "pipelined_loss",
            "staged_specs"]
@@ -409,4 +409,4 @@ def lower_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: P
     compiled = stage.compile(compiler_options=quick_compile_options(jax_mesh.devices.flat[0].platform))
   stats = inspect_compiled(compiled, problem.mesh.axis_names, problem.mesh.axis_sizes)
   return Lowered(jitted, compiled, in_shardings, out_shardings, stats, jax_mesh, (),
-                 program_depth(problem.program))
+                 program_depth(problem.program), compute_dtype(problem.program))

@@ -32,7 +32,7 @@ from automap_rl.stages import EVERY_STAGE, Phase
 from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import LoweringError, lower
 from automap_rl.xla.pipeline_lower import check_lowerable, lower_pipelined
-from automap_rl.xla.numerics import NumericsError, Reference, compare_outputs, reference_outputs
+from automap_rl.xla.numerics import NumericsError, Reference, compare_outputs, compute_dtype, reference_outputs
 
 __all__ = [
     "PIPELINE_MESHES", "PIPELINE_MODELS", "SUITES", "Case", "RandomSuite", "Suite", "compiled_metrics",
@@ -351,8 +351,8 @@ def run_suite(suite: Suite, report: Callable[[Case], None] = lambda case: None) 
   cases = []
   for m, spec in enumerate(suite.models):
     workload = workloads.make_workload(spec, seed=suite.seed)
-    reference = reference_outputs(workload.step, workload.args)
     program = trace_workload(workload)
+    reference = reference_outputs(workload.step, workload.args, compute=compute_dtype(program))
     for mesh_spec in suite.meshes:
       problem = Problem.build(program, make_mesh(mesh_spec, suite.hardware))
       for plan, decisions in plans_for(problem, suite, seed=suite.seed * 1000 + m).items():
@@ -423,8 +423,8 @@ def _random_model(suite: RandomSuite, m: int) -> tuple[workloads.Workload, Refer
     ValueError: with `suite.pipelines`, a model and mesh without a lowerable pipeline.
   """
   workload = workloads.make_workload(suite.models[m], seed=suite.seed)
-  reference = reference_outputs(workload.step, workload.args)
   program = trace_workload(workload)
+  reference = reference_outputs(workload.step, workload.args, compute=compute_dtype(program))
   problems = {mesh: Problem.build(program, make_mesh(mesh, suite.hardware)) for mesh in suite.meshes}
   rng = np.random.default_rng(suite.seed * 1000 + m)
   plans: list[RandomPlan] = []
