@@ -192,8 +192,9 @@ class Reference:
       `jax.enable_x64`, or None where that run fails (a model fixing a dtype, such as
       `flax.linen.RNN`'s float32 carry).
     perturbed: host outputs of `jax.jit(fn)` on the arguments moved by one unit in the last
-      place (of the dtype `fn` computes in, where narrower), `NOISE_SAMPLES` times with different directions (the noise floor of the
-      comparison; the same compiled program, run again).
+      place (of the dtype `fn` computes in, where narrower), `NOISE_SAMPLES` times with
+      different directions (the noise floor of the comparison; the same compiled program,
+      run again).
     note: `float64`, or `float32 (no float64 reference: <why>)`, for reports.
     compute: the narrowest float dtype `fn` computes in (`compute_dtype` of its program).
     before: per output leaf (flattened), a float64 host copy of the argument leaf it
