@@ -1,6 +1,6 @@
-"""`automap-rl partition WORKLOAD --mesh ... --hardware ... [--agent mcts --budget N --seed S | --tactic NAME]`:
-a plan (found by a search agent or written by an expert tactic) and its cost beside every
-expert tactic. The command is `agents.partition` (the Python facade) with a terminal around
+"""`automap-rl partition WORKLOAD --mesh ... --hardware ... [--agent mcts --budget N --seed S | --tactic NAME |
+--agent learned --checkpoint POLICY]`: a plan (found by a search agent, a trained policy's included, or written
+by an expert tactic) and its cost beside every expert tactic. The command is `agents.partition` (the Python facade) with a terminal around
 it: the same workload, mesh, agent, budget and seed give the same plan and cost.
 
 WORKLOAD is a workload spec (`gpt:layers=8,d_model=1024`) or a user function
@@ -35,7 +35,9 @@ import tyro
 from tqdm import tqdm
 
 import agents
+from agents import learned
 from agents.base import Budget
+from agents.learned import LearnedConfig
 from agents.registry import AGENTS
 from automap_rl import ir, workloads
 from automap_rl.plan import (baselines, compare_with_best_expert, cost_dict, fit_advice, format_arguments,
@@ -62,6 +64,8 @@ class PartitionConfig:
     budget: the search budget: simulator evaluations (`2000`) or seconds (`30s`: tracing
       and building the cost tables included, `agents.partition`).
     seed: the search seed (the same seed and a simulations budget give the same plan).
+    checkpoint: the policy of `--agent learned`: a policy directory or a training run
+      directory (None: the policy shipped with the package).
     json: where to write the figures.
     plot: where to draw the largest arguments' shards (PNG).
     max_args: how many argument shardings to print.
@@ -81,6 +85,7 @@ class PartitionConfig:
   tactic: Tactic | None = None
   budget: str = "2000"
   seed: int = 0
+  checkpoint: str | None = None
   json: JsonPath = None
   plot: PlotPath = None
   max_args: int = 12
@@ -214,13 +219,16 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   if config.agent != "tactic" and config.tactic is not None:
     raise ValueError(f"--tactic {config.tactic} applies only with --agent tactic (the agent {config.agent} "
                      "searches its own plan; the experts are reported beside it).")
+  if config.checkpoint is not None and config.agent != "learned":
+    raise ValueError(f"--checkpoint applies only with --agent learned (the agent {config.agent} has no policy).")
   Budget.of(config.budget)  # Bad budgets fail before tracing, whichever the agent.
+  policy = None if config.checkpoint is None else LearnedConfig(checkpoint=learned.policy_path(config.checkpoint))
   config = dataclasses.replace(config, tactic=config.tactic or DEFAULT_TACTIC)
   name, fn, args, names, roles = load_target(config.workload)
   agent = config.tactic if config.agent == "tactic" else config.agent
   with Phases(config) as phases:
     plan = agents.partition(fn, *args, mesh=config.mesh, hardware=config.hardware, agent=agent,
-                            budget=config.budget, seed=config.seed, arg_names=names, arg_roles=roles,
+                            budget=config.budget, seed=config.seed, arg_names=names, arg_roles=roles, config=policy,
                             progress=phases.progress, phase=phases, since=started)
   problem, decisions, found = plan.problem, plan.decisions, plan.search
   with phase("costing the plan and the expert plans", _clocks(config)):
@@ -228,6 +236,8 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     result["baselines"] = baselines(problem)
   result["decisions"] = [str(d) for d in decisions]
   result["agent"] = config.agent
+  if config.agent == "learned":
+    result["checkpoint"] = learned.policy_path(config.checkpoint)
   result["search_seconds"] = 0.0 if found is None else found.seconds
   result["trace"] = [] if found is None else found.trace_dicts()
   if found is not None:

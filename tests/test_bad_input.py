@@ -10,6 +10,8 @@ CASES = [
     (["partition", "--agent", "mcts", "--budget", "abc"], "bad budget 'abc'"),
     (["partition", "--agent", "mcts", "--budget", "0"], "a budget of 0 simulations searches nothing"),
     (["partition", "--agent", "mcts", "--budget", "0s"], "a budget of 0.0 seconds searches nothing"),
+    (["partition", "--agent", "mcts", "--checkpoint", "runs/small"], "--checkpoint applies only with --agent learned"),
+    (["partition", "--agent", "learned", "--checkpoint", "/nonexistent/run"], "/nonexistent/run is no policy checkpoint"),
     (["partition", "--json", "/nonexistent/x.json"], "the directory /nonexistent does not exist"),
     (["partition", "--plot", "/nonexistent/x.png"], "cannot write --plot /nonexistent/x.png"),
     (["inspect", "gpt:layerz=2"], "unknown key 'layerz' for model 'gpt'"),

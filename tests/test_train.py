@@ -198,6 +198,19 @@ def test_learned_agent_partitions_a_workload(smoke_run):
   assert plan.search.objective <= greedy.search.objective + 1e-6
 
 
+def test_partition_command_searches_with_the_policy_it_is_given(smoke_run, tmp_path):
+  out = tmp_path / "plan.json"
+  assert cli.main(["partition", "gpt:layers=1", "--mesh", "data=2,model=4", "--agent", "learned", "--checkpoint",
+                   smoke_run.run_dir, "--budget", "16", "--seed", "1", "--no-progress", "--json", str(out)]) == 0
+  result = json.load(open(out))
+  assert result["checkpoint"] == checkpoint.policy_dir(smoke_run.run_dir)
+  w = workloads.make_workload("gpt:layers=1", abstract=True)
+  plan = partition(w.step, *w.args, mesh="data=2,model=4", hardware="h100", agent="learned", budget=16, seed=1,
+                   arg_names=w.arg_names, arg_roles=w.arg_roles, config=LearnedConfig(checkpoint=smoke_run.run_dir))
+  assert result["decisions"] == [str(d) for d in plan.decisions]
+  assert result["step_time_s"] == pytest.approx(float(plan.cost.step_time), rel=1e-6)
+
+
 def test_no_budget_gives_a_worse_plan_than_the_greedy_path():
   """The shipped policy's greedy path always completes, outside the budget: even a budget
   of one simulation ends at least as well, and the search never spends more than its budget."""
