@@ -1,7 +1,8 @@
 """`automap-rl partition WORKLOAD --mesh ... --hardware ... [--agent mcts --budget N --seed S | --tactic NAME |
---agent learned --checkpoint POLICY]`: a plan (found by a search agent, a trained policy's included, or written
-by an expert tactic) and its cost beside every expert tactic. The command is `agents.partition` (the Python facade) with a terminal around
-it: the same workload, mesh, agent, budget and seed give the same plan and cost.
+--agent learned --checkpoint POLICY]`: a plan (found by a search agent, a trained policy's
+included, or written by an expert tactic) and its cost beside every expert tactic. The
+command is `agents.partition` (the Python facade) with a terminal around it: the same
+workload, mesh, agent, budget and seed give the same plan and cost.
 
 WORKLOAD is a workload spec (`gpt:layers=8,d_model=1024`) or a user function
 `package.module:function` (the part before the colon is not a workload family). The user function takes no arguments
