@@ -223,7 +223,8 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   if config.checkpoint is not None and config.agent != "learned":
     raise ValueError(f"--checkpoint applies only with --agent learned (the agent {config.agent} has no policy).")
   Budget.of(config.budget)  # Bad budgets fail before tracing, whichever the agent.
-  policy = None if config.checkpoint is None else LearnedConfig(checkpoint=learned.policy_path(config.checkpoint))
+  # The learned agent's policy, found (or refused) before tracing; None: no policy.
+  policy = LearnedConfig(checkpoint=learned.policy_path(config.checkpoint)) if config.agent == "learned" else None
   config = dataclasses.replace(config, tactic=config.tactic or DEFAULT_TACTIC)
   name, fn, args, names, roles = load_target(config.workload)
   agent = config.tactic if config.agent == "tactic" else config.agent
@@ -237,8 +238,8 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     result["baselines"] = baselines(problem)
   result["decisions"] = [str(d) for d in decisions]
   result["agent"] = config.agent
-  if config.agent == "learned":
-    result["checkpoint"] = learned.policy_path(config.checkpoint)
+  if policy is not None:
+    result["checkpoint"] = policy.checkpoint
   result["search_seconds"] = 0.0 if found is None else found.seconds
   result["trace"] = [] if found is None else found.trace_dicts()
   if found is not None:
