@@ -38,7 +38,6 @@ from tqdm import tqdm
 import agents
 from agents import learned
 from agents.base import Budget
-from agents.learned import LearnedConfig
 from agents.registry import AGENTS
 from automap_rl import ir, workloads
 from automap_rl.plan import (baselines, compare_with_best_expert, cost_dict, fit_advice, format_arguments,
@@ -224,7 +223,9 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     raise ValueError(f"--checkpoint applies only with --agent learned (the agent {config.agent} has no policy).")
   Budget.of(config.budget)  # Bad budgets fail before tracing, whichever the agent.
   # The learned agent's policy, found (or refused) before tracing; None: no policy.
-  policy = LearnedConfig(checkpoint=learned.policy_path(config.checkpoint)) if config.agent == "learned" else None
+  policy = None
+  if config.agent == "learned":
+    policy = learned.LearnedConfig(checkpoint=learned.policy_path(config.checkpoint))
   config = dataclasses.replace(config, tactic=config.tactic or DEFAULT_TACTIC)
   name, fn, args, names, roles = load_target(config.workload)
   agent = config.tactic if config.agent == "tactic" else config.agent
