@@ -100,8 +100,11 @@ PRESETS: dict[str, TrainRunConfig] = {
     "small": TrainRunConfig(),
     # The small recipe half as long again, after a warm start on the train split's best-known plans.
     "medium": TrainRunConfig(preset="medium", iterations=360, run_dir="runs/medium", imitation_updates=300),
+    # The medium recipe sized for an accelerator: the same warm start, then twice the
+    # episodes, simulations and considered actions per move, minibatch and updates, 16-step
+    # episodes, 2000 iterations.
     "full": TrainRunConfig(
-        preset="full", iterations=2000, run_dir="runs/full", checkpoint_every=50,
+        preset="full", iterations=2000, run_dir="runs/full", checkpoint_every=50, imitation_updates=300,
         train=TrainConfig(episodes=16, episode_length=16,
                           gumbel=GumbelSettings(num_simulations=32, max_num_considered_actions=16),
                           replay_capacity=16384, batch_size=128, updates=16)),
