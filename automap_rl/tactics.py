@@ -193,6 +193,16 @@ def fsdp(problem: Problem) -> list[Decision]:
   return _batch_over(problem, batch_axes) + _store_sharded(problem, (axis,))
 
 
+def hsdp(problem: Problem) -> list[Decision]:
+  """Hybrid sharded data parallelism (PyTorch FSDP's hybrid shard, MaxText's FSDP within a
+  slice and data parallelism across): the batch over every mesh axis, and every parameter
+  (with its gradient and optimizer state) stored sharded over the model axis, the
+  innermost and fastest links, on its largest divisible dim, gathered at use; replicated
+  across the other axes, whose gradients are all-reduced. A mesh's named axes are only
+  devices here: no axis is left computing a copy of another's work."""
+  return _batch_over(problem, tuple(problem.mesh.axis_names)) + _store_sharded(problem, (model_axis(problem),))
+
+
 def data_megatron(problem: Problem) -> list[Decision]:
   """Data parallel on the data axis and Megatron on the model axis (2-D data x tensor)."""
   return data_parallel(problem) + megatron(problem)
@@ -328,6 +338,7 @@ TACTICS: dict[str, Callable[[Problem], list[Decision]]] = {
     "data_parallel": data_parallel,
     "megatron": megatron,
     "fsdp": fsdp,
+    "hsdp": hsdp,
     "data_megatron": data_megatron,
     "fsdp_megatron": fsdp_megatron,
     "fsdp_megatron_sp": fsdp_megatron_sp,
@@ -338,9 +349,11 @@ TACTICS: dict[str, Callable[[Problem], list[Decision]]] = {
 
 def applicable(problem: Problem) -> dict[str, list[Decision]]:
   """The tactics that apply to the problem's program: Megatron needs tensor-parallel dims,
-  expert parallelism experts, sequence parallelism token inputs."""
+  expert parallelism experts, sequence parallelism token inputs, hybrid sharding two mesh
+  axes (on one it is `fsdp`)."""
   found = structure(problem)
-  needs = {"megatron": found.tensor_parallel, "data_megatron": found.tensor_parallel,
+  needs = {"hsdp": len(problem.mesh.axis_names) > 1,
+           "megatron": found.tensor_parallel, "data_megatron": found.tensor_parallel,
            "fsdp_megatron": found.tensor_parallel,
            "fsdp_megatron_sp": found.tensor_parallel and found.sequence_dims,
            "expert_parallel": found.experts, "sequence_parallel": found.sequence_dims}

@@ -175,7 +175,7 @@ TRANSFORMERS = ("gpt:layers=2", "llama", "moe", "t5", "vit")
 def test_every_expert_tactic_changes_the_plan_of_every_transformer_family(spec):
   problem = _problem(make_workload(spec, abstract=True))
   plans = tactics.applicable(problem)
-  expected = {"replicated", "data_parallel", "megatron", "fsdp", "data_megatron", "fsdp_megatron"}
+  expected = {"replicated", "data_parallel", "megatron", "fsdp", "hsdp", "data_megatron", "fsdp_megatron"}
   expected |= {"expert_parallel"} if spec == "moe" else set()
   expected |= {"sequence_parallel", "fsdp_megatron_sp"} if spec != "vit" else set()
   assert set(plans) == expected
@@ -223,6 +223,31 @@ def test_fsdp_megatron_stores_every_parameter_over_all_data_axes_beside_tensor_p
   memory = {name: float(problem.cost(tactics.TACTICS[name](problem)).peak_memory)
             for name in ("fsdp", "data_megatron", "fsdp_megatron")}
   assert memory["fsdp_megatron"] < min(memory["fsdp"], memory["data_megatron"])
+
+
+def test_hsdp_splits_the_batch_over_every_axis_and_stores_parameters_over_the_model_axis():
+  """On data x fsdp x model: every input's batch over all three axes, every parameter large
+  enough stored over `model` alone (replicated over the other two), so the step computes no
+  copy of another device's work and parameters take 1/8th of their memory."""
+  problem = Problem.build(make_workload("gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16",
+                                        abstract=True).trace(), make_mesh("data=2,fsdp=2,model=4", "h100"))
+  decisions = tactics.hsdp(problem)
+  program = problem.program
+  for value_id, spec in zip(program.batch_inputs, problem.partition_specs(decisions, program.batch_inputs)):
+    assert tuple(spec[0]) == ("data", "fsdp", "model"), (program.values[value_id].path, spec)
+  ids = [v for v in program.inputs if program.values[v].role == Role.PARAMETER]
+  for value_id, spec in zip(ids, problem.partition_specs(decisions, ids)):
+    axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    assert axes in ([], ["model"]), (program.values[value_id].path, spec)
+    if program.values[value_id].size >= 256 * 256:
+      assert axes == ["model"], (program.values[value_id].path, spec)
+  cost = {name: problem.cost(tactics.TACTICS[name](problem)) for name in ("data_parallel", "fsdp", "hsdp")}
+  assert float(cost["hsdp"].compute_time) < 0.5 * float(cost["data_parallel"].compute_time)  # A 4x larger share.
+  assert float(cost["hsdp"].peak_memory) < float(cost["data_parallel"].peak_memory)
+
+
+def test_hsdp_needs_two_mesh_axes():
+  assert "hsdp" not in tactics.applicable(_gpt("gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16", "data=8"))
 
 
 def test_fsdp_megatron_sp_stores_the_residual_stream_split_by_sequence():
