@@ -287,6 +287,14 @@ class Searcher:
     view.prefix, view.start = tuple(decisions), name
     return view
 
+  def holding(self, name: str, decisions: Sequence[Decision]) -> Searcher:
+    """This searcher with the plan of no actions `decisions` (an expert tactic's, called
+    `name`) but its root unchanged: for a plan `rooted_at` cannot hold (more class
+    decisions than the environment does), offered as a candidate and never searched from."""
+    view = copy.copy(self)
+    view.prefix, view.start = tuple(decisions), name
+    return view
+
   def decisions(self, actions: Sequence[int]) -> list[Decision]:
     """The intra-op plan of an action sequence from the root: `prefix`, then one
     `Decision(target, axis)` per intra-op action (a pipeline action is `pipeline`'s)."""

@@ -12,7 +12,9 @@ budget. The greedy path is not search: it always completes, whatever the budget
 A greedy path also starts from each expert's plan that fits (`LearnedConfig.from_expert`):
 plans the groups action space may not reach (an expert shards single dimensions where
 a group shards many), which the policy then refines; `SearchResult.start` says when the
-plan came from an expert's. The search starts where the best greedy paths found their
+plan came from an expert's. An expert's plan with more class decisions than the
+environment holds (ZeRO-3 over every parameter of a deep ResNet) is a candidate without a
+path, so the result is never worse than an expert plan that fits. The search starts where the best greedy paths found their
 best plans (`LearnedConfig.search_starts` of them, side by side on one budget), so the
 budget refines the policy's best plans rather than replay their first moves. XLA
 compiles that search in the background while the program is encoded and the greedy paths
@@ -34,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from agents import checkpoint, gumbel
-from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
+from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, plan_objective, start
 from agents.gumbel import GumbelConfig, GumbelSettings
 from agents.network import Embeddings, Network, state_features
 from automap_rl import tactics
@@ -201,11 +203,14 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
   pipelines = load_network(config.checkpoint).config.pipelines
   search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, pipelines)
   network, params = load_policy(config.checkpoint, search_.env.tables, search_.root)
-  roots = [search_]
+  roots, held = [search_], []
   if config.from_expert:  # The experts' plans are priced to find the best one: no simulation.
-    rooted = (search_.rooted_at(e.name, e.decisions, e.cost) for e in tactics.expert_plans(problem)
-              if e.fits and e.decisions)
-    roots += [r for r in rooted if r is not None]
+    for expert in (e for e in tactics.expert_plans(problem) if e.fits and e.decisions):
+      root = search_.rooted_at(expert.name, expert.decisions, expert.cost)
+      if root is not None:
+        roots.append(root)
+      else:  # Too many decisions to search from; still a candidate plan.
+        held.append((search_.holding(expert.name, expert.decisions), expert.cost))
   search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
                                gumbel=config.gumbel, network=network.config, pipelines=pipelines)
   greedy = not config.search or config.greedy_first
@@ -214,6 +219,9 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
     compiled = gumbel.compile_ahead(search_.env, search_config, params, search_.root,
                                     min(config.search_starts, paths) * search_config.episodes)
   embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
+  for view, cost in held:
+    track.search = view
+    track.offer(plan_objective(problem, cost), float(cost.step_time), [])
   starts = []
   for root in roots:  # Each start's own plan is a candidate.
     track.search = root

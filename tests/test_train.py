@@ -285,6 +285,23 @@ def test_the_learned_agent_refines_the_best_experts_plan():
     assert result.start == expert.name  # The path from the expert's plan is the better.
 
 
+def test_an_expert_plan_too_large_to_search_from_is_still_the_learned_agents_candidate():
+  """With an environment that holds fewer class decisions than the best expert's plan takes,
+  no path starts there, but the plan is offered: the result is no worse than it (on this
+  U-Net the greedy path from the replicated plan is 1.4x worse, so it is the expert's)."""
+  problem = Problem.build(workloads.make_workload("unet:size=ddpm-cifar10", abstract=True).trace(),
+                          make_mesh("data=2,model=4", "h100"))
+  expert = tactics.best_expert_plan(problem)
+  capacity = len(problem.encode(list(expert.decisions))[0]) - 1
+  config = LearnedConfig(search=False, max_decisions=capacity)
+  assert agents_base.start(problem, config.action_space, capacity, 16, None)[0].rooted_at(
+      expert.name, expert.decisions, expert.cost) is None
+  result = learned.search(problem, config, seed=0, budget=16)
+  assert result.start == expert.name and result.decisions == list(expert.decisions)
+  assert result.actions == [f"start from the {expert.name} plan"]
+  assert result.objective == pytest.approx(agents_base.plan_objective(problem, expert.cost), rel=1e-6)
+
+
 def test_the_learned_search_starts_where_the_greedy_paths_found_their_best_plans(monkeypatch):
   """The budget is spent below the best plans of the greedy paths (from the replicated plan
   and each expert's), the best first: on a small GPT the best is two actions down the path
