@@ -281,10 +281,9 @@ class Searcher:
       return None
     resolution = self.problem.resolution(decisions)
     pad = lambda x: np.concatenate([x, np.full(size - len(x), -1, np.int32)])
-    view = copy.copy(self)
+    view = self.holding(name, decisions)
     view.root = jax.device_get(_from_plan(self.env.config, self.env.tables, pad(dec_class), pad(dec_axis),
                                           resolution.value_mask, resolution.op_mask, cost))
-    view.prefix, view.start = tuple(decisions), name
     return view
 
   def holding(self, name: str, decisions: Sequence[Decision]) -> Searcher:

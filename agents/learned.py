@@ -14,9 +14,10 @@ plans the groups action space may not reach (an expert shards single dimensions 
 a group shards many), which the policy then refines; `SearchResult.start` says when the
 plan came from an expert's. An expert's plan with more class decisions than the
 environment holds (ZeRO-3 over every parameter of a deep ResNet) is a candidate without a
-path, so the result is never worse than an expert plan that fits. The search starts where the best greedy paths found their
-best plans (`LearnedConfig.search_starts` of them, side by side on one budget), so the
-budget refines the policy's best plans rather than replay their first moves. XLA
+path, so the result is never worse than an expert plan that fits. The search starts where
+the best greedy paths found their best plans (`LearnedConfig.search_starts` of them, side
+by side on one budget), so the budget refines the policy's best plans rather than replay
+their first moves. XLA
 compiles that search in the background while the program is encoded and the greedy paths
 run (`gumbel.compile_ahead`), so a first call on a new model overlaps the two compiles.
 With pipeline options, a greedy path starts from each option (a handful), so the choice
