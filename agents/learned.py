@@ -17,9 +17,9 @@ environment holds (ZeRO-3 over every parameter of a deep ResNet) is a candidate 
 path, so the result is never worse than an expert plan that fits. The search starts where
 the best greedy paths found their best plans (`LearnedConfig.search_starts` of them, side
 by side on one budget), so the budget refines the policy's best plans rather than replay
-their first moves. XLA
-compiles that search in the background while the program is encoded and the greedy paths
-run (`gumbel.compile_ahead`), so a first call on a new model overlaps the two compiles.
+their first moves. XLA compiles that search in the background while the program is
+encoded and the greedy paths run (`gumbel.compile_ahead`), so a first call on a new model
+overlaps the two compiles.
 With pipeline options, a greedy path starts from each option (a handful), so the choice
 of a pipeline is compared on whole plans rather than taken from the first logit alone. Its
 environment offers the pipeline options the policy was trained with (`NetworkConfig.pipelines`),
@@ -204,14 +204,15 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
   pipelines = load_network(config.checkpoint).config.pipelines
   search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, pipelines)
   network, params = load_policy(config.checkpoint, search_.env.tables, search_.root)
-  roots, held = [search_], []
+  roots = [search_]
   if config.from_expert:  # The experts' plans are priced to find the best one: no simulation.
     for expert in (e for e in tactics.expert_plans(problem) if e.fits and e.decisions):
       root = search_.rooted_at(expert.name, expert.decisions, expert.cost)
       if root is not None:
         roots.append(root)
       else:  # Too many decisions to search from; still a candidate plan.
-        held.append((search_.holding(expert.name, expert.decisions), expert.cost))
+        track.search = search_.holding(expert.name, expert.decisions)
+        track.offer(plan_objective(problem, expert.cost), float(expert.cost.step_time), [])
   search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
                                gumbel=config.gumbel, network=network.config, pipelines=pipelines)
   greedy = not config.search or config.greedy_first
@@ -220,9 +221,6 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
     compiled = gumbel.compile_ahead(search_.env, search_config, params, search_.root,
                                     min(config.search_starts, paths) * search_config.episodes)
   embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
-  for view, cost in held:
-    track.search = view
-    track.offer(plan_objective(problem, cost), float(cost.step_time), [])
   starts = []
   for root in roots:  # Each start's own plan is a candidate.
     track.search = root
