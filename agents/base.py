@@ -32,7 +32,7 @@ from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from envs import Env, EnvConfig, State, core
-from envs.tables import BASE_STEP_TIME, objective as env_objective, replicated_base
+from envs.tables import BASE_STEP_TIME, EnvTables, objective as env_objective, replicated_base
 
 Progress = Callable[[int, float], None]  # (simulations so far, best step time so far in s).
 
@@ -220,6 +220,24 @@ def rollout(env: Env, depth: int, stop_probability: float, state: State, key: ja
 _from_plan = SearchJit(core.from_plan, "few", static_argnames="config")
 
 
+def plan_state(problem: Problem, config: EnvConfig, tables: EnvTables, decisions: Sequence[Decision],
+               cost: simulator.Cost) -> State | None:
+  """The environment state (host arrays) of the intra-op plan `decisions` of `problem`,
+  priced at `cost` (`Problem.cost`), on `tables`: the problem's own or its row of a suite's
+  bucket-padded tables (the plan's masks are padded to theirs). None when the plan takes
+  more class decisions than the environment holds (`config.max_decisions`)."""
+  dec_class, dec_axis = problem.encode(decisions)
+  size = config.max_decisions
+  if len(dec_class) > size:
+    return None
+  resolution = problem.resolution(decisions)
+  pad = lambda x: np.concatenate([x, np.full(size - len(x), -1, np.int32)])
+  value_mask, op_mask = (np.pad(m, [(0, want - have) for have, want in zip(m.shape, like.shape)])
+                         for m, like in ((resolution.value_mask, tables.value_class),
+                                         (resolution.op_mask, tables.op_class)))
+  return jax.device_get(_from_plan(config, tables, pad(dec_class), pad(dec_axis), value_mask, op_mask, cost))
+
+
 class Searcher:
   """An `Env` over a problem with the jitted calls agents need, built once per
   (problem, environment config) and cached (see `searcher`).
@@ -275,15 +293,11 @@ class Searcher:
     rather than build one from the replicated plan: the plan of actions from it is
     `decisions` and then theirs. None when the plan takes more class decisions than the
     environment holds."""
-    dec_class, dec_axis = self.problem.encode(decisions)
-    size = self.env.config.max_decisions
-    if len(dec_class) > size:
+    root = plan_state(self.problem, self.env.config, self.env.tables, decisions, cost)
+    if root is None:
       return None
-    resolution = self.problem.resolution(decisions)
-    pad = lambda x: np.concatenate([x, np.full(size - len(x), -1, np.int32)])
     view = self.holding(name, decisions)
-    view.root = jax.device_get(_from_plan(self.env.config, self.env.tables, pad(dec_class), pad(dec_axis),
-                                          resolution.value_mask, resolution.op_mask, cost))
+    view.root = root
     return view
 
   def holding(self, name: str, decisions: Sequence[Decision]) -> Searcher:

@@ -21,12 +21,14 @@ fits at equal speed, and the best expert is scored by the same objective.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agents import gumbel
+from agents import base, gumbel
 from agents.gumbel import GumbelConfig
 from agents.network import Network, StateFeatures, state_features, static_graph
 from automap_rl import tactics
@@ -44,17 +46,23 @@ class Suite:
   Attributes:
     tables: the problems' tables, bucket-padded to common sizes and stacked, [P, ...].
     roots: each problem's initial (replicated) state, [P].
+    expert_roots: each problem's expert start (`expert_start`), [P].
     best: each problem's best expert objective (the environment's objective of the best
       applicable tactic, relative to the replicated plan), f32 [P].
   """
 
   tables: EnvTables
   roots: State
+  expert_roots: State
   best: jax.Array
 
   @property
   def size(self) -> int:
     return self.best.shape[0]
+
+
+def _row(tree: chex.ArrayTree, index: jax.Array) -> chex.ArrayTree:
+  return jax.tree.map(lambda x: x[index], tree)
 
 
 def expert_objective(problem: Problem, env_config: EnvConfig, tables: EnvTables,
@@ -71,15 +79,33 @@ def case_problem(case: Case) -> Problem:
   return Problem.build(case.make_workload(abstract=True).trace(), case.make_mesh())
 
 
+def expert_start(problem: Problem, env_config: EnvConfig, tables: EnvTables, root: State,
+                 experts: Sequence[tactics.Expert]) -> State:
+  """The state of the problem's best expert plan that the environment holds (the first of
+  `experts`, `tactics.expert_plans` in the yardstick's order; `agents.base.plan_state` on
+  the problem's row of the suite's `tables`), else `root`: self-play started there learns
+  to refine the experts' plans, which the learned agent also starts from."""
+  for expert in experts:
+    state = base.plan_state(problem, env_config, tables, expert.decisions, expert.cost) if expert.decisions else root
+    if state is not None:
+      return state
+  return root
+
+
 @functools.lru_cache(maxsize=4)
 def build_suite(problems: tuple[Problem, ...], env_config: EnvConfig) -> Suite:
   """The suite of `problems` under `env_config` (whose `max_axes` must cover every mesh);
   the last few are kept, so runs in one process share their set-up."""
   tables, _ = batch_tables(problems, env_config)
   roots = jax.jit(jax.vmap(functools.partial(core.init, env_config), in_axes=(0, None)))(tables, jax.random.key(0))
-  host = jax.device_get(tables)  # Rows read in numpy: no compile per leaf shape.
-  best = [expert_objective(p, env_config, jax.tree.map(lambda x, i=i: x[i], host)) for i, p in enumerate(problems)]
-  return Suite(tables=tables, roots=roots, best=jnp.asarray(best, jnp.float32))
+  host_tables, host_roots = jax.device_get((tables, roots))  # Rows read in numpy: no compile per leaf shape.
+  best, starts = [], []
+  for i, problem in enumerate(problems):
+    table, root, experts = _row(host_tables, i), _row(host_roots, i), tactics.expert_plans(problem)
+    best.append(expert_objective(problem, env_config, table, experts[0]))
+    starts.append(expert_start(problem, env_config, table, root, experts))
+  expert_roots = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *starts)
+  return Suite(tables=tables, roots=roots, expert_roots=expert_roots, best=jnp.asarray(best, jnp.float32))
 
 
 @chex.dataclass(frozen=True)
@@ -117,19 +143,16 @@ class Episodes:
   steps: jax.Array
 
 
-def _row(tree: chex.ArrayTree, index: jax.Array) -> chex.ArrayTree:
-  return jax.tree.map(lambda x: x[index], tree)
-
-
 def episode_keys(key: chex.PRNGKey, length: int, episodes: int) -> jax.Array:
   """The search keys of `episodes` (B) episodes of `length` (L) steps, [L, B]: step l's key
   split B ways, so episode b's noise does not depend on which episodes share its batch."""
   return jax.vmap(lambda step_key: jax.random.split(step_key, episodes))(jax.random.split(key, length))
 
 
-def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, keys: jax.Array, config: GumbelConfig,
-         env_config: EnvConfig) -> Episodes:
-  """Plays one episode per entry of `problems` (suite indices, int32 [B]) for L steps, each
+def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, from_expert: jax.Array, keys: jax.Array,
+         config: GumbelConfig, env_config: EnvConfig) -> Episodes:
+  """Plays one episode per entry of `problems` (suite indices, int32 [B]) for L steps from
+  the problem's replicated plan, or its expert start where `from_expert` (bool [B]), each
   step a Gumbel MuZero search from the network (`params`) that picks the action (its root
   noise explores), with `keys` [L, B] (`episode_keys`). Pure; jit it with the configs static.
 
@@ -145,6 +168,9 @@ def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, keys: jax.Ar
   network = Network(config.network)
   tables, roots = _row(suite.tables, problems), _row(suite.roots, problems)
   embeddings = jax.vmap(network.encode, in_axes=(None, 0))(params, jax.vmap(static_graph)(tables, roots))
+  starts = jax.tree.map(lambda expert, replicated: jnp.where(
+      from_expert.reshape(from_expert.shape + (1,) * (expert.ndim - 1)), expert, replicated),
+      _row(suite.expert_roots, problems), roots)
   features = jax.vmap(state_features)
   limit = jnp.int32(config.gumbel.num_simulations)
 
@@ -164,7 +190,7 @@ def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, keys: jax.Ar
     return after, record
 
   chex.assert_shape(keys, (None, problems.shape[0]))
-  last, (observed, policy, active, objective) = jax.lax.scan(body, roots, keys)
+  last, (observed, policy, active, objective) = jax.lax.scan(body, starts, keys)
   value = jnp.log(objective) - jnp.log(last.objective)[None]
   samples = Samples(problem=jnp.broadcast_to(problems, active.shape), features=observed, policy=policy, value=value)
   return Episodes(samples=samples, active=active, final=last.objective, steps=active.sum(axis=0, dtype=jnp.int32))

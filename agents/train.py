@@ -2,7 +2,8 @@
 
 One `iteration` is a pure, jitted function of the training state: B episodes of Gumbel
 MuZero self-play from the current network (`agents.selfplay.play`; episode b of
-iteration i plays suite problem `(i * B + b) mod P`, so every problem is visited in turn),
+iteration i plays suite problem `(i * B + b) mod P`, so every problem is visited in turn,
+from its replicated plan or, every `expert_start_every` sweeps, from its best expert plan),
 their samples into the replay buffer (`agents.replay`), then `updates` optax steps on
 minibatches drawn from it. The loss is the cross-entropy of the network's policy to the
 search's improved policy plus `value_weight` times the squared error of its value to the
@@ -70,6 +71,9 @@ class TrainConfig:
     value_weight: weight of the value loss beside the policy loss.
     network: the network's sizes, and the pipeline options self-play's environment offers
       (`NetworkConfig.pipelines`).
+    expert_start_every: every this many sweeps over the suite, the last one starts its
+      episodes from each problem's best expert plan (`agents.selfplay.expert_start`), the
+      others from the replicated plan; 0: always from the replicated plan.
   """
 
   seed: int = 0
@@ -89,6 +93,7 @@ class TrainConfig:
   max_grad_norm: float = 1.0
   value_weight: float = 1.0
   network: NetworkConfig = NetworkConfig(pipelines=5)
+  expert_start_every: int = 0
 
   @property
   def env(self) -> EnvConfig:
@@ -243,24 +248,26 @@ def loss(params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConf
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
-def self_play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, key: chex.PRNGKey, config: TrainConfig,
-              mesh: Mesh) -> selfplay.Episodes:
-  """An iteration's episodes (`agents.selfplay.play` of `problems`, int32 [B]), split over
+def self_play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, from_expert: jax.Array, key: chex.PRNGKey,
+              config: TrainConfig, mesh: Mesh) -> selfplay.Episodes:
+  """An iteration's episodes (`agents.selfplay.play` of `problems`, int32 [B], from their
+  expert starts where `from_expert`, bool [B]), split over
   the mesh's `data` axis: each device plays its B / n episodes alone (`shard_map`: its
   search loops stop when its own episodes are done, with no collective to ask the others),
   then one all-gather of them all (`agents.packed`) leaves every device every episode.
   Pure (jitted; its operations are named `jit(self_play)/...` in a compiled iteration)."""
   keys = selfplay.episode_keys(key, config.episode_length, problems.shape[0])
 
-  def play(params, suite, problems, keys) -> selfplay.Episodes:
-    mine = selfplay.play(params, suite, problems, keys, config.search, config.env)
+  def play(params, suite, problems, from_expert, keys) -> selfplay.Episodes:
+    mine = selfplay.play(params, suite, problems, from_expert, keys, config.search, config.env)
     batch_axes = selfplay.Episodes(samples=jax.tree.map(lambda _: 1, mine.samples), active=1, final=0, steps=0)
     return packed.all_gather(mine, DATA_AXIS, batch_axes)
 
   split = PartitionSpec(DATA_AXIS)
-  return jax.shard_map(play, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), split, PartitionSpec(None, DATA_AXIS)),
+  return jax.shard_map(play, mesh=mesh,
+                       in_specs=(PartitionSpec(), PartitionSpec(), split, split, PartitionSpec(None, DATA_AXIS)),
                        out_specs=PartitionSpec(),
-                       check_vma=False)(params, suite, problems, keys)  # mctx's loops start from constants.
+                       check_vma=False)(params, suite, problems, from_expert, keys)  # mctx's loops start from constants.
 
 
 def _update(config: TrainConfig, suite: Suite, mesh: Mesh, carry, key: chex.PRNGKey):
@@ -308,6 +315,20 @@ def imitate(state: TrainState, suite: Suite, teacher: Samples, config: TrainConf
   return jax.lax.with_sharding_constraint((new, metrics), replicated(mesh))
 
 
+def episode_starts(config: TrainConfig, iteration: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+  """Where iteration `iteration`'s B episodes start on a suite of `size` problems: episode b
+  is the run's episode `iteration * B + b`, which plays problem `(iteration * B + b) mod P`,
+  from its expert start in every `expert_start_every`-th sweep over the suite.
+
+  Returns:
+    The problems, int32 [B], and whether each starts from its expert start, bool [B].
+  """
+  played = iteration * config.episodes + jnp.arange(config.episodes, dtype=jnp.int32)
+  every = config.expert_start_every
+  from_expert = (played // size % every == every - 1) if every else jnp.zeros(config.episodes, bool)
+  return played % size, from_expert
+
+
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
 def iteration(state: TrainState, suite: Suite, config: TrainConfig, mesh: Mesh
               ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -323,8 +344,8 @@ def iteration(state: TrainState, suite: Suite, config: TrainConfig, mesh: Mesh
   key = jax.random.wrap_key_data(state.key)
   key, play_key, update_key = jax.random.split(key, 3)
   b = config.episodes
-  problems = (state.iteration * b + jnp.arange(b, dtype=jnp.int32)) % suite.size
-  episodes = self_play(state.params, suite, problems, play_key, config, mesh)
+  problems, from_expert = episode_starts(config, state.iteration, suite.size)
+  episodes = self_play(state.params, suite, problems, from_expert, play_key, config, mesh)
   # [episodes, steps, ...] -> [episodes * steps, ...] (sizes spelled out: a field may be empty, e.g. no options).
   flat = jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), episodes.samples)
   buffer = replay.add(state.buffer, flat, episodes.active.reshape(-1))

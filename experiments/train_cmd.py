@@ -71,6 +71,9 @@ class TrainRunConfig:
       (`agents.imitation`) before the first iteration; 0: none.
     best_known: the best-known plans the imitation warm start learns from (None: the
       suite's own).
+    init_policy: start from this policy's parameters (a policy or run directory, of the
+      same network sizes and pipeline options as `train.network`) rather than fresh ones:
+      fine-tuning, with a fresh optimizer and an empty replay buffer (before any warm start).
     distributed: how this process joins a multi-process run (`experiments.distributed`).
     train: what self-play and the updates do (`agents.train.TrainConfig`).
   """
@@ -87,6 +90,7 @@ class TrainRunConfig:
   devices: int | None = None
   imitation_updates: int = 0
   best_known: str | None = None
+  init_policy: str | None = None
   distributed: DistributedConfig = DistributedConfig()
   train: TrainConfig = TrainConfig()
 
@@ -147,6 +151,12 @@ def _check_config(config: TrainRunConfig) -> None:
   t = config.train
   if t.batch_size < 1 or t.episodes < 1 or t.episode_length < 1 or t.gumbel.num_simulations < 1:
     raise ValueError("--train.batch-size, episodes, episode-length and gumbel.num-simulations must be at least 1.")
+  if t.expert_start_every < 0:
+    raise ValueError(f"--train.expert-start-every {t.expert_start_every}: give 0 (never) or more.")
+  if config.init_policy is not None:
+    network = checkpoint.read_network(config.init_policy)  # Raises for a directory without a policy.
+    if network != t.network:
+      raise ValueError(f"--init-policy {config.init_policy}: its network {network} is not --train.network {t.network}")
   if config.imitation_updates < 0:
     raise ValueError(f"--imitation-updates {config.imitation_updates}: give 0 (none) or more.")
   if config.imitation_updates:
@@ -295,6 +305,12 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
   return state
 
 
+def from_policy(state: TrainState, path: str, mesh: jax.sharding.Mesh) -> TrainState:
+  """`state` (replicated over `mesh`) with the parameters of the policy (or run) directory
+  `path` in place of its own; its optimizer state, buffer and key unchanged."""
+  return state.replace(params=train.replicate(checkpoint.load_params(path, train.host_copy(state.params)), mesh))
+
+
 def run(config: TrainRunConfig) -> TrainResult:
   initialize(config.distributed)
   _check_config(config)
@@ -318,8 +334,13 @@ def run(config: TrainRunConfig) -> TrainResult:
     state = checkpoints.restore(done, state)
     if lead:
       print(f"resumed {config.run_dir} at iteration {done}")
-  elif config.imitation_updates:
-    state = warm_start(config, cases, host_suite, state, suite, mesh, lead)
+  else:
+    if config.init_policy is not None:
+      state = from_policy(state, config.init_policy, mesh)
+      if lead:
+        print(f"starting from the parameters of {checkpoint.policy_dir(config.init_policy)}")
+    if config.imitation_updates:
+      state = warm_start(config, cases, host_suite, state, suite, mesh, lead)
   rows = _read_metrics(config.run_dir, done)
   logger = wandb_run(config) if lead else None
   bar = tqdm(total=config.iterations, initial=done, desc="self-play", unit="it",

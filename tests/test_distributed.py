@@ -140,8 +140,8 @@ def test_self_play_needs_no_communication_and_the_update_all_reduces_gradients(f
   # even the conditions of mctx's while loops (each device's loops stop when its own
   # episodes are done).
   in_self_play = [c for c, name in zip(found, where) if "self_play" in name]
-  episodes = train.self_play(state.params, suite, jnp.zeros(SMOKE.train.episodes, jnp.int32), jax.random.key(0),
-                             SMOKE.train, mesh)
+  episodes = train.self_play(state.params, suite, jnp.zeros(SMOKE.train.episodes, jnp.int32),
+                             jnp.zeros(SMOKE.train.episodes, bool), jax.random.key(0), SMOKE.train, mesh)
   episode_bytes = sum(x.size * 4 for x in jax.tree.leaves(train.host_copy(episodes)))  # bools widened to 32 bits.
   assert [(c.kind, c.bytes) for c in in_self_play] == [("all-gather", episode_bytes)]
   # The update: one all-reduce per optimizer step (inside the scan over the updates) of

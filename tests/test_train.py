@@ -113,15 +113,46 @@ def test_returns_are_log_best_expert_over_plan():
     np.testing.assert_allclose(float(suite.best[p]), want, rtol=1e-5)
   state = train.init(SMOKE.train, suite)
   problems_ids = jnp.arange(2, dtype=jnp.int32)
-  episodes = jax.jit(selfplay.play, static_argnums=(4, 5))(
-      state.params, suite, problems_ids, selfplay.episode_keys(jax.random.key(3), 4, 2), SMOKE.train.search,
-      SMOKE.train.env)
+  episodes = jax.jit(selfplay.play, static_argnums=(5, 6))(
+      state.params, suite, problems_ids, jnp.zeros(2, bool), selfplay.episode_keys(jax.random.key(3), 4, 2),
+      SMOKE.train.search, SMOKE.train.env)
   # Value targets: the log-objective still to gain; the earned part plus it is the return.
   objective = np.exp(np.asarray(episodes.samples.value) + np.log(np.asarray(episodes.final))[None])
   np.testing.assert_allclose(objective[0], 1.0, rtol=1e-5)  # Every episode starts replicated.
   score = np.asarray(selfplay.score(suite, problems_ids, episodes.final))
   np.testing.assert_allclose(score, np.log(np.asarray(suite.best)) - np.log(np.asarray(episodes.final)), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(episodes.samples.policy).sum(-1), 1.0, rtol=1e-5)
+
+
+def test_expert_starts_are_the_best_expert_plans_and_every_other_sweep_plays_from_them():
+  # The smoke cases' best expert is the replicated plan; a 2-layer GPT's is data parallelism
+  # (two class decisions), in a suite whose tables are padded to the largest program.
+  gpt = Problem.build(workloads.make_workload("gpt:layers=2", abstract=True).trace(), make_mesh("data=2,model=2", "h100"))
+  smoke = [selfplay.case_problem(c) for c in train_cmd.pick_cases(load_cases(SMOKE.split), SMOKE.max_cases)]
+  suite = selfplay.build_suite((*smoke, gpt), SMOKE.train.env)
+  assert tactics.best_expert_plan(gpt).name == "data_parallel"
+  # The expert start is the best expert's plan, the yardstick: its objective is `best`.
+  np.testing.assert_allclose(np.asarray(suite.expert_roots.objective), np.asarray(suite.best), rtol=1e-6)
+  np.testing.assert_array_equal(suite.expert_roots.num_decisions, [0] * len(smoke) + [2])
+  assert float(suite.best[-1]) < 0.9 and not np.asarray(suite.expert_roots.terminated).any()
+  state = train.init(SMOKE.train, suite)
+  problems = jnp.full(2, len(smoke), jnp.int32)
+  episodes = jax.jit(selfplay.play, static_argnums=(5, 6))(
+      state.params, suite, problems, jnp.array([False, True]), selfplay.episode_keys(jax.random.key(3), 4, 2),
+      SMOKE.train.search, SMOKE.train.env)
+  # Each episode's first sample holds its start's objective (value target + final plan's).
+  first = np.exp(np.asarray(episodes.samples.value[0]) + np.log(np.asarray(episodes.final)))
+  np.testing.assert_allclose(first, [1.0, float(suite.best[-1])], rtol=1e-5)
+  # Every second sweep over the suite starts from the expert plans: over two sweeps each
+  # problem is played once from each start, whatever B and P.
+  for episodes_, size in ((4, 6), (8, 60), (3, 2)):
+    config = dataclasses.replace(SMOKE.train, episodes=episodes_, expert_start_every=2)
+    starts = [episode_start for i in range(2 * size) for episode_start in zip(
+        *map(np.asarray, train.episode_starts(config, jnp.int32(i), size)))][:2 * size]
+    assert sorted((int(p), bool(e)) for p, e in starts) == sorted((p, e) for p in range(size) for e in (False, True))
+    assert not any(e for _, e in starts[:size])
+  never = train.episode_starts(SMOKE.train, jnp.int32(5), 2)[1]
+  assert not np.asarray(never).any()
 
 
 @pytest.mark.slow
@@ -367,9 +398,23 @@ def test_train_command_presets_and_bad_input(capsys):
   assert cli.parse("train", []).preset == "small"
   assert cli.main(["train", "--preset", "huge"]) == 2
   assert cli.main(["evaluate", "--checkpoint", "/nonexistent/run"]) == 2
+  shipped = learned.policy_path(None)  # Width 64: not the smoke preset's network.
+  assert cli.main(["train", "--preset", "smoke", "--run-dir", "/nonexistent/run", "--init-policy", shipped]) == 2
+  assert cli.main(["train", "--preset", "smoke", "--run-dir", "/nonexistent/run", "--train.expert-start-every", "-1"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 2 and all(line.startswith("automap-rl ") and "error:" in line for line in err)
+  assert len(err) == 4 and all(line.startswith("automap-rl ") and "error:" in line for line in err)
   assert "no policy checkpoint" in err[1]
+  assert f"--init-policy {shipped}: its network" in err[2] and "--train.expert-start-every -1" in err[3]
+  assert not os.path.exists("/nonexistent/run")
+
+
+def test_a_run_from_a_policy_starts_from_its_parameters(smoke_run):
+  """Fine-tuning: the policy's parameters, bit for bit; the fresh state's optimizer, buffer and key."""
+  mesh = train.data_mesh(1)
+  fresh = train.replicate(train.init(SMOKE.train, smoke_suite()), mesh)
+  tuned = train_cmd.from_policy(fresh, smoke_run.run_dir, mesh)
+  assert_trees_equal(tuned.params, smoke_run.state.params)
+  assert_trees_equal((tuned.opt_state, tuned.buffer, tuned.key), (fresh.opt_state, fresh.buffer, fresh.key))
 
 
 def test_evaluate_without_baselines_runs_the_learned_methods_alone():
