@@ -33,10 +33,10 @@ COMMIT_TEXT = "Checkpoint commit was successful"
 
 def _abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
   """Shapes, dtypes and shardings of `tree`: a leaf's own sharding (a training state
-  replicated over the `data` mesh of every process), else this process's default device.
+  replicated over the `data` mesh of every process), else this process's first device.
   Either way the devices are this run's, so a checkpoint written on a CPU restores onto
   a GPU, and one written by one process restores into many."""
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
                       tree)
 

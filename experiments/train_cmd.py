@@ -305,10 +305,11 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
   return state
 
 
-def from_policy(state: TrainState, path: str, mesh: jax.sharding.Mesh) -> TrainState:
-  """`state` (replicated over `mesh`) with the parameters of the policy (or run) directory
-  `path` in place of its own; its optimizer state, buffer and key unchanged."""
-  return state.replace(params=train.replicate(checkpoint.load_params(path, train.host_copy(state.params)), mesh))
+def from_policy(state: TrainState, path: str) -> TrainState:
+  """`state` with the parameters of the policy (or run) directory `path` in place of its
+  own, restored onto their shardings (replicated over the run's mesh); its optimizer
+  state, buffer and key unchanged."""
+  return state.replace(params=checkpoint.load_params(path, state.params))
 
 
 def run(config: TrainRunConfig) -> TrainResult:
@@ -336,7 +337,7 @@ def run(config: TrainRunConfig) -> TrainResult:
       print(f"resumed {config.run_dir} at iteration {done}")
   else:
     if config.init_policy is not None:
-      state = from_policy(state, config.init_policy, mesh)
+      state = from_policy(state, config.init_policy)
       if lead:
         print(f"starting from the parameters of {checkpoint.policy_dir(config.init_policy)}")
     if config.imitation_updates:

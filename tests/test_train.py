@@ -410,9 +410,8 @@ def test_train_command_presets_and_bad_input(capsys):
 
 def test_a_run_from_a_policy_starts_from_its_parameters(smoke_run):
   """Fine-tuning: the policy's parameters, bit for bit; the fresh state's optimizer, buffer and key."""
-  mesh = train.data_mesh(1)
-  fresh = train.replicate(train.init(SMOKE.train, smoke_suite()), mesh)
-  tuned = train_cmd.from_policy(fresh, smoke_run.run_dir, mesh)
+  fresh = train.replicate(train.init(SMOKE.train, smoke_suite()), train.data_mesh(1))
+  tuned = train_cmd.from_policy(fresh, smoke_run.run_dir)
   assert_trees_equal(tuned.params, smoke_run.state.params)
   assert_trees_equal((tuned.opt_state, tuned.buffer, tuned.key), (fresh.opt_state, fresh.buffer, fresh.key))
 
