@@ -65,12 +65,11 @@ def compiled_module(tactic, spec: str = GPT):
   return plan, hlo.parse_module(lowered.compiled.as_text())
 
 
-# GPT and the SSM as GPipe over 4 stages; Megatron inside 2 stages on GPT (Llama, the
+# GPT as GPipe over 4 stages and with Megatron inside 2 stages (the SSM and Llama, the
 # other families with Megatron, and more microbatches in `make test-all`).
 @pytest.mark.parametrize("family,mesh,tactic,microbatches", [
     pytest.param(family, mesh, tactic, microbatches,
-                 marks=[pytest.mark.slow] if microbatches > 4 or family == "llama"
-                 or (tactic is tactics.megatron_3d and family != "gpt") else [])
+                 marks=[pytest.mark.slow] if microbatches > 4 or family != "gpt" else [])
     for family in sorted(FAMILIES)
     for mesh, tactic in (("stage=2,data=2,model=2", tactics.megatron_3d), ("stage=4,data=2", tactics.pipeline))
     for microbatches in (4, 8)

@@ -124,25 +124,23 @@ def test_returns_are_log_best_expert_over_plan():
   np.testing.assert_allclose(np.asarray(episodes.samples.policy).sum(-1), 1.0, rtol=1e-5)
 
 
-def test_expert_starts_are_the_best_expert_plans_and_every_other_sweep_plays_from_them():
-  # The smoke cases' best expert is the replicated plan; a 2-layer GPT's is data parallelism
-  # (two class decisions), in a suite whose tables are padded to the largest program.
+@functools.cache
+def suite_with_an_expert_start() -> selfplay.Suite:
+  """The smoke cases, whose best expert is the replicated plan, and a 2-layer GPT, whose
+  best expert is data parallelism (two class decisions), in one suite (tables padded to
+  the largest program)."""
   gpt = Problem.build(workloads.make_workload("gpt:layers=2", abstract=True).trace(), make_mesh("data=2,model=2", "h100"))
-  smoke = [selfplay.case_problem(c) for c in train_cmd.pick_cases(load_cases(SMOKE.split), SMOKE.max_cases)]
-  suite = selfplay.build_suite((*smoke, gpt), SMOKE.train.env)
   assert tactics.best_expert_plan(gpt).name == "data_parallel"
+  smoke = [selfplay.case_problem(c) for c in train_cmd.pick_cases(load_cases(SMOKE.split), SMOKE.max_cases)]
+  return selfplay.build_suite((*smoke, gpt), SMOKE.train.env)
+
+
+def test_expert_starts_are_the_best_expert_plans_and_every_other_sweep_plays_from_them():
+  suite = suite_with_an_expert_start()
   # The expert start is the best expert's plan, the yardstick: its objective is `best`.
   np.testing.assert_allclose(np.asarray(suite.expert_roots.objective), np.asarray(suite.best), rtol=1e-6)
-  np.testing.assert_array_equal(suite.expert_roots.num_decisions, [0] * len(smoke) + [2])
+  np.testing.assert_array_equal(suite.expert_roots.num_decisions, [0] * (suite.size - 1) + [2])
   assert float(suite.best[-1]) < 0.9 and not np.asarray(suite.expert_roots.terminated).any()
-  state = train.init(SMOKE.train, suite)
-  problems = jnp.full(2, len(smoke), jnp.int32)
-  episodes = jax.jit(selfplay.play, static_argnums=(5, 6))(
-      state.params, suite, problems, jnp.array([False, True]), selfplay.episode_keys(jax.random.key(3), 4, 2),
-      SMOKE.train.search, SMOKE.train.env)
-  # Each episode's first sample holds its start's objective (value target + final plan's).
-  first = np.exp(np.asarray(episodes.samples.value[0]) + np.log(np.asarray(episodes.final)))
-  np.testing.assert_allclose(first, [1.0, float(suite.best[-1])], rtol=1e-5)
   # Every second sweep over the suite starts from the expert plans: over two sweeps each
   # problem is played once from each start, whatever B and P.
   for episodes_, size in ((4, 6), (8, 60), (3, 2)):
@@ -153,6 +151,19 @@ def test_expert_starts_are_the_best_expert_plans_and_every_other_sweep_plays_fro
     assert not any(e for _, e in starts[:size])
   never = train.episode_starts(SMOKE.train, jnp.int32(5), 2)[1]
   assert not np.asarray(never).any()
+
+
+@pytest.mark.slow
+def test_an_episode_from_the_expert_start_begins_at_the_experts_plan():
+  suite = suite_with_an_expert_start()
+  state = train.init(SMOKE.train, suite)
+  problems = jnp.full(2, suite.size - 1, jnp.int32)
+  episodes = jax.jit(selfplay.play, static_argnums=(5, 6))(
+      state.params, suite, problems, jnp.array([False, True]), selfplay.episode_keys(jax.random.key(3), 4, 2),
+      SMOKE.train.search, SMOKE.train.env)
+  # Each episode's first sample holds its start's objective (value target + final plan's).
+  first = np.exp(np.asarray(episodes.samples.value[0]) + np.log(np.asarray(episodes.final)))
+  np.testing.assert_allclose(first, [1.0, float(suite.best[-1])], rtol=1e-5)
 
 
 @pytest.mark.slow
