@@ -343,7 +343,6 @@ def iteration(state: TrainState, suite: Suite, config: TrainConfig, mesh: Mesh
   """
   key = jax.random.wrap_key_data(state.key)
   key, play_key, update_key = jax.random.split(key, 3)
-  b = config.episodes
   problems, from_expert = episode_starts(config, state.iteration, suite.size)
   episodes = self_play(state.params, suite, problems, from_expert, play_key, config, mesh)
   # [episodes, steps, ...] -> [episodes * steps, ...] (sizes spelled out: a field may be empty, e.g. no options).

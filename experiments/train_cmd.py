@@ -197,7 +197,9 @@ def _prepare_dir(config: TrainRunConfig) -> None:
   if os.path.exists(path):
     with open(path) as f:
       before = json.load(f)
-    if before.get("train") != json.loads(json.dumps(document["train"])):
+    # A field added to TrainConfig since the run was written reads as its default.
+    written = {**json.loads(json.dumps(dataclasses.asdict(TrainConfig()))), **before.get("train", {})}
+    if written != json.loads(json.dumps(document["train"])):
       raise ValueError(f"{config.run_dir} holds a run with another --train config; give a new --run-dir.")
   _barrier("checked the run directory")
   if is_lead():

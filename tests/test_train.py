@@ -419,6 +419,20 @@ def test_train_command_presets_and_bad_input(capsys):
   assert not os.path.exists("/nonexistent/run")
 
 
+def test_a_run_directory_is_resumed_only_with_its_training_config(tmp_path):
+  """A run directory refuses another --train config, and reads a field its config.json
+  lacks (written before the field existed) as the field's default."""
+  config = dataclasses.replace(SMOKE, run_dir=str(tmp_path))
+  train_cmd._prepare_dir(config)
+  path = tmp_path / train_cmd.CONFIG_FILE
+  written = json.loads(path.read_text())
+  del written["train"]["expert_start_every"]
+  path.write_text(json.dumps(written))
+  train_cmd._prepare_dir(config)
+  with pytest.raises(ValueError, match="holds a run with another --train config"):
+    train_cmd._prepare_dir(dataclasses.replace(config, train=dataclasses.replace(config.train, expert_start_every=2)))
+
+
 def test_a_run_from_a_policy_starts_from_its_parameters(smoke_run):
   """Fine-tuning: the policy's parameters, bit for bit; the fresh state's optimizer, buffer and key."""
   fresh = train.replicate(train.init(SMOKE.train, smoke_suite()), train.data_mesh(1))
