@@ -46,7 +46,8 @@ class Suite:
   Attributes:
     tables: the problems' tables, bucket-padded to common sizes and stacked, [P, ...].
     roots: each problem's initial (replicated) state, [P].
-    expert_roots: each problem's expert start (`expert_start`), [P].
+    expert_roots: each problem's expert start (`expert_start`), [P]; its replicated
+      state in a suite built without expert starts.
     best: each problem's best expert objective (the environment's objective of the best
       applicable tactic, relative to the replicated plan), f32 [P].
   """
@@ -93,9 +94,11 @@ def expert_start(problem: Problem, env_config: EnvConfig, tables: EnvTables, roo
 
 
 @functools.lru_cache(maxsize=4)
-def build_suite(problems: tuple[Problem, ...], env_config: EnvConfig) -> Suite:
-  """The suite of `problems` under `env_config` (whose `max_axes` must cover every mesh);
-  the last few are kept, so runs in one process share their set-up."""
+def build_suite(problems: tuple[Problem, ...], env_config: EnvConfig, expert_starts: bool = False) -> Suite:
+  """The suite of `problems` under `env_config` (whose `max_axes` must cover every mesh),
+  with each problem's expert start (`expert_start`, one compile of its plan's resolution
+  per problem) if `expert_starts`; the last few are kept, so runs in one process share
+  their set-up."""
   tables, _ = batch_tables(problems, env_config)
   roots = jax.jit(jax.vmap(functools.partial(core.init, env_config), in_axes=(0, None)))(tables, jax.random.key(0))
   host_tables, host_roots = jax.device_get((tables, roots))  # Rows read in numpy: no compile per leaf shape.
@@ -103,8 +106,9 @@ def build_suite(problems: tuple[Problem, ...], env_config: EnvConfig) -> Suite:
   for i, problem in enumerate(problems):
     table, root, experts = _row(host_tables, i), _row(host_roots, i), tactics.expert_plans(problem)
     best.append(expert_objective(problem, env_config, table, experts[0]))
-    starts.append(expert_start(problem, env_config, table, root, experts))
-  expert_roots = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *starts)
+    if expert_starts:
+      starts.append(expert_start(problem, env_config, table, root, experts))
+  expert_roots = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *starts) if expert_starts else roots
   return Suite(tables=tables, roots=roots, expert_roots=expert_roots, best=jnp.asarray(best, jnp.float32))
 
 

@@ -274,7 +274,7 @@ def build_suite(config: TrainRunConfig) -> tuple[list[Case], selfplay.Suite]:
   cases = pick_cases(load_cases(config.split), config.max_cases)
   problems = [selfplay.case_problem(c) for c in tqdm(cases, desc="tracing cases", unit="case",
                                                       disable=not config.progress, dynamic_ncols=True)]
-  return cases, selfplay.build_suite(tuple(problems), config.train.env)
+  return cases, selfplay.build_suite(tuple(problems), config.train.env, config.train.expert_start_every > 0)
 
 
 def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfplay.Suite, state: TrainState,

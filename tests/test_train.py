@@ -132,7 +132,7 @@ def suite_with_an_expert_start() -> selfplay.Suite:
   gpt = Problem.build(workloads.make_workload("gpt:layers=2", abstract=True).trace(), make_mesh("data=2,model=2", "h100"))
   assert tactics.best_expert_plan(gpt).name == "data_parallel"
   smoke = [selfplay.case_problem(c) for c in train_cmd.pick_cases(load_cases(SMOKE.split), SMOKE.max_cases)]
-  return selfplay.build_suite((*smoke, gpt), SMOKE.train.env)
+  return selfplay.build_suite((*smoke, gpt), SMOKE.train.env, expert_starts=True)
 
 
 def test_expert_starts_are_the_best_expert_plans_and_every_other_sweep_plays_from_them():
@@ -141,6 +141,7 @@ def test_expert_starts_are_the_best_expert_plans_and_every_other_sweep_plays_fro
   np.testing.assert_allclose(np.asarray(suite.expert_roots.objective), np.asarray(suite.best), rtol=1e-6)
   np.testing.assert_array_equal(suite.expert_roots.num_decisions, [0] * (suite.size - 1) + [2])
   assert float(suite.best[-1]) < 0.9 and not np.asarray(suite.expert_roots.terminated).any()
+  assert_trees_equal(smoke_suite().expert_roots, smoke_suite().roots)  # Built without expert starts.
   # Every second sweep over the suite starts from the expert plans: over two sweeps each
   # problem is played once from each start, whatever B and P.
   for episodes_, size in ((4, 6), (8, 60), (3, 2)):
