@@ -1,6 +1,6 @@
 """Imitation of teacher plans: the samples a training run learns from before self-play.
 
-A teacher plan (a train case's best-known plan, found by long searches) is replayed in the
+Two teachers. A teacher plan (a train case's best-known plan, found by long searches) is replayed in the
 self-play environment from the case's root state as the actions that reach it: the
 pipeline option that matches its pipeline (none: the first option), one action per
 decision, then `stop`. Each step gives one sample whose policy target is the teacher's
@@ -8,6 +8,13 @@ action (one-hot) and whose value target is `log(objective now / objective of the
 plan)`, the targets self-play gives its own episodes (`agents.selfplay.Samples`). An action
 the environment does not allow there (a decision an earlier one already covers, a
 dimension that no longer divides) is left out; the episode's step limit cuts long plans.
+
+A climb (`climb_samples`) teaches what to do at the experts' plans, where the learned
+agent starts greedy paths: from each expert plan of a case that fits and that the
+environment holds, every legal action is priced by the environment (a one-step lookahead
+on the simulator), the best one taken while it lowers the objective, then `stop`; each
+step is a sample whose policy target is that action and whose value target is
+`log(objective now / objective where the climb ends)`.
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agents import base
 from agents.network import state_features
 from agents.selfplay import Samples, Suite
-from automap_rl import sharding
+from automap_rl import sharding, tactics
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from envs import EnvConfig, actions, core, pipelines
@@ -95,3 +103,60 @@ def teacher_samples(suite: Suite, config: EnvConfig, plans: Sequence[tuple[int, 
                      value=(np.log(objective) - np.log(final)).astype(np.float32))
     rows.append(jax.tree.map(lambda x, taken=taken: np.asarray(x)[taken], sample))
   return jax.tree.map(lambda *x: np.concatenate(x), *rows)
+
+
+# A climb's step must lower the objective by more than this fraction: float noise is not a refinement.
+CLIMB_TOLERANCE = 1e-4
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _climb(config: EnvConfig, tables: EnvTables, start: core.State
+           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, chex.ArrayTree]:
+  """Climbs from `start` for `config.max_steps` steps: per step whether the climb was still
+  going (bool [L]), its action (the best legal one by the stepped objective, or `stop` when
+  none lowers it; int32 [L]), the objective before it (f32 [L]), the objective where the
+  climb ends (f32 []) and the state features before it ([L, ...])."""
+  stop = tables.num_actions - 1
+  every = jnp.arange(tables.num_actions, dtype=jnp.int32)
+
+  def body(carry: tuple[core.State, jax.Array], _):
+    state, going = carry
+    going = going & ~(state.terminated | state.truncated)
+    children = jax.vmap(lambda a: core.step(config, tables, state, a))(every)
+    priced = jnp.where(state.legal_action_mask & (every != stop), children.objective, jnp.inf)
+    best = jnp.argmin(priced)
+    improves = priced[best] < state.objective * (1 - CLIMB_TOLERANCE)
+    record = (going, jnp.where(improves, best, stop), state.objective, state_features(tables, state))
+    child = jax.tree.map(lambda x: x[best], children)
+    moved = going & improves
+    return (jax.tree.map(lambda new, old: jnp.where(moved, new, old), child, state), moved), record
+
+  (last, _), (going, action, objective, features) = jax.lax.scan(body, (start, jnp.bool_(True)), None,
+                                                                   length=config.max_steps)
+  return going, action, objective, last.objective, features
+
+
+def climb_samples(problems: Sequence[Problem], suite: Suite, config: EnvConfig) -> tuple[Samples, int]:
+  """The samples of a climb (`_climb`) from each expert plan that fits of each of
+  `problems` (the suite's, in order) that `config`'s environment holds: leaves [N, ...]
+  (numpy), and how many climbs there were. `config.max_steps` bounds each climb."""
+  if config.max_steps is None:
+    raise ValueError("climb_samples needs an environment with max_steps")
+  rows, climbs = [], 0
+  for p, problem in enumerate(problems):
+    tables = jax.tree.map(lambda x, p=p: x[p], suite.tables)
+    for expert in tactics.expert_plans(problem):
+      if not expert.fits or not expert.decisions:
+        continue
+      start = base.plan_state(problem, config, tables, expert.decisions, expert.cost)
+      if start is None:
+        continue
+      going, action, objective, final, features = jax.device_get(_climb(config, tables, start))
+      climbs += 1
+      policy = np.eye(tables.num_actions, dtype=np.float32)[action]
+      sample = Samples(problem=np.full(len(action), p, np.int32), features=features, policy=policy,
+                       value=(np.log(objective) - np.log(final)).astype(np.float32))
+      rows.append(jax.tree.map(lambda x, going=going: np.asarray(x)[going], sample))
+  if not rows:
+    raise ValueError("no expert plan of the suite's problems fits and is held by the environment: nothing to climb from")
+  return jax.tree.map(lambda *x: np.concatenate(x), *rows), climbs

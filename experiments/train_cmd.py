@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from tqdm import tqdm
 
@@ -71,6 +72,9 @@ class TrainRunConfig:
       (`agents.imitation`) before the first iteration; 0: none.
     best_known: the best-known plans the imitation warm start learns from (None: the
       suite's own).
+    imitation_climbs: the warm start also learns, at each expert plan of the run's cases
+      that fits, the simulator's best refinement step by step until none improves, then
+      `stop` (`agents.imitation.climb_samples`).
     init_policy: start from this policy's parameters (a policy or run directory, of the
       same network sizes and pipeline options as `train.network`) rather than fresh ones:
       fine-tuning, with a fresh optimizer and an empty replay buffer (before any warm start).
@@ -90,6 +94,7 @@ class TrainRunConfig:
   devices: int | None = None
   imitation_updates: int = 0
   best_known: str | None = None
+  imitation_climbs: bool = False
   init_policy: str | None = None
   distributed: DistributedConfig = DistributedConfig()
   train: TrainConfig = TrainConfig()
@@ -159,6 +164,8 @@ def _check_config(config: TrainRunConfig) -> None:
       raise ValueError(f"--init-policy {config.init_policy}: its network {network} is not --train.network {t.network}")
   if config.imitation_updates < 0:
     raise ValueError(f"--imitation-updates {config.imitation_updates}: give 0 (none) or more.")
+  if config.imitation_climbs and not config.imitation_updates:
+    raise ValueError("--imitation-climbs: the climbs are learned in the warm start; give --imitation-updates too.")
   if config.imitation_updates:
     known = suite_cmd.load_best_known(config.best_known).get("cases", {})
     cases = pick_cases(load_cases(config.split), config.max_cases)
@@ -282,13 +289,19 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
   """`state` after the imitation warm start (`train.imitate`) on the best-known plans of
   `cases` (`agents.imitation`); `host_suite` is this process's copy of the replicated `suite`."""
   known = suite_cmd.load_best_known(config.best_known).get("cases", {})
-  plans = imitation.teacher_plans([selfplay.case_problem(c) for c in cases],
+  problems = [selfplay.case_problem(c) for c in cases]
+  plans = imitation.teacher_plans(problems,
                                   [plan_from_json(known[c.name]) if c.name in known else None for c in cases],
                                   host_suite, config.train.env)
   flag = f"--imitation-updates {config.imitation_updates}"
   if not plans:
     raise ValueError(f"{flag}: the environment can choose the pipeline of none of the best-known plans")
   teacher = imitation.teacher_samples(host_suite, config.train.env, plans)
+  climbed = ""
+  if config.imitation_climbs:
+    climbs, how_many = imitation.climb_samples(problems, host_suite, config.train.env)
+    teacher = jax.tree.map(lambda *x: np.concatenate(x), teacher, climbs)
+    climbed = f" and {len(climbs.problem)} from {how_many} climbs from the experts' plans"
   count = len(teacher.problem)
   if count > config.train.replay_capacity:
     raise ValueError(f"{flag}: {count} teacher samples do not fit --train.replay-capacity "
@@ -301,7 +314,7 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
     values = {k: float(v) for k, v in train.host_copy(metrics).items()}
     actions = sum(len(a) for _, a in plans)
     print(f"imitation: {count} samples ({count / actions:.0%} of the teachers' actions; the rest illegal there or "
-          f"past the step limit) from the best-known plans of {len(plans)} of {len(cases)} cases, "
+          f"past the step limit) from the best-known plans of {len(plans)} of {len(cases)} cases{climbed}, "
           f"{config.imitation_updates} updates: policy KL {values['policy_kl']:.4f}, "
           f"value loss {values['value_loss']:.5f}")
   return state

@@ -10,12 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from agents import imitation, selfplay, train
+from agents import base, imitation, selfplay, train
 from agents.network import Network, static_graph
 from automap_rl.plan import plan_to_json
 from automap_rl.sharding import Decision
+from automap_rl import tactics
 from automap_rl.workloads.suite import load_cases
-from envs import Env
+from envs import Env, core
 from experiments import cli, train_cmd
 
 SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], wandb="disabled", progress=False, devices=1)
@@ -84,6 +85,41 @@ def test_the_warm_start_learns_the_teachers_actions(teacher, tmp_path):
   assert int(state.iteration) == 0 and int(state.buffer.size) == len(teacher_actions)
 
 
+def test_a_climb_takes_the_simulators_best_refinement_until_none_improves():
+  """Each climb from an expert plan: every step's action is the legal one whose stepped
+  objective is lowest, lower than the plan's; the climb stops where no legal action lowers
+  the objective; the value targets are the log of the objective over the climb's end. On
+  the smoke Llama one expert plan has a refinement (on the smoke GPT none has)."""
+  problem = selfplay.case_problem(load_cases("smoke")[1])
+  config = SMOKE.train.env
+  suite = selfplay.build_suite((problem,), config)
+  tables = jax.tree.map(lambda x: x[0], suite.tables)
+  stop = tables.num_actions - 1
+  samples, climbs = imitation.climb_samples([problem], suite, config)
+  experts = [e for e in tactics.expert_plans(problem) if e.fits and e.decisions]
+  assert climbs == len(experts) > 1
+  step = jax.jit(jax.vmap(lambda state, action: core.step(config, tables, state, action), in_axes=(None, 0)))
+  every = np.arange(tables.num_actions)
+  actions, values = samples.policy.argmax(-1), iter(samples.value)
+  position = 0
+  for expert in experts:
+    state = base.plan_state(problem, config, tables, expert.decisions, expert.cost)
+    path = []
+    while True:
+      children = step(state, every)
+      priced = np.where(np.asarray(state.legal_action_mask) & (every != stop), np.asarray(children.objective), np.inf)
+      action = int(actions[position])
+      path.append(float(state.objective))
+      position += 1
+      if action == stop:
+        assert priced.min() >= float(state.objective) * (1 - imitation.CLIMB_TOLERANCE)
+        break
+      assert priced[action] == priced.min() < float(state.objective)
+      state = jax.tree.map(lambda x, a=action: np.asarray(x)[a], children)
+    np.testing.assert_allclose([next(values) for _ in path], np.log(path) - np.log(path[-1]), rtol=1e-5, atol=1e-6)
+  assert position == len(actions) and (actions != stop).any()
+
+
 def test_a_warm_start_without_a_teacher_is_refused(tmp_path, capsys):
   path = tmp_path / "known.json"
   path.write_text(json.dumps({"cases": {}}))
@@ -94,3 +130,6 @@ def test_a_warm_start_without_a_teacher_is_refused(tmp_path, capsys):
   assert cli.main([*argv, "--best-known", str(path)]) == 2
   assert "none of the 2 smoke cases has a best-known plan" in capsys.readouterr().err
   assert not (tmp_path / "run").exists()
+  assert cli.main([*argv[:-2], "--imitation-climbs"]) == 2
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert "--imitation-climbs" in line and "--imitation-updates" in line and not (tmp_path / "run").exists()
