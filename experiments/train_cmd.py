@@ -297,6 +297,7 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
   if not plans:
     raise ValueError(f"{flag}: the environment can choose the pipeline of none of the best-known plans")
   teacher = imitation.teacher_samples(host_suite, config.train.env, plans)
+  replayed = len(teacher.problem)
   climbed = ""
   if config.imitation_climbs:
     climbs, how_many = imitation.climb_samples(problems, host_suite, config.train.env)
@@ -313,7 +314,7 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
   if lead:
     values = {k: float(v) for k, v in train.host_copy(metrics).items()}
     actions = sum(len(a) for _, a in plans)
-    print(f"imitation: {count} samples ({count / actions:.0%} of the teachers' actions; the rest illegal there or "
+    print(f"imitation: {replayed} samples ({replayed / actions:.0%} of the teachers' actions; the rest illegal there or "
           f"past the step limit) from the best-known plans of {len(plans)} of {len(cases)} cases{climbed}, "
           f"{config.imitation_updates} updates: policy KL {values['policy_kl']:.4f}, "
           f"value loss {values['value_loss']:.5f}")
