@@ -130,12 +130,12 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
   best_name = tactics.best_expert({n: tactics.Score.of(cost) for n, (_, cost) in expert_costs.items()})
   expert_fits = experts[best_name]["fits"]
   searched = {}
+  pipelines = {}  # A plan's pipeline stages, where it has some: its cost and its stored form need them.
   for agent in config.agents:
     result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget)
     searched[agent] = _score(result.cost)
-    plans[agent] = result.decisions
+    plans[agent], pipelines[agent] = result.decisions, result.pipeline
   candidates = {}  # The stored plan first: a tie keeps it (no rewrite of an equal plan).
-  pipelines = {}
   if stored is not None:
     plans["stored"], pipelines["stored"] = plan_from_json(stored)
     candidates["stored"] = _score(problem.plan_cost(plans["stored"], pipelines["stored"]))

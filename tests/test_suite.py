@@ -1,5 +1,6 @@
 """Tests for the task suite ``automap_rl.workloads.suite``."""
 
+import dataclasses
 import warnings
 
 import jax
@@ -125,6 +126,33 @@ def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
     assert entry["command"] == "cmd" and entry["decisions"] == row["best_known"]["decisions"]
   summary = suite_cmd.summarize([row, {**row, "best_known": {**row["best_known"], "ratio": 0.5}}])
   assert summary["cases"] == 2 and summary["best_known_beats_best_expert_by_5pct_or_only_it_fits"] == 0.5
+
+
+def test_an_agents_pipelined_plan_is_stored_with_its_pipeline_and_prices_the_same_again(tmp_path, monkeypatch):
+  """A searched plan with pipeline stages becomes the best-known with them: written back
+  and read again, the stored plan costs what the agent's did."""
+  from agents import SearchResult
+  from automap_rl.plan import plan_from_json
+  from automap_rl import tactics
+  from automap_rl.problem import Problem
+  from experiments import suite_cmd
+  case = next(c for c in load_cases("smoke") if c.name.startswith("llama"))
+  problem = Problem.build(case.make_workload().trace(), case.make_mesh())
+  decisions, pipeline = tactics.applicable_pipelines(problem)["pipeline"]
+  cost = problem.plan_cost(decisions, pipeline)
+  assert not pipeline.trivial and float(cost.step_time) != float(problem.plan_cost(decisions).step_time)
+  found = SearchResult(decisions=list(decisions), cost=cost, trace=[], simulations=0, seconds=0.0, actions=[],
+                       objective=0.0, pipeline=pipeline)
+  # Priced a thousand times faster than it is, it is the case's best-known plan.
+  monkeypatch.setattr(suite_cmd.agents, "run_agent", lambda *a, **k: dataclasses.replace(
+      found, cost=jax.tree.map(lambda x: x * 1e-3 if x.dtype.kind == "f" else x, cost)))
+  config = suite_cmd.SuiteBenchConfig(agents=("learned",), best_known=str(tmp_path / "best.json"))
+  row = suite_cmd.bench_case(case, config, None)
+  assert row["best_known"]["source"] == "learned" and row["best_known"]["pipeline"] == pipeline.to_json()
+  assert suite_cmd.update_best_known([row], config.best_known, "cmd") == 1
+  stored = plan_from_json(suite_cmd.load_best_known(config.best_known)["cases"][case.name])
+  assert stored == (list(decisions), pipeline)
+  assert float(problem.plan_cost(*stored).step_time) == pytest.approx(float(cost.step_time), rel=1e-6)
 
 
 def test_bench_pipeline_compares_the_best_pipelined_and_intra_op_plans(tmp_path):
