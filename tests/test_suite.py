@@ -133,8 +133,6 @@ def test_an_agents_pipelined_plan_is_stored_with_its_pipeline_and_prices_the_sam
   and read again, the stored plan costs what the agent's did."""
   from agents import SearchResult
   from automap_rl.plan import plan_from_json
-  from automap_rl import tactics
-  from automap_rl.problem import Problem
   from experiments import suite_cmd
   case = next(c for c in load_cases("smoke") if c.name.startswith("llama"))
   problem = Problem.build(case.make_workload().trace(), case.make_mesh())
