@@ -5,21 +5,25 @@ It loads a policy directory (`agents.checkpoint`: `network.json` and `params/`, 
 shipped with the package (`DEFAULT_CHECKPOINT`, trained by `automap-rl train --preset
 small`). With `search` it runs `agents.gumbel.search` with the network's prior and value;
 without, it follows the network's most likely action from the replicated plan until it
-stops (one network call and one plan evaluation per step; as for every agent, the best
-plan on the path is kept); with search, it follows that path first and searches with the
-budget. The greedy path is not search: it always completes, whatever the budget
-(`SearchResult.greedy_steps` counts its plans), so no budget gives a worse plan than it.
+stops, then `LearnedConfig.past_stop` steps further by its most likely other actions (one
+network call and one plan evaluation per step; as for every agent, the best plan on the
+path is kept, so going on never makes it worse): the policy often ranks stop first at a
+plan that its next actions still improve, an expert's plan above all. With search, it
+follows that path first and searches with the budget. The greedy path is not search: it
+always completes, whatever the budget (`SearchResult.greedy_steps` counts its plans), so
+no budget gives a worse plan than it.
 A greedy path also starts from each expert's plan that fits (`LearnedConfig.from_expert`):
 plans the groups action space may not reach (an expert shards single dimensions where
 a group shards many), which the policy then refines; `SearchResult.start` says when the
 plan came from an expert's. An expert's plan with more class decisions than the
 environment holds (ZeRO-3 over every parameter of a deep ResNet) is a candidate without a
 path, so the result is never worse than an expert plan that fits. The search starts where
-the best greedy paths found their best plans (`LearnedConfig.search_starts` of them, side
-by side on one budget), so the budget refines the policy's best plans rather than replay
-their first moves. XLA compiles that search in the background while the program is
-encoded and the greedy paths run (`gumbel.compile_ahead`), so a first call on a new model
-overlaps the two compiles.
+the best greedy paths found their best plans before going on past the network's stop
+(`LearnedConfig.search_starts` of them, side by side on one budget), so the budget refines
+the policy's best plans rather than replay their first moves; plans past the stop take
+more decisions, which only narrows what a search from them reaches. XLA compiles that
+search in the background while the program is encoded and the greedy paths run
+(`gumbel.compile_ahead`), so a first call on a new model overlaps the two compiles.
 With pipeline options, a greedy path starts from each option (a handful), so the choice
 of a pipeline is compared on whole plans rather than taken from the first logit alone. Its
 environment offers the pipeline options the policy was trained with (`NetworkConfig.pipelines`),
@@ -70,6 +74,9 @@ class LearnedConfig:
     search_starts: the search plays episodes from this many starts, the best plans first,
       side by side, sharing the budget: the state of each greedy path's best plan (with
       `greedy_first`), else the starts themselves (the replicated plan, the experts').
+    past_stop: a greedy path goes on this many steps after the network first ranks stop
+      first, each step the most likely action other than stop (then it stops where the
+      network does).
     gumbel: the Gumbel searches' settings (`agents.gumbel.GumbelSettings`).
   """
 
@@ -80,11 +87,14 @@ class LearnedConfig:
   max_decisions: int = 256
   from_expert: bool = True
   search_starts: int = 2
+  past_stop: int = 8
   gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
 
   def __post_init__(self):
     if self.search_starts < 1:
       raise ValueError(f"search_starts={self.search_starts}: the search needs at least one start.")
+    if self.past_stop < 0:
+      raise ValueError(f"past_stop={self.past_stop}: a greedy path cannot go a negative number of steps on.")
 
 
 _POLICIES: dict[str, tuple[Network, chex.ArrayTree]] = {}
@@ -123,10 +133,13 @@ class GreedyPath:
   pipeline option, then actions that each add at least one class decision).
 
   Attributes:
-    actions: the path's actions, then -1 (a stop ends the path and is not recorded),
+    actions: the path's actions, then -1 (the stop that ends the path is not recorded),
       int32 [L].
     objective, step_time: the plan after each action, f32 [L].
-    best: the state of the path's best plan (the start's when no step improves on it).
+    best: the state of the best plan before the path goes on past the network's stop (the
+      start's when no step improves on it): where a search starts. Plans past the stop
+      are candidates, not starts: their extra decisions can only narrow what a search
+      from them reaches.
     best_length: the actions from the start to `best`, int32 [].
   """
 
@@ -139,9 +152,11 @@ class GreedyPath:
 
 @functools.partial(SearchJit, calls="few", static_argnames=("network", "env_config"))
 def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree, embeddings: Embeddings,
-                tables: EnvTables, state: State, first: jax.Array) -> GreedyPath:
+                tables: EnvTables, state: State, first: jax.Array, past_stop: jax.Array) -> GreedyPath:
   """The network's greedy path from `state`: `first` where it is not negative (int32 []),
-  then the most likely action at each state, until the network stops or the episode ends.
+  then the most likely action at each state, until the network stops or the episode ends;
+  from the first state where stop is the most likely, `past_stop` (int32 []) more steps
+  take the most likely action other than stop where one is legal.
   One `lax.while_loop`: a path is one call and one copy to the host (a copy of each state
   would cost more than its step); one compile serves every start of a problem."""
   size = env_config.max_decisions + 1
@@ -150,23 +165,30 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
                     step_time=jnp.zeros(size, jnp.float32), best=state, best_length=jnp.int32(0))
 
   def going(carry):
-    i, state, _ = carry
+    i, _, state, _ = carry
     return (i < size) & ~(state.terminated | state.truncated)
 
   def advance(carry):
-    i, state, path = carry
+    i, past, state, path = carry  # past: steps since stop was first the most likely.
     logits, _ = network.head(params, embeddings, state_features(tables, state))
-    action = jnp.where((i == 0) & (first >= 0), first, jnp.argmax(logits)).astype(jnp.int32)
+    likeliest = jnp.argmax(logits)
+    others = state.legal_action_mask.at[stop].set(False)
+    forced = (i == 0) & (first >= 0)
+    go_on = ~forced & (likeliest == stop) & (past < past_stop) & others.any()
+    action = jnp.where(go_on, jnp.argmax(jnp.where(others, logits, -jnp.inf)), likeliest)
+    action = jnp.where(forced, first, action).astype(jnp.int32)
+    own = ~go_on & (past == 0)  # Still the network's own path.
+    past = jnp.where(go_on | (past > 0), past + 1, past)
     state = core.step(env_config, tables, state, action)
-    better = state.objective < path.best.objective
+    better = own & (state.objective < path.best.objective)
     path = GreedyPath(actions=path.actions.at[i].set(jnp.where(action == stop, -1, action)),
                       objective=path.objective.at[i].set(state.objective),
                       step_time=path.step_time.at[i].set(state.step_time),
                       best=jax.tree.map(lambda new, old: jnp.where(better, new, old), state, path.best),
                       best_length=jnp.where(better, i + 1, path.best_length))
-    return i + 1, state, path
+    return i + 1, past, state, path
 
-  return jax.lax.while_loop(going, advance, (jnp.int32(0), state, path))[2]
+  return jax.lax.while_loop(going, advance, (jnp.int32(0), jnp.int32(0), state, path))[3]
 
 
 def path_firsts(search_: Searcher) -> list[int]:
@@ -178,17 +200,18 @@ def path_firsts(search_: Searcher) -> list[int]:
 
 
 def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, search_: Searcher,
-           track: Tracker) -> list[gumbel.Start]:
-  """Follows the network's most likely action from `search_`'s root until it stops or the
-  episode ends, offering each plan on the path to `track` (counted as `greedy_steps`,
+           track: Tracker, past_stop: int) -> list[gumbel.Start]:
+  """Follows the network's most likely action from `search_`'s root until it stops (and
+  `past_stop` steps on, as `greedy_path`) or the episode ends, offering each plan on the path to `track` (counted as `greedy_steps`,
   outside its budget). With pipeline options the root's actions are those few options: a
   path is followed from each, so the policy's intra-op plan under every pipeline choice
-  (no pipeline included) is a candidate. Returns where each path found its best plan."""
+  (no pipeline included) is a candidate. Returns where each path found its best plan
+  before going on past the network's stop (`GreedyPath.best`)."""
   env = search_.env
   bests = []
   for first in path_firsts(search_):
     path = jax.device_get(greedy_path(network, env.config, params, embeddings, env.tables, search_.root,
-                                      jnp.int32(first)))
+                                      jnp.int32(first), jnp.int32(past_stop)))
     actions = path.actions[path.actions >= 0].tolist()  # A stop ends the path: -1 only after it.
     for i in range(len(actions)):
       track.offer(float(path.objective[i]), float(path.step_time[i]), actions[:i + 1])
@@ -226,7 +249,7 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
     track.search = root
     track.offer(float(root.root.objective), float(root.root.step_time), [])
     if greedy:
-      starts += follow(network, params, embeddings, root, track)
+      starts += follow(network, params, embeddings, root, track, config.past_stop)
     else:
       starts.append(gumbel.Start(root, root.root))
   if config.search:

@@ -75,6 +75,8 @@ class EvaluateConfig:
     ilp_seconds: the ILP agent's seconds budget (0: leave it out).
     gumbel: the settings of every Gumbel search, learned and uniform
       (`agents.gumbel.GumbelSettings`).
+    past_stop: the learned agent's greedy paths go on this many steps after the network
+      stops (`agents.learned.LearnedConfig.past_stop`).
     seed: the seed of every search.
     json: where to write the figures.
     plot: where to draw the ratios (PNG).
@@ -92,6 +94,7 @@ class EvaluateConfig:
   baselines: bool = True
   ilp_seconds: float = 20.0
   gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
+  past_stop: int = LearnedConfig.past_stop
   seed: int = 0
   json: JsonPath = None
   plot: PlotPath = None
@@ -105,7 +108,7 @@ TimedMethod = Callable[[Problem, float], SearchResult]
 
 def methods(config: EvaluateConfig) -> dict[str, Method]:
   """Every method by name: a function of the problem that returns its search result."""
-  policy = LearnedConfig(checkpoint=config.checkpoint, gumbel=config.gumbel)
+  policy = LearnedConfig(checkpoint=config.checkpoint, gumbel=config.gumbel, past_stop=config.past_stop)
   uniform = GumbelConfig(gumbel=config.gumbel)
   out: dict[str, Method] = {
       "learned": lambda p: learned.search(p, dataclasses.replace(policy, search=False), config.seed,
