@@ -177,10 +177,9 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
     go_on = ~forced & (likeliest == stop) & (past < past_stop) & others.any()
     action = jnp.where(go_on, jnp.argmax(jnp.where(others, logits, -jnp.inf)), likeliest)
     action = jnp.where(forced, first, action).astype(jnp.int32)
-    own = ~go_on & (past == 0)  # Still the network's own path.
     past = jnp.where(go_on | (past > 0), past + 1, past)
     state = core.step(env_config, tables, state, action)
-    better = own & (state.objective < path.best.objective)
+    better = (past == 0) & (state.objective < path.best.objective)  # On the network's own path.
     path = GreedyPath(actions=path.actions.at[i].set(jnp.where(action == stop, -1, action)),
                       objective=path.objective.at[i].set(state.objective),
                       step_time=path.step_time.at[i].set(state.step_time),
@@ -202,8 +201,8 @@ def path_firsts(search_: Searcher) -> list[int]:
 def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, search_: Searcher,
            track: Tracker, past_stop: int) -> list[gumbel.Start]:
   """Follows the network's most likely action from `search_`'s root until it stops (and
-  `past_stop` steps on, as `greedy_path`) or the episode ends, offering each plan on the path to `track` (counted as `greedy_steps`,
-  outside its budget). With pipeline options the root's actions are those few options: a
+  `past_stop` steps on, as `greedy_path`) or the episode ends, offering each plan on the
+  path to `track` (counted as `greedy_steps`, outside its budget). With pipeline options the root's actions are those few options: a
   path is followed from each, so the policy's intra-op plan under every pipeline choice
   (no pipeline included) is a candidate. Returns where each path found its best plan
   before going on past the network's stop (`GreedyPath.best`)."""
