@@ -25,7 +25,12 @@ more decisions, which only narrows what a search from them reaches. XLA compiles
 search in the background while the program is encoded and the greedy paths run
 (`gumbel.compile_ahead`), so a first call on a new model overlaps the two compiles.
 With pipeline options, a greedy path starts from each option (a handful), so the choice
-of a pipeline is compared on whole plans rather than taken from the first logit alone. Its
+of a pipeline is compared on whole plans rather than taken from the first logit alone.
+From each start, paths also begin with the network's 2nd to `LearnedConfig.first_moves`-th
+most likely intra-op decision: the order of decisions matters (a group sharded over one
+axis first, then another, shards other dims than the other way round), and a plan whose
+first decision the network ranks second is out of reach of its own path and of a search
+below that path's best plan (on a wide MLP, `data` before `model` on the weights). Its
 environment offers the pipeline options the policy was trained with (`NetworkConfig.pipelines`),
 so its plans may pipeline a layer stack.
 """
@@ -77,6 +82,10 @@ class LearnedConfig:
     past_stop: a greedy path goes on this many steps after the network first ranks stop
       first, each step the most likely action other than stop (then it stops where the
       network does).
+    first_moves: greedy paths from each start begin with each of the network's this many
+      most likely intra-op decisions (1: its most likely only), so that a plan whose first
+      decision the network ranks below another (a group sharded over one axis before
+      another, which then shards other dims) is reached.
     gumbel: the Gumbel searches' settings (`agents.gumbel.GumbelSettings`).
   """
 
@@ -88,11 +97,14 @@ class LearnedConfig:
   from_expert: bool = True
   search_starts: int = 2
   past_stop: int = 8
+  first_moves: int = 4
   gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
 
   def __post_init__(self):
     if self.search_starts < 1:
       raise ValueError(f"search_starts={self.search_starts}: the search needs at least one start.")
+    if self.first_moves < 1:
+      raise ValueError(f"first_moves={self.first_moves}: a start needs at least one greedy path.")
     if self.past_stop < 0:
       raise ValueError(f"past_stop={self.past_stop}: a greedy path cannot go a negative number of steps on.")
 
@@ -152,11 +164,13 @@ class GreedyPath:
 
 @functools.partial(SearchJit, calls="few", static_argnames=("network", "env_config"))
 def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree, embeddings: Embeddings,
-                tables: EnvTables, state: State, first: jax.Array, past_stop: jax.Array) -> GreedyPath:
+                tables: EnvTables, state: State, first: jax.Array, rank: jax.Array, past_stop: jax.Array) -> GreedyPath:
   """The network's greedy path from `state`: `first` where it is not negative (int32 []),
-  then the most likely action at each state, until the network stops or the episode ends;
-  from the first state where stop is the most likely, `past_stop` (int32 []) more steps
-  take the most likely action other than stop where one is legal.
+  then, where `rank` (int32 []) is positive, the `rank`-th most likely action other than
+  stop (0: the most likely; where fewer are legal, the most likely), then the most likely
+  action at each state, until the network stops or the episode ends; from the first state
+  where stop is the most likely, `past_stop` (int32 []) more steps take the most likely
+  action other than stop where one is legal.
   One `lax.while_loop`: a path is one call and one copy to the host (a copy of each state
   would cost more than its step); one compile serves every start of a problem."""
   size = env_config.max_decisions + 1
@@ -173,9 +187,12 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
     logits, _ = network.head(params, embeddings, state_features(tables, state))
     likeliest = jnp.argmax(logits)
     others = state.legal_action_mask.at[stop].set(False)
+    ranked = jnp.argsort(-jnp.where(others, logits, -jnp.inf))
     forced = (i == 0) & (first >= 0)
-    go_on = ~forced & (likeliest == stop) & (past < past_stop) & others.any()
-    action = jnp.where(go_on, jnp.argmax(jnp.where(others, logits, -jnp.inf)), likeliest)
+    diverted = (i == (first >= 0)) & (rank > 0) & (others.sum() > rank)
+    go_on = ~forced & ~diverted & (likeliest == stop) & (past < past_stop) & others.any()
+    action = jnp.where(go_on, ranked[0], likeliest)
+    action = jnp.where(diverted, ranked[rank], action)
     action = jnp.where(forced, first, action).astype(jnp.int32)
     past = jnp.where(go_on | (past > 0), past + 1, past)
     state = core.step(env_config, tables, state, action)
@@ -190,27 +207,32 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
   return jax.lax.while_loop(going, advance, (jnp.int32(0), jnp.int32(0), state, path))[3]
 
 
-def path_firsts(search_: Searcher) -> list[int]:
-  """The first action of each greedy path `follow` takes from `search_`'s root: each
-  pipeline option where the root has chosen none yet, else -1 (the policy's own)."""
+def path_firsts(search_: Searcher, first_moves: int) -> list[tuple[int, int]]:
+  """How each greedy path `follow` takes from `search_`'s root begins, as `greedy_path`'s
+  `(first, rank)`: from each pipeline option where the root has chosen none yet (else the
+  policy's own first action, -1), the policy's most likely next action; and, with no
+  pipeline, also its 2nd to `first_moves`-th most likely intra-op decision."""
   if search_.env.pipelines and int(search_.root.pipeline) < 0:
-    return [int(a) for a in search_.legal(search_.root)]
-  return [-1]
+    options = [int(a) for a in search_.legal(search_.root)]
+    return [(a, 0) for a in options] + [(options[0], rank) for rank in range(1, first_moves)]
+  return [(-1, rank) for rank in range(first_moves)]
 
 
 def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, search_: Searcher,
-           track: Tracker, past_stop: int) -> list[gumbel.Start]:
+           track: Tracker, past_stop: int, first_moves: int) -> list[gumbel.Start]:
   """Follows the network's most likely action from `search_`'s root until it stops (and
   `past_stop` steps on, as `greedy_path`) or the episode ends, offering each plan on the
-  path to `track` (counted as `greedy_steps`, outside its budget). With pipeline options the root's actions are those few options: a
-  path is followed from each, so the policy's intra-op plan under every pipeline choice
-  (no pipeline included) is a candidate. Returns where each path found its best plan
-  before going on past the network's stop (`GreedyPath.best`)."""
+  path to `track` (counted as `greedy_steps`, outside its budget); and again from each of
+  its 2nd to `first_moves`-th most likely first intra-op decisions (`path_firsts`). With
+  pipeline options the root's actions are those few options: a path is followed from
+  each, so the policy's intra-op plan under every pipeline choice (no pipeline included)
+  is a candidate. Returns where each path found its best plan before going on past the
+  network's stop (`GreedyPath.best`)."""
   env = search_.env
   bests = []
-  for first in path_firsts(search_):
+  for first, rank in path_firsts(search_, first_moves):
     path = jax.device_get(greedy_path(network, env.config, params, embeddings, env.tables, search_.root,
-                                      jnp.int32(first), jnp.int32(past_stop)))
+                                      jnp.int32(first), jnp.int32(rank), jnp.int32(past_stop)))
     actions = path.actions[path.actions >= 0].tolist()  # A stop ends the path: -1 only after it.
     for i in range(len(actions)):
       track.offer(float(path.objective[i]), float(path.step_time[i]), actions[:i + 1])
@@ -239,7 +261,7 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
                                gumbel=config.gumbel, network=network.config, pipelines=pipelines)
   greedy = not config.search or config.greedy_first
   if config.search:  # XLA compiles the search while the program is encoded and the greedy paths run.
-    paths = sum(len(path_firsts(root)) for root in roots) if greedy else len(roots)
+    paths = sum(len(path_firsts(root, config.first_moves)) for root in roots) if greedy else len(roots)
     compiled = gumbel.compile_ahead(search_.env, search_config, params, search_.root,
                                     min(config.search_starts, paths) * search_config.episodes)
   embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
@@ -248,7 +270,7 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
     track.search = root
     track.offer(float(root.root.objective), float(root.root.step_time), [])
     if greedy:
-      starts += follow(network, params, embeddings, root, track, config.past_stop)
+      starts += follow(network, params, embeddings, root, track, config.past_stop, config.first_moves)
     else:
       starts.append(gumbel.Start(root, root.root))
   if config.search:

@@ -270,8 +270,9 @@ def test_no_budget_gives_a_worse_plan_than_the_greedy_path():
 def test_a_greedy_path_is_the_networks_most_likely_action_step_by_step():
   """`learned.greedy_path` (one while loop) takes the actions and reaches the plans that
   stepping the environment with the network's most likely action reaches, from the
-  replicated plan with pipeline options, its first action forced or the network's (on
-  this GPT the network stops only where the episode ends; T5-small's paths below go on)."""
+  replicated plan with pipeline options, its first action forced or the network's, and its
+  second the network's third most likely (`rank`) (on this GPT the network stops only
+  where the episode ends; T5-small's paths below go on)."""
   problem = Problem.build(workloads.make_workload("gpt:layers=4,scan=true", abstract=True).trace(),
                           make_mesh("data=2,model=4", "h100"))
   network = learned.load_network(None)
@@ -283,17 +284,20 @@ def test_a_greedy_path_is_the_networks_most_likely_action_step_by_step():
   step = jax.jit(functools.partial(core.step, env.config, env.tables))
   options = search.legal(search.root)
   assert len(options) > 1  # The root's actions are the pipeline options.
-  for first in (-1, int(options[-1])):
+  for first, rank in ((-1, 0), (int(options[-1]), 0), (int(options[0]), 2)):
     path = jax.device_get(learned.greedy_path(network, env.config, params, embeddings, env.tables, search.root,
-                                              jnp.int32(first), jnp.int32(0)))
+                                              jnp.int32(first), jnp.int32(rank), jnp.int32(0)))
     state, actions, objectives = search.root, [], []
     while not (bool(state.terminated) or bool(state.truncated)):
       action = int(path.actions[len(actions)])  # -1 where the path stopped: the stop action.
       action = env.stop_action if action < 0 else action
-      if actions or first < 0:
+      logits = np.asarray(head(state))
+      if rank and len(actions) == 1:  # The rank-th most likely action other than stop (0: the most likely).
+        others = np.sort(logits[np.asarray(state.legal_action_mask) & (np.arange(len(logits)) != env.stop_action)])[::-1]
+        assert action != env.stop_action and abs(logits[action] - others[rank]) <= LOGIT_TIE, (action, others[:4])
+      elif actions or first < 0:
         # The path's action is the most likely one here; the loop and the step-by-step
         # head may order logits tied to float rounding differently.
-        logits = np.asarray(head(state))
         assert logits[action] >= logits.max() - LOGIT_TIE, (len(actions), action, int(logits.argmax()))
       state = step(state, jnp.int32(action))
       if action == env.stop_action:
@@ -325,6 +329,21 @@ def test_a_greedy_path_goes_on_past_the_networks_stop(monkeypatch):
     LearnedConfig(past_stop=-1)
 
 
+def test_greedy_paths_that_begin_with_the_networks_next_likeliest_decisions_reach_plans_its_own_misses():
+  """On this U-Net the network's own greedy paths end at `data_parallel`'s plan; the paths
+  that begin with its 2nd to 4th most likely decision (`first_moves`, outside the budget
+  as every greedy path) go on from there to a plan 0.73x as costly."""
+  problem = Problem.build(workloads.make_workload("unet:size=ddpm-cifar10", abstract=True).trace(),
+                          make_mesh("data=2,model=4", "h100"))
+  own = learned.search(problem, LearnedConfig(search=False, first_moves=1), seed=0, budget=1)
+  more = learned.search(problem, LearnedConfig(search=False), seed=0, budget=1)
+  assert own.start == more.start == "data_parallel" and own.action_ids == ()
+  assert more.greedy_steps > 2 * own.greedy_steps and more.simulations == 0
+  assert more.objective < 0.8 * own.objective and len(more.action_ids) >= 1
+  with pytest.raises(ValueError, match="first_moves=0"):
+    LearnedConfig(first_moves=0)
+
+
 def test_the_learned_agent_refines_the_best_experts_plan():
   """From the best expert's plan as well as the replicated one, the learned agent ends no
   worse than that plan or the greedy path from the replicated one (on this U-Net, a family
@@ -352,12 +371,13 @@ def test_the_learned_agent_refines_the_best_experts_plan():
 def test_an_expert_plan_too_large_to_search_from_is_still_the_learned_agents_candidate():
   """With an environment that holds fewer class decisions than the best expert's plan takes,
   no path starts there, but the plan is offered: the result is no worse than it (on this
-  U-Net the greedy path from the replicated plan is 1.4x worse, so it is the expert's)."""
+  U-Net the network's own greedy path from the replicated plan, `first_moves=1`, is 1.4x
+  worse, so it is the expert's)."""
   problem = Problem.build(workloads.make_workload("unet:size=ddpm-cifar10", abstract=True).trace(),
                           make_mesh("data=2,model=4", "h100"))
   expert = tactics.best_expert_plan(problem)
   capacity = len(problem.encode(list(expert.decisions))[0]) - 1
-  config = LearnedConfig(search=False, max_decisions=capacity)
+  config = LearnedConfig(search=False, max_decisions=capacity, first_moves=1)
   assert agents_base.start(problem, config.action_space, capacity, 16, None)[0].rooted_at(
       expert.name, expert.decisions, expert.cost) is None
   result = learned.search(problem, config, seed=0, budget=16)
