@@ -77,6 +77,8 @@ class EvaluateConfig:
       (`agents.gumbel.GumbelSettings`).
     past_stop: the learned agent's greedy paths go on this many steps after the network
       stops (`agents.learned.LearnedConfig.past_stop`).
+    first_moves: the learned agent's greedy paths begin with each of the network's this
+      many most likely first decisions (`agents.learned.LearnedConfig.first_moves`).
     seed: the seed of every search.
     json: where to write the figures.
     plot: where to draw the ratios (PNG).
@@ -95,6 +97,7 @@ class EvaluateConfig:
   ilp_seconds: float = 20.0
   gumbel: GumbelSettings = GumbelSettings(max_num_considered_actions=4)
   past_stop: int = LearnedConfig.past_stop
+  first_moves: int = LearnedConfig.first_moves
   seed: int = 0
   json: JsonPath = None
   plot: PlotPath = None
@@ -108,7 +111,8 @@ TimedMethod = Callable[[Problem, float], SearchResult]
 
 def methods(config: EvaluateConfig) -> dict[str, Method]:
   """Every method by name: a function of the problem that returns its search result."""
-  policy = LearnedConfig(checkpoint=config.checkpoint, gumbel=config.gumbel, past_stop=config.past_stop)
+  policy = LearnedConfig(checkpoint=config.checkpoint, gumbel=config.gumbel, past_stop=config.past_stop,
+                         first_moves=config.first_moves)
   uniform = GumbelConfig(gumbel=config.gumbel)
   out: dict[str, Method] = {
       "learned": lambda p: learned.search(p, dataclasses.replace(policy, search=False), config.seed,
