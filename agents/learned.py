@@ -187,12 +187,12 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
     logits, _ = network.head(params, embeddings, state_features(tables, state))
     likeliest = jnp.argmax(logits)
     others = state.legal_action_mask.at[stop].set(False)
-    ranked = jnp.argsort(-jnp.where(others, logits, -jnp.inf))
+    other_logits = jnp.where(others, logits, -jnp.inf)
     forced = (i == 0) & (first >= 0)
     diverted = (i == (first >= 0)) & (rank > 0) & (others.sum() > rank)
     go_on = ~forced & ~diverted & (likeliest == stop) & (past < past_stop) & others.any()
-    action = jnp.where(go_on, ranked[0], likeliest)
-    action = jnp.where(diverted, ranked[rank], action)
+    action = jnp.where(go_on, jnp.argmax(other_logits), likeliest)
+    action = jax.lax.cond(diverted, lambda: jnp.argsort(-other_logits)[rank], lambda: action)  # Once a path: no sort per step.
     action = jnp.where(forced, first, action).astype(jnp.int32)
     past = jnp.where(go_on | (past > 0), past + 1, past)
     state = core.step(env_config, tables, state, action)
@@ -214,7 +214,8 @@ def path_firsts(search_: Searcher, first_moves: int) -> list[tuple[int, int]]:
   pipeline, also its 2nd to `first_moves`-th most likely intra-op decision."""
   if search_.env.pipelines and int(search_.root.pipeline) < 0:
     options = [int(a) for a in search_.legal(search_.root)]
-    return [(a, 0) for a in options] + [(options[0], rank) for rank in range(1, first_moves)]
+    no_pipeline = search_.env.tables.num_moves  # Option 0 (`envs.pipelines.menu`).
+    return [(a, 0) for a in options] + [(no_pipeline, rank) for rank in range(1, first_moves) if no_pipeline in options]
   return [(-1, rank) for rank in range(first_moves)]
 
 
