@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-all clean
+.PHONY: demo test test-all format clean
 
 $(BIN)/automap-rl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +23,21 @@ demo: $(BIN)/automap-rl
 # `make test` leaves out tests marked slow (the same properties on more models);
 # `make test-all` runs everything.
 test: $(BIN)/automap-rl
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 -m "not slow" tests
 
 test-all: $(BIN)/automap-rl
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 tests
+
+# Formats the tree and applies the linter's safe fixes (`make test` checks both).
+format: $(BIN)/automap-rl
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) *.egg-info .cache

@@ -16,5 +16,22 @@ from agents.random_search import RandomConfig
 from agents.registry import AGENTS, run_agent
 from automap_rl.plan import Plan
 
-__all__ = ["AGENTS", "AlpaConfig", "Budget", "GreedyConfig", "GumbelConfig", "GumbelSettings", "LearnedConfig", "MCTSConfig", "Plan", "Progress", "RandomConfig",
-           "SearchResult", "Seconds", "Simulations", "TracePoint", "partition", "run_agent"]
+__all__ = [
+  "AGENTS",
+  "AlpaConfig",
+  "Budget",
+  "GreedyConfig",
+  "GumbelConfig",
+  "GumbelSettings",
+  "LearnedConfig",
+  "MCTSConfig",
+  "Plan",
+  "Progress",
+  "RandomConfig",
+  "SearchResult",
+  "Seconds",
+  "Simulations",
+  "TracePoint",
+  "partition",
+  "run_agent",
+]

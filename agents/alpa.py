@@ -41,7 +41,8 @@ from automap_rl.ir.stacks import LayerStack
 from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
-from envs.tables import objective as env_objective, replicated_base
+from envs.tables import objective as env_objective
+from envs.tables import replicated_base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +102,11 @@ class _Search:
     `stopped_by` (`simulations` or `seconds`)."""
     if self.stopped_by is None and self.budget.left(self.simulations) <= 0:
       self.stopped_by = "simulations"
-    if self.stopped_by is None and self.budget.seconds is not None and \
-        time.perf_counter() - self.start >= self.budget.seconds:
+    if (
+      self.stopped_by is None
+      and self.budget.seconds is not None
+      and time.perf_counter() - self.start >= self.budget.seconds
+    ):
       self.stopped_by = "seconds"
     return self.stopped_by is not None
 
@@ -116,8 +120,14 @@ class _Search:
     self.candidates.append(candidate)
     if self.best is None or candidate.rank < self.best.rank:
       self.best = candidate
-      self.trace.append(TracePoint(self.simulations, time.perf_counter() - self.start,
-                                   float(candidate.cost.step_time), self.objective(candidate.cost)))
+      self.trace.append(
+        TracePoint(
+          self.simulations,
+          time.perf_counter() - self.start,
+          float(candidate.cost.step_time),
+          self.objective(candidate.cost),
+        )
+      )
     if self.progress is not None:
       self.progress(self.simulations, float(self.best.cost.step_time))
 
@@ -133,8 +143,13 @@ class _Search:
     return candidate
 
 
-def search(problem: Problem, config: AlpaConfig = AlpaConfig(), seed: int = 0, budget: Budget | int | str = 2000,
-           progress: Progress | None = None) -> SearchResult:
+def search(
+  problem: Problem,
+  config: AlpaConfig = AlpaConfig(),
+  seed: int = 0,
+  budget: Budget | int | str = 2000,
+  progress: Progress | None = None,
+) -> SearchResult:
   """Prices the intra-op experts without a pipeline and the pipelined ones
   (`tactics.applicable_pipelines`), then every pipeline of the outer level with each
   expert's intra-op plan inside, then rebalances the best pipelines' layers (see the
@@ -145,7 +160,7 @@ def search(problem: Problem, config: AlpaConfig = AlpaConfig(), seed: int = 0, b
   experts = _distinct(tactics.applicable(problem).values())
   state = _Search(problem, budget, start, progress)
   setup = time.perf_counter() - start
-  unpipelined = experts[:budget.left(0)]
+  unpipelined = experts[: budget.left(0)]
   for plan, cost in zip(unpipelined, problem.costs(unpipelined)):
     state.offer(Candidate(plan, None, cost))
   pipelined = tactics.applicable_pipelines(problem)
@@ -161,8 +176,10 @@ def search(problem: Problem, config: AlpaConfig = AlpaConfig(), seed: int = 0, b
       state.price(plan, pipeline)
     if state.done():
       break
-  balanced = sorted((c for c in state.candidates if _rebalanceable(c, stacks)), key=lambda c: c.rank)
-  for candidate in balanced[:config.rebalance]:
+  balanced = sorted(
+    (c for c in state.candidates if _rebalanceable(c, stacks)), key=lambda c: c.rank
+  )
+  for candidate in balanced[: config.rebalance]:
     if state.done():
       break
     _rebalance(state, candidate, stacks[candidate.pipeline.stack].layers)
@@ -178,13 +195,19 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _pipelines(problem: Problem, stacks: Sequence[LayerStack], config: AlpaConfig) -> Iterator[Pipeline]:
+def _pipelines(
+  problem: Problem, stacks: Sequence[LayerStack], config: AlpaConfig
+) -> Iterator[Pipeline]:
   """The outer level's pipelines that `Pipeline` accepts: stage axes slowest link first,
   S from the largest, M from the most; with S = 1 (gradient accumulation) only on the
   first axis and stack (which then does not matter)."""
   mesh = problem.mesh
   axes = sorted(mesh.axis_names, key=lambda name: mesh.link(name).bandwidth)
-  microbatches = [m for m in _divisors(batch_size(problem.program))[::-1] if config.microbatches is None or m in config.microbatches]
+  microbatches = [
+    m
+    for m in _divisors(batch_size(problem.program))[::-1]
+    if config.microbatches is None or m in config.microbatches
+  ]
   for index, stack in enumerate(stacks):
     for axis in axes:
       for stages in _divisors(mesh.axis_size(axis))[::-1]:
@@ -197,7 +220,9 @@ def _pipelines(problem: Problem, stacks: Sequence[LayerStack], config: AlpaConfi
           for schedule in config.schedules:
             chunks = config.chunks if schedule == "interleaved" else 1
             try:
-              pipeline = Pipeline(axis, stages, m, schedule, chunks, index, split if chunks == 1 else None)
+              pipeline = Pipeline(
+                axis, stages, m, schedule, chunks, index, split if chunks == 1 else None
+              )
               if not pipeline.trivial:
                 problem.pipelined(pipeline)
             except ValueError:
@@ -211,8 +236,9 @@ def _even_split(layers: int, stages: int) -> tuple[int, ...]:
   return tuple(layers // stages + (s < layers % stages) for s in range(stages))
 
 
-def _inside(experts: Sequence[tuple[Decision, ...]], pipeline: Pipeline, problem: Problem
-            ) -> list[tuple[Decision, ...]]:
+def _inside(
+  experts: Sequence[tuple[Decision, ...]], pipeline: Pipeline, problem: Problem
+) -> list[tuple[Decision, ...]]:
   """The intra-op plans tried inside `pipeline`'s stages: each expert without its
   decisions on the stage axis, and, where the stages leave part of that axis (or with
   one stage), as it is."""
@@ -227,7 +253,12 @@ def _rebalanceable(candidate: Candidate, stacks: Sequence[LayerStack]) -> bool:
   """A pipeline of an unrolled stack with one chunk per stage and two or more layers on
   some stage: the layer DP may move layers."""
   pipeline = candidate.pipeline
-  if pipeline is None or pipeline.stages < 2 or pipeline.chunks != 1 or stacks[pipeline.stack].scanned:
+  if (
+    pipeline is None
+    or pipeline.stages < 2
+    or pipeline.chunks != 1
+    or stacks[pipeline.stack].scanned
+  ):
     return False
   return stacks[pipeline.stack].layers > pipeline.stages
 
@@ -243,7 +274,9 @@ def _rebalance(state: _Search, candidate: Candidate, layers: int) -> None:
   moved = split.copy()
   moved[donor] -= 1
   moved[receiver] += 1
-  probe = state.price(candidate.decisions, dataclasses.replace(pipeline, layers_per_chunk=tuple(moved)))
+  probe = state.price(
+    candidate.decisions, dataclasses.replace(pipeline, layers_per_chunk=tuple(moved))
+  )
   if probe is None or state.done():
     return
   time_line, memory_line = stage_lines(candidate.cost.terms, probe.cost.terms, split, moved)
@@ -252,8 +285,9 @@ def _rebalance(state: _Search, candidate: Candidate, layers: int) -> None:
     state.price(candidate.decisions, dataclasses.replace(pipeline, layers_per_chunk=best))
 
 
-def stage_lines(a: simulator.PipelineTerms, b: simulator.PipelineTerms, layers_a: np.ndarray, layers_b: np.ndarray
-                ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+def stage_lines(
+  a: simulator.PipelineTerms, b: simulator.PipelineTerms, layers_a: np.ndarray, layers_b: np.ndarray
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
   """Each stage's microbatch time and peak memory as lines in its layer count, from the
   terms of two pricings of one plan whose layer splits `layers_a`, `layers_b` (int [S])
   differ on some stages.
@@ -271,14 +305,25 @@ def stage_lines(a: simulator.PipelineTerms, b: simulator.PipelineTerms, layers_a
   time_a = np.asarray(a.microbatch_compute_s) + np.asarray(a.microbatch_comm_s)
   time_b = np.asarray(b.microbatch_compute_s) + np.asarray(b.microbatch_comm_s)
   time_slope = np.full(len(layers_a), slope(time_a, time_b))
-  fixed = sum(slope(getattr(a, n), getattr(b, n)) for n in ("live_bytes", "gathered_bytes", "accumulator_bytes"))
+  fixed = sum(
+    slope(getattr(a, n), getattr(b, n))
+    for n in ("live_bytes", "gathered_bytes", "accumulator_bytes")
+  )
   memory_slope = fixed + (np.asarray(a.in_flight) - 1.0) * slope(a.residual_bytes, b.residual_bytes)
-  return ((time_a - layers_a * time_slope, time_slope),
-          (np.asarray(a.peak_memory) - layers_a * memory_slope, memory_slope))
+  return (
+    (time_a - layers_a * time_slope, time_slope),
+    (np.asarray(a.peak_memory) - layers_a * memory_slope, memory_slope),
+  )
 
 
-def balance(layers: int, time_offset: np.ndarray, time_slope: np.ndarray, memory_offset: np.ndarray,
-            memory_slope: np.ndarray, memory_limit: float) -> tuple[int, ...] | None:
+def balance(
+  layers: int,
+  time_offset: np.ndarray,
+  time_slope: np.ndarray,
+  memory_offset: np.ndarray,
+  memory_slope: np.ndarray,
+  memory_limit: float,
+) -> tuple[int, ...] | None:
   """Alpa's stage-slicing DP: consecutive layers to S stages, at least one each, so that
   the slowest stage's time `time_offset[s] + n * time_slope[s]` is least, with every
   stage's memory `memory_offset[s] + n * memory_slope[s]` within `memory_limit` (all
@@ -317,17 +362,37 @@ def _result(problem: Problem, config: AlpaConfig, state: _Search, setup: float) 
   repriced with its pipeline."""
   best = state.best
   if not best.cost.fits:
-    warnings.warn(f"alpa: no plan fits in memory; returning the one with the least memory "
-                  f"({float(best.cost.peak_memory) / 2**30:.1f} GiB per device)", stacklevel=3)
+    warnings.warn(
+      f"alpa: no plan fits in memory; returning the one with the least memory "
+      f"({float(best.cost.peak_memory) / 2**30:.1f} GiB per device)",
+      stacklevel=3,
+    )
   dec_class, dec_axis = problem.encode(best.decisions)
-  decisions = list(dict.fromkeys(Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(dec_class, dec_axis)))
+  decisions = list(
+    dict.fromkeys(Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(dec_class, dec_axis))
+  )
   pipeline = None if best.pipeline is None or best.pipeline.trivial else best.pipeline
   cost = problem.plan_cost(decisions, pipeline)
   seconds = time.perf_counter() - state.start
-  trace = [*state.trace, TracePoint(state.simulations, seconds, float(cost.step_time), state.objective(cost))]
+  trace = [
+    *state.trace,
+    TracePoint(state.simulations, seconds, float(cost.step_time), state.objective(cost)),
+  ]
   env = searcher(problem, env_config(problem, config.action_space, config.max_decisions)).env
   target = {t.target: i for i, t in enumerate(env.targets)}
-  action_ids = tuple(target[d.target] * env.config.max_axes + problem.mesh.axis_index(d.axis) for d in decisions)
-  return SearchResult(decisions=decisions, cost=cost, trace=trace, simulations=state.simulations, seconds=seconds,
-                      actions=[env.action_name(a) for a in action_ids], objective=trace[-1].objective,
-                      setup_seconds=setup, action_ids=action_ids, pipeline=pipeline, stopped_by=state.stopped_by)
+  action_ids = tuple(
+    target[d.target] * env.config.max_axes + problem.mesh.axis_index(d.axis) for d in decisions
+  )
+  return SearchResult(
+    decisions=decisions,
+    cost=cost,
+    trace=trace,
+    simulations=state.simulations,
+    seconds=seconds,
+    actions=[env.action_name(a) for a in action_ids],
+    objective=trace[-1].objective,
+    setup_seconds=setup,
+    action_ids=action_ids,
+    pipeline=pipeline,
+    stopped_by=state.stopped_by,
+  )

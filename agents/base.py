@@ -32,7 +32,8 @@ from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from envs import Env, EnvConfig, State, core
-from envs.tables import BASE_STEP_TIME, EnvTables, objective as env_objective, replicated_base
+from envs.tables import BASE_STEP_TIME, EnvTables, replicated_base
+from envs.tables import objective as env_objective
 
 Progress = Callable[[int, float], None]  # (simulations so far, best step time so far in s).
 
@@ -53,8 +54,10 @@ class Budget:
     if self.simulations is None and self.seconds is None:
       raise ValueError("A budget needs simulations or seconds.")
     if self.simulations is not None and self.simulations < 1:
-      raise ValueError(f"a budget of {self.simulations} simulations searches nothing; give at least 1 "
-                       "(or use an expert tactic).")
+      raise ValueError(
+        f"a budget of {self.simulations} simulations searches nothing; give at least 1 "
+        "(or use an expert tactic)."
+      )
     if self.seconds is not None and not self.seconds > 0:
       raise ValueError(f"a budget of {self.seconds} seconds searches nothing; give more than 0.")
 
@@ -67,15 +70,21 @@ class Budget:
       return budget
     if isinstance(budget, str):
       try:
-        return cls(seconds=float(budget[:-1])) if budget.endswith("s") else cls(simulations=int(budget))
+        return (
+          cls(seconds=float(budget[:-1])) if budget.endswith("s") else cls(simulations=int(budget))
+        )
       except ValueError as e:
         if "searches nothing" in str(e):
           raise
-        raise ValueError(f"bad budget {budget!r}: expected simulator evaluations (2000) or seconds (30s).") from None
+        raise ValueError(
+          f"bad budget {budget!r}: expected simulator evaluations (2000) or seconds (30s)."
+        ) from None
     if isinstance(budget, (int, np.integer)) and not isinstance(budget, (bool, np.bool_)):
       return cls(simulations=int(budget))
-    raise TypeError(f"a budget of {budget!r} ({type(budget).__name__}) has no unit: pass Simulations(n), "
-                    "Seconds(s), an int (simulations) or a string ('2000', '30s').")
+    raise TypeError(
+      f"a budget of {budget!r} ({type(budget).__name__}) has no unit: pass Simulations(n), "
+      "Seconds(s), an int (simulations) or a string ('2000', '30s')."
+    )
 
   def after(self, seconds: float) -> Budget | None:
     """What is left of this budget after `seconds` of work before the search: the same
@@ -170,18 +179,27 @@ class SearchResult:
     return [dataclasses.asdict(p) for p in self.trace]
 
 
-def env_config(problem: Problem, action_space: str, max_decisions: int, pipelines: int = 0) -> EnvConfig:
+def env_config(
+  problem: Problem, action_space: str, max_decisions: int, pipelines: int = 0
+) -> EnvConfig:
   """The environment an agent searches: exactly the mesh's axes (no padded actions), and
   `pipelines` pipeline options (`EnvConfig.pipelines`)."""
-  return EnvConfig(action_space=action_space, max_decisions=max_decisions,
-                   max_axes=len(problem.mesh.axis_sizes), objective="time", pipelines=pipelines)
+  return EnvConfig(
+    action_space=action_space,
+    max_decisions=max_decisions,
+    max_axes=len(problem.mesh.axis_sizes),
+    objective="time",
+    pipelines=pipelines,
+  )
 
 
 def plan_objective(problem: Problem, cost: simulator.Cost) -> float:
   """The environment's objective of a plan's cost (1.0 is the replicated plan), for agents
   that price plans outside the environment."""
   config = env_config(problem, "named_dims", 1)
-  if problem not in _REPLICATED_BASES:  # The replicated plan simulated once per problem, not per plan priced.
+  if (
+    problem not in _REPLICATED_BASES
+  ):  # The replicated plan simulated once per problem, not per plan priced.
     _REPLICATED_BASES[problem] = replicated_base(config, problem)
   return float(env_objective(config, cost, _REPLICATED_BASES[problem], problem.tables.hbm_bytes))
 
@@ -189,8 +207,9 @@ def plan_objective(problem: Problem, cost: simulator.Cost) -> float:
 _REPLICATED_BASES: weakref.WeakKeyDictionary[Problem, np.ndarray] = weakref.WeakKeyDictionary()
 
 
-def rollout(env: Env, depth: int, stop_probability: float, state: State, key: jax.Array,
-            limit: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def rollout(
+  env: Env, depth: int, stop_probability: float, state: State, key: jax.Array, limit: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """A uniformly random episode of at most `min(depth, limit)` steps from `state`. Pure.
 
   After its first step the episode stops with probability `stop_probability` per step
@@ -207,8 +226,13 @@ def rollout(env: Env, depth: int, stop_probability: float, state: State, key: ja
     key, pick, coin = jax.random.split(key, 3)
     legal = state.legal_action_mask.at[-1].set(False)
     action = jax.random.categorical(pick, jnp.where(legal, 0.0, -jnp.inf)).astype(jnp.int32)
-    stop = (~alive | ~legal.any() | (index >= limit) | (state.terminated | state.truncated)
-            | ((index > 0) & (jax.random.uniform(coin) < stop_probability)))
+    stop = (
+      ~alive
+      | ~legal.any()
+      | (index >= limit)
+      | (state.terminated | state.truncated)
+      | ((index > 0) & (jax.random.uniform(coin) < stop_probability))
+    )
     action = jnp.where(stop, env.stop_action, action)
     new = env.step(state, action)
     return (new, key, alive & ~stop), (action, new.objective, new.step_time, ~stop)
@@ -220,8 +244,13 @@ def rollout(env: Env, depth: int, stop_probability: float, state: State, key: ja
 _from_plan = SearchJit(core.from_plan, "few", static_argnames="config")
 
 
-def plan_state(problem: Problem, config: EnvConfig, tables: EnvTables, decisions: Sequence[Decision],
-               cost: simulator.Cost) -> State | None:
+def plan_state(
+  problem: Problem,
+  config: EnvConfig,
+  tables: EnvTables,
+  decisions: Sequence[Decision],
+  cost: simulator.Cost,
+) -> State | None:
   """The environment state (host arrays) of the intra-op plan `decisions` of `problem`,
   priced at `cost` (`Problem.cost`), on `tables`: the problem's own or its row of a suite's
   bucket-padded tables (the plan's masks are padded to theirs). None when the plan takes
@@ -232,10 +261,16 @@ def plan_state(problem: Problem, config: EnvConfig, tables: EnvTables, decisions
     return None
   resolution = problem.resolution(decisions)
   pad = lambda x: np.concatenate([x, np.full(size - len(x), -1, np.int32)])
-  value_mask, op_mask = (np.pad(m, [(0, want - have) for have, want in zip(m.shape, like.shape)])
-                         for m, like in ((resolution.value_mask, tables.value_class),
-                                         (resolution.op_mask, tables.op_class)))
-  return jax.device_get(_from_plan(config, tables, pad(dec_class), pad(dec_axis), value_mask, op_mask, cost))
+  value_mask, op_mask = (
+    np.pad(m, [(0, want - have) for have, want in zip(m.shape, like.shape)])
+    for m, like in (
+      (resolution.value_mask, tables.value_class),
+      (resolution.op_mask, tables.op_class),
+    )
+  )
+  return jax.device_get(
+    _from_plan(config, tables, pad(dec_class), pad(dec_axis), value_mask, op_mask, cost)
+  )
 
 
 class Searcher:
@@ -275,19 +310,30 @@ class Searcher:
     n, size = len(actions), self.chunk
     padded = np.full(-(-n // size) * size, self.env.stop_action, np.int32)
     padded[:n] = actions
-    parts = [jax.device_get(self._children(state, padded[i:i + size])) for i in range(0, len(padded), size)]
+    parts = [
+      jax.device_get(self._children(state, padded[i : i + size]))
+      for i in range(0, len(padded), size)
+    ]
     return jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *parts)
 
-  def rollouts(self, state: State, keys: jax.Array, limits: np.ndarray, depth: int, stop_probability: float):
+  def rollouts(
+    self, state: State, keys: jax.Array, limits: np.ndarray, depth: int, stop_probability: float
+  ):
     """`len(keys)` random episodes from `state` (see `rollout`), as numpy arrays [R, depth]."""
     fn = self._rollouts.get((depth, stop_probability))
     if fn is None:
-      fn = SearchJit(jax.vmap(functools.partial(rollout, self.env, depth, stop_probability), in_axes=(None, 0, 0)),
-                      "many")
+      fn = SearchJit(
+        jax.vmap(
+          functools.partial(rollout, self.env, depth, stop_probability), in_axes=(None, 0, 0)
+        ),
+        "many",
+      )
       self._rollouts[(depth, stop_probability)] = fn
     return jax.device_get(fn(state, keys, jnp.asarray(limits, jnp.int32)))
 
-  def rooted_at(self, name: str, decisions: Sequence[Decision], cost: simulator.Cost) -> Searcher | None:
+  def rooted_at(
+    self, name: str, decisions: Sequence[Decision], cost: simulator.Cost
+  ) -> Searcher | None:
     """This searcher with its root at the intra-op plan `decisions` (an expert tactic's,
     called `name`, of cost `cost`: `Problem.cost`), so that a search refines that plan
     rather than build one from the replicated plan: the plan of actions from it is
@@ -358,7 +404,9 @@ class Tracker:
     self.search, self.budget, self.start, self.progress = search, budget, start, progress
     self.best_search = search
     self.simulations = 0
-    self.greedy_steps = 0  # Plans of a greedy path, outside the budget (`SearchResult.greedy_steps`).
+    self.greedy_steps = (
+      0  # Plans of a greedy path, outside the budget (`SearchResult.greedy_steps`).
+    )
     self.best_objective = 1.0
     self.best_step_time = search.base_step_time
     self.best_actions: list[int] = []
@@ -382,7 +430,13 @@ class Tracker:
     if self.progress is not None:
       self.progress(self.simulations, self.best_step_time)
 
-  def offer(self, objective: float, step_time: float, actions: Sequence[int], simulations_at: int | None = None) -> bool:
+  def offer(
+    self,
+    objective: float,
+    step_time: float,
+    actions: Sequence[int],
+    simulations_at: int | None = None,
+  ) -> bool:
     """Records a plan if it is the best so far (ties keep the shorter/earlier plan)."""
     if not objective < self.best_objective - 1e-7 * abs(self.best_objective):
       return False
@@ -401,16 +455,33 @@ class Tracker:
     if search.start is not None:
       names.insert(0, f"start from the {search.start} plan")
     seconds = self.elapsed
-    self.trace.append(TracePoint(self.simulations, seconds, self.best_step_time, self.best_objective))
-    return SearchResult(decisions=decisions, cost=cost, trace=self.trace, simulations=self.simulations,
-                        seconds=seconds, actions=names, objective=self.best_objective,
-                        setup_seconds=self.setup_seconds, action_ids=tuple(self.best_actions),
-                        pipeline=search.pipeline(self.best_actions), greedy_steps=self.greedy_steps,
-                        start=search.start)
+    self.trace.append(
+      TracePoint(self.simulations, seconds, self.best_step_time, self.best_objective)
+    )
+    return SearchResult(
+      decisions=decisions,
+      cost=cost,
+      trace=self.trace,
+      simulations=self.simulations,
+      seconds=seconds,
+      actions=names,
+      objective=self.best_objective,
+      setup_seconds=self.setup_seconds,
+      action_ids=tuple(self.best_actions),
+      pipeline=search.pipeline(self.best_actions),
+      greedy_steps=self.greedy_steps,
+      start=search.start,
+    )
 
 
-def start(problem: Problem, action_space: str, max_decisions: int, budget, progress: Progress | None,
-          pipelines: int = 0) -> tuple[Searcher, Tracker, Budget]:
+def start(
+  problem: Problem,
+  action_space: str,
+  max_decisions: int,
+  budget,
+  progress: Progress | None,
+  pipelines: int = 0,
+) -> tuple[Searcher, Tracker, Budget]:
   """Builds (or reuses) the searcher and starts the clock; the common prologue of agents."""
   t0 = time.perf_counter()
   budget = Budget.of(budget)

@@ -37,8 +37,12 @@ def _abstract(tree: chex.ArrayTree) -> chex.ArrayTree:
   Either way the devices are this run's, so a checkpoint written on a CPU restores onto
   a GPU, and one written by one process restores into many."""
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device),
-                      tree)
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=getattr(x, "sharding", None) or device
+    ),
+    tree,
+  )
 
 
 def _without_empty(tree: chex.ArrayTree) -> chex.ArrayTree:
@@ -53,8 +57,10 @@ class TrainCheckpoints:
   synchronises them."""
 
   def __init__(self, run_dir: str, keep: int = 2):
-    self.manager = ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, CHECKPOINTS_DIR)),
-                                         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+    self.manager = ocp.CheckpointManager(
+      os.path.abspath(os.path.join(run_dir, CHECKPOINTS_DIR)),
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+    )
 
   def latest(self) -> int | None:
     """The iteration of the newest checkpoint, or None."""
@@ -69,11 +75,17 @@ class TrainCheckpoints:
   def restore(self, iteration: int, target: chex.ArrayTree) -> chex.ArrayTree:
     """The state saved at `iteration`, shaped as `target` (a state of the same run config),
     its empty arrays `target`'s."""
-    restored = self.manager.restore(iteration, args=ocp.args.StandardRestore(_abstract(_without_empty(target))))
+    restored = self.manager.restore(
+      iteration, args=ocp.args.StandardRestore(_abstract(_without_empty(target)))
+    )
     saved = jax.tree.leaves(restored, is_leaf=lambda x: x is None)
-    return jax.tree.unflatten(jax.tree.structure(target),
-                              [empty if leaf is None else leaf for leaf, empty in zip(saved, jax.tree.leaves(target),
-                                                                                      strict=True)])
+    return jax.tree.unflatten(
+      jax.tree.structure(target),
+      [
+        empty if leaf is None else leaf
+        for leaf, empty in zip(saved, jax.tree.leaves(target), strict=True)
+      ],
+    )
 
   def close(self) -> None:
     self.manager.close()
@@ -103,10 +115,14 @@ def policy_dir(path: str) -> str:
     ValueError: `path` is neither.
   """
   for candidate in (path, os.path.join(path, POLICY_DIR)):
-    if os.path.isfile(os.path.join(candidate, NETWORK_FILE)) and os.path.isdir(os.path.join(candidate, PARAMS_DIR)):
+    if os.path.isfile(os.path.join(candidate, NETWORK_FILE)) and os.path.isdir(
+      os.path.join(candidate, PARAMS_DIR)
+    ):
       return os.path.abspath(candidate)
-  raise ValueError(f"{path} is no policy checkpoint (a directory with {NETWORK_FILE} and {PARAMS_DIR}/, "
-                   f"or a training run directory with {POLICY_DIR}/).")
+  raise ValueError(
+    f"{path} is no policy checkpoint (a directory with {NETWORK_FILE} and {PARAMS_DIR}/, "
+    f"or a training run directory with {POLICY_DIR}/)."
+  )
 
 
 def read_network(path: str) -> NetworkConfig:

@@ -26,8 +26,13 @@ class GreedyConfig:
   min_improvement: float = 1e-4
 
 
-def search(problem: Problem, config: GreedyConfig = GreedyConfig(), seed: int = 0,
-           budget: Budget | int | str = 1000, progress: Progress | None = None) -> SearchResult:
+def search(
+  problem: Problem,
+  config: GreedyConfig = GreedyConfig(),
+  seed: int = 0,
+  budget: Budget | int | str = 1000,
+  progress: Progress | None = None,
+) -> SearchResult:
   """Hill-climbs from the replicated plan, one vmapped evaluation of all legal actions per
   step. The seed orders the actions (it breaks ties and picks the subset evaluated when
   fewer simulations are left than legal actions)."""
@@ -35,7 +40,7 @@ def search(problem: Problem, config: GreedyConfig = GreedyConfig(), seed: int = 
   rng = np.random.default_rng(seed)
   state, path, objective = search_.root, [], 1.0
   while not track.done:
-    legal = rng.permutation(search_.legal(state))[:track.left]
+    legal = rng.permutation(search_.legal(state))[: track.left]
     if len(legal) == 0:
       break
     children = search_.children(state, legal)
@@ -48,4 +53,3 @@ def search(problem: Problem, config: GreedyConfig = GreedyConfig(), seed: int = 
     path.append(int(legal[best]))
     track.offer(objective, float(state.step_time), path)
   return track.result()
-

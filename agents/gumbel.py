@@ -18,7 +18,8 @@ Every plan a search tree evaluated is a candidate (read from the tree's nodes), 
 best plan seen at any depth of any tree is kept.
 
 A simulation is one environment step that evaluates a new plan (a node whose plan has more
-decisions than its parent's, or another pipeline; stops and steps below an ended episode evaluate nothing), as
+decisions than its parent's, or another pipeline; stops and steps below an ended episode evaluate
+nothing), as
 for the other agents. A Gumbel search of `n` simulations evaluates at most `n` plans; the
 last search of a budget runs fewer (a traced loop bound, so no recompile).
 """
@@ -38,11 +39,17 @@ import mctx
 import numpy as np
 
 from agents.base import Budget, Progress, Searcher, SearchResult, Tracker, start
-from agents.network import MASKED_LOGIT, Embeddings, Network, NetworkConfig, state_features, static_graph
+from agents.network import (
+  MASKED_LOGIT,
+  Embeddings,
+  Network,
+  NetworkConfig,
+  state_features,
+  static_graph,
+)
 from automap_rl.compile_options import SearchJit
 from automap_rl.problem import Problem
-from envs import Env, EnvConfig, State
-from envs import core
+from envs import Env, EnvConfig, State, core
 from envs.tables import EnvTables
 
 
@@ -86,8 +93,13 @@ class GumbelConfig:
   pipelines: int = 0
 
 
-def _evaluate(network: Network, params: chex.ArrayTree | None, embeddings: Embeddings | None,
-              tables: EnvTables, state: State) -> tuple[jax.Array, jax.Array]:
+def _evaluate(
+  network: Network,
+  params: chex.ArrayTree | None,
+  embeddings: Embeddings | None,
+  tables: EnvTables,
+  state: State,
+) -> tuple[jax.Array, jax.Array]:
   """Prior logits f32 [A] and value f32 [] of one state: the network's head, or uniform
   (legal actions 0, illegal `MASKED_LOGIT`, value 0) without parameters."""
   if params is None:
@@ -101,9 +113,17 @@ def log_reward(before: State, after: State) -> jax.Array:
   return jnp.log(before.objective) - jnp.log(after.objective)
 
 
-def policy(params: chex.ArrayTree | None, embeddings: Embeddings | None, tables: EnvTables, states: State,
-           key: chex.PRNGKey, limit: jax.Array, config: GumbelConfig, env_config: EnvConfig,
-           batched: bool) -> mctx.PolicyOutput:
+def policy(
+  params: chex.ArrayTree | None,
+  embeddings: Embeddings | None,
+  tables: EnvTables,
+  states: State,
+  key: chex.PRNGKey,
+  limit: jax.Array,
+  config: GumbelConfig,
+  env_config: EnvConfig,
+  batched: bool,
+) -> mctx.PolicyOutput:
   """One Gumbel MuZero search from each of `states` [B]. Pure.
 
   Args:
@@ -133,8 +153,12 @@ def policy(params: chex.ArrayTree | None, embeddings: Embeddings | None, tables:
     new = step(tables, state, action)
     logits, value = evaluate(embeddings, tables, new)
     ended = new.terminated | new.truncated
-    out = mctx.RecurrentFnOutput(reward=log_reward(state, new), discount=jnp.where(ended, 0.0, 1.0),
-                                 prior_logits=logits, value=jnp.where(ended, 0.0, value))
+    out = mctx.RecurrentFnOutput(
+      reward=log_reward(state, new),
+      discount=jnp.where(ended, 0.0, 1.0),
+      prior_logits=logits,
+      value=jnp.where(ended, 0.0, value),
+    )
     return out, new
 
   def loop(lower, upper, body, init):
@@ -143,15 +167,27 @@ def policy(params: chex.ArrayTree | None, embeddings: Embeddings | None, tables:
   logits, value = evaluate(embeddings, tables, states)
   root = mctx.RootFnOutput(prior_logits=logits, value=value, embedding=states)
   return mctx.gumbel_muzero_policy(
-      params=None, rng_key=key, root=root, recurrent_fn=recurrent_fn, num_simulations=config.gumbel.num_simulations,
-      invalid_actions=~states.legal_action_mask, loop_fn=loop,
-      max_num_considered_actions=config.gumbel.max_num_considered_actions,
-      gumbel_scale=config.gumbel.gumbel_scale)
+    params=None,
+    rng_key=key,
+    root=root,
+    recurrent_fn=recurrent_fn,
+    num_simulations=config.gumbel.num_simulations,
+    invalid_actions=~states.legal_action_mask,
+    loop_fn=loop,
+    max_num_considered_actions=config.gumbel.max_num_considered_actions,
+    gumbel_scale=config.gumbel.gumbel_scale,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "env_config"))
-def run_search(params: chex.ArrayTree | None, tables: EnvTables, states: State, key: chex.PRNGKey,
-               config: GumbelConfig, env_config: EnvConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def run_search(
+  params: chex.ArrayTree | None,
+  tables: EnvTables,
+  states: State,
+  key: chex.PRNGKey,
+  config: GumbelConfig,
+  env_config: EnvConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """A full Gumbel search from each state of a batch that may mix programs. Pure (jitted).
 
   Args:
@@ -167,9 +203,20 @@ def run_search(params: chex.ArrayTree | None, tables: EnvTables, states: State, 
   embeddings = None
   if params is not None:
     network = Network(config.network)
-    embeddings = jax.vmap(network.encode, in_axes=(None, 0))(params, jax.vmap(static_graph)(tables, states))
-  out = policy(params, embeddings, tables, states, key, jnp.int32(config.gumbel.num_simulations), config, env_config,
-               batched=True)
+    embeddings = jax.vmap(network.encode, in_axes=(None, 0))(
+      params, jax.vmap(static_graph)(tables, states)
+    )
+  out = policy(
+    params,
+    embeddings,
+    tables,
+    states,
+    key,
+    jnp.int32(config.gumbel.num_simulations),
+    config,
+    env_config,
+    batched=True,
+  )
   return out.action, out.action_weights, out.search_tree.summary().value
 
 
@@ -192,8 +239,16 @@ class _Nodes:
 
 
 @functools.partial(SearchJit, calls="few", static_argnames=("config", "env_config"))
-def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex.PRNGKey, limit: jax.Array,
-                 config: GumbelConfig, env_config: EnvConfig) -> tuple[jax.Array, State, _Nodes]:
+def _search_step(
+  params,
+  embeddings,
+  tables: EnvTables,
+  states: State,
+  key: chex.PRNGKey,
+  limit: jax.Array,
+  config: GumbelConfig,
+  env_config: EnvConfig,
+) -> tuple[jax.Array, State, _Nodes]:
   """A search from each state of one program's episodes: the selected actions [B], the
   states they lead to [B] (the selected child is always visited) and the trees' nodes."""
   out = policy(params, embeddings, tables, states, key, limit, config, env_config, batched=False)
@@ -201,28 +256,46 @@ def _search_step(params, embeddings, tables: EnvTables, states: State, key: chex
   nodes = tree.embeddings
   batch = jnp.arange(out.action.shape[0])
   parent = tree.parents
-  parent_decisions, parent_pipeline = (jnp.take_along_axis(x, jnp.maximum(parent, 0), axis=1)
-                                       for x in (nodes.num_decisions, nodes.pipeline))
-  evaluated = (parent >= 0) & ((nodes.num_decisions > parent_decisions) | (nodes.pipeline != parent_pipeline))
+  parent_decisions, parent_pipeline = (
+    jnp.take_along_axis(x, jnp.maximum(parent, 0), axis=1)
+    for x in (nodes.num_decisions, nodes.pipeline)
+  )
+  evaluated = (parent >= 0) & (
+    (nodes.num_decisions > parent_decisions) | (nodes.pipeline != parent_pipeline)
+  )
   chosen = tree.children_index[batch, tree.ROOT_INDEX, out.action]
   after = jax.tree.map(lambda x: x[batch, chosen], nodes)
-  return out.action, after, _Nodes(objective=nodes.objective, step_time=nodes.step_time, evaluated=evaluated,
-                                   parent=parent, action=tree.action_from_parent)
+  return (
+    out.action,
+    after,
+    _Nodes(
+      objective=nodes.objective,
+      step_time=nodes.step_time,
+      evaluated=evaluated,
+      parent=parent,
+      action=tree.action_from_parent,
+    ),
+  )
 
 
 @functools.partial(SearchJit, calls="few", static_argnames="network", keep_unused=True)
-def _placeholder(network: Network, params: chex.ArrayTree, tables: EnvTables, state: State) -> Embeddings:
+def _placeholder(
+  network: Network, params: chex.ArrayTree, tables: EnvTables, state: State
+) -> Embeddings:
   """Zeros shaped as `encode`'s embeddings of the program and placed as they are (a jit of
   the same arguments, none pruned): what compiling a search needs of them, without the
   encoder's work (XLA drops it)."""
   return jax.tree.map(jnp.zeros_like, network.encode(params, static_graph(tables, state)))
 
 
-_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gumbel-compile")
+_COMPILER = concurrent.futures.ThreadPoolExecutor(
+  max_workers=1, thread_name_prefix="gumbel-compile"
+)
 
 
-def compile_ahead(env: Env, config: GumbelConfig, params: chex.ArrayTree | None, root: State,
-                  episodes: int) -> concurrent.futures.Future:
+def compile_ahead(
+  env: Env, config: GumbelConfig, params: chex.ArrayTree | None, root: State, episodes: int
+) -> concurrent.futures.Future:
   """Compiles `play`'s search of `episodes` episodes side by side (its starts times
   `config.episodes`) over `env` in a background thread, by a search of no simulations from
   `root` (a host state of `env`) on embeddings of zeros (only their shapes matter), so that
@@ -231,10 +304,20 @@ def compile_ahead(env: Env, config: GumbelConfig, params: chex.ArrayTree | None,
   before `play`: a search called while this one compiles would compile it again."""
 
   def search_nothing() -> None:
-    embeddings = None if params is None else _placeholder(Network(config.network), params, env.tables, root)
+    embeddings = (
+      None if params is None else _placeholder(Network(config.network), params, env.tables, root)
+    )
     states = jax.tree.map(lambda x: np.stack([x] * episodes), root)
-    _search_step(params, embeddings, env.tables, states, jax.random.key(0), jnp.int32(0), config=config,
-                 env_config=env.config)
+    _search_step(
+      params,
+      embeddings,
+      env.tables,
+      states,
+      jax.random.key(0),
+      jnp.int32(0),
+      config=config,
+      env_config=env.config,
+    )
 
   return _COMPILER.submit(search_nothing)
 
@@ -254,17 +337,30 @@ def _path(parent: np.ndarray, action: np.ndarray, node: int) -> list[int]:
   return out[::-1]
 
 
-def search(problem: Problem, config: GumbelConfig = GumbelConfig(), seed: int = 0,
-           budget: Budget | int | str = 1000, progress: Progress | None = None,
-           params: chex.ArrayTree | None = None) -> SearchResult:
+def search(
+  problem: Problem,
+  config: GumbelConfig = GumbelConfig(),
+  seed: int = 0,
+  budget: Budget | int | str = 1000,
+  progress: Progress | None = None,
+  params: chex.ArrayTree | None = None,
+) -> SearchResult:
   """Plays Gumbel MuZero episodes until the budget is spent; returns the best plan any
   search tree evaluated. `params`: the network's (`config.network`), or None for the
   uniform prior. Deterministic for a given seed and a simulations budget."""
   if params is not None and config.pipelines != config.network.pipelines:
-    raise ValueError(f"pipelines={config.pipelines}: the network reads an environment with "
-                     f"{config.network.pipelines} pipeline options; give it as many.")
-  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, config.pipelines)
-  embeddings = None if params is None else encode(Network(config.network), params, search_.env.tables, search_.root)
+    raise ValueError(
+      f"pipelines={config.pipelines}: the network reads an environment with "
+      f"{config.network.pipelines} pipeline options; give it as many."
+    )
+  search_, track, _ = start(
+    problem, config.action_space, config.max_decisions, budget, progress, config.pipelines
+  )
+  embeddings = (
+    None
+    if params is None
+    else encode(Network(config.network), params, search_.env.tables, search_.root)
+  )
   play([Start(search_, search_.root)], track, config, seed, params, embeddings)
   return track.result()
 
@@ -279,8 +375,14 @@ class Start(NamedTuple):
   actions: tuple[int, ...] = ()
 
 
-def play(starts: Sequence[Start], track: Tracker, config: GumbelConfig, seed: int, params: chex.ArrayTree | None,
-         embeddings: Embeddings | None) -> None:
+def play(
+  starts: Sequence[Start],
+  track: Tracker,
+  config: GumbelConfig,
+  seed: int,
+  params: chex.ArrayTree | None,
+  embeddings: Embeddings | None,
+) -> None:
   """Plays Gumbel MuZero episodes until `track`'s budget is spent, offering every plan the
   trees evaluate to `track`: `config.episodes` from each of `starts` (of searchers of one
   environment: the replicated plan's, or ones rooted at a plan made elsewhere,
@@ -300,8 +402,18 @@ def play(starts: Sequence[Start], track: Tracker, config: GumbelConfig, seed: in
     if limit < 1:
       break
     key, sub = jax.random.split(key)
-    actions, after, nodes = jax.device_get(_search_step(
-        params, embeddings, env.tables, states, sub, jnp.int32(limit), config=config, env_config=env.config))
+    actions, after, nodes = jax.device_get(
+      _search_step(
+        params,
+        embeddings,
+        env.tables,
+        states,
+        sub,
+        jnp.int32(limit),
+        config=config,
+        env_config=env.config,
+      )
+    )
     used = int(nodes.evaluated.sum())
     if used == 0:  # The searches only stop: nothing is left that they would evaluate.
       break
@@ -310,11 +422,19 @@ def play(starts: Sequence[Start], track: Tracker, config: GumbelConfig, seed: in
       evaluated = nodes.evaluated[e]
       if evaluated.any():
         best = int(np.argmin(np.where(evaluated, nodes.objective[e], np.inf)))
-        at = base + int(nodes.evaluated[:e].sum()) + int(evaluated[:best + 1].sum())
+        at = base + int(nodes.evaluated[:e].sum()) + int(evaluated[: best + 1].sum())
         track.search = owner[e].searcher
-        track.offer(nodes.objective[e, best], nodes.step_time[e, best],
-                    paths[e] + _path(nodes.parent[e], nodes.action[e], best), at)
+        track.offer(
+          nodes.objective[e, best],
+          nodes.step_time[e, best],
+          paths[e] + _path(nodes.parent[e], nodes.action[e], best),
+          at,
+        )
     track.count(used)
     ended = (actions == env.stop_action) | after.terminated | after.truncated
-    states = jax.tree.map(lambda r, a: np.where(ended.reshape((-1,) + (1,) * (a.ndim - 1)), r, a), root, after)
-    paths = [list(owner[e].actions) if ended[e] else paths[e] + [int(actions[e])] for e in range(count)]
+    states = jax.tree.map(
+      lambda r, a: np.where(ended.reshape((-1,) + (1,) * (a.ndim - 1)), r, a), root, after
+    )
+    paths = [
+      list(owner[e].actions) if ended[e] else paths[e] + [int(actions[e])] for e in range(count)
+    ]

@@ -23,7 +23,8 @@ these graphs.
 The agent's budget is its budget: the best expert, the graph's build, its reduction and
 its solve share one deadline (the budget's seconds from the agent's start; through
 `agents.partition`, what tracing and building the problem left of the call's budget,
-`Budget.after`) and one ceiling on the process's resident memory (`ILPConfig.max_resident_gib`), checked inside the build's
+`Budget.after`) and one ceiling on the process's resident memory (`ILPConfig.max_resident_gib`),
+checked inside the build's
 loops and between the solver's stages (`solver.Limits`). Past either, the agent returns
 its best plan so far (the expert's when the solver has none yet) with a warning naming the
 limit, and `SearchResult.stopped_by` says which.
@@ -62,7 +63,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from agents.base import Budget, Progress, SearchResult, Seconds, TracePoint, env_config, plan_objective, searcher
+from agents.base import (
+  Budget,
+  Progress,
+  SearchResult,
+  Seconds,
+  TracePoint,
+  env_config,
+  plan_objective,
+  searcher,
+)
 from automap_rl import simulator, solver, strategy_graph, tactics
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
@@ -115,15 +125,22 @@ class ILPConfig:
     if not self.max_resident_gib > 0:
       raise ValueError(f"ILPConfig.max_resident_gib must be positive, not {self.max_resident_gib}")
     if self.workers < 0:
-      raise ValueError(f"ILPConfig.workers must be 0 (search in this process) or more, not {self.workers}")
+      raise ValueError(
+        f"ILPConfig.workers must be 0 (search in this process) or more, not {self.workers}"
+      )
     if not 0 <= self.descent_share < 1:
       raise ValueError(f"ILPConfig.descent_share must be in [0, 1), not {self.descent_share}")
     if not 0 <= self.reserve < 1:
       raise ValueError(f"ILPConfig.reserve must be in [0, 1), not {self.reserve}")
 
 
-def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, budget: Budget | int | str = Seconds(20),
-           progress: Progress | None = None) -> SearchResult:
+def search(
+  problem: Problem,
+  config: ILPConfig = ILPConfig(),
+  seed: int = 0,
+  budget: Budget | int | str = Seconds(20),
+  progress: Progress | None = None,
+) -> SearchResult:
   """Finds the best expert plan, builds the strategy graph (layers tied unless
   `config.tie_layers` is off), solves it from the expert (its single-axis plans beside),
   descends from the solves' plans and the expert's on the simulator's objective, and
@@ -150,13 +167,17 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
   simulations = len(tactics.applicable(problem)) + 1
   dec_class, dec_axis = problem.encode(expert.decisions)
   # The expert as class decisions: the fallback, and the plan to beat.
-  expert_decisions = [Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(dec_class, dec_axis)]
+  expert_decisions = [
+    Decision(int(c), problem.mesh.axis_names[a]) for c, a in zip(dec_class, dec_axis)
+  ]
   run.offer(expert_decisions, expert.cost, simulations)
   setup = 0.0
   lower_bound = graph = None
   starts: list[list[Decision]] = []  # Where the simulator-priced descent starts.
   try:
-    order = strategy_graph.order_from(problem, expert.decisions if config.warm_start else (), config.max_axes_per_dim)
+    order = strategy_graph.order_from(
+      problem, expert.decisions if config.warm_start else (), config.max_axes_per_dim
+    )
     tie = strategy_graph.tied_classes(problem) if config.tie_layers else None
     graph = strategy_graph.build(problem, order, tie, limits, config.max_axes_per_dim)
     warm = graph.assignment_of(list(expert.decisions)) if config.warm_start else None
@@ -169,8 +190,11 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
       # JAX warns at every fork that its threads may deadlock the child; the solver's
       # children run numpy and HiGHS only, never JAX.
       warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
-      solves = [pool.submit(_solve, g, config, seed, warm, limits, seconds_left)
-                for g in (graph.graph, single) if g is not None]
+      solves = [
+        pool.submit(_solve, g, config, seed, warm, limits, seconds_left)
+        for g in (graph.graph, single)
+        if g is not None
+      ]
       concurrent.futures.wait(solves)
     if len(solves) == 2 and solves[1].exception() is None:
       starts.append(graph.decisions(solves[1].result().choice))
@@ -186,46 +210,82 @@ def search(problem: Problem, config: ILPConfig = ILPConfig(), seed: int = 0, bud
     pass
   try:
     # From the solves' plans, then from the best expert's.
-    for start in (starts + [expert_decisions] if graph is not None else []):
+    for start in starts + [expert_decisions] if graph is not None else []:
       if run.stopped_by in ("memory", "simulations"):
         break
       if limits.seconds_left() <= reserve:
         run.stopped("seconds", "the time budget ran out before the descent")
         break
-      simulations = _descend(graph, run, start, simulations, deadline=limits.deadline - reserve,
-                             max_simulations=budget.simulations)
+      simulations = _descend(
+        graph,
+        run,
+        start,
+        simulations,
+        deadline=limits.deadline - reserve,
+        max_simulations=budget.simulations,
+      )
   except solver.LimitReached as e:
     run.stopped(e.limit, str(e))
   if run.stopped_by is not None:
-    warnings.warn(f"ilp: stopped by its {_LIMIT_NAMES[run.stopped_by]} ({run.message}); returning its best plan "
-                  "so far.", stacklevel=2)
+    warnings.warn(
+      f"ilp: stopped by its {_LIMIT_NAMES[run.stopped_by]} ({run.message}); returning its best plan "
+      "so far.",
+      stacklevel=2,
+    )
   decisions, cost = run.best
   if progress is not None:
     progress(simulations, float(cost.step_time))
   env = searcher(problem, env_config(problem, config.action_space, config.max_decisions)).env
   target = {t.target: i for i, t in enumerate(env.targets)}
-  action_ids = tuple(target[d.target] * env.config.max_axes + problem.mesh.axis_index(d.axis) for d in decisions)
-  return SearchResult(decisions=decisions, cost=cost, trace=run.trace, simulations=simulations,
-                      seconds=run.elapsed(), actions=[env.action_name(a) for a in action_ids],
-                      objective=run.trace[-1].objective, setup_seconds=setup or run.elapsed(),
-                      action_ids=action_ids, stopped_by=run.stopped_by, lower_bound=lower_bound)
+  action_ids = tuple(
+    target[d.target] * env.config.max_axes + problem.mesh.axis_index(d.axis) for d in decisions
+  )
+  return SearchResult(
+    decisions=decisions,
+    cost=cost,
+    trace=run.trace,
+    simulations=simulations,
+    seconds=run.elapsed(),
+    actions=[env.action_name(a) for a in action_ids],
+    objective=run.trace[-1].objective,
+    setup_seconds=setup or run.elapsed(),
+    action_ids=action_ids,
+    stopped_by=run.stopped_by,
+    lower_bound=lower_bound,
+  )
 
 
-def _solve(graph: solver.StrategyGraph, config: ILPConfig, seed: int, warm: np.ndarray | None,
-           limits: solver.Limits, seconds: float) -> solver.SolveResult:
+def _solve(
+  graph: solver.StrategyGraph,
+  config: ILPConfig,
+  seed: int,
+  warm: np.ndarray | None,
+  limits: solver.Limits,
+  seconds: float,
+) -> solver.SolveResult:
   """`solver.solve` for `seconds` (at least 0.1) within `limits`, from `warm` when it is a
   plan of `graph` (the whole graph's warm start may take pairs the single-axis one forbids)."""
   warm = warm if warm is not None and solver.is_feasible(graph, warm) else None
-  return solver.solve(graph, timeout_s=max(seconds, 0.1), seed=seed, warm_start=warm, limits=limits,
-                      workers=config.workers)
+  return solver.solve(
+    graph,
+    timeout_s=max(seconds, 0.1),
+    seed=seed,
+    warm_start=warm,
+    limits=limits,
+    workers=config.workers,
+  )
 
 
 def _single_axes(graph: strategy_graph.ProgramGraph) -> solver.StrategyGraph | None:
   """The strategy graph with every class node's pairs of axes forbidden (its plans are the
   one-axis-per-dimension ones), or None when no class node has a pair."""
   offsets = graph.graph.node_offsets
-  pairs = [offsets[node] + s for node, domain in enumerate(graph.domains) for s, axes in enumerate(domain)
-           if len(axes) > 1]
+  pairs = [
+    offsets[node] + s
+    for node, domain in enumerate(graph.domains)
+    for s, axes in enumerate(domain)
+    if len(axes) > 1
+  ]
   if not pairs:
     return None
   costs = graph.graph.node_costs.copy()
@@ -233,7 +293,11 @@ def _single_axes(graph: strategy_graph.ProgramGraph) -> solver.StrategyGraph | N
   return dataclasses.replace(graph.graph, node_costs=costs)
 
 
-_LIMIT_NAMES = {"seconds": "time budget", "memory": "memory ceiling", "simulations": "simulations budget"}
+_LIMIT_NAMES = {
+  "seconds": "time budget",
+  "memory": "memory ceiling",
+  "simulations": "simulations budget",
+}
 
 # Plans per simulator call in the descent (every call one batch: one compile).
 _DESCENT_BATCH = 256
@@ -267,8 +331,14 @@ class _Run:
       self.stopped_by, self.message = limit, message or f"past the {limit} limit while solving"
 
 
-def _descend(graph: strategy_graph.ProgramGraph, run: _Run, start: Sequence[Decision], simulations: int,
-             deadline: float, max_simulations: int | None = None) -> int:
+def _descend(
+  graph: strategy_graph.ProgramGraph,
+  run: _Run,
+  start: Sequence[Decision],
+  simulations: int,
+  deadline: float,
+  max_simulations: int | None = None,
+) -> int:
   """Steepest descent on the simulator's objective from `start` until `deadline`
   (monotonic), `max_simulations` (None: no limit) or a round without improvement, offering
   each step's plan to `run`. A round prices, in batches of `_DESCENT_BATCH`, every change
@@ -300,7 +370,7 @@ def _descend(graph: strategy_graph.ProgramGraph, run: _Run, start: Sequence[Deci
     for first in range(0, len(candidates), _DESCENT_BATCH):
       if time.monotonic() >= deadline or left() < 1:
         break
-      chunk = candidates[first:first + int(min(_DESCENT_BATCH, left()))]
+      chunk = candidates[first : first + int(min(_DESCENT_BATCH, left()))]
       plans = [graph.decisions_of(plan) for plan in chunk]
       # Padded to a whole batch: one compile of the simulator's batch, whatever the chunk.
       costs = problem.costs(plans + plans[:1] * (_DESCENT_BATCH - len(plans)))
@@ -321,7 +391,9 @@ def _descend(graph: strategy_graph.ProgramGraph, run: _Run, start: Sequence[Deci
   return simulations
 
 
-def _assignment(graph: strategy_graph.ProgramGraph, decisions: Sequence[Decision]) -> dict[int, tuple[int, ...]]:
+def _assignment(
+  graph: strategy_graph.ProgramGraph, decisions: Sequence[Decision]
+) -> dict[int, tuple[int, ...]]:
   """Class -> axes (indices) of class decisions, in the order of their first decisions."""
   assignment: dict[int, tuple[int, ...]] = {}
   for d in decisions:

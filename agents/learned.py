@@ -55,7 +55,9 @@ from automap_rl.problem import Problem
 from envs import EnvConfig, State, core
 from envs.tables import EnvTables
 
-DEFAULT_CHECKPOINT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "medium")
+DEFAULT_CHECKPOINT = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), "checkpoints", "medium"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,9 @@ class LearnedConfig:
     if self.first_moves < 1:
       raise ValueError(f"first_moves={self.first_moves}: a start needs at least one greedy path.")
     if self.past_stop < 0:
-      raise ValueError(f"past_stop={self.past_stop}: a greedy path cannot go a negative number of steps on.")
+      raise ValueError(
+        f"past_stop={self.past_stop}: a greedy path cannot go a negative number of steps on."
+      )
 
 
 _POLICIES: dict[str, tuple[Network, chex.ArrayTree]] = {}
@@ -163,8 +167,17 @@ class GreedyPath:
 
 
 @functools.partial(SearchJit, calls="few", static_argnames=("network", "env_config"))
-def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree, embeddings: Embeddings,
-                tables: EnvTables, state: State, first: jax.Array, rank: jax.Array, past_stop: jax.Array) -> GreedyPath:
+def greedy_path(
+  network: Network,
+  env_config: EnvConfig,
+  params: chex.ArrayTree,
+  embeddings: Embeddings,
+  tables: EnvTables,
+  state: State,
+  first: jax.Array,
+  rank: jax.Array,
+  past_stop: jax.Array,
+) -> GreedyPath:
   """The network's greedy path from `state`: `first` where it is not negative (int32 []),
   then, where `rank` (int32 []) is positive, the `rank`-th most likely action other than
   stop (0: the most likely; where fewer are legal, the most likely), then the most likely
@@ -175,8 +188,13 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
   would cost more than its step); one compile serves every start of a problem."""
   size = env_config.max_decisions + 1
   stop = state.legal_action_mask.shape[0] - 1
-  path = GreedyPath(actions=jnp.full(size, -1, jnp.int32), objective=jnp.zeros(size, jnp.float32),
-                    step_time=jnp.zeros(size, jnp.float32), best=state, best_length=jnp.int32(0))
+  path = GreedyPath(
+    actions=jnp.full(size, -1, jnp.int32),
+    objective=jnp.zeros(size, jnp.float32),
+    step_time=jnp.zeros(size, jnp.float32),
+    best=state,
+    best_length=jnp.int32(0),
+  )
 
   def going(carry):
     i, _, state, _ = carry
@@ -192,16 +210,20 @@ def greedy_path(network: Network, env_config: EnvConfig, params: chex.ArrayTree,
     diverted = (i == (first >= 0)) & (rank > 0) & (others.sum() > rank)
     go_on = ~forced & ~diverted & (likeliest == stop) & (past < past_stop) & others.any()
     action = jnp.where(go_on, jnp.argmax(other_logits), likeliest)
-    action = jax.lax.cond(diverted, lambda: jnp.argsort(-other_logits)[rank], lambda: action)  # Once a path: no sort per step.
+    action = jax.lax.cond(
+      diverted, lambda: jnp.argsort(-other_logits)[rank], lambda: action
+    )  # Once a path: no sort per step.
     action = jnp.where(forced, first, action).astype(jnp.int32)
     past = jnp.where(go_on | (past > 0), past + 1, past)
     state = core.step(env_config, tables, state, action)
     better = (past == 0) & (state.objective < path.best.objective)  # On the network's own path.
-    path = GreedyPath(actions=path.actions.at[i].set(jnp.where(action == stop, -1, action)),
-                      objective=path.objective.at[i].set(state.objective),
-                      step_time=path.step_time.at[i].set(state.step_time),
-                      best=jax.tree.map(lambda new, old: jnp.where(better, new, old), state, path.best),
-                      best_length=jnp.where(better, i + 1, path.best_length))
+    path = GreedyPath(
+      actions=path.actions.at[i].set(jnp.where(action == stop, -1, action)),
+      objective=path.objective.at[i].set(state.objective),
+      step_time=path.step_time.at[i].set(state.step_time),
+      best=jax.tree.map(lambda new, old: jnp.where(better, new, old), state, path.best),
+      best_length=jnp.where(better, i + 1, path.best_length),
+    )
     return i + 1, past, state, path
 
   return jax.lax.while_loop(going, advance, (jnp.int32(0), jnp.int32(0), state, path))[3]
@@ -215,12 +237,21 @@ def path_firsts(search_: Searcher, first_moves: int) -> list[tuple[int, int]]:
   if search_.env.pipelines and int(search_.root.pipeline) < 0:
     options = [int(a) for a in search_.legal(search_.root)]
     no_pipeline = search_.env.tables.num_moves  # Option 0 (`envs.pipelines.menu`).
-    return [(a, 0) for a in options] + [(no_pipeline, rank) for rank in range(1, first_moves) if no_pipeline in options]
+    return [(a, 0) for a in options] + [
+      (no_pipeline, rank) for rank in range(1, first_moves) if no_pipeline in options
+    ]
   return [(-1, rank) for rank in range(first_moves)]
 
 
-def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, search_: Searcher,
-           track: Tracker, past_stop: int, first_moves: int) -> list[gumbel.Start]:
+def follow(
+  network: Network,
+  params: chex.ArrayTree,
+  embeddings: Embeddings,
+  search_: Searcher,
+  track: Tracker,
+  past_stop: int,
+  first_moves: int,
+) -> list[gumbel.Start]:
   """Follows the network's most likely action from `search_`'s root until it stops (and
   `past_stop` steps on, as `greedy_path`) or the episode ends, offering each plan on the
   path to `track` (counted as `greedy_steps`, outside its budget); and again from each of
@@ -232,22 +263,40 @@ def follow(network: Network, params: chex.ArrayTree, embeddings: Embeddings, sea
   env = search_.env
   bests = []
   for first, rank in path_firsts(search_, first_moves):
-    path = jax.device_get(greedy_path(network, env.config, params, embeddings, env.tables, search_.root,
-                                      jnp.int32(first), jnp.int32(rank), jnp.int32(past_stop)))
+    path = jax.device_get(
+      greedy_path(
+        network,
+        env.config,
+        params,
+        embeddings,
+        env.tables,
+        search_.root,
+        jnp.int32(first),
+        jnp.int32(rank),
+        jnp.int32(past_stop),
+      )
+    )
     actions = path.actions[path.actions >= 0].tolist()  # A stop ends the path: -1 only after it.
     for i in range(len(actions)):
-      track.offer(float(path.objective[i]), float(path.step_time[i]), actions[:i + 1])
+      track.offer(float(path.objective[i]), float(path.step_time[i]), actions[: i + 1])
     track.greedy_steps += len(actions)
-    bests.append(gumbel.Start(search_, path.best, tuple(actions[:int(path.best_length)])))
+    bests.append(gumbel.Start(search_, path.best, tuple(actions[: int(path.best_length)])))
   return bests
 
 
-def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int = 0,
-           budget: Budget | int | str = 1000, progress: Progress | None = None) -> SearchResult:
+def search(
+  problem: Problem,
+  config: LearnedConfig = LearnedConfig(),
+  seed: int = 0,
+  budget: Budget | int | str = 1000,
+  progress: Progress | None = None,
+) -> SearchResult:
   """The learned agent (see the module docstring). Deterministic for a given seed and a
   simulations budget."""
   pipelines = load_network(config.checkpoint).config.pipelines
-  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, pipelines)
+  search_, track, _ = start(
+    problem, config.action_space, config.max_decisions, budget, progress, pipelines
+  )
   network, params = load_policy(config.checkpoint, search_.env.tables, search_.root)
   roots = [search_]
   if config.from_expert:  # The experts' plans are priced to find the best one: no simulation.
@@ -258,24 +307,40 @@ def search(problem: Problem, config: LearnedConfig = LearnedConfig(), seed: int 
       else:  # Too many decisions to search from; still a candidate plan.
         track.search = search_.holding(expert.name, expert.decisions)
         track.offer(plan_objective(problem, expert.cost), float(expert.cost.step_time), [])
-  search_config = GumbelConfig(action_space=config.action_space, max_decisions=config.max_decisions,
-                               gumbel=config.gumbel, network=network.config, pipelines=pipelines)
+  search_config = GumbelConfig(
+    action_space=config.action_space,
+    max_decisions=config.max_decisions,
+    gumbel=config.gumbel,
+    network=network.config,
+    pipelines=pipelines,
+  )
   greedy = not config.search or config.greedy_first
-  if config.search:  # XLA compiles the search while the program is encoded and the greedy paths run.
-    paths = sum(len(path_firsts(root, config.first_moves)) for root in roots) if greedy else len(roots)
-    compiled = gumbel.compile_ahead(search_.env, search_config, params, search_.root,
-                                    min(config.search_starts, paths) * search_config.episodes)
+  if (
+    config.search
+  ):  # XLA compiles the search while the program is encoded and the greedy paths run.
+    paths = (
+      sum(len(path_firsts(root, config.first_moves)) for root in roots) if greedy else len(roots)
+    )
+    compiled = gumbel.compile_ahead(
+      search_.env,
+      search_config,
+      params,
+      search_.root,
+      min(config.search_starts, paths) * search_config.episodes,
+    )
   embeddings = gumbel.encode(network, params, search_.env.tables, search_.root)
   starts = []
   for root in roots:  # Each start's own plan is a candidate.
     track.search = root
     track.offer(float(root.root.objective), float(root.root.step_time), [])
     if greedy:
-      starts += follow(network, params, embeddings, root, track, config.past_stop, config.first_moves)
+      starts += follow(
+        network, params, embeddings, root, track, config.past_stop, config.first_moves
+      )
     else:
       starts.append(gumbel.Start(root, root.root))
   if config.search:
     compiled.result()
-    best = sorted(starts, key=lambda s: float(s.state.objective))[:config.search_starts]
+    best = sorted(starts, key=lambda s: float(s.state.objective))[: config.search_starts]
     gumbel.play(best, track, search_config, seed, params, embeddings)
   return track.result()

@@ -55,7 +55,17 @@ class MCTSConfig:
 
 
 class _Node:
-  __slots__ = ("state", "actions", "objective", "children", "visits", "total", "best", "expanded", "exhausted")
+  __slots__ = (
+    "state",
+    "actions",
+    "objective",
+    "children",
+    "visits",
+    "total",
+    "best",
+    "expanded",
+    "exhausted",
+  )
 
   def __init__(self, state, actions: list[int]):
     self.state = state
@@ -69,8 +79,10 @@ class _Node:
 
 
 def _key(state) -> bytes:
-  return b"".join(np.ascontiguousarray(x).tobytes() for x in (state.value_mask, state.op_mask, state.num_decisions,
-                                                                 state.pipeline))
+  return b"".join(
+    np.ascontiguousarray(x).tobytes()
+    for x in (state.value_mask, state.op_mask, state.num_decisions, state.pipeline)
+  )
 
 
 class _Tree:
@@ -108,7 +120,7 @@ class _Tree:
   def expand(self, node: _Node) -> float:
     """Evaluates the leaf's children and rollouts from it; returns the leaf's value."""
     node.expanded = True
-    legal = self.rng.permutation(self.search.legal(node.state))[:self.track.left]
+    legal = self.rng.permutation(self.search.legal(node.state))[: self.track.left]
     if len(legal) == 0:
       node.exhausted = True
       return node.best
@@ -124,13 +136,20 @@ class _Tree:
       self.key, sub = jax.random.split(self.key)
       limits = np.clip(self.track.left - np.arange(r) * self.config.depth, 0, self.config.depth)
       actions, objectives, step_times, evaluated = self.search.rollouts(
-          node.state, jax.random.split(sub, r), limits, self.config.depth, self.config.stop_probability)
+        node.state,
+        jax.random.split(sub, r),
+        limits,
+        self.config.depth,
+        self.config.stop_probability,
+      )
       self.track.count(int(evaluated.sum()))
       for e in range(r):
         n = int(evaluated[e].sum())
         if n:
           i = int(np.argmin(objectives[e, :n]))
-          self.track.offer(objectives[e, i], step_times[e, i], node.actions + [int(a) for a in actions[e, :i + 1]])
+          self.track.offer(
+            objectives[e, i], step_times[e, i], node.actions + [int(a) for a in actions[e, : i + 1]]
+          )
           v = value(objectives[e, i])
           self.see(v)
           best = max(best, v)
@@ -159,12 +178,19 @@ class _Tree:
     return True
 
 
-def search(problem: Problem, config: MCTSConfig = MCTSConfig(), seed: int = 0,
-           budget: Budget | int | str = 2000, progress: Progress | None = None) -> SearchResult:
+def search(
+  problem: Problem,
+  config: MCTSConfig = MCTSConfig(),
+  seed: int = 0,
+  budget: Budget | int | str = 2000,
+  progress: Progress | None = None,
+) -> SearchResult:
   """Runs UCT until the budget is spent or the tree is exhausted; returns the best plan seen.
 
   Deterministic for a given seed and a simulations budget."""
-  search_, track, _ = start(problem, config.action_space, config.max_decisions, budget, progress, config.pipelines)
+  search_, track, _ = start(
+    problem, config.action_space, config.max_decisions, budget, progress, config.pipelines
+  )
   tree = _Tree(search_, track, config, seed)
   while not track.done and tree.iterate():
     pass

@@ -32,7 +32,8 @@ Policy: one logit per action (`target * X + axis`, then the P pipeline options, 
 `NetworkConfig.pipelines`) the observation's pipeline columns (each node's stage position,
 the chosen pipeline's S and M) are state features, and each option's logit comes from its
 S, M and stage axis (that axis's embedding) beside the state's summary; the parameters are
-the same with and without options, so one policy reads either environment. Value: the expected sum of the search's future rewards, each the
+the same with and without options, so one policy reads either environment. Value: the expected sum
+of the search's future rewards, each the
 decrease of the log objective (`agents.gumbel.log_reward`), i.e. `log(objective now /
 objective of the final plan)`: size-free (a ratio), negative when continuing makes the
 plan worse. Being in the rewards' units, `reward + value` is a consistent Q-value inside a
@@ -50,14 +51,18 @@ import jax
 import jax.numpy as jnp
 import jraph
 
-from envs.observe import global_features, node_features, observe
 from envs.core import State
+from envs.observe import global_features, node_features, observe
 from envs.pipelines import PipelineOptions
 from envs.tables import EnvTables
 
 MASKED_LOGIT = -1e9  # Logit of an illegal action.
-DYNAMIC_GLOBALS = 4  # Last global columns that follow the state: objective, capacity used, time, memory.
-PIPELINE_GLOBALS = 3  # With pipeline options, after those: a pipeline is chosen, its log2 S / 4, log2 M / 8.
+DYNAMIC_GLOBALS = (
+  4  # Last global columns that follow the state: objective, capacity used, time, memory.
+)
+PIPELINE_GLOBALS = (
+  3  # With pipeline options, after those: a pipeline is chosen, its log2 S / 4, log2 M / 8.
+)
 OPTION_FEATURES = 4  # Per pipeline option: real, pipelines, log2 S / 4, log2 M / 8.
 
 
@@ -117,8 +122,9 @@ class Embeddings:
   cover: jax.Array
 
 
-def split(graph: jraph.GraphsTuple, legal: jax.Array, num_axes: int, options: PipelineOptions | None = None
-          ) -> tuple[jraph.GraphsTuple, StateFeatures]:
+def split(
+  graph: jraph.GraphsTuple, legal: jax.Array, num_axes: int, options: PipelineOptions | None = None
+) -> tuple[jraph.GraphsTuple, StateFeatures]:
   """Splits an observation (`envs.observe`, one graph) into its static graph and its state features.
 
   The static graph keeps the node columns before the per-axis ones, every edge, and the
@@ -133,18 +139,38 @@ def split(graph: jraph.GraphsTuple, legal: jax.Array, num_axes: int, options: Pi
   num_globals = global_features(x) - DYNAMIC_GLOBALS
   if piped:
     stage, dynamic = nodes[:, -1], graph.globals[0, num_globals:]
-    option_features = jnp.stack([options.valid, options.axis >= 0, jnp.log2(options.stages) / 4.0,
-                                 jnp.log2(options.microbatches) / 8.0], axis=1).astype(jnp.float32)
+    option_features = jnp.stack(
+      [
+        options.valid,
+        options.axis >= 0,
+        jnp.log2(options.stages) / 4.0,
+        jnp.log2(options.microbatches) / 8.0,
+      ],
+      axis=1,
+    ).astype(jnp.float32)
     option_axis = options.axis
   else:
     stage = jnp.zeros(nodes.shape[0], jnp.float32)
-    dynamic = jnp.concatenate([graph.globals[0, num_globals:], jnp.zeros(PIPELINE_GLOBALS, jnp.float32)])
-    option_features, option_axis = jnp.zeros((0, OPTION_FEATURES), jnp.float32), jnp.zeros(0, jnp.int32)
-  per_axis = nodes[:, static_columns:static_columns + 2 * x + 1]
+    dynamic = jnp.concatenate(
+      [graph.globals[0, num_globals:], jnp.zeros(PIPELINE_GLOBALS, jnp.float32)]
+    )
+    option_features, option_axis = (
+      jnp.zeros((0, OPTION_FEATURES), jnp.float32),
+      jnp.zeros(0, jnp.int32),
+    )
+  per_axis = nodes[:, static_columns : static_columns + 2 * x + 1]
   features = StateFeatures(
-      axes=jnp.stack([per_axis[:, :x], per_axis[:, x:2 * x]], axis=-1), shards=per_axis[:, -1], stage=stage,
-      globals=dynamic, options=option_features, option_axis=option_axis, legal=legal)
-  return graph._replace(nodes=nodes[:, :static_columns], globals=graph.globals[:, :num_globals]), features
+    axes=jnp.stack([per_axis[:, :x], per_axis[:, x : 2 * x]], axis=-1),
+    shards=per_axis[:, -1],
+    stage=stage,
+    globals=dynamic,
+    options=option_features,
+    option_axis=option_axis,
+    legal=legal,
+  )
+  return graph._replace(
+    nodes=nodes[:, :static_columns], globals=graph.globals[:, :num_globals]
+  ), features
 
 
 def observation(tables: EnvTables, state: State) -> tuple[jraph.GraphsTuple, StateFeatures]:
@@ -204,13 +230,28 @@ class _Round(nn.Module):
   width: int
 
   @nn.compact
-  def __call__(self, h: jax.Array, edges: jax.Array, senders: jax.Array, receivers: jax.Array,
-               inverse_in: jax.Array, inverse_out: jax.Array, real: jax.Array) -> jax.Array:
+  def __call__(
+    self,
+    h: jax.Array,
+    edges: jax.Array,
+    senders: jax.Array,
+    receivers: jax.Array,
+    inverse_in: jax.Array,
+    inverse_out: jax.Array,
+    real: jax.Array,
+  ) -> jax.Array:
     forward = nn.relu(nn.Dense(self.width)(h)[senders] + nn.Dense(self.width)(edges))
     backward = nn.relu(nn.Dense(self.width)(h)[receivers] + nn.Dense(self.width)(edges))
     context = jnp.broadcast_to(_mean(h, real), h.shape)
-    inputs = jnp.concatenate([h, _aggregate(forward, receivers, inverse_in),
-                              _aggregate(backward, senders, inverse_out), context], axis=1)
+    inputs = jnp.concatenate(
+      [
+        h,
+        _aggregate(forward, receivers, inverse_in),
+        _aggregate(backward, senders, inverse_out),
+        context,
+      ],
+      axis=1,
+    )
     update = nn.Dense(self.width)(nn.gelu(nn.Dense(self.width)(inputs)))
     return nn.LayerNorm()(h + update)
 
@@ -250,10 +291,10 @@ class PolicyValueNet(nn.Module):
     nodes, senders, receivers = graph.nodes, graph.senders, graph.receivers
     n = nodes.shape[0]
     x = (graph.globals.shape[1] - 2) // 2
-    axis_features = jnp.stack([graph.globals[0, :x], graph.globals[0, x:2 * x]], axis=1)  # [X, 2]
+    axis_features = jnp.stack([graph.globals[0, :x], graph.globals[0, x : 2 * x]], axis=1)  # [X, 2]
     axis_valid = axis_features[:, 0] > 0  # Padded axes have size 1.
     axes = self.axis_out(nn.gelu(self.axis_in(axis_features)))  # [X, H]
-    mesh = jnp.concatenate([_mean(axes, axis_valid.astype(jnp.float32)), graph.globals[0, 2 * x:]])
+    mesh = jnp.concatenate([_mean(axes, axis_valid.astype(jnp.float32)), graph.globals[0, 2 * x :]])
     ones = jnp.ones(senders.shape, jnp.float32)
     in_degree = jax.ops.segment_sum(ones, receivers, num_segments=n)
     out_degree = jax.ops.segment_sum(ones, senders, num_segments=n)
@@ -264,10 +305,19 @@ class PolicyValueNet(nn.Module):
     h = self.node_norm(self.node_in(inputs))
     for round_ in self.rounds:
       h = round_(h, graph.edges, senders, receivers, inverse_in, inverse_out, real)
-    return Embeddings(nodes=h, graph=_mean(h, real), axes=axes, axis_valid=axis_valid, real=real,
-                      targets=nodes[:, 3], node_bias=self.state_nodes(h),
-                      axis_bias=self.state_mesh(axes), senders=senders, receivers=receivers,
-                      cover=graph.edges[:, 2] * inverse_out[senders])
+    return Embeddings(
+      nodes=h,
+      graph=_mean(h, real),
+      axes=axes,
+      axis_valid=axis_valid,
+      real=real,
+      targets=nodes[:, 3],
+      node_bias=self.state_nodes(h),
+      axis_bias=self.state_mesh(axes),
+      senders=senders,
+      receivers=receivers,
+      cover=graph.edges[:, 2] * inverse_out[senders],
+    )
 
   def head(self, embeddings: Embeddings, features: StateFeatures) -> tuple[jax.Array, jax.Array]:
     """Logits f32 [A] (illegal: `MASKED_LOGIT`) and value f32 [] of one state."""
@@ -277,9 +327,17 @@ class PolicyValueNet(nn.Module):
     num_options = features.options.shape[0]
     num_targets = (features.legal.shape[0] - 1 - num_options) // x
     valid = e.axis_valid.astype(jnp.float32)
-    inputs = jnp.concatenate([features.axes, jnp.broadcast_to(features.shards[:, None, None], (n, x, 1)),
-                              jnp.broadcast_to(features.stage[:, None, None], (n, x, 1))], axis=2)
-    per_axis = nn.relu(self.state_axes(inputs) + e.axis_bias[None] + e.node_bias[:, None])  # [N, X, Hs]
+    inputs = jnp.concatenate(
+      [
+        features.axes,
+        jnp.broadcast_to(features.shards[:, None, None], (n, x, 1)),
+        jnp.broadcast_to(features.stage[:, None, None], (n, x, 1)),
+      ],
+      axis=2,
+    )
+    per_axis = nn.relu(
+      self.state_axes(inputs) + e.axis_bias[None] + e.node_bias[:, None]
+    )  # [N, X, Hs]
     state = (per_axis * valid[None, :, None]).sum(axis=1) / jnp.maximum(valid.sum(), 1.0)  # [N, Hs]
 
     # Each target reads its own state and the mean state of the signatures it covers (a
@@ -289,23 +347,47 @@ class PolicyValueNet(nn.Module):
     target_of = jnp.where(e.cover > 0, e.senders - rows.start, num_targets)
     cover = jnp.zeros((num_targets, n)).at[target_of, e.receivers].add(e.cover, mode="drop")
     context = jnp.broadcast_to(features.globals, (num_targets, features.globals.shape[0]))
-    targets = self.target_norm(e.nodes[rows] + self.target_update(
-        jnp.concatenate([state[rows], cover @ state, context], axis=1)))  # [T, H]
+    targets = self.target_norm(
+      e.nodes[rows]
+      + self.target_update(jnp.concatenate([state[rows], cover @ state, context], axis=1))
+    )  # [T, H]
 
-    move = nn.gelu(self.move_target(targets)[:, None] + self.move_axis(
-        jnp.concatenate([features.axes[rows], jnp.broadcast_to(e.axes, (num_targets, x, e.axes.shape[1]))], axis=2)))
-    summary = nn.gelu(self.summary(jnp.concatenate(
-        [_mean(state, e.real), _mean(targets, e.targets[rows]), e.graph, features.globals])))
+    move = nn.gelu(
+      self.move_target(targets)[:, None]
+      + self.move_axis(
+        jnp.concatenate(
+          [features.axes[rows], jnp.broadcast_to(e.axes, (num_targets, x, e.axes.shape[1]))], axis=2
+        )
+      )
+    )
+    summary = nn.gelu(
+      self.summary(
+        jnp.concatenate(
+          [_mean(state, e.real), _mean(targets, e.targets[rows]), e.graph, features.globals]
+        )
+      )
+    )
     # Each pipeline option: its S and M, and the embedding of its stage axis (0 for none).
-    stage_axis = jnp.where((features.option_axis >= 0)[:, None], e.axes[jnp.maximum(features.option_axis, 0)], 0.0)
-    option = nn.gelu(self.option_in(jnp.concatenate([features.options, stage_axis], axis=1))
-                     + self.option_summary(summary))  # [P, H]
-    logits = jnp.concatenate([self.move_logit(move).reshape(-1), self.option_logit(option).reshape(-1),
-                              self.stop_logit(summary)])
+    stage_axis = jnp.where(
+      (features.option_axis >= 0)[:, None], e.axes[jnp.maximum(features.option_axis, 0)], 0.0
+    )
+    option = nn.gelu(
+      self.option_in(jnp.concatenate([features.options, stage_axis], axis=1))
+      + self.option_summary(summary)
+    )  # [P, H]
+    logits = jnp.concatenate(
+      [
+        self.move_logit(move).reshape(-1),
+        self.option_logit(option).reshape(-1),
+        self.stop_logit(summary),
+      ]
+    )
     value = self.value(summary)[0]
     return jnp.where(features.legal, logits, MASKED_LOGIT), value
 
-  def __call__(self, graph: jraph.GraphsTuple, features: StateFeatures) -> tuple[jax.Array, jax.Array]:
+  def __call__(
+    self, graph: jraph.GraphsTuple, features: StateFeatures
+  ) -> tuple[jax.Array, jax.Array]:
     return self.head(self.encode(graph), features)
 
 
@@ -328,11 +410,14 @@ class Network:
     """Embeddings of one program (see `PolicyValueNet.encode`)."""
     return self.module.apply(params, graph, method=PolicyValueNet.encode)
 
-  def head(self, params: chex.ArrayTree, embeddings: Embeddings, features: StateFeatures
-           ) -> tuple[jax.Array, jax.Array]:
+  def head(
+    self, params: chex.ArrayTree, embeddings: Embeddings, features: StateFeatures
+  ) -> tuple[jax.Array, jax.Array]:
     """Logits f32 [A] and value f32 [] of one state (see `PolicyValueNet.head`)."""
     return self.module.apply(params, embeddings, features, method=PolicyValueNet.head)
 
-  def apply(self, params: chex.ArrayTree, tables: EnvTables, state: State) -> tuple[jax.Array, jax.Array]:
+  def apply(
+    self, params: chex.ArrayTree, tables: EnvTables, state: State
+  ) -> tuple[jax.Array, jax.Array]:
     """Encode and head in one: logits f32 [A] and value f32 [] of `state`."""
     return self.module.apply(params, *observation(tables, state))

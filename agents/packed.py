@@ -46,8 +46,12 @@ def all_gather(tree: chex.ArrayTree, axis_name: str, axes: chex.ArrayTree) -> ch
   widths = [p.shape[1] for p in parts]
   gathered = jax.lax.all_gather(jnp.concatenate(parts, axis=1), axis_name, tiled=True)
   bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
-  return treedef.unflatten([_unwords(gathered[:, lo:hi], x, a)
-                            for x, a, lo, hi in zip(leaves, leaf_axes, bounds, bounds[1:])])
+  return treedef.unflatten(
+    [
+      _unwords(gathered[:, lo:hi], x, a)
+      for x, a, lo, hi in zip(leaves, leaf_axes, bounds, bounds[1:])
+    ]
+  )
 
 
 def all_gather_rows(tree: chex.ArrayTree, axis_name: str) -> chex.ArrayTree:
@@ -61,8 +65,12 @@ def all_gather_rows(tree: chex.ArrayTree, axis_name: str) -> chex.ArrayTree:
   widths = [p.shape[1] for p in parts]
   gathered = jax.lax.all_gather(jnp.concatenate(parts, axis=1), axis_name, tiled=True)
   bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
-  return treedef.unflatten([gathered[:, lo:hi].reshape((-1,) + x.shape[1:]).astype(x.dtype)
-                            for x, lo, hi in zip(leaves, bounds, bounds[1:])])
+  return treedef.unflatten(
+    [
+      gathered[:, lo:hi].reshape((-1,) + x.shape[1:]).astype(x.dtype)
+      for x, lo, hi in zip(leaves, bounds, bounds[1:])
+    ]
+  )
 
 
 def pmean(tree: chex.ArrayTree, axis_name: str) -> chex.ArrayTree:

@@ -28,12 +28,23 @@ from automap_rl.plan import Plan, shardable
 from automap_rl.problem import Problem
 
 
-def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", hardware: str | Hardware | None = None,
-              agent: str = "mcts", budget: Budget | int | str = 2000, seed: int = 0,
-              arg_names: Sequence[str] | None = None, arg_roles: Sequence[str] | None = None, config: Any = None,
-              progress: Callable[[int, float], None] | None = None,
-              phase: Callable[[str], None] | None = None, loss_fn: Callable[..., Any] | None = None,
-              optimizer: Any = None, since: float | None = None) -> Plan:
+def partition(
+  fn: Callable[..., Any],
+  *args: Any,
+  mesh: Any = "data=2,model=4",
+  hardware: str | Hardware | None = None,
+  agent: str = "mcts",
+  budget: Budget | int | str = 2000,
+  seed: int = 0,
+  arg_names: Sequence[str] | None = None,
+  arg_roles: Sequence[str] | None = None,
+  config: Any = None,
+  progress: Callable[[int, float], None] | None = None,
+  phase: Callable[[str], None] | None = None,
+  loss_fn: Callable[..., Any] | None = None,
+  optimizer: Any = None,
+  since: float | None = None,
+) -> Plan:
   """Finds a sharding plan for `fn(*args)` on `mesh` by search (or writes an expert's).
 
   Args:
@@ -94,28 +105,61 @@ def partition(fn: Callable[..., Any], *args: Any, mesh: Any = "data=2,model=4", 
   if not shardable(problem):
     spec = ",".join(f"{name}={size}" for name, size in the_mesh.shape.items())
     sizes = ", ".join(map(str, the_mesh.axis_sizes))
-    raise ValueError(f"mesh {spec}: no dimension of the program divides by any axis size ({sizes}), "
-                     "so nothing can be sharded")
+    raise ValueError(
+      f"mesh {spec}: no dimension of the program divides by any axis size ({sizes}), "
+      "so nothing can be sharded"
+    )
   if expert is not None:
     started("applying the tactic")
-    decisions, pipeline = expert(problem) if agent in tactics.PIPELINE_TACTICS else (expert(problem), None)
-    return Plan(fn, tuple(args), problem, decisions, agent=agent, devices=devices, pipeline=pipeline,
-                loss_fn=loss_fn, optimizer=optimizer)
+    decisions, pipeline = (
+      expert(problem) if agent in tactics.PIPELINE_TACTICS else (expert(problem), None)
+    )
+    return Plan(
+      fn,
+      tuple(args),
+      problem,
+      decisions,
+      agent=agent,
+      devices=devices,
+      pipeline=pipeline,
+      loss_fn=loss_fn,
+      optimizer=optimizer,
+    )
   started("searching")
   spent = time.monotonic() - start
   left = budget.after(spent)
-  result = (_unsearched(problem, agent, budget, spent) if left is None
-            else run_agent(agent, problem, seed=seed, budget=left, config=config, progress=progress))
-  if _evaluated_nothing(result) and budget.seconds is not None:  # The agent's own set-up took the rest.
+  result = (
+    _unsearched(problem, agent, budget, spent)
+    if left is None
+    else run_agent(agent, problem, seed=seed, budget=left, config=config, progress=progress)
+  )
+  if (
+    _evaluated_nothing(result) and budget.seconds is not None
+  ):  # The agent's own set-up took the rest.
     result = _unsearched(problem, agent, budget, time.monotonic() - start)
-  return Plan(fn, tuple(args), problem, result.decisions, agent=agent, search=result, devices=devices,
-              pipeline=result.pipeline, loss_fn=loss_fn, optimizer=optimizer)
+  return Plan(
+    fn,
+    tuple(args),
+    problem,
+    result.decisions,
+    agent=agent,
+    search=result,
+    devices=devices,
+    pipeline=result.pipeline,
+    loss_fn=loss_fn,
+    optimizer=optimizer,
+  )
 
 
 def _evaluated_nothing(result: SearchResult) -> bool:
   """The agent returned the replicated plan without pricing a single plan: its time ran
   out before its first simulation."""
-  return result.simulations == 0 and result.greedy_steps == 0 and not result.decisions and result.pipeline is None
+  return (
+    result.simulations == 0
+    and result.greedy_steps == 0
+    and not result.decisions
+    and result.pipeline is None
+  )
 
 
 def _unsearched(problem: Problem, agent: str, budget: Budget, spent: float) -> SearchResult:
@@ -123,13 +167,23 @@ def _unsearched(problem: Problem, agent: str, budget: Budget, spent: float) -> S
   before its first simulation (`spent` of `budget.seconds`), with a warning naming the limit."""
   start = time.monotonic()
   expert = tactics.best_expert_plan(problem)
-  warnings.warn(f"partition: tracing and building the cost tables took {spent:.1f} s, the whole time budget of "
-                f"{budget.seconds:g} s; returning the best expert plan ({expert.name}) without running {agent} "
-                "(stopped by its time budget).", stacklevel=3)
+  warnings.warn(
+    f"partition: tracing and building the cost tables took {spent:.1f} s, the whole time budget of "
+    f"{budget.seconds:g} s; returning the best expert plan ({expert.name}) without running {agent} "
+    "(stopped by its time budget).",
+    stacklevel=3,
+  )
   objective = plan_objective(problem, expert.cost)
   simulations = len(tactics.applicable(problem))
   seconds = time.monotonic() - start
-  return SearchResult(decisions=list(expert.decisions), cost=expert.cost,
-                      trace=[TracePoint(simulations, seconds, float(expert.cost.step_time), objective)],
-                      simulations=simulations, seconds=seconds, actions=[str(d) for d in expert.decisions],
-                      objective=objective, setup_seconds=seconds, stopped_by="seconds")
+  return SearchResult(
+    decisions=list(expert.decisions),
+    cost=expert.cost,
+    trace=[TracePoint(simulations, seconds, float(expert.cost.step_time), objective)],
+    simulations=simulations,
+    seconds=seconds,
+    actions=[str(d) for d in expert.decisions],
+    objective=objective,
+    setup_seconds=seconds,
+    stopped_by="seconds",
+  )

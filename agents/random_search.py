@@ -30,8 +30,13 @@ class RandomConfig:
   batch: int = 16
 
 
-def search(problem: Problem, config: RandomConfig = RandomConfig(), seed: int = 0,
-           budget: Budget | int | str = 1000, progress: Progress | None = None) -> SearchResult:
+def search(
+  problem: Problem,
+  config: RandomConfig = RandomConfig(),
+  seed: int = 0,
+  budget: Budget | int | str = 1000,
+  progress: Progress | None = None,
+) -> SearchResult:
   """Samples random episodes until the budget is spent; every prefix is a candidate plan.
 
   Deterministic for a given seed and a simulations budget: the last batch gets per-episode
@@ -44,7 +49,12 @@ def search(problem: Problem, config: RandomConfig = RandomConfig(), seed: int = 
     left = min(track.left, config.batch * config.depth)
     limits = np.clip(left - np.arange(config.batch) * config.depth, 0, config.depth)
     actions, objectives, step_times, evaluated = search_.rollouts(
-        search_.root, jax.random.split(sub, config.batch), limits, config.depth, config.stop_probability)
+      search_.root,
+      jax.random.split(sub, config.batch),
+      limits,
+      config.depth,
+      config.stop_probability,
+    )
     used = int(evaluated.sum())
     if used == 0:  # Nothing is legal from the root.
       break
@@ -53,6 +63,11 @@ def search(problem: Problem, config: RandomConfig = RandomConfig(), seed: int = 
       n = int(evaluated[e].sum())
       if n:
         i = int(np.argmin(objectives[e, :n]))
-        track.offer(objectives[e, i], step_times[e, i], actions[e, :i + 1], base + int(evaluated[:e].sum()) + i + 1)
+        track.offer(
+          objectives[e, i],
+          step_times[e, i],
+          actions[e, : i + 1],
+          base + int(evaluated[:e].sum()) + i + 1,
+        )
     track.count(used)
   return track.result()

@@ -16,18 +16,24 @@ from agents.random_search import RandomConfig
 from automap_rl.problem import Problem
 
 AGENTS: dict[str, tuple[type, Callable[..., SearchResult]]] = {
-    "random": (RandomConfig, random_search.search),
-    "greedy": (GreedyConfig, greedy.search),
-    "mcts": (MCTSConfig, mcts.search),
-    "gumbel": (GumbelConfig, gumbel.search),
-    "ilp": (ILPConfig, ilp.search),
-    "learned": (LearnedConfig, learned.search),
-    "alpa": (AlpaConfig, alpa.search),
+  "random": (RandomConfig, random_search.search),
+  "greedy": (GreedyConfig, greedy.search),
+  "mcts": (MCTSConfig, mcts.search),
+  "gumbel": (GumbelConfig, gumbel.search),
+  "ilp": (ILPConfig, ilp.search),
+  "learned": (LearnedConfig, learned.search),
+  "alpa": (AlpaConfig, alpa.search),
 }
 
 
-def run_agent(name: str, problem: Problem, seed: int = 0, budget: Budget | int | str = 2000,
-              config=None, progress: Progress | None = None) -> SearchResult:
+def run_agent(
+  name: str,
+  problem: Problem,
+  seed: int = 0,
+  budget: Budget | int | str = 2000,
+  config=None,
+  progress: Progress | None = None,
+) -> SearchResult:
   """Runs agent `name` (a key of `AGENTS`) with `config` (default: the agent's defaults)."""
   if name not in AGENTS:
     raise ValueError(f"Unknown agent {name!r}; valid: {', '.join(AGENTS)}.")

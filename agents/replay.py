@@ -33,7 +33,9 @@ class Buffer:
 
 def empty(example: chex.ArrayTree, capacity: int) -> Buffer:
   """A buffer of `capacity` zeroed slots shaped like `example` (one sample, no leading axis)."""
-  items = jax.tree.map(lambda x: jnp.zeros((capacity,) + jnp.shape(x), jnp.asarray(x).dtype), example)
+  items = jax.tree.map(
+    lambda x: jnp.zeros((capacity,) + jnp.shape(x), jnp.asarray(x).dtype), example
+  )
   return Buffer(items=items, position=jnp.int32(0), size=jnp.int32(0))
 
 
@@ -49,12 +51,16 @@ def add(buffer: Buffer, batch: chex.ArrayTree, valid: jax.Array) -> Buffer:
   slot = jnp.where(valid, (buffer.position + offset) % capacity, capacity)  # Invalid: dropped.
   items = jax.tree.map(lambda store, new: store.at[slot].set(new, mode="drop"), buffer.items, batch)
   count = valid.sum(dtype=jnp.int32)
-  return Buffer(items=items, position=(buffer.position + count) % capacity,
-                size=jnp.minimum(buffer.size + count, capacity))
+  return Buffer(
+    items=items,
+    position=(buffer.position + count) % capacity,
+    size=jnp.minimum(buffer.size + count, capacity),
+  )
 
 
-def sample(buffer: Buffer, key: chex.PRNGKey, n: int, start: jax.Array | int = 0, count: int | None = None
-           ) -> chex.ArrayTree:
+def sample(
+  buffer: Buffer, key: chex.PRNGKey, n: int, start: jax.Array | int = 0, count: int | None = None
+) -> chex.ArrayTree:
   """`n` samples drawn uniformly with replacement from the filled slots (leaves [n, ...]),
   or of those only the `count` from `start` on (leaves [count, ...]; a device's part of a
   minibatch: the n draws do not depend on which part is taken). The buffer must hold at

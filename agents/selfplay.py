@@ -36,7 +36,8 @@ from automap_rl.problem import Problem
 from automap_rl.workloads.suite import Case
 from envs import EnvConfig, State, core
 from envs.programs import batch_tables
-from envs.tables import EnvTables, objective as env_objective
+from envs.tables import EnvTables
+from envs.tables import objective as env_objective
 
 
 @chex.dataclass(frozen=True)
@@ -66,8 +67,9 @@ def _row(tree: chex.ArrayTree, index: jax.Array) -> chex.ArrayTree:
   return jax.tree.map(lambda x: x[index], tree)
 
 
-def expert_objective(problem: Problem, env_config: EnvConfig, tables: EnvTables,
-                     expert: tactics.Expert | None = None) -> float:
+def expert_objective(
+  problem: Problem, env_config: EnvConfig, tables: EnvTables, expert: tactics.Expert | None = None
+) -> float:
   """The environment's objective of the problem's best expert (`tactics.best_expert_plan`,
   or `expert` when the caller has it), relative to the replicated plan."""
   cost = (expert or tactics.best_expert_plan(problem)).cost
@@ -80,36 +82,55 @@ def case_problem(case: Case) -> Problem:
   return Problem.build(case.make_workload(abstract=True).trace(), case.make_mesh())
 
 
-def expert_start(problem: Problem, env_config: EnvConfig, tables: EnvTables, root: State,
-                 experts: Sequence[tactics.Expert]) -> State:
+def expert_start(
+  problem: Problem,
+  env_config: EnvConfig,
+  tables: EnvTables,
+  root: State,
+  experts: Sequence[tactics.Expert],
+) -> State:
   """The state of the problem's best expert plan that the environment holds (the first of
   `experts`, `tactics.expert_plans` in the yardstick's order; `agents.base.plan_state` on
   the problem's row of the suite's `tables`), else `root`: self-play started there learns
   to refine the experts' plans, which the learned agent also starts from."""
   for expert in experts:
-    state = base.plan_state(problem, env_config, tables, expert.decisions, expert.cost) if expert.decisions else root
+    state = (
+      base.plan_state(problem, env_config, tables, expert.decisions, expert.cost)
+      if expert.decisions
+      else root
+    )
     if state is not None:
       return state
   return root
 
 
 @functools.lru_cache(maxsize=4)
-def build_suite(problems: tuple[Problem, ...], env_config: EnvConfig, expert_starts: bool = False) -> Suite:
+def build_suite(
+  problems: tuple[Problem, ...], env_config: EnvConfig, expert_starts: bool = False
+) -> Suite:
   """The suite of `problems` under `env_config` (whose `max_axes` must cover every mesh),
   with each problem's expert start (`expert_start`, one compile of its plan's resolution
   per problem) if `expert_starts`; the last few are kept, so runs in one process share
   their set-up."""
   tables, _ = batch_tables(problems, env_config)
-  roots = jax.jit(jax.vmap(functools.partial(core.init, env_config), in_axes=(0, None)))(tables, jax.random.key(0))
-  host_tables, host_roots = jax.device_get((tables, roots))  # Rows read in numpy: no compile per leaf shape.
+  roots = jax.jit(jax.vmap(functools.partial(core.init, env_config), in_axes=(0, None)))(
+    tables, jax.random.key(0)
+  )
+  host_tables, host_roots = jax.device_get(
+    (tables, roots)
+  )  # Rows read in numpy: no compile per leaf shape.
   best, starts = [], []
   for i, problem in enumerate(problems):
     table, root, experts = _row(host_tables, i), _row(host_roots, i), tactics.expert_plans(problem)
     best.append(expert_objective(problem, env_config, table, experts[0]))
     if expert_starts:
       starts.append(expert_start(problem, env_config, table, root, experts))
-  expert_roots = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *starts) if expert_starts else roots
-  return Suite(tables=tables, roots=roots, expert_roots=expert_roots, best=jnp.asarray(best, jnp.float32))
+  expert_roots = (
+    jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *starts) if expert_starts else roots
+  )
+  return Suite(
+    tables=tables, roots=roots, expert_roots=expert_roots, best=jnp.asarray(best, jnp.float32)
+  )
 
 
 @chex.dataclass(frozen=True)
@@ -150,11 +171,20 @@ class Episodes:
 def episode_keys(key: chex.PRNGKey, length: int, episodes: int) -> jax.Array:
   """The search keys of `episodes` (B) episodes of `length` (L) steps, [L, B]: step l's key
   split B ways, so episode b's noise does not depend on which episodes share its batch."""
-  return jax.vmap(lambda step_key: jax.random.split(step_key, episodes))(jax.random.split(key, length))
+  return jax.vmap(lambda step_key: jax.random.split(step_key, episodes))(
+    jax.random.split(key, length)
+  )
 
 
-def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, from_expert: jax.Array, keys: jax.Array,
-         config: GumbelConfig, env_config: EnvConfig) -> Episodes:
+def play(
+  params: chex.ArrayTree,
+  suite: Suite,
+  problems: jax.Array,
+  from_expert: jax.Array,
+  keys: jax.Array,
+  config: GumbelConfig,
+  env_config: EnvConfig,
+) -> Episodes:
   """Plays one episode per entry of `problems` (suite indices, int32 [B]) for L steps from
   the problem's replicated plan, or its expert start where `from_expert` (bool [B]), each
   step a Gumbel MuZero search from the network (`params`) that picks the action (its root
@@ -171,33 +201,53 @@ def play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, from_expert:
   chex.assert_rank(problems, 1)
   network = Network(config.network)
   tables, roots = _row(suite.tables, problems), _row(suite.roots, problems)
-  embeddings = jax.vmap(network.encode, in_axes=(None, 0))(params, jax.vmap(static_graph)(tables, roots))
-  starts = jax.tree.map(lambda expert, replicated: jnp.where(
-      from_expert.reshape(from_expert.shape + (1,) * (expert.ndim - 1)), expert, replicated),
-      _row(suite.expert_roots, problems), roots)
+  embeddings = jax.vmap(network.encode, in_axes=(None, 0))(
+    params, jax.vmap(static_graph)(tables, roots)
+  )
+  starts = jax.tree.map(
+    lambda expert, replicated: jnp.where(
+      from_expert.reshape(from_expert.shape + (1,) * (expert.ndim - 1)), expert, replicated
+    ),
+    _row(suite.expert_roots, problems),
+    roots,
+  )
   features = jax.vmap(state_features)
   limit = jnp.int32(config.gumbel.num_simulations)
 
-  def search(embedding, table: EnvTables, state: State, key: chex.PRNGKey) -> tuple[State, jax.Array]:
+  def search(
+    embedding, table: EnvTables, state: State, key: chex.PRNGKey
+  ) -> tuple[State, jax.Array]:
     """One episode's search (an mctx batch of one: the episode draws its noise from its own
     key): the state it selects, the improved policy f32 [A]."""
     one = functools.partial(jax.tree.map, lambda x: x[None])
-    out = gumbel.policy(params, one(embedding), one(table), one(state), key, limit, config, env_config, batched=True)
-    # The selected child is always visited: its state is in the tree (no second environment step to compile).
+    out = gumbel.policy(
+      params, one(embedding), one(table), one(state), key, limit, config, env_config, batched=True
+    )
+    # The selected child is always visited: its state is in the tree (no second environment step to
+    # compile).
     tree = out.search_tree
     chosen = tree.children_index[0, tree.ROOT_INDEX, out.action[0]]
     return jax.tree.map(lambda x: x[0, chosen], tree.embeddings), out.action_weights[0]
 
   def body(states: State, step_keys: jax.Array):
     after, policy = jax.vmap(search)(embeddings, tables, states, step_keys)
-    record = (features(tables, states), policy, ~(states.terminated | states.truncated), states.objective)
+    record = (
+      features(tables, states),
+      policy,
+      ~(states.terminated | states.truncated),
+      states.objective,
+    )
     return after, record
 
   chex.assert_shape(keys, (None, problems.shape[0]))
   last, (observed, policy, active, objective) = jax.lax.scan(body, starts, keys)
   value = jnp.log(objective) - jnp.log(last.objective)[None]
-  samples = Samples(problem=jnp.broadcast_to(problems, active.shape), features=observed, policy=policy, value=value)
-  return Episodes(samples=samples, active=active, final=last.objective, steps=active.sum(axis=0, dtype=jnp.int32))
+  samples = Samples(
+    problem=jnp.broadcast_to(problems, active.shape), features=observed, policy=policy, value=value
+  )
+  return Episodes(
+    samples=samples, active=active, final=last.objective, steps=active.sum(axis=0, dtype=jnp.int32)
+  )
 
 
 def score(suite: Suite, problems: jax.Array, objective: jax.Array) -> jax.Array:

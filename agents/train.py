@@ -98,15 +98,26 @@ class TrainConfig:
   @property
   def env(self) -> EnvConfig:
     """The environment self-play runs (truncated at `episode_length` steps)."""
-    return EnvConfig(action_space=self.action_space, max_decisions=self.max_decisions, max_axes=self.max_axes,
-                     objective="time", memory_penalty=self.memory_penalty, max_steps=self.episode_length,
-                     pipelines=self.network.pipelines)
+    return EnvConfig(
+      action_space=self.action_space,
+      max_decisions=self.max_decisions,
+      max_axes=self.max_axes,
+      objective="time",
+      memory_penalty=self.memory_penalty,
+      max_steps=self.episode_length,
+      pipelines=self.network.pipelines,
+    )
 
   @property
   def search(self) -> GumbelConfig:
     """The search self-play runs."""
-    return GumbelConfig(action_space=self.action_space, max_decisions=self.max_decisions, gumbel=self.gumbel,
-                        network=self.network, pipelines=self.network.pipelines)
+    return GumbelConfig(
+      action_space=self.action_space,
+      max_decisions=self.max_decisions,
+      gumbel=self.gumbel,
+      network=self.network,
+      pipelines=self.network.pipelines,
+    )
 
 
 @chex.dataclass(frozen=True)
@@ -131,16 +142,22 @@ class TrainState:
 def optimizer(config: TrainConfig) -> optax.GradientTransformation:
   """AdamW after global-norm clipping, with linear warm-up to a constant learning rate."""
   schedule = optax.linear_schedule(0.0, config.learning_rate, max(config.warmup_updates, 1))
-  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
-                     optax.adamw(schedule, weight_decay=config.weight_decay))
+  return optax.chain(
+    optax.clip_by_global_norm(config.max_grad_norm),
+    optax.adamw(schedule, weight_decay=config.weight_decay),
+  )
 
 
 def _example(suite: Suite) -> Samples:
   """One sample shaped as the suite's programs give them (for the buffer's layout)."""
   root = jax.tree.map(lambda x: x[0], suite.roots)
   tables = jax.tree.map(lambda x: x[0], suite.tables)
-  return Samples(problem=jnp.int32(0), features=state_features(tables, root),
-                 policy=jnp.zeros(tables.num_actions, jnp.float32), value=jnp.float32(0.0))
+  return Samples(
+    problem=jnp.int32(0),
+    features=state_features(tables, root),
+    policy=jnp.zeros(tables.num_actions, jnp.float32),
+    value=jnp.float32(0.0),
+  )
 
 
 DATA_AXIS = "data"
@@ -160,10 +177,16 @@ def data_mesh(devices: int | None = None) -> Mesh:
     return Mesh(np.asarray(jax.devices()), (DATA_AXIS,))
   have = jax.device_count()
   if devices < 1 or devices % processes or devices > have:
-    raise ValueError(f"--devices {devices}: give a multiple of the {processes} process(es), at most the {have} "
-                     "devices they have.")
+    raise ValueError(
+      f"--devices {devices}: give a multiple of the {processes} process(es), at most the {have} "
+      "devices they have."
+    )
   per_process = devices // processes
-  chosen = [d for p in range(processes) for d in [d for d in jax.devices() if d.process_index == p][:per_process]]
+  chosen = [
+    d
+    for p in range(processes)
+    for d in [d for d in jax.devices() if d.process_index == p][:per_process]
+  ]
   return Mesh(np.asarray(chosen), (DATA_AXIS,))
 
 
@@ -176,8 +199,10 @@ def check_mesh(config: TrainConfig, mesh: Mesh) -> None:
   n = mesh.shape[DATA_AXIS]
   for name, value in (("episodes", config.episodes), ("batch-size", config.batch_size)):
     if value % n:
-      raise ValueError(f"--train.{name} {value} does not split over the {n} devices of the data axis; "
-                       f"give a multiple of {n} (or fewer --devices).")
+      raise ValueError(
+        f"--train.{name} {value} does not split over the {n} devices of the data axis; "
+        f"give a multiple of {n} (or fewer --devices)."
+      )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -190,8 +215,10 @@ def replicate(tree: chex.ArrayTree, mesh: Mesh) -> chex.ArrayTree:
   process must hold the same values: a suite built, or a state initialised, from the same
   config)."""
   host = jax.device_get(tree)
-  return jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), replicated(mesh), lambda index: x[index]),
-                      host)
+  return jax.tree.map(
+    lambda x: jax.make_array_from_callback(np.shape(x), replicated(mesh), lambda index: x[index]),
+    host,
+  )
 
 
 def host_copy(tree: chex.ArrayTree) -> chex.ArrayTree:
@@ -208,12 +235,18 @@ def init(config: TrainConfig, suite: Suite) -> TrainState:
   tables = jax.tree.map(lambda x: x[0], suite.tables)
   root = jax.tree.map(lambda x: x[0], suite.roots)
   params = Network(config.network).init(init_key, tables, root)
-  return TrainState(params=params, opt_state=optimizer(config).init(params),
-                    buffer=replay.empty(_example(suite), config.replay_capacity),
-                    key=jax.random.key_data(key), iteration=jnp.int32(0))
+  return TrainState(
+    params=params,
+    opt_state=optimizer(config).init(params),
+    buffer=replay.empty(_example(suite), config.replay_capacity),
+    key=jax.random.key_data(key),
+    iteration=jnp.int32(0),
+  )
 
 
-def encode_suite(params: chex.ArrayTree, suite: Suite, config: TrainConfig, devices: int) -> Embeddings:
+def encode_suite(
+  params: chex.ArrayTree, suite: Suite, config: TrainConfig, devices: int
+) -> Embeddings:
   """The embeddings of the suite's P programs, leaves [P, ...]. With `devices` = n > 1 it
   runs inside `shard_map` over the `data` axis: each device encodes its ceil(P / n)
   programs (the last repeated to fill the share) and one all-gather gives every device all
@@ -226,12 +259,15 @@ def encode_suite(params: chex.ArrayTree, suite: Suite, config: TrainConfig, devi
     return encode(params, graphs)
   share = -(-suite.size // devices)
   mine = jnp.minimum(jax.lax.axis_index(DATA_AXIS) * share + jnp.arange(share), suite.size - 1)
-  embeddings = packed.all_gather_rows(encode(params, jax.tree.map(lambda x: x[mine], graphs)), DATA_AXIS)
-  return jax.tree.map(lambda x: x[:suite.size], embeddings)
+  embeddings = packed.all_gather_rows(
+    encode(params, jax.tree.map(lambda x: x[mine], graphs)), DATA_AXIS
+  )
+  return jax.tree.map(lambda x: x[: suite.size], embeddings)
 
 
-def loss(params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConfig, devices: int = 1
-         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss(
+  params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConfig, devices: int = 1
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The training loss on a batch [n] and its parts. The suite's P programs are encoded
   once (`encode_suite`, split over `devices`); each sample's head reads its program's
   embeddings."""
@@ -240,16 +276,29 @@ def loss(params: chex.ArrayTree, suite: Suite, batch: Samples, config: TrainConf
   logits, value = jax.vmap(network.head, in_axes=(None, 0, 0))(params, mine, batch.features)
   chex.assert_equal_shape([logits, batch.policy])
   policy_loss = -(batch.policy * jax.nn.log_softmax(logits)).sum(axis=-1).mean()
-  entropy = -(batch.policy * jnp.log(jnp.where(batch.policy > 0, batch.policy, 1.0))).sum(axis=-1).mean()
+  entropy = (
+    -(batch.policy * jnp.log(jnp.where(batch.policy > 0, batch.policy, 1.0))).sum(axis=-1).mean()
+  )
   value_loss = 0.5 * jnp.square(value - batch.value).mean()
   total = policy_loss + config.value_weight * value_loss
-  return total, {"loss": total, "policy_loss": policy_loss, "policy_kl": policy_loss - entropy,
-                 "value_loss": value_loss}
+  return total, {
+    "loss": total,
+    "policy_loss": policy_loss,
+    "policy_kl": policy_loss - entropy,
+    "value_loss": value_loss,
+  }
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
-def self_play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, from_expert: jax.Array, key: chex.PRNGKey,
-              config: TrainConfig, mesh: Mesh) -> selfplay.Episodes:
+def self_play(
+  params: chex.ArrayTree,
+  suite: Suite,
+  problems: jax.Array,
+  from_expert: jax.Array,
+  key: chex.PRNGKey,
+  config: TrainConfig,
+  mesh: Mesh,
+) -> selfplay.Episodes:
   """An iteration's episodes (`agents.selfplay.play` of `problems`, int32 [B], from their
   expert starts where `from_expert`, bool [B]), split over
   the mesh's `data` axis: each device plays its B / n episodes alone (`shard_map`: its
@@ -260,14 +309,19 @@ def self_play(params: chex.ArrayTree, suite: Suite, problems: jax.Array, from_ex
 
   def play(params, suite, problems, from_expert, keys) -> selfplay.Episodes:
     mine = selfplay.play(params, suite, problems, from_expert, keys, config.search, config.env)
-    batch_axes = selfplay.Episodes(samples=jax.tree.map(lambda _: 1, mine.samples), active=1, final=0, steps=0)
+    batch_axes = selfplay.Episodes(
+      samples=jax.tree.map(lambda _: 1, mine.samples), active=1, final=0, steps=0
+    )
     return packed.all_gather(mine, DATA_AXIS, batch_axes)
 
   split = PartitionSpec(DATA_AXIS)
-  return jax.shard_map(play, mesh=mesh,
-                       in_specs=(PartitionSpec(), PartitionSpec(), split, split, PartitionSpec(None, DATA_AXIS)),
-                       out_specs=PartitionSpec(),
-                       check_vma=False)(params, suite, problems, from_expert, keys)  # mctx's loops start from constants.
+  return jax.shard_map(
+    play,
+    mesh=mesh,
+    in_specs=(PartitionSpec(), PartitionSpec(), split, split, PartitionSpec(None, DATA_AXIS)),
+    out_specs=PartitionSpec(),
+    check_vma=False,
+  )(params, suite, problems, from_expert, keys)  # mctx's loops start from constants.
 
 
 def _update(config: TrainConfig, suite: Suite, mesh: Mesh, carry, key: chex.PRNGKey):
@@ -278,21 +332,27 @@ def _update(config: TrainConfig, suite: Suite, mesh: Mesh, carry, key: chex.PRNG
 
   def gradients(params, suite, buffer, key):
     part = config.batch_size // devices
-    batch = replay.sample(buffer, key, config.batch_size, jax.lax.axis_index(DATA_AXIS) * part, part)
-    return packed.pmean(jax.grad(loss, has_aux=True)(params, suite, batch, config, devices), DATA_AXIS)
+    batch = replay.sample(
+      buffer, key, config.batch_size, jax.lax.axis_index(DATA_AXIS) * part, part
+    )
+    return packed.pmean(
+      jax.grad(loss, has_aux=True)(params, suite, batch, config, devices), DATA_AXIS
+    )
 
   # Unchecked: with checked replication jax would sum the replicated parameters' gradients
   # itself, leaf by leaf.
-  grads, parts = jax.shard_map(gradients, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
-                               check_vma=False)(params, suite, buffer, key)
+  grads, parts = jax.shard_map(
+    gradients, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False
+  )(params, suite, buffer, key)
   updates, opt_state = optimizer(config).update(grads, opt_state, params)
   parts["grad_norm"] = optax.tree.norm(grads)
   return (optax.apply_updates(params, updates), opt_state, buffer), parts
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "updates"))
-def imitate(state: TrainState, suite: Suite, teacher: Samples, config: TrainConfig, mesh: Mesh, updates: int
-            ) -> tuple[TrainState, dict[str, jax.Array]]:
+def imitate(
+  state: TrainState, suite: Suite, teacher: Samples, config: TrainConfig, mesh: Mesh, updates: int
+) -> tuple[TrainState, dict[str, jax.Array]]:
   """The warm start: the teacher samples (`agents.imitation.teacher_samples`, leaves [N, ...],
   replicated over `mesh`) into the replay buffer, then `updates` optimizer steps on the
   buffer (as an iteration's updates), before any self-play. Self-play's samples later
@@ -306,16 +366,25 @@ def imitate(state: TrainState, suite: Suite, teacher: Samples, config: TrainConf
   key, update_key = jax.random.split(key)
   buffer = replay.add(state.buffer, teacher, jnp.ones(n, bool))
   (params, opt_state, buffer), parts = jax.lax.scan(
-      functools.partial(_update, config, suite, mesh), (state.params, state.opt_state, buffer),
-      jax.random.split(update_key, updates))
+    functools.partial(_update, config, suite, mesh),
+    (state.params, state.opt_state, buffer),
+    jax.random.split(update_key, updates),
+  )
   tail = max(updates // 10, 1)
   metrics = {name: value[-tail:].mean() for name, value in parts.items()}
-  new = TrainState(params=params, opt_state=opt_state, buffer=buffer, key=jax.random.key_data(key),
-                   iteration=state.iteration)
+  new = TrainState(
+    params=params,
+    opt_state=opt_state,
+    buffer=buffer,
+    key=jax.random.key_data(key),
+    iteration=state.iteration,
+  )
   return jax.lax.with_sharding_constraint((new, metrics), replicated(mesh))
 
 
-def episode_starts(config: TrainConfig, iteration: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+def episode_starts(
+  config: TrainConfig, iteration: jax.Array, size: int
+) -> tuple[jax.Array, jax.Array]:
   """Where iteration `iteration`'s B episodes start on a suite of `size` problems: episode b
   is the run's episode `iteration * B + b`, which plays problem `(iteration * B + b) mod P`,
   from its expert start in every `expert_start_every`-th sweep over the suite.
@@ -330,8 +399,9 @@ def episode_starts(config: TrainConfig, iteration: jax.Array, size: int) -> tupl
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"))
-def iteration(state: TrainState, suite: Suite, config: TrainConfig, mesh: Mesh
-              ) -> tuple[TrainState, dict[str, jax.Array]]:
+def iteration(
+  state: TrainState, suite: Suite, config: TrainConfig, mesh: Mesh
+) -> tuple[TrainState, dict[str, jax.Array]]:
   """One iteration (see the module docstring) on `mesh` (`data_mesh`; `check_mesh` must
   accept it), `state` and `suite` replicated over it. Pure (jitted).
 
@@ -345,16 +415,31 @@ def iteration(state: TrainState, suite: Suite, config: TrainConfig, mesh: Mesh
   key, play_key, update_key = jax.random.split(key, 3)
   problems, from_expert = episode_starts(config, state.iteration, suite.size)
   episodes = self_play(state.params, suite, problems, from_expert, play_key, config, mesh)
-  # [episodes, steps, ...] -> [episodes * steps, ...] (sizes spelled out: a field may be empty, e.g. no options).
-  flat = jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), episodes.samples)
+  # [episodes, steps, ...] -> [episodes * steps, ...] (sizes spelled out: a field may be empty, e.g.
+  # no options).
+  flat = jax.tree.map(
+    lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), episodes.samples
+  )
   buffer = replay.add(state.buffer, flat, episodes.active.reshape(-1))
   (params, opt_state, buffer), parts = jax.lax.scan(
-      functools.partial(_update, config, suite, mesh), (state.params, state.opt_state, buffer),
-      jax.random.split(update_key, config.updates))
+    functools.partial(_update, config, suite, mesh),
+    (state.params, state.opt_state, buffer),
+    jax.random.split(update_key, config.updates),
+  )
   returns = selfplay.score(suite, problems, episodes.final)
   metrics = {name: value.mean() for name, value in parts.items()}
-  metrics.update(score=returns.mean(), ratio=jnp.exp(-returns).mean(), beats_expert=(returns > 1e-6).mean(),
-                 steps=episodes.steps.mean(dtype=jnp.float32), buffer=buffer.size.astype(jnp.float32))
-  new = TrainState(params=params, opt_state=opt_state, buffer=buffer, key=jax.random.key_data(key),
-                   iteration=state.iteration + 1)
+  metrics.update(
+    score=returns.mean(),
+    ratio=jnp.exp(-returns).mean(),
+    beats_expert=(returns > 1e-6).mean(),
+    steps=episodes.steps.mean(dtype=jnp.float32),
+    buffer=buffer.size.astype(jnp.float32),
+  )
+  new = TrainState(
+    params=params,
+    opt_state=opt_state,
+    buffer=buffer,
+    key=jax.random.key_data(key),
+    iteration=state.iteration + 1,
+  )
   return jax.lax.with_sharding_constraint((new, metrics), replicated(mesh))

@@ -15,7 +15,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-
 # Entries of one tile's largest per-element arrays ([elements, plans]): gpt:layers=12's
 # simulator (1734 edges) runs 2.5x faster per plan in tiles of 128 plans than in one
 # batch of 1024, whose arrays outgrow the CPU's caches (BENCHMARKS.md).
@@ -34,8 +33,9 @@ def tile_for(elements: int) -> int:
   return 1 << min(max((TILE_ENTRIES // max(elements, 1)).bit_length() - 1, 4), 10)
 
 
-def batch_last(fn: Callable[[Any, Any], Any], tile: Callable[[Any], int] | None = None,
-               any_rank: bool = False) -> Callable[[Any, Any], Any]:
+def batch_last(
+  fn: Callable[[Any, Any], Any], tile: Callable[[Any], int] | None = None, any_rank: bool = False
+) -> Callable[[Any, Any], Any]:
   """Wraps `fn(static, batch)` into `f(static, arrays)`.
 
   Args:
@@ -77,8 +77,14 @@ def batch_last(fn: Callable[[Any, Any], Any], tile: Callable[[Any], int] | None 
       return out, jax.tree.map(lambda _: True, out)
     size = axis_size if tile is None else tile(static)
     if axis_size <= size:
-      out = fn(static, jax.tree.map(lambda x, b: last(x) if b else jnp.broadcast_to(x[..., None], (*x.shape, axis_size)),
-                                    arrays, arrays_batched))
+      out = fn(
+        static,
+        jax.tree.map(
+          lambda x, b: last(x) if b else jnp.broadcast_to(x[..., None], (*x.shape, axis_size)),
+          arrays,
+          arrays_batched,
+        ),
+      )
       return out, jax.tree.map(lambda _: True, out)
     count = -(-axis_size // size)
 
@@ -87,14 +93,18 @@ def batch_last(fn: Callable[[Any, Any], Any], tile: Callable[[Any], int] | None 
       x = jnp.concatenate([x, jnp.broadcast_to(x[:1], (count * size - axis_size, *x.shape[1:]))])
       return x.reshape(count, size, *x.shape[1:])
 
-    out = jax.lax.map(lambda part: fn(static, jax.tree.map(last, part)), jax.tree.map(tiles, arrays, arrays_batched))
+    out = jax.lax.map(
+      lambda part: fn(static, jax.tree.map(last, part)), jax.tree.map(tiles, arrays, arrays_batched)
+    )
     out = jax.tree.map(lambda y: y.reshape(count * size, *y.shape[2:])[:axis_size], out)
     return out, jax.tree.map(lambda _: True, out)
 
   return wrapped
 
 
-def only_where(fn: Callable[[Any, Any], Any], fill: Callable[[Any], Any]) -> Callable[[Any, Any, jax.Array], Any]:
+def only_where(
+  fn: Callable[[Any, Any], Any], fill: Callable[[Any], Any]
+) -> Callable[[Any, Any, jax.Array], Any]:
   """Wraps `fn(static, arrays)` into `f(static, arrays, needed)`: `fn`'s result where
   `needed` (bool []), else `fill(static)` (a pytree of `fn`'s output structure).
 
@@ -124,7 +134,9 @@ def only_where(fn: Callable[[Any, Any], Any], fill: Callable[[Any], Any]) -> Cal
       axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
       out = jax.vmap(select, in_axes=tuple(axes))(static, arrays, needed)
       return out, jax.tree.map(lambda _: True, out)
-    arrays = jax.tree.map(lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape)), arrays, arrays_batched)
+    arrays = jax.tree.map(
+      lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape)), arrays, arrays_batched
+    )
     needed = needed if needed_batched else jnp.broadcast_to(needed, (axis_size,))
     default = jax.tree.map(lambda x: jnp.broadcast_to(x, (axis_size, *jnp.shape(x))), fill(static))
     capacities = sorted({max(axis_size >> shift, 1) for shift in range(5)})
@@ -134,6 +146,7 @@ def only_where(fn: Callable[[Any, Any], Any], fill: Callable[[Any], Any]) -> Cal
         index = jnp.nonzero(needed, size=capacity, fill_value=jnp.argmax(needed))[0]
         part = jax.vmap(fn, in_axes=(None, 0))(static, jax.tree.map(lambda x: x[index], arrays))
         return jax.tree.map(lambda d, p: d.at[index].set(p.astype(d.dtype)), default, part)
+
       return branch
 
     count = needed.sum()

@@ -24,8 +24,11 @@ def quick_compile_options(platform: str) -> dict[str, Any]:
   which fusions XLA:CPU forms, and so the kernels a check reads. None elsewhere."""
   if platform != "cpu":
     return {}
-  return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-          "xla_cpu_use_fusion_emitters": True}
+  return {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": True,
+  }
 
 
 def search_compile_options(platform: str, calls: Calls) -> dict[str, Any]:
@@ -61,10 +64,12 @@ class SearchJit:
     """The `jax.jit` of the default backend's platform (its `lower`, its cache)."""
     platform = jax.default_backend()
     if platform not in self._by_platform:
-      self._by_platform[platform] = jax.jit(self._fun, compiler_options=search_compile_options(platform, self._calls),
-                                            **self._jit_kwargs)
+      self._by_platform[platform] = jax.jit(
+        self._fun,
+        compiler_options=search_compile_options(platform, self._calls),
+        **self._jit_kwargs,
+      )
     return self._by_platform[platform]
 
   def __call__(self, *args, **kwargs):
     return self.jitted()(*args, **kwargs)
-

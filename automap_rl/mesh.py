@@ -21,17 +21,17 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "DEFAULT_HARDWARE",
-    "HARDWARE",
-    "Hardware",
-    "Link",
-    "Mesh",
-    "as_mesh",
-    "axis_links",
-    "get_hardware",
-    "make_mesh",
-    "parse_mesh_spec",
-    "to_jax_mesh",
+  "DEFAULT_HARDWARE",
+  "HARDWARE",
+  "Hardware",
+  "Link",
+  "Mesh",
+  "as_mesh",
+  "axis_links",
+  "get_hardware",
+  "make_mesh",
+  "parse_mesh_spec",
+  "to_jax_mesh",
 ]
 
 
@@ -55,8 +55,13 @@ MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
 # The fields of `Hardware` that describe its XLA backend's compiler (how it combines,
 # rewrites and fuses), not the device: `Hardware.compiled_by` takes them from another.
-COMPILER_FIELDS = ("combine_threshold", "reduce_scatter", "dense_batch_group_conv", "multi_output_fusion",
-                   "minor_concatenate_fusion")
+COMPILER_FIELDS = (
+  "combine_threshold",
+  "reduce_scatter",
+  "dense_batch_group_conv",
+  "multi_output_fusion",
+  "minor_concatenate_fusion",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +118,9 @@ class Hardware:
   def compiled_by(self, backend: Hardware) -> Hardware:
     """This device's peaks, memory and links with `backend`'s compiler (`COMPILER_FIELDS`):
     a GPU's plan priced as XLA:CPU compiles it."""
-    return dataclasses.replace(self, **{field: getattr(backend, field) for field in COMPILER_FIELDS})
+    return dataclasses.replace(
+      self, **{field: getattr(backend, field) for field in COMPILER_FIELDS}
+    )
 
   def peak_flops(self, primitive: str, dtype: str) -> float:
     """Peak flop/s of an op of `primitive` whose result is `dtype` (dtypes without a rate
@@ -127,39 +134,41 @@ _GB = 1e9
 # XLA's GPU defaults of xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes
 # (xla/debug_options_flags.cc), kDefault{AllReduce,AllGather,ReduceScatter}CombineThreshold
 # = 30 * 1024 * 1024 + 7 bytes in xla/service/collective_utils.h.
-_GPU_COMBINE = {kind: 30 * 1024 * 1024 + 7 for kind in ("all-reduce", "all-gather", "reduce-scatter")}
+_GPU_COMBINE = {
+  kind: 30 * 1024 * 1024 + 7 for kind in ("all-reduce", "all-gather", "reduce-scatter")
+}
 
 
 def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
   """An A100 SXM in a DGX A100; the two memory sizes differ only in HBM."""
   return Hardware(
-      name=name,
-      flops={
-          # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM columns, dense
-          # (without structured sparsity); the same for 40GB and 80GB.
-          "float32": 19.5e12,  # datasheet "FP32" (non-tensor-core).
-          "bfloat16": 312e12,  # datasheet "BFLOAT16 Tensor Core".
-          "float16": 312e12,  # datasheet "FP16 Tensor Core".
-          "int8": 624e12,  # datasheet "INT8 Tensor Core".
-      },
-      matmul_flops={"float32": 156e12},  # datasheet "TF32 Tensor Core" 312 / 2 (dense).
-      hbm_bytes=hbm_bytes,
-      hbm_bandwidth=hbm_bandwidth,
-      intra_node=Link(
-          name="nvlink3",
-          # A100 datasheet: NVLink 600 GB/s, bidirectional total -> 300 one way.
-          bandwidth=300 * _GB,
-          latency=2e-6,  # Estimate (order of NCCL small-message latency).
-      ),
-      inter_node=Link(
-          name="infiniband-hdr",
-          # NVIDIA DGX A100 user guide: one ConnectX-6 200 Gb/s HDR port per
-          # GPU -> 200e9 / 8 = 25 GB/s per device per direction.
-          bandwidth=25 * _GB,
-          latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
-      ),
-      devices_per_node=8,  # NVIDIA DGX A100 user guide: 8 GPUs per system.
-      combine_threshold=_GPU_COMBINE,
+    name=name,
+    flops={
+      # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM columns, dense
+      # (without structured sparsity); the same for 40GB and 80GB.
+      "float32": 19.5e12,  # datasheet "FP32" (non-tensor-core).
+      "bfloat16": 312e12,  # datasheet "BFLOAT16 Tensor Core".
+      "float16": 312e12,  # datasheet "FP16 Tensor Core".
+      "int8": 624e12,  # datasheet "INT8 Tensor Core".
+    },
+    matmul_flops={"float32": 156e12},  # datasheet "TF32 Tensor Core" 312 / 2 (dense).
+    hbm_bytes=hbm_bytes,
+    hbm_bandwidth=hbm_bandwidth,
+    intra_node=Link(
+      name="nvlink3",
+      # A100 datasheet: NVLink 600 GB/s, bidirectional total -> 300 one way.
+      bandwidth=300 * _GB,
+      latency=2e-6,  # Estimate (order of NCCL small-message latency).
+    ),
+    inter_node=Link(
+      name="infiniband-hdr",
+      # NVIDIA DGX A100 user guide: one ConnectX-6 200 Gb/s HDR port per
+      # GPU -> 200e9 / 8 = 25 GB/s per device per direction.
+      bandwidth=25 * _GB,
+      latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
+    ),
+    devices_per_node=8,  # NVIDIA DGX A100 user guide: 8 GPUs per system.
+    combine_threshold=_GPU_COMBINE,
   )
 
 
@@ -169,33 +178,33 @@ _A100_40G = _a100("a100-40g", 40 * _GB, 1.555e12)
 _A100_80G = _a100("a100-80g", 80 * _GB, 2.039e12)
 
 _H100 = Hardware(
-    name="h100",
-    flops={
-        # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column, dense
-        # (the datasheet's headline figures are with sparsity, i.e. 2x).
-        "float32": 67e12,  # datasheet "FP32" (non-tensor-core).
-        "bfloat16": 989e12,  # datasheet "BF16 Tensor Core" 1979 / 2.
-        "float16": 989e12,  # datasheet "FP16 Tensor Core" 1979 / 2.
-        "int8": 1979e12,  # datasheet "INT8 Tensor Core" 3958 / 2.
-    },
-    matmul_flops={"float32": 494.5e12},  # datasheet "TF32 Tensor Core" 989 / 2 (dense).
-    hbm_bytes=80 * _GB,  # H100 datasheet, SXM5: 80 GB HBM3.
-    hbm_bandwidth=3.35e12,  # H100 datasheet, SXM5: 3.35 TB/s.
-    intra_node=Link(
-        name="nvlink4",
-        # H100 datasheet: NVLink 900 GB/s, bidirectional total -> 450 one way.
-        bandwidth=450 * _GB,
-        latency=2e-6,  # Estimate (order of NCCL small-message latency).
-    ),
-    inter_node=Link(
-        name="infiniband-ndr",
-        # NVIDIA DGX H100 user guide: one ConnectX-7 400 Gb/s NDR port
-        # per GPU -> 400e9 / 8 = 50 GB/s per device per direction.
-        bandwidth=50 * _GB,
-        latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
-    ),
-    devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
-    combine_threshold=_GPU_COMBINE,
+  name="h100",
+  flops={
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column, dense
+    # (the datasheet's headline figures are with sparsity, i.e. 2x).
+    "float32": 67e12,  # datasheet "FP32" (non-tensor-core).
+    "bfloat16": 989e12,  # datasheet "BF16 Tensor Core" 1979 / 2.
+    "float16": 989e12,  # datasheet "FP16 Tensor Core" 1979 / 2.
+    "int8": 1979e12,  # datasheet "INT8 Tensor Core" 3958 / 2.
+  },
+  matmul_flops={"float32": 494.5e12},  # datasheet "TF32 Tensor Core" 989 / 2 (dense).
+  hbm_bytes=80 * _GB,  # H100 datasheet, SXM5: 80 GB HBM3.
+  hbm_bandwidth=3.35e12,  # H100 datasheet, SXM5: 3.35 TB/s.
+  intra_node=Link(
+    name="nvlink4",
+    # H100 datasheet: NVLink 900 GB/s, bidirectional total -> 450 one way.
+    bandwidth=450 * _GB,
+    latency=2e-6,  # Estimate (order of NCCL small-message latency).
+  ),
+  inter_node=Link(
+    name="infiniband-ndr",
+    # NVIDIA DGX H100 user guide: one ConnectX-7 400 Gb/s NDR port
+    # per GPU -> 400e9 / 8 = 50 GB/s per device per direction.
+    bandwidth=50 * _GB,
+    latency=5e-6,  # Estimate (IB switch hop + NCCL overhead).
+  ),
+  devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
+  combine_threshold=_GPU_COMBINE,
 )
 
 
@@ -204,119 +213,119 @@ _H100 = Hardware(
 _H200 = dataclasses.replace(_H100, name="h200", hbm_bytes=141 * _GB, hbm_bandwidth=4.8e12)
 
 HARDWARE: Mapping[str, Hardware] = {
-    "h100": _H100,
-    "h200": _H200,
-    "a100-40g": _A100_40G,
-    "a100-80g": _A100_80G,
-    # The 80GB A100 (a100-80g's figures) under the name older specs use.
-    "a100": dataclasses.replace(_A100_80G, name="a100"),
-    "tpu-v4": Hardware(
-        name="tpu-v4",
-        flops={
-            # Cloud TPU v4 docs (system architecture): 275 TFLOPS bf16 or int8.
-            "bfloat16": 275e12,
-            "int8": 275e12,
-            # Estimate, not a vendor figure: the MXU has no fp32 mode; XLA's
-            # highest-precision f32 matmul costs ~6 bf16 passes.
-            "float32": 275e12 / 6,
-            # Estimate, not a vendor figure: f16 is computed through bf16 MXUs.
-            "float16": 275e12,
-        },
-        hbm_bytes=32 * 2**30,  # Cloud TPU v4 docs: 32 GiB HBM2.
-        hbm_bandwidth=1200 * _GB,  # Cloud TPU v4 docs: 1200 GBps.
-        intra_node=Link(
-            name="ici",
-            # Jouppi et al., "TPU v4: An Optically Reconfigurable
-            # Supercomputer..." (ISCA 2023): ICI links of ~50 GB/s each way.
-            bandwidth=50 * _GB,
-            latency=1e-6,  # Estimate (one ICI hop plus launch overhead).
-        ),
-        inter_node=Link(
-            name="dcn",
-            # Estimate, not a vendor figure: data-center network between
-            # slices, ~100 Gb/s per host NIC shared by 4 chips.
-            bandwidth=100e9 / 8 / 4,
-            latency=10e-6,  # Estimate (datacenter network round trip / 2).
-        ),
-        devices_per_node=4096,  # Cloud TPU v4 docs: TPU Pod size 4096 chips.
-        # Estimate, not a documented figure: libtpu's combine thresholds are not
-        # published; taken to be XLA's GPU defaults.
-        combine_threshold=_GPU_COMBINE,
+  "h100": _H100,
+  "h200": _H200,
+  "a100-40g": _A100_40G,
+  "a100-80g": _A100_80G,
+  # The 80GB A100 (a100-80g's figures) under the name older specs use.
+  "a100": dataclasses.replace(_A100_80G, name="a100"),
+  "tpu-v4": Hardware(
+    name="tpu-v4",
+    flops={
+      # Cloud TPU v4 docs (system architecture): 275 TFLOPS bf16 or int8.
+      "bfloat16": 275e12,
+      "int8": 275e12,
+      # Estimate, not a vendor figure: the MXU has no fp32 mode; XLA's
+      # highest-precision f32 matmul costs ~6 bf16 passes.
+      "float32": 275e12 / 6,
+      # Estimate, not a vendor figure: f16 is computed through bf16 MXUs.
+      "float16": 275e12,
+    },
+    hbm_bytes=32 * 2**30,  # Cloud TPU v4 docs: 32 GiB HBM2.
+    hbm_bandwidth=1200 * _GB,  # Cloud TPU v4 docs: 1200 GBps.
+    intra_node=Link(
+      name="ici",
+      # Jouppi et al., "TPU v4: An Optically Reconfigurable
+      # Supercomputer..." (ISCA 2023): ICI links of ~50 GB/s each way.
+      bandwidth=50 * _GB,
+      latency=1e-6,  # Estimate (one ICI hop plus launch overhead).
     ),
-    "tpu-v5e": Hardware(
-        name="tpu-v5e",
-        flops={
-            # Cloud TPU v5e docs (system architecture): 197 TFLOPS bf16,
-            # 394 TOPS int8.
-            "bfloat16": 197e12,
-            "int8": 394e12,
-            # Estimate, not a vendor figure: ~6 bf16 passes per f32 matmul.
-            "float32": 197e12 / 6,
-            # Estimate, not a vendor figure: f16 is computed through bf16 MXUs.
-            "float16": 197e12,
-        },
-        hbm_bytes=16 * _GB,  # Cloud TPU v5e docs: 16 GB HBM2.
-        hbm_bandwidth=819 * _GB,  # Cloud TPU v5e docs: 819 GBps.
-        intra_node=Link(
-            name="ici",
-            # Cloud TPU v5e docs: 1600 Gbps ICI per chip, over 4 ports of a
-            # 2D torus -> 1600e9 / 8 / 4 = 50 GB/s per port.
-            bandwidth=1600e9 / 8 / 4,
-            latency=1e-6,  # Estimate (one ICI hop plus launch overhead).
-        ),
-        inter_node=Link(
-            name="dcn",
-            # Estimate, not a vendor figure: ~200 Gb/s per host NIC shared by
-            # the 8 chips of a v5litepod-8 host.
-            bandwidth=200e9 / 8 / 8,
-            latency=10e-6,  # Estimate (datacenter network round trip / 2).
-        ),
-        devices_per_node=256,  # Cloud TPU v5e docs: up to 256 chips per Pod.
-        # Estimate, not a documented figure (see tpu-v4).
-        combine_threshold=_GPU_COMBINE,
+    inter_node=Link(
+      name="dcn",
+      # Estimate, not a vendor figure: data-center network between
+      # slices, ~100 Gb/s per host NIC shared by 4 chips.
+      bandwidth=100e9 / 8 / 4,
+      latency=10e-6,  # Estimate (datacenter network round trip / 2).
     ),
-    "cpu": Hardware(
-        name="cpu",
-        # A modest host; every figure is an assumption, not a datasheet value.
-        flops={
-            "float32": 1e11,  # Assumed: ~8 cores x 2 FMA x 8 lanes x 0.8 GHz.
-            "bfloat16": 1e11,  # Assumed: no native bf16 matmul units.
-            "float16": 1e11,  # Assumed: no native f16 matmul units.
-            "int8": 2e11,  # Assumed: VNNI-style 2x over f32.
-        },
-        hbm_bytes=16 * _GB,  # Assumed: 16 GB of DRAM.
-        hbm_bandwidth=20 * _GB,  # Assumed: ~one DDR4-2666 channel pair.
-        intra_node=Link(
-            name="shared-memory",
-            bandwidth=10 * _GB,  # Assumed: memcpy between processes/threads.
-            latency=1e-6,  # Assumed: thread hand-off.
-        ),
-        inter_node=Link(
-            name="ethernet-10g",
-            bandwidth=10e9 / 8,  # IEEE 802.3ae 10 Gigabit Ethernet line rate.
-            latency=50e-6,  # Estimate (TCP round trip / 2 on a LAN).
-        ),
-        devices_per_node=64,  # Assumed: virtual devices of one host process.
-        # XLA's CPU compiler (xla/service/cpu/cpu_compiler.cc) runs only an
-        # all-reduce combiner, CpuAllReduceCombiner(kCombineBytes = INT64_MAX,
-        # kCombineCount = 256): no byte limit. It writes a reduce-scatter as an
-        # all-reduce and a dynamic slice, so reduce-scatters combine with it too.
-        combine_threshold={"all-reduce": float("inf"), "reduce-scatter": float("inf")},
-        # The SPMD partitioner writes a reduce-scatter as an all-reduce and a
-        # dynamic slice; only the GPU pipeline turns that back into one
-        # (ReduceScatterCreator, xla/service/gpu/transforms/).
-        reduce_scatter=False,
-        # The CPU compiler's ConvolutionGroupConverter (convert_batch_groups_only)
-        # expands batch-grouped convolutions into dense ones with a mask.
-        dense_batch_group_conv=True,
-        # No multi-output fusion pass in the CPU compiler: Adam's update is three loop
-        # fusions, the parameter's reading the new moments from memory (10 passes over a
-        # parameter's size, not 7).
-        multi_output_fusion=False,
-        # A concatenate along the minor dim is its own kernel: "LLVM tends to do a better
-        # job with pure data movement loops" (xla/service/cpu/cpu_instruction_fusion.cc).
-        minor_concatenate_fusion=False,
+    devices_per_node=4096,  # Cloud TPU v4 docs: TPU Pod size 4096 chips.
+    # Estimate, not a documented figure: libtpu's combine thresholds are not
+    # published; taken to be XLA's GPU defaults.
+    combine_threshold=_GPU_COMBINE,
+  ),
+  "tpu-v5e": Hardware(
+    name="tpu-v5e",
+    flops={
+      # Cloud TPU v5e docs (system architecture): 197 TFLOPS bf16,
+      # 394 TOPS int8.
+      "bfloat16": 197e12,
+      "int8": 394e12,
+      # Estimate, not a vendor figure: ~6 bf16 passes per f32 matmul.
+      "float32": 197e12 / 6,
+      # Estimate, not a vendor figure: f16 is computed through bf16 MXUs.
+      "float16": 197e12,
+    },
+    hbm_bytes=16 * _GB,  # Cloud TPU v5e docs: 16 GB HBM2.
+    hbm_bandwidth=819 * _GB,  # Cloud TPU v5e docs: 819 GBps.
+    intra_node=Link(
+      name="ici",
+      # Cloud TPU v5e docs: 1600 Gbps ICI per chip, over 4 ports of a
+      # 2D torus -> 1600e9 / 8 / 4 = 50 GB/s per port.
+      bandwidth=1600e9 / 8 / 4,
+      latency=1e-6,  # Estimate (one ICI hop plus launch overhead).
     ),
+    inter_node=Link(
+      name="dcn",
+      # Estimate, not a vendor figure: ~200 Gb/s per host NIC shared by
+      # the 8 chips of a v5litepod-8 host.
+      bandwidth=200e9 / 8 / 8,
+      latency=10e-6,  # Estimate (datacenter network round trip / 2).
+    ),
+    devices_per_node=256,  # Cloud TPU v5e docs: up to 256 chips per Pod.
+    # Estimate, not a documented figure (see tpu-v4).
+    combine_threshold=_GPU_COMBINE,
+  ),
+  "cpu": Hardware(
+    name="cpu",
+    # A modest host; every figure is an assumption, not a datasheet value.
+    flops={
+      "float32": 1e11,  # Assumed: ~8 cores x 2 FMA x 8 lanes x 0.8 GHz.
+      "bfloat16": 1e11,  # Assumed: no native bf16 matmul units.
+      "float16": 1e11,  # Assumed: no native f16 matmul units.
+      "int8": 2e11,  # Assumed: VNNI-style 2x over f32.
+    },
+    hbm_bytes=16 * _GB,  # Assumed: 16 GB of DRAM.
+    hbm_bandwidth=20 * _GB,  # Assumed: ~one DDR4-2666 channel pair.
+    intra_node=Link(
+      name="shared-memory",
+      bandwidth=10 * _GB,  # Assumed: memcpy between processes/threads.
+      latency=1e-6,  # Assumed: thread hand-off.
+    ),
+    inter_node=Link(
+      name="ethernet-10g",
+      bandwidth=10e9 / 8,  # IEEE 802.3ae 10 Gigabit Ethernet line rate.
+      latency=50e-6,  # Estimate (TCP round trip / 2 on a LAN).
+    ),
+    devices_per_node=64,  # Assumed: virtual devices of one host process.
+    # XLA's CPU compiler (xla/service/cpu/cpu_compiler.cc) runs only an
+    # all-reduce combiner, CpuAllReduceCombiner(kCombineBytes = INT64_MAX,
+    # kCombineCount = 256): no byte limit. It writes a reduce-scatter as an
+    # all-reduce and a dynamic slice, so reduce-scatters combine with it too.
+    combine_threshold={"all-reduce": float("inf"), "reduce-scatter": float("inf")},
+    # The SPMD partitioner writes a reduce-scatter as an all-reduce and a
+    # dynamic slice; only the GPU pipeline turns that back into one
+    # (ReduceScatterCreator, xla/service/gpu/transforms/).
+    reduce_scatter=False,
+    # The CPU compiler's ConvolutionGroupConverter (convert_batch_groups_only)
+    # expands batch-grouped convolutions into dense ones with a mask.
+    dense_batch_group_conv=True,
+    # No multi-output fusion pass in the CPU compiler: Adam's update is three loop
+    # fusions, the parameter's reading the new moments from memory (10 passes over a
+    # parameter's size, not 7).
+    multi_output_fusion=False,
+    # A concatenate along the minor dim is its own kernel: "LLVM tends to do a better
+    # job with pure data movement loops" (xla/service/cpu/cpu_instruction_fusion.cc).
+    minor_concatenate_fusion=False,
+  ),
 }
 
 
@@ -325,9 +334,7 @@ def get_hardware(name: str) -> Hardware:
   try:
     return HARDWARE[name]
   except KeyError:
-    raise ValueError(
-        f"Unknown hardware {name!r}; valid names: {sorted(HARDWARE)}."
-    ) from None
+    raise ValueError(f"Unknown hardware {name!r}; valid names: {sorted(HARDWARE)}.") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,8 +361,7 @@ class Mesh:
     _check_axes(self.axis_names, self.axis_sizes)
     if len(self.links) != len(self.axis_names):
       raise ValueError(
-          f"Mesh has {len(self.axis_names)} axes {self.axis_names} but "
-          f"{len(self.links)} links."
+        f"Mesh has {len(self.axis_names)} axes {self.axis_names} but {len(self.links)} links."
       )
 
   @property
@@ -373,9 +379,7 @@ class Mesh:
     try:
       return self.axis_names.index(name)
     except ValueError:
-      raise ValueError(
-          f"Mesh has no axis {name!r}; valid axes: {self.axis_names}."
-      ) from None
+      raise ValueError(f"Mesh has no axis {name!r}; valid axes: {self.axis_names}.") from None
 
   def axis_size(self, name: str) -> int:
     """Size of axis `name`."""
@@ -392,8 +396,9 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 def _check_axes(names: Sequence[str], sizes: Sequence[int]) -> None:
   """Raises ValueError unless names are unique identifiers, sizes positive."""
   if len(names) != len(sizes):
-    raise ValueError(f"{len(names)} axis names {tuple(names)} but "
-                     f"{len(sizes)} axis sizes {tuple(sizes)}.")
+    raise ValueError(
+      f"{len(names)} axis names {tuple(names)} but {len(sizes)} axis sizes {tuple(sizes)}."
+    )
   if not names:
     raise ValueError("A mesh needs at least one axis.")
   seen = set()
@@ -404,9 +409,7 @@ def _check_axes(names: Sequence[str], sizes: Sequence[int]) -> None:
       raise ValueError(f"Duplicate axis name {name!r} in {tuple(names)}.")
     seen.add(name)
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-      raise ValueError(
-          f"Axis {name!r} has size {size!r}; sizes must be positive ints."
-      )
+      raise ValueError(f"Axis {name!r} has size {size!r}; sizes must be positive ints.")
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:
@@ -416,8 +419,8 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     name, sep, size = (part.strip() for part in fragment.partition("="))
     if not sep or not name or not re.fullmatch(r"[+-]?\d+", size):
       raise ValueError(
-          f"Malformed mesh spec fragment {fragment.strip()!r} in {spec!r}; "
-          "expected comma-separated name=size, e.g. 'data=2,model=4'."
+        f"Malformed mesh spec fragment {fragment.strip()!r} in {spec!r}; "
+        "expected comma-separated name=size, e.g. 'data=2,model=4'."
       )
     names.append(name)
     sizes.append(int(size))
@@ -463,7 +466,10 @@ def spec_axes(spec: Sequence[Any], rank: int) -> list[tuple[str, ...]]:
   or a tuple of them; missing trailing entries are replicated; `UNCONSTRAINED` names no
   axes)."""
   entries = list(spec) + [None] * (rank - len(spec))
-  return [(e,) if isinstance(e, str) else tuple(e) if isinstance(e, (tuple, list)) else () for e in entries]
+  return [
+    (e,) if isinstance(e, str) else tuple(e) if isinstance(e, (tuple, list)) else ()
+    for e in entries
+  ]
 
 
 def to_jax_mesh(mesh: Mesh, devices: Sequence[Any] | None = None):
@@ -479,23 +485,25 @@ def to_jax_mesh(mesh: Mesh, devices: Sequence[Any] | None = None):
   available = list(jax.devices() if devices is None else devices)
   if len(available) < mesh.num_devices:
     raise ValueError(
-        f"Mesh {mesh.shape} needs {mesh.num_devices} devices but only "
-        f"{len(available)} are available. On CPU, set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={mesh.num_devices}"
-        " before importing jax."
+      f"Mesh {mesh.shape} needs {mesh.num_devices} devices but only "
+      f"{len(available)} are available. On CPU, set "
+      f"XLA_FLAGS=--xla_force_host_platform_device_count={mesh.num_devices}"
+      " before importing jax."
     )
   grid = np.array(available[: mesh.num_devices], dtype=object)
   return jax.sharding.Mesh(
-      grid.reshape(mesh.axis_sizes),
-      mesh.axis_names,
-      axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
+    grid.reshape(mesh.axis_sizes),
+    mesh.axis_names,
+    axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
   )
 
 
 DEFAULT_HARDWARE = "h100"
 
 
-def as_mesh(mesh: Any, hardware: str | Hardware | None = None) -> tuple[Mesh, tuple[Any, ...] | None]:
+def as_mesh(
+  mesh: Any, hardware: str | Hardware | None = None
+) -> tuple[Mesh, tuple[Any, ...] | None]:
   """The `Mesh` a user means, and the devices to run on (None: the first of `jax.devices()`).
 
   Args:
@@ -506,7 +514,10 @@ def as_mesh(mesh: Any, hardware: str | Hardware | None = None) -> tuple[Mesh, tu
       mesh is rebuilt for it (links included).
   """
   if isinstance(mesh, Mesh):
-    if hardware is None or (hardware if isinstance(hardware, str) else hardware.name) == mesh.hardware.name:
+    if (
+      hardware is None
+      or (hardware if isinstance(hardware, str) else hardware.name) == mesh.hardware.name
+    ):
       return mesh, None
     return make_mesh(mesh.shape, hardware), None
   hardware = DEFAULT_HARDWARE if hardware is None else hardware
@@ -515,5 +526,7 @@ def as_mesh(mesh: Any, hardware: str | Hardware | None = None) -> tuple[Mesh, tu
   devices = getattr(mesh, "devices", None)
   if isinstance(getattr(mesh, "axis_names", None), tuple) and isinstance(devices, np.ndarray):
     return make_mesh(dict(zip(mesh.axis_names, devices.shape)), hardware), tuple(devices.flat)
-  raise TypeError(f"mesh must be a spec like 'data=2,model=4', a mapping, an automap_rl Mesh or a "
-                  f"jax.sharding.Mesh; got {type(mesh).__name__}.")
+  raise TypeError(
+    f"mesh must be a spec like 'data=2,model=4', a mapping, an automap_rl Mesh or a "
+    f"jax.sharding.Mesh; got {type(mesh).__name__}."
+  )

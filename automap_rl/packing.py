@@ -21,7 +21,7 @@ def pack(masks: jax.Array, num_axes: int) -> jax.Array:
   per_word = slots_per_word(num_axes)
   words = []
   for start in range(0, masks.shape[1], per_word):
-    part = masks[:, start:start + per_word].astype(jnp.int32)
+    part = masks[:, start : start + per_word].astype(jnp.int32)
     shifts = num_axes * jnp.arange(part.shape[1], dtype=jnp.int32)[None, :, None]
     words.append(jnp.sum(part << shifts, axis=1))  # Disjoint fields: a sum is an OR.
   return jnp.stack(words)

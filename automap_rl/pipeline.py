@@ -75,22 +75,36 @@ class Pipeline:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"pipeline {name}={value!r} must be a positive integer")
-    if isinstance(self.stack, bool) or not isinstance(self.stack, (int, np.integer)) or self.stack < 0:
+    if (
+      isinstance(self.stack, bool)
+      or not isinstance(self.stack, (int, np.integer))
+      or self.stack < 0
+    ):
       raise ValueError(f"pipeline stack={self.stack!r} must be a stack index (0, 1, ...)")
     if self.schedule not in SCHEDULES:
-      raise ValueError(f"unknown pipeline schedule {self.schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
+      raise ValueError(
+        f"unknown pipeline schedule {self.schedule!r}; valid schedules: {', '.join(SCHEDULES)}"
+      )
     if self.schedule == "interleaved" and self.chunks < 2:
-      raise ValueError(f"the interleaved schedule needs chunks >= 2 layer chunks per stage, not {self.chunks}")
+      raise ValueError(
+        f"the interleaved schedule needs chunks >= 2 layer chunks per stage, not {self.chunks}"
+      )
     if self.schedule != "interleaved" and self.chunks != 1:
-      raise ValueError(f"chunks={self.chunks} needs the interleaved schedule, not {self.schedule!r}")
+      raise ValueError(
+        f"chunks={self.chunks} needs the interleaved schedule, not {self.schedule!r}"
+      )
     if self.schedule == "interleaved" and self.microbatches % self.stages:
-      raise ValueError(f"the interleaved schedule needs microbatches ({self.microbatches}) to be a multiple of "
-                       f"stages ({self.stages}), as Megatron-LM's does")
+      raise ValueError(
+        f"the interleaved schedule needs microbatches ({self.microbatches}) to be a multiple of "
+        f"stages ({self.stages}), as Megatron-LM's does"
+      )
     if self.layers_per_chunk is not None:
       object.__setattr__(self, "layers_per_chunk", tuple(int(n) for n in self.layers_per_chunk))
       if len(self.layers_per_chunk) != self.stages * self.chunks or min(self.layers_per_chunk) < 1:
-        raise ValueError(f"layers_per_chunk={list(self.layers_per_chunk)} must give each of the "
-                         f"{self.stages * self.chunks} chunks (stages x chunks) at least one layer")
+        raise ValueError(
+          f"layers_per_chunk={list(self.layers_per_chunk)} must give each of the "
+          f"{self.stages * self.chunks} chunks (stages x chunks) at least one layer"
+        )
 
   @property
   def trivial(self) -> bool:
@@ -99,7 +113,9 @@ class Pipeline:
 
   def chunk_layers(self, layers: int) -> tuple[int, ...]:
     """Layers of each chunk (see `layers_per_chunk`)."""
-    return self.layers_per_chunk or (layers // (self.stages * self.chunks),) * (self.stages * self.chunks)
+    return self.layers_per_chunk or (layers // (self.stages * self.chunks),) * (
+      self.stages * self.chunks
+    )
 
   def layer_stages(self, layers: int) -> np.ndarray:
     """The stage of each of `layers` layers, int [layers]."""
@@ -125,7 +141,10 @@ class Pipeline:
 
   def stage_mesh(self, mesh: Mesh) -> Mesh:
     """The mesh one stage runs on: the stage axis keeps A / S devices."""
-    sizes = tuple(n // self.stages if name == self.axis else n for name, n in zip(mesh.axis_names, mesh.axis_sizes))
+    sizes = tuple(
+      n // self.stages if name == self.axis else n
+      for name, n in zip(mesh.axis_names, mesh.axis_sizes)
+    )
     return dataclasses.replace(mesh, axis_sizes=sizes)
 
   def check(self, program: Program, named: NamedDims, mesh: Mesh) -> LayerStack:
@@ -137,16 +156,24 @@ class Pipeline:
         microbatches than the batch or a count that does not divide it.
     """
     if self.axis not in mesh.axis_names:
-      raise ValueError(f"pipeline axis {self.axis!r} is not a mesh axis; the mesh has {mesh.axis_names}")
+      raise ValueError(
+        f"pipeline axis {self.axis!r} is not a mesh axis; the mesh has {mesh.axis_names}"
+      )
     size = mesh.axis_size(self.axis)
     if size % self.stages:
-      raise ValueError(f"stages={self.stages} does not divide the {size} devices of mesh axis {self.axis!r}")
+      raise ValueError(
+        f"stages={self.stages} does not divide the {size} devices of mesh axis {self.axis!r}"
+      )
     stacks = layer_stacks(program, named)
     if not stacks:
-      raise ValueError(f"the program has no repeated layer stack to pipeline: looked for {what_is_looked_for()}")
+      raise ValueError(
+        f"the program has no repeated layer stack to pipeline: looked for {what_is_looked_for()}"
+      )
     if self.stack >= len(stacks):
       found = "; ".join(f"{i}: {s.describe()}" for i, s in enumerate(stacks))
-      raise ValueError(f"pipeline stack={self.stack} but the program has {len(stacks)} layer stack(s): {found}")
+      raise ValueError(
+        f"pipeline stack={self.stack} but the program has {len(stacks)} layer stack(s): {found}"
+      )
     stack = stacks[self.stack]
     self._check_layers(stack)
     self._check_batch(program)
@@ -157,28 +184,40 @@ class Pipeline:
     if self.layers_per_chunk is None:
       if stack.layers % parts:
         split = f"{self.stages} stages" + (f" x {self.chunks} chunks" if self.chunks > 1 else "")
-        raise ValueError(f"{split} do not divide the {stack.layers} layers of the {stack.describe()}")
+        raise ValueError(
+          f"{split} do not divide the {stack.layers} layers of the {stack.describe()}"
+        )
       return
     if sum(self.layers_per_chunk) != stack.layers:
-      raise ValueError(f"layers_per_chunk={list(self.layers_per_chunk)} sums to {sum(self.layers_per_chunk)}, "
-                       f"not the {stack.layers} layers of the {stack.describe()}")
+      raise ValueError(
+        f"layers_per_chunk={list(self.layers_per_chunk)} sums to {sum(self.layers_per_chunk)}, "
+        f"not the {stack.layers} layers of the {stack.describe()}"
+      )
     if stack.scanned and len(set(self.layers_per_chunk)) > 1:
-      raise ValueError(f"a scanned layer stack splits into equal chunks only; layers_per_chunk="
-                       f"{list(self.layers_per_chunk)} is uneven ({stack.describe()})")
+      raise ValueError(
+        f"a scanned layer stack splits into equal chunks only; layers_per_chunk="
+        f"{list(self.layers_per_chunk)} is uneven ({stack.describe()})"
+      )
 
   def _check_batch(self, program: Program) -> None:
     if self.microbatches == 1:
       return
     inputs = [program.values[v] for v in program.batch_inputs]
     if not inputs:
-      raise ValueError(f"microbatches={self.microbatches} but the program has no batch input (an argument of role "
-                       "input) to split")
+      raise ValueError(
+        f"microbatches={self.microbatches} but the program has no batch input (an argument of role "
+        "input) to split"
+      )
     for value in inputs:
       batch = value.shape[0]
       if self.microbatches > batch:
-        raise ValueError(f"microbatches={self.microbatches} is more than the batch of {batch} ({value.path} dim 0)")
+        raise ValueError(
+          f"microbatches={self.microbatches} is more than the batch of {batch} ({value.path} dim 0)"
+        )
       if batch % self.microbatches:
-        raise ValueError(f"microbatches={self.microbatches} does not divide the batch of {batch} ({value.path} dim 0)")
+        raise ValueError(
+          f"microbatches={self.microbatches} does not divide the batch of {batch} ({value.path} dim 0)"
+        )
 
   def check_decisions(self, decisions: Sequence[Decision], mesh: Mesh) -> None:
     """Raises ValueError when an intra-op decision uses the stage axis that the stages
@@ -187,8 +226,10 @@ class Pipeline:
       return
     for decision in decisions:
       if decision.axis == self.axis:
-        raise ValueError(f"decision {decision} shards over mesh axis {self.axis!r}, which the pipeline's "
-                         f"{self.stages} stages take whole; intra-op decisions use the other axes")
+        raise ValueError(
+          f"decision {decision} shards over mesh axis {self.axis!r}, which the pipeline's "
+          f"{self.stages} stages take whole; intra-op decisions use the other axes"
+        )
 
   def to_json(self) -> dict[str, Any]:
     """The pipeline as JSON (`from_json` reads it back)."""
@@ -207,5 +248,7 @@ class Pipeline:
 
   def __str__(self) -> str:
     chunks = f", {self.chunks} chunks" if self.chunks > 1 else ""
-    return (f"pipeline of stack {self.stack} over {self.axis!r}: {self.stages} stages, {self.microbatches} "
-            f"microbatches, {self.schedule}{chunks}")
+    return (
+      f"pipeline of stack {self.stack} over {self.axis!r}: {self.stages} stages, {self.microbatches} "
+      f"microbatches, {self.schedule}{chunks}"
+    )

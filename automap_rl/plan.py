@@ -53,9 +53,22 @@ from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, PIPELINE_KINDS, Cost, PipelineCost
 
-__all__ = ["Plan", "baselines", "compare_with_best_expert", "cost_dict", "format_pipeline", "decision_from_json", "decision_to_json",
-           "fit_advice", "format_arguments", "format_costs", "plan_from_json", "plan_to_json", "shardable",
-           "transfer_decisions"]
+__all__ = [
+  "Plan",
+  "baselines",
+  "compare_with_best_expert",
+  "cost_dict",
+  "format_pipeline",
+  "decision_from_json",
+  "decision_to_json",
+  "fit_advice",
+  "format_arguments",
+  "format_costs",
+  "plan_from_json",
+  "plan_to_json",
+  "shardable",
+  "transfer_decisions",
+]
 
 
 PIPELINE_TERMS = ("steady_s", "bubble_s", "transfer_s", "gradient_reduction_s", "update_s")
@@ -64,13 +77,13 @@ PIPELINE_TERMS = ("steady_s", "bubble_s", "transfer_s", "gradient_reduction_s", 
 def cost_dict(cost: Cost | PipelineCost) -> dict[str, Any]:
   """The JSON figures of a cost (of a pipelined plan: with a collective-permute entry and
   its step time's terms under `pipeline`)."""
-  kinds = PIPELINE_KINDS[:len(np.asarray(cost.comm_bytes))]  # `KINDS`, then permutes.
+  kinds = PIPELINE_KINDS[: len(np.asarray(cost.comm_bytes))]  # `KINDS`, then permutes.
   out = {
-      "step_time_s": float(cost.step_time),
-      "peak_memory_bytes": float(cost.peak_memory),
-      "fits": bool(cost.fits),
-      "comm_bytes": {k: float(b) for k, b in zip(kinds, np.asarray(cost.comm_bytes))},
-      "comm_count": {k: int(round(float(c))) for k, c in zip(kinds, np.asarray(cost.comm_count))},
+    "step_time_s": float(cost.step_time),
+    "peak_memory_bytes": float(cost.peak_memory),
+    "fits": bool(cost.fits),
+    "comm_bytes": {k: float(b) for k, b in zip(kinds, np.asarray(cost.comm_bytes))},
+    "comm_count": {k: int(round(float(c))) for k, c in zip(kinds, np.asarray(cost.comm_count))},
   }
   if isinstance(cost, PipelineCost):
     out["pipeline"] = {name: float(getattr(cost.terms, name)) for name in PIPELINE_TERMS}
@@ -107,7 +120,9 @@ def plan_to_json(decisions: Sequence[Decision], pipeline: Pipeline | None = None
 def plan_from_json(entry: dict[str, Any]) -> tuple[list[Decision], Pipeline | None]:
   """The decisions and pipeline (None when absent) of `plan_to_json`'s dict."""
   pipeline = entry.get("pipeline")
-  return [decision_from_json(d) for d in entry["decisions"]], None if pipeline is None else Pipeline.from_json(pipeline)
+  return [
+    decision_from_json(d) for d in entry["decisions"]
+  ], None if pipeline is None else Pipeline.from_json(pipeline)
 
 
 def shardable(problem: Problem) -> bool:
@@ -123,21 +138,33 @@ def fit_advice(problem: Problem, cost: Cost) -> str:
   peak, capacity = float(cost.peak_memory), problem.mesh.hardware.hbm_bytes
   larger = sorted((h.hbm_bytes, name) for name, h in HARDWARE.items() if h.hbm_bytes >= peak)
   devices = problem.mesh.num_devices * int(np.ceil(peak / capacity))
-  return (f"peak {peak / 2**30:.1f} GiB per device > {capacity / 2**30:.1f} GiB of {problem.mesh.hardware.name}; "
-          f"would fit: about {devices} devices (memory sharded as this plan shards it)"
-          + (f", a profile with more memory ({', '.join(name for _, name in larger)})" if larger else "")
-          + ", or a smaller batch, or rematerialization (remat=true) where the family has it")
+  return (
+    f"peak {peak / 2**30:.1f} GiB per device > {capacity / 2**30:.1f} GiB of {problem.mesh.hardware.name}; "
+    f"would fit: about {devices} devices (memory sharded as this plan shards it)"
+    + (f", a profile with more memory ({', '.join(name for _, name in larger)})" if larger else "")
+    + ", or a smaller batch, or rematerialization (remat=true) where the family has it"
+  )
 
 
 def format_costs(rows: dict[str, dict[str, Any]]) -> str:
   """A table of plans: step time, memory and collectives (collective-permutes when a
   pipelined plan has them)."""
-  kinds = KINDS + tuple(k for k in PIPELINE_KINDS[len(KINDS):] if any(k in r["comm_bytes"] for r in rows.values()))
-  lines = [f"{'plan':<16} {'step ms':>9} {'mem/dev MiB':>12} {'fits':>5}  " + "  ".join(f"{k:>16}" for k in kinds)]
+  kinds = KINDS + tuple(
+    k for k in PIPELINE_KINDS[len(KINDS) :] if any(k in r["comm_bytes"] for r in rows.values())
+  )
+  lines = [
+    f"{'plan':<16} {'step ms':>9} {'mem/dev MiB':>12} {'fits':>5}  "
+    + "  ".join(f"{k:>16}" for k in kinds)
+  ]
   for name, r in rows.items():
-    comm = "  ".join(f"{r['comm_count'].get(k, 0):>5}x{r['comm_bytes'].get(k, 0.0) / 2**20:>8.1f}MiB" for k in kinds)
-    lines.append(f"{name:<16} {r['step_time_s'] * 1e3:>9.3f} {r['peak_memory_bytes'] / 2**20:>12.1f} "
-                 f"{'yes' if r['fits'] else 'NO':>5}  {comm}")
+    comm = "  ".join(
+      f"{r['comm_count'].get(k, 0):>5}x{r['comm_bytes'].get(k, 0.0) / 2**20:>8.1f}MiB"
+      for k in kinds
+    )
+    lines.append(
+      f"{name:<16} {r['step_time_s'] * 1e3:>9.3f} {r['peak_memory_bytes'] / 2**20:>12.1f} "
+      f"{'yes' if r['fits'] else 'NO':>5}  {comm}"
+    )
   return "\n".join(lines)
 
 
@@ -145,12 +172,18 @@ def format_arguments(problem: Problem, decisions, max_args: int) -> str:
   """Per-argument shardings, parameters and inputs first."""
   program = problem.program
   specs = problem.partition_specs(decisions, program.inputs)
-  rows = [(program.values[v], s) for v, s in zip(program.inputs, specs) if not program.values[v].path.startswith("opt_state")]
+  rows = [
+    (program.values[v], s)
+    for v, s in zip(program.inputs, specs)
+    if not program.values[v].path.startswith("opt_state")
+  ]
   lines = [f"{'argument':<48} {'shape':<20} sharding"]
   for value, spec in rows[:max_args]:
     lines.append(f"{value.path:<48} {str(list(value.shape)):<20} {tuple(spec)}")
   if len(rows) > max_args:
-    lines.append(f"... {len(rows) - max_args} more arguments (optimizer state follows its parameter)")
+    lines.append(
+      f"... {len(rows) - max_args} more arguments (optimizer state follows its parameter)"
+    )
   return "\n".join(lines)
 
 
@@ -161,17 +194,23 @@ def baselines(problem: Problem) -> dict[str, dict[str, Any]]:
 
 def format_pipeline(pipeline: Pipeline, cost: Any) -> str:
   """The pipeline and its step time as the sum of its terms (ms), one line each."""
-  terms = " + ".join(f"{name.removesuffix('_s').replace('_', ' ')} {float(getattr(cost.terms, name)) * 1e3:.3f}"
-                     for name in PIPELINE_TERMS)
+  terms = " + ".join(
+    f"{name.removesuffix('_s').replace('_', ' ')} {float(getattr(cost.terms, name)) * 1e3:.3f}"
+    for name in PIPELINE_TERMS
+  )
   return f"{pipeline}\nstep time {float(cost.step_time) * 1e3:.3f} ms = {terms}"
 
 
 def compare_with_best_expert(agent: str, costs: dict[str, dict[str, Any]]) -> str:
   """One line: the plan of `agent` against the best expert (`tactics.best_expert`) among
-  the expert rows of `costs` (`Plan.costs()`; an expert's own row among them), or, where no expert fits, says so and
+  the expert rows of `costs` (`Plan.costs()`; an expert's own row among them), or, where no expert
+  fits, says so and
   whether the plan fits, never giving a ratio to a plan that cannot run."""
-  experts = {k: tactics.Score(v["step_time_s"], v["peak_memory_bytes"], v["fits"])
-             for k, v in costs.items() if k != agent or agent in tactics.TACTICS}
+  experts = {
+    k: tactics.Score(v["step_time_s"], v["peak_memory_bytes"], v["fits"])
+    for k, v in costs.items()
+    if k != agent or agent in tactics.TACTICS
+  }
   plan = costs[agent]
   if not experts:
     return f"{agent}: no expert tactic applies"
@@ -181,8 +220,10 @@ def compare_with_best_expert(agent: str, costs: dict[str, dict[str, Any]]) -> st
     return f"{agent} step time / best expert ({best}): {plan['step_time_s'] / experts[best].step_time:.3f}{note}"
   if plan["fits"]:
     return f"no expert fits in memory; {agent}'s plan fits, the only one here that does"
-  return (f"no expert fits in memory, nor does {agent}'s plan (least memory: {best}, "
-          f"{experts[best].peak_memory / 2**30:.1f} GiB per device)")
+  return (
+    f"no expert fits in memory, nor does {agent}'s plan (least memory: {best}, "
+    f"{experts[best].peak_memory / 2**30:.1f} GiB per device)"
+  )
 
 
 @dataclasses.dataclass(eq=False)
@@ -243,8 +284,11 @@ class Plan:
     return to_jax_mesh(self.mesh, self.devices)
 
   def _named(self, specs):
-    return jax.tree.map(lambda s: NamedSharding(self.jax_mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(
+      lambda s: NamedSharding(self.jax_mesh, s),
+      specs,
+      is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
   @property
   def in_shardings(self):
@@ -275,9 +319,11 @@ class Plan:
     if self.pipeline is None or self.pipeline.trivial:
       return False
     if self.loss_fn is None or self.optimizer is None:
-      raise ValueError(f"a pipelined plan ({self.pipeline}) lowers the forward, and a bare step is already "
-                       "differentiated: pass the loss function and optimizer it is built from, "
-                       "Plan(..., loss_fn=workload.loss_fn, optimizer=workload.optimizer)")
+      raise ValueError(
+        f"a pipelined plan ({self.pipeline}) lowers the forward, and a bare step is already "
+        "differentiated: pass the loss function and optimizer it is built from, "
+        "Plan(..., loss_fn=workload.loss_fn, optimizer=workload.optimizer)"
+      )
     return True
 
   def jit(self):
@@ -290,10 +336,22 @@ class Plan:
     if self._pipelined():
       from automap_rl.xla.pipeline_lower import jit_pipelined
 
-      return jit_pipelined(self.problem, self.decisions, self.pipeline, self.loss_fn, self.optimizer, self.args,
-                           self.jax_mesh, self.problem.program.donate_argnums)[0]
-    return jax.jit(self.fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
-                   donate_argnums=self.problem.program.donate_argnums)
+      return jit_pipelined(
+        self.problem,
+        self.decisions,
+        self.pipeline,
+        self.loss_fn,
+        self.optimizer,
+        self.args,
+        self.jax_mesh,
+        self.problem.program.donate_argnums,
+      )[0]
+    return jax.jit(
+      self.fn,
+      in_shardings=self.in_shardings,
+      out_shardings=self.out_shardings,
+      donate_argnums=self.problem.program.donate_argnums,
+    )
 
   def lower(self, donate_argnums: Sequence[int] = ()):
     """Compiles the plan as written (`automap_rl.xla.lower.lower`: sharding constraints on
@@ -304,12 +362,26 @@ class Plan:
     if self._pipelined():
       from automap_rl.xla.pipeline_lower import lower_pipelined
 
-      return lower_pipelined(self.problem, self.decisions, self.pipeline, self.loss_fn, self.optimizer, self.args,
-                             self.jax_mesh, tuple(donate_argnums))
+      return lower_pipelined(
+        self.problem,
+        self.decisions,
+        self.pipeline,
+        self.loss_fn,
+        self.optimizer,
+        self.args,
+        self.jax_mesh,
+        tuple(donate_argnums),
+      )
     from automap_rl.xla.lower import lower  # Lazily: lowering pulls in the HLO tools.
 
-    return lower(self.problem, self.decisions, self.fn, self.args, jax_mesh=self.jax_mesh,
-                 donate_argnums=tuple(donate_argnums))
+    return lower(
+      self.problem,
+      self.decisions,
+      self.fn,
+      self.args,
+      jax_mesh=self.jax_mesh,
+      donate_argnums=tuple(donate_argnums),
+    )
 
   def check(self, args: Sequence[Any] | None = None):
     """Compiles the plan as written (`lower`; a pipelined plan's pipelined step), runs it on
@@ -332,12 +404,16 @@ class Plan:
     lines = [f"plan by {self.agent} on mesh {self.mesh_name} ({self.mesh.hardware.name})"]
     if self.search is not None:
       s = self.search
-      lines[0] += f": {s.simulations} simulations in {s.seconds:.1f}s ({s.setup_seconds:.1f}s setup)"
+      lines[0] += (
+        f": {s.simulations} simulations in {s.seconds:.1f}s ({s.setup_seconds:.1f}s setup)"
+      )
       if s.stopped_by is not None:
         lines[0] += f", stopped by its {s.stopped_by} limit"
       if s.lower_bound is not None:
-        lines.append(f"lower bound on the step time of the plans searched: {s.lower_bound * 1e3:.3f} ms "
-                     "(see SearchResult.lower_bound)")
+        lines.append(
+          f"lower bound on the step time of the plans searched: {s.lower_bound * 1e3:.3f} ms "
+          "(see SearchResult.lower_bound)"
+        )
       names = s.actions
     else:
       names = [str(d) for d in self.decisions]
@@ -361,8 +437,11 @@ class Plan:
     as (path, shape, spec)."""
     program = self.problem.program
     specs = self.problem.partition_specs(self.decisions, program.inputs)
-    rows = [(program.values[v], s) for v, s in zip(program.inputs, specs)
-            if not program.values[v].path.startswith("opt_state") and program.values[v].shape]
+    rows = [
+      (program.values[v], s)
+      for v, s in zip(program.inputs, specs)
+      if not program.values[v].path.startswith("opt_state") and program.values[v].shape
+    ]
     rows.sort(key=lambda r: -math.prod(r[0].shape) * r[0].itemsize)
     return [(v.path, tuple(v.shape), s) for v, s in rows[:count]]
 
@@ -379,7 +458,9 @@ class Plan:
     return plan_pictures.plot(self, path, count)
 
 
-def _structural_keys(problem: Problem, members_of: Sequence[Sequence[int]]) -> list[tuple[str, int]]:
+def _structural_keys(
+  problem: Problem, members_of: Sequence[Sequence[int]]
+) -> list[tuple[str, int]]:
   """(first example of the first class, occurrence) per group (or class): a name that
   survives changing a model's sizes and depth."""
   keys, seen = [], {}
@@ -391,7 +472,9 @@ def _structural_keys(problem: Problem, members_of: Sequence[Sequence[int]]) -> l
   return keys
 
 
-def transfer_decisions(decisions: Sequence[Decision], source: Problem, target: Problem) -> list[Decision]:
+def transfer_decisions(
+  decisions: Sequence[Decision], source: Problem, target: Problem
+) -> list[Decision]:
   """Maps a plan for `source` onto `target`, a smaller or larger copy of the same model
   (`gpt:layers=8,d_model=1024` -> `gpt:layers=2,d_model=128`): groups and named
   dimensions by their first example's name, argument dims by path. Decisions with no
@@ -401,15 +484,22 @@ def transfer_decisions(decisions: Sequence[Decision], source: Problem, target: P
     ValueError: `target` is not a copy of `source`: their argument paths differ other
       than in layer numbers.
   """
-  shapes = [{re.sub(r"\d+", "#", p.program.values[v].path) for v in p.program.inputs} for p in (source, target)]
+  shapes = [
+    {re.sub(r"\d+", "#", p.program.values[v].path) for v in p.program.inputs}
+    for p in (source, target)
+  ]
   if shapes[0] != shapes[1]:
     missing, extra = sorted(shapes[0] - shapes[1]), sorted(shapes[1] - shapes[0])
-    raise ValueError(f"the model to check is not a copy of the planned one: arguments missing {missing[:3]}"
-                     f"{'...' if len(missing) > 3 else ''}, extra {extra[:3]}{'...' if len(extra) > 3 else ''}")
+    raise ValueError(
+      f"the model to check is not a copy of the planned one: arguments missing {missing[:3]}"
+      f"{'...' if len(missing) > 3 else ''}, extra {extra[:3]}{'...' if len(extra) > 3 else ''}"
+    )
   group_key = _structural_keys(source, source.named.groups)
   group_at = {k: g for g, k in enumerate(_structural_keys(target, target.named.groups))}
   class_key = _structural_keys(source, [(c.id,) for c in source.named.classes])
-  class_at = {k: c for c, k in enumerate(_structural_keys(target, [(c.id,) for c in target.named.classes]))}
+  class_at = {
+    k: c for c, k in enumerate(_structural_keys(target, [(c.id,) for c in target.named.classes]))
+  }
   paths = {target.program.values[v].path for v in target.program.inputs}
   out = []
   for d in decisions:

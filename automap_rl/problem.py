@@ -11,9 +11,9 @@ import jax
 import numpy as np
 
 from automap_rl import ir, sharding, simulator
-from automap_rl.ir.stacks import LayerStack, layer_stacks
 from automap_rl.batching import next_power_of_two
 from automap_rl.compile_options import SearchJit
+from automap_rl.ir.stacks import LayerStack, layer_stacks
 from automap_rl.mesh import Mesh
 from automap_rl.pipeline import Pipeline
 from automap_rl.stages import StagedProgram
@@ -57,7 +57,9 @@ class Problem:
 
   def evaluate(self, dec_class: jax.Array, dec_axis: jax.Array) -> simulator.Cost:
     """The cost of encoded decisions; pure, so it jits and vmaps."""
-    return simulator.evaluate(self.tables, self.owners, len(self.named.classes), dec_class, dec_axis)
+    return simulator.evaluate(
+      self.tables, self.owners, len(self.named.classes), dec_class, dec_axis
+    )
 
   @functools.cached_property
   def layer_stacks(self) -> tuple[LayerStack, ...]:
@@ -82,7 +84,10 @@ class Problem:
 
   @functools.cached_property
   def _terms_jit(self):
-    return SearchJit(lambda dec_class, dec_axis: simulator.terms(self.tables, self.resolve(dec_class, dec_axis)), "few")
+    return SearchJit(
+      lambda dec_class, dec_axis: simulator.terms(self.tables, self.resolve(dec_class, dec_axis)),
+      "few",
+    )
 
   def encode_padded(self, decisions: Sequence[sharding.Decision]) -> tuple[np.ndarray, np.ndarray]:
     """`encode` padded with -1 to `plan_length` entries (or the power of two above a longer plan)."""
@@ -113,8 +118,9 @@ class Problem:
     `simulator.CostTerms`); `simulator.total(self.tables, terms)` is `self.cost(decisions)`."""
     return jax.device_get(self._terms_jit(*self.encode_padded(decisions)))
 
-  def plan_cost(self, decisions: Sequence[sharding.Decision],
-                pipeline: Pipeline | None = None) -> simulator.Cost | simulator.PipelineCost:
+  def plan_cost(
+    self, decisions: Sequence[sharding.Decision], pipeline: Pipeline | None = None
+  ) -> simulator.Cost | simulator.PipelineCost:
     """The cost of a plan: `cost(decisions)` without a pipeline or with a trivial one (one
     stage, one microbatch), else `pipelined(pipeline).cost(decisions)`."""
     if pipeline is None or pipeline.trivial:
@@ -140,21 +146,33 @@ class Problem:
     """`PartitionSpec`s of the given values under `decisions`."""
     return self.value_and_op_specs(decisions, value_ids, ())[0]
 
-  def value_and_op_specs(self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int],
-                         op_ids: Sequence[int]):
+  def value_and_op_specs(
+    self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int], op_ids: Sequence[int]
+  ):
     """`PartitionSpec`s of the given values under `decisions`, and for each of `op_ids` the
     `(operand specs, result specs)` the op computes on (`sharding.op_partition_specs`);
     one resolution for both."""
     dec_class, dec_axis = self.encode_padded(decisions)
     resolution = jax.device_get(self._resolve_jit(dec_class, dec_axis))
-    use = sharding.class_axis_use(self.sigs, resolution, len(self.named.classes), len(self.mesh.axis_names))
-    values = [sharding.partition_spec(v, self.sigs, resolution, dec_class, dec_axis, self.mesh, use) for v in value_ids]
-    ops = [sharding.op_partition_specs(self.program.ops[o], self.sigs, resolution, dec_class, dec_axis, self.mesh, use)
-           for o in op_ids]
+    use = sharding.class_axis_use(
+      self.sigs, resolution, len(self.named.classes), len(self.mesh.axis_names)
+    )
+    values = [
+      sharding.partition_spec(v, self.sigs, resolution, dec_class, dec_axis, self.mesh, use)
+      for v in value_ids
+    ]
+    ops = [
+      sharding.op_partition_specs(
+        self.program.ops[o], self.sigs, resolution, dec_class, dec_axis, self.mesh, use
+      )
+      for o in op_ids
+    ]
     return values, ops
 
 
-_pipeline_cost = SearchJit(simulator.pipeline_cost, "few")  # Tables as arguments: one compile per table shape.
+_pipeline_cost = SearchJit(
+  simulator.pipeline_cost, "few"
+)  # Tables as arguments: one compile per table shape.
 
 
 @functools.lru_cache(maxsize=16)
@@ -184,7 +202,12 @@ class PipelineProblem:
   @classmethod
   def build(cls, problem: Problem, pipeline: Pipeline) -> PipelineProblem:
     staged = StagedProgram.build(problem.program, problem.named, problem.mesh, pipeline)
-    return cls(problem, pipeline, staged, simulator.build_pipeline_tables(staged, problem.named, problem.sigs))
+    return cls(
+      problem,
+      pipeline,
+      staged,
+      simulator.build_pipeline_tables(staged, problem.named, problem.sigs),
+    )
 
   @property
   def _resolve_jit(self):
@@ -210,19 +233,26 @@ class PipelineProblem:
     """Raises ValueError where a value dim or op factor, at microbatch (stage) size, does
     not divide by the devices the plan shards it over."""
     t, program, mesh = self.tables, self.staged.program, self.staged.mesh
-    value = lambda i, dim: f"dim {dim} of {program.values[i].path or 'a value'} {list(program.values[i].shape)}"
-    factor = lambda i, dim: f"factor {dim} of {program.ops[i].primitive} {list(program.ops[i].rule.factor_sizes)}"
+    value = lambda i, dim: (
+      f"dim {dim} of {program.values[i].path or 'a value'} {list(program.values[i].shape)}"
+    )
+    factor = lambda i, dim: (
+      f"factor {dim} of {program.ops[i].primitive} {list(program.ops[i].rule.factor_sizes)}"
+    )
     for masks, source, sizes, examples, describe in (
-        (resolution.value_mask, t.value_source, t.value_size, t.value_example, value),
-        (resolution.op_mask, t.op_source, t.op_size, t.op_example, factor)):
+      (resolution.value_mask, t.value_source, t.value_size, t.value_example, value),
+      (resolution.op_mask, t.op_source, t.op_size, t.op_example, factor),
+    ):
       mask = np.asarray(masks)[source].astype(np.int64)
       bad = np.argwhere(sizes % t.tables.mask_group[mask] != 0)
       if len(bad):
         row, dim = bad[0]
         axes = tuple(name for i, name in enumerate(mesh.axis_names) if mask[row, dim] >> i & 1)
-        raise ValueError(f"with {self.pipeline.microbatches} microbatches and {self.pipeline.stages} stages, "
-                         f"{describe(examples[row], dim)} (a microbatch's or stage's share) does not divide over "
-                         f"{axes}, which the plan shards it on; use fewer microbatches or stages, or shard it less")
+        raise ValueError(
+          f"with {self.pipeline.microbatches} microbatches and {self.pipeline.stages} stages, "
+          f"{describe(examples[row], dim)} (a microbatch's or stage's share) does not divide over "
+          f"{axes}, which the plan shards it on; use fewer microbatches or stages, or shard it less"
+        )
 
   def cost(self, decisions: Sequence[sharding.Decision]) -> simulator.PipelineCost:
     """The cost of intra-op decisions inside the stages (see `resolution` for errors)."""

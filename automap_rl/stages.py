@@ -148,7 +148,9 @@ class StagedProgram:
   looped: np.ndarray
 
   @classmethod
-  def build(cls, program: Program, named: NamedDims, mesh: Mesh, pipeline: Pipeline) -> StagedProgram:
+  def build(
+    cls, program: Program, named: NamedDims, mesh: Mesh, pipeline: Pipeline
+  ) -> StagedProgram:
     """Places `program`'s ops on `pipeline`'s stages (ValueError: see `Pipeline.check`)."""
     stack = pipeline.check(program, named, mesh)
     graph = _Graph(program)
@@ -170,11 +172,20 @@ class StagedProgram:
     if stack.scanned:
       ratios.update({c: pipeline.stages for c in stack.layer_classes})
       loop_ratio = pipeline.stages
-    return cls(pipeline, stack, _resized(program, named, ratios, loops, loop_ratio), pipeline.stage_mesh(mesh),
-               op_stage, phase, forward_time, _loop_invariant_reads(program, phase), value_stage,
-               _residuals(program, graph, phase, forward_time, op_stage),
-               _transfers(program, graph, stack, pipeline.stages, phase, forward_time, op_stage),
-               (phase != Phase.STEP) & ((op_stage != EVERY_STAGE) | (stack.op_layer != OUTSIDE)))
+    return cls(
+      pipeline,
+      stack,
+      _resized(program, named, ratios, loops, loop_ratio),
+      pipeline.stage_mesh(mesh),
+      op_stage,
+      phase,
+      forward_time,
+      _loop_invariant_reads(program, phase),
+      value_stage,
+      _residuals(program, graph, phase, forward_time, op_stage),
+      _transfers(program, graph, stack, pipeline.stages, phase, forward_time, op_stage),
+      (phase != Phase.STEP) & ((op_stage != EVERY_STAGE) | (stack.op_layer != OUTSIDE)),
+    )
 
 
 class _Graph:
@@ -197,17 +208,24 @@ class _Graph:
 def layers_loop(program: Program, stack: LayerStack) -> np.ndarray:
   """The ops of a scanned stack's loop over its layers (none for an unrolled stack), bool
   [num_ops]."""
-  return np.array([stack.op_layer[op.id] == EVERY_LAYER and op.scope.startswith("scan") for op in program.ops],
-                  bool).reshape(program.num_ops)
+  return np.array(
+    [stack.op_layer[op.id] == EVERY_LAYER and op.scope.startswith("scan") for op in program.ops],
+    bool,
+  ).reshape(program.num_ops)
 
 
 def _loop_invariant_reads(program: Program, phase: np.ndarray) -> tuple[tuple[bool, ...], ...]:
   """Per op, per operand: a microbatch op reading a value made once per step (an
   argument other than the batch, a step op's result)."""
-  made_per_step = np.array([v.role not in (Role.INPUT, Role.INTERMEDIATE, Role.OUTPUT) for v in program.values])
+  made_per_step = np.array(
+    [v.role not in (Role.INPUT, Role.INTERMEDIATE, Role.OUTPUT) for v in program.values]
+  )
   for op in program.ops:
     made_per_step[list(op.results)] = phase[op.id] == Phase.STEP
-  return tuple(tuple(bool(phase[op.id] != Phase.STEP and made_per_step[v]) for v in op.operands) for op in program.ops)
+  return tuple(
+    tuple(bool(phase[op.id] != Phase.STEP and made_per_step[v]) for v in op.operands)
+    for op in program.ops
+  )
 
 
 def _batch_classes(program: Program, named: NamedDims) -> set[int]:
@@ -223,16 +241,22 @@ def _layer_dependent(program: Program, loop_body: np.ndarray) -> np.ndarray:
   dependent = np.zeros(program.num_ops, bool)
   made = np.zeros(program.num_values, bool)
   for op in program.ops:
-    if loop_body[op.id] and (op.primitive in ("scan_slice", "scan_stack") or any(made[v] for v in op.operands)):
+    if loop_body[op.id] and (
+      op.primitive in ("scan_slice", "scan_stack") or any(made[v] for v in op.operands)
+    ):
       dependent[op.id] = True
       made[list(op.results)] = True
   return dependent
 
 
-def _phases(program: Program, named: NamedDims, graph: _Graph, batch: set[int], per_layer: np.ndarray) -> np.ndarray:
+def _phases(
+  program: Program, named: NamedDims, graph: _Graph, batch: set[int], per_layer: np.ndarray
+) -> np.ndarray:
   """The `Phase` of each op (module docstring; `per_layer`: the ops of a scanned stack's
   loop body that depend on its layer, `_layer_dependent`), int [num_ops]."""
-  has_batch = np.array([bool(batch & set(named.op_factor_classes(op.id).tolist())) for op in program.ops])
+  has_batch = np.array(
+    [bool(batch & set(named.op_factor_classes(op.id).tolist())) for op in program.ops]
+  )
   on_batch = np.array([v.role == Role.INPUT for v in program.values])
   for op in program.ops:
     if any(on_batch[v] for v in op.operands):
@@ -240,9 +264,13 @@ def _phases(program: Program, named: NamedDims, graph: _Graph, batch: set[int], 
   feeds = np.zeros(program.num_ops, bool)  # Some result reaches an op with a batch factor.
   for op in reversed(program.ops):
     feeds[op.id] = any(has_batch[c] or feeds[c] for c in graph.consumers(op))
-  microbatch = has_batch | (feeds & np.array([any(on_batch[v] for v in op.operands) for op in program.ops]))
+  microbatch = has_batch | (
+    feeds & np.array([any(on_batch[v] for v in op.operands) for op in program.ops])
+  )
   microbatch |= per_layer  # Each stage runs its layers' loop in every iteration.
-  return np.where(microbatch, np.where(feeds, Phase.MICROBATCH, Phase.ACCUMULATED), Phase.STEP).astype(np.int64)
+  return np.where(
+    microbatch, np.where(feeds, Phase.MICROBATCH, Phase.ACCUMULATED), Phase.STEP
+  ).astype(np.int64)
 
 
 def _forward(program: Program, graph: _Graph, phase: np.ndarray) -> np.ndarray:
@@ -254,8 +282,11 @@ def _forward(program: Program, graph: _Graph, phase: np.ndarray) -> np.ndarray:
     if any(reads_state[v] for v in op.operands):
       reads_state[list(op.results)] = True
   has_state = any(program.values[v].role == Role.OPTIMIZER_STATE for v in program.inputs)
-  targets = [v for v in program.outputs
-             if (not reads_state[v] if has_state else not program.values[v].shape) and v in graph.producer]
+  targets = [
+    v
+    for v in program.outputs
+    if (not reads_state[v] if has_state else not program.values[v].shape) and v in graph.producer
+  ]
   forward = np.zeros(program.num_ops, bool)
   todo = [graph.producer[v] for v in targets]
   while todo:
@@ -266,26 +297,42 @@ def _forward(program: Program, graph: _Graph, phase: np.ndarray) -> np.ndarray:
   return forward & (phase != Phase.STEP)
 
 
-def _place(program: Program, graph: _Graph, stack: LayerStack, layer_stage: np.ndarray, phase: np.ndarray,
-           forward: np.ndarray, forward_time: np.ndarray) -> np.ndarray:
+def _place(
+  program: Program,
+  graph: _Graph,
+  stack: LayerStack,
+  layer_stage: np.ndarray,
+  phase: np.ndarray,
+  forward: np.ndarray,
+  forward_time: np.ndarray,
+) -> np.ndarray:
   """The stage of every op (module docstring), int [num_ops]."""
   anchored = stack.op_layer != OUTSIDE
   stage = np.full(program.num_ops, OUTSIDE, np.int64)
-  stage[anchored] = np.where(stack.op_layer[anchored] == EVERY_LAYER, EVERY_STAGE,
-                             layer_stage[np.maximum(stack.op_layer[anchored], 0)])
+  stage[anchored] = np.where(
+    stack.op_layer[anchored] == EVERY_LAYER,
+    EVERY_STAGE,
+    layer_stage[np.maximum(stack.op_layer[anchored], 0)],
+  )
   backward = (phase != Phase.STEP) & ~forward
   # Backward-pass ops made in the forward pass's time go with the last forward op that
   # makes or reads what they read.
   helper = forward_time & ~forward & ~anchored
   _place_pass(program, graph, stack, layer_stage, phase, forward, True, stage)
   for o in np.flatnonzero(helper):
-    near = [n for v in program.ops[o].operands for n in [graph.producer.get(v, -1), *graph.readers.get(v, ())]
-            if n >= 0 and (forward[n] or helper[n]) and stage[n] != OUTSIDE]
+    near = [
+      n
+      for v in program.ops[o].operands
+      for n in [graph.producer.get(v, -1), *graph.readers.get(v, ())]
+      if n >= 0 and (forward[n] or helper[n]) and stage[n] != OUTSIDE
+    ]
     if near:
       stage[o] = stage[max(near)]
   _place_step_ops(program, graph, phase, stage)
   _place_pass(program, graph, stack, layer_stage, phase, backward & ~helper, False, stage)
-  for op in reversed(program.ops):  # What is left (constants, ops off the stack): with a placed reader,
+  for op in reversed(
+    program.ops
+  ):  # What is left (constants, ops off the stack): with a placed reader,
     if stage[op.id] == OUTSIDE:
       near = [c for c in graph.consumers(op) if stage[c] != OUTSIDE]
       stage[op.id] = stage[min(near)] if near else OUTSIDE
@@ -296,14 +343,24 @@ def _place(program: Program, graph: _Graph, stack: LayerStack, layer_stage: np.n
   return stage
 
 
-def _place_pass(program: Program, graph: _Graph, stack: LayerStack, layer_stage: np.ndarray, phase: np.ndarray,
-                in_pass: np.ndarray, upward: bool, stage: np.ndarray) -> None:
+def _place_pass(
+  program: Program,
+  graph: _Graph,
+  stack: LayerStack,
+  layer_stage: np.ndarray,
+  phase: np.ndarray,
+  in_pass: np.ndarray,
+  upward: bool,
+  stage: np.ndarray,
+) -> None:
   """Places the unplaced ops of one pass, in place: by the nearest anchored layer below
   and above each (the forward pass runs the layers upwards, so the layers below are
   upstream; the backward pass downwards), ops between two stages by a minimum cut."""
   num_layers = stack.layers
   anchored = stack.op_layer != OUTSIDE
-  low = np.where(stack.op_layer == EVERY_LAYER, 0, stack.op_layer)  # The anchor's first and last layer.
+  low = np.where(
+    stack.op_layer == EVERY_LAYER, 0, stack.op_layer
+  )  # The anchor's first and last layer.
   high = np.where(stack.op_layer == EVERY_LAYER, num_layers - 1, stack.op_layer)
   below = _reach(program, graph, in_pass, anchored, high, -1, np.maximum, down=not upward)
   above = _reach(program, graph, in_pass, anchored, low, num_layers, np.minimum, down=upward)
@@ -320,14 +377,24 @@ def _place_pass(program: Program, graph: _Graph, stack: LayerStack, layer_stage:
     elif stage_of(lower) == stage_of(upper):
       stage[o] = stage_of(lower)
     else:  # Between two stages: on the side data comes from first, then cut.
-      source, target = (stage_of(lower), stage_of(upper)) if upward else (stage_of(upper), stage_of(lower))
+      source, target = (
+        (stage_of(lower), stage_of(upper)) if upward else (stage_of(upper), stage_of(lower))
+      )
       stage[o] = source
       gaps.append((int(o), target))
   _cut(program, graph, stage, gaps, phase)
 
 
-def _reach(program: Program, graph: _Graph, in_pass: np.ndarray, anchored: np.ndarray, layer: np.ndarray,
-           none: int, combine, down: bool) -> np.ndarray:
+def _reach(
+  program: Program,
+  graph: _Graph,
+  in_pass: np.ndarray,
+  anchored: np.ndarray,
+  layer: np.ndarray,
+  none: int,
+  combine,
+  down: bool,
+) -> np.ndarray:
   """Per op of the pass, `combine` (max or min) of `layer` over the anchored ops of the
   pass it reaches (downstream, or that reach it), itself included; `none` where none."""
   out = np.full(program.num_ops, none, np.int64)
@@ -342,8 +409,13 @@ def _reach(program: Program, graph: _Graph, in_pass: np.ndarray, anchored: np.nd
   return out
 
 
-def _cut(program: Program, graph: _Graph, stage: np.ndarray, gaps: Sequence[tuple[int, int]],
-         phase: np.ndarray) -> None:
+def _cut(
+  program: Program,
+  graph: _Graph,
+  stage: np.ndarray,
+  gaps: Sequence[tuple[int, int]],
+  phase: np.ndarray,
+) -> None:
   """Places the ops between two stages (`gaps`: (op, the later stage), the op on the
   earlier one for now) where the fewest bytes cross, in place: a minimum cut between the
   earlier stage's placed ops and the later stage's, with a node per value so that a
@@ -358,7 +430,11 @@ def _cut(program: Program, graph: _Graph, stage: np.ndarray, gaps: Sequence[tupl
     edges: list[tuple[int, int, float]] = []
     values = {v for o in ops for v in (*program.ops[o].operands, *program.ops[o].results)}
     for v in sorted(values):
-      made_by = node(graph.producer[v]) if v in graph.producer and phase[graph.producer[v]] != Phase.STEP else None
+      made_by = (
+        node(graph.producer[v])
+        if v in graph.producer and phase[graph.producer[v]] != Phase.STEP
+        else None
+      )
       read_by = {node(r) for r in graph.readers.get(v, ())} - {None, made_by}
       if made_by is None or not read_by:
         continue
@@ -382,8 +458,10 @@ def _later_side(num_nodes: int, edges: Sequence[tuple[int, int, float]]) -> np.n
   finite = np.isfinite(caps)
   scaled = np.maximum(np.where(finite, caps, 0.0) / max(caps[finite].sum() / 2**20, 1e-9), 1.0)
   infinite = int(scaled[finite].sum()) + 1
-  capacity = coo_array((np.where(finite, scaled, infinite).astype(np.int64), (rows, cols)),
-                       shape=(num_nodes, num_nodes)).tocsr()
+  capacity = coo_array(
+    (np.where(finite, scaled, infinite).astype(np.int64), (rows, cols)),
+    shape=(num_nodes, num_nodes),
+  ).tocsr()
   capacity.sum_duplicates()
   capacity.data = np.minimum(capacity.data, infinite).astype(np.int32)
   flow = maximum_flow(capacity, 0, 1).flow
@@ -402,11 +480,14 @@ def _place_step_ops(program: Program, graph: _Graph, phase: np.ndarray, stage: n
   of the first microbatch op they feed."""
   num_ops = program.num_ops
   step = phase == Phase.STEP
-  first_reached = np.full(num_ops, num_ops, np.int64)  # The earliest placed microbatch op downstream.
+  first_reached = np.full(
+    num_ops, num_ops, np.int64
+  )  # The earliest placed microbatch op downstream.
   for op in reversed(program.ops):
     for c in graph.consumers(op):
-      first_reached[op.id] = min(first_reached[op.id], first_reached[c] if step[c] else
-                                 c if stage[c] != OUTSIDE else num_ops)
+      first_reached[op.id] = min(
+        first_reached[op.id], first_reached[c] if step[c] else c if stage[c] != OUTSIDE else num_ops
+      )
   joined = DisjointSet(np.flatnonzero(step).tolist())
   for op in program.ops:
     if step[op.id]:
@@ -431,35 +512,52 @@ def _place_step_ops(program: Program, graph: _Graph, phase: np.ndarray, stage: n
           stage[o] = stage[first_reached[o]]
 
 
-def _residuals(program: Program, graph: _Graph, phase: np.ndarray, forward: np.ndarray,
-               stage: np.ndarray) -> dict[int, frozenset[int]]:
+def _residuals(
+  program: Program, graph: _Graph, phase: np.ndarray, forward: np.ndarray, stage: np.ndarray
+) -> dict[int, frozenset[int]]:
   """Values made in the forward pass's time and read in the backward's -> the stages of
   their backward readers."""
   out = {}
   for v, p in graph.producer.items():
     if forward[p]:
-      keepers = {int(stage[r]) for r in graph.readers.get(v, ()) if phase[r] != Phase.STEP and not forward[r]}
+      keepers = {
+        int(stage[r]) for r in graph.readers.get(v, ()) if phase[r] != Phase.STEP and not forward[r]
+      }
       if keepers:
         out[v] = frozenset(keepers)
   return out
 
 
-def _transfers(program: Program, graph: _Graph, stack: LayerStack, stages: int, phase: np.ndarray,
-               forward: np.ndarray, stage: np.ndarray) -> tuple[Transfer, ...]:
+def _transfers(
+  program: Program,
+  graph: _Graph,
+  stack: LayerStack,
+  stages: int,
+  phase: np.ndarray,
+  forward: np.ndarray,
+  stage: np.ndarray,
+) -> tuple[Transfer, ...]:
   """A scanned stack's carries (each stage sends its successor the carry of its last
   layer, when there are stages); values made on one stage and read on another."""
-  out = [Transfer(v, EVERY_STAGE, not forward[graph.producer[v]], False) for v in stack.carries if stages > 1]
+  out = [
+    Transfer(v, EVERY_STAGE, not forward[graph.producer[v]], False)
+    for v in stack.carries
+    if stages > 1
+  ]
   for v, p in graph.producer.items():
     if phase[p] == Phase.STEP or stage[p] == EVERY_STAGE:
       continue
     readers = [r for r in graph.readers.get(v, ()) if stage[r] not in (stage[p], EVERY_STAGE)]
     if readers:
-      out.append(Transfer(v, int(stage[p]), not forward[p], all(phase[r] == Phase.STEP for r in readers)))
+      out.append(
+        Transfer(v, int(stage[p]), not forward[p], all(phase[r] == Phase.STEP for r in readers))
+      )
   return tuple(out)
 
 
-def _resized(program: Program, named: NamedDims, ratios: dict[int, int], loops: np.ndarray,
-             loop_ratio: int) -> Program:
+def _resized(
+  program: Program, named: NamedDims, ratios: dict[int, int], loops: np.ndarray, loop_ratio: int
+) -> Program:
   """`program` with every dim and factor of class c divided by `ratios[c]` and the ops of
   `loops` run `repeat / loop_ratio` times (module docstring)."""
   if not ratios and loop_ratio == 1:
@@ -473,23 +571,41 @@ def _resized(program: Program, named: NamedDims, ratios: dict[int, int], loops: 
     classes = named.value_classes(value.id)
     for d, (n, c) in enumerate(zip(value.shape, classes)):
       if n % ratio(c):
-        raise ValueError(f"cannot divide the program into microbatches or stages: dim {d} of "
-                         f"{value.path or 'a value'} {list(value.shape)} does not divide by {ratio(c)}")
-    values.append(dataclasses.replace(value, shape=tuple(n // ratio(c) for n, c in zip(value.shape, classes))))
+        raise ValueError(
+          f"cannot divide the program into microbatches or stages: dim {d} of "
+          f"{value.path or 'a value'} {list(value.shape)} does not divide by {ratio(c)}"
+        )
+    values.append(
+      dataclasses.replace(value, shape=tuple(n // ratio(c) for n, c in zip(value.shape, classes)))
+    )
   ops = []
   for op in program.ops:
-    sizes = tuple(n // ratio(c) for n, c in zip(op.rule.factor_sizes, named.op_factor_classes(op.id)))
+    sizes = tuple(
+      n // ratio(c) for n, c in zip(op.rule.factor_sizes, named.op_factor_classes(op.id))
+    )
     _check_sizes(program, values, op, sizes)
     if op.flops is None:
       flops = None
     elif op.primitive in REDUCTIONS:
-      flops = primitive_flops(op.primitive, [values[v].shape for v in op.operands],
-                              [values[v].shape for v in op.results], {})
+      flops = primitive_flops(
+        op.primitive,
+        [values[v].shape for v in op.operands],
+        [values[v].shape for v in op.results],
+        {},
+      )
     else:
       flops = op.flops * math.prod(sizes) / max(math.prod(op.rule.factor_sizes), 1)
-    ops.append(dataclasses.replace(op, rule=dataclasses.replace(op.rule, factor_sizes=sizes), flops=flops,
-                                   repeat=op.repeat // loop_ratio if loops[op.id] else op.repeat))
-  return dataclasses.replace(program, values=tuple(values), ops=tuple(ops), jaxpr=None, out_tree=None)
+    ops.append(
+      dataclasses.replace(
+        op,
+        rule=dataclasses.replace(op.rule, factor_sizes=sizes),
+        flops=flops,
+        repeat=op.repeat // loop_ratio if loops[op.id] else op.repeat,
+      )
+    )
+  return dataclasses.replace(
+    program, values=tuple(values), ops=tuple(ops), jaxpr=None, out_tree=None
+  )
 
 
 def _check_sizes(program: Program, values, op: Op, sizes: Sequence[int]) -> None:
@@ -501,9 +617,13 @@ def _check_sizes(program: Program, values, op: Op, sizes: Sequence[int]) -> None
       for d, factors in enumerate(dim_factors):
         if not factors:
           continue
-        if (math.prod(rule.factor_sizes[f] for f in factors) == program.values[v].shape[d]
-                and math.prod(sizes[f] for f in factors) != values[v].shape[d]):
-          raise ValueError(f"cannot divide the program into microbatches or stages: {op.primitive} reads or "
-                           f"makes dim {d} of a {list(program.values[v].shape)} value as factors of sizes "
-                           f"{[rule.factor_sizes[f] for f in factors]}, one of them a minor part of the batch or "
-                           "layers")
+        if (
+          math.prod(rule.factor_sizes[f] for f in factors) == program.values[v].shape[d]
+          and math.prod(sizes[f] for f in factors) != values[v].shape[d]
+        ):
+          raise ValueError(
+            f"cannot divide the program into microbatches or stages: {op.primitive} reads or "
+            f"makes dim {d} of a {list(program.values[v].shape)} value as factors of sizes "
+            f"{[rule.factor_sizes[f] for f in factors]}, one of them a minor part of the batch or "
+            "layers"
+          )

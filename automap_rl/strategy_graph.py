@@ -165,7 +165,9 @@ class ProgramGraph:
     for node, (cls, members, domain) in enumerate(zip(self.classes, self.members, self.domains)):
       axes = {tuple(assignment.get(m, ())) for m in members}
       if len(axes) > 1:
-        raise ValueError(f"classes {members} are tied but the assignment gives them the axes {sorted(axes)}")
+        raise ValueError(
+          f"classes {members} are tied but the assignment gives them the axes {sorted(axes)}"
+        )
       axis = axes.pop()
       if axis not in domain:
         raise ValueError(f"class {cls} cannot take the axes {axis} (its axes: {domain[1:]})")
@@ -176,13 +178,21 @@ class ProgramGraph:
 
   def assignment(self, choice: Sequence[int] | np.ndarray) -> dict[int, Axes]:
     """The assignment (class -> axes) of a graph plan's class nodes (sharded classes only)."""
-    return {m: domain[int(choice[node])] for node, (members, domain) in enumerate(zip(self.members, self.domains))
-            if domain[int(choice[node])] for m in members}
+    return {
+      m: domain[int(choice[node])]
+      for node, (members, domain) in enumerate(zip(self.members, self.domains))
+      if domain[int(choice[node])]
+      for m in members
+    }
 
   def decisions_of(self, assignment: Mapping[int, Axes]) -> list[Decision]:
     """The decision list of an assignment: each class's k-th axis at its slot."""
     names = self.problem.mesh.axis_names
-    return [Decision(cls, names[assignment[cls][k]]) for cls, k in self.slots if k < len(assignment.get(cls, ()))]
+    return [
+      Decision(cls, names[assignment[cls][k]])
+      for cls, k in self.slots
+      if k < len(assignment.get(cls, ()))
+    ]
 
   def decisions(self, choice: Sequence[int] | np.ndarray) -> list[Decision]:
     """The decision list of a graph plan (`decisions_of` its assignment)."""
@@ -207,8 +217,11 @@ class ProgramGraph:
     own_class, own_axis = self.problem.encode(self.decisions_of(assignment))
     length = max(len(dec_class), len(own_class), 1)
     pad = lambda x: np.concatenate([x, np.full(length - len(x), -1, np.int32)])
-    resolution = jax.device_get(_resolve_batch(self.problem)(np.stack([pad(dec_class), pad(own_class)]),
-                                                             np.stack([pad(dec_axis), pad(own_axis)])))
+    resolution = jax.device_get(
+      _resolve_batch(self.problem)(
+        np.stack([pad(dec_class), pad(own_class)]), np.stack([pad(dec_axis), pad(own_axis)])
+      )
+    )
     same = all(np.array_equal(m[0], m[1]) for m in (resolution.value_mask, resolution.op_mask))
     return assignment if same else None
 
@@ -220,7 +233,9 @@ def _site_strategy(site: Site, index_of: Mapping[int, int]) -> int:
   return int(site.lookup[index])
 
 
-def order_from(problem: Problem, decisions: Sequence[Decision] = (), max_axes: int = 2) -> tuple[int, ...]:
+def order_from(
+  problem: Problem, decisions: Sequence[Decision] = (), max_axes: int = 2
+) -> tuple[int, ...]:
   """A decision order (see `build`) that keeps the decisions' order: the class of each first
   decision of a (class, axis), up to `max_axes` per class, then the other classes by id."""
   dec_class, dec_axis = problem.encode(decisions)
@@ -252,8 +267,7 @@ def tied_classes(problem: Problem) -> np.ndarray:
   stack (one class per layer: the same dim of the same weight in every layer), else the
   class itself. A scanned stack needs no tie: its loop body is one op for every layer."""
   tie = np.arange(len(problem.named.classes), dtype=np.int64)
-  layered = {c for stack in problem.layer_stacks if not stack.scanned
-             for c in stack.layer_classes}
+  layered = {c for stack in problem.layer_stacks if not stack.scanned for c in stack.layer_classes}
   for group in problem.named.groups:
     if len(group) > 1 and layered.issuperset(group):
       tie[list(group)] = min(group)
@@ -265,16 +279,22 @@ def _class_domains(problem: Problem, max_axes: int) -> dict[int, tuple[Axes, ...
   some dim or factor of the class: single axes, then ordered pairs), for classes that some
   value-signature dim or op-signature factor carries."""
   sigs, sizes = problem.sigs, problem.mesh.axis_sizes
-  candidates = [axes for k in range(1, max_axes + 1) for axes in itertools.permutations(range(len(sizes)), k)]
+  candidates = [
+    axes for k in range(1, max_axes + 1) for axes in itertools.permutations(range(len(sizes)), k)
+  ]
   domains: dict[int, set[Axes]] = {}
   for classes, dims in ((sigs.value_class, sigs.value_size), (sigs.op_class, sigs.op_size)):
     for cls, size in zip(classes.ravel().tolist(), dims.ravel().tolist()):
       if cls >= 0:
-        domains.setdefault(cls, set()).update(a for a in candidates if size % math.prod(sizes[x] for x in a) == 0)
+        domains.setdefault(cls, set()).update(
+          a for a in candidates if size % math.prod(sizes[x] for x in a) == 0
+        )
   return {cls: ((), *(a for a in candidates if a in axes)) for cls, axes in domains.items()}
 
 
-def _tied_domains(domains: Mapping[int, tuple[Axes, ...]], tie: np.ndarray) -> dict[int, tuple[Axes, ...]]:
+def _tied_domains(
+  domains: Mapping[int, tuple[Axes, ...]], tie: np.ndarray
+) -> dict[int, tuple[Axes, ...]]:
   """Class node -> the axes every one of its classes can take (the first class of the tie
   that some signature carries names the node)."""
   axes: dict[int, tuple[Axes, ...]] = {}
@@ -284,8 +304,9 @@ def _tied_domains(domains: Mapping[int, tuple[Axes, ...]], tie: np.ndarray) -> d
   return axes
 
 
-def _capped_domains(domains: Mapping[int, tuple[Axes, ...]], specs: Sequence[_SiteSpec],
-                    classes: Sequence[int]) -> dict[int, tuple[Axes, ...]]:
+def _capped_domains(
+  domains: Mapping[int, tuple[Axes, ...]], specs: Sequence[_SiteSpec], classes: Sequence[int]
+) -> dict[int, tuple[Axes, ...]]:
   """`domains` with the pairs of axes kept for class nodes in the order of `classes` while
   every site's assignments (the product of its class nodes' domain sizes) stay within
   `MAX_SITE_ASSIGNMENTS`; the other nodes keep their single axes."""
@@ -328,27 +349,40 @@ class _SiteSpec:
     decision slots."""
     sigs = self.problem_rows(problem)
     local = {c: i for i, c in enumerate(self.classes)}
-    rows = tuple((kind, tuple(local.get(int(c), -1) for c in classes), tuple(int(n) for n in sizes))
-                 for kind, classes, sizes in sigs)
+    rows = tuple(
+      (kind, tuple(local.get(int(c), -1) for c in classes), tuple(int(n) for n in sizes))
+      for kind, classes, sizes in sigs
+    )
     return self.kind, rows, self.nodes, self.slots
 
   def problem_rows(self, problem: Problem) -> list[tuple[str, np.ndarray, np.ndarray]]:
     sigs = problem.sigs
-    return [(kind, sigs.op_class[i], sigs.op_size[i]) if kind == "op" else (kind, sigs.value_class[i],
-                                                                            sigs.value_size[i])
-            for kind, i in self.rows]
+    return [
+      (kind, sigs.op_class[i], sigs.op_size[i])
+      if kind == "op"
+      else (kind, sigs.value_class[i], sigs.value_size[i])
+      for kind, i in self.rows
+    ]
 
 
-def _site_specs(problem: Problem, rank: Mapping[int, int], node_of: np.ndarray,
-                position: Mapping[tuple[int, int], int]) -> list[_SiteSpec]:
+def _site_specs(
+  problem: Problem,
+  rank: Mapping[int, int],
+  node_of: np.ndarray,
+  position: Mapping[tuple[int, int], int],
+) -> list[_SiteSpec]:
   sigs, tables = problem.sigs, problem.tables
   max_axes = max(k for _, k in position) + 1
 
   def spec(kind: str, index: int, rows: list[tuple[str, int]]) -> _SiteSpec:
     classes = _classes_of(problem, rows, rank)
-    slots = sorted(((i, k) for i in range(len(classes)) for k in range(max_axes)),
-                   key=lambda slot: position[classes[slot[0]], slot[1]])
-    return _SiteSpec(kind, index, tuple(rows), classes, tuple(int(node_of[c]) for c in classes), tuple(slots))
+    slots = sorted(
+      ((i, k) for i in range(len(classes)) for k in range(max_axes)),
+      key=lambda slot: position[classes[slot[0]], slot[1]],
+    )
+    return _SiteSpec(
+      kind, index, tuple(rows), classes, tuple(int(node_of[c]) for c in classes), tuple(slots)
+    )
 
   specs = []
   for o in range(len(sigs.op_keys)):
@@ -362,11 +396,15 @@ def _site_specs(problem: Problem, rank: Mapping[int, int], node_of: np.ndarray,
   return specs
 
 
-def _classes_of(problem: Problem, rows: Sequence[tuple[str, int]], rank: Mapping[int, int]) -> tuple[int, ...]:
+def _classes_of(
+  problem: Problem, rows: Sequence[tuple[str, int]], rank: Mapping[int, int]
+) -> tuple[int, ...]:
   sigs = problem.sigs
   found = set()
   for kind, i in rows:
-    found.update(int(c) for c in (sigs.op_class[i] if kind == "op" else sigs.value_class[i]) if c >= 0)
+    found.update(
+      int(c) for c in (sigs.op_class[i] if kind == "op" else sigs.value_class[i]) if c >= 0
+    )
   return tuple(sorted(found, key=rank.__getitem__))
 
 
@@ -376,20 +414,28 @@ def _resolve_batch(problem: Problem):
 
 
 def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
-  return np.concatenate([x, np.full((rows - len(x), *x.shape[1:]), -1, x.dtype)]) if len(x) < rows else x
+  return (
+    np.concatenate([x, np.full((rows - len(x), *x.shape[1:]), -1, x.dtype)]) if len(x) < rows else x
+  )
 
 
 @jax.jit
 @jax.vmap
-def _apply_in_order(divisible: jax.Array, classes: jax.Array, dec_class: jax.Array, dec_axis: jax.Array) -> jax.Array:
+def _apply_in_order(
+  divisible: jax.Array, classes: jax.Array, dec_class: jax.Array, dec_axis: jax.Array
+) -> jax.Array:
   """Resolves rows decision by decision (`sharding.apply_decision`, the one rule), vmapped
   over a batch: `(divisible int32 [B, S], classes int32 [B, S], dec_class int32 [B, K],
   dec_axis int32 [B, K]) -> masks int8 [B, S]`; a decision with axis -1 is none."""
 
   def step(mask, decision):
     cls, axis = decision
-    rank = jnp.where((classes == cls) & (cls >= 0) & (axis >= 0), 0, sharding.NO_SLOT_RANK).astype(jnp.int16)
-    return sharding.apply_decision(divisible[None], mask[None], rank[None], jnp.maximum(axis, 0))[0], None
+    rank = jnp.where((classes == cls) & (cls >= 0) & (axis >= 0), 0, sharding.NO_SLOT_RANK).astype(
+      jnp.int16
+    )
+    return sharding.apply_decision(divisible[None], mask[None], rank[None], jnp.maximum(axis, 0))[
+      0
+    ], None
 
   mask, _ = jax.lax.scan(step, jnp.zeros(classes.shape, jnp.int8), (dec_class, dec_axis))
   return mask
@@ -415,14 +461,23 @@ class _Row:
 
 def _row_key(problem: Problem, row: tuple[str, int]) -> tuple:
   kind, i = row
-  classes, sizes = ((problem.sigs.op_class[i], problem.sigs.op_size[i]) if kind == "op"
-                    else (problem.sigs.value_class[i], problem.sigs.value_size[i]))
+  classes, sizes = (
+    (problem.sigs.op_class[i], problem.sigs.op_size[i])
+    if kind == "op"
+    else (problem.sigs.value_class[i], problem.sigs.value_size[i])
+  )
   return kind, tuple(classes.tolist()), tuple(sizes.tolist())
 
 
-def _resolve_rows(problem: Problem, specs: Sequence[_SiteSpec], domains: Mapping[int, tuple[Axes, ...]],
-                  rank: Mapping[int, int], node_of: np.ndarray, position: Mapping[tuple[int, int], int],
-                  limits: Limits) -> dict[tuple, _Row]:
+def _resolve_rows(
+  problem: Problem,
+  specs: Sequence[_SiteSpec],
+  domains: Mapping[int, tuple[Axes, ...]],
+  rank: Mapping[int, int],
+  node_of: np.ndarray,
+  position: Mapping[tuple[int, int], int],
+  limits: Limits,
+) -> dict[tuple, _Row]:
   """Each distinct row of the sites (by `_row_key`: rows alike resolve alike) resolved
   under every joint assignment of its class nodes: its classes' decisions at their
   decision slots (`position`), in order."""
@@ -434,7 +489,10 @@ def _resolve_rows(problem: Problem, specs: Sequence[_SiteSpec], domains: Mapping
   bits = np.ones((len(keys), width), np.int32)
   slot_class = np.full((len(keys), width), -1, np.int32)
   dec_class = np.full((len(keys), steps), -1, np.int32)
-  owner, dec_axis = [], []  # Per row assignment: its row, int32 [N]; its decisions' axes, int8 [N, K].
+  owner, dec_axis = (
+    [],
+    [],
+  )  # Per row assignment: its row, int32 [N]; its decisions' axes, int8 [N, K].
   for r, (kind, classes, sizes) in enumerate(keys):
     limits.check("listing the strategy graph's row assignments")
     ordered = sorted({c for c in classes if c >= 0}, key=rank.__getitem__)
@@ -443,8 +501,11 @@ def _resolve_rows(problem: Problem, specs: Sequence[_SiteSpec], domains: Mapping
     total = int(np.prod(radix))
     if total > MAX_SITE_ASSIGNMENTS:
       raise ValueError(f"an {kind} signature has {total} assignments of its classes: too many")
-    digits = np.stack(np.unravel_index(np.arange(total), tuple(radix.tolist())), axis=1) if len(radix) else \
-        np.zeros((1, 0), np.int64)  # [A, m]
+    digits = (
+      np.stack(np.unravel_index(np.arange(total), tuple(radix.tolist())), axis=1)
+      if len(radix)
+      else np.zeros((1, 0), np.int64)
+    )  # [A, m]
     axes = np.full((total, steps), -1, np.int8)
     slots = sorted(((c, k) for c in ordered for k in range(max_axes)), key=position.__getitem__)
     for j, (cls, k) in enumerate(slots):
@@ -452,8 +513,10 @@ def _resolve_rows(problem: Problem, specs: Sequence[_SiteSpec], domains: Mapping
       table = np.array([a[k] if k < len(a) else -1 for a in domains[variables[node]]], np.int8)
       axes[:, j] = table[digits[:, node]]
       dec_class[r, j] = cls
-    slot_class[r, :len(classes)] = classes
-    bits[r, :len(sizes)] = sharding.divisibility_bits(np.array(sizes, np.int64), problem.mesh.axis_sizes)
+    slot_class[r, : len(classes)] = classes
+    bits[r, : len(sizes)] = sharding.divisibility_bits(
+      np.array(sizes, np.int64), problem.mesh.axis_sizes
+    )
     layout.append(((kind, classes, sizes), variables, radix))
     owner.append(np.full(total, r, np.int32))
     dec_axis.append(axes)
@@ -464,14 +527,18 @@ def _resolve_rows(problem: Problem, specs: Sequence[_SiteSpec], domains: Mapping
     limits.check("resolving the strategy graph's rows")
     end = min(start + _ROW_CHUNK, len(owner))
     mine = _pad_rows(owner[start:end], _ROW_CHUNK).clip(0)
-    batch = _apply_in_order(bits[mine], slot_class[mine], dec_class[mine],
-                            _pad_rows(dec_axis[start:end].astype(np.int32), _ROW_CHUNK))
-    masks[start:end] = np.asarray(jax.device_get(batch))[:end - start]
+    batch = _apply_in_order(
+      bits[mine],
+      slot_class[mine],
+      dec_class[mine],
+      _pad_rows(dec_axis[start:end].astype(np.int32), _ROW_CHUNK),
+    )
+    masks[start:end] = np.asarray(jax.device_get(batch))[: end - start]
   del owner, dec_axis
   rows, first = {}, 0
   for key, variables, radix in layout:
     total = int(np.prod(radix))
-    own = masks[first:first + total, :len(key[1])]
+    own = masks[first : first + total, : len(key[1])]
     first += total
     _, index, ids = np.unique(own, axis=0, return_index=True, return_inverse=True)
     order = np.empty(len(index), np.int64)
@@ -480,26 +547,41 @@ def _resolve_rows(problem: Problem, specs: Sequence[_SiteSpec], domains: Mapping
   return rows
 
 
-def _build_site(problem: Problem, spec: _SiteSpec, indices: Sequence[int], domains: Mapping[int, tuple[Axes, ...]],
-                rows: Mapping[tuple, _Row]) -> Site:
+def _build_site(
+  problem: Problem,
+  spec: _SiteSpec,
+  indices: Sequence[int],
+  domains: Mapping[int, tuple[Axes, ...]],
+  rows: Mapping[tuple, _Row],
+) -> Site:
   """Enumerates a site's assignments, groups those that resolve alike (every row alike)
   into strategies (product sets only, see the module docstring)."""
   variables = spec.variables
   radix = np.array([len(domains[n]) for n in variables], np.int64)
   total = int(np.prod(radix))
   if total > MAX_SITE_ASSIGNMENTS:
-    raise ValueError(f"{spec.kind} signature {spec.index} has {total} assignments of its classes: too many")
-  digits = np.stack(np.unravel_index(np.arange(total), tuple(radix.tolist())), axis=1) if len(radix) else \
-      np.zeros((1, 0), np.int64)  # [A, k]: each class node's domain index.
+    raise ValueError(
+      f"{spec.kind} signature {spec.index} has {total} assignments of its classes: too many"
+    )
+  digits = (
+    np.stack(np.unravel_index(np.arange(total), tuple(radix.tolist())), axis=1)
+    if len(radix)
+    else np.zeros((1, 0), np.int64)
+  )  # [A, k]: each class node's domain index.
   row_index, inverse = [], np.zeros(total, np.int64)
   for row in spec.rows:
     table = rows[_row_key(problem, row)]
     places = [variables.index(n) for n in table.variables]
-    index = np.ravel_multi_index(tuple(digits[:, places].T), tuple(table.radix.tolist())) if places else \
-        np.zeros(total, np.int64)
+    index = (
+      np.ravel_multi_index(tuple(digits[:, places].T), tuple(table.radix.tolist()))
+      if places
+      else np.zeros(total, np.int64)
+    )
     row_index.append((table, index))
     # Mixed radix over the rows' resolutions, renumbered after each row to stay small.
-    _, inverse = np.unique(inverse * (int(table.ids.max()) + 1) + table.ids[index], return_inverse=True)
+    _, inverse = np.unique(
+      inverse * (int(table.ids.max()) + 1) + table.ids[index], return_inverse=True
+    )
     inverse = inverse.reshape(-1)
   groups = int(inverse.max()) + 1
   product = np.ones(groups, np.int64)
@@ -521,11 +603,20 @@ def _build_site(problem: Problem, spec: _SiteSpec, indices: Sequence[int], domai
     allowed.append(table)
   chosen = np.sort(first)
   masks = np.concatenate([table.masks[index[chosen]] for table, index in row_index], axis=1)
-  return Site(kind=spec.kind, indices=tuple(indices), classes=np.array(variables, np.int64), radix=radix,
-              lookup=lookup, allowed=tuple(allowed), masks=masks)
+  return Site(
+    kind=spec.kind,
+    indices=tuple(indices),
+    classes=np.array(variables, np.int64),
+    radix=radix,
+    lookup=lookup,
+    allowed=tuple(allowed),
+    masks=masks,
+  )
 
 
-def _site_terms(problem: Problem, sites: Sequence[Site], limits: Limits) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _site_terms(
+  problem: Problem, sites: Sequence[Site], limits: Limits
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
   """Each site's strategy costs (seconds, summed over its signatures) and usages (bytes:
   gathered operands of an op site; for a value site, the shard count its memory nodes
   divide by), [n] each."""
@@ -542,19 +633,25 @@ def _site_terms(problem: Problem, sites: Sequence[Site], limits: Limits) -> tupl
   combos = [o for _, o in op_sites if int(tables.op_reduction_source[o]) != o]
   copy_of = {o: num_ops + j for j, o in enumerate(combos)}
   sources = [int(tables.op_reduction_source[o]) for o in combos]
-  source = np.concatenate([np.arange(num_ops), np.arange(num_ops, num_ops + len(combos))]).astype(np.int32)
+  source = np.concatenate([np.arange(num_ops), np.arange(num_ops, num_ops + len(combos))]).astype(
+    np.int32
+  )
   source[combos] = [copy_of[o] for o in combos]
   private = tables.replace(
-      value_bytes=tables.value_bytes[tables.edge_value],
-      value_compute_s=np.zeros(num_edges, np.float32), value_memory_s=np.zeros(num_edges, np.float32),
-      edge_value=np.arange(num_edges, dtype=np.int32), live_bytes=np.zeros((1, num_edges), np.float32),
-      op_compute_s=np.concatenate([tables.op_compute_s, np.zeros(len(combos), np.float32)]),
-      op_reduction=np.concatenate([tables.op_reduction, tables.op_reduction[sources]]),
-      op_reduction_source=source,
-      op_deferred=np.concatenate([tables.op_deferred, np.zeros(len(combos), bool)]),
-      op_dense_factor=np.concatenate([tables.op_dense_factor, np.full(len(combos), -1, np.int32)]),
-      op_dot_reduction=np.concatenate([tables.op_dot_reduction,
-                                       np.full(len(combos), len(tables.reduction_edge), np.int32)]))
+    value_bytes=tables.value_bytes[tables.edge_value],
+    value_compute_s=np.zeros(num_edges, np.float32),
+    value_memory_s=np.zeros(num_edges, np.float32),
+    edge_value=np.arange(num_edges, dtype=np.int32),
+    live_bytes=np.zeros((1, num_edges), np.float32),
+    op_compute_s=np.concatenate([tables.op_compute_s, np.zeros(len(combos), np.float32)]),
+    op_reduction=np.concatenate([tables.op_reduction, tables.op_reduction[sources]]),
+    op_reduction_source=source,
+    op_deferred=np.concatenate([tables.op_deferred, np.zeros(len(combos), bool)]),
+    op_dense_factor=np.concatenate([tables.op_dense_factor, np.full(len(combos), -1, np.int32)]),
+    op_dot_reduction=np.concatenate(
+      [tables.op_dot_reduction, np.full(len(combos), len(tables.reduction_edge), np.int32)]
+    ),
+  )
   rf, rv = problem.sigs.op_class.shape[1], problem.sigs.value_class.shape[1]
   edges_of = [np.flatnonzero(tables.edge_op == o) for o in range(num_ops)]
 
@@ -565,9 +662,9 @@ def _site_terms(problem: Problem, sites: Sequence[Site], limits: Limits) -> tupl
       pick = site.masks[np.minimum(rows, site.num_strategies - 1)]  # [B, L]
       edges = edges_of[o]
       op_mask[:, o] = pick[:, :rf]
-      value_mask[:, edges] = pick[:, rf:rf + rv * len(edges)].reshape(len(rows), len(edges), rv)
+      value_mask[:, edges] = pick[:, rf : rf + rv * len(edges)].reshape(len(rows), len(edges), rv)
       if o in copy_of:
-        op_mask[:, copy_of[o]] = pick[:, rf + rv * len(edges):]
+        op_mask[:, copy_of[o]] = pick[:, rf + rv * len(edges) :]
     return value_mask, op_mask
 
   batch = max([site.num_strategies for site, _ in op_sites] + [1])
@@ -596,7 +693,9 @@ def _site_terms(problem: Problem, sites: Sequence[Site], limits: Limits) -> tupl
     for site, v in value_sites:
       mine = rows < site.num_strategies
       cost[id(site)][rows[mine]] += terms.value_compute_s[mine, v]
-      value_shards.setdefault(v, np.zeros(site.num_strategies))[rows[mine]] = terms.value_shards[mine, v]
+      value_shards.setdefault(v, np.zeros(site.num_strategies))[rows[mine]] = terms.value_shards[
+        mine, v
+      ]
   for site in sites:
     if site.kind == "value":  # Alike rows: every signature of the site has the same shards.
       usage[id(site)] = value_shards[site.indices[0]]
@@ -612,7 +711,7 @@ def _terms_batches(tables: simulator.CostTables, masks, batch: int, limits: Limi
     rows = np.arange(start, min(start + _CHUNK, batch))
     value_mask, op_mask = masks(np.arange(start, start + _CHUNK))
     terms = jax.device_get(fn(jnp.asarray(value_mask), jnp.asarray(op_mask)))
-    yield rows, jax.tree.map(lambda x: np.asarray(x)[:len(rows)], terms)
+    yield rows, jax.tree.map(lambda x: np.asarray(x)[: len(rows)], terms)
 
 
 def live_pieces(profile: np.ndarray) -> list[tuple[int, int, float]]:
@@ -640,13 +739,21 @@ def local_costs(problem: Problem) -> Problem:
   of one value priced as sharing one resharding that resolve apart under a plan
   (`CostTables.shared_slot_edge`), here each paying its static share (a lower bound:
   those only add)."""
-  tables = dataclasses.replace(problem.tables, reduction_combines=np.zeros_like(problem.tables.reduction_combines),
-                               shared_slot_runs=np.zeros_like(problem.tables.shared_slot_runs))
+  tables = dataclasses.replace(
+    problem.tables,
+    reduction_combines=np.zeros_like(problem.tables.reduction_combines),
+    shared_slot_runs=np.zeros_like(problem.tables.shared_slot_runs),
+  )
   return Problem(problem.program, problem.named, problem.mesh, problem.sigs, tables)
 
 
-def build(problem: Problem, order: Sequence[int] | None = None, tie: np.ndarray | None = None,
-          limits: Limits = Limits(), max_axes: int = 2) -> ProgramGraph:
+def build(
+  problem: Problem,
+  order: Sequence[int] | None = None,
+  tie: np.ndarray | None = None,
+  limits: Limits = Limits(),
+  max_axes: int = 2,
+) -> ProgramGraph:
   """The strategy graph of `problem` with class order `order` (default: by id; see
   `order_from` to keep an expert plan's order), costed without collective combining
   (`local_costs`).
@@ -673,7 +780,11 @@ def build(problem: Problem, order: Sequence[int] | None = None, tie: np.ndarray 
   problem = local_costs(problem)
   num_classes = len(problem.named.classes)
   order = tuple(range(num_classes)) if order is None else tuple(int(c) for c in order)
-  counts = np.bincount(np.asarray(order, np.int64), minlength=num_classes) if order and min(order) >= 0 else None
+  counts = (
+    np.bincount(np.asarray(order, np.int64), minlength=num_classes)
+    if order and min(order) >= 0
+    else None
+  )
   if counts is None or len(counts) != num_classes or counts.min() < 1 or counts.max() > max_axes:
     raise ValueError(f"order must list each of the {num_classes} classes 1 to {max_axes} times")
   tie = np.arange(num_classes, dtype=np.int64) if tie is None else np.asarray(tie, np.int64)
@@ -736,15 +847,28 @@ def build(problem: Problem, order: Sequence[int] | None = None, tie: np.ndarray 
         edges.append((len(node_costs) - 1, num_nodes + s))
         edge_costs.append(diagonal)
   counts = [len(c) for c in node_costs]
-  limits.check("laying out the strategy graph's edges", allocating=8 * sum(len(c) for c in edge_costs))
+  limits.check(
+    "laying out the strategy graph's edges", allocating=8 * sum(len(c) for c in edge_costs)
+  )
   graph = StrategyGraph(
-      node_costs=np.concatenate(node_costs).astype(np.float64), node_usages=np.concatenate(node_usages).astype(np.float64),
-      node_offsets=offsets_from_counts(counts), intervals=np.array(intervals, np.int64).reshape(-1, 2),
-      edges=np.array(edges, np.int64).reshape(-1, 2),
-      edge_costs=np.concatenate(edge_costs) if edge_costs else np.zeros(0),
-      edge_offsets=offsets_from_counts([len(c) for c in edge_costs]),
-      usage_limit=float(problem.tables.hbm_bytes), name="program")
-  return ProgramGraph(problem=problem, graph=graph, order=order, slots=slots, classes=classes,
-                      members=tuple(tuple(members[c]) for c in classes),
-                      domains=tuple(domains[c] for c in classes), sites=tuple(sites),
-                      memory_site=np.array(memory_site, np.int64))
+    node_costs=np.concatenate(node_costs).astype(np.float64),
+    node_usages=np.concatenate(node_usages).astype(np.float64),
+    node_offsets=offsets_from_counts(counts),
+    intervals=np.array(intervals, np.int64).reshape(-1, 2),
+    edges=np.array(edges, np.int64).reshape(-1, 2),
+    edge_costs=np.concatenate(edge_costs) if edge_costs else np.zeros(0),
+    edge_offsets=offsets_from_counts([len(c) for c in edge_costs]),
+    usage_limit=float(problem.tables.hbm_bytes),
+    name="program",
+  )
+  return ProgramGraph(
+    problem=problem,
+    graph=graph,
+    order=order,
+    slots=slots,
+    classes=classes,
+    members=tuple(tuple(members[c]) for c in classes),
+    domains=tuple(domains[c] for c in classes),
+    sites=tuple(sites),
+    memory_site=np.array(memory_site, np.int64),
+  )

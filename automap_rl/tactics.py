@@ -104,18 +104,32 @@ def _read_structure(problem: Problem) -> Structure:
           parameter_dims[int(cls)].append((value.path, dim))
     elif value.role == Role.INPUT:
       input_classes.update(int(c) for c in classes if c >= 0)
-      if len(value.shape) >= 2 and np.issubdtype(np.dtype(value.dtype), np.integer) and classes[1] >= 0:
+      if (
+        len(value.shape) >= 2
+        and np.issubdtype(np.dtype(value.dtype), np.integer)
+        and classes[1] >= 0
+      ):
         sequence_dims.append((value.path, 1))
   features, batch, reduced = _uses(problem)
-  candidates = {c for c in parameter_dims if c in features and c not in reduced and c not in input_classes}
+  candidates = {
+    c for c in parameter_dims if c in features and c not in reduced and c not in input_classes
+  }
   tensor_parallel: list[int] = []
   for classes in parameter_classes:
     picked = [int(c) for c in classes if c in candidates]
-    if picked and picked[0] not in tensor_parallel and not set(tensor_parallel) & set(classes.tolist()):
+    if (
+      picked
+      and picked[0] not in tensor_parallel
+      and not set(tensor_parallel) & set(classes.tolist())
+    ):
       tensor_parallel.append(picked[0])
   experts = [c for c in parameter_dims if c in batch and c in reduced and c not in input_classes]
-  return Structure({c: tuple(dims) for c, dims in parameter_dims.items()}, tuple(tensor_parallel),
-                   tuple(experts), tuple(sequence_dims))
+  return Structure(
+    {c: tuple(dims) for c, dims in parameter_dims.items()},
+    tuple(tensor_parallel),
+    tuple(experts),
+    tuple(sequence_dims),
+  )
 
 
 def data_axis(problem: Problem) -> str:
@@ -142,7 +156,9 @@ def replicated(problem: Problem) -> list[Decision]:
 def data_parallel(problem: Problem) -> list[Decision]:
   """Shard dim 0 of every input (the batch) over the data axis."""
   axis = data_axis(problem)
-  return [Decision(ArgDim(problem.program.values[v].path, 0), axis) for v in problem.program.batch_inputs]
+  return [
+    Decision(ArgDim(problem.program.values[v].path, 0), axis) for v in problem.program.batch_inputs
+  ]
 
 
 def megatron(problem: Problem) -> list[Decision]:
@@ -164,7 +180,9 @@ def _batch_over(problem: Problem, axes: tuple[str, ...]) -> list[Decision]:
   return [Decision(d.target, axis) for axis in axes for d in batch]
 
 
-def _store_sharded(problem: Problem, axes: tuple[str, ...], avoid: tuple[int, ...] = ()) -> list[Decision]:
+def _store_sharded(
+  problem: Problem, axes: tuple[str, ...], avoid: tuple[int, ...] = ()
+) -> list[Decision]:
   """ZeRO-3 storage: every parameter (and with it its gradient and optimizer state)
   sharded over `axes` on its largest dim that their product divides, gathered at use.
   Dims of the classes in `avoid` (tensor-parallel ones, which keep their own axis) are
@@ -200,7 +218,9 @@ def hsdp(problem: Problem) -> list[Decision]:
   innermost and fastest links, on its largest divisible dim, gathered at use; replicated
   across the other axes, whose gradients are all-reduced. A mesh's named axes are only
   devices here: no axis is left computing a copy of another's work."""
-  return _batch_over(problem, tuple(problem.mesh.axis_names)) + _store_sharded(problem, (model_axis(problem),))
+  return _batch_over(problem, tuple(problem.mesh.axis_names)) + _store_sharded(
+    problem, (model_axis(problem),)
+  )
 
 
 def data_megatron(problem: Problem) -> list[Decision]:
@@ -215,7 +235,11 @@ def fsdp_megatron(problem: Problem) -> list[Decision]:
   on a dim tensor parallelism leaves free, gathered at use."""
   axes = data_axes(problem)
   found = structure(problem)
-  return _batch_over(problem, axes) + megatron(problem) + _store_sharded(problem, axes, found.tensor_parallel)
+  return (
+    _batch_over(problem, axes)
+    + megatron(problem)
+    + _store_sharded(problem, axes, found.tensor_parallel)
+  )
 
 
 def fsdp_megatron_sp(problem: Problem) -> list[Decision]:
@@ -223,11 +247,17 @@ def fsdp_megatron_sp(problem: Problem) -> list[Decision]:
   input also over the model axis, so activations between the tensor-parallel blocks
   (normalization, residual) are stored split by sequence, gathered before the
   column-parallel matmuls and reduce-scattered after the row-parallel ones."""
-  sequence = [Decision(ArgDim(*dim), model_axis(problem)) for dim in structure(problem).sequence_dims]
+  sequence = [
+    Decision(ArgDim(*dim), model_axis(problem)) for dim in structure(problem).sequence_dims
+  ]
   axes = data_axes(problem)
   found = structure(problem)
-  return (_batch_over(problem, axes) + megatron(problem) + sequence
-          + _store_sharded(problem, axes, found.tensor_parallel))
+  return (
+    _batch_over(problem, axes)
+    + megatron(problem)
+    + sequence
+    + _store_sharded(problem, axes, found.tensor_parallel)
+  )
 
 
 def expert_parallel(problem: Problem) -> list[Decision]:
@@ -241,7 +271,9 @@ def sequence_parallel(problem: Problem) -> list[Decision]:
   """Context parallelism: data parallel, and the sequence of every token input over the
   model axis (attention gathers keys and values across it)."""
   axis = model_axis(problem)
-  return data_parallel(problem) + [Decision(ArgDim(*dim), axis) for dim in structure(problem).sequence_dims]
+  return data_parallel(problem) + [
+    Decision(ArgDim(*dim), axis) for dim in structure(problem).sequence_dims
+  ]
 
 
 def stage_axis(problem: Problem) -> str:
@@ -257,12 +289,16 @@ def _largest_stack(problem: Problem) -> tuple[int, LayerStack]:
   """The index and stack of the program's largest layer stack; ValueError when it has none."""
   stacks = problem.layer_stacks
   if not stacks:
-    raise ValueError(f"the program has no repeated layer stack to pipeline: looked for {what_is_looked_for()}")
+    raise ValueError(
+      f"the program has no repeated layer stack to pipeline: looked for {what_is_looked_for()}"
+    )
   index = max(range(len(stacks)), key=lambda i: stacks[i].layers)
   return index, stacks[index]
 
 
-def _pipelined(problem: Problem, batch_axes: tuple[str, ...], inside: list[Decision]) -> tuple[list[Decision], Pipeline]:
+def _pipelined(
+  problem: Problem, batch_axes: tuple[str, ...], inside: list[Decision]
+) -> tuple[list[Decision], Pipeline]:
   """A 1F1B pipeline of the largest layer stack over `stage_axis`, with the batch over
   `batch_axes` and `inside` decisions in every stage.
 
@@ -275,12 +311,18 @@ def _pipelined(problem: Problem, batch_axes: tuple[str, ...], inside: list[Decis
   axis = stage_axis(problem)
   index, stack = _largest_stack(problem)
   size = problem.mesh.axis_size(axis)
-  stages = max((s for s in range(2, size + 1) if size % s == 0 and stack.layers % s == 0), default=0)
+  stages = max(
+    (s for s in range(2, size + 1) if size % s == 0 and stack.layers % s == 0), default=0
+  )
   if not stages:
-    raise ValueError(f"no stage count of 2 or more divides both the {size} devices of mesh axis {axis!r} and the "
-                     f"{stack.layers} layers of the {stack.describe()}")
+    raise ValueError(
+      f"no stage count of 2 or more divides both the {size} devices of mesh axis {axis!r} and the "
+      f"{stack.layers} layers of the {stack.describe()}"
+    )
   axes = tuple(a for a in batch_axes if a != axis) + ((axis,) if stages < size else ())
-  replicas = int(np.prod([size // stages if a == axis else problem.mesh.axis_size(a) for a in axes]))
+  replicas = int(
+    np.prod([size // stages if a == axis else problem.mesh.axis_size(a) for a in axes])
+  )
   microbatches = max(batch_size(problem.program) // replicas, 1)
   pipeline = Pipeline(axis, stages=stages, microbatches=microbatches, schedule="1f1b", stack=index)
   return _batch_over(problem, axes) + inside, pipeline
@@ -310,9 +352,9 @@ def pipeline(problem: Problem) -> tuple[list[Decision], Pipeline]:
 
 
 PIPELINE_TACTICS: dict[str, Callable[[Problem], tuple[list[Decision], Pipeline]]] = {
-    "megatron_3d": megatron_3d,
-    "fsdp_megatron_3d": fsdp_megatron_3d,
-    "pipeline": pipeline,
+  "megatron_3d": megatron_3d,
+  "fsdp_megatron_3d": fsdp_megatron_3d,
+  "pipeline": pipeline,
 }
 
 
@@ -334,16 +376,16 @@ def applicable_pipelines(problem: Problem) -> dict[str, tuple[list[Decision], Pi
 
 
 TACTICS: dict[str, Callable[[Problem], list[Decision]]] = {
-    "replicated": replicated,
-    "data_parallel": data_parallel,
-    "megatron": megatron,
-    "fsdp": fsdp,
-    "hsdp": hsdp,
-    "data_megatron": data_megatron,
-    "fsdp_megatron": fsdp_megatron,
-    "fsdp_megatron_sp": fsdp_megatron_sp,
-    "expert_parallel": expert_parallel,
-    "sequence_parallel": sequence_parallel,
+  "replicated": replicated,
+  "data_parallel": data_parallel,
+  "megatron": megatron,
+  "fsdp": fsdp,
+  "hsdp": hsdp,
+  "data_megatron": data_megatron,
+  "fsdp_megatron": fsdp_megatron,
+  "fsdp_megatron_sp": fsdp_megatron_sp,
+  "expert_parallel": expert_parallel,
+  "sequence_parallel": sequence_parallel,
 }
 
 
@@ -352,11 +394,15 @@ def applicable(problem: Problem) -> dict[str, list[Decision]]:
   expert parallelism experts, sequence parallelism token inputs, hybrid sharding two mesh
   axes (on one it is `fsdp`)."""
   found = structure(problem)
-  needs = {"hsdp": len(problem.mesh.axis_names) > 1,
-           "megatron": found.tensor_parallel, "data_megatron": found.tensor_parallel,
-           "fsdp_megatron": found.tensor_parallel,
-           "fsdp_megatron_sp": found.tensor_parallel and found.sequence_dims,
-           "expert_parallel": found.experts, "sequence_parallel": found.sequence_dims}
+  needs = {
+    "hsdp": len(problem.mesh.axis_names) > 1,
+    "megatron": found.tensor_parallel,
+    "data_megatron": found.tensor_parallel,
+    "fsdp_megatron": found.tensor_parallel,
+    "fsdp_megatron_sp": found.tensor_parallel and found.sequence_dims,
+    "expert_parallel": found.experts,
+    "sequence_parallel": found.sequence_dims,
+  }
   return {name: tactic(problem) for name, tactic in TACTICS.items() if needs.get(name, True)}
 
 
@@ -364,7 +410,10 @@ def applicable_costs(problem: Problem) -> dict[str, tuple[list[Decision], simula
   """Each applicable tactic's plan and its simulated cost, all evaluated in one call
   (`Problem.costs`: one compile for the set)."""
   plans = applicable(problem)
-  return {name: (plan, cost) for (name, plan), cost in zip(plans.items(), problem.costs(list(plans.values())))}
+  return {
+    name: (plan, cost)
+    for (name, plan), cost in zip(plans.items(), problem.costs(list(plans.values())))
+  }
 
 
 class Score(NamedTuple):

@@ -7,4 +7,14 @@ from envs.core import State, init, legal_actions, step
 from envs.env import Env
 from envs.observe import observe
 
-__all__ = ["Env", "EnvConfig", "State", "Target", "init", "legal_actions", "observe", "step", "targets"]
+__all__ = [
+  "Env",
+  "EnvConfig",
+  "State",
+  "Target",
+  "init",
+  "legal_actions",
+  "observe",
+  "step",
+  "targets",
+]

@@ -38,7 +38,10 @@ def _candidates(problem: Problem, action_space: str):
       yield f"dim {c.id} ({', '.join(c.examples[:1])})", c.id
   else:
     for g, members in enumerate(named.groups):
-      yield f"group {g} ({', '.join(named.classes[members[0]].examples[:1])}, x{len(members)})", sharding.Group(g)
+      yield (
+        f"group {g} ({', '.join(named.classes[members[0]].examples[:1])}, x{len(members)})",
+        sharding.Group(g),
+      )
 
 
 def targets(problem: Problem, action_space: str) -> tuple[Target, ...]:

@@ -23,6 +23,7 @@ def random_actions(key: jax.Array, legal: jax.Array) -> jax.Array:
 
 def _rollout(env: Env, batch: int | None, steps: int):
   """A jitted function running `steps` random steps from `init`, restarting finished episodes."""
+
   def one_step(carry, key):
     state, fresh = carry
     act_key, _ = jax.random.split(key)
@@ -55,17 +56,27 @@ def _rate(run, steps: int, seconds: float) -> float:
       return calls * steps / elapsed
 
 
-def bench_env(problem: Problem, batch: int = 256, seconds: float = 5.0, config: EnvConfig = EnvConfig(),
-              single: bool = True) -> dict:
+def bench_env(
+  problem: Problem,
+  batch: int = 256,
+  seconds: float = 5.0,
+  config: EnvConfig = EnvConfig(),
+  single: bool = True,
+) -> dict:
   """Random-agent environment steps per second, after warm-up, of `batch` envs (a vmapped
   scan) and, if `single`, of one env (a jitted scan), each measured for about `seconds`.
   Episodes that end restart from the replicated plan."""
   env = Env.build(problem, config)
   single_steps, batched_steps = 256, 16
-  out = {"reward": config.reward, "action_space": config.action_space, "num_actions": env.num_actions,
-         "batch": batch,
-         "steps_per_second_batched": _rate(_rollout(env, batch, batched_steps), batched_steps * batch, seconds)}
+  out = {
+    "reward": config.reward,
+    "action_space": config.action_space,
+    "num_actions": env.num_actions,
+    "batch": batch,
+    "steps_per_second_batched": _rate(
+      _rollout(env, batch, batched_steps), batched_steps * batch, seconds
+    ),
+  }
   if single:
     out["steps_per_second_single"] = _rate(_rollout(env, None, single_steps), single_steps, seconds)
   return out
-

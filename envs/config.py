@@ -55,7 +55,9 @@ class EnvConfig:
 
   def __post_init__(self):
     if self.action_space not in ("arg_dims", "named_dims", "groups"):
-      raise ValueError(f"Unknown action space {self.action_space!r}; valid: arg_dims, named_dims, groups.")
+      raise ValueError(
+        f"Unknown action space {self.action_space!r}; valid: arg_dims, named_dims, groups."
+      )
     if self.objective not in ("time", "memory", "mix"):
       raise ValueError(f"Unknown objective {self.objective!r}; valid: time, memory, mix.")
     if self.reward not in ("shaped", "terminal"):
@@ -63,10 +65,15 @@ class EnvConfig:
     if self.max_decisions < 1 or self.max_axes < 1:
       raise ValueError("max_decisions and max_axes must be positive.")
     if self.pipelines < 0:
-      raise ValueError(f"pipelines={self.pipelines} must be 0 (none) or a number of pipeline options.")
+      raise ValueError(
+        f"pipelines={self.pipelines} must be 0 (none) or a number of pipeline options."
+      )
 
   @property
   def weights(self) -> tuple[float, float]:
     """(time weight, memory weight) of the objective."""
-    return {"time": (1.0, 0.0), "memory": (0.0, 1.0),
-            "mix": (1.0 - self.memory_weight, self.memory_weight)}[self.objective]
+    return {
+      "time": (1.0, 0.0),
+      "memory": (0.0, 1.0),
+      "mix": (1.0 - self.memory_weight, self.memory_weight),
+    }[self.objective]

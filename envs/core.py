@@ -48,7 +48,8 @@ import jax.numpy as jnp
 from automap_rl import batching, sharding, simulator
 from envs.config import EnvConfig
 from envs.pipelines import pipelined_cost
-from envs.tables import BASE_PEAK_MEMORY, BASE_STEP_TIME, EnvTables, objective as env_objective
+from envs.tables import BASE_PEAK_MEMORY, BASE_STEP_TIME, EnvTables
+from envs.tables import objective as env_objective
 
 
 @chex.dataclass(frozen=True)
@@ -97,20 +98,34 @@ def _legal(tables: EnvTables, arrays: tuple[jax.Array, ...], max_decisions: int)
   batch = num_decisions.shape
   num_classes = tables.target_rank.shape[1]
   extra = (1,) * len(batch)
-  bits = jnp.left_shift(1, jnp.arange(tables.axis_sizes.shape[0])).astype(mask.dtype).reshape(-1, *extra)  # [X, ...]
-  takes = sharding.takes_axis(tables.slot_divisible.reshape(*mask.shape[:2], 1, *extra), mask[:, :, None],
-                              used[:, :, None], bits)  # [Q, W, X, ...]
+  bits = (
+    jnp.left_shift(1, jnp.arange(tables.axis_sizes.shape[0])).astype(mask.dtype).reshape(-1, *extra)
+  )  # [X, ...]
+  takes = sharding.takes_axis(
+    tables.slot_divisible.reshape(*mask.shape[:2], 1, *extra),
+    mask[:, :, None],
+    used[:, :, None],
+    bits,
+  )  # [Q, W, X, ...]
   chunk_open = takes.any(axis=1).astype(jnp.int32)  # [Q, X, ...]
-  class_open = jax.ops.segment_max(chunk_open, tables.chunk_class, num_segments=num_classes + 1,
-                                   indices_are_sorted=True) > 0
+  class_open = (
+    jax.ops.segment_max(
+      chunk_open, tables.chunk_class, num_segments=num_classes + 1, indices_are_sorted=True
+    )
+    > 0
+  )
   target = tables.target_classes  # Row C of class_open is no class's: never open.
   covered = jnp.where(target >= 0, target, num_classes)
   target_open = class_open[covered].any(axis=1)  # [T, X, ...]
   if micro:  # Closed: a class with a slot that could take the axis and would then not divide.
     divides = jnp.right_shift(micro[0][:, :, None], (mask[:, :, None] | bits).astype(jnp.int32)) & 1
     chunk_bad = (takes & (divides == 0)).any(axis=1).astype(jnp.int32)
-    class_bad = jax.ops.segment_max(chunk_bad, tables.chunk_class, num_segments=num_classes + 1,
-                                    indices_are_sorted=True) > 0
+    class_bad = (
+      jax.ops.segment_max(
+        chunk_bad, tables.chunk_class, num_segments=num_classes + 1, indices_are_sorted=True
+      )
+      > 0
+    )
     target_open = target_open & ~class_bad[covered].any(axis=1)
   length = (target >= 0).sum(axis=1).reshape(-1, *extra)
   fits = (length > 0) & (num_decisions + length <= max_decisions)  # [T, ...]
@@ -119,23 +134,38 @@ def _legal(tables: EnvTables, arrays: tuple[jax.Array, ...], max_decisions: int)
   return jnp.concatenate([legal, jnp.ones((*batch, 1), bool)], axis=-1)
 
 
-def legal_actions(tables: EnvTables, value_mask: jax.Array, op_mask: jax.Array, num_decisions: jax.Array,
-                  max_decisions: int, micro: jax.Array | None = None) -> jax.Array:
+def legal_actions(
+  tables: EnvTables,
+  value_mask: jax.Array,
+  op_mask: jax.Array,
+  num_decisions: jax.Array,
+  max_decisions: int,
+  micro: jax.Array | None = None,
+) -> jax.Array:
   """The legal action mask (see the module docstring), bool [T * X + 1]; `micro`: the
   slots' divisibility under a chosen pipeline option (`_legal_after`; None: none).
 
-  A slot is open on an axis if it `sharding.takes_axis`; a class is open if one of its slots is (an any
+  A slot is open on an axis if it `sharding.takes_axis`; a class is open if one of its slots is (an
+  any
   over chunks of `tables.slot_order`, then a sorted segment max); a target if one of its
   classes is. Vmapped over states, the slots' masks are gathered per state and the rest
   (`_legal`) runs in one batch-last call.
   """
   none = (jnp.full(value_mask.shape[:1], -1, jnp.int8), jnp.full(op_mask.shape[:1], -1, jnp.int8))
-  return _legal_after(tables, (value_mask, op_mask), none, jnp.int32(0), num_decisions, max_decisions, micro)
+  return _legal_after(
+    tables, (value_mask, op_mask), none, jnp.int32(0), num_decisions, max_decisions, micro
+  )
 
 
-def _legal_after(tables: EnvTables, masks: tuple[jax.Array, jax.Array], chosen: tuple[jax.Array, jax.Array],
-                 axis: jax.Array, num_decisions: jax.Array, max_decisions: int,
-                 micro: jax.Array | None = None) -> jax.Array:
+def _legal_after(
+  tables: EnvTables,
+  masks: tuple[jax.Array, jax.Array],
+  chosen: tuple[jax.Array, jax.Array],
+  axis: jax.Array,
+  num_decisions: jax.Array,
+  max_decisions: int,
+  micro: jax.Array | None = None,
+) -> jax.Array:
   """`legal_actions` of the value and op `masks` [Uv, Rv] and [Uo, Rf] after a decision
   that shards, on `axis`, the slot `chosen` of each signature (`sharding.decision_slots`,
   int8 [Uv] and [Uo], -1: none). A step reads the few slots the mask tests from the masks
@@ -150,8 +180,12 @@ def _legal_after(tables: EnvTables, masks: tuple[jax.Array, jax.Array], chosen: 
   bit = jnp.left_shift(1, axis).astype(jnp.int8)
   chosen = jnp.concatenate(chosen)
   # The new masks' axes per signature: the old ones, and the decision's where it shards a slot.
-  used = jnp.concatenate([m.sum(axis=1, dtype=m.dtype) for m in masks]) | jnp.where(chosen >= 0, bit, 0)
-  mask = sharding.with_slots(jnp.concatenate([m.reshape(-1) for m in masks])[order], slot, chosen[owner], axis)
+  used = jnp.concatenate([m.sum(axis=1, dtype=m.dtype) for m in masks]) | jnp.where(
+    chosen >= 0, bit, 0
+  )
+  mask = sharding.with_slots(
+    jnp.concatenate([m.reshape(-1) for m in masks])[order], slot, chosen[owner], axis
+  )
   legal = batching.batch_last(lambda t, arrays: _legal(t, arrays, max_decisions), any_rank=True)
   arrays = (mask, used[owner], num_decisions) + (() if micro is None else (micro,))
   return legal(tables, arrays)
@@ -167,29 +201,40 @@ def _with_options(tables: EnvTables, legal: jax.Array, option: jax.Array) -> jax
   return jnp.concatenate([moves.reshape(-1) & chosen, options.valid & ~chosen, legal[-1:]])
 
 
-def _evaluate(config: EnvConfig, tables: EnvTables, arrays: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def _evaluate(
+  config: EnvConfig, tables: EnvTables, arrays: tuple[jax.Array, ...]
+) -> tuple[jax.Array, ...]:
   """The objective, step time and peak memory, f32 [] each, of the plan of `arrays`: the
   resolved value and op masks and the pipeline option (`State.pipeline`)."""
   value_mask, op_mask, option = arrays
-  resolution = sharding.Resolution(value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32))
+  resolution = sharding.Resolution(
+    value_mask=value_mask.astype(jnp.int32), op_mask=op_mask.astype(jnp.int32)
+  )
   cost = simulator.simulate(tables.cost, resolution)
   if tables.pipeline is not None and tables.pipeline.tables is not None:
     piped = pipelined_cost(tables.pipeline, option, resolution.value_mask, resolution.op_mask)
     use = tables.pipeline.axis[jnp.maximum(option, 0)] >= 0
-    cost = dataclasses.replace(cost, step_time=jnp.where(use, piped.step_time, cost.step_time),
-                               peak_memory=jnp.where(use, piped.peak_memory, cost.peak_memory))
+    cost = dataclasses.replace(
+      cost,
+      step_time=jnp.where(use, piped.step_time, cost.step_time),
+      peak_memory=jnp.where(use, piped.peak_memory, cost.peak_memory),
+    )
   objective = env_objective(config, cost, tables.base, tables.cost.hbm_bytes)
   return objective, cost.step_time, cost.peak_memory
 
 
 def _replicated(tables: EnvTables) -> tuple[jax.Array, ...]:
   """`_evaluate`'s figures of the replicated plan (objective 1)."""
-  return (jnp.float32(1.0), jnp.asarray(tables.base[BASE_STEP_TIME], jnp.float32),
-          jnp.asarray(tables.base[BASE_PEAK_MEMORY], jnp.float32))
+  return (
+    jnp.float32(1.0),
+    jnp.asarray(tables.base[BASE_STEP_TIME], jnp.float32),
+    jnp.asarray(tables.base[BASE_PEAK_MEMORY], jnp.float32),
+  )
 
 
-def _figures(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, ...],
-             needed: jax.Array) -> tuple[jax.Array, ...]:
+def _figures(
+  config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, ...], needed: jax.Array
+) -> tuple[jax.Array, ...]:
   """`_evaluate` where `needed`, else the replicated plan's figures.
 
   Terminal rewards: under `vmap` only the rows that need it are simulated (see
@@ -197,8 +242,13 @@ def _figures(config: EnvConfig, tables: EnvTables, masks: tuple[jax.Array, ...],
   simulated and the figures selected; the compiled step then holds one copy of the
   simulator, where `only_where`'s branches (one per capacity) hold five."""
   if config.reward == "shaped":
-    return tuple(jnp.where(needed, new, old) for new, old in zip(_evaluate(config, tables, masks), _replicated(tables)))
-  return batching.only_where(functools.partial(_evaluate, config), _replicated)(tables, masks, needed)
+    return tuple(
+      jnp.where(needed, new, old)
+      for new, old in zip(_evaluate(config, tables, masks), _replicated(tables))
+    )
+  return batching.only_where(functools.partial(_evaluate, config), _replicated)(
+    tables, masks, needed
+  )
 
 
 def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:
@@ -215,16 +265,32 @@ def init(config: EnvConfig, tables: EnvTables, key: chex.PRNGKey) -> State:
     option = jnp.int32(-1)
     legal = _with_options(tables, legal, option)
   return State(
-      dec_class=jnp.full(k, -1, jnp.int32), dec_axis=jnp.full(k, -1, jnp.int32), num_decisions=zero,
-      value_mask=value_mask, op_mask=op_mask, objective=jnp.float32(1.0),
-      step_time=jnp.asarray(tables.base[BASE_STEP_TIME], jnp.float32),
-      peak_memory=jnp.asarray(tables.base[BASE_PEAK_MEMORY], jnp.float32),
-      reward=jnp.float32(0.0), terminated=~legal[:-1].any(), truncated=jnp.bool_(False),
-      legal_action_mask=legal, step_count=zero, pipeline=option)
+    dec_class=jnp.full(k, -1, jnp.int32),
+    dec_axis=jnp.full(k, -1, jnp.int32),
+    num_decisions=zero,
+    value_mask=value_mask,
+    op_mask=op_mask,
+    objective=jnp.float32(1.0),
+    step_time=jnp.asarray(tables.base[BASE_STEP_TIME], jnp.float32),
+    peak_memory=jnp.asarray(tables.base[BASE_PEAK_MEMORY], jnp.float32),
+    reward=jnp.float32(0.0),
+    terminated=~legal[:-1].any(),
+    truncated=jnp.bool_(False),
+    legal_action_mask=legal,
+    step_count=zero,
+    pipeline=option,
+  )
 
 
-def from_plan(config: EnvConfig, tables: EnvTables, dec_class: jax.Array, dec_axis: jax.Array,
-              value_mask: jax.Array, op_mask: jax.Array, cost: simulator.Cost) -> State:
+def from_plan(
+  config: EnvConfig,
+  tables: EnvTables,
+  dec_class: jax.Array,
+  dec_axis: jax.Array,
+  value_mask: jax.Array,
+  op_mask: jax.Array,
+  cost: simulator.Cost,
+) -> State:
   """The state of a plan made outside the environment (an expert tactic's), to search on
   from: its class decisions `dec_class`, `dec_axis` (`sharding.encode`, -1 padded, int32
   [K]), their resolution (`sharding.resolve`: masks [Uv, Rv] and [Uo, Rf]) and the cost the
@@ -238,17 +304,33 @@ def from_plan(config: EnvConfig, tables: EnvTables, dec_class: jax.Array, dec_ax
   num_decisions = (dec_class >= 0).sum().astype(jnp.int32)
   option = jnp.int32(0)
   if config.pipelines:
-    legal = legal_actions(tables, value_mask, op_mask, num_decisions, k, tables.pipeline.slot_divisible[option])
+    legal = legal_actions(
+      tables, value_mask, op_mask, num_decisions, k, tables.pipeline.slot_divisible[option]
+    )
     legal = _with_options(tables, legal, option)
   else:
     legal = legal_actions(tables, value_mask, op_mask, num_decisions, k)
   objective = env_objective(config, cost, tables.base, tables.cost.hbm_bytes)
-  step_time, peak_memory = jnp.asarray(cost.step_time, jnp.float32), jnp.asarray(cost.peak_memory, jnp.float32)
+  step_time, peak_memory = (
+    jnp.asarray(cost.step_time, jnp.float32),
+    jnp.asarray(cost.peak_memory, jnp.float32),
+  )
   return State(
-      dec_class=dec_class, dec_axis=dec_axis, num_decisions=num_decisions, value_mask=value_mask, op_mask=op_mask,
-      objective=objective, step_time=step_time, peak_memory=peak_memory, reward=jnp.float32(0.0),
-      terminated=~legal[:-1].any(), truncated=jnp.bool_(False), legal_action_mask=legal,
-      step_count=jnp.int32(0), pipeline=option)
+    dec_class=dec_class,
+    dec_axis=dec_axis,
+    num_decisions=num_decisions,
+    value_mask=value_mask,
+    op_mask=op_mask,
+    objective=objective,
+    step_time=step_time,
+    peak_memory=peak_memory,
+    reward=jnp.float32(0.0),
+    terminated=~legal[:-1].any(),
+    truncated=jnp.bool_(False),
+    legal_action_mask=legal,
+    step_count=jnp.int32(0),
+    pipeline=option,
+  )
 
 
 def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Array) -> State:
@@ -257,12 +339,18 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   pick = (action >= tables.num_moves) & ~stop if config.pipelines else None  # A pipeline option.
   target = jnp.minimum(action // num_axes, tables.target_classes.shape[0] - 1)
   axis = action % num_axes
-  chosen = (sharding.decision_slots(tables.value_divisible, state.value_mask, tables.value_rank[target], axis),
-            sharding.decision_slots(tables.op_divisible, state.op_mask, tables.op_rank[target], axis))
+  chosen = (
+    sharding.decision_slots(
+      tables.value_divisible, state.value_mask, tables.value_rank[target], axis
+    ),
+    sharding.decision_slots(tables.op_divisible, state.op_mask, tables.op_rank[target], axis),
+  )
   if pick is not None:
     chosen = tuple(jnp.where(pick, jnp.int8(-1), c) for c in chosen)
-  value_mask, op_mask = (sharding.with_slots(m, jnp.arange(m.shape[1], dtype=jnp.int8), c[:, None], axis)
-                         for m, c in zip((state.value_mask, state.op_mask), chosen))
+  value_mask, op_mask = (
+    sharding.with_slots(m, jnp.arange(m.shape[1], dtype=jnp.int8), c[:, None], axis)
+    for m, c in zip((state.value_mask, state.op_mask), chosen)
+  )
 
   classes = tables.target_classes[target]
   offset = jnp.arange(config.max_decisions) - state.num_decisions
@@ -277,13 +365,27 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   dec_class = jnp.where(new, classes[jnp.clip(offset, 0, classes.shape[0] - 1)], state.dec_class)
   dec_axis = jnp.where(new, axis, state.dec_axis)
   num_decisions = state.num_decisions + count
-  legal = _legal_after(tables, (state.value_mask, state.op_mask), chosen, axis, num_decisions, config.max_decisions,
-                       micro)
+  legal = _legal_after(
+    tables,
+    (state.value_mask, state.op_mask),
+    chosen,
+    axis,
+    num_decisions,
+    config.max_decisions,
+    micro,
+  )
   if pick is not None:
     legal = _with_options(tables, legal, option)
   moved = state.replace(
-      dec_class=dec_class, dec_axis=dec_axis, num_decisions=num_decisions, value_mask=value_mask,
-      op_mask=op_mask, terminated=~legal[:-1].any(), legal_action_mask=legal, pipeline=option)
+    dec_class=dec_class,
+    dec_axis=dec_axis,
+    num_decisions=num_decisions,
+    value_mask=value_mask,
+    op_mask=op_mask,
+    terminated=~legal[:-1].any(),
+    legal_action_mask=legal,
+    pipeline=option,
+  )
   stopped = state.replace(terminated=jnp.bool_(True))
   out = jax.tree.map(lambda a, b: jnp.where(stop, a, b), stopped, moved)
   step_count = state.step_count + 1
@@ -292,14 +394,24 @@ def _advance(config: EnvConfig, tables: EnvTables, state: State, action: jax.Arr
   # Shaped: every move simulates its plan (a stop keeps the figures). Terminal: only the
   # step that ends the episode does.
   changed = ~stop if config.reward == "shaped" else ends
-  live = ~(state.terminated | state.truncated)  # `step` keeps a terminal state whatever this returns.
+  live = ~(
+    state.terminated | state.truncated
+  )  # `step` keeps a terminal state whatever this returns.
   figures = _figures(config, tables, (out.value_mask, out.op_mask, out.pipeline), changed & live)
-  objective, step_time, peak_memory = (jnp.where(changed, new, old) for new, old in zip(
-      figures, (state.objective, state.step_time, state.peak_memory)))
+  objective, step_time, peak_memory = (
+    jnp.where(changed, new, old)
+    for new, old in zip(figures, (state.objective, state.step_time, state.peak_memory))
+  )
   only_stop = jnp.zeros_like(legal).at[-1].set(True)
-  return out.replace(objective=objective, step_time=step_time, peak_memory=peak_memory,
-                     reward=state.objective - objective, step_count=step_count, truncated=truncated,
-                     legal_action_mask=jnp.where(ends, only_stop, out.legal_action_mask))
+  return out.replace(
+    objective=objective,
+    step_time=step_time,
+    peak_memory=peak_memory,
+    reward=state.objective - objective,
+    step_count=step_count,
+    truncated=truncated,
+    legal_action_mask=jnp.where(ends, only_stop, out.legal_action_mask),
+  )
 
 
 def step(config: EnvConfig, tables: EnvTables, state: State, action: jax.Array) -> State:
@@ -310,4 +422,6 @@ def step(config: EnvConfig, tables: EnvTables, state: State, action: jax.Array) 
   # A select, not `lax.cond`: under `vmap` a cond with a batched predicate becomes a select
   # anyway, but first broadcasts every operand, the static tables included, to the batch.
   stay = state.replace(reward=jnp.zeros_like(state.reward))
-  return jax.tree.map(lambda a, b: jnp.where(done, a, b), stay, _advance(config, tables, state, action))
+  return jax.tree.map(
+    lambda a, b: jnp.where(done, a, b), stay, _advance(config, tables, state, action)
+  )

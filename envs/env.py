@@ -11,8 +11,8 @@ import jraph
 import numpy as np
 
 from automap_rl import sharding
-from automap_rl.problem import Problem
 from automap_rl.pipeline import Pipeline
+from automap_rl.problem import Problem
 from envs import actions, core, observe, pipelines, tables
 from envs.config import EnvConfig
 
@@ -42,7 +42,9 @@ class Env:
     """Builds the tables; `bucket` pads them to power-of-two sizes (see `tables.bucket_sizes`)."""
     targets = actions.targets(problem, config.action_space)
     if not targets:
-      raise ValueError(f"{problem.program.num_ops}-op program has no {config.action_space} targets.")
+      raise ValueError(
+        f"{problem.program.num_ops}-op program has no {config.action_space} targets."
+      )
     t = tables.build_env_tables(problem, config, targets)
     if bucket:
       t = tables.pad(t, tables.bucket_sizes(tables.sizes(t)))
@@ -71,7 +73,11 @@ class Env:
       return "stop"
     if action >= self.tables.num_moves:
       option = int(action) - self.tables.num_moves
-      return pipelines.describe(self.pipelines[option]) if option < len(self.pipelines) else f"padding action {action}"
+      return (
+        pipelines.describe(self.pipelines[option])
+        if option < len(self.pipelines)
+        else f"padding action {action}"
+      )
     target, axis = divmod(int(action), self.config.max_axes)
     axes = self.problem.mesh.axis_names
     if target >= len(self.targets) or axis >= len(axes):
@@ -91,5 +97,9 @@ class Env:
 
   def pipeline_of(self, action_ids: Sequence[int]) -> Pipeline | None:
     """The pipeline an action sequence from the start chooses (its pipeline action), None for none."""
-    options = [int(a) - self.tables.num_moves for a in action_ids if self.tables.num_moves <= int(a) < self.stop_action]
+    options = [
+      int(a) - self.tables.num_moves
+      for a in action_ids
+      if self.tables.num_moves <= int(a) < self.stop_action
+    ]
     return self.pipelines[options[0]] if options and options[0] > 0 else None

@@ -31,9 +31,13 @@ class GymEnv:
 
   def _out(self) -> tuple[jraph.GraphsTuple, dict[str, Any]]:
     state = jax.device_get(self.state)
-    info = {"action_mask": np.asarray(state.legal_action_mask), "objective": float(state.objective),
-            "step_time": float(state.step_time), "peak_memory": float(state.peak_memory),
-            "num_decisions": int(state.num_decisions)}
+    info = {
+      "action_mask": np.asarray(state.legal_action_mask),
+      "objective": float(state.objective),
+      "step_time": float(state.step_time),
+      "peak_memory": float(state.peak_memory),
+      "num_decisions": int(state.num_decisions),
+    }
     return jax.device_get(self._observe(self.state)), info
 
   def reset(self, seed: int | None = None, options: dict | None = None):
@@ -47,4 +51,10 @@ class GymEnv:
       raise RuntimeError("Call reset() before step().")
     self.state = self._step(self.state, np.int32(action))
     obs, info = self._out()
-    return obs, float(self.state.reward), bool(self.state.terminated), bool(self.state.truncated), info
+    return (
+      obs,
+      float(self.state.reward),
+      bool(self.state.terminated),
+      bool(self.state.truncated),
+      info,
+    )

@@ -38,7 +38,14 @@ import jax.numpy as jnp
 import jraph
 
 from envs.core import State
-from envs.tables import BASE_PEAK_MEMORY, BASE_STEP_TIME, NUM_OP_FEATURES, NUM_TARGET_FEATURES, NUM_VALUE_FEATURES, EnvTables
+from envs.tables import (
+  BASE_PEAK_MEMORY,
+  BASE_STEP_TIME,
+  NUM_OP_FEATURES,
+  NUM_TARGET_FEATURES,
+  NUM_VALUE_FEATURES,
+  EnvTables,
+)
 
 _STATIC = 4 + NUM_VALUE_FEATURES + NUM_OP_FEATURES + NUM_TARGET_FEATURES
 EDGE_FEATURES = 4
@@ -76,13 +83,22 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
     bits = _axis_bits(mask, x)
     real = (classes >= 0).any(axis=1) | (features != 0).any(axis=1)
     fraction = bits.max(axis=1) @ log_sizes / log_devices  # log shard count / log devices
-    head = jnp.stack([real, jnp.full(real.shape, kind == 0), jnp.full(real.shape, kind == 1),
-                      jnp.zeros(real.shape)], axis=1).astype(jnp.float32)
+    head = jnp.stack(
+      [
+        real,
+        jnp.full(real.shape, kind == 0),
+        jnp.full(real.shape, kind == 1),
+        jnp.zeros(real.shape),
+      ],
+      axis=1,
+    ).astype(jnp.float32)
     start = 4 if kind == 0 else 4 + NUM_VALUE_FEATURES
     static = _place(head, 0) + _place(features, start)
     return jnp.concatenate([static, bits.max(axis=1), extra, fraction[:, None]], axis=1), bits
 
-  values, value_bits = owner(0, tables.value_features, tables.value_class, state.value_mask, jnp.zeros((uv, x)))
+  values, value_bits = owner(
+    0, tables.value_features, tables.value_class, state.value_mask, jnp.zeros((uv, x))
+  )
   reduction = tables.cost.op_reduction[..., None] * _axis_bits(state.op_mask, x)
   ops, op_bits = owner(1, tables.op_features, tables.op_class, state.op_mask, reduction.max(axis=1))
 
@@ -92,21 +108,29 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
     ids = jnp.where(classes >= 0, classes, num_classes).reshape(-1)
     # Segment C collects slots without a class (and targets' -1 padding reads it): empty.
     for out, rows in ((sharded, bits.reshape(-1, x)), (counts, jnp.ones(ids.shape))):
-      out.append(jax.ops.segment_sum(rows, ids, num_segments=num_classes + 1).at[num_classes].set(0.0))
+      out.append(
+        jax.ops.segment_sum(rows, ids, num_segments=num_classes + 1).at[num_classes].set(0.0)
+      )
   covered = jnp.where(tables.target_classes >= 0, tables.target_classes, num_classes)
   target_sharded = (sharded[0] + sharded[1])[covered].sum(axis=1)
   target_slots = (counts[0] + counts[1])[covered].sum(axis=1)
   real = (tables.target_classes >= 0).any(axis=1)
   head = jnp.stack([real, jnp.zeros(t), jnp.zeros(t), real], axis=1).astype(jnp.float32)
-  static = _place(head, 0) + _place(tables.target_features, 4 + NUM_VALUE_FEATURES + NUM_OP_FEATURES)
-  legal = state.legal_action_mask[:t * x].reshape(t, x).astype(jnp.float32)
-  targets = jnp.concatenate([static, target_sharded / jnp.maximum(target_slots, 1.0)[:, None], legal,
-                             jnp.zeros((t, 1))], axis=1)
+  static = _place(head, 0) + _place(
+    tables.target_features, 4 + NUM_VALUE_FEATURES + NUM_OP_FEATURES
+  )
+  legal = state.legal_action_mask[: t * x].reshape(t, x).astype(jnp.float32)
+  targets = jnp.concatenate(
+    [static, target_sharded / jnp.maximum(target_slots, 1.0)[:, None], legal, jnp.zeros((t, 1))],
+    axis=1,
+  )
   nodes = jnp.concatenate([values, ops, targets, jnp.zeros((1, values.shape[1]))], axis=0)
   options = tables.pipeline
   if options is not None:
     option = jnp.maximum(state.pipeline, 0)
-    stage = jnp.concatenate([options.value_stage[option], options.op_stage[option], jnp.zeros(t + 1)])
+    stage = jnp.concatenate(
+      [options.value_stage[option], options.op_stage[option], jnp.zeros(t + 1)]
+    )
     nodes = jnp.concatenate([nodes, stage[:, None]], axis=1)
   pad_node = nodes.shape[0] - 1
 
@@ -116,31 +140,52 @@ def observe(tables: EnvTables, state: State) -> jraph.GraphsTuple:
   edge_real = tables.edge_real
   senders = jnp.where(edge_real, jnp.where(result, op_node, value_node), pad_node)
   receivers = jnp.where(edge_real, jnp.where(result, value_node, op_node), pad_node)
-  edge_features = jnp.stack([~result, result, jnp.zeros_like(result),
-                             jnp.log2(1.0 + cost.edge_weight) / 16.0], axis=1)
+  edge_features = jnp.stack(
+    [~result, result, jnp.zeros_like(result), jnp.log2(1.0 + cost.edge_weight) / 16.0], axis=1
+  )
   edge_features = jnp.where(edge_real[:, None], edge_features.astype(jnp.float32), 0.0)
   cover = tables.cover_real
   cover_senders = jnp.where(cover, uv + uo + tables.cover_target, pad_node)
-  cover_receivers = jnp.where(cover, jnp.where(tables.cover_is_op, uv + tables.cover_index, tables.cover_index),
-                              pad_node)
-  cover_features = jnp.zeros((cover.shape[0], EDGE_FEATURES)).at[:, 2].set(cover.astype(jnp.float32))
+  cover_receivers = jnp.where(
+    cover, jnp.where(tables.cover_is_op, uv + tables.cover_index, tables.cover_index), pad_node
+  )
+  cover_features = (
+    jnp.zeros((cover.shape[0], EDGE_FEATURES)).at[:, 2].set(cover.astype(jnp.float32))
+  )
 
-  globals_ = jnp.concatenate([
+  globals_ = jnp.concatenate(
+    [
       tables.mesh_features,
-      jnp.stack([state.objective, state.num_decisions / state.dec_class.shape[0],
-                 state.step_time / tables.base[BASE_STEP_TIME], state.peak_memory / tables.base[BASE_PEAK_MEMORY]]),
-  ]).astype(jnp.float32)
+      jnp.stack(
+        [
+          state.objective,
+          state.num_decisions / state.dec_class.shape[0],
+          state.step_time / tables.base[BASE_STEP_TIME],
+          state.peak_memory / tables.base[BASE_PEAK_MEMORY],
+        ]
+      ),
+    ]
+  ).astype(jnp.float32)
   if options is not None:
-    globals_ = jnp.concatenate([globals_, jnp.stack([
-        (options.axis[option] >= 0).astype(jnp.float32), jnp.log2(options.stages[option]) / 4.0,
-        jnp.log2(options.microbatches[option]) / 8.0])])
+    globals_ = jnp.concatenate(
+      [
+        globals_,
+        jnp.stack(
+          [
+            (options.axis[option] >= 0).astype(jnp.float32),
+            jnp.log2(options.stages[option]) / 4.0,
+            jnp.log2(options.microbatches[option]) / 8.0,
+          ]
+        ),
+      ]
+    )
   num_edges = senders.shape[0] + cover_senders.shape[0]
   return jraph.GraphsTuple(
-      nodes=nodes.astype(jnp.float32),
-      edges=jnp.concatenate([edge_features, cover_features]),
-      senders=jnp.concatenate([senders, cover_senders]).astype(jnp.int32),
-      receivers=jnp.concatenate([receivers, cover_receivers]).astype(jnp.int32),
-      globals=globals_[None],
-      n_node=jnp.array([nodes.shape[0]], jnp.int32),
-      n_edge=jnp.array([num_edges], jnp.int32),
+    nodes=nodes.astype(jnp.float32),
+    edges=jnp.concatenate([edge_features, cover_features]),
+    senders=jnp.concatenate([senders, cover_senders]).astype(jnp.int32),
+    receivers=jnp.concatenate([receivers, cover_receivers]).astype(jnp.int32),
+    globals=globals_[None],
+    n_node=jnp.array([nodes.shape[0]], jnp.int32),
+    n_edge=jnp.array([num_edges], jnp.int32),
   )

@@ -32,8 +32,16 @@ from automap_rl.stages import EVERY_STAGE, Phase
 
 # Fills of padded rows that add nothing (as `simulator.build_pipeline_tables` pads; -1: the
 # simulator's never-sharded factor), by field; 0 otherwise.
-_FILL = {"in_flight": 1.0, "value_phase": int(Phase.STEP), "op_phase": int(Phase.STEP), "op_dense_factor": -1,
-         "reduction_partial_sums": 1.0, "loop_repeats": 1.0, "edge_dim_factors": -1, "stacked_signatures": -1}
+_FILL = {
+  "in_flight": 1.0,
+  "value_phase": int(Phase.STEP),
+  "op_phase": int(Phase.STEP),
+  "op_dense_factor": -1,
+  "reduction_partial_sums": 1.0,
+  "loop_repeats": 1.0,
+  "edge_dim_factors": -1,
+  "stacked_signatures": -1,
+}
 
 
 @chex.dataclass(frozen=True)
@@ -95,7 +103,7 @@ def _micro_sizes(full: np.ndarray, source: np.ndarray, sizes: np.ndarray) -> np.
   """Per full-program signature, the gcd of its sizes at microbatch and stage size over the
   split signatures `source` points it to (its full sizes where none does), [U, R]."""
   out = np.zeros_like(full)
-  np.gcd.at(out, source, sizes[:, :full.shape[1]].astype(full.dtype))
+  np.gcd.at(out, source, sizes[:, : full.shape[1]].astype(full.dtype))
   return np.where(out == 0, full, out)
 
 
@@ -131,8 +139,14 @@ def _padded_alike(tables: Sequence[simulator.PipelineTables]) -> list[simulator.
     fill = _FILL.get(column[0][0][-1].name, 0)
     arrays = [np.asarray(a) for _, a in column]
     shape = tuple(max(n) for n in zip(*(a.shape for a in arrays)))
-    columns.append([np.pad(a, [(0, n - m) for n, m in zip(shape, a.shape)], constant_values=fill) if a.ndim else a
-                    for a in arrays])
+    columns.append(
+      [
+        np.pad(a, [(0, n - m) for n, m in zip(shape, a.shape)], constant_values=fill)
+        if a.ndim
+        else a
+        for a in arrays
+      ]
+    )
   return [jax.tree_util.tree_unflatten(flat[0][1], leaves) for leaves in zip(*columns)]
 
 
@@ -153,8 +167,14 @@ def alike(options: Sequence[PipelineOptions]) -> list[PipelineOptions]:
   return [o.replace(tables=next(rest) if o.tables is not None else padded[0]) for o in options]
 
 
-def build_options(problem: Problem, options: tuple[Pipeline | None, ...], count: int, axis_sizes: np.ndarray,
-                  slot_order: np.ndarray, slot_divisible: np.ndarray) -> PipelineOptions:
+def build_options(
+  problem: Problem,
+  options: tuple[Pipeline | None, ...],
+  count: int,
+  axis_sizes: np.ndarray,
+  slot_order: np.ndarray,
+  slot_divisible: np.ndarray,
+) -> PipelineOptions:
   """The arrays of `options` (`menu`'s) padded to `count` rows, for tables whose mesh axes
   are `axis_sizes` [X] and whose slots are `slot_order`, `slot_divisible` [Q, W]."""
   sigs, names = problem.sigs, problem.mesh.axis_names
@@ -170,11 +190,19 @@ def build_options(problem: Problem, options: tuple[Pipeline | None, ...], count:
       continue
     pipelined = problem.pipelined(pipeline)
     t, staged = pipelined.tables, pipelined.staged
-    axis[k], stages[k], microbatches[k] = names.index(pipeline.axis), pipeline.stages, pipeline.microbatches
+    axis[k], stages[k], microbatches[k] = (
+      names.index(pipeline.axis),
+      pipeline.stages,
+      pipeline.microbatches,
+    )
     value_size = _micro_sizes(sigs.value_size, np.asarray(t.value_source), np.asarray(t.value_size))
     op_size = _micro_sizes(sigs.op_size, np.asarray(t.op_source), np.asarray(t.op_size))
-    flat = np.concatenate([sharding.divisibility_bits(value_size, axis_sizes).ravel(),
-                           sharding.divisibility_bits(op_size, axis_sizes).ravel()])
+    flat = np.concatenate(
+      [
+        sharding.divisibility_bits(value_size, axis_sizes).ravel(),
+        sharding.divisibility_bits(op_size, axis_sizes).ravel(),
+      ]
+    )
     slots[k] = np.where(slot_divisible == 1, 1, _owner_slot_bits(problem, flat)[slot_order])
     value_stage[k] = _positions(staged.value_stage, sigs.value_sig, uv, pipeline.stages)
     op_stage[k] = _positions(staged.op_stage, sigs.op_sig, uo, pipeline.stages)
@@ -183,9 +211,16 @@ def build_options(problem: Problem, options: tuple[Pipeline | None, ...], count:
   if priced:
     rows = {k: t for k, t in priced}
     tables = _stacked([rows.get(k, priced[0][1]) for k in range(count)])
-  return PipelineOptions(valid=valid, axis=axis, stages=stages, microbatches=microbatches,
-                         slot_divisible=slots.astype(np.int32), value_stage=value_stage, op_stage=op_stage,
-                         tables=tables)
+  return PipelineOptions(
+    valid=valid,
+    axis=axis,
+    stages=stages,
+    microbatches=microbatches,
+    slot_divisible=slots.astype(np.int32),
+    value_stage=value_stage,
+    op_stage=op_stage,
+    tables=tables,
+  )
 
 
 def select(options: PipelineOptions, option: jax.Array) -> simulator.PipelineTables:
@@ -193,8 +228,9 @@ def select(options: PipelineOptions, option: jax.Array) -> simulator.PipelineTab
   return jax.tree.map(lambda x: x[option], options.tables)
 
 
-def pipelined_cost(options: PipelineOptions, option: jax.Array, value_mask: jax.Array,
-                   op_mask: jax.Array) -> simulator.PipelineCost:
+def pipelined_cost(
+  options: PipelineOptions, option: jax.Array, value_mask: jax.Array, op_mask: jax.Array
+) -> simulator.PipelineCost:
   """`simulator.pipeline_cost` of `option`'s pipeline for the resolution `value_mask`,
   `op_mask` (int32 [Uv, Rv], [Uo, Rf], bucket padding allowed)."""
   t = select(options, jnp.maximum(option, 0))

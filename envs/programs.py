@@ -21,12 +21,22 @@ from envs.config import EnvConfig
 
 # Per model, the config fields to sample and their choices.
 SIZES: Mapping[str, Mapping[str, Sequence]] = {
-    "mlp": {"layers": (2, 3, 4, 6), "width": (128, 256, 512, 1024), "batch": (16, 32, 64)},
-    "gpt": {"layers": (1, 2, 3, 4), "d_model": (64, 128, 256), "seq": (32, 64, 128), "batch": (8, 16, 32)},
-    "moe": {"layers": (1, 2), "d_model": (64, 128), "experts": (4, 8), "batch": (8, 16)},
-    "gnn": {"n_node": (32, 64, 128), "latent": (32, 64, 128), "steps": (2, 3, 4), "batch": (8, 16, 32)},
-    "resnet": {"stages": (2, 3), "width": (16, 32), "image_size": (16, 32), "batch": (8, 16, 32)},
-    "unet": {"levels": (1, 2), "base_channels": (16, 32), "image_size": (16, 32), "batch": (8, 16)},
+  "mlp": {"layers": (2, 3, 4, 6), "width": (128, 256, 512, 1024), "batch": (16, 32, 64)},
+  "gpt": {
+    "layers": (1, 2, 3, 4),
+    "d_model": (64, 128, 256),
+    "seq": (32, 64, 128),
+    "batch": (8, 16, 32),
+  },
+  "moe": {"layers": (1, 2), "d_model": (64, 128), "experts": (4, 8), "batch": (8, 16)},
+  "gnn": {
+    "n_node": (32, 64, 128),
+    "latent": (32, 64, 128),
+    "steps": (2, 3, 4),
+    "batch": (8, 16, 32),
+  },
+  "resnet": {"stages": (2, 3), "width": (16, 32), "image_size": (16, 32), "batch": (8, 16, 32)},
+  "unet": {"levels": (1, 2), "base_channels": (16, 32), "image_size": (16, 32), "batch": (8, 16)},
 }
 MESHES: tuple[str, ...] = ("data=8", "data=2,model=4", "data=4,model=2", "data=2,fsdp=2,model=2")
 HARDWARE: tuple[str, ...] = ("h100",)
@@ -45,15 +55,26 @@ class Sample:
     return Problem.build(program, mesh_lib.make_mesh(self.mesh, self.hardware))
 
 
-def sample(seed: int, n: int, model_names: Sequence[str] = tuple(SIZES), meshes: Sequence[str] = MESHES,
-           hardware: Sequence[str] = HARDWARE) -> list[Sample]:
+def sample(
+  seed: int,
+  n: int,
+  model_names: Sequence[str] = tuple(SIZES),
+  meshes: Sequence[str] = MESHES,
+  hardware: Sequence[str] = HARDWARE,
+) -> list[Sample]:
   """`n` (model spec, mesh) draws, the same for the same seed."""
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(n):
     name = str(rng.choice(list(model_names)))
-    fields = ",".join(f"{k}={v}" for k, choices in SIZES[name].items() for v in [choices[rng.integers(len(choices))]])
-    out.append(Sample(f"{name}:{fields}", str(rng.choice(list(meshes))), str(rng.choice(list(hardware)))))
+    fields = ",".join(
+      f"{k}={v}"
+      for k, choices in SIZES[name].items()
+      for v in [choices[rng.integers(len(choices))]]
+    )
+    out.append(
+      Sample(f"{name}:{fields}", str(rng.choice(list(meshes))), str(rng.choice(list(hardware))))
+    )
   return out
 
 
@@ -62,7 +83,9 @@ def sample_problems(seed: int, n: int, **kwargs) -> list[Problem]:
   return [s.to_problem() for s in sample(seed, n, **kwargs)]
 
 
-def batch_tables(problems: Sequence[Problem], config: EnvConfig) -> tuple[tables.EnvTables, list[tuple]]:
+def batch_tables(
+  problems: Sequence[Problem], config: EnvConfig
+) -> tuple[tables.EnvTables, list[tuple]]:
   """Stacked, bucket-padded tables of `problems` [len(problems), ...] and each one's targets."""
   targets = [actions.targets(p, config.action_space) for p in problems]
   built = [tables.build_env_tables(p, config, t) for p, t in zip(problems, targets)]

@@ -38,11 +38,30 @@ from envs.pipelines import PipelineOptions, alike, build_options, menu
 NO_RANK = 1 << 20  # Rank of a class a target does not cover.
 
 _CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
-_LAYOUT = frozenset({
-    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "concatenate",
-    "slice", "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "scatter-add",
-    "scatter_add", "pad", "rev", "copy", "copy_p", "convert_element_type", "select_n", "iota",
-})
+_LAYOUT = frozenset(
+  {
+    "reshape",
+    "transpose",
+    "broadcast_in_dim",
+    "squeeze",
+    "expand_dims",
+    "concatenate",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "gather",
+    "scatter",
+    "scatter-add",
+    "scatter_add",
+    "pad",
+    "rev",
+    "copy",
+    "copy_p",
+    "convert_element_type",
+    "select_n",
+    "iota",
+  }
+)
 # Non-trainable state is observed as optimizer state (what the zoo called it before it had a
 # role of its own): the observation, and the networks trained on it, keep their width.
 _OBSERVED_ROLE = {Role.STATE: Role.OPTIMIZER_STATE}
@@ -53,24 +72,51 @@ NUM_TARGET_FEATURES = 3
 
 # Dims of every array, by table name; cost tables by `simulator.CostTables` field.
 DIMS: Mapping[str, tuple[str, ...]] = {
-    "value_class": ("Uv", "Rv"), "value_divisible": ("Uv", "Rv"),
-    "op_class": ("Uo", "Rf"), "op_divisible": ("Uo", "Rf"),
-    "axis_sizes": ("X",), "axis_valid": ("X",),
-    "slot_order": ("Q", "W"), "slot_divisible": ("Q", "W"), "chunk_class": ("Q",),
-    "target_classes": ("T", "M"), "target_rank": ("T", "C"),
-    "value_rank": ("T", "Uv", "Rv"), "op_rank": ("T", "Uo", "Rf"),
-    "base": ("3",), "mesh_features": ("F",),
-    "value_features": ("Uv", "Fv"), "op_features": ("Uo", "Fo"), "target_features": ("T", "Ft"),
-    "edge_real": ("E",), "cover_target": ("G",), "cover_index": ("G",), "cover_is_op": ("G",),
-    "cover_real": ("G",),
+  "value_class": ("Uv", "Rv"),
+  "value_divisible": ("Uv", "Rv"),
+  "op_class": ("Uo", "Rf"),
+  "op_divisible": ("Uo", "Rf"),
+  "axis_sizes": ("X",),
+  "axis_valid": ("X",),
+  "slot_order": ("Q", "W"),
+  "slot_divisible": ("Q", "W"),
+  "chunk_class": ("Q",),
+  "target_classes": ("T", "M"),
+  "target_rank": ("T", "C"),
+  "value_rank": ("T", "Uv", "Rv"),
+  "op_rank": ("T", "Uo", "Rf"),
+  "base": ("3",),
+  "mesh_features": ("F",),
+  "value_features": ("Uv", "Fv"),
+  "op_features": ("Uo", "Fo"),
+  "target_features": ("T", "Ft"),
+  "edge_real": ("E",),
+  "cover_target": ("G",),
+  "cover_index": ("G",),
+  "cover_is_op": ("G",),
+  "cover_real": ("G",),
 }
 COST_DIMS: Mapping[str, tuple[str, ...]] = {
-    "op_reduction": ("Uo", "Rf"), "edge_dim_factors": ("E", "Rv", "D"), "live_bytes": ("L", "Uv"),
-    "hbm_bytes": (), "combine_bytes": ("2",), "native_scatter": (), "loop_repeats": ("K",),
-    "shared_slot_edge": ("Ss",), "shared_slot_runs": ("Ss",), "shared_slot_share": ("Ss",),
-    "shared_pairs": ("2", "Sp"),
+  "op_reduction": ("Uo", "Rf"),
+  "edge_dim_factors": ("E", "Rv", "D"),
+  "live_bytes": ("L", "Uv"),
+  "hbm_bytes": (),
+  "combine_bytes": ("2",),
+  "native_scatter": (),
+  "loop_repeats": ("K",),
+  "shared_slot_edge": ("Ss",),
+  "shared_slot_runs": ("Ss",),
+  "shared_slot_share": ("Ss",),
+  "shared_pairs": ("2", "Sp"),
 }
-_PREFIX_DIM = {"value": "Uv", "op": "Uo", "edge": "E", "unique": "Eu", "reduction": "R", "mask": "B"}
+_PREFIX_DIM = {
+  "value": "Uv",
+  "op": "Uo",
+  "edge": "E",
+  "unique": "Eu",
+  "reduction": "R",
+  "mask": "B",
+}
 
 
 def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
@@ -85,11 +131,22 @@ def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
   raise KeyError(f"envs.tables.COST_DIMS does not know CostTables field {field!r} of rank {ndim}.")
 
 
-_FILL = {"value_class": -1, "value_divisible": 1, "op_class": -1, "op_divisible": 1, "target_classes": -1,
-         "target_rank": NO_RANK, "axis_sizes": 1, "chunk_class": NO_RANK, "slot_divisible": 1,
-         "edge_dim_factors": -1, "op_dense_factor": -1,  # -1: the simulator's never-sharded factor.
-         "shared_pairs": -1,  # -1: a pair that counts for no slot.
-         "value_rank": sharding.NO_SLOT_RANK, "op_rank": sharding.NO_SLOT_RANK}
+_FILL = {
+  "value_class": -1,
+  "value_divisible": 1,
+  "op_class": -1,
+  "op_divisible": 1,
+  "target_classes": -1,
+  "target_rank": NO_RANK,
+  "axis_sizes": 1,
+  "chunk_class": NO_RANK,
+  "slot_divisible": 1,
+  "edge_dim_factors": -1,
+  "op_dense_factor": -1,  # -1: the simulator's never-sharded factor.
+  "shared_pairs": -1,  # -1: a pair that counts for no slot.
+  "value_rank": sharding.NO_SLOT_RANK,
+  "op_rank": sharding.NO_SLOT_RANK,
+}
 BUCKETED = ("Uv", "Uo", "E", "Eu", "R", "L", "Q", "C", "T", "G", "Ss", "Sp")
 CHUNK = 8  # W: slots per chunk.
 
@@ -216,8 +273,10 @@ def _representative_slots(owners: sharding.Owners) -> np.ndarray:
   `op_class.ravel()`) for each owner slot: signatures that share an owner resolve alike,
   so the legal mask tests one of them for all (half the slots of a 12-layer GPT). Bool
   [Uv * Rv + Uo * Rf]."""
-  flat = [(owner.ravel(), slot.ravel()) for owner, slot in ((owners.value_owner, owners.value_slot),
-                                                             (owners.op_owner, owners.op_slot))]
+  flat = [
+    (owner.ravel(), slot.ravel())
+    for owner, slot in ((owners.value_owner, owners.value_slot), (owners.op_owner, owners.op_slot))
+  ]
   owner, slot = (np.concatenate(parts) for parts in zip(*flat))
   key = np.where(owner >= 0, owner * owners.classes.shape[1] + slot, -1)
   first = np.zeros(len(key), bool)
@@ -232,7 +291,9 @@ def _value_features(problem: Problem) -> np.ndarray:
   nbytes = np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float64)
   rank = np.array([len(k[1]) for k in sigs.value_keys], np.float64)
   roles = np.zeros((len(nbytes), NUM_OBSERVED_ROLES))
-  np.add.at(roles, (sigs.value_sig, [_OBSERVED_ROLE.get(v.role, v.role) for v in program.values]), 1.0)
+  np.add.at(
+    roles, (sigs.value_sig, [_OBSERVED_ROLE.get(v.role, v.role) for v in program.values]), 1.0
+  )
   roles /= np.maximum(roles.sum(1, keepdims=True), 1.0)
   head = np.stack([np.log2(1.0 + nbytes) / 40.0, nbytes / max(nbytes.sum(), 1.0), rank / 8.0], 1)
   return np.concatenate([head, roles], 1).astype(np.float32)
@@ -254,9 +315,13 @@ def _op_features(problem: Problem, tables: simulator.CostTables) -> np.ndarray:
       kind = 2 if op.primitive in _LAYOUT else 3
     kinds[sigs.op_sig[op.id], kind] += 1.0
   kinds /= np.maximum(kinds.sum(1, keepdims=True), 1.0)
-  memory = np.bincount(tables.edge_op, tables.edge_memory_s.astype(np.float64), len(tables.op_compute_s))
+  memory = np.bincount(
+    tables.edge_op, tables.edge_memory_s.astype(np.float64), len(tables.op_compute_s)
+  )
   seconds = np.maximum(tables.op_compute_s, memory)
-  head = np.stack([np.log10(np.maximum(seconds, 1e-12)) / 12.0 + 1.0, seconds / max(seconds.sum(), 1e-30)], 1)
+  head = np.stack(
+    [np.log10(np.maximum(seconds, 1e-12)) / 12.0 + 1.0, seconds / max(seconds.sum(), 1e-30)], 1
+  )
   tail = np.stack([tables.op_reduction.any(1), (sigs.op_size > 1).sum(1) / 8.0], 1)
   return np.concatenate([head, kinds, tail], 1).astype(np.float32)
 
@@ -271,11 +336,20 @@ def _coverage(problem: Problem, targets: Sequence[Target]):
       for index in np.flatnonzero(np.isin(classes, target.classes).any(1)):
         rows.append((t, int(index), is_op))
   rows = np.array(rows, np.int64).reshape(-1, 3)
-  covered = np.array([sum(int(np.isin(c, t.classes).sum()) for c in (sigs.value_class, sigs.op_class))
-                      for t in targets], np.float64)
-  sizes = np.array([max(problem.named.classes[c].size for c in t.classes) for t in targets], np.float64)
+  covered = np.array(
+    [
+      sum(int(np.isin(c, t.classes).sum()) for c in (sigs.value_class, sigs.op_class))
+      for t in targets
+    ],
+    np.float64,
+  )
+  sizes = np.array(
+    [max(problem.named.classes[c].size for c in t.classes) for t in targets], np.float64
+  )
   counts = np.array([len(t.classes) for t in targets], np.float64)
-  features = np.stack([np.log2(1.0 + counts) / 4.0, np.log2(sizes) / 16.0, covered / max(slots, 1)], 1)
+  features = np.stack(
+    [np.log2(1.0 + counts) / 4.0, np.log2(sizes) / 16.0, covered / max(slots, 1)], 1
+  )
   return rows, features.astype(np.float32)
 
 
@@ -290,7 +364,7 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
   target_classes = np.full((len(targets), width), -1, np.int32)
   target_rank = np.full((len(targets), num_classes), NO_RANK, np.int32)
   for i, t in enumerate(targets):
-    target_classes[i, :len(t.classes)] = t.classes
+    target_classes[i, : len(t.classes)] = t.classes
     target_rank[i, list(t.classes)] = np.arange(len(t.classes))
   cost = {}
   for field in dataclasses.fields(simulator.CostTables):
@@ -306,37 +380,60 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
   op_divisible = sharding.divisibility_bits(sigs.op_size, sizes)
   flat_divisible = np.concatenate([value_divisible.ravel(), op_divisible.ravel()])
   representative = _representative_slots(problem.owners)
-  chunks = [(c, members[i:i + CHUNK]) for c in range(num_classes)
-            for members in [np.flatnonzero((flat_class == c) & representative)] for i in range(0, len(members), CHUNK)]
+  chunks = [
+    (c, members[i : i + CHUNK])
+    for c in range(num_classes)
+    for members in [np.flatnonzero((flat_class == c) & representative)]
+    for i in range(0, len(members), CHUNK)
+  ]
   slot_order = np.zeros((len(chunks), CHUNK), np.int64)
   slot_divisible = np.ones((len(chunks), CHUNK), np.int64)
   for q, (_, members) in enumerate(chunks):
-    slot_order[q, :len(members)] = members
-    slot_divisible[q, :len(members)] = flat_divisible[members]
+    slot_order[q, : len(members)] = members
+    slot_divisible[q, : len(members)] = flat_divisible[members]
   bandwidth = np.zeros(x, np.float32)
   bandwidth[:num_axes] = [np.log10(link.bandwidth) / 12.0 for link in mesh.links]
-  mesh_features = np.concatenate([np.log2(sizes) / 4.0, bandwidth,
-                                  [np.log2(mesh.num_devices) / 8.0, np.log10(tables.hbm_bytes) / 12.0]])
+  mesh_features = np.concatenate(
+    [
+      np.log2(sizes) / 4.0,
+      bandwidth,
+      [np.log2(mesh.num_devices) / 8.0, np.log10(tables.hbm_bytes) / 12.0],
+    ]
+  )
   pipeline = None
   if config.pipelines:
-    pipeline = build_options(problem, menu(problem, config.pipelines), config.pipelines, sizes, slot_order,
-                             slot_divisible)
-  return _device(EnvTables(
-      value_class=sigs.value_class.astype(np.int32), value_divisible=value_divisible,
-      op_class=sigs.op_class.astype(np.int32), op_divisible=op_divisible,
-      slot_order=slot_order.astype(np.int32), slot_divisible=slot_divisible.astype(np.int32),
+    pipeline = build_options(
+      problem, menu(problem, config.pipelines), config.pipelines, sizes, slot_order, slot_divisible
+    )
+  return _device(
+    EnvTables(
+      value_class=sigs.value_class.astype(np.int32),
+      value_divisible=value_divisible,
+      op_class=sigs.op_class.astype(np.int32),
+      op_divisible=op_divisible,
+      slot_order=slot_order.astype(np.int32),
+      slot_divisible=slot_divisible.astype(np.int32),
       chunk_class=np.array([c for c, _ in chunks], np.int32),
-      axis_sizes=sizes, axis_valid=np.arange(x) < num_axes,
-      target_classes=target_classes, target_rank=target_rank, base=base,
-      value_rank=_slot_rank(target_rank, sigs.value_class), op_rank=_slot_rank(target_rank, sigs.op_class),
+      axis_sizes=sizes,
+      axis_valid=np.arange(x) < num_axes,
+      target_classes=target_classes,
+      target_rank=target_rank,
+      base=base,
+      value_rank=_slot_rank(target_rank, sigs.value_class),
+      op_rank=_slot_rank(target_rank, sigs.op_class),
       mesh_features=mesh_features.astype(np.float32),
-      value_features=_value_features(problem), op_features=_op_features(problem, tables),
+      value_features=_value_features(problem),
+      op_features=_op_features(problem, tables),
       target_features=target_features,
       edge_real=np.ones(len(tables.edge_op), bool),
-      cover_target=cover[:, 0].astype(np.int32), cover_index=cover[:, 1].astype(np.int32),
-      cover_is_op=cover[:, 2].astype(bool), cover_real=np.ones(len(cover), bool),
-      cost=simulator.CostTables(**cost), pipeline=pipeline,
-  ))
+      cover_target=cover[:, 0].astype(np.int32),
+      cover_index=cover[:, 1].astype(np.int32),
+      cover_is_op=cover[:, 2].astype(bool),
+      cover_real=np.ones(len(cover), bool),
+      cost=simulator.CostTables(**cost),
+      pipeline=pipeline,
+    )
+  )
 
 
 def _device(tables: EnvTables) -> EnvTables:
@@ -381,8 +478,11 @@ def _remap_slots(tables: EnvTables, size: Mapping[str, int]) -> np.ndarray:
   (uv, rv), rf = np.shape(tables.value_class), np.shape(tables.op_class)[1]
   order = np.asarray(tables.slot_order)
   op = order - uv * rv
-  return np.where(op >= 0, size["Uv"] * size["Rv"] + op // rf * size["Rf"] + op % rf,
-                  order // rv * size["Rv"] + order % rv).astype(order.dtype)
+  return np.where(
+    op >= 0,
+    size["Uv"] * size["Rv"] + op // rf * size["Rf"] + op % rf,
+    order // rv * size["Rv"] + order % rv,
+  ).astype(order.dtype)
 
 
 def pad(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
@@ -404,16 +504,21 @@ def _pad_on_host(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
 
   fields = {name: padded(name, dims, getattr(tables, name)) for name, dims in DIMS.items()}
   fields["slot_order"] = padded("slot_order", DIMS["slot_order"], _remap_slots(tables, size))
-  fields["cost"] = simulator.CostTables(**{
+  fields["cost"] = simulator.CostTables(
+    **{
       f.name: padded(f.name, cost_dims(f.name, np.ndim(a)), a)
-      for f in dataclasses.fields(simulator.CostTables) for a in [getattr(tables.cost, f.name)]})
+      for f in dataclasses.fields(simulator.CostTables)
+      for a in [getattr(tables.cost, f.name)]
+    }
+  )
   options = tables.pipeline
   if options is not None:
     size = {**size, "P": options.valid.shape[0]}
     fields["pipeline"] = options.replace(
-        slot_divisible=padded("slot_divisible", ("P", "Q", "W"), options.slot_divisible),
-        value_stage=padded("value_stage", ("P", "Uv"), options.value_stage),
-        op_stage=padded("op_stage", ("P", "Uo"), options.op_stage))
+      slot_divisible=padded("slot_divisible", ("P", "Q", "W"), options.slot_divisible),
+      value_stage=padded("value_stage", ("P", "Uv"), options.value_stage),
+      op_stage=padded("op_stage", ("P", "Uo"), options.op_stage),
+    )
   return EnvTables(**fields)
 
 
@@ -426,4 +531,6 @@ def stack(tables: Sequence[EnvTables]) -> EnvTables:
   padded = [_pad_on_host(t, common) for t in tables]
   if padded[0].pipeline is not None:
     padded = [t.replace(pipeline=o) for t, o in zip(padded, alike([t.pipeline for t in padded]))]
-  return _device(jax.tree.map(lambda *xs: np.stack(xs), *padded))  # Stacked on the host: no compile per array.
+  return _device(
+    jax.tree.map(lambda *xs: np.stack(xs), *padded)
+  )  # Stacked on the host: no compile per array.

@@ -48,8 +48,9 @@ def _check_shapes(env: Env, state: State, batch: tuple[int, ...] = ()) -> None:
   k, a = env.config.max_decisions, env.num_actions
   chex.assert_shape([state.dec_class, state.dec_axis], (*batch, k))
   chex.assert_shape(state.legal_action_mask, (*batch, a))
-  chex.assert_shape([state.reward, state.objective, state.terminated, state.truncated, state.num_decisions],
-                    batch)
+  chex.assert_shape(
+    [state.reward, state.objective, state.terminated, state.truncated, state.num_decisions], batch
+  )
   chex.assert_type([state.dec_class, state.dec_axis, state.num_decisions], jnp.int32)
   chex.assert_type([state.reward, state.objective], jnp.float32)
   assert state.legal_action_mask.dtype == jnp.bool_ and state.terminated.dtype == jnp.bool_
@@ -68,8 +69,11 @@ def _episode(init, step, key: jax.Array, max_steps: int, stop_probability: float
 
 def _check_terminal(env: Env, step, state: State) -> None:
   assert bool(state.terminated) or bool(state.truncated), "an episode ended in a live state"
-  np.testing.assert_array_equal(np.flatnonzero(state.legal_action_mask), [env.num_actions - 1],
-                                err_msg="a terminal state allows an action besides stop")
+  np.testing.assert_array_equal(
+    np.flatnonzero(state.legal_action_mask),
+    [env.num_actions - 1],
+    err_msg="a terminal state allows an action besides stop",
+  )
   for action in {0, env.num_actions // 2, env.num_actions - 1}:
     after = step(state, jnp.int32(action))
     assert float(after.reward) == 0.0, "a terminal state rewarded a step"
@@ -80,29 +84,50 @@ def _check_episode(env: Env, step, states: list[State]) -> None:
   for before, after in zip(states, states[1:]):
     assert bool(after.legal_action_mask[-1]), "stop is not legal"
     assert np.isfinite(float(after.reward)), "a reward is not finite"
-    np.testing.assert_allclose(float(after.reward), float(before.objective) - float(after.objective),
-                               atol=TOLERANCE, err_msg="a reward is not the objective's decrease")
+    np.testing.assert_allclose(
+      float(after.reward),
+      float(before.objective) - float(after.objective),
+      atol=TOLERANCE,
+      err_msg="a reward is not the objective's decrease",
+    )
   final = states[-1]
   total = sum(float(s.reward) for s in states[1:])
-  np.testing.assert_allclose(total, 1.0 - float(final.objective), atol=TOLERANCE * max(len(states), 1),
-                             err_msg="the return is not the objective's total decrease")
+  np.testing.assert_allclose(
+    total,
+    1.0 - float(final.objective),
+    atol=TOLERANCE * max(len(states), 1),
+    err_msg="the return is not the objective's total decrease",
+  )
   resolved = env.problem.resolve(final.dec_class, final.dec_axis)
   for name in ("value_mask", "op_mask"):
     exact, padded = np.asarray(getattr(resolved, name)), np.asarray(getattr(final, name))
     rows, cols = exact.shape
-    np.testing.assert_array_equal(padded[:rows, :cols], exact,
-                                  err_msg=f"the state's {name} is not the resolution of its decisions")
+    np.testing.assert_array_equal(
+      padded[:rows, :cols],
+      exact,
+      err_msg=f"the state's {name} is not the resolution of its decisions",
+    )
     assert not padded[rows:].any() and not padded[:, cols:].any(), f"padding of {name} was sharded"
 
 
 def check_plan_state(made: State, reached: State) -> None:
   """Checks that a state made from a plan (`core.from_plan`) is the one its actions
   reached, but for the step count and reward; raises `AssertionError` naming the field."""
-  for name in ("dec_class", "dec_axis", "num_decisions", "value_mask", "op_mask", "legal_action_mask", "terminated",
-               "pipeline"):
+  for name in (
+    "dec_class",
+    "dec_axis",
+    "num_decisions",
+    "value_mask",
+    "op_mask",
+    "legal_action_mask",
+    "terminated",
+    "pipeline",
+  ):
     np.testing.assert_array_equal(getattr(made, name), getattr(reached, name), err_msg=name)
   for name in ("objective", "step_time", "peak_memory"):
-    np.testing.assert_allclose(float(getattr(made, name)), float(getattr(reached, name)), rtol=TOLERANCE, err_msg=name)
+    np.testing.assert_allclose(
+      float(getattr(made, name)), float(getattr(reached, name)), rtol=TOLERANCE, err_msg=name
+    )
   assert int(made.step_count) == 0 and not bool(made.truncated)
 
 
@@ -122,8 +147,15 @@ def _check_observation(env: Env, states: list[State]) -> None:
       assert ((ids >= 0) & (ids < num_nodes)).all(), f"observation {name} out of range"
 
 
-def api_test(env: Env, *, num_episodes: int = 3, max_steps: int = 40, batch: int = 4, seed: int = 0,
-             stop_probability: float = 0.05) -> None:
+def api_test(
+  env: Env,
+  *,
+  num_episodes: int = 3,
+  max_steps: int = 40,
+  batch: int = 4,
+  seed: int = 0,
+  stop_probability: float = 0.05,
+) -> None:
   """Checks the environment contract (see the module docstring) on `env`; raises
   `AssertionError` naming the broken rule."""
   key = jax.random.key(seed)
@@ -180,7 +212,9 @@ def gym_api_test(gym: GymEnv, *, seed: int = 0, max_steps: int = 40) -> None:
   runs = []
   for _ in range(2):
     obs, info = gym.reset(seed=seed)
-    assert info["action_mask"].dtype == np.bool_ and info["action_mask"][-1], "stop not legal after reset"
+    assert info["action_mask"].dtype == np.bool_ and info["action_mask"][-1], (
+      "stop not legal after reset"
+    )
     actions, done = [], False
     while not done and len(actions) < max_steps:
       actions.append(int(gym.action_space.sample(info["action_mask"].astype(np.int8))))

@@ -26,7 +26,13 @@ from experiments.cli import write_json
 from experiments.options import Hardware, JsonPath, MeshSpec, PlotPath, Workload
 
 SCALE_WORKLOADS = ("gpt:layers=2", "gpt:layers=4", "gpt:layers=8", "gpt:layers=12", "gpt:layers=24")
-SCALE_MESHES = ("data=2,model=2", "data=2,model=4", "data=4,model=4", "data=4,model=8", "data=8,model=8")
+SCALE_MESHES = (
+  "data=2,model=2",
+  "data=2,model=4",
+  "data=4,model=4",
+  "data=4,model=8",
+  "data=8,model=8",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +89,9 @@ def calls_per_second(fn: Callable[[], Any], seconds: float) -> float:
   return calls / (time.perf_counter() - start)
 
 
-def random_plans(problem: Problem, key: jax.Array, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+def random_plans(
+  problem: Problem, key: jax.Array, batch: int, length: int
+) -> tuple[jax.Array, jax.Array]:
   """`batch` random decision lists of (named dim, axis), int32 [batch, length] each."""
   class_key, axis_key = jax.random.split(key)
   classes = jax.random.randint(class_key, (batch, length), 0, max(len(problem.named.classes), 1))
@@ -92,20 +100,30 @@ def random_plans(problem: Problem, key: jax.Array, batch: int, length: int) -> t
 
 
 def build_problem(workload: str, mesh: str, hardware: str) -> Problem:
-  return Problem.build(workloads.make_workload(workload, abstract=True).trace(), make_mesh(mesh, hardware))
+  return Problem.build(
+    workloads.make_workload(workload, abstract=True).trace(), make_mesh(mesh, hardware)
+  )
 
 
 def _size(problem: Problem) -> dict[str, Any]:
-  return {"ops": problem.program.num_ops, "value_signatures": len(problem.sigs.value_keys),
-          "op_signatures": len(problem.sigs.op_keys), "devices": problem.mesh.num_devices}
+  return {
+    "ops": problem.program.num_ops,
+    "value_signatures": len(problem.sigs.value_keys),
+    "op_signatures": len(problem.sigs.op_keys),
+    "devices": problem.mesh.num_devices,
+  }
 
 
-def simulator_rates(problem: Problem, config: SimulatorBenchConfig, seconds: float, single: bool) -> dict[str, float]:
+def simulator_rates(
+  problem: Problem, config: SimulatorBenchConfig, seconds: float, single: bool
+) -> dict[str, float]:
   """Evaluations (resolution and simulation) per second of `config.batch` random plans
   per vmapped call and, if `single`, of one plan per call."""
   classes, axes = random_plans(problem, jax.random.key(config.seed), config.batch, config.decisions)
   batched = jax.jit(jax.vmap(problem.evaluate))
-  out = {"per_second_batched": config.batch * calls_per_second(lambda: batched(classes, axes), seconds)}
+  out = {
+    "per_second_batched": config.batch * calls_per_second(lambda: batched(classes, axes), seconds)
+  }
   if single:
     one = jax.jit(problem.evaluate)
     out["per_second_single"] = calls_per_second(lambda: one(classes[0], axes[0]), seconds)
@@ -122,10 +140,22 @@ def _scaling(rate: Callable[[Problem], float], config: EnvBenchConfig) -> list[d
     problem = build_problem(workload, mesh, config.hardware)
     per_second = rate(problem)
     size = _size(problem)
-    rows.append({"varies": varies, "workload": workload, "mesh": mesh, **size, "per_second_batched": per_second,
-                 "us_per_eval": 1e6 / per_second, "ns_per_op": 1e9 / per_second / size["ops"]})
-    print(f"  {varies:>7}  {workload:<16} {mesh:<16} {size['ops']:>6} ops {size['devices']:>3} devices "
-          f"{per_second:>12,.0f}/s {1e6 / per_second:8.2f} us {rows[-1]['ns_per_op']:7.2f} ns/op", flush=True)
+    rows.append(
+      {
+        "varies": varies,
+        "workload": workload,
+        "mesh": mesh,
+        **size,
+        "per_second_batched": per_second,
+        "us_per_eval": 1e6 / per_second,
+        "ns_per_op": 1e9 / per_second / size["ops"],
+      }
+    )
+    print(
+      f"  {varies:>7}  {workload:<16} {mesh:<16} {size['ops']:>6} ops {size['devices']:>3} devices "
+      f"{per_second:>12,.0f}/s {1e6 / per_second:8.2f} us {rows[-1]['ns_per_op']:7.2f} ns/op",
+      flush=True,
+    )
   return rows
 
 
@@ -135,15 +165,22 @@ def growth(rows: list[dict[str, Any]], varies: str) -> float:
   part = sorted((r for r in rows if r["varies"] == varies), key=lambda r: r[varies])
   if len(part) < 2 or part[0][varies] == part[-1][varies]:
     return float("nan")
-  return math.log(part[-1]["us_per_eval"] / part[0]["us_per_eval"]) / math.log(part[-1][varies] / part[0][varies])
+  return math.log(part[-1]["us_per_eval"] / part[0]["us_per_eval"]) / math.log(
+    part[-1][varies] / part[0][varies]
+  )
 
 
 def table(rows: list[dict[str, Any]], unit: str) -> str:
   """The scaling rows as a Markdown table."""
-  lines = [f"| workload | mesh | ops | devices | {unit}/s batched | us per {unit} | ns per op |", "|---" * 7 + "|"]
+  lines = [
+    f"| workload | mesh | ops | devices | {unit}/s batched | us per {unit} | ns per op |",
+    "|---" * 7 + "|",
+  ]
   for r in rows:
-    lines.append(f"| {r['workload']} | {r['mesh']} | {r['ops']} | {r['devices']} | {r['per_second_batched']:,.0f} "
-                 f"| {r['us_per_eval']:.2f} | {r['ns_per_op']:.2f} |")
+    lines.append(
+      f"| {r['workload']} | {r['mesh']} | {r['ops']} | {r['devices']} | {r['per_second_batched']:,.0f} "
+      f"| {r['us_per_eval']:.2f} | {r['ns_per_op']:.2f} |"
+    )
   return "\n".join(lines)
 
 
@@ -165,7 +202,9 @@ def plot(rows: list[dict[str, Any]], unit: str, title: str, path: str) -> None:
     ax.plot(xs, ys, "o-", label=f"measured (exponent {growth(rows, varies):.2f})")
     ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "--", color="gray", label="linear")
     for r in part:
-      ax.annotate(r["workload"] if varies == "ops" else r["mesh"], (r[varies], r["us_per_eval"]), fontsize=6)
+      ax.annotate(
+        r["workload"] if varies == "ops" else r["mesh"], (r[varies], r["us_per_eval"]), fontsize=6
+      )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -178,7 +217,9 @@ def plot(rows: list[dict[str, Any]], unit: str, title: str, path: str) -> None:
   plt.close(fig)
 
 
-def _finish(result: dict[str, Any], unit: str, title: str, config: EnvBenchConfig) -> dict[str, Any]:
+def _finish(
+  result: dict[str, Any], unit: str, title: str, config: EnvBenchConfig
+) -> dict[str, Any]:
   rows = result["scaling"]
   result["growth_exponent"] = {"ops": growth(rows, "ops"), "devices": growth(rows, "devices")}
   print(table(rows, unit))
@@ -194,12 +235,22 @@ def run_simulator(config: SimulatorBenchConfig) -> dict[str, Any]:
   scaling rows."""
   problem = build_problem(config.workload, config.mesh, config.hardware)
   rates = simulator_rates(problem, config, config.seconds, single=True)
-  result = {"workload": config.workload, "mesh": config.mesh, "batch": config.batch, "decisions": config.decisions,
-            **_size(problem), "evals_per_second_single": rates["per_second_single"],
-            "evals_per_second_batched": rates["per_second_batched"]}
+  result = {
+    "workload": config.workload,
+    "mesh": config.mesh,
+    "batch": config.batch,
+    "decisions": config.decisions,
+    **_size(problem),
+    "evals_per_second_single": rates["per_second_single"],
+    "evals_per_second_batched": rates["per_second_batched"],
+  }
   result["scaling"] = _scaling(
-      lambda p: simulator_rates(p, config, config.scale_seconds, single=False)["per_second_batched"], config)
-  return _finish(result, "eval", f"simulator, batch {config.batch}, {config.decisions} decisions", config)
+    lambda p: simulator_rates(p, config, config.scale_seconds, single=False)["per_second_batched"],
+    config,
+  )
+  return _finish(
+    result, "eval", f"simulator, batch {config.batch}, {config.decisions} decisions", config
+  )
 
 
 def run_env(config: EnvBenchConfig) -> dict[str, Any]:
@@ -207,16 +258,29 @@ def run_env(config: EnvBenchConfig) -> dict[str, Any]:
   ratio from this one run), then the scaling rows (terminal rewards)."""
   problem = build_problem(config.workload, config.mesh, config.hardware)
   env_config = EnvConfig()
-  result = {"workload": config.workload, "mesh": config.mesh, "batch": config.batch, **_size(problem),
-            "action_space": env_config.action_space}
+  result = {
+    "workload": config.workload,
+    "mesh": config.mesh,
+    "batch": config.batch,
+    **_size(problem),
+    "action_space": env_config.action_space,
+  }
   for reward in ("terminal", "shaped"):
-    rates = bench_env(problem, config.batch, config.seconds, dataclasses.replace(env_config, reward=reward))
+    rates = bench_env(
+      problem, config.batch, config.seconds, dataclasses.replace(env_config, reward=reward)
+    )
     result[f"steps_per_second_single_{reward}"] = rates["steps_per_second_single"]
     result[f"steps_per_second_batched_{reward}"] = rates["steps_per_second_batched"]
-  result["batched_terminal_over_shaped"] = (result["steps_per_second_batched_terminal"]
-                                            / result["steps_per_second_batched_shaped"])
+  result["batched_terminal_over_shaped"] = (
+    result["steps_per_second_batched_terminal"] / result["steps_per_second_batched_shaped"]
+  )
   terminal = dataclasses.replace(env_config, reward="terminal")
   result["scaling"] = _scaling(
-      lambda p: bench_env(p, config.batch, config.scale_seconds, terminal, single=False)["steps_per_second_batched"],
-      config)
-  return _finish(result, "step", f"environment (terminal rewards, groups), batch {config.batch}", config)
+    lambda p: bench_env(p, config.batch, config.scale_seconds, terminal, single=False)[
+      "steps_per_second_batched"
+    ],
+    config,
+  )
+  return _finish(
+    result, "step", f"environment (terminal rewards, groups), batch {config.batch}", config
+  )

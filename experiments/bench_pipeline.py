@@ -44,9 +44,15 @@ from experiments.cli import write_json
 from experiments.options import JsonPath, PlotPath
 from experiments.suite_cmd import load_best_known
 
-MULTI_NODE_CASES = ("gpt-39b-4x2x8-h100-remat", "llama-70b-2x4x8-h100-remat", "moe-70b-4x2x8-h100",
-                    "vit-22b-2x4x8-h100-remat", "t5-xxl-8x8-h100", "t5-xxl-4x2x8-a100-80g-remat",
-                    "gpt-175b-8x2x8-h100-remat")
+MULTI_NODE_CASES = (
+  "gpt-39b-4x2x8-h100-remat",
+  "llama-70b-2x4x8-h100-remat",
+  "moe-70b-4x2x8-h100",
+  "vit-22b-2x4x8-h100-remat",
+  "t5-xxl-8x8-h100",
+  "t5-xxl-4x2x8-a100-80g-remat",
+  "gpt-175b-8x2x8-h100-remat",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +83,13 @@ class PipelineBenchConfig:
 
 def _figures(cost: Any, flops_per_device: float, peak: float) -> dict[str, Any]:
   step = float(cost.step_time)
-  out = {"step_time_s": step, "peak_memory_gib": float(cost.peak_memory) / 2**30, "fits": bool(cost.fits),
-         "comm_share": float(cost.comm_time) / step, "utilization": flops_per_device / step / peak}
+  out = {
+    "step_time_s": step,
+    "peak_memory_gib": float(cost.peak_memory) / 2**30,
+    "fits": bool(cost.fits),
+    "comm_share": float(cost.comm_time) / step,
+    "utilization": flops_per_device / step / peak,
+  }
   terms = getattr(cost, "terms", None)
   if terms is not None:
     stage = np.asarray(terms.microbatch_compute_s) + np.asarray(terms.microbatch_comm_s)
@@ -87,8 +98,9 @@ def _figures(cost: Any, flops_per_device: float, peak: float) -> dict[str, Any]:
   return out
 
 
-def _with_stages(problem: Problem, decisions: list[Decision], pipeline: Pipeline
-                 ) -> tuple[list[Decision], Pipeline] | None:
+def _with_stages(
+  problem: Problem, decisions: list[Decision], pipeline: Pipeline
+) -> tuple[list[Decision], Pipeline] | None:
   """An intra-op plan inside the stages of `pipeline` (`megatron_3d`'s): its decisions on
   the stage axis dropped, with the most microbatches, halving from the pipeline's, whose
   size the plan's batch sharding divides; None when none does."""
@@ -104,7 +116,9 @@ def _with_stages(problem: Problem, decisions: list[Decision], pipeline: Pipeline
   return None
 
 
-def bench_case(name: str, config: PipelineBenchConfig, stored: dict[str, Any] | None) -> dict[str, Any]:
+def bench_case(
+  name: str, config: PipelineBenchConfig, stored: dict[str, Any] | None
+) -> dict[str, Any]:
   """Every plan of one case, as JSON figures."""
   start = time.perf_counter()
   case = {c.name: c for split in ("train", "test") for c in load_cases(split)}[name]
@@ -113,59 +127,93 @@ def bench_case(name: str, config: PipelineBenchConfig, stored: dict[str, Any] | 
   flops = float(sum(f * op.repeat for f, op in zip(program_flops(program), program.ops)))
   per_device, peak = flops / problem.mesh.num_devices, problem.mesh.hardware.flops["bfloat16"]
   expert = tactics.best_expert_plan(problem)
-  plans: dict[str, dict[str, Any]] = {f"best expert ({expert.name})": _figures(expert.cost, per_device, peak)}
-  intra_op = {f"best expert ({expert.name})": list(expert.decisions)}  # Decisions of the intra-op plans.
+  plans: dict[str, dict[str, Any]] = {
+    f"best expert ({expert.name})": _figures(expert.cost, per_device, peak)
+  }
+  intra_op = {
+    f"best expert ({expert.name})": list(expert.decisions)
+  }  # Decisions of the intra-op plans.
   if stored is not None:
     decisions, pipeline = plan_from_json(stored)
-    plans["best-known"] = {**_figures(problem.plan_cost(decisions, pipeline), per_device, peak),
-                           "pipelined": pipeline is not None}
+    plans["best-known"] = {
+      **_figures(problem.plan_cost(decisions, pipeline), per_device, peak),
+      "pipelined": pipeline is not None,
+    }
     if pipeline is None:
       intra_op["best-known"] = decisions
   for tactic, (decisions, pipeline) in tactics.applicable_pipelines(problem).items():
-    plans[tactic] = {**_figures(problem.plan_cost(decisions, pipeline), per_device, peak), "pipelined": True,
-                     "pipeline": str(pipeline)}
+    plans[tactic] = {
+      **_figures(problem.plan_cost(decisions, pipeline), per_device, peak),
+      "pipelined": True,
+      "pipeline": str(pipeline),
+    }
   runs = [(agent, agent, None) for agent in config.agents]
   if "mcts" in config.agents and config.pipeline_options:
     runs.append(("mcts+stages", "mcts", MCTSConfig(pipelines=config.pipeline_options)))
   for label, agent, agent_config in runs:
-    result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget, config=agent_config)
+    result = agents.run_agent(
+      agent, problem, seed=config.seed, budget=config.budget, config=agent_config
+    )
     pipeline = getattr(result, "pipeline", None)
     if pipeline is None:
       intra_op[f"{label}@{config.budget}"] = list(result.decisions)
-    plans[f"{label}@{config.budget}"] = {**_figures(problem.plan_cost(result.decisions, pipeline), per_device, peak),
-                                        "pipelined": pipeline is not None, "seconds": result.seconds,
-                                        **({"pipeline": str(pipeline)} if pipeline is not None else {})}
+    plans[f"{label}@{config.budget}"] = {
+      **_figures(problem.plan_cost(result.decisions, pipeline), per_device, peak),
+      "pipelined": pipeline is not None,
+      "seconds": result.seconds,
+      **({"pipeline": str(pipeline)} if pipeline is not None else {}),
+    }
   stages = tactics.applicable_pipelines(problem).get("megatron_3d")
   if stages is not None:
     for source in [n for n, p in plans.items() if not p.get("pipelined", False) and p["fits"]]:
       staged = _with_stages(problem, intra_op[source], stages[1])
       if staged is not None:
-        plans[f"{source} + stages"] = {**_figures(problem.plan_cost(*staged), per_device, peak), "pipelined": True,
-                                       "pipeline": str(staged[1])}
-  fitting = lambda pipelined: {n: p for n, p in plans.items() if p.get("pipelined", False) == pipelined and p["fits"]}
+        plans[f"{source} + stages"] = {
+          **_figures(problem.plan_cost(*staged), per_device, peak),
+          "pipelined": True,
+          "pipeline": str(staged[1]),
+        }
+  fitting = lambda pipelined: {
+    n: p for n, p in plans.items() if p.get("pipelined", False) == pipelined and p["fits"]
+  }
   intra, piped = fitting(False), fitting(True)
   best_intra = min(intra, key=lambda n: intra[n]["step_time_s"]) if intra else None
   best_piped = min(piped, key=lambda n: piped[n]["step_time_s"]) if piped else None
-  ratio = (piped[best_piped]["step_time_s"] / intra[best_intra]["step_time_s"]
-           if best_intra and best_piped else None)
-  return {"case": name, "mesh": case.mesh, "hardware": case.hardware, "devices": problem.mesh.num_devices,
-          "plans": plans, "best_intra_op": best_intra, "best_pipelined": best_piped,
-          "pipelined_over_intra_op": ratio, "seconds": time.perf_counter() - start}
+  ratio = (
+    piped[best_piped]["step_time_s"] / intra[best_intra]["step_time_s"]
+    if best_intra and best_piped
+    else None
+  )
+  return {
+    "case": name,
+    "mesh": case.mesh,
+    "hardware": case.hardware,
+    "devices": problem.mesh.num_devices,
+    "plans": plans,
+    "best_intra_op": best_intra,
+    "best_pipelined": best_piped,
+    "pipelined_over_intra_op": ratio,
+    "seconds": time.perf_counter() - start,
+  }
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
   """One line per case: the best intra-op and pipelined plans, their ratio and why."""
-  lines = [f"{'case':<30} {'best intra-op':<32} {'ms':>9} {'comm%':>6}  {'best pipelined':<40} {'ms':>9} "
-           f"{'bubble%':>7} {'balance':>7} {'ratio':>6}"]
+  lines = [
+    f"{'case':<30} {'best intra-op':<32} {'ms':>9} {'comm%':>6}  {'best pipelined':<40} {'ms':>9} "
+    f"{'bubble%':>7} {'balance':>7} {'ratio':>6}"
+  ]
   for r in rows:
     intra = r["plans"].get(r["best_intra_op"] or "", {})
     piped = r["plans"].get(r["best_pipelined"] or "", {})
     cell = lambda p, key, scale: f"{p[key] * scale:.1f}" if key in p else "-"
     ratio = "-" if r["pipelined_over_intra_op"] is None else f"{r['pipelined_over_intra_op']:.3f}"
-    lines.append(f"{r['case']:<30} {str(r['best_intra_op']):<32} {cell(intra, 'step_time_s', 1e3):>9} "
-                 f"{cell(intra, 'comm_share', 100):>6}  {str(r['best_pipelined']):<40} "
-                 f"{cell(piped, 'step_time_s', 1e3):>9} {cell(piped, 'bubble_share', 100):>7} "
-                 f"{cell(piped, 'stage_balance', 1):>7} {ratio:>6}")
+    lines.append(
+      f"{r['case']:<30} {str(r['best_intra_op']):<32} {cell(intra, 'step_time_s', 1e3):>9} "
+      f"{cell(intra, 'comm_share', 100):>6}  {str(r['best_pipelined']):<40} "
+      f"{cell(piped, 'step_time_s', 1e3):>9} {cell(piped, 'bubble_share', 100):>7} "
+      f"{cell(piped, 'stage_balance', 1):>7} {ratio:>6}"
+    )
   return "\n".join(lines)
 
 
@@ -177,7 +225,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows)), 4.5))
-  names = list(dict.fromkeys(n for r in rows for n in r["plans"] if not n.startswith("best expert")))
+  names = list(
+    dict.fromkeys(n for r in rows for n in r["plans"] if not n.startswith("best expert"))
+  )
   for j, name in enumerate(names):
     xs, ys = [], []
     for i, r in enumerate(rows):
@@ -212,9 +262,11 @@ def run(config: PipelineBenchConfig) -> list[dict[str, Any]]:
     write_json(config.json, rows)  # The cases so far.
     release()
   print(format_rows(rows))
-  print("ratio: best pipelined plan / best intra-op plan (both fitting); comm%: the intra-op plan's share of "
-        "step time in collectives; bubble%: the pipelined plan's share in its bubble; balance: its stages' mean "
-        "microbatch time over the slowest's")
+  print(
+    "ratio: best pipelined plan / best intra-op plan (both fitting); comm%: the intra-op plan's share of "
+    "step time in collectives; bubble%: the pipelined plan's share in its bubble; balance: its stages' mean "
+    "microbatch time over the slowest's"
+  )
   if config.plot:
     plot(rows, config.plot)
   return rows

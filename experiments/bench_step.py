@@ -33,16 +33,16 @@ from experiments.options import Hardware, JsonPath, PlotPath
 from experiments.progress import phase
 
 DEFAULT_WORKLOADS = (
-    "gpt:size=350m,batch=16",
-    "gpt:size=1.3b,batch=8",
-    "gpt:size=1.3b,batch=8,dtype=float32",
-    "llama:size=1b,batch=4",
-    "t5:size=base,batch=32",
-    "vit:size=l16,batch=64",
-    "moe:size=380m,batch=16",
-    "ssm:size=130m,batch=8",
-    "wresnet:size=250m,batch=32",
-    "unet:size=ddpm-cifar10,batch=128",
+  "gpt:size=350m,batch=16",
+  "gpt:size=1.3b,batch=8",
+  "gpt:size=1.3b,batch=8,dtype=float32",
+  "llama:size=1b,batch=4",
+  "t5:size=base,batch=32",
+  "vit:size=l16,batch=64",
+  "moe:size=380m,batch=16",
+  "ssm:size=130m,batch=8",
+  "wresnet:size=250m,batch=32",
+  "unet:size=ddpm-cifar10,batch=128",
 )
 
 
@@ -82,10 +82,15 @@ def simulated_row(spec: str, hardware: str, seed: int) -> dict[str, Any]:
   program = make_workload(spec, seed, abstract=True).trace()
   problem = Problem.build(program, make_mesh("data=1", hardware))
   cost = jax.device_get(problem.cost([]))
-  return {"workload": spec, "hardware": hardware, "ops": len(program.ops),
-          "simulated_ms": 1e3 * float(cost.step_time),
-          "simulated_flops": simulated_flops(problem, problem.resolution([])),
-          "simulated_peak_gib": float(cost.peak_memory) / 2**30, "simulated_fits": bool(cost.fits)}
+  return {
+    "workload": spec,
+    "hardware": hardware,
+    "ops": len(program.ops),
+    "simulated_ms": 1e3 * float(cost.step_time),
+    "simulated_flops": simulated_flops(problem, problem.resolution([])),
+    "simulated_peak_gib": float(cost.peak_memory) / 2**30,
+    "simulated_fits": bool(cost.fits),
+  }
 
 
 def measured_row(spec: str, config: StepBenchConfig) -> dict[str, Any]:
@@ -93,16 +98,31 @@ def measured_row(spec: str, config: StepBenchConfig) -> dict[str, Any]:
   (out of device memory, a compiler error)."""
   try:
     workload = make_workload(spec, config.seed)
-    timing = time_step(workload.step, workload.args, len(workload.args) - 1, repeats=config.repeats,
-                       warmup=config.warmup)
+    timing = time_step(
+      workload.step,
+      workload.args,
+      len(workload.args) - 1,
+      repeats=config.repeats,
+      warmup=config.warmup,
+    )
   except jax.errors.JaxRuntimeError as error:
     return {"workload": spec, "failed": str(error).splitlines()[0][:160]}
-  return {"workload": spec, "device": timing.device, "jax": jax.__version__, "measured_ms": 1e3 * timing.seconds,
-          "fastest_ms": 1e3 * timing.fastest, "slowest_ms": 1e3 * timing.slowest, "steps": timing.steps,
-          "compiled_flops": timing.compiled.flops, "compiled_peak_gib": timing.compiled.peak_bytes / 2**30}
+  return {
+    "workload": spec,
+    "device": timing.device,
+    "jax": jax.__version__,
+    "measured_ms": 1e3 * timing.seconds,
+    "fastest_ms": 1e3 * timing.fastest,
+    "slowest_ms": 1e3 * timing.slowest,
+    "steps": timing.steps,
+    "compiled_flops": timing.compiled.flops,
+    "compiled_peak_gib": timing.compiled.peak_bytes / 2**30,
+  }
 
 
-def compare(simulated: dict[str, Any] | None, measured: dict[str, Any] | None, hardware: str) -> dict[str, Any]:
+def compare(
+  simulated: dict[str, Any] | None, measured: dict[str, Any] | None, hardware: str
+) -> dict[str, Any]:
   """One row from a workload's simulated and measured figures (either may be missing): the
   measured over simulated step time and the flop/s reached (the program's flops over the
   measured time) against the profile's bfloat16 peak."""
@@ -112,7 +132,9 @@ def compare(simulated: dict[str, Any] | None, measured: dict[str, Any] | None, h
     # library calls (cuDNN convolutions) and counts a loop body once.
     flops = row.get("simulated_flops", row["compiled_flops"])
     row["achieved_tflops"] = flops / row["measured_ms"] / 1e9
-    row["fraction_of_peak"] = row["achieved_tflops"] * 1e12 / get_hardware(hardware).flops["bfloat16"]
+    row["fraction_of_peak"] = (
+      row["achieved_tflops"] * 1e12 / get_hardware(hardware).flops["bfloat16"]
+    )
     if simulated:
       row["measured_over_simulated"] = row["measured_ms"] / row["simulated_ms"]
   return row
@@ -123,8 +145,11 @@ def measure_workload(spec: str, config: StepBenchConfig) -> dict[str, Any]:
   says it fits, its measured step."""
   simulated = simulated_row(spec, config.hardware, config.seed) if config.simulate else None
   if simulated and not simulated["simulated_fits"]:
-    return {**simulated, "failed": f"not run: simulated peak {simulated['simulated_peak_gib']:.1f} GiB "
-                                   f"does not fit the {config.hardware} profile"}
+    return {
+      **simulated,
+      "failed": f"not run: simulated peak {simulated['simulated_peak_gib']:.1f} GiB "
+      f"does not fit the {config.hardware} profile",
+    }
   return compare(simulated, measured_row(spec, config), config.hardware)
 
 
@@ -134,18 +159,24 @@ def _cell(row: dict[str, Any], key: str, form: str) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
   """The rows as a Markdown table."""
-  lines = ["| workload | measured ms (fastest-slowest) | simulated ms | measured / simulated | TFLOP/s (of bf16 peak) "
-           "| compiled / simulated flops | compiled / simulated peak GiB |", "|---" * 7 + "|"]
+  lines = [
+    "| workload | measured ms (fastest-slowest) | simulated ms | measured / simulated | TFLOP/s (of bf16 peak) "
+    "| compiled / simulated flops | compiled / simulated peak GiB |",
+    "|---" * 7 + "|",
+  ]
   for r in rows:
     if "failed" in r:
-      lines.append(f"| {r['workload']} | {r['failed']} | {_cell(r, 'simulated_ms', '.1f')} | - | - | - | - |")
+      lines.append(
+        f"| {r['workload']} | {r['failed']} | {_cell(r, 'simulated_ms', '.1f')} | - | - | - | - |"
+      )
       continue
     flops = f"{r['compiled_flops'] / r['simulated_flops']:.3f}" if "simulated_flops" in r else "-"
     lines.append(
-        f"| {r['workload']} | {r['measured_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) "
-        f"| {_cell(r, 'simulated_ms', '.1f')} | {_cell(r, 'measured_over_simulated', '.2f')} "
-        f"| {r['achieved_tflops']:.1f} ({100 * r['fraction_of_peak']:.0f}%) | {flops} "
-        f"| {r['compiled_peak_gib']:.1f} / {_cell(r, 'simulated_peak_gib', '.1f')} |")
+      f"| {r['workload']} | {r['measured_ms']:.1f} ({r['fastest_ms']:.1f}-{r['slowest_ms']:.1f}) "
+      f"| {_cell(r, 'simulated_ms', '.1f')} | {_cell(r, 'measured_over_simulated', '.2f')} "
+      f"| {r['achieved_tflops']:.1f} ({100 * r['fraction_of_peak']:.0f}%) | {flops} "
+      f"| {r['compiled_peak_gib']:.1f} / {_cell(r, 'simulated_peak_gib', '.1f')} |"
+    )
   return "\n".join(lines)
 
 
@@ -189,27 +220,43 @@ def _summary(rows: list[dict[str, Any]], hardware: str) -> dict[str, Any]:
   """The device, how many rows were measured and their median measured / simulated ratio."""
   ratios = [r["measured_over_simulated"] for r in rows if "measured_over_simulated" in r]
   devices = sorted({r["device"] for r in rows if "device" in r})
-  return {"device": ", ".join(devices) or jax.devices()[0].device_kind, "hardware": hardware,
-          "workloads": len(rows), "measured": sum("measured_ms" in r for r in rows),
-          "median_measured_over_simulated": statistics.median(ratios) if ratios else None}
+  return {
+    "device": ", ".join(devices) or jax.devices()[0].device_kind,
+    "hardware": hardware,
+    "workloads": len(rows),
+    "measured": sum("measured_ms" in r for r in rows),
+    "median_measured_over_simulated": statistics.median(ratios) if ratios else None,
+  }
 
 
 def run(config: StepBenchConfig) -> list[dict[str, Any]]:
   if config.repeats < 1 or config.warmup < 0 or not config.workloads:
-    raise ValueError("--repeats must be at least 1, --warmup at least 0, and --workloads name one or more.")
+    raise ValueError(
+      "--repeats must be at least 1, --warmup at least 0, and --workloads name one or more."
+    )
   for spec in config.workloads:  # Bad specs fail before anything is built.
     make_config(spec)
   if config.measured and not config.simulate:
-    raise ValueError("--measured prices an earlier run's rows: it needs the simulator (drop --no-simulate).")
+    raise ValueError(
+      "--measured prices an earlier run's rows: it needs the simulator (drop --no-simulate)."
+    )
   rows: list[dict[str, Any]] = []
-  work = ([(r["workload"], r) for r in _read_measured(config.measured)] if config.measured
-          else [(spec, None) for spec in config.workloads])
+  work = (
+    [(r["workload"], r) for r in _read_measured(config.measured)]
+    if config.measured
+    else [(spec, None) for spec in config.workloads]
+  )
   for spec, measured in work:
     with phase(f"{spec}: {'simulate' if measured else 'build, simulate, compile, time'}"):
-      rows.append(measure_workload(spec, config) if measured is None
-                  else compare(simulated_row(spec, config.hardware, config.seed), measured, config.hardware))
+      rows.append(
+        measure_workload(spec, config)
+        if measured is None
+        else compare(simulated_row(spec, config.hardware, config.seed), measured, config.hardware)
+      )
     summary = _summary(rows, config.hardware)
-    write_json(config.json, {"summary": summary, "rows": rows})  # After every row: a long run keeps what it measured.
+    write_json(
+      config.json, {"summary": summary, "rows": rows}
+    )  # After every row: a long run keeps what it measured.
   print(table(rows))
   print(json.dumps(summary, indent=1))
   if config.plot:

@@ -76,9 +76,14 @@ def measure(config: train.TrainConfig, suite: Any, devices: int, repeats: int) -
   step = train.iteration.lower(state, suite, config, mesh).compile()
   iteration_seconds = seconds_per_call(lambda: step(state, suite), repeats)
   samples = config.episodes * config.episode_length
-  return {"devices": devices, "processes": jax.process_count(), "self_play_seconds": play_seconds,
-          "samples_per_second": samples / play_seconds, "iteration_seconds": iteration_seconds,
-          "iterations_per_second": 1 / iteration_seconds}
+  return {
+    "devices": devices,
+    "processes": jax.process_count(),
+    "self_play_seconds": play_seconds,
+    "samples_per_second": samples / play_seconds,
+    "iteration_seconds": iteration_seconds,
+    "iterations_per_second": 1 / iteration_seconds,
+  }
 
 
 def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -87,16 +92,23 @@ def with_efficiency(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
   for row in rows:
     scale = row["devices"] / first["devices"]
     row["samples_efficiency"] = row["samples_per_second"] / (first["samples_per_second"] * scale)
-    row["iterations_efficiency"] = row["iterations_per_second"] / (first["iterations_per_second"] * scale)
+    row["iterations_efficiency"] = row["iterations_per_second"] / (
+      first["iterations_per_second"] * scale
+    )
   return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
   """The rows as a Markdown table."""
-  lines = ["| devices | processes | self-play samples/s | efficiency | iterations/s | efficiency |", "|---" * 6 + "|"]
+  lines = [
+    "| devices | processes | self-play samples/s | efficiency | iterations/s | efficiency |",
+    "|---" * 6 + "|",
+  ]
   for r in rows:
-    lines.append(f"| {r['devices']} | {r['processes']} | {r['samples_per_second']:,.1f} | {r['samples_efficiency']:.2f} "
-                 f"| {r['iterations_per_second']:.3f} | {r['iterations_efficiency']:.2f} |")
+    lines.append(
+      f"| {r['devices']} | {r['processes']} | {r['samples_per_second']:,.1f} | {r['samples_efficiency']:.2f} "
+      f"| {r['iterations_per_second']:.3f} | {r['iterations_efficiency']:.2f} |"
+    )
   return "\n".join(lines)
 
 
@@ -110,8 +122,9 @@ def plot(rows: list[dict[str, Any]], title: str, path: str) -> None:
 
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
   xs = [r["devices"] for r in rows]
-  for ax, key, label in zip(axes, ("samples_per_second", "iterations_per_second"),
-                            ("self-play samples/s", "iterations/s")):
+  for ax, key, label in zip(
+    axes, ("samples_per_second", "iterations_per_second"), ("self-play samples/s", "iterations/s")
+  ):
     ys = [r[key] for r in rows]
     ax.plot(xs, ys, "o-", label="measured")
     ax.plot(xs, [ys[0] * x / xs[0] for x in xs], "--", color="gray", label="linear")
@@ -131,11 +144,14 @@ def run(config: TrainBenchConfig) -> list[dict[str, Any]]:
   if config.repeats < 1 or config.episodes < 1:
     raise ValueError("--repeats and --episodes must be at least 1.")
   preset = train_cmd.PRESETS[config.preset]
-  run_config = dataclasses.replace(preset, progress=False,
-                                   train=dataclasses.replace(preset.train, episodes=config.episodes))
+  run_config = dataclasses.replace(
+    preset, progress=False, train=dataclasses.replace(preset.train, episodes=config.episodes)
+  )
   for n in config.devices:  # Refuses what the devices cannot split before anything is built.
     if config.episodes % n:
-      raise ValueError(f"--episodes {config.episodes} does not split over {n} devices; give a multiple of each count.")
+      raise ValueError(
+        f"--episodes {config.episodes} does not split over {n} devices; give a multiple of each count."
+      )
     train.check_mesh(run_config.train, train.data_mesh(n))
   _, suite = train_cmd.build_suite(run_config)
   lead = train_cmd.is_lead()
@@ -144,13 +160,20 @@ def run(config: TrainBenchConfig) -> list[dict[str, Any]]:
     rows.append(measure(run_config.train, suite, n, config.repeats))
     if lead:
       r = rows[-1]
-      print(f"{n} devices: {r['samples_per_second']:,.1f} self-play samples/s, {r['iterations_per_second']:.3f} "
-            f"iterations/s", flush=True)
+      print(
+        f"{n} devices: {r['samples_per_second']:,.1f} self-play samples/s, {r['iterations_per_second']:.3f} "
+        f"iterations/s",
+        flush=True,
+      )
   rows = with_efficiency(rows)
   if lead:
     print(table(rows))
     write_json(config.json, {"preset": config.preset, "episodes": config.episodes, "rows": rows})
     if config.plot:
-      plot(rows, f"training throughput, {config.preset} preset, {config.episodes} episodes, "
-                 f"{jax.process_count()} process(es)", config.plot)
+      plot(
+        rows,
+        f"training throughput, {config.preset} preset, {config.episodes} episodes, "
+        f"{jax.process_count()} process(es)",
+        config.plot,
+      )
   return rows

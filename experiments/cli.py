@@ -50,43 +50,90 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "inspect": Command("inspect_cmd", "InspectConfig", "program size and named dimensions of a workload"),
-    "partition": Command("partition_cmd", "PartitionConfig",
-                         "a plan for a workload (search or expert tactic) and its cost beside every expert",
-                         devices=8),
-    "validate": Command("validate_cmd", "ValidateConfig",
-                        "simulator vs XLA compiles: comm bytes, flops, memory, numerics, plan rankings",
-                        devices=64),
-    "env": Command("env_cmd", "EnvEpisodeConfig", "one random episode of the partitioning environment"),
-    "bench simulator": Command("bench_cmd", "SimulatorBenchConfig", "simulator evaluations per second",
-                               run="run_simulator"),
-    "bench env": Command("bench_cmd", "EnvBenchConfig", "environment steps per second", run="run_env"),
-    "bench iopddl": Command("iopddl_cmd", "IopddlBenchConfig",
-                            "the strategy-graph solver on the IOPDDL contest instances vs the best known costs",
-                            run="run_bench"),
-    "iopddl solve": Command("iopddl_cmd", "SolveConfig", "solve an IOPDDL contest problem, write its solution",
-                            run="run_solve"),
-    "iopddl evaluate": Command("iopddl_cmd", "EvaluateConfig", "check an IOPDDL solution as the contest does",
-                               run="run_evaluate"),
-    "bench pipeline": Command("bench_pipeline", "PipelineBenchConfig",
-                              "pipelined expert and agent plans against intra-op plans on multi-node cases"),
-    "bench search": Command("bench_search", "SearchBenchConfig",
-                            "search agents against the best expert tactic on the zoo"),
-    "suite list": Command("suite_cmd", "SuiteListConfig", "the task suite's cases (workload, mesh, hardware, split)",
-                          run="run_list"),
-    "bench suite": Command("suite_cmd", "SuiteBenchConfig",
-                           "experts, search agents and best-known plans on the task suite, and its difficulty",
-                           run="run_bench"),
-    "bench train": Command("bench_train", "TrainBenchConfig",
-                           "training throughput (self-play samples/s, iterations/s) over devices and processes",
-                           devices=8),
-    "bench step": Command("bench_step", "StepBenchConfig",
-                          "measured training-step times on the local accelerator against the simulator's"),
-    "train": Command("train_cmd", "TrainRunConfig",
-                     "train the policy/value network by Gumbel MuZero self-play on the task suite",
-                     defaults="preset_defaults"),
-    "evaluate": Command("evaluate_cmd", "EvaluateConfig",
-                        "a trained policy with and without search against the baselines, per suite case"),
+  "inspect": Command(
+    "inspect_cmd", "InspectConfig", "program size and named dimensions of a workload"
+  ),
+  "partition": Command(
+    "partition_cmd",
+    "PartitionConfig",
+    "a plan for a workload (search or expert tactic) and its cost beside every expert",
+    devices=8,
+  ),
+  "validate": Command(
+    "validate_cmd",
+    "ValidateConfig",
+    "simulator vs XLA compiles: comm bytes, flops, memory, numerics, plan rankings",
+    devices=64,
+  ),
+  "env": Command(
+    "env_cmd", "EnvEpisodeConfig", "one random episode of the partitioning environment"
+  ),
+  "bench simulator": Command(
+    "bench_cmd", "SimulatorBenchConfig", "simulator evaluations per second", run="run_simulator"
+  ),
+  "bench env": Command(
+    "bench_cmd", "EnvBenchConfig", "environment steps per second", run="run_env"
+  ),
+  "bench iopddl": Command(
+    "iopddl_cmd",
+    "IopddlBenchConfig",
+    "the strategy-graph solver on the IOPDDL contest instances vs the best known costs",
+    run="run_bench",
+  ),
+  "iopddl solve": Command(
+    "iopddl_cmd",
+    "SolveConfig",
+    "solve an IOPDDL contest problem, write its solution",
+    run="run_solve",
+  ),
+  "iopddl evaluate": Command(
+    "iopddl_cmd",
+    "EvaluateConfig",
+    "check an IOPDDL solution as the contest does",
+    run="run_evaluate",
+  ),
+  "bench pipeline": Command(
+    "bench_pipeline",
+    "PipelineBenchConfig",
+    "pipelined expert and agent plans against intra-op plans on multi-node cases",
+  ),
+  "bench search": Command(
+    "bench_search", "SearchBenchConfig", "search agents against the best expert tactic on the zoo"
+  ),
+  "suite list": Command(
+    "suite_cmd",
+    "SuiteListConfig",
+    "the task suite's cases (workload, mesh, hardware, split)",
+    run="run_list",
+  ),
+  "bench suite": Command(
+    "suite_cmd",
+    "SuiteBenchConfig",
+    "experts, search agents and best-known plans on the task suite, and its difficulty",
+    run="run_bench",
+  ),
+  "bench train": Command(
+    "bench_train",
+    "TrainBenchConfig",
+    "training throughput (self-play samples/s, iterations/s) over devices and processes",
+    devices=8,
+  ),
+  "bench step": Command(
+    "bench_step",
+    "StepBenchConfig",
+    "measured training-step times on the local accelerator against the simulator's",
+  ),
+  "train": Command(
+    "train_cmd",
+    "TrainRunConfig",
+    "train the policy/value network by Gumbel MuZero self-play on the task suite",
+    defaults="preset_defaults",
+  ),
+  "evaluate": Command(
+    "evaluate_cmd",
+    "EvaluateConfig",
+    "a trained policy with and without search against the baselines, per suite case",
+  ),
 }
 DEBUG_FLAG = "--debug"
 
@@ -99,7 +146,9 @@ class CommandFailed(RuntimeError):
 def virtual_devices(count: int = 8) -> None:
   """Gives jax `count` CPU devices unless the user set the flag; must run before jax imports."""
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+    os.environ["XLA_FLAGS"] = (
+      f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+    )
 
 
 def compilation_cache() -> None:
@@ -144,14 +193,22 @@ def usage() -> str:
   from automap_rl import mesh, workloads
 
   width = max(len(name) for name in COMMANDS)
-  lines = ["usage: automap-rl COMMAND [OPTIONS]   (automap-rl COMMAND --help lists every option and its default)",
-           "", __doc__.splitlines()[0], "", "commands:"]
+  lines = [
+    "usage: automap-rl COMMAND [OPTIONS]   (automap-rl COMMAND --help lists every option and its default)",
+    "",
+    __doc__.splitlines()[0],
+    "",
+    "commands:",
+  ]
   lines += [f"  {name:<{width}}  {command.summary}" for name, command in COMMANDS.items()]
-  lines += ["", f"hardware profiles (--hardware): {', '.join(mesh.HARDWARE)}",
-            f"workload families (WORKLOAD is FAMILY[:key=value,...]): {', '.join(workloads.FAMILIES)}; "
-            f"external: {', '.join(workloads.EXTERNAL_FAMILIES)}",
-            "meshes (--mesh): axis=size,... e.g. data=2,model=4 (the last axis is the fastest link)",
-            f"{DEBUG_FLAG}: show Python tracebacks instead of one-line errors"]
+  lines += [
+    "",
+    f"hardware profiles (--hardware): {', '.join(mesh.HARDWARE)}",
+    f"workload families (WORKLOAD is FAMILY[:key=value,...]): {', '.join(workloads.FAMILIES)}; "
+    f"external: {', '.join(workloads.EXTERNAL_FAMILIES)}",
+    "meshes (--mesh): axis=size,... e.g. data=2,model=4 (the last axis is the fastest link)",
+    f"{DEBUG_FLAG}: show Python tracebacks instead of one-line errors",
+  ]
   return "\n".join(lines)
 
 
@@ -183,14 +240,20 @@ def parse(name: str, argv: Sequence[str]):
   out = io.StringIO()
   try:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-      return tyro.cli(cls, args=list(argv), prog=f"automap-rl {name}", description=command.summary,
-                      default=default)
+      return tyro.cli(
+        cls,
+        args=list(argv),
+        prog=f"automap-rl {name}",
+        description=command.summary,
+        default=default,
+      )
   except SystemExit as e:
     if e.code == 0:  # --help
       print(out.getvalue(), end="")
       raise
-    raise UsageError(f"automap-rl {name}: error: {_one_line(out.getvalue())} (see automap-rl {name} --help)"
-                     ) from None
+    raise UsageError(
+      f"automap-rl {name}: error: {_one_line(out.getvalue())} (see automap-rl {name} --help)"
+    ) from None
 
 
 def _command_name(argv: Sequence[str]) -> str | None:
@@ -225,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     helping = bool({"-h", "--help"} & set(argv))
     with phase(f"loading {name}", enabled=sys.stderr.isatty() and not helping, leave=False):
-      config = parse(name, argv[len(name.split()):])
+      config = parse(name, argv[len(name.split()) :])
   except UsageError as e:
     print(e, file=sys.stderr)
     return 2
@@ -235,7 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     check_outputs(config)
     run(config)
-  except (ValueError, OSError) as e:  # Bad input (a workload spec, a mesh, a path): the message names it.
+  except (
+    ValueError,
+    OSError,
+  ) as e:  # Bad input (a workload spec, a mesh, a path): the message names it.
     if debug:
       raise
     print(f"automap-rl {name}: error: {e}", file=sys.stderr)

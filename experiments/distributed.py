@@ -70,9 +70,15 @@ def initialize(config: DistributedConfig) -> None:
       return
     missing = [f"--distributed.{name}" for name, value in given.items() if value is None]
     if missing:
-      raise ValueError(f"a multi-process run needs {' and '.join(missing)} as well (or ${COORDINATOR_ENV}, "
-                       f"${NUM_PROCESSES_ENV}, ${PROCESS_ID_ENV}; or --distributed.auto under a cluster launcher).")
+      raise ValueError(
+        f"a multi-process run needs {' and '.join(missing)} as well (or ${COORDINATOR_ENV}, "
+        f"${NUM_PROCESSES_ENV}, ${PROCESS_ID_ENV}; or --distributed.auto under a cluster launcher)."
+      )
   if CPU_COLLECTIVES_ENV not in os.environ:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=index,
-                             cluster_detection_method=None if config.auto else "deactivate")
+  jax.distributed.initialize(
+    coordinator_address=address,
+    num_processes=count,
+    process_id=index,
+    cluster_detection_method=None if config.auto else "deactivate",
+  )

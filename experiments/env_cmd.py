@@ -44,25 +44,43 @@ class EnvEpisodeConfig:
 
 
 def run(config: EnvEpisodeConfig) -> dict[str, Any]:
-  problem = Problem.build(workloads.make_workload(config.workload).trace(),
-                          mesh_lib.make_mesh(config.mesh, config.hardware))
-  env = Env.build(problem, EnvConfig(action_space=config.action_space, objective=config.objective,
-                                     max_decisions=config.max_decisions))
+  problem = Problem.build(
+    workloads.make_workload(config.workload).trace(),
+    mesh_lib.make_mesh(config.mesh, config.hardware),
+  )
+  env = Env.build(
+    problem,
+    EnvConfig(
+      action_space=config.action_space,
+      objective=config.objective,
+      max_decisions=config.max_decisions,
+    ),
+  )
   gym = GymEnv(env)
   _, info = gym.reset(seed=config.seed)
-  print(f"{config.workload} on {config.mesh} ({config.hardware}): {len(env.targets)} {config.action_space} "
-        f"targets, {env.num_actions} actions, replicated step {info['step_time'] * 1e3:.3f} ms, "
-        f"peak {info['peak_memory'] / 2**30:.3f} GiB")
+  print(
+    f"{config.workload} on {config.mesh} ({config.hardware}): {len(env.targets)} {config.action_space} "
+    f"targets, {env.num_actions} actions, replicated step {info['step_time'] * 1e3:.3f} ms, "
+    f"peak {info['peak_memory'] / 2**30:.3f} GiB"
+  )
   steps, total, done = [], 0.0, False
   while not done:
     action = int(gym.action_space.sample(info["action_mask"].astype(np.int8)))
     _, reward, terminated, truncated, info = gym.step(action)
     total += reward
     done = terminated or truncated
-    steps.append({"action": action, "name": env.action_name(action), "reward": reward, **{
-        k: info[k] for k in ("objective", "step_time", "peak_memory", "num_decisions")}})
-    print(f"{len(steps):>3} {env.action_name(action):<60} reward {reward:+.4f}  objective {info['objective']:.4f}  "
-          f"step {info['step_time'] * 1e3:.3f} ms  peak {info['peak_memory'] / 2**30:.3f} GiB")
+    steps.append(
+      {
+        "action": action,
+        "name": env.action_name(action),
+        "reward": reward,
+        **{k: info[k] for k in ("objective", "step_time", "peak_memory", "num_decisions")},
+      }
+    )
+    print(
+      f"{len(steps):>3} {env.action_name(action):<60} reward {reward:+.4f}  objective {info['objective']:.4f}  "
+      f"step {info['step_time'] * 1e3:.3f} ms  peak {info['peak_memory'] / 2**30:.3f} GiB"
+    )
   print(f"return {total:+.4f} over {len(steps)} steps ({info['num_decisions']} class decisions)")
   summary = {"config": dataclasses.asdict(config), "steps": steps, "return": total}
   write_json(config.json, summary)

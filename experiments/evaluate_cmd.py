@@ -111,12 +111,18 @@ TimedMethod = Callable[[Problem, float], SearchResult]
 
 def methods(config: EvaluateConfig) -> dict[str, Method]:
   """Every method by name: a function of the problem that returns its search result."""
-  policy = LearnedConfig(checkpoint=config.checkpoint, gumbel=config.gumbel, past_stop=config.past_stop,
-                         first_moves=config.first_moves)
+  policy = LearnedConfig(
+    checkpoint=config.checkpoint,
+    gumbel=config.gumbel,
+    past_stop=config.past_stop,
+    first_moves=config.first_moves,
+  )
   uniform = GumbelConfig(gumbel=config.gumbel)
   out: dict[str, Method] = {
-      "learned": lambda p: learned.search(p, dataclasses.replace(policy, search=False), config.seed,
-                                          config.baseline_budget)}
+    "learned": lambda p: learned.search(
+      p, dataclasses.replace(policy, search=False), config.seed, config.baseline_budget
+    )
+  }
   for n in config.search_budgets:
     out[f"learned+gumbel@{n}"] = lambda p, n=n: learned.search(p, policy, config.seed, n)
   if not config.baselines:
@@ -124,10 +130,13 @@ def methods(config: EvaluateConfig) -> dict[str, Method]:
   for n in config.search_budgets:
     out[f"gumbel@{n}"] = lambda p, n=n: gumbel.search(p, uniform, config.seed, n)
   for agent in ("mcts", "random"):
-    out[f"{agent}@{config.baseline_budget}"] = lambda p, a=agent: run_agent(a, p, config.seed,
-                                                                             config.baseline_budget)
+    out[f"{agent}@{config.baseline_budget}"] = lambda p, a=agent: run_agent(
+      a, p, config.seed, config.baseline_budget
+    )
   if config.ilp_seconds > 0:
-    out[f"ilp@{config.ilp_seconds:g}s"] = lambda p: run_agent("ilp", p, config.seed, Budget(seconds=config.ilp_seconds))
+    out[f"ilp@{config.ilp_seconds:g}s"] = lambda p: run_agent(
+      "ilp", p, config.seed, Budget(seconds=config.ilp_seconds)
+    )
   return out
 
 
@@ -141,34 +150,59 @@ def timed_methods(config: EvaluateConfig) -> dict[str, TimedMethod]:
   """UCT and random search for the reference's seconds on each case (none without baselines)."""
   if not config.baselines:
     return {}
-  return {f"{agent}@={reference(config)}": lambda p, s, a=agent: run_agent(a, p, config.seed, Budget(seconds=s))
-          for agent in ("mcts", "random")}
+  return {
+    f"{agent}@={reference(config)}": lambda p, s, a=agent: run_agent(
+      a, p, config.seed, Budget(seconds=s)
+    )
+    for agent in ("mcts", "random")
+  }
 
 
 def problems(config: EvaluateConfig) -> list[tuple[str, str, Callable[[], Problem]]]:
   """(name, family, a function that builds the problem) of every case evaluated."""
   if config.workload is not None:
     name, _, _, program = load(config.workload)
-    return [(name, name.partition(":")[0], lambda: Problem.build(program, make_mesh(config.mesh, config.hardware)))]
+    return [
+      (
+        name,
+        name.partition(":")[0],
+        lambda: Problem.build(program, make_mesh(config.mesh, config.hardware)),
+      )
+    ]
   cases = pick_cases(load_cases(config.split), config.max_cases)
   return [(c.name, c.family, lambda c=c: selfplay.case_problem(c)) for c in cases]
 
 
-COMPILED = ", compiled"  # Suffix of an equal-time method's second run: the reference's compiled seconds.
+COMPILED = (
+  ", compiled"  # Suffix of an equal-time method's second run: the reference's compiled seconds.
+)
 
 
 def _call(fn: Callable[..., SearchResult], *args: Any) -> dict[str, Any]:
   """One timed call of a method, as its JSON figures."""
   start = time.perf_counter()
   result = fn(*args)
-  return {"objective": float(result.objective), "step_time_s": result.step_time, "fits": bool(result.cost.fits),
-          "simulations": result.simulations, "greedy_steps": result.greedy_steps,
-          "seconds": time.perf_counter() - start, "actions": result.actions, "start": result.start,
-          "trace": [[p.seconds, p.objective] for p in result.trace]}
+  return {
+    "objective": float(result.objective),
+    "step_time_s": result.step_time,
+    "fits": bool(result.cost.fits),
+    "simulations": result.simulations,
+    "greedy_steps": result.greedy_steps,
+    "seconds": time.perf_counter() - start,
+    "actions": result.actions,
+    "start": result.start,
+    "trace": [[p.seconds, p.objective] for p in result.trace],
+  }
 
 
-def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Method],
-                  timed: dict[str, TimedMethod] | None = None, reference_method: str | None = None) -> dict[str, Any]:
+def evaluate_case(
+  name: str,
+  family: str,
+  problem: Problem,
+  run: dict[str, Method],
+  timed: dict[str, TimedMethod] | None = None,
+  reference_method: str | None = None,
+) -> dict[str, Any]:
   """Every method on one problem, as a JSON case, then each of `timed` given the seconds
   `reference_method` took. Ratios are to the best expert's objective
   (`tactics.best_expert`); where no expert fits, to the best objective of the methods'
@@ -186,8 +220,14 @@ def evaluate_case(name: str, family: str, problem: Problem, run: dict[str, Metho
   expert = tactics.best_expert_plan(problem)
   best = selfplay.expert_objective(problem, search.env.config, search.env.tables, expert)
   expert_fits = expert.fits
-  case: dict[str, Any] = {"case": name, "family": family, "best_expert_objective": best,
-                          "expert_fits": expert_fits, "yardstick": "best expert", "methods": {}}
+  case: dict[str, Any] = {
+    "case": name,
+    "family": family,
+    "best_expert_objective": best,
+    "expert_fits": expert_fits,
+    "yardstick": "best expert",
+    "methods": {},
+  }
   methods_ = case["methods"]
   for method, fn in run.items():
     release()
@@ -215,15 +255,23 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
   started from an expert's (`SearchResult.start`), the median seconds of a first
   call and, for the equal-time reference, of a compiled one."""
   names = list(cases[0]["methods"])
-  beats = lambda c, m: (c["methods"][m]["ratio"] < 1 - 1e-6 if c["expert_fits"] else c["methods"][m]["fits"])
-  out = {m: {"median_ratio": statistics.median(c["methods"][m]["ratio"] for c in cases),
-             "beats_expert": sum(beats(c, m) for c in cases) / len(cases),
-             "from_expert": sum(c["methods"][m].get("start") is not None for c in cases) / len(cases),
-             "median_seconds": statistics.median(c["methods"][m]["seconds"] for c in cases)}
-         for m in names}
+  beats = lambda c, m: (
+    c["methods"][m]["ratio"] < 1 - 1e-6 if c["expert_fits"] else c["methods"][m]["fits"]
+  )
+  out = {
+    m: {
+      "median_ratio": statistics.median(c["methods"][m]["ratio"] for c in cases),
+      "beats_expert": sum(beats(c, m) for c in cases) / len(cases),
+      "from_expert": sum(c["methods"][m].get("start") is not None for c in cases) / len(cases),
+      "median_seconds": statistics.median(c["methods"][m]["seconds"] for c in cases),
+    }
+    for m in names
+  }
   for m in names:
     if all("compiled_seconds" in c["methods"][m] for c in cases):
-      out[m]["median_compiled_seconds"] = statistics.median(c["methods"][m]["compiled_seconds"] for c in cases)
+      out[m]["median_compiled_seconds"] = statistics.median(
+        c["methods"][m]["compiled_seconds"] for c in cases
+      )
   return out
 
 
@@ -231,8 +279,14 @@ def equal_time_wins(cases: list[dict[str, Any]], reference_method: str) -> dict[
   """Per equal-time method (`@=`): the share of cases where the reference's plan is better
   (a lower objective)."""
   names = [m for m in cases[0]["methods"] if "@=" in m]
-  return {m: sum(c["methods"][reference_method]["objective"] < c["methods"][m]["objective"] * (1 - 1e-6)
-                 for c in cases) / len(cases) for m in names}
+  return {
+    m: sum(
+      c["methods"][reference_method]["objective"] < c["methods"][m]["objective"] * (1 - 1e-6)
+      for c in cases
+    )
+    / len(cases)
+    for m in names
+  }
 
 
 def ratio_at(case: dict[str, Any], method: str, seconds: np.ndarray) -> np.ndarray:
@@ -281,9 +335,13 @@ def plot(cases: list[dict[str, Any]], summary: dict[str, dict[str, float]], path
   anytime.set_xlabel("seconds of the method's run")
   anytime.set_ylabel("best plan so far / best expert (median)")
   anytime.legend(fontsize=7)
-  ax.bar(range(len(names)), [summary[m]["median_ratio"] for m in names], color="#9ecae1", label="median")
+  ax.bar(
+    range(len(names)), [summary[m]["median_ratio"] for m in names], color="#9ecae1", label="median"
+  )
   for i, m in enumerate(names):
-    ax.scatter([i] * len(cases), [c["methods"][m]["ratio"] for c in cases], s=10, color="#08519c", zorder=3)
+    ax.scatter(
+      [i] * len(cases), [c["methods"][m]["ratio"] for c in cases], s=10, color="#08519c", zorder=3
+    )
   ax.axhline(1.0, color="gray", lw=0.8, ls="--")
   ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
   ax.set_ylabel("plan cost / best expert")
@@ -302,15 +360,23 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
   chosen = problems(config)
   bar = tqdm(chosen, desc="evaluate", unit="case", disable=not config.progress, dynamic_ncols=True)
   cases: list[dict[str, Any]] = []
-  document = lambda: {"checkpoint": checkpoint, "split": config.split, "config": dataclasses.asdict(config),
-                      "cases": cases, "summary": summarize(cases),
-                      "equal_time_wins": equal_time_wins(cases, reference(config))}
+  document = lambda: {
+    "checkpoint": checkpoint,
+    "split": config.split,
+    "config": dataclasses.asdict(config),
+    "cases": cases,
+    "summary": summarize(cases),
+    "equal_time_wins": equal_time_wins(cases, reference(config)),
+  }
   for name, family, build in bar:
     bar.set_postfix_str(name)
     cases.append(evaluate_case(name, family, build(), run_methods, timed, reference(config)))
     if not config.progress:
-      print(f"{len(cases)}/{len(chosen)} {name}: " + ", ".join(
-          f"{m} {r['ratio']:.3f}" for m, r in cases[-1]["methods"].items()), flush=True)
+      print(
+        f"{len(cases)}/{len(chosen)} {name}: "
+        + ", ".join(f"{m} {r['ratio']:.3f}" for m, r in cases[-1]["methods"].items()),
+        flush=True,
+      )
     write_json(config.json, document())  # The cases so far: a long run that dies keeps them.
     release()  # Each case compiles its own environment.
   bar.close()
@@ -318,14 +384,18 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
   Console(width=None if sys.stdout.isatty() else 200).print(table(cases, summary))
   compiled = summary[reference(config)].get("median_compiled_seconds") if config.baselines else None
   if compiled is not None:
-    print(f"{reference(config)}: median {summary[reference(config)]['median_seconds']:.1f} s on a first call, "
-          f"{compiled:.1f} s compiled")
+    print(
+      f"{reference(config)}: median {summary[reference(config)]['median_seconds']:.1f} s on a first call, "
+      f"{compiled:.1f} s compiled"
+    )
   for method, share in equal_time_wins(cases, reference(config)).items():
     print(f"{reference(config)} beats {method} (the same seconds) on {share:.0%} of the cases")
   for method, figures in summary.items():
     if figures["from_expert"]:
-      print(f"{method}: its plan refines an expert's on {round(figures['from_expert'] * len(cases))} of "
-            f"{len(cases)} cases")
+      print(
+        f"{method}: its plan refines an expert's on {round(figures['from_expert'] * len(cases))} of "
+        f"{len(cases)} cases"
+      )
   write_json(config.json, document())
   if config.plot:
     plot(cases, summary, config.plot)

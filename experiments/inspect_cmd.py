@@ -31,16 +31,21 @@ class InspectConfig:
 def summarize(program: ir.Program, named: ir.NamedDims) -> dict[str, Any]:
   """The JSON summary: program size, named dims, groups and conflicts."""
   return {
-      "num_ops": program.num_ops,
-      "num_values": program.num_values,
-      "unknown_primitives": list(program.unknown_primitives),
-      "named_dims": [
-          {"id": c.id, "size": c.size, "num_members": c.num_members, "group": c.group,
-           "examples": list(c.examples)}
-          for c in named.classes
-      ],
-      "groups": [{"id": g, "num_classes": len(members)} for g, members in enumerate(named.groups)],
-      "conflicts": [dataclasses.asdict(c) for c in named.conflicts],
+    "num_ops": program.num_ops,
+    "num_values": program.num_values,
+    "unknown_primitives": list(program.unknown_primitives),
+    "named_dims": [
+      {
+        "id": c.id,
+        "size": c.size,
+        "num_members": c.num_members,
+        "group": c.group,
+        "examples": list(c.examples),
+      }
+      for c in named.classes
+    ],
+    "groups": [{"id": g, "num_classes": len(members)} for g, members in enumerate(named.groups)],
+    "conflicts": [dataclasses.asdict(c) for c in named.conflicts],
   }
 
 
@@ -49,20 +54,24 @@ def render(summary: dict[str, Any], max_rows: int) -> str:
   group_sizes = {g["id"]: g["num_classes"] for g in summary["groups"]}
   conflicted = {c["class_id"] for c in summary["conflicts"]}
   lines = [
-      f"ops {summary['num_ops']}  values {summary['num_values']}  "
-      f"named dims {len(summary['named_dims'])}  groups {len(summary['groups'])}  "
-      f"unknown primitives {summary['unknown_primitives'] or 'none'}",
-      f"{'dim':>5} {'size':>7} {'members':>8} {'group':>9}  examples",
+    f"ops {summary['num_ops']}  values {summary['num_values']}  "
+    f"named dims {len(summary['named_dims'])}  groups {len(summary['groups'])}  "
+    f"unknown primitives {summary['unknown_primitives'] or 'none'}",
+    f"{'dim':>5} {'size':>7} {'members':>8} {'group':>9}  examples",
   ]
   rows = sorted(summary["named_dims"], key=lambda d: -d["num_members"])[:max_rows]
   for d in rows:
     group = f"{d['group']}(x{group_sizes[d['group']]})"
     flag = " [conflict]" if d["id"] in conflicted else ""
-    lines.append(f"{d['id']:>5} {d['size']:>7} {d['num_members']:>8} {group:>9}  {', '.join(d['examples'])}{flag}")
+    lines.append(
+      f"{d['id']:>5} {d['size']:>7} {d['num_members']:>8} {group:>9}  {', '.join(d['examples'])}{flag}"
+    )
   if len(summary["named_dims"]) > max_rows:
     lines.append(f"... {len(summary['named_dims']) - max_rows} more named dims (see --json)")
   for c in summary["conflicts"]:
-    lines.append(f"conflict: dim {c['class_id']} twice in one {c['kind']} ({c['count']}x), e.g. {c['example']}")
+    lines.append(
+      f"conflict: dim {c['class_id']} twice in one {c['kind']} ({c['count']}x), e.g. {c['example']}"
+    )
   return "\n".join(lines)
 
 

@@ -16,12 +16,23 @@ from automap_rl import mesh, tactics, workloads
 Hardware = Literal[tuple(mesh.HARDWARE)]  # type: ignore[valid-type]
 Tactic = Literal[(*tactics.TACTICS, *tactics.PIPELINE_TACTICS)]  # type: ignore[valid-type]
 AgentName = Literal[tuple(AGENTS)]  # type: ignore[valid-type]
-WORKLOAD_HELP = (f"FAMILY[:key=value,...], e.g. gpt:layers=8,d_model=1024; families: {', '.join(workloads.FAMILIES)}; "
-                 f"external: {', '.join(workloads.EXTERNAL_FAMILIES)}")
+WORKLOAD_HELP = (
+  f"FAMILY[:key=value,...], e.g. gpt:layers=8,d_model=1024; families: {', '.join(workloads.FAMILIES)}; "
+  f"external: {', '.join(workloads.EXTERNAL_FAMILIES)}"
+)
 Workload = Annotated[str, tyro.conf.arg(metavar="WORKLOAD", help=WORKLOAD_HELP)]
-PositionalWorkload = Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="WORKLOAD", help=WORKLOAD_HELP)]
+PositionalWorkload = Annotated[
+  str, tyro.conf.Positional, tyro.conf.arg(metavar="WORKLOAD", help=WORKLOAD_HELP)
+]
 OptionalWorkload = Annotated[str | None, tyro.conf.arg(metavar="WORKLOAD", help=WORKLOAD_HELP)]
-MeshSpec = Annotated[str, tyro.conf.arg(metavar="AXIS=SIZE,...",
-                                        help="mesh axes and sizes, e.g. data=2,model=4 (the last axis is the fastest link)")]
-JsonPath = Annotated[str | None, tyro.conf.arg(metavar="PATH", help="write the figures as JSON here")]
+MeshSpec = Annotated[
+  str,
+  tyro.conf.arg(
+    metavar="AXIS=SIZE,...",
+    help="mesh axes and sizes, e.g. data=2,model=4 (the last axis is the fastest link)",
+  ),
+]
+JsonPath = Annotated[
+  str | None, tyro.conf.arg(metavar="PATH", help="write the figures as JSON here")
+]
 PlotPath = Annotated[str | None, tyro.conf.arg(metavar="PATH", help="draw a PNG here")]

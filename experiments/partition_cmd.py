@@ -5,7 +5,8 @@ command is `agents.partition` (the Python facade) with a terminal around it: the
 workload, mesh, agent, budget and seed give the same plan and cost.
 
 WORKLOAD is a workload spec (`gpt:layers=8,d_model=1024`) or a user function
-`package.module:function` (the part before the colon is not a workload family). The user function takes no arguments
+`package.module:function` (the part before the colon is not a workload family). The user function
+takes no arguments
 and returns one of:
 
 - `(fn, args)`: the function to partition and a tuple of its example positional arguments
@@ -40,13 +41,27 @@ from agents import learned
 from agents.base import Budget
 from agents.registry import AGENTS
 from automap_rl import ir, workloads
-from automap_rl.plan import (baselines, compare_with_best_expert, cost_dict, fit_advice, format_arguments,
-                             format_costs, format_pipeline)
+from automap_rl.plan import (
+  baselines,
+  compare_with_best_expert,
+  cost_dict,
+  fit_advice,
+  format_arguments,
+  format_costs,
+  format_pipeline,
+)
 from automap_rl.problem import Problem
-from experiments.progress import phase, ticking
 from experiments.cli import CommandFailed, write_json
-from experiments.options import WORKLOAD_HELP, Hardware, JsonPath, MeshSpec, OptionalWorkload, PlotPath, Tactic
-
+from experiments.options import (
+  WORKLOAD_HELP,
+  Hardware,
+  JsonPath,
+  MeshSpec,
+  OptionalWorkload,
+  PlotPath,
+  Tactic,
+)
+from experiments.progress import phase, ticking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +92,11 @@ class PartitionConfig:
       `automap_rl.plan.transfer_decisions`).
   """
 
-  workload: Annotated[str, tyro.conf.Positional, tyro.conf.arg(
-      metavar="WORKLOAD", help=f"{WORKLOAD_HELP}; or package.module:function")] = "gpt"
+  workload: Annotated[
+    str,
+    tyro.conf.Positional,
+    tyro.conf.arg(metavar="WORKLOAD", help=f"{WORKLOAD_HELP}; or package.module:function"),
+  ] = "gpt"
   mesh: MeshSpec = "data=2,model=4"
   hardware: Hardware = "h100"
   agent: Literal[("tactic", *AGENTS)] = "tactic"  # type: ignore[valid-type]
@@ -97,10 +115,16 @@ class PartitionConfig:
 def is_user_function(model: str) -> bool:
   """Whether MODEL names `package.module:function` rather than a zoo or external spec."""
   head, sep, _ = model.partition(":")
-  return bool(sep) and head.strip() not in workloads.FAMILIES + workloads.EXTERNAL_FAMILIES and "=" not in head
+  return (
+    bool(sep)
+    and head.strip() not in workloads.FAMILIES + workloads.EXTERNAL_FAMILIES
+    and "=" not in head
+  )
 
 
-def load_user_function(target: str) -> tuple[str, Any, tuple, tuple[str, ...] | None, tuple[str, ...] | None]:
+def load_user_function(
+  target: str,
+) -> tuple[str, Any, tuple, tuple[str, ...] | None, tuple[str, ...] | None]:
   """Imports `package.module:function`, calls it, and returns (name, fn, args, names, roles)."""
   module_name, _, attr = target.partition(":")
   if os.getcwd() not in sys.path:
@@ -113,8 +137,10 @@ def load_user_function(target: str) -> tuple[str, Any, tuple, tuple[str, ...] | 
     fn, args = made[0], tuple(made[1])
     names, roles = (made[2], made[3]) if len(made) == 4 else (None, None)
     return target, fn, args, names, roles
-  raise TypeError(f"{target} returned {type(made).__name__}; expected (fn, args), "
-                  "(fn, args, arg_names, arg_roles) or a Workload.")
+  raise TypeError(
+    f"{target} returned {type(made).__name__}; expected (fn, args), "
+    "(fn, args, arg_names, arg_roles) or a Workload."
+  )
 
 
 def load(model: str) -> tuple[str, Any, tuple, ir.Program]:
@@ -124,7 +150,9 @@ def load(model: str) -> tuple[str, Any, tuple, ir.Program]:
   return name, fn, args, ir.trace_step(fn, *args, arg_names=names, arg_roles=roles)
 
 
-def load_target(model: str) -> tuple[str, Any, tuple, tuple[str, ...] | None, tuple[str, ...] | None]:
+def load_target(
+  model: str,
+) -> tuple[str, Any, tuple, tuple[str, ...] | None, tuple[str, ...] | None]:
   """(name, fn, example args, arg names, arg roles) of a zoo spec (abstract arguments) or a
   user function, nothing traced."""
   if is_user_function(model):
@@ -152,10 +180,18 @@ class Phases:
     self.stack.close()
     if name == "searching":
       budget = Budget.of(self.config.budget)
-      self.bar = self.stack.enter_context(tqdm(
-          total=budget.simulations, desc=f"{self.config.agent} search", unit="sim",
-          disable=not self.config.progress, dynamic_ncols=True))
-      self.stack.enter_context(ticking(self.bar.refresh))  # The bar's clock runs while the environment is built.
+      self.bar = self.stack.enter_context(
+        tqdm(
+          total=budget.simulations,
+          desc=f"{self.config.agent} search",
+          unit="sim",
+          disable=not self.config.progress,
+          dynamic_ncols=True,
+        )
+      )
+      self.stack.enter_context(
+        ticking(self.bar.refresh)
+      )  # The bar's clock runs while the environment is built.
     else:
       self.stack.enter_context(phase(name, _clocks(self.config)))
 
@@ -171,7 +207,9 @@ class Phases:
     self.stack.close()
 
 
-def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, args) -> dict[str, Any]:
+def lower_and_check(
+  config: PartitionConfig, problem: Problem, decisions, fn, args
+) -> dict[str, Any]:
   """Compiles the plan on the local devices and checks numerics (see `check_workload`)."""
   from automap_rl import plan as plan_lib
   from automap_rl.xla import hlo
@@ -181,18 +219,26 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
   start = time.perf_counter()
   spec = config.check_workload or config.workload
   if spec != config.workload:
-    print(f"\nlowering on {spec} with real arrays, a smaller copy of {config.workload} (the full model is too "
-          "slow to compile and run on this machine's CPU cores)", flush=True)
+    print(
+      f"\nlowering on {spec} with real arrays, a smaller copy of {config.workload} (the full model is too "
+      "slow to compile and run on this machine's CPU cores)",
+      flush=True,
+    )
   with phase(f"building and tracing {spec} with real arrays", _clocks(config)):
     if is_user_function(spec):
       name, fn, args, names, roles = load_user_function(spec)
-      target = problem if spec == config.workload else Problem.build(
-          ir.trace_step(fn, *args, arg_names=names, arg_roles=roles), problem.mesh)
+      target = (
+        problem
+        if spec == config.workload
+        else Problem.build(ir.trace_step(fn, *args, arg_names=names, arg_roles=roles), problem.mesh)
+      )
     else:
       workload = workloads.make_workload(spec)  # Real arrays.
       name, fn, args = workload.name, workload.step, workload.args
       target = Problem.build(workload.trace(), problem.mesh)
-    moved = decisions if target is problem else plan_lib.transfer_decisions(decisions, problem, target)
+    moved = (
+      decisions if target is problem else plan_lib.transfer_decisions(decisions, problem, target)
+    )
   if spec != config.workload:
     print(f"{len(moved)} of {len(decisions)} decisions carried over to {name}")
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -204,23 +250,37 @@ def lower_and_check(config: PartitionConfig, problem: Problem, decisions, fn, ar
       reference = check_numerics(fn, args, lowered, reference=references.result())
   summary = hlo.summarize(lowered.stats.collectives)
   seconds = time.perf_counter() - start
-  print(f"lowered on {len(jax.devices())} {jax.devices()[0].platform.upper()} devices: "
-        + (", ".join(f"{k} {n}x" for k, (n, _) in summary.items()) or "no collectives")
-        + f"; numerics match the unpartitioned step, compared in {reference.note} ({seconds:.1f}s)")
-  return {"model": name, "decisions": [str(d) for d in moved], "ok": True, "reference": reference.note,
-          "seconds": seconds, "collectives": {k: int(n) for k, (n, _) in summary.items()}}
+  print(
+    f"lowered on {len(jax.devices())} {jax.devices()[0].platform.upper()} devices: "
+    + (", ".join(f"{k} {n}x" for k, (n, _) in summary.items()) or "no collectives")
+    + f"; numerics match the unpartitioned step, compared in {reference.note} ({seconds:.1f}s)"
+  )
+  return {
+    "model": name,
+    "decisions": [str(d) for d in moved],
+    "ok": True,
+    "reference": reference.note,
+    "seconds": seconds,
+    "collectives": {k: int(n) for k, (n, _) in summary.items()},
+  }
 
 
 DEFAULT_TACTIC = "data_megatron"
 
 
 def run(config: PartitionConfig) -> dict[str, Any]:
-  started = time.monotonic()  # A seconds budget covers the command from here, loading the workload included.
+  started = (
+    time.monotonic()
+  )  # A seconds budget covers the command from here, loading the workload included.
   if config.agent != "tactic" and config.tactic is not None:
-    raise ValueError(f"--tactic {config.tactic} applies only with --agent tactic (the agent {config.agent} "
-                     "searches its own plan; the experts are reported beside it).")
+    raise ValueError(
+      f"--tactic {config.tactic} applies only with --agent tactic (the agent {config.agent} "
+      "searches its own plan; the experts are reported beside it)."
+    )
   if config.checkpoint is not None and config.agent != "learned":
-    raise ValueError(f"--checkpoint applies only with --agent learned (the agent {config.agent} has no policy).")
+    raise ValueError(
+      f"--checkpoint applies only with --agent learned (the agent {config.agent} has no policy)."
+    )
   Budget.of(config.budget)  # Bad budgets fail before tracing, whichever the agent.
   # The learned agent's policy, found (or refused) before tracing; None: no policy.
   policy = None
@@ -230,9 +290,21 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   name, fn, args, names, roles = load_target(config.workload)
   agent = config.tactic if config.agent == "tactic" else config.agent
   with Phases(config) as phases:
-    plan = agents.partition(fn, *args, mesh=config.mesh, hardware=config.hardware, agent=agent,
-                            budget=config.budget, seed=config.seed, arg_names=names, arg_roles=roles, config=policy,
-                            progress=phases.progress, phase=phases, since=started)
+    plan = agents.partition(
+      fn,
+      *args,
+      mesh=config.mesh,
+      hardware=config.hardware,
+      agent=agent,
+      budget=config.budget,
+      seed=config.seed,
+      arg_names=names,
+      arg_roles=roles,
+      config=policy,
+      progress=phases.progress,
+      phase=phases,
+      since=started,
+    )
   problem, decisions, found = plan.problem, plan.decisions, plan.search
   with phase("costing the plan and the expert plans", _clocks(config)):
     result = cost_dict(plan.cost)
@@ -244,19 +316,30 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   result["search_seconds"] = 0.0 if found is None else found.seconds
   result["trace"] = [] if found is None else found.trace_dicts()
   if found is not None:
-    result.update(actions=found.actions, simulations=found.simulations, greedy_steps=found.greedy_steps,
-                  seed=config.seed, budget=config.budget, setup_seconds=found.setup_seconds,
-                  stopped_by=found.stopped_by, lower_bound=found.lower_bound)
-  print(f"{name} on {config.mesh} ({config.hardware}), "
-        + (f"tactic {config.tactic}" if found is None else f"agent {config.agent}, seed {config.seed}")
-        + f": {len(decisions)} decisions")
+    result.update(
+      actions=found.actions,
+      simulations=found.simulations,
+      greedy_steps=found.greedy_steps,
+      seed=config.seed,
+      budget=config.budget,
+      setup_seconds=found.setup_seconds,
+      stopped_by=found.stopped_by,
+      lower_bound=found.lower_bound,
+    )
+  print(
+    f"{name} on {config.mesh} ({config.hardware}), "
+    + (f"tactic {config.tactic}" if found is None else f"agent {config.agent}, seed {config.seed}")
+    + f": {len(decisions)} decisions"
+  )
   if found is None:
     if plan.pipeline is not None:
       print(format_pipeline(plan.pipeline, plan.cost))
     print(format_arguments(problem, decisions, config.max_args))
     print()
     print(format_costs({config.tactic: result, **result["baselines"]}))
-    print("\n" + compare_with_best_expert(config.tactic, {config.tactic: result, **result["baselines"]}))
+    print(
+      "\n" + compare_with_best_expert(config.tactic, {config.tactic: result, **result["baselines"]})
+    )
   else:
     print(plan.report(config.max_args))
     print()
@@ -267,10 +350,14 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     print(f"shards drawn in {plan.plot(config.plot)}")
   write_json(config.json, result)
   if not decisions:
-    print(f"WARNING: the plan shards nothing: {plan.agent} found nothing better than replicating {name}",
-          file=sys.stderr)
+    print(
+      f"WARNING: the plan shards nothing: {plan.agent} found nothing better than replicating {name}",
+      file=sys.stderr,
+    )
   if not result["fits"]:
     fitting = [n for n, b in result["baselines"].items() if b["fits"]]
-    raise CommandFailed(f"the plan does not fit in memory: {fit_advice(problem, plan.cost)}"
-                        + (f"; experts that fit: {', '.join(fitting)}" if fitting else "; no expert plan fits either"))
+    raise CommandFailed(
+      f"the plan does not fit in memory: {fit_advice(problem, plan.cost)}"
+      + (f"; experts that fit: {', '.join(fitting)}" if fitting else "; no expert plan fits either")
+    )
   return result

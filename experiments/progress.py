@@ -10,12 +10,13 @@ from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
-
 Wait = Callable[[threading.Event, float], bool]  # (stop, interval) -> whether `stop` was set.
 
 
 @contextlib.contextmanager
-def ticking(refresh: Callable[[], None], interval: float = 1.0, wait: Wait = threading.Event.wait) -> Iterator[None]:
+def ticking(
+  refresh: Callable[[], None], interval: float = 1.0, wait: Wait = threading.Event.wait
+) -> Iterator[None]:
   """Calls `refresh()` every `interval` seconds on a background thread while the block runs.
 
   `wait(stop, interval)` is the clock: it returns False when `interval` has passed, True as
@@ -37,10 +38,14 @@ def ticking(refresh: Callable[[], None], interval: float = 1.0, wait: Wait = thr
 
 
 @contextlib.contextmanager
-def phase(label: str, enabled: bool = True, leave: bool = True, wait: Wait = threading.Event.wait) -> Iterator[None]:
+def phase(
+  label: str, enabled: bool = True, leave: bool = True, wait: Wait = threading.Event.wait
+) -> Iterator[None]:
   """Shows `label` with the seconds spent in it, refreshed every second, and leaves the
   final time on its line (or clears the line, `leave=False`). `wait`: as in `ticking`."""
-  bar = tqdm(desc=label, bar_format="{desc}: {elapsed}", disable=not enabled, dynamic_ncols=True, leave=leave)
+  bar = tqdm(
+    desc=label, bar_format="{desc}: {elapsed}", disable=not enabled, dynamic_ncols=True, leave=leave
+  )
   with ticking(bar.refresh, wait=wait):
     try:
       yield

@@ -4,7 +4,8 @@
 search agent at a fixed budget and the case's best-known plan, all as ratios of simulated
 step time to the best expert (`automap_rl.tactics.best_expert`: the fastest expert plan
 that fits in memory). Where no expert fits, the row says so and its ratios are to the best
-plan that fits (the best-known), never to a plan that cannot run. Best-known plans are reference data (`best_known.json` beside
+plan that fits (the best-known), never to a plan that cannot run. Best-known plans are reference
+data (`best_known.json` beside
 `suite.json`, with the command that made them); they are stored as decision lists and
 re-costed on every run, so a changed simulator re-scores them instead of trusting old
 figures, and a run that finds a better plan can write it back (`--update-best-known`).
@@ -82,17 +83,24 @@ class SuiteBenchConfig:
 def format_case_table(cases: list[Case]) -> str:
   """One row per case: name, split, family, size, mesh, devices, hardware."""
   header = ("case", "split", "family", "size", "mesh", "devices", "hardware")
-  rows = [(c.name, c.split, c.family, c.size, c.mesh, str(c.make_mesh().num_devices), c.hardware) for c in cases]
+  rows = [
+    (c.name, c.split, c.family, c.size, c.mesh, str(c.make_mesh().num_devices), c.hardware)
+    for c in cases
+  ]
   widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-  return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows))
+  return "\n".join(
+    "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in (header, *rows)
+  )
 
 
 def run_list(config: SuiteListConfig) -> list[Case]:
   cases = load_cases(config.split)
   print(format_case_table(cases))
   counts = {s: sum(c.split == s for c in cases) for s in SPLITS}
-  print(f"{len(cases)} cases ({', '.join(f'{s} {n}' for s, n in counts.items() if n)}), "
-        f"{len({c.family for c in cases})} families")
+  print(
+    f"{len(cases)} cases ({', '.join(f'{s} {n}' for s, n in counts.items() if n)}), "
+    f"{len({c.family for c in cases})} families"
+  )
   write_json(config.json, [dataclasses.asdict(c) for c in cases])
   return cases
 
@@ -116,18 +124,25 @@ def load_best_known(path: str | None, missing_ok: bool = False) -> dict[str, Any
 
 
 def _score(cost) -> dict[str, Any]:
-  return {"step_time_s": float(cost.step_time), "peak_memory_gib": float(cost.peak_memory) / 2**30,
-          "fits": bool(cost.fits)}
+  return {
+    "step_time_s": float(cost.step_time),
+    "peak_memory_gib": float(cost.peak_memory) / 2**30,
+    "fits": bool(cost.fits),
+  }
 
 
-def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | None) -> dict[str, Any]:
+def bench_case(
+  case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | None
+) -> dict[str, Any]:
   """Every expert, every agent and the best-known plan on one case."""
   start = time.perf_counter()
   problem = Problem.build(case.make_workload().trace(), case.make_mesh())
   expert_costs = tactics.applicable_costs(problem)
   plans = {name: plan for name, (plan, _) in expert_costs.items()}
   experts = {name: _score(cost) for name, (_, cost) in expert_costs.items()}
-  best_name = tactics.best_expert({n: tactics.Score.of(cost) for n, (_, cost) in expert_costs.items()})
+  best_name = tactics.best_expert(
+    {n: tactics.Score.of(cost) for n, (_, cost) in expert_costs.items()}
+  )
   expert_fits = experts[best_name]["fits"]
   searched = {}
   pipelines = {}  # A plan's pipeline stages, where it has some: its cost and its stored form need them.
@@ -148,15 +163,26 @@ def bench_case(case: Case, config: SuiteBenchConfig, stored: dict[str, Any] | No
   yardstick_time = candidates[yardstick]["step_time_s"]
   ratio = lambda score: score["step_time_s"] / yardstick_time
   return {
-      "case": case.name, "split": case.split, "family": case.family, "workload": case.workload,
-      "mesh": case.mesh, "hardware": case.hardware,
-      "best_expert": best_name, "best_expert_step_time_s": experts[best_name]["step_time_s"],
-      "expert_fits": expert_fits, "yardstick": yardstick, "yardstick_step_time_s": yardstick_time,
-      "experts": {n: {**c, "ratio": ratio(c)} for n, c in experts.items()},
-      "agents": {n: {**c, "ratio": ratio(c)} for n, c in searched.items()},
-      "best_known": {**best_known, "ratio": ratio(best_known), "source": source,
-                     **plan_to_json(plans[source], pipelines.get(source))},
-      "seconds": time.perf_counter() - start,
+    "case": case.name,
+    "split": case.split,
+    "family": case.family,
+    "workload": case.workload,
+    "mesh": case.mesh,
+    "hardware": case.hardware,
+    "best_expert": best_name,
+    "best_expert_step_time_s": experts[best_name]["step_time_s"],
+    "expert_fits": expert_fits,
+    "yardstick": yardstick,
+    "yardstick_step_time_s": yardstick_time,
+    "experts": {n: {**c, "ratio": ratio(c)} for n, c in experts.items()},
+    "agents": {n: {**c, "ratio": ratio(c)} for n, c in searched.items()},
+    "best_known": {
+      **best_known,
+      "ratio": ratio(best_known),
+      "source": source,
+      **plan_to_json(plans[source], pipelines.get(source)),
+    },
+    "seconds": time.perf_counter() - start,
   }
 
 
@@ -171,13 +197,21 @@ def summarize(rows: list[dict[str, Any]], agent: str = "random") -> dict[str, An
     return name in row["experts"] and not row["experts"][name]["fits"]
 
   return {
-      "cases": n, "families": len({r["family"] for r in rows}),
-      "replicated_and_data_parallel_do_not_fit": share(
-          lambda r: no_fit(r, "replicated") and no_fit(r, "data_parallel")),
-      f"best_known_beats_{agent}_by_10pct": share(
-          lambda r: agent in r["agents"] and r["best_known"]["ratio"] <= r["agents"][agent]["ratio"] / 1.10),
-      "best_known_beats_best_expert_by_5pct_or_only_it_fits": share(
-          lambda r: r["best_known"]["ratio"] <= 1 / 1.05 or (not r["expert_fits"] and r["best_known"]["fits"])),
+    "cases": n,
+    "families": len({r["family"] for r in rows}),
+    "replicated_and_data_parallel_do_not_fit": share(
+      lambda r: no_fit(r, "replicated") and no_fit(r, "data_parallel")
+    ),
+    f"best_known_beats_{agent}_by_10pct": share(
+      lambda r: (
+        agent in r["agents"] and r["best_known"]["ratio"] <= r["agents"][agent]["ratio"] / 1.10
+      )
+    ),
+    "best_known_beats_best_expert_by_5pct_or_only_it_fits": share(
+      lambda r: (
+        r["best_known"]["ratio"] <= 1 / 1.05 or (not r["expert_fits"] and r["best_known"]["fits"])
+      )
+    ),
   }
 
 
@@ -194,7 +228,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
   lines = [f"{'case':<{width}}  " + "  ".join(f"{c[:14]:>14}" for c in columns)]
   for r in rows:
-    scores = [r["experts"].get(n) for n in experts] + [r["agents"].get(n) for n in agent_names] + [r["best_known"]]
+    scores = (
+      [r["experts"].get(n) for n in experts]
+      + [r["agents"].get(n) for n in agent_names]
+      + [r["best_known"]]
+    )
     note = "" if r["expert_fits"] else f"  no expert fits: ratios to {r['yardstick']}"
     lines.append(f"{r['case']:<{width}}  " + "  ".join(f"{cell(s):>14}" for s in scores) + note)
   return "\n".join(lines)
@@ -214,8 +252,13 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
       series.setdefault(name, []).append((i, score["ratio"]))
   for name, points in series.items():
     xs, ys = zip(*points)
-    ax.scatter(xs, ys, label=name, s=30 if name == "best_known" else 14,
-               marker="*" if name == "best_known" else "o")
+    ax.scatter(
+      xs,
+      ys,
+      label=name,
+      s=30 if name == "best_known" else 14,
+      marker="*" if name == "best_known" else "o",
+    )
   ax.axhline(1.0, color="gray", linewidth=0.8)
   ax.set_yscale("log")
   ax.set_xticks(range(len(rows)), [r["case"] for r in rows], rotation=90, fontsize=6)
@@ -232,9 +275,15 @@ def update_best_known(rows: list[dict[str, Any]], path: str | None, command: str
   changed = 0
   for r in rows:
     if r["best_known"]["source"] != "stored":
-      plan = {key: r["best_known"][key] for key in ("decisions", "pipeline") if key in r["best_known"]}
-      document["cases"][r["case"]] = {**plan, "source": r["best_known"]["source"],
-                                      "step_time_s": r["best_known"]["step_time_s"], "command": command}
+      plan = {
+        key: r["best_known"][key] for key in ("decisions", "pipeline") if key in r["best_known"]
+      }
+      document["cases"][r["case"]] = {
+        **plan,
+        "source": r["best_known"]["source"],
+        "step_time_s": r["best_known"]["step_time_s"],
+        "command": command,
+      }
       changed += 1
   if changed:
     with open(best_known_path(path), "w") as f:
@@ -252,8 +301,10 @@ def bench_cases(config: SuiteBenchConfig) -> list[Case]:
   present = list(dict.fromkeys(c.family for c in cases))
   missing = [f for f in config.families if f not in present]
   if missing:
-    raise ValueError(f"--families {' '.join(missing)}: no such family in the {config.split} split "
-                     f"(its families: {', '.join(present)})")
+    raise ValueError(
+      f"--families {' '.join(missing)}: no such family in the {config.split} split "
+      f"(its families: {', '.join(present)})"
+    )
   return [c for c in cases if not config.families or c.family in config.families]
 
 
@@ -271,8 +322,10 @@ def run_bench(config: SuiteBenchConfig) -> dict[str, Any]:
   print(json.dumps(summary, indent=1))
   if config.update_best_known:
     families = f" --families {' '.join(config.families)}" if config.families else ""
-    command = (f"automap-rl bench suite --split {config.split}{families} --agents {' '.join(config.agents)} "
-               f"--budget {config.budget} --seed {config.seed} --update-best-known")
+    command = (
+      f"automap-rl bench suite --split {config.split}{families} --agents {' '.join(config.agents)} "
+      f"--budget {config.budget} --seed {config.seed} --update-best-known"
+    )
     print(f"{update_best_known(rows, config.best_known, command)} best-known plans written")
   document = {"summary": summary, "cases": rows}
   write_json(config.json, document)

@@ -101,22 +101,47 @@ class TrainRunConfig:
 
 
 PRESETS: dict[str, TrainRunConfig] = {
-    "smoke": TrainRunConfig(
-        preset="smoke", split="smoke", max_cases=2, iterations=3, run_dir="runs/smoke", checkpoint_every=1,
-        train=TrainConfig(episodes=4, episode_length=4, gumbel=GumbelSettings(num_simulations=8, max_num_considered_actions=4),
-                          replay_capacity=256, batch_size=16, updates=2, warmup_updates=4,
-                          network=NetworkConfig(width=32, rounds=2, state_width=16, pipelines=5))),
-    "small": TrainRunConfig(),
-    # The small recipe half as long again, after a warm start on the train split's best-known plans.
-    "medium": TrainRunConfig(preset="medium", iterations=360, run_dir="runs/medium", imitation_updates=300),
-    # The medium recipe sized for an accelerator: the same warm start, then twice the
-    # episodes, simulations and considered actions per move, minibatch and updates, 16-step
-    # episodes, 2000 iterations.
-    "full": TrainRunConfig(
-        preset="full", iterations=2000, run_dir="runs/full", checkpoint_every=50, imitation_updates=300,
-        train=TrainConfig(episodes=16, episode_length=16,
-                          gumbel=GumbelSettings(num_simulations=32, max_num_considered_actions=16),
-                          replay_capacity=16384, batch_size=128, updates=16)),
+  "smoke": TrainRunConfig(
+    preset="smoke",
+    split="smoke",
+    max_cases=2,
+    iterations=3,
+    run_dir="runs/smoke",
+    checkpoint_every=1,
+    train=TrainConfig(
+      episodes=4,
+      episode_length=4,
+      gumbel=GumbelSettings(num_simulations=8, max_num_considered_actions=4),
+      replay_capacity=256,
+      batch_size=16,
+      updates=2,
+      warmup_updates=4,
+      network=NetworkConfig(width=32, rounds=2, state_width=16, pipelines=5),
+    ),
+  ),
+  "small": TrainRunConfig(),
+  # The small recipe half as long again, after a warm start on the train split's best-known plans.
+  "medium": TrainRunConfig(
+    preset="medium", iterations=360, run_dir="runs/medium", imitation_updates=300
+  ),
+  # The medium recipe sized for an accelerator: the same warm start, then twice the
+  # episodes, simulations and considered actions per move, minibatch and updates, 16-step
+  # episodes, 2000 iterations.
+  "full": TrainRunConfig(
+    preset="full",
+    iterations=2000,
+    run_dir="runs/full",
+    checkpoint_every=50,
+    imitation_updates=300,
+    train=TrainConfig(
+      episodes=16,
+      episode_length=16,
+      gumbel=GumbelSettings(num_simulations=32, max_num_considered_actions=16),
+      replay_capacity=16384,
+      batch_size=128,
+      updates=16,
+    ),
+  ),
 }
 
 
@@ -155,26 +180,38 @@ def _check_config(config: TrainRunConfig) -> None:
     raise ValueError("--iterations and --checkpoint-every must be at least 1.")
   t = config.train
   if t.batch_size < 1 or t.episodes < 1 or t.episode_length < 1 or t.gumbel.num_simulations < 1:
-    raise ValueError("--train.batch-size, episodes, episode-length and gumbel.num-simulations must be at least 1.")
+    raise ValueError(
+      "--train.batch-size, episodes, episode-length and gumbel.num-simulations must be at least 1."
+    )
   if t.expert_start_every < 0:
     raise ValueError(f"--train.expert-start-every {t.expert_start_every}: give 0 (never) or more.")
   if config.init_policy is not None:
-    network = checkpoint.read_network(config.init_policy)  # Raises for a directory without a policy.
+    network = checkpoint.read_network(
+      config.init_policy
+    )  # Raises for a directory without a policy.
     if network != t.network:
-      raise ValueError(f"--init-policy {config.init_policy}: its network {network} is not --train.network {t.network}")
+      raise ValueError(
+        f"--init-policy {config.init_policy}: its network {network} is not --train.network {t.network}"
+      )
   if config.imitation_updates < 0:
     raise ValueError(f"--imitation-updates {config.imitation_updates}: give 0 (none) or more.")
   if config.imitation_climbs and not config.imitation_updates:
-    raise ValueError("--imitation-climbs: the climbs are learned in the warm start; give --imitation-updates too.")
+    raise ValueError(
+      "--imitation-climbs: the climbs are learned in the warm start; give --imitation-updates too."
+    )
   if config.imitation_updates:
     known = suite_cmd.load_best_known(config.best_known).get("cases", {})
     cases = pick_cases(load_cases(config.split), config.max_cases)
     if not any(c.name in known for c in cases):
-      raise ValueError(f"--imitation-updates {config.imitation_updates}: none of the {len(cases)} {config.split} "
-                       "cases has a best-known plan to imitate")
+      raise ValueError(
+        f"--imitation-updates {config.imitation_updates}: none of the {len(cases)} {config.split} "
+        "cases has a best-known plan to imitate"
+      )
   if t.episodes * t.episode_length > t.replay_capacity:
-    raise ValueError(f"an iteration's {t.episodes * t.episode_length} samples do not fit the replay buffer "
-                     f"of {t.replay_capacity}; raise --train.replay-capacity.")
+    raise ValueError(
+      f"an iteration's {t.episodes * t.episode_length} samples do not fit the replay buffer "
+      f"of {t.replay_capacity}; raise --train.replay-capacity."
+    )
 
 
 def is_lead() -> bool:
@@ -192,7 +229,9 @@ def _barrier(name: str) -> None:
   """Waits until every process gets here (no-op with one process). A barrier of the
   coordination service, not a collective: gloo gives processes only 30 s to meet at a
   collective's first use."""
-  ocp.multihost.get_barrier_sync_fn()(key=f"{name} #{next(_barriers)}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
+  ocp.multihost.get_barrier_sync_fn()(
+    key=f"{name} #{next(_barriers)}", timeout_ms=BARRIER_TIMEOUT_S * 1000
+  )
 
 
 def _prepare_dir(config: TrainRunConfig) -> None:
@@ -205,9 +244,14 @@ def _prepare_dir(config: TrainRunConfig) -> None:
     with open(path) as f:
       before = json.load(f)
     # A field added to TrainConfig since the run was written reads as its default.
-    written = {**json.loads(json.dumps(dataclasses.asdict(TrainConfig()))), **before.get("train", {})}
+    written = {
+      **json.loads(json.dumps(dataclasses.asdict(TrainConfig()))),
+      **before.get("train", {}),
+    }
     if written != json.loads(json.dumps(document["train"])):
-      raise ValueError(f"{config.run_dir} holds a run with another --train config; give a new --run-dir.")
+      raise ValueError(
+        f"{config.run_dir} holds a run with another --train config; give a new --run-dir."
+      )
   _barrier("checked the run directory")
   if is_lead():
     with open(path, "w") as f:
@@ -247,9 +291,16 @@ def wandb_run(config: TrainRunConfig):
     run_id = uuid.uuid4().hex[:8]  # wandb's form: 8 characters of [0-9a-z].
     with open(id_file, "w") as f:
       f.write(run_id)
-  return wandb.init(project="automap_rl", dir=os.path.abspath(config.run_dir), mode=config.wandb, id=run_id,
-                    resume="allow", name=os.path.basename(os.path.abspath(config.run_dir)),
-                    config=dataclasses.asdict(config), settings=wandb.Settings(silent=True))
+  return wandb.init(
+    project="automap_rl",
+    dir=os.path.abspath(config.run_dir),
+    mode=config.wandb,
+    id=run_id,
+    resume="allow",
+    name=os.path.basename(os.path.abspath(config.run_dir)),
+    config=dataclasses.asdict(config),
+    settings=wandb.Settings(silent=True),
+  )
 
 
 def plot_curve(rows: list[dict[str, Any]], path: str) -> None:
@@ -279,23 +330,41 @@ def plot_curve(rows: list[dict[str, Any]], path: str) -> None:
 def build_suite(config: TrainRunConfig) -> tuple[list[Case], selfplay.Suite]:
   """The run's cases and their suite (traced and built with a progress bar)."""
   cases = pick_cases(load_cases(config.split), config.max_cases)
-  problems = [selfplay.case_problem(c) for c in tqdm(cases, desc="tracing cases", unit="case",
-                                                      disable=not config.progress, dynamic_ncols=True)]
-  return cases, selfplay.build_suite(tuple(problems), config.train.env, config.train.expert_start_every > 0)
+  problems = [
+    selfplay.case_problem(c)
+    for c in tqdm(
+      cases, desc="tracing cases", unit="case", disable=not config.progress, dynamic_ncols=True
+    )
+  ]
+  return cases, selfplay.build_suite(
+    tuple(problems), config.train.env, config.train.expert_start_every > 0
+  )
 
 
-def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfplay.Suite, state: TrainState,
-               suite: selfplay.Suite, mesh: jax.sharding.Mesh, lead: bool) -> TrainState:
+def warm_start(
+  config: TrainRunConfig,
+  cases: Sequence[Case],
+  host_suite: selfplay.Suite,
+  state: TrainState,
+  suite: selfplay.Suite,
+  mesh: jax.sharding.Mesh,
+  lead: bool,
+) -> TrainState:
   """`state` after the imitation warm start (`train.imitate`) on the best-known plans of
   `cases` (`agents.imitation`); `host_suite` is this process's copy of the replicated `suite`."""
   known = suite_cmd.load_best_known(config.best_known).get("cases", {})
   problems = [selfplay.case_problem(c) for c in cases]
-  plans = imitation.teacher_plans(problems,
-                                  [plan_from_json(known[c.name]) if c.name in known else None for c in cases],
-                                  host_suite, config.train.env)
+  plans = imitation.teacher_plans(
+    problems,
+    [plan_from_json(known[c.name]) if c.name in known else None for c in cases],
+    host_suite,
+    config.train.env,
+  )
   flag = f"--imitation-updates {config.imitation_updates}"
   if not plans:
-    raise ValueError(f"{flag}: the environment can choose the pipeline of none of the best-known plans")
+    raise ValueError(
+      f"{flag}: the environment can choose the pipeline of none of the best-known plans"
+    )
   teacher = imitation.teacher_samples(host_suite, config.train.env, plans)
   replayed = len(teacher.problem)
   climbed = ""
@@ -305,19 +374,27 @@ def warm_start(config: TrainRunConfig, cases: Sequence[Case], host_suite: selfpl
     climbed = f" and {len(climbs.problem)} from {how_many} climbs from the experts' plans"
   count = len(teacher.problem)
   if count > config.train.replay_capacity:
-    raise ValueError(f"{flag}: {count} teacher samples do not fit --train.replay-capacity "
-                     f"{config.train.replay_capacity}")
+    raise ValueError(
+      f"{flag}: {count} teacher samples do not fit --train.replay-capacity "
+      f"{config.train.replay_capacity}"
+    )
   teacher = train.replicate(teacher, mesh)
-  imitate = train.imitate.lower(state, suite, teacher, config.train, mesh, config.imitation_updates).compile()
-  _barrier("compiled the warm start")  # As for the iteration: compile times differ by more than gloo waits.
+  imitate = train.imitate.lower(
+    state, suite, teacher, config.train, mesh, config.imitation_updates
+  ).compile()
+  _barrier(
+    "compiled the warm start"
+  )  # As for the iteration: compile times differ by more than gloo waits.
   state, metrics = imitate(state, suite, teacher)
   if lead:
     values = {k: float(v) for k, v in train.host_copy(metrics).items()}
     actions = sum(len(a) for _, a in plans)
-    print(f"imitation: {replayed} samples ({replayed / actions:.0%} of the teachers' actions; the rest illegal there or "
-          f"past the step limit) from the best-known plans of {len(plans)} of {len(cases)} cases{climbed}, "
-          f"{config.imitation_updates} updates: policy KL {values['policy_kl']:.4f}, "
-          f"value loss {values['value_loss']:.5f}")
+    print(
+      f"imitation: {replayed} samples ({replayed / actions:.0%} of the teachers' actions; the rest illegal there or "
+      f"past the step limit) from the best-known plans of {len(plans)} of {len(cases)} cases{climbed}, "
+      f"{config.imitation_updates} updates: policy KL {values['policy_kl']:.4f}, "
+      f"value loss {values['value_loss']:.5f}"
+    )
   return state
 
 
@@ -337,10 +414,14 @@ def run(config: TrainRunConfig) -> TrainResult:
   lead = is_lead()
   cases, suite = build_suite(dataclasses.replace(config, progress=config.progress and lead))
   if lead:
-    print(f"training on {len(cases)} {config.split} cases: {', '.join(c.name for c in cases)}; "
-          f"{mesh.size} devices in {jax.process_count()} process(es)")
+    print(
+      f"training on {len(cases)} {config.split} cases: {', '.join(c.name for c in cases)}; "
+      f"{mesh.size} devices in {jax.process_count()} process(es)"
+    )
   host_suite = suite
-  state = train.replicate(train.init(config.train, suite), mesh)  # From this process's suite, then replicated.
+  state = train.replicate(
+    train.init(config.train, suite), mesh
+  )  # From this process's suite, then replicated.
   suite = train.replicate(suite, mesh)
   # Orbax's checkpoint manager meets the other processes in a collective (30 s of gloo):
   # processes that traced the suite at different speeds meet at a barrier first.
@@ -360,8 +441,14 @@ def run(config: TrainRunConfig) -> TrainResult:
       state = warm_start(config, cases, host_suite, state, suite, mesh, lead)
   rows = _read_metrics(config.run_dir, done)
   logger = wandb_run(config) if lead else None
-  bar = tqdm(total=config.iterations, initial=done, desc="self-play", unit="it",
-             disable=not (config.progress and lead), dynamic_ncols=True)
+  bar = tqdm(
+    total=config.iterations,
+    initial=done,
+    desc="self-play",
+    unit="it",
+    disable=not (config.progress and lead),
+    dynamic_ncols=True,
+  )
   # Compiled before the processes meet, as compile times differ by more than gloo waits.
   step = train.iteration.lower(state, suite, config.train, mesh).compile()
   _barrier("compiled the iteration")
@@ -369,7 +456,9 @@ def run(config: TrainRunConfig) -> TrainResult:
   try:
     for i in range(done, config.iterations):
       state, metrics = step(state, suite)
-      values = {k: float(v) for k, v in train.host_copy(metrics).items()}  # Waits for the iteration.
+      values = {
+        k: float(v) for k, v in train.host_copy(metrics).items()
+      }  # Waits for the iteration.
       row = {"iteration": i + 1, "seconds": time.perf_counter() - start, **values}
       rows.append(row)
       if lead:
@@ -377,12 +466,15 @@ def run(config: TrainRunConfig) -> TrainResult:
       if logger is not None:
         logger.log({k: v for k, v in row.items() if k != "iteration"}, step=i + 1)
       bar.update()
-      bar.set_postfix_str(f"return {row['score']:+.3f} kl {row['policy_kl']:.3f} value {row['value_loss']:.4f}",
-                          refresh=False)
+      bar.set_postfix_str(
+        f"return {row['score']:+.3f} kl {row['policy_kl']:.3f} value {row['value_loss']:.4f}",
+        refresh=False,
+      )
       if (i + 1) % config.checkpoint_every == 0 or i + 1 == config.iterations:
         checkpoints.save(i + 1, state)
-        checkpoint.save_policy(os.path.join(config.run_dir, checkpoint.POLICY_DIR), state.params,
-                               config.train.network)
+        checkpoint.save_policy(
+          os.path.join(config.run_dir, checkpoint.POLICY_DIR), state.params, config.train.network
+        )
   finally:
     bar.close()
     checkpoints.close()
@@ -392,7 +484,9 @@ def run(config: TrainRunConfig) -> TrainResult:
     plot_curve(rows, os.path.join(config.run_dir, CURVE_FILE))
   if lead and rows:
     last = rows[-1]
-    print(f"iteration {last['iteration']}: mean return {last['score']:+.4f} (plan / best expert "
-          f"{last['ratio']:.4f}), policy KL {last['policy_kl']:.4f}, value loss {last['value_loss']:.5f}; "
-          f"run in {config.run_dir}")
+    print(
+      f"iteration {last['iteration']}: mean return {last['score']:+.4f} (plan / best expert "
+      f"{last['ratio']:.4f}), policy KL {last['policy_kl']:.4f}, value loss {last['value_loss']:.5f}; "
+      f"run in {config.run_dir}"
+    )
   return TrainResult(run_dir=config.run_dir, state=state, metrics=rows)

@@ -63,7 +63,8 @@ class ValidateConfig:
       depend on it; each process holds its own jax and compiling child).
     pipelines: with `fullsize`, the cases' pipelined expert plans too (in GPipe order, no
       searches), ranked with the intra-op ones, their stage transfers (collective-permute
-      bytes) set beside the simulator's; with `random`, every plan pipelined: a random GPipe pipeline (a scanned
+      bytes) set beside the simulator's; with `random`, every plan pipelined: a random GPipe
+      pipeline (a scanned
       layer stack over a random mesh axis whose size divides its layers, one stage per
       device of the axis, 4 or 8 microbatches) with random decisions inside, on
       `validate.PIPELINE_MESHES`; the pipelined step of the workload's loss function and
@@ -95,22 +96,35 @@ def _mb(x: float) -> str:
 
 def _row(case) -> str:
   s, c = case.simulated, case.compiled
-  pipeline = "" if case.pipeline is None else (
+  pipeline = (
+    ""
+    if case.pipeline is None
+    else (
       f"  (GPipe over {case.pipeline['axis']!r}: {case.pipeline['stages']} stages, {case.pipeline['microbatches']} "
-      "microbatches)")
+      "microbatches)"
+    )
+  )
   if case.lowering_error is not None:
-    return (f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} LOWERING ERROR {case.seconds:6.1f}s"
-            f"{pipeline}")
-  flag = ("" if case.numerics_ok else "  NUMERICS MISMATCH") + (
-      f"  {len(case.differences)} SHARDING DIFFERENCES" if case.differences else "") + (
-      "" if case.reference == "float64" else "  (float32 reference)")
-  return (f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} {_mb(s['comm_bytes'])} {_mb(c['comm_bytes'])} "
-          f"{s['flops'] / 1e6:10.2f} {c['flops'] / 1e6:10.2f} {_mb(s['peak_memory'])} {_mb(c['peak_memory'])} "
-          f"{case.seconds:6.1f}s{flag}{pipeline}")
+    return (
+      f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} LOWERING ERROR {case.seconds:6.1f}s"
+      f"{pipeline}"
+    )
+  flag = (
+    ("" if case.numerics_ok else "  NUMERICS MISMATCH")
+    + (f"  {len(case.differences)} SHARDING DIFFERENCES" if case.differences else "")
+    + ("" if case.reference == "float64" else "  (float32 reference)")
+  )
+  return (
+    f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} {_mb(s['comm_bytes'])} {_mb(c['comm_bytes'])} "
+    f"{s['flops'] / 1e6:10.2f} {c['flops'] / 1e6:10.2f} {_mb(s['peak_memory'])} {_mb(c['peak_memory'])} "
+    f"{case.seconds:6.1f}s{flag}{pipeline}"
+  )
 
 
-HEADER = (f"{'model':<7} {'mesh':<15} {'plan':<14} {'comm sim':>9} {'comm xla':>9} {'Mflop sim':>10} "
-          f"{'Mflop xla':>10} {'mem sim':>9} {'mem xla':>9}   (MB per device)")
+HEADER = (
+  f"{'model':<7} {'mesh':<15} {'plan':<14} {'comm sim':>9} {'comm xla':>9} {'Mflop sim':>10} "
+  f"{'Mflop xla':>10} {'mem sim':>9} {'mem xla':>9}   (MB per device)"
+)
 
 
 def _summary_text(summary: dict[str, float]) -> str:
@@ -127,7 +141,13 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   if config.suite not in validate.SUITES:
     raise ValueError(f"Unknown suite {config.suite!r}; valid suites: {sorted(validate.SUITES)}.")
   if config.random < 0 or ((config.models or config.pipelines) and not config.random):
-    needs = " (--models needs --random)" if config.models else " (--pipelines needs --random)" if config.pipelines else ""
+    needs = (
+      " (--models needs --random)"
+      if config.models
+      else " (--pipelines needs --random)"
+      if config.pipelines
+      else ""
+    )
     raise ValueError(f"--random {config.random}: give a positive number of plans per model{needs}.")
   for spec in config.models:
     workloads.canonical_spec(spec)  # A bad spec: one line naming it, before any work.
@@ -135,8 +155,12 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   print(HEADER)
   report = lambda case: print(_row(case), flush=True)
   if config.random:
-    random_suite = validate.RandomSuite(models=config.models or None, plans=config.random, workers=config.workers,
-                                        pipelines=config.pipelines)
+    random_suite = validate.RandomSuite(
+      models=config.models or None,
+      plans=config.random,
+      workers=config.workers,
+      pipelines=config.pipelines,
+    )
     cases = validate.run_random(random_suite, report)
   else:
     cases = validate.run_suite(validate.SUITES[config.suite], report)
@@ -144,14 +168,20 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   print(f"\n{len(cases)} cases in {time.perf_counter() - start:.0f}s\n{_summary_text(summary)}")
   for case in cases:
     if case.lowering_error is not None:
-      print(f"LOWERING ERROR {case.model} {case.mesh} {case.plan} ({len(case.decisions)} decisions): "
-            f"{case.lowering_error}")
+      print(
+        f"LOWERING ERROR {case.model} {case.mesh} {case.plan} ({len(case.decisions)} decisions): "
+        f"{case.lowering_error}"
+      )
     elif not case.numerics_ok:
-      print(f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan} ({len(case.decisions)} decisions, "
-            f"{case.reference}): {case.numerics_error}")
+      print(
+        f"NUMERICS MISMATCH {case.model} {case.mesh} {case.plan} ({len(case.decisions)} decisions, "
+        f"{case.reference}): {case.numerics_error}"
+      )
     for d in case.differences:
-      print(f"NOT REALIZED {case.model} {case.mesh} {case.plan}: value {d['value']} ({d['where']}) "
-            f"planned {d['expected']}, XLA {d['actual']}")
+      print(
+        f"NOT REALIZED {case.model} {case.mesh} {case.plan}: value {d['value']} ({d['where']}) "
+        f"planned {d['expected']}, XLA {d['actual']}"
+      )
   document = validate.to_json(cases, summary)
   write_json(config.json, document)
   if config.plot:
@@ -159,21 +189,29 @@ def run(config: ValidateConfig) -> dict[str, Any]:
   return document
 
 
-FULLSIZE_HEADER = (f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {'xla':>9} {'perm sim':>8} {'xla':>7} "
-                   f"{'count sim':>9} {'xla':>5} {'TFlop sim':>9} {'xla':>7} {'mem GB sim':>10} {'xla':>6} "
-                   f"{'ms sim':>8} {'implied':>8} {'s':>5}")
+FULLSIZE_HEADER = (
+  f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {'xla':>9} {'perm sim':>8} {'xla':>7} "
+  f"{'count sim':>9} {'xla':>5} {'TFlop sim':>9} {'xla':>7} {'mem GB sim':>10} {'xla':>6} "
+  f"{'ms sim':>8} {'implied':>8} {'s':>5}"
+)
 
 
 def _fullsize_row(check) -> str:
   s, c = check.simulated, check.compiled
   if check.error is not None:
-    return f"{check.case:<31} {check.plan:<18} FAILED TO COMPILE ({check.seconds:.0f}s): {check.error}"
+    return (
+      f"{check.case:<31} {check.plan:<18} FAILED TO COMPILE ({check.seconds:.0f}s): {check.error}"
+    )
   count = lambda m: sum(m["comm_count_by_kind"].values())
-  permute = "stage_permute_bytes" if check.pipeline else "collective_permute_bytes"  # A pipeline's: its transfers.
-  return (f"{check.case:<31} {check.plan:<18} {check.differences:>4} {s['comm_bytes'] / 1e6:11.1f} "
-          f"{c['comm_bytes'] / 1e6:9.1f} {s[permute] / 1e6:8.1f} {c[permute] / 1e6:7.1f} {count(s):9.0f} {count(c):5.0f} "
-          f"{s['flops'] / 1e12:9.2f} {c['flops'] / 1e12:7.2f} {s['peak_memory'] / 1e9:10.2f} "
-          f"{c['peak_memory'] / 1e9:6.2f} {s['step_time'] * 1e3:8.2f} {c['step_time'] * 1e3:8.2f} {check.seconds:5.0f}")
+  permute = (
+    "stage_permute_bytes" if check.pipeline else "collective_permute_bytes"
+  )  # A pipeline's: its transfers.
+  return (
+    f"{check.case:<31} {check.plan:<18} {check.differences:>4} {s['comm_bytes'] / 1e6:11.1f} "
+    f"{c['comm_bytes'] / 1e6:9.1f} {s[permute] / 1e6:8.1f} {c[permute] / 1e6:7.1f} {count(s):9.0f} {count(c):5.0f} "
+    f"{s['flops'] / 1e12:9.2f} {c['flops'] / 1e12:7.2f} {s['peak_memory'] / 1e9:10.2f} "
+    f"{c['peak_memory'] / 1e9:6.2f} {s['step_time'] * 1e3:8.2f} {c['step_time'] * 1e3:8.2f} {check.seconds:5.0f}"
+  )
 
 
 def _search_agents(config: ValidateConfig) -> dict[str, int]:
@@ -186,7 +224,9 @@ def _search_agents(config: ValidateConfig) -> dict[str, int]:
     if name not in AGENTS:
       raise ValueError(f"--agents {entry}: unknown agent {name!r}; valid: {', '.join(AGENTS)}.")
     if budget and not (budget.isdigit() and int(budget) > 0):
-      raise ValueError(f"--agents {entry}: the budget after @ must be a positive number of evaluations.")
+      raise ValueError(
+        f"--agents {entry}: the budget after @ must be a positive number of evaluations."
+      )
     agents[name] = int(budget) if budget else config.budget
   return agents
 
@@ -200,7 +240,9 @@ def _read_checks(path: str) -> list:
   try:
     with open(path) as f:
       document = json.load(f)
-    return [fullsize.PlanCheck(**{**c, "decisions": tuple(c["decisions"])}) for c in document["checks"]]
+    return [
+      fullsize.PlanCheck(**{**c, "decisions": tuple(c["decisions"])}) for c in document["checks"]
+    ]
   except (OSError, ValueError, KeyError, TypeError) as error:
     raise ValueError(f"{path}: not a `validate --suite fullsize --json` file ({error}).") from None
 
@@ -210,28 +252,43 @@ def _fullsize_document(checks: list, families: list[dict[str, Any]]) -> dict[str
   written as null)."""
   from automap_rl.xla import fullsize
 
-  finite = lambda d: {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
-  return {"checks": [dataclasses.asdict(c) for c in checks], "exploit": fullsize.exploit_gaps(checks),
-          "agreement_by_case": fullsize.agreement_by_case(checks), "families": [finite(row) for row in families],
-          "summary": finite(fullsize.summarize(checks))}
+  finite = lambda d: {
+    k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()
+  }
+  return {
+    "checks": [dataclasses.asdict(c) for c in checks],
+    "exploit": fullsize.exploit_gaps(checks),
+    "agreement_by_case": fullsize.agreement_by_case(checks),
+    "families": [finite(row) for row in families],
+    "summary": finite(fullsize.summarize(checks)),
+  }
 
 
-FAMILY_HEADER = (f"{'family':<8} {'cases':>5} {'plans':>5} {'realized':>8} {'comm':>6} {'flops':>6} {'memory':>6} "
-                 f"{'step':>6} {'rank':>5} {'|gap|':>6} {'max gap':>7}  worst plan (step error; largest term error)")
+FAMILY_HEADER = (
+  f"{'family':<8} {'cases':>5} {'plans':>5} {'realized':>8} {'comm':>6} {'flops':>6} {'memory':>6} "
+  f"{'step':>6} {'rank':>5} {'|gap|':>6} {'max gap':>7}  worst plan (step error; largest term error)"
+)
 
 
 def _family_row(row: dict[str, Any]) -> str:
-  fmt = lambda v, spec: "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+  fmt = lambda v, spec: (
+    "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+  )
   realized = f"{round(row['realized_fraction'] * row['plans'])}/{row['plans']}"
   term_error = row.get("worst_term_rel_error")
   term = "absent from the simulation" if term_error == math.inf else fmt(term_error, ".1%")
-  worst = (f"{row['worst_plan']} ({fmt(row['worst_step_time_rel_error'], '.1%')}; {row['worst_term']} {term})"
-           if "worst_plan" in row else "none compiled")
-  return (f"{row['family']:<8} {row['cases']:>5} {row['plans']:>5} {realized:>8} "
-          f"{fmt(row['comm_bytes_median_rel_error'], '6.1%')} {fmt(row['flops_median_rel_error'], '6.1%')} "
-          f"{fmt(row['memory_median_rel_error'], '6.1%')} {fmt(row['step_time_median_rel_error'], '6.1%')} "
-          f"{fmt(row['pairwise_rank_agreement'], '5.3f')} {fmt(row['exploit_gap_median_abs'], '6.3f')} "
-          f"{fmt(row['exploit_gap_max'], '+7.3f')}  {worst}")
+  worst = (
+    f"{row['worst_plan']} ({fmt(row['worst_step_time_rel_error'], '.1%')}; {row['worst_term']} {term})"
+    if "worst_plan" in row
+    else "none compiled"
+  )
+  return (
+    f"{row['family']:<8} {row['cases']:>5} {row['plans']:>5} {realized:>8} "
+    f"{fmt(row['comm_bytes_median_rel_error'], '6.1%')} {fmt(row['flops_median_rel_error'], '6.1%')} "
+    f"{fmt(row['memory_median_rel_error'], '6.1%')} {fmt(row['step_time_median_rel_error'], '6.1%')} "
+    f"{fmt(row['pairwise_rank_agreement'], '5.3f')} {fmt(row['exploit_gap_median_abs'], '6.3f')} "
+    f"{fmt(row['exploit_gap_max'], '+7.3f')}  {worst}"
+  )
 
 
 def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
@@ -243,27 +300,37 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   if config.resimulate and not config.merge:
     raise ValueError("--resimulate needs --merge, the checks to price again.")
   if config.recompile and (not config.merge or config.resimulate):
-    raise ValueError("--recompile needs --merge, the checks to compile again (and re-simulates them: no --resimulate).")
+    raise ValueError(
+      "--recompile needs --merge, the checks to compile again (and re-simulates them: no --resimulate)."
+    )
   if config.resume and not config.json:
     raise ValueError("--resume needs --json, the file of the run to resume.")
-  resumed = lambda: _read_checks(config.json) if config.resume and os.path.exists(config.json) else []
+  resumed = lambda: (
+    _read_checks(config.json) if config.resume and os.path.exists(config.json) else []
+  )
   stored = []  # With --recompile: the merged checks to compile again, case by case below.
   if config.merge:
     # A plan checked again in a later file replaces its earlier check (a case's experts or
     # searches compiled anew after a lowering change).
-    checks = list({(c.case, c.plan): c for path in config.merge for c in _read_checks(path)}.values())
+    checks = list(
+      {(c.case, c.plan): c for path in config.merge for c in _read_checks(path)}.values()
+    )
     names = list(dict.fromkeys(c.case for c in checks))
     unknown = [name for name in config.cases if name not in names]
     if unknown:
-      raise ValueError(f"--cases {' '.join(unknown)}: not in the merged checks; they have {', '.join(names)}.")
+      raise ValueError(
+        f"--cases {' '.join(unknown)}: not in the merged checks; they have {', '.join(names)}."
+      )
     if config.cases:
       names = list(config.cases)
       checks = [c for c in checks if c.case in config.cases]
     if config.recompile:
       stored, checks = checks, resumed()
     if config.resimulate:
-      checks = fullsize.resimulated(checks, report=lambda case: print(f"{case}: tracing, then pricing its plans again",
-                                                                       flush=True))
+      checks = fullsize.resimulated(
+        checks,
+        report=lambda case: print(f"{case}: tracing, then pricing its plans again", flush=True),
+      )
   else:
     names = fullsize.SAMPLED_CASES if config.sampled else config.cases or fullsize.FULLSIZE_CASES
     for name in names:
@@ -286,22 +353,30 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   for check in checks:
     print(_fullsize_row(check), flush=True)
   report = lambda check: print(_fullsize_row(check), flush=True)
-  for name in (names if not config.merge or config.recompile else []):
+  for name in names if not config.merge or config.recompile else []:
     if name in done:
       continue
     print(f"{name}: tracing, then one compile per plan ...", flush=True)
     if config.recompile:
       checks += fullsize.recompiled([c for c in stored if c.case == name], report=report)
     else:
-      checks += fullsize.check_case(name, search if agents else None, seed=config.seed, report=report,
-                                    pipelines=config.pipelines, experts=config.experts)
+      checks += fullsize.check_case(
+        name,
+        search if agents else None,
+        seed=config.seed,
+        report=report,
+        pipelines=config.pipelines,
+        experts=config.experts,
+      )
     write_json(config.json, _fullsize_document(checks, fullsize.family_table(checks)))
   families = fullsize.family_table(checks)
   document = _fullsize_document(checks, families)
   print(f"\n{len(checks)} plans of {len(names)} cases in {time.perf_counter() - start:.0f}s")
   for g in document["exploit"]:
-    print(f"  exploit {g['case']:<31} {g['plan']:<12} vs {g['best_expert']:<16} simulated {g['simulated_ratio']:.3f}"
-          f"  compiled-implied {g['compiled_ratio']:.3f}  gap {g['gap']:+.3f}")
+    print(
+      f"  exploit {g['case']:<31} {g['plan']:<12} vs {g['best_expert']:<16} simulated {g['simulated_ratio']:.3f}"
+      f"  compiled-implied {g['compiled_ratio']:.3f}  gap {g['gap']:+.3f}"
+    )
   print(_summary_text(document["summary"]))
   for case, agreement in document["agreement_by_case"].items():
     print(f"  pairwise rank agreement {case:<31} {agreement:.3f}")
@@ -310,7 +385,9 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
     print(_family_row(row))
   unrealized = [c for c in checks if c.differences]
   if unrealized:
-    print(f"NOT REALIZED AS WRITTEN: {', '.join(f'{c.case}/{c.plan} ({c.differences} values)' for c in unrealized)}")
+    print(
+      f"NOT REALIZED AS WRITTEN: {', '.join(f'{c.case}/{c.plan} ({c.differences} values)' for c in unrealized)}"
+    )
   for c in checks:
     if c.error is not None:
       print(f"FAILED TO COMPILE {c.case}/{c.plan}: {c.error}")

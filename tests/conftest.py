@@ -18,14 +18,20 @@ import os
 
 from experiments.cli import compilation_cache
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                       ".cache", "xla")
+os.environ.setdefault(
+  "XLA_FLAGS",
+  "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+  "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false",
+)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "xla"
+)
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 compilation_cache()
 
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "slow: the same property on more models than `make test` has time for (`make test-all` runs them)")
+    "markers",
+    "slow: the same property on more models than `make test` has time for (`make test-all` runs them)",
+  )

@@ -14,7 +14,9 @@ from automap_rl.problem import Problem
 
 GPT = "gpt:layers=8,d_model=256,heads=8,seq=128,vocab=512,batch=32"
 SCANNED = GPT + ",scan=true"
-HEAD_HEAVY = "gpt:layers=8,d_model=128,heads=4,seq=128,vocab=8192,batch=32"  # The head costs about 5 layers.
+HEAD_HEAVY = (
+  "gpt:layers=8,d_model=128,heads=4,seq=128,vocab=8192,batch=32"  # The head costs about 5 layers.
+)
 MESH = "data=8,model=4"  # Four nodes: the data axis crosses them, and pipeline stages pay.
 CONFIG = AlpaConfig(microbatches=(4, 8))  # Fewer pipelines to build: the tests stay quick.
 CONFIGS = {HEAD_HEAVY: AlpaConfig(microbatches=(8,), schedules=("1f1b",))}
@@ -22,7 +24,9 @@ CONFIGS = {HEAD_HEAVY: AlpaConfig(microbatches=(8,), schedules=("1f1b",))}
 
 @functools.cache
 def problem(spec: str) -> Problem:
-  return Problem.build(workloads.make_workload(spec, abstract=True).trace(), make_mesh(MESH, "h100"))
+  return Problem.build(
+    workloads.make_workload(spec, abstract=True).trace(), make_mesh(MESH, "h100")
+  )
 
 
 @functools.cache
@@ -58,7 +62,9 @@ def test_never_worse_than_the_best_balanced_pipeline_or_any_expert(spec):
     cost = p.plan_cost(plan, pipeline)
     assert not cost.fits or result.step_time <= float(cost.step_time) * (1 + 1e-6)
   assert result.pipeline is not None and result.pipeline.stages > 1  # Stages pay on this mesh.
-  assert float(result.cost.step_time) == float(p.plan_cost(result.decisions, result.pipeline).step_time)
+  assert float(result.cost.step_time) == float(
+    p.plan_cost(result.decisions, result.pipeline).step_time
+  )
   if spec == SCANNED:  # A scanned stack splits evenly only.
     assert result.pipeline.layers_per_chunk is None
   else:  # The last stage carries the head: never more layers than another.
@@ -70,12 +76,17 @@ def test_the_last_stage_carrying_the_head_gets_fewer_layers():
   p, result = problem(HEAD_HEAVY), planned(HEAD_HEAVY)
   layers = result.pipeline.chunk_layers(8)
   assert layers[-1] < layers[0]
-  balanced = p.plan_cost(result.decisions, Pipeline(**{**result.pipeline.to_json(), "layers_per_chunk": None}))
+  balanced = p.plan_cost(
+    result.decisions, Pipeline(**{**result.pipeline.to_json(), "layers_per_chunk": None})
+  )
   assert result.step_time < float(balanced.step_time)
 
 
 def test_the_layer_dp_balances_the_slowest_stage_within_memory():
-  time_offset, slope = np.array([0.0, 0.0, 3.0]), np.ones(3)  # The last stage carries 3 layers' worth of head.
+  time_offset, slope = (
+    np.array([0.0, 0.0, 3.0]),
+    np.ones(3),
+  )  # The last stage carries 3 layers' worth of head.
   free = np.zeros(3)
   assert alpa.balance(12, time_offset, slope, free, free, 1.0) == (5, 5, 2)
   # Each layer takes 1 byte on stage 0 (its activations in flight), so it may hold 4 at most.
@@ -90,16 +101,29 @@ def test_same_seed_same_plan_and_the_budget_says_what_stopped_it():
   a, b = (alpa.search(p, CONFIG, seed=1, budget=Simulations(20)) for _ in range(2))
   assert (a.decisions, a.pipeline, a.step_time) == (b.decisions, b.pipeline, b.step_time)
   assert a.simulations == 20 and a.stopped_by == "simulations"
-  assert alpa.search(p, CONFIG, budget=Simulations(20), seed=7).decisions == a.decisions  # Deterministic.
+  assert (
+    alpa.search(p, CONFIG, budget=Simulations(20), seed=7).decisions == a.decisions
+  )  # Deterministic.
   stopped = alpa.search(p, CONFIG, budget=Seconds(0.01))
   assert stopped.stopped_by == "seconds" and stopped.simulations >= 1
-  assert float(stopped.cost.step_time) == float(p.plan_cost(stopped.decisions, stopped.pipeline).step_time)
+  assert float(stopped.cost.step_time) == float(
+    p.plan_cost(stopped.decisions, stopped.pipeline).step_time
+  )
 
 
 def test_partition_returns_a_pipelined_plan_whose_report_shows_the_pipeline_terms():
   workload = workloads.make_workload(SCANNED, abstract=True)
-  plan = agents.partition(workload.step, *workload.args, mesh=MESH, hardware="h100", agent="alpa",
-                          budget=100_000, config=CONFIG, arg_names=workload.arg_names, arg_roles=workload.arg_roles)
+  plan = agents.partition(
+    workload.step,
+    *workload.args,
+    mesh=MESH,
+    hardware="h100",
+    agent="alpa",
+    budget=100_000,
+    config=CONFIG,
+    arg_names=workload.arg_names,
+    arg_roles=workload.arg_roles,
+  )
   assert plan.pipeline == planned(SCANNED).pipeline
   report = plan.report()
   assert str(plan.pipeline) in report and "bubble" in report

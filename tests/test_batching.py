@@ -26,7 +26,9 @@ def test_batch_last_in_tiles_is_the_plain_call_per_row(batch, tile):
   x = jax.random.normal(jax.random.key(batch), (batch, 5))
   y = jnp.float32(2.5)  # Unbatched: broadcast to every row.
   calls.clear()
-  out = jax.vmap(batching.batch_last(_fn, lambda _: tile), in_axes=(None, (0, None)))(static, (x, y))
+  out = jax.vmap(batching.batch_last(_fn, lambda _: tile), in_axes=(None, (0, None)))(
+    static, (x, y)
+  )
   assert calls[-1] == min(batch, tile), "the vmapped call did not run in tiles of the given size"
   for row in range(batch):
     one = batching.batch_last(_fn)(static, (x[row], y))
@@ -36,7 +38,7 @@ def test_batch_last_in_tiles_is_the_plain_call_per_row(batch, tile):
 
 def test_tile_for_keeps_a_tile_near_the_entry_budget():
   assert batching.tile_for(1734) == 128
-  assert batching.tile_for(1) == 1024 and batching.tile_for(10 ** 9) == 16
+  assert batching.tile_for(1) == 1024 and batching.tile_for(10**9) == 16
 
 
 @given(n=st.integers(0, 1 << 20), smallest=st.sampled_from([1, 8, 16]))
@@ -65,7 +67,7 @@ def test_only_where_matches_a_select_and_runs_a_capacity_of_rows(needed):
   np.testing.assert_allclose(out["value"], want)
   np.testing.assert_array_equal(out["count"], np.asarray(needed, np.int32))
   plain = [jax.jit(f)(jnp.float32(3.0), x[i], mask[i]) for i in range(min(len(needed), 3))]
-  np.testing.assert_allclose([float(p["value"]) for p in plain], want[:len(plain)])
+  np.testing.assert_allclose([float(p["value"]) for p in plain], want[: len(plain)])
 
 
 def test_only_where_branches_per_capacity_and_runs_exactly_the_needed_rows():
@@ -73,7 +75,9 @@ def test_only_where_branches_per_capacity_and_runs_exactly_the_needed_rows():
   f = jax.vmap(batching.only_where(lambda s, v: _square(s, v), _fill), in_axes=(None, 0, 0))
   jaxpr = jax.make_jaxpr(f)(jnp.float32(1.0), x, x < 3)
   branches = [e.params["branches"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond"]
-  assert [len(b) for b in branches] == [6], "one branch for none and one per capacity from B/16 to B"
+  assert [len(b) for b in branches] == [6], (
+    "one branch for none and one per capacity from B/16 to B"
+  )
   counts = {}
   for n in (0, 1, 4, 5, 17, 64):
     out = jax.jit(f)(jnp.float32(1.0), x, x < n)

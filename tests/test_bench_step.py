@@ -31,29 +31,46 @@ def test_time_step_carries_the_state_from_step_to_step():
 @pytest.mark.parametrize("repeats, warmup, carried", [(0, 1, 1), (1, -1, 1), (1, 1, 3)])
 def test_time_step_refuses_what_it_cannot_time(repeats, warmup, carried):
   with pytest.raises(ValueError):
-    time_step(lambda c, b: (c, b), (jnp.zeros(()), jnp.ones(2)), carried, repeats=repeats, warmup=warmup)
+    time_step(
+      lambda c, b: (c, b), (jnp.zeros(()), jnp.ones(2)), carried, repeats=repeats, warmup=warmup
+    )
 
 
 def test_rows_measured_without_the_simulator_are_priced_later(tmp_path):
   measured_json, priced_json = tmp_path / "measured.json", tmp_path / "priced.json"
-  bench_step.run(bench_step.StepBenchConfig(workloads=(TINY,), hardware="cpu", repeats=2, warmup=1, simulate=False,
-                                            json=str(measured_json)))
+  bench_step.run(
+    bench_step.StepBenchConfig(
+      workloads=(TINY,),
+      hardware="cpu",
+      repeats=2,
+      warmup=1,
+      simulate=False,
+      json=str(measured_json),
+    )
+  )
   [measured] = json.loads(measured_json.read_text())["rows"]
   assert measured["measured_ms"] > 0 and not any(k.startswith("simulated") for k in measured)
 
-  bench_step.run(bench_step.StepBenchConfig(hardware="cpu", measured=str(measured_json), json=str(priced_json)))
+  bench_step.run(
+    bench_step.StepBenchConfig(hardware="cpu", measured=str(measured_json), json=str(priced_json))
+  )
   [priced] = json.loads(priced_json.read_text())["rows"]
   simulated = bench_step.simulated_row(TINY, "cpu", 0)
   assert {k: priced[k] for k in simulated} == simulated
   assert priced["measured_ms"] == measured["measured_ms"]  # Not measured again.
   assert priced["measured_over_simulated"] == measured["measured_ms"] / simulated["simulated_ms"]
-  assert priced["achieved_tflops"] == pytest.approx(simulated["simulated_flops"] / measured["measured_ms"] / 1e9)
+  assert priced["achieved_tflops"] == pytest.approx(
+    simulated["simulated_flops"] / measured["measured_ms"] / 1e9
+  )
 
 
 def test_a_workload_the_profile_cannot_hold_is_not_built_and_the_command_fails(tmp_path):
   with pytest.raises(CommandFailed, match="no workload was measured"):
-    bench_step.run(bench_step.StepBenchConfig(workloads=("gpt:size=175b",), hardware="cpu",
-                                              json=str(tmp_path / "rows.json")))
+    bench_step.run(
+      bench_step.StepBenchConfig(
+        workloads=("gpt:size=175b",), hardware="cpu", json=str(tmp_path / "rows.json")
+      )
+    )
   [row] = json.loads((tmp_path / "rows.json").read_text())["rows"]
   assert row["failed"].startswith("not run: simulated peak") and "measured_ms" not in row
 

@@ -21,7 +21,9 @@ SPACES = ("arg_dims", "named_dims", "groups")
 
 @functools.cache
 def env_and_calls(model: str, mesh: str, space: str):
-  problem = Problem.build(workloads.make_workload(model, abstract=True).trace(), make_mesh(mesh, "h100"))
+  problem = Problem.build(
+    workloads.make_workload(model, abstract=True).trace(), make_mesh(mesh, "h100")
+  )
   env = Env.build(problem, EnvConfig(action_space=space, max_decisions=48))
   return env, jax.jit(env.step), jax.jit(problem.resolve)
 
@@ -38,16 +40,22 @@ def play(env: Env, step, picks: list[int]):
 
 
 # Every family on a 2- or a 3-axis mesh in turn (GPT on both): each pair compiles an environment.
-CASES = [(family, MESHES[i % len(MESHES)]) for i, family in enumerate(workloads.FAMILIES)] + [("gpt", MESHES[0])]
+CASES = [(family, MESHES[i % len(MESHES)]) for i, family in enumerate(workloads.FAMILIES)] + [
+  ("gpt", MESHES[0])
+]
 
 
 # `make test`: the dense transformer on both meshes and a scanned SSM; the rest is slow.
 QUICK = ("gpt", "ssm")
 
 
-@pytest.mark.parametrize("model,mesh", [c if c[0] in QUICK else pytest.param(*c, marks=pytest.mark.slow)
-                                        for c in sorted(set(CASES))])
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@pytest.mark.parametrize(
+  "model,mesh",
+  [c if c[0] in QUICK else pytest.param(*c, marks=pytest.mark.slow) for c in sorted(set(CASES))],
+)
+@settings(
+  max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
 @given(picks=st.lists(st.integers(0, 10_000), min_size=1, max_size=12))
 def test_environment_steps_end_in_the_resolution_of_their_decisions(model, mesh, picks):
   space = SPACES[(workloads.FAMILIES.index(model) + MESHES.index(mesh)) % len(SPACES)]
@@ -61,9 +69,19 @@ def test_environment_steps_end_in_the_resolution_of_their_decisions(model, mesh,
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(divisible=st.integers(0, (1 << 16) - 1), mask=st.integers(0, 15), used=st.integers(0, 15),
-       axis=st.integers(0, 3))
-def test_a_slot_takes_an_axis_iff_its_owner_leaves_it_free_and_its_size_divides(divisible, mask, used, axis):
+@given(
+  divisible=st.integers(0, (1 << 16) - 1),
+  mask=st.integers(0, 15),
+  used=st.integers(0, 15),
+  axis=st.integers(0, 3),
+)
+def test_a_slot_takes_an_axis_iff_its_owner_leaves_it_free_and_its_size_divides(
+  divisible, mask, used, axis
+):
   bit = 1 << axis
-  takes = bool(sharding.takes_axis(jnp.int32(divisible), jnp.int32(mask), jnp.int32(used | mask), jnp.int32(bit)))
+  takes = bool(
+    sharding.takes_axis(
+      jnp.int32(divisible), jnp.int32(mask), jnp.int32(used | mask), jnp.int32(bit)
+    )
+  )
   assert takes == (not (used | mask) & bit and bool(divisible >> (mask | bit) & 1))

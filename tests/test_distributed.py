@@ -39,9 +39,16 @@ from experiments.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_
 # The smoke preset without pipeline options (a third of its compile time): what is
 # distributed does not depend on them.
 _PRESET = train_cmd.PRESETS["smoke"]
-SMOKE = dataclasses.replace(_PRESET, iterations=2, wandb="disabled", progress=False, learning_curve=False,
-                            train=dataclasses.replace(_PRESET.train,
-                                                      network=dataclasses.replace(_PRESET.train.network, pipelines=0)))
+SMOKE = dataclasses.replace(
+  _PRESET,
+  iterations=2,
+  wandb="disabled",
+  progress=False,
+  learning_curve=False,
+  train=dataclasses.replace(
+    _PRESET.train, network=dataclasses.replace(_PRESET.train.network, pipelines=0)
+  ),
+)
 RTOL, ATOL = 1e-5, 1e-6
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A worker process: runs `automap-rl train` once per argument (a JSON list of flags).
@@ -50,15 +57,29 @@ WORKER = "import json, sys\nfrom experiments import cli\nfor a in sys.argv[1:]:\
 
 def flags(config: train_cmd.TrainRunConfig) -> list[str]:
   """The `automap-rl train` flags of a smoke-based config."""
-  return ["train", "--preset", "smoke", "--iterations", str(config.iterations), "--run-dir", config.run_dir,
-          "--wandb", config.wandb, "--no-progress", "--no-learning-curve",
-          "--train.network.pipelines", str(config.train.network.pipelines)]
+  return [
+    "train",
+    "--preset",
+    "smoke",
+    "--iterations",
+    str(config.iterations),
+    "--run-dir",
+    config.run_dir,
+    "--wandb",
+    config.wandb,
+    "--no-progress",
+    "--no-learning-curve",
+    "--train.network.pipelines",
+    str(config.train.network.pipelines),
+  ]
 
 
 @pytest.fixture(scope="module")
 def four_devices(tmp_path_factory) -> train_cmd.TrainResult:
   """Two iterations of the smoke preset on 4 devices of this process."""
-  return train_cmd.run(dataclasses.replace(SMOKE, devices=4, run_dir=str(tmp_path_factory.mktemp("four"))))
+  return train_cmd.run(
+    dataclasses.replace(SMOKE, devices=4, run_dir=str(tmp_path_factory.mktemp("four")))
+  )
 
 
 def assert_same_training(a: train.TrainState, b: train.TrainState) -> None:
@@ -66,7 +87,9 @@ def assert_same_training(a: train.TrainState, b: train.TrainState) -> None:
   and masks in the buffer, the key, counts) bit for bit, the float leaves (parameters,
   optimizer state, the policy and value targets searched with them) within float
   reassociation."""
-  for x, y in zip(jax.tree.leaves(train.host_copy(a)), jax.tree.leaves(train.host_copy(b)), strict=True):
+  for x, y in zip(
+    jax.tree.leaves(train.host_copy(a)), jax.tree.leaves(train.host_copy(b)), strict=True
+  ):
     if np.issubdtype(x.dtype, np.floating):
       np.testing.assert_allclose(x, y, rtol=RTOL, atol=ATOL)
     else:
@@ -87,8 +110,12 @@ def test_one_and_four_devices_train_alike(four_devices, tmp_path):
   assert_same_training(one.state, four_devices.state)
   assert_same_metrics(one.metrics, four_devices.metrics)
   start = train.init(SMOKE.train, train_cmd.build_suite(SMOKE)[1])
-  moved = [float(np.abs(np.asarray(x) - y).max()) for x, y in zip(jax.tree.leaves(start.params),
-                                                                    jax.tree.leaves(train.host_copy(one.state.params)))]
+  moved = [
+    float(np.abs(np.asarray(x) - y).max())
+    for x, y in zip(
+      jax.tree.leaves(start.params), jax.tree.leaves(train.host_copy(one.state.params))
+    )
+  ]
   assert max(moved) > 100 * ATOL  # The updates moved the parameters by more than the tolerance.
 
 
@@ -108,10 +135,23 @@ def test_two_processes_train_as_one_process_of_four_devices(four_devices, tmp_pa
   port = free_port()
   procs = []
   for index in range(2):
-    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=2"),
-           COORDINATOR_ENV: f"localhost:{port}", NUM_PROCESSES_ENV: "2", PROCESS_ID_ENV: str(index)}
-    procs.append(subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(flags(fresh)), json.dumps(flags(resumed))],
-                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    env = {
+      **os.environ,
+      "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=2"),
+      COORDINATOR_ENV: f"localhost:{port}",
+      NUM_PROCESSES_ENV: "2",
+      PROCESS_ID_ENV: str(index),
+    }
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, "-c", WORKER, json.dumps(flags(fresh)), json.dumps(flags(resumed))],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+    )
   outputs = [p.communicate(timeout=600)[0] for p in procs]
   for p, out in zip(procs, outputs):
     assert p.returncode == 0, out[-4000:]
@@ -133,16 +173,29 @@ def test_self_play_needs_no_communication_and_the_update_all_reduces_gradients(f
   state = four_devices.state
   module = parse_module(train.iteration.lower(state, suite, SMOKE.train, mesh).compile().as_text())
   found = module_collectives(module, (train.DATA_AXIS,), (4,))
-  where = [re.search(r'op_name="([^"]*)"', inst.attrs).group(1) for body in module.bodies.values() for inst in body
-           if inst.opcode.removesuffix("-start") in COLLECTIVE_KINDS]
+  where = [
+    re.search(r'op_name="([^"]*)"', inst.attrs).group(1)
+    for body in module.bodies.values()
+    for inst in body
+    if inst.opcode.removesuffix("-start") in COLLECTIVE_KINDS
+  ]
   assert len(where) == len(found) and all(c.mesh_axes == (train.DATA_AXIS,) for c in found)
   # Self-play: one all-gather of every field of the episodes, packed in one buffer, and not
   # even the conditions of mctx's while loops (each device's loops stop when its own
   # episodes are done).
   in_self_play = [c for c, name in zip(found, where) if "self_play" in name]
-  episodes = train.self_play(state.params, suite, jnp.zeros(SMOKE.train.episodes, jnp.int32),
-                             jnp.zeros(SMOKE.train.episodes, bool), jax.random.key(0), SMOKE.train, mesh)
-  episode_bytes = sum(x.size * 4 for x in jax.tree.leaves(train.host_copy(episodes)))  # bools widened to 32 bits.
+  episodes = train.self_play(
+    state.params,
+    suite,
+    jnp.zeros(SMOKE.train.episodes, jnp.int32),
+    jnp.zeros(SMOKE.train.episodes, bool),
+    jax.random.key(0),
+    SMOKE.train,
+    mesh,
+  )
+  episode_bytes = sum(
+    x.size * 4 for x in jax.tree.leaves(train.host_copy(episodes))
+  )  # bools widened to 32 bits.
   assert [(c.kind, c.bytes) for c in in_self_play] == [("all-gather", episode_bytes)]
   # The update: one all-reduce per optimizer step (inside the scan over the updates) of
   # the parameters' gradients and the loss's parts, packed in one vector.
@@ -151,21 +204,40 @@ def test_self_play_needs_no_communication_and_the_update_all_reduces_gradients(f
   assert len(gradients) == 1 and param_bytes < gradients[0].bytes < param_bytes + 64
   # Each device encodes a quarter of the suite's programs: one all-gather of their
   # embeddings, and one reduce-scatter of the embeddings' gradients, per optimizer step.
-  in_updates = sorted(c.kind for c, name in zip(found, where) if "self_play" not in name
-                      and c.repeat == SMOKE.train.updates and c.kind != "all-reduce")
+  in_updates = sorted(
+    c.kind
+    for c, name in zip(found, where)
+    if "self_play" not in name and c.repeat == SMOKE.train.updates and c.kind != "all-reduce"
+  )
   embeddings = jax.eval_shape(lambda p: train.encode_suite(p, suite, SMOKE.train, 1), state.params)
-  per_program = sum(x.size * 4 // suite.size for x in jax.tree.leaves(embeddings))  # Sent as float32.
+  per_program = sum(
+    x.size * 4 // suite.size for x in jax.tree.leaves(embeddings)
+  )  # Sent as float32.
   rows = 4 * -(-suite.size // 4)  # Each device's share, the last program repeated to fill it.
   assert in_updates == ["all-gather", "reduce-scatter"]
-  assert [c.bytes for c in found if c.kind == "all-gather" and c.repeat == SMOKE.train.updates] == [rows * per_program]
+  assert [c.bytes for c in found if c.kind == "all-gather" and c.repeat == SMOKE.train.updates] == [
+    rows * per_program
+  ]
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["--devices", "8"], "--train.episodes 4 does not split over the 8 devices"),
-    (["--devices", "2", "--train.batch-size", "15"], "--train.batch-size 15 does not split over the 2 devices"),
-    (["--devices", "9"], "--devices 9: give a multiple of the 1 process(es), at most the 8 devices"),
-    (["--distributed.num-processes", "2"], "needs --distributed.coordinator-address and --distributed.process-id"),
-])
+    (
+      ["--devices", "2", "--train.batch-size", "15"],
+      "--train.batch-size 15 does not split over the 2 devices",
+    ),
+    (
+      ["--devices", "9"],
+      "--devices 9: give a multiple of the 1 process(es), at most the 8 devices",
+    ),
+    (
+      ["--distributed.num-processes", "2"],
+      "needs --distributed.coordinator-address and --distributed.process-id",
+    ),
+  ],
+)
 def test_work_the_devices_do_not_divide_is_refused(argv, message, capsys, tmp_path):
   assert cli.main(["train", "--preset", "smoke", "--run-dir", str(tmp_path), *argv]) == 2
   (line,) = capsys.readouterr().err.strip().splitlines()
@@ -176,12 +248,16 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
   config = dataclasses.replace(SMOKE, run_dir=str(tmp_path), wandb="offline")
   first = train_cmd.wandb_run(config)
   first.finish()
-  time.sleep(1.0)  # wandb names a part's directory by its start second: two parts in one second share one.
+  time.sleep(
+    1.0
+  )  # wandb names a part's directory by its start second: two parts in one second share one.
   again = train_cmd.wandb_run(config)
   again.finish()
   with open(tmp_path / train_cmd.WANDB_ID_FILE) as f:
     assert again.id == first.id == f.read()
-  assert len([d for d in os.listdir(tmp_path / "wandb") if d.endswith(first.id)]) == 2  # Both parts, for `wandb sync`.
+  assert (
+    len([d for d in os.listdir(tmp_path / "wandb") if d.endswith(first.id)]) == 2
+  )  # Both parts, for `wandb sync`.
 
 
 def test_a_packed_all_gather_and_mean_are_the_leafwise_ones():
@@ -192,20 +268,44 @@ def test_a_packed_all_gather_and_mean_are_the_leafwise_ones():
   from agents import packed
 
   rng = np.random.default_rng(0)
-  tree = {"f32": rng.normal(size=(3, 8, 2)).astype(np.float32), "i32": rng.integers(-9, 9, 8).astype(np.int32),
-          "pred": rng.random((2, 8)) < 0.5, "tiny": np.float32([1e-40, -0.0, np.inf, np.nan, 1, 2, 3, 4])}
+  tree = {
+    "f32": rng.normal(size=(3, 8, 2)).astype(np.float32),
+    "i32": rng.integers(-9, 9, 8).astype(np.int32),
+    "pred": rng.random((2, 8)) < 0.5,
+    "tiny": np.float32([1e-40, -0.0, np.inf, np.nan, 1, 2, 3, 4]),
+  }
   axes = {"f32": 1, "i32": 0, "pred": 1, "tiny": 0}
   mesh = train.data_mesh(4)
   specs = {k: P(*([None] * a), train.DATA_AXIS) for k, a in axes.items()}
-  gather = jax.shard_map(lambda t: packed.all_gather(t, train.DATA_AXIS, axes), mesh=mesh, in_specs=(specs,),
-                         out_specs=P(), check_vma=False)
+  gather = jax.shard_map(
+    lambda t: packed.all_gather(t, train.DATA_AXIS, axes),
+    mesh=mesh,
+    in_specs=(specs,),
+    out_specs=P(),
+    check_vma=False,
+  )
   for k, x in jax.jit(gather)(tree).items():
     assert x.dtype == tree[k].dtype
     np.testing.assert_array_equal(np.asarray(x), tree[k])
-  floats = {"a": rng.normal(size=(4, 5)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
-  mean = jax.shard_map(lambda t: packed.pmean(t, train.DATA_AXIS), mesh=mesh, in_specs=(P(train.DATA_AXIS),),
-                       out_specs=P(), check_vma=False)
-  leafwise = jax.shard_map(lambda t: jax.lax.pmean(t, train.DATA_AXIS), mesh=mesh, in_specs=(P(train.DATA_AXIS),),
-                           out_specs=P(), check_vma=False)
-  for got, want in zip(jax.tree.leaves(jax.jit(mean)(floats)), jax.tree.leaves(jax.jit(leafwise)(floats))):
+  floats = {
+    "a": rng.normal(size=(4, 5)).astype(np.float32),
+    "b": rng.normal(size=(4,)).astype(np.float32),
+  }
+  mean = jax.shard_map(
+    lambda t: packed.pmean(t, train.DATA_AXIS),
+    mesh=mesh,
+    in_specs=(P(train.DATA_AXIS),),
+    out_specs=P(),
+    check_vma=False,
+  )
+  leafwise = jax.shard_map(
+    lambda t: jax.lax.pmean(t, train.DATA_AXIS),
+    mesh=mesh,
+    in_specs=(P(train.DATA_AXIS),),
+    out_specs=P(),
+    check_vma=False,
+  )
+  for got, want in zip(
+    jax.tree.leaves(jax.jit(mean)(floats)), jax.tree.leaves(jax.jit(leafwise)(floats))
+  ):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from automap_rl import mesh as mesh_lib
-from automap_rl import workloads, sharding
+from automap_rl import sharding, workloads
 from automap_rl.problem import Problem
 from envs import Env, EnvConfig, core, observe, programs, tables, testing
 from envs.bench import random_actions
@@ -24,7 +24,9 @@ TOL = 1e-5
 
 @functools.cache
 def problem(model: str, mesh: str = "data=2,model=4") -> Problem:
-  return Problem.build(workloads.make_workload(model, abstract=True).trace(), mesh_lib.make_mesh(mesh, "h100"))
+  return Problem.build(
+    workloads.make_workload(model, abstract=True).trace(), mesh_lib.make_mesh(mesh, "h100")
+  )
 
 
 def random_episode(env: Env, seed: int, step=None, limit: int = 1000):
@@ -39,35 +41,53 @@ def random_episode(env: Env, seed: int, step=None, limit: int = 1000):
   return states
 
 
-
 def _mixed_batch_row(index: int) -> Env:
   """Row `index` of a padded, stacked batch of three programs, as an `Env`."""
-  probs = [problem("mlp"), problem("gpt:layers=2", "data=8"), problem("mlp", "data=2,fsdp=2,model=2")]
+  probs = [
+    problem("mlp"),
+    problem("gpt:layers=2", "data=8"),
+    problem("mlp", "data=2,fsdp=2,model=2"),
+  ]
   config = EnvConfig(action_space="named_dims")
   stacked, targets = programs.batch_tables(probs, config)
   return Env(config, probs[index], tuple(targets[index]), jax.tree.map(lambda x: x[index], stacked))
 
 
 ENVIRONMENTS = {
-    "mlp-arg_dims": lambda: Env.build(problem("mlp"), EnvConfig(action_space="arg_dims")),
-    "mlp-named_dims-3-axes": lambda: Env.build(problem("mlp", "data=2,fsdp=2,model=2"),
-                                               EnvConfig(action_space="named_dims")),
-    "gpt-groups": lambda: Env.build(problem("gpt:layers=2")),
-    "gpt-groups-bucketed": lambda: Env.build(problem("gpt:layers=2"), bucket=True),
-    "gpt-truncated": lambda: Env.build(problem("gpt:layers=2"), EnvConfig(action_space="named_dims", max_steps=3)),
-    "gpt-terminal-reward": lambda: Env.build(problem("gpt:layers=2"), EnvConfig(reward="terminal")),
-    "mixed-batch-row": lambda: _mixed_batch_row(1),
+  "mlp-arg_dims": lambda: Env.build(problem("mlp"), EnvConfig(action_space="arg_dims")),
+  "mlp-named_dims-3-axes": lambda: Env.build(
+    problem("mlp", "data=2,fsdp=2,model=2"), EnvConfig(action_space="named_dims")
+  ),
+  "gpt-groups": lambda: Env.build(problem("gpt:layers=2")),
+  "gpt-groups-bucketed": lambda: Env.build(problem("gpt:layers=2"), bucket=True),
+  "gpt-truncated": lambda: Env.build(
+    problem("gpt:layers=2"), EnvConfig(action_space="named_dims", max_steps=3)
+  ),
+  "gpt-terminal-reward": lambda: Env.build(problem("gpt:layers=2"), EnvConfig(reward="terminal")),
+  "mixed-batch-row": lambda: _mixed_batch_row(1),
 }
 
 
-@pytest.mark.parametrize("name", [n if n not in ("gpt-groups-bucketed", "gpt-truncated", "gpt-terminal-reward")
-                                  else pytest.param(n, marks=pytest.mark.slow) for n in sorted(ENVIRONMENTS)])
+@pytest.mark.parametrize(
+  "name",
+  [
+    n
+    if n not in ("gpt-groups-bucketed", "gpt-truncated", "gpt-terminal-reward")
+    else pytest.param(n, marks=pytest.mark.slow)
+    for n in sorted(ENVIRONMENTS)
+  ],
+)
 def test_every_environment_keeps_the_contract(name):
   testing.api_test(ENVIRONMENTS[name]())
 
 
-@pytest.mark.parametrize("model,mesh", [pytest.param("mlp", "data=2,model=4", marks=pytest.mark.slow),
-                                        ("gpt:layers=2", "data=2,fsdp=2,model=2")])
+@pytest.mark.parametrize(
+  "model,mesh",
+  [
+    pytest.param("mlp", "data=2,model=4", marks=pytest.mark.slow),
+    ("gpt:layers=2", "data=2,fsdp=2,model=2"),
+  ],
+)
 def test_padded_tables_give_the_exact_masks_and_target_features(model, mesh):
   exact = Env.build(problem(model, mesh), EnvConfig(action_space="named_dims"))
   padded = Env.build(problem(model, mesh), EnvConfig(action_space="named_dims"), bucket=True)
@@ -82,8 +102,9 @@ def test_padded_tables_give_the_exact_masks_and_target_features(model, mesh):
     targets = slice(observe_exact(a).nodes.shape[0] - 1 - len(exact.targets), -1)
     padded_targets = observe_padded(b).nodes
     start = padded_targets.shape[0] - 1 - padded.tables.target_classes.shape[0]
-    np.testing.assert_allclose(observe_exact(a).nodes[targets], padded_targets[start:start + len(exact.targets)],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+      observe_exact(a).nodes[targets], padded_targets[start : start + len(exact.targets)], atol=1e-6
+    )
     legal = np.flatnonzero(np.asarray(a.legal_action_mask)[:-1])
     if not len(legal):
       break
@@ -108,8 +129,15 @@ def test_the_contract_catches_a_terminal_state_that_moves():
     testing.api_test(broken, num_episodes=1)
 
 
-@pytest.mark.parametrize("model,space", [("mlp", "arg_dims"), ("mlp", "groups"), ("gpt:layers=2", "groups"),
-                                         ("gpt:layers=2", "named_dims")])
+@pytest.mark.parametrize(
+  "model,space",
+  [
+    ("mlp", "arg_dims"),
+    ("mlp", "groups"),
+    ("gpt:layers=2", "groups"),
+    ("gpt:layers=2", "named_dims"),
+  ],
+)
 def test_mask_is_exact_and_resolution_incremental(model, space):
   """Legal iff appending the action's decisions changes the resolution and fits (brute force)."""
   prob = problem(model)
@@ -130,9 +158,11 @@ def test_mask_is_exact_and_resolution_incremental(model, space):
         assert not legal, env.action_name(action)
         continue
       dec_class, dec_axis = np.asarray(state.dec_class).copy(), np.asarray(state.dec_axis).copy()
-      dec_class[n:n + len(classes)], dec_axis[n:n + len(classes)] = classes, a
+      dec_class[n : n + len(classes)], dec_axis[n : n + len(classes)] = classes, a
       after = resolve(dec_class, dec_axis)
-      changed = bool((after.value_mask != now.value_mask).any() | (after.op_mask != now.op_mask).any())
+      changed = bool(
+        (after.value_mask != now.value_mask).any() | (after.op_mask != now.op_mask).any()
+      )
       assert legal == changed, env.action_name(action)
     assert state.legal_action_mask[-1]
 
@@ -147,10 +177,14 @@ def test_a_plan_made_elsewhere_is_the_state_its_decisions_reach(model, space):
   resolve = jax.jit(prob.resolve)
   for seed in range(3):
     for state in random_episode(env, seed, jax.jit(env.step))[1:]:
-      if not (bool(state.terminated) or bool(state.truncated)):  # A stop ends an episode, not a plan.
+      if not (
+        bool(state.terminated) or bool(state.truncated)
+      ):  # A stop ends an episode, not a plan.
         masks = resolve(state.dec_class, state.dec_axis)
         cost = prob.cost(env.decisions(state))
-        testing.check_plan_state(made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask, cost), state)
+        testing.check_plan_state(
+          made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask, cost), state
+        )
 
 
 @pytest.mark.parametrize("objective", ["time", "memory", "mix"])
@@ -173,17 +207,24 @@ def test_returns_sum_to_the_simulated_improvement(objective):
 def _reward_modes(max_steps: int | None) -> tuple[Env, Env, object, object]:
   """The same environment with shaped and terminal rewards, and their vmapped jitted steps."""
   prob = problem("gpt:layers=2")
-  envs = [Env.build(prob, EnvConfig(action_space="named_dims", max_steps=max_steps, reward=reward))
-          for reward in ("shaped", "terminal")]
+  envs = [
+    Env.build(prob, EnvConfig(action_space="named_dims", max_steps=max_steps, reward=reward))
+    for reward in ("shaped", "terminal")
+  ]
   return (*envs, *(jax.jit(jax.vmap(env.step)) for env in envs))
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(picks=st.lists(st.lists(st.integers(0, 10_000), max_size=12), min_size=4, max_size=4),
-       max_steps=st.sampled_from([None, 3]))
+@settings(
+  max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(
+  picks=st.lists(st.lists(st.integers(0, 10_000), max_size=12), min_size=4, max_size=4),
+  max_steps=st.sampled_from([None, 3]),
+)
 def test_terminal_reward_ends_where_the_shaped_one_does(picks, max_steps):
   """Random decision sequences, a batch of four at once (one compile; the terminal env
-  simulates only the rows whose episode ends): the terminal env keeps the replicated figures and rewards
+  simulates only the rows whose episode ends): the terminal env keeps the replicated figures and
+  rewards
   0 until the episode ends, then reports the plan's simulated objective, step time and
   peak memory (those of the shaped env and of `Problem.cost`) and the whole return."""
   shaped, terminal, step_shaped, step_terminal = _reward_modes(max_steps)
@@ -192,9 +233,13 @@ def test_terminal_reward_ends_where_the_shaped_one_does(picks, max_steps):
   returns = np.zeros(batch)
   for i in range(length + 1):
     legal = np.asarray(a.legal_action_mask)
-    actions = np.array([
+    actions = np.array(
+      [
         np.flatnonzero(legal[row])[p[i] % legal[row].sum()] if i < len(p) else shaped.stop_action
-        for row, p in enumerate(picks)], np.int32)
+        for row, p in enumerate(picks)
+      ],
+      np.int32,
+    )
     ended = np.asarray(b.terminated | b.truncated)
     a, b = step_shaped(a, actions), step_terminal(b, actions)
     returns += np.asarray(b.reward)
@@ -226,14 +271,17 @@ def test_batched_legal_mask_is_each_states_own():
   for i in range(6):
     masks = batched(state.value_mask, state.op_mask, state.num_decisions)
     for row in range(16):
-      np.testing.assert_array_equal(masks[row], alone(state.value_mask[row], state.op_mask[row],
-                                                      state.num_decisions[row]))
+      np.testing.assert_array_equal(
+        masks[row], alone(state.value_mask[row], state.op_mask[row], state.num_decisions[row])
+      )
     state = step(state, random_actions(jax.random.key(i), state.legal_action_mask))
 
 
 def test_capacity_ends_episodes_and_truncation():
   env = Env.build(problem("gpt:layers=2"), EnvConfig(action_space="groups", max_decisions=4))
-  states = random_episode(env, 0, jax.jit(env.step))  # Jitted: op by op, each primitive compiles alone.
+  states = random_episode(
+    env, 0, jax.jit(env.step)
+  )  # Jitted: op by op, each primitive compiles alone.
   assert int(states[-1].num_decisions) <= 4
   env = Env.build(problem("gpt:layers=2"), EnvConfig(action_space="named_dims", max_steps=2))
   state, step = jax.jit(env.init)(jax.random.key(0)), jax.jit(env.step)
@@ -244,7 +292,11 @@ def test_capacity_ends_episodes_and_truncation():
 
 @pytest.mark.slow
 def test_mixed_batch_is_inert_padding():
-  probs = [problem("mlp"), problem("gpt:layers=2", "data=8"), problem("mlp", "data=2,fsdp=2,model=2")]
+  probs = [
+    problem("mlp"),
+    problem("gpt:layers=2", "data=8"),
+    problem("mlp", "data=2,fsdp=2,model=2"),
+  ]
   config = EnvConfig(action_space="named_dims")
   stacked, targets = programs.batch_tables(probs, config)
   init = jax.vmap(functools.partial(core.init, config))
@@ -254,15 +306,25 @@ def test_mixed_batch_is_inert_padding():
     state = step(stacked, state, random_actions(jax.random.key(i), state.legal_action_mask))
   for i, prob in enumerate(probs):
     names = prob.mesh.axis_names
-    decisions = [sharding.Decision(int(c), names[int(a)]) for c, a in zip(state.dec_class[i], state.dec_axis[i]) if c >= 0]
+    decisions = [
+      sharding.Decision(int(c), names[int(a)])
+      for c, a in zip(state.dec_class[i], state.dec_axis[i])
+      if c >= 0
+    ]
     np.testing.assert_allclose(state.step_time[i], prob.cost(decisions).step_time, rtol=1e-5)
     exact = Env.build(prob, config)
     assert int(state.legal_action_mask[i].sum()) >= 1
     assert len(targets[i]) == len(exact.targets)
   graphs = jax.vmap(observe)(stacked, state)
-  assert graphs.nodes.shape[-1] == Env.build(probs[0], config).observe(Env.build(probs[0], config).init(
-      jax.random.key(0))).nodes.shape[-1]
-  assert np.isfinite(np.asarray(graphs.nodes)).all() and np.isfinite(np.asarray(graphs.globals)).all()
+  assert (
+    graphs.nodes.shape[-1]
+    == Env.build(probs[0], config)
+    .observe(Env.build(probs[0], config).init(jax.random.key(0)))
+    .nodes.shape[-1]
+  )
+  assert (
+    np.isfinite(np.asarray(graphs.nodes)).all() and np.isfinite(np.asarray(graphs.globals)).all()
+  )
   senders = np.asarray(graphs.senders)
   assert (senders < graphs.nodes.shape[1]).all() and (senders >= 0).all()
 
@@ -280,8 +342,13 @@ def _batch_arg_action(env: Env) -> int:
   raise AssertionError("no batch target")
 
 
-@pytest.mark.parametrize("model", [m if m in ("gpt", "unet") else pytest.param(m, marks=pytest.mark.slow)
-                                   for m in workloads.FAMILIES])
+@pytest.mark.parametrize(
+  "model",
+  [
+    m if m in ("gpt", "unet") else pytest.param(m, marks=pytest.mark.slow)
+    for m in workloads.FAMILIES
+  ],
+)
 def test_random_and_expert_agents_on_the_zoo(model):
   env = Env.build(problem(model), EnvConfig(action_space="arg_dims"))
   gym = GymEnv(env)

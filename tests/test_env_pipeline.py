@@ -23,17 +23,17 @@ MESH = "data=4,model=2"
 OPTIONS = 6
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def problem(mesh: str = MESH) -> Problem:
   return Problem.build(workloads.make_workload(GPT, abstract=True).trace(), make_mesh(mesh, "h100"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def env(pipelines: int) -> Env:
   return Env.build(problem(), EnvConfig(max_axes=2, pipelines=pipelines))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted(e: Env):
   """`e`'s init, step and observe, jitted once per environment: a new `jax.jit` of a bound
   method traces, lowers and compiles it again."""
@@ -48,7 +48,11 @@ def random_episode(e: Env, key: jax.Array, first: int | None = None, steps: int 
     legal = np.flatnonzero(np.asarray(states[-1].legal_action_mask)[:-1])
     if not len(legal):
       break
-    action = first if (i == 0 and first is not None) else int(jax.random.choice(jax.random.fold_in(key, i), legal))
+    action = (
+      first
+      if (i == 0 and first is not None)
+      else int(jax.random.choice(jax.random.fold_in(key, i), legal))
+    )
     states.append(step(states[-1], jnp.int32(action)))
   return states
 
@@ -79,7 +83,9 @@ def test_the_first_action_chooses_a_pipeline_and_masks_its_stage_axis():
   assert e.pipelines[0] is None and len(e.pipelines) > 2
   _, step, observe = jitted(e)
   graph = observe(root)
-  assert graph.nodes.shape[1] == node_features(2, True) and graph.globals.shape[1] == global_features(2, True)
+  assert graph.nodes.shape[1] == node_features(2, True) and graph.globals.shape[
+    1
+  ] == global_features(2, True)
   for k, pipeline in enumerate(e.pipelines):
     state = step(root, jnp.int32(moves + k))
     assert int(state.pipeline) == k and e.pipeline(state) == pipeline
@@ -87,7 +93,9 @@ def test_the_first_action_chooses_a_pipeline_and_masks_its_stage_axis():
     assert not mask[moves:-1].any(), "a second pipeline action is legal"
     by_axis = mask[:moves].reshape(-1, 2)
     if pipeline is None:
-      np.testing.assert_array_equal(mask[:moves], np.asarray(env(0).init(jax.random.key(0)).legal_action_mask)[:-1])
+      np.testing.assert_array_equal(
+        mask[:moves], np.asarray(env(0).init(jax.random.key(0)).legal_action_mask)[:-1]
+      )
     else:
       stage_axis = problem().mesh.axis_names.index(pipeline.axis)
       assert not by_axis[:, stage_axis].any() and by_axis[:, 1 - stage_axis].any()
@@ -105,7 +113,9 @@ def test_a_plan_made_elsewhere_chooses_no_pipeline():
     for state in random_episode(e, jax.random.key(seed), first=e.tables.num_moves)[1:]:
       masks = resolve(state.dec_class, state.dec_axis)
       cost = problem().cost(e.decisions(state))
-      check_plan_state(made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask, cost), state)
+      check_plan_state(
+        made(state.dec_class, state.dec_axis, masks.value_mask, masks.op_mask, cost), state
+      )
 
 
 def test_the_objective_is_the_pipelined_plan_cost():
@@ -118,7 +128,9 @@ def test_the_objective_is_the_pipelined_plan_cost():
         cost = problem().plan_cost(e.decisions(state), pipeline)
         np.testing.assert_allclose(float(state.step_time), float(cost.step_time), rtol=1e-5)
         np.testing.assert_allclose(float(state.peak_memory), float(cost.peak_memory), rtol=1e-5)
-        np.testing.assert_allclose(float(state.objective), float(objective(config, cost, base, hbm)), rtol=1e-5)
+        np.testing.assert_allclose(
+          float(state.objective), float(objective(config, cost, base, hbm)), rtol=1e-5
+        )
 
 
 def test_search_chooses_a_pipeline_where_it_pays():
@@ -129,10 +141,13 @@ def test_search_chooses_a_pipeline_where_it_pays():
   p = problem("data=4,fsdp=2,model=8")
   config = mcts.MCTSConfig(pipelines=OPTIONS)
   result = agents.run_agent("mcts", p, seed=0, budget=150, config=config)
-  pipeline = searcher(p, env_config(p, config.action_space, config.max_decisions, OPTIONS)).pipeline(result.action_ids)
+  pipeline = searcher(
+    p, env_config(p, config.action_space, config.max_decisions, OPTIONS)
+  ).pipeline(result.action_ids)
   assert pipeline is not None and result.pipeline == pipeline and result.actions[0] == str(pipeline)
-  assert float(result.cost.step_time) == pytest.approx(float(p.plan_cost(result.decisions, pipeline).step_time),
-                                                       rel=1e-5)
+  assert float(result.cost.step_time) == pytest.approx(
+    float(p.plan_cost(result.decisions, pipeline).step_time), rel=1e-5
+  )
   assert result.step_time == pytest.approx(float(result.cost.step_time), rel=1e-5)
 
 
@@ -144,10 +159,17 @@ def test_a_mixed_batch_prices_each_program_as_alone():
   from envs.programs import batch_tables
 
   config = EnvConfig(max_axes=3, pipelines=OPTIONS)
-  problems = [problem(),
-              Problem.build(workloads.make_workload("mlp", abstract=True).trace(), make_mesh("data=2,model=4", "h100"))]
+  problems = [
+    problem(),
+    Problem.build(
+      workloads.make_workload("mlp", abstract=True).trace(), make_mesh("data=2,model=4", "h100")
+    ),
+  ]
   tables, _ = batch_tables(problems, config)
-  init, step = jax.jit(functools.partial(core.init, config)), jax.jit(functools.partial(core.step, config))
+  init, step = (
+    jax.jit(functools.partial(core.init, config)),
+    jax.jit(functools.partial(core.step, config)),
+  )
   for i, p in enumerate(problems):
     alone = Env.build(p, config)  # Its own tables: `alone.step` is `step` on them.
     mine = jax.tree.map(lambda x, i=i: x[i], tables)
@@ -156,10 +178,19 @@ def test_a_mixed_batch_prices_each_program_as_alone():
       legal = np.flatnonzero(np.asarray(state.legal_action_mask)[:-1])
       if not len(legal):
         break
-      action = int(legal[-1]) if t == 0 else int(jax.random.choice(jax.random.key(10 * i + t), legal))
+      action = (
+        int(legal[-1]) if t == 0 else int(jax.random.choice(jax.random.key(10 * i + t), legal))
+      )
       # Moves keep their index; the options follow the (padded) moves.
-      index = action if action < alone.tables.num_moves else action - alone.tables.num_moves + mine.num_moves
-      state, batched = step(alone.tables, state, jnp.int32(action)), step(mine, batched, jnp.int32(index))
+      index = (
+        action
+        if action < alone.tables.num_moves
+        else action - alone.tables.num_moves + mine.num_moves
+      )
+      state, batched = (
+        step(alone.tables, state, jnp.int32(action)),
+        step(mine, batched, jnp.int32(index)),
+      )
       assert int(batched.pipeline) == int(state.pipeline)
       np.testing.assert_allclose(float(batched.objective), float(state.objective), rtol=1e-5)
       np.testing.assert_allclose(float(batched.peak_memory), float(state.peak_memory), rtol=1e-5)
@@ -170,8 +201,10 @@ def test_only_a_scanned_stack_is_offered_a_pipeline():
   same GPT unrolled (its layers priced as a stack all the same) only "no pipeline"."""
   from envs.pipelines import menu
 
-  unrolled = Problem.build(workloads.make_workload(GPT.replace("scan=true", "scan=false"), abstract=True).trace(),
-                           make_mesh(MESH, "h100"))
+  unrolled = Problem.build(
+    workloads.make_workload(GPT.replace("scan=true", "scan=false"), abstract=True).trace(),
+    make_mesh(MESH, "h100"),
+  )
   assert unrolled.layer_stacks and not unrolled.layer_stacks[0].scanned
   assert menu(unrolled, OPTIONS) == (None,)
   assert len(menu(problem(), OPTIONS)) > 1

@@ -35,7 +35,10 @@ def test_the_external_split_holds_every_external_family_and_nothing_else():
 def test_training_never_reads_the_external_split():
   from experiments import train_cmd
 
-  assert typing.get_args(typing.get_type_hints(train_cmd.TrainRunConfig)["split"]) == ("smoke", "train")
+  assert typing.get_args(typing.get_type_hints(train_cmd.TrainRunConfig)["split"]) == (
+    "smoke",
+    "train",
+  )
   for preset in train_cmd.PRESETS.values():
     read = train_cmd.pick_cases(load_cases(preset.split), preset.max_cases)
     assert read and not any(c.split == "external" or c.family in EXTERNAL_FAMILIES for c in read)
@@ -46,17 +49,29 @@ def test_suite_list_and_evaluate_take_the_external_split(capsys):
 
   assert cli.main(["suite", "list", "--split", "external"]) == 0
   out = capsys.readouterr().out
-  assert all(c.name in out for c in EXTERNAL) and f"{len(EXTERNAL)} cases (external {len(EXTERNAL)})" in out
+  assert (
+    all(c.name in out for c in EXTERNAL)
+    and f"{len(EXTERNAL)} cases (external {len(EXTERNAL)})" in out
+  )
   chosen = evaluate_cmd.problems(evaluate_cmd.EvaluateConfig(split="external", max_cases=3))
   assert [family for _, family, _ in chosen] == ["hf-gpt2", "hf-bert", "hf-vit"]
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("hf-gpt2:size=huge", r"^unknown size 'huge' for model 'hf-gpt2'; valid sizes: small, medium, large, xl$"),
+@pytest.mark.parametrize(
+  "spec, message",
+  [
+    (
+      "hf-gpt2:size=huge",
+      r"^unknown size 'huge' for model 'hf-gpt2'; valid sizes: small, medium, large, xl$",
+    ),
     ("hk-resnet:depth=42", r"^depth=42 is not one of 18, 34, 50, 101, 152, 200$"),
     ("hf-bert:d_model=30,heads=4", r"^heads=4 must divide d_model=30$"),
-    ("jraph-gcn:heads=2", r"^unknown key 'heads' for model 'jraph-gcn'; valid keys: n_node, .*, dtype, size$"),
-])
+    (
+      "jraph-gcn:heads=2",
+      r"^unknown key 'heads' for model 'jraph-gcn'; valid keys: n_node, .*, dtype, size$",
+    ),
+  ],
+)
 def test_bad_external_specs_are_one_line_errors(spec, message):
   with pytest.raises(ValueError, match=message):
     workloads.make_workload(spec, abstract=True)
@@ -65,8 +80,12 @@ def test_bad_external_specs_are_one_line_errors(spec, message):
 # One reduced-size model per package: the lowered plan shards the parameters over `model`
 # and the batch over `data`, and computes the unpartitioned step's numbers. The ResNet
 # (18 convolutions with batch norm: most of a minute to compile on 2 cores) is slow.
-LOWERED = ["hf-gpt2:layers=1,d_model=32,heads=2,seq=8,vocab=64",
-           pytest.param("hk-resnet:depth=18,width=4,image_size=8", marks=pytest.mark.slow), "jraph-gcn", "eqx-mlp"]
+LOWERED = [
+  "hf-gpt2:layers=1,d_model=32,heads=2,seq=8,vocab=64",
+  pytest.param("hk-resnet:depth=18,width=4,image_size=8", marks=pytest.mark.slow),
+  "jraph-gcn",
+  "eqx-mlp",
+]
 
 
 @pytest.mark.parametrize("spec", LOWERED)

@@ -8,13 +8,19 @@ import pytest
 from experiments import cli
 
 EXAMPLE = Path(__file__).resolve().parents[1].parent / "shared" / "iopddl" / "example.json"
-pytestmark = pytest.mark.skipif(not EXAMPLE.exists(), reason="the IOPDDL data (../shared/iopddl) is absent")
+pytestmark = pytest.mark.skipif(
+  not EXAMPLE.exists(), reason="the IOPDDL data (../shared/iopddl) is absent"
+)
 
 
 def test_solve_writes_a_solution_that_evaluate_accepts(tmp_path, capsys):
   solution = tmp_path / "solution.json"
-  assert cli.main(["iopddl", "solve", str(EXAMPLE), "--timeout", "5", "--output", str(solution)]) == 0
-  assert "cost 445  feasible True" in capsys.readouterr().out  # The optimum (brute force over 12 plans).
+  assert (
+    cli.main(["iopddl", "solve", str(EXAMPLE), "--timeout", "5", "--output", str(solution)]) == 0
+  )
+  assert (
+    "cost 445  feasible True" in capsys.readouterr().out
+  )  # The optimum (brute force over 12 plans).
   assert len(json.loads(solution.read_text())) == 5
   assert cli.main(["iopddl", "evaluate", str(EXAMPLE), str(solution)]) == 0
 

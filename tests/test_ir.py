@@ -20,7 +20,7 @@ ZOO = ("mlp", "gpt", "gpt:scan=true", "moe", "gnn", "resnet", "unet")
 EVERY_FAMILY = (*workloads.SMALL.values(), "gpt:scan=true")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(spec: str) -> ir.Program:
   return workloads.make_workload(spec, abstract=True).trace()
 
@@ -56,20 +56,31 @@ def test_every_family_traces_with_known_primitives_and_consistent_factor_sizes(s
 
 # Functions emitting primitives that third-party models use and the zoo does not.
 THIRD_PARTY = {
-    "stack": lambda x: jnp.stack([x, 2 * x, x + 1], axis=1),
-    "unstack": lambda x: sum(jnp.unstack(x, axis=1)),
-    "tile": lambda x: jnp.tile(x, (2, 1, 3)),
-    "reduce": lambda x: jax.lax.reduce(  # A variadic arg-max: no gradient.
-        (x, x + 1), (-jnp.inf, 0.0), lambda a, b: tuple(jnp.where(a[0] > b[0], u, v) for u, v in zip(a, b)), (1,))[1],
-    "approx_top_k": lambda x: jax.lax.approx_max_k(x, 2)[0],
-    "le_to": lambda x: jnp.searchsorted(jnp.sort(x[0, 0]), x[0, 1]),
-    "bessel_i0e": jax.scipy.special.i0e,
-    "fft": lambda x: jnp.abs(jnp.fft.rfft(x)),
-    "cholesky": lambda x: jnp.linalg.cholesky(x[..., :3, :3] @ jnp.swapaxes(x[..., :3, :3], -1, -2) + jnp.eye(3)),
-    "scatter-sub": lambda x: x.at[:, 0].subtract(1.0),
-    "grouped conv": lambda x: jax.lax.conv_general_dilated(
-        x, jnp.ones((4, x.shape[1] // 2, 3)), (1,), "SAME", feature_group_count=2,
-        dimension_numbers=("NCH", "OIH", "NCH")),
+  "stack": lambda x: jnp.stack([x, 2 * x, x + 1], axis=1),
+  "unstack": lambda x: sum(jnp.unstack(x, axis=1)),
+  "tile": lambda x: jnp.tile(x, (2, 1, 3)),
+  "reduce": lambda x: jax.lax.reduce(  # A variadic arg-max: no gradient.
+    (x, x + 1),
+    (-jnp.inf, 0.0),
+    lambda a, b: tuple(jnp.where(a[0] > b[0], u, v) for u, v in zip(a, b)),
+    (1,),
+  )[1],
+  "approx_top_k": lambda x: jax.lax.approx_max_k(x, 2)[0],
+  "le_to": lambda x: jnp.searchsorted(jnp.sort(x[0, 0]), x[0, 1]),
+  "bessel_i0e": jax.scipy.special.i0e,
+  "fft": lambda x: jnp.abs(jnp.fft.rfft(x)),
+  "cholesky": lambda x: jnp.linalg.cholesky(
+    x[..., :3, :3] @ jnp.swapaxes(x[..., :3, :3], -1, -2) + jnp.eye(3)
+  ),
+  "scatter-sub": lambda x: x.at[:, 0].subtract(1.0),
+  "grouped conv": lambda x: jax.lax.conv_general_dilated(
+    x,
+    jnp.ones((4, x.shape[1] // 2, 3)),
+    (1,),
+    "SAME",
+    feature_group_count=2,
+    dimension_numbers=("NCH", "OIH", "NCH"),
+  ),
 }
 
 
@@ -78,17 +89,25 @@ def test_third_party_primitives_have_rules_with_consistent_factor_sizes(name):
   """Each function and its gradient (where it has one) trace with no fallback; the
   primitive is in them."""
   fn = THIRD_PARTY[name]
-  step = fn if name in ("le_to", "reduce") else jax.value_and_grad(lambda x: jnp.sum(jnp.abs(fn(x))))
+  step = (
+    fn if name in ("le_to", "reduce") else jax.value_and_grad(lambda x: jnp.sum(jnp.abs(fn(x))))
+  )
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     program = ir.trace(step, jnp.linspace(0.5, 1.5, 4 * 6 * 4).reshape(4, 6, 4))
-  assert name.split()[-1].replace("conv", "conv_general_dilated") in {op.primitive for op in program.ops}
+  assert name.split()[-1].replace("conv", "conv_general_dilated") in {
+    op.primitive for op in program.ops
+  }
   _assert_factor_sizes_consistent(program)
 
 
 @settings(max_examples=25, deadline=None)
-@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), axis=st.integers(0, 3), count=st.integers(1, 3),
-       reps=st.lists(st.integers(1, 3), min_size=1, max_size=4))
+@given(
+  shape=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+  axis=st.integers(0, 3),
+  count=st.integers(1, 3),
+  reps=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+)
 def test_stack_unstack_and_tile_rules_keep_every_dim_whole(shape, axis, count, reps):
   """For any shapes: every dim is its factors' product, and a dim passes through exactly
   when its size is unchanged and its data is not rearranged."""
@@ -96,21 +115,32 @@ def test_stack_unstack_and_tile_rules_keep_every_dim_whole(shape, axis, count, r
   axis %= len(shape) + 1
   stacked = _rule(lambda x: jnp.stack([x] * count, axis=axis), x, primitive="stack")
   (out,) = stacked.result_dims
-  for dim, factors in enumerate(out):  # The new dim is the result's own; the rest are the operands'.
-    owners = [i for i, dims in enumerate(stacked.operand_dims) for d in dims if factors and d == factors]
+  for dim, factors in enumerate(
+    out
+  ):  # The new dim is the result's own; the rest are the operands'.
+    owners = [
+      i for i, dims in enumerate(stacked.operand_dims) for d in dims if factors and d == factors
+    ]
     assert len(owners) == (0 if dim == axis or shape[dim - (dim > axis)] == 1 else count)
-  for program in (ir.trace(lambda x: jnp.stack([x] * count, axis=axis), x),
-                  ir.trace(lambda x: jnp.tile(x, reps), x),
-                  ir.trace(lambda x: jnp.unstack(x, axis=axis % len(shape)), x)):
+  for program in (
+    ir.trace(lambda x: jnp.stack([x] * count, axis=axis), x),
+    ir.trace(lambda x: jnp.tile(x, reps), x),
+    ir.trace(lambda x: jnp.unstack(x, axis=axis % len(shape)), x),
+  ):
     _assert_factor_sizes_consistent(program)
-  tiled = _rule(lambda x: jnp.tile(x, reps), x, primitive="tile") if len(reps) <= len(shape) and any(
-      r > 1 for r in reps) else None
+  tiled = (
+    _rule(lambda x: jnp.tile(x, reps), x, primitive="tile")
+    if len(reps) <= len(shape) and any(r > 1 for r in reps)
+    else None
+  )
   if tiled is not None:
     reps_ = (1,) * (len(shape) - len(reps)) + tuple(reps)
     for dim, (size, rep) in enumerate(zip(shape, reps_)):
       factors = tiled.result_dims[0][dim]
       assert [tiled.factor_sizes[f] for f in factors] == [n for n in (rep, size) if n > 1]
-      if size > 1:  # The operand's dim is the minor factor: a shard of it is never a block of the result.
+      if (
+        size > 1
+      ):  # The operand's dim is the minor factor: a shard of it is never a block of the result.
         assert tiled.operand_dims[0][dim] == factors[-1:]
 
 
@@ -123,7 +153,11 @@ def _rule(fn, *args, primitive=None):
 def test_dot_general_contracting_dim_is_a_reduction():
   rule = _rule(lambda x, w: x @ w, jnp.ones((8, 16)), jnp.ones((16, 4)))
   assert rule.factor_sizes == (8, 4, 16)
-  assert rule.factor_kinds == (FactorKind.PASS_THROUGH, FactorKind.PASS_THROUGH, FactorKind.REDUCTION)
+  assert rule.factor_kinds == (
+    FactorKind.PASS_THROUGH,
+    FactorKind.PASS_THROUGH,
+    FactorKind.REDUCTION,
+  )
   assert rule.operand_dims == (((0,), (2,)), ((2,), (1,)))
   assert rule.result_dims == (((0,), (1,)),)
 
@@ -143,8 +177,12 @@ def test_reshape_without_common_refinement_needs_replication():
 
 
 def test_embedding_gather_passes_batch_and_feature_dims():
-  rule = _rule(lambda t, i: jnp.take(t, i, axis=0, mode="clip"), jnp.ones((256, 32)),
-               jnp.zeros((8, 16), jnp.int32), primitive="gather")
+  rule = _rule(
+    lambda t, i: jnp.take(t, i, axis=0, mode="clip"),
+    jnp.ones((256, 32)),
+    jnp.zeros((8, 16), jnp.int32),
+    primitive="gather",
+  )
   by_size = dict(zip(rule.factor_sizes, rule.factor_kinds))
   assert by_size[256] == FactorKind.NEED_REPLICATION
   assert by_size[32] == FactorKind.PASS_THROUGH and by_size[8] == FactorKind.PASS_THROUGH
@@ -185,7 +223,10 @@ def test_scan_body_is_inlined_once_with_trip_count_and_tied_carries():
   assert len(dots) == 1 and dots[0].repeat == 5
   # Body ops have origins through the scan's equation (eqn 0), as `lower` interprets it;
   # the IR's own scan_* ops have none.
-  assert {op.primitive: op.origin for op in program.ops if op.origin} == {"dot_general": (0, 0), "tanh": (0, 1)}
+  assert {op.primitive: op.origin for op in program.ops if op.origin} == {
+    "dot_general": (0, 0),
+    "tanh": (0, 1),
+  }
   assert len(program.ties) == 1
   named = ir.analyze(program)
   x_in, ws = program.inputs
@@ -250,7 +291,9 @@ def test_gpt_named_dims_groups_and_conflict(spec):
   seq = class_of("batch/inputs", 1)
   embed = class_of(f"params/{layer.format(0)}/mlp/fc1/kernel", dim_offset)
   ffn = [class_of(f"params/{layer.format(i)}/mlp/fc1/kernel", dim_offset + 1) for i in range(12)]
-  heads = [class_of(f"params/{layer.format(i)}/attn/query/kernel", dim_offset + 1) for i in range(12)]
+  heads = [
+    class_of(f"params/{layer.format(i)}/attn/query/kernel", dim_offset + 1) for i in range(12)
+  ]
   assert len({batch, seq, embed, ffn[0], heads[0]}) == 5
   assert named.classes[batch].size == 16 and named.classes[embed].size == 128
   assert named.classes[ffn[0]].size == 512 and named.classes[heads[0]].size == 4
@@ -270,13 +313,18 @@ def _xla_flops(fn, *args) -> float:
   return float(cost["flops"])
 
 
-@pytest.mark.parametrize("strides, padding, lhs_dilation, rhs_dilation", [
+@pytest.mark.parametrize(
+  "strides, padding, lhs_dilation, rhs_dilation",
+  [
     ((1, 1), ((1, 1), (1, 1)), (1, 1), (1, 1)),
     ((2, 2), ((0, 1), (0, 1)), (1, 1), (1, 1)),
     ((1, 1), ((2, 1), (2, 1)), (2, 2), (1, 1)),
     ((1, 1), ((0, 1), (0, 1)), (1, 1), (2, 2)),
-])
-def test_conv_flops_count_only_taps_inside_the_input_as_xla_does(strides, padding, lhs_dilation, rhs_dilation):
+  ],
+)
+def test_conv_flops_count_only_taps_inside_the_input_as_xla_does(
+  strides, padding, lhs_dilation, rhs_dilation
+):
   lhs, rhs = jnp.ones((2, 3, 8, 8)), jnp.ones((4, 3, 3, 3))
   fn = lambda x, w: jax.lax.conv_general_dilated(x, w, strides, padding, lhs_dilation, rhs_dilation)
   program = ir.trace(fn, lhs, rhs)
@@ -300,12 +348,17 @@ def _fused_flops(program: ir.Program) -> float:
   return sum(op.flops * n for op, n in zip(program.ops, fusion_copies(program)))
 
 
-@pytest.mark.parametrize("size, producer, copies", [
+@pytest.mark.parametrize(
+  "size, producer, copies",
+  [
     (32, lambda x: x * 2.0 + x, 2),  # Cheap: cloned into both reduction fusions.
     (32, jnp.exp, 1),  # Expensive: computed once, read by both.
     (128, lambda x: x * 2.0 + x, 1),  # Library reductions (4096 elements) fuse nothing they share.
-])
-def test_fusion_copies_clone_cheap_producers_into_each_fusion_that_reads_them(size, producer, copies):
+  ],
+)
+def test_fusion_copies_clone_cheap_producers_into_each_fusion_that_reads_them(
+  size, producer, copies
+):
   fn = lambda x: (lambda y: (y.sum(axis=0), y.sum(axis=1)))(producer(x))
   x = jnp.ones((size, size))
   program = ir.trace(fn, x)
@@ -335,17 +388,40 @@ def _conv_relu(w, x):
   return jnp.sum(jax.nn.relu(y * 2.0 + 1.0) ** 2)
 
 
-@pytest.mark.parametrize("fn, args", [
+@pytest.mark.parametrize(
+  "fn, args",
+  [
     # Batch 1: small reductions (loop fusions), 3-d activations reshaped for the dots.
-    (_block, ({"g": jnp.ones(32), "b": jnp.zeros(32), "w1": jnp.ones((32, 128)), "w2": jnp.ones((128, 32))},
-              jnp.ones((1, 16, 32)))),
+    (
+      _block,
+      (
+        {
+          "g": jnp.ones(32),
+          "b": jnp.zeros(32),
+          "w1": jnp.ones((32, 128)),
+          "w2": jnp.ones((128, 32)),
+        },
+        jnp.ones((1, 16, 32)),
+      ),
+    ),
     # Batch 8: 4096-element reductions go to the library.
-    (_block, ({"g": jnp.ones(32), "b": jnp.zeros(32), "w1": jnp.ones((32, 128)), "w2": jnp.ones((128, 32))},
-              jnp.ones((8, 16, 32)))),
+    (
+      _block,
+      (
+        {
+          "g": jnp.ones(32),
+          "b": jnp.zeros(32),
+          "w1": jnp.ones((32, 128)),
+          "w2": jnp.ones((128, 32)),
+        },
+        jnp.ones((8, 16, 32)),
+      ),
+    ),
     (lambda w, x: jnp.sum(jax.nn.log_softmax(x @ w)), (jnp.ones((32, 32)), jnp.ones((64, 32)))),
     # The weight gradient reads the activation transposed: its producers are recomputed.
     (_conv_relu, (jnp.ones((3, 3, 8, 8)), jnp.ones((4, 8, 8, 8)))),
-])
+  ],
+)
 def test_fused_flops_of_training_steps_follow_the_compiled_module(fn, args):
   step = jax.value_and_grad(fn)
   program = ir.trace(step, *args)
@@ -353,11 +429,14 @@ def test_fused_flops_of_training_steps_follow_the_compiled_module(fn, args):
   assert abs(_fused_flops(program) - compiled) <= 0.005 * compiled
 
 
-def memory_bytes(program: ir.Program, multi_output_fusion: bool = True,
-                 minor_concatenate_fusion: bool = True) -> list[float]:
+def memory_bytes(
+  program: ir.Program, multi_output_fusion: bool = True, minor_concatenate_fusion: bool = True
+) -> list[float]:
   """Bytes each op moves, its operands' and results' summed."""
-  return [sum(reads) + sum(writes)
-          for reads, writes in memory_traffic(program, multi_output_fusion, minor_concatenate_fusion)]
+  return [
+    sum(reads) + sum(writes)
+    for reads, writes in memory_traffic(program, multi_output_fusion, minor_concatenate_fusion)
+  ]
 
 
 def test_memory_traffic_of_a_fused_elementwise_chain_is_its_ends():
@@ -381,13 +460,19 @@ def test_an_optimizer_update_moves_what_each_backend_fuses():
   parameter's size, its compiled module's bytes); with multi-output fusion (XLA:GPU) one
   fusion reads the gradient, the parameter and the moments once and writes three (7).
   Each fusion reads the gradient once, however many of its ops read it."""
+
   def update(w, g, m, v):
     m = 0.9 * m + 0.1 * g
     v = 0.99 * v + 0.01 * g * g
     return w - 1e-3 * m / (jnp.sqrt(v) + 1e-8), m, v
 
   x = jnp.ones((256, 256))
-  compiled = jax.jit(update, donate_argnums=(0, 2, 3)).lower(x, x, x, x).compile().cost_analysis()["bytes accessed"]
+  compiled = (
+    jax.jit(update, donate_argnums=(0, 2, 3))
+    .lower(x, x, x, x)
+    .compile()
+    .cost_analysis()["bytes accessed"]
+  )
   program = ir.trace(update, x, x, x, x)
   assert compiled == pytest.approx(10 * x.nbytes, abs=64)  # And a few scalar constants.
   assert sum(memory_bytes(program, multi_output_fusion=False)) == 10 * x.nbytes
@@ -399,6 +484,7 @@ def test_a_concatenate_along_the_minor_dim_is_a_kernel_of_its_own_on_xla_cpu():
   and concatenated with the edge features on the last dim feed a dot. XLA:CPU fuses the
   concatenate with nothing: each gather writes its rows and the concatenate reads them back
   (the compiled module's bytes); where concatenates fuse, the gathers are read inside it."""
+
   def edge_update(nodes, edges, senders, receivers, w):
     return jnp.tanh(jnp.concatenate([nodes[senders], nodes[receivers], edges], axis=-1) @ w)
 
@@ -407,18 +493,29 @@ def test_a_concatenate_along_the_minor_dim_is_a_kernel_of_its_own_on_xla_cpu():
   args = (nodes, edges, indices, indices, w)
   compiled = jax.jit(edge_update).lower(*args).compile().cost_analysis()["bytes accessed"]
   program = ir.trace(edge_update, *args)
-  assert sum(memory_bytes(program, multi_output_fusion=False, minor_concatenate_fusion=False)) == compiled
+  assert (
+    sum(memory_bytes(program, multi_output_fusion=False, minor_concatenate_fusion=False))
+    == compiled
+  )
   # Each gather's rows written once and read once more.
   fused = sum(memory_bytes(program, multi_output_fusion=False, minor_concatenate_fusion=True))
-  assert fused == compiled - 2 * 2 * edges.nbytes - nodes.nbytes  # And the table read once by one fusion.
+  assert (
+    fused == compiled - 2 * 2 * edges.nbytes - nodes.nbytes
+  )  # And the table read once by one fusion.
 
 
-@pytest.mark.parametrize("fn", [
+@pytest.mark.parametrize(
+  "fn",
+  [
     lambda x, w: jnp.tanh((x @ w)[:, :64]),
     lambda x, w: jnp.tanh(jax.lax.dynamic_slice_in_dim(x @ w, 128, 64, axis=1)),
     # Slices of the arguments feed a dot; its result updates the first dot's in place.
-    lambda x, w: jax.lax.dynamic_update_slice_in_dim(x @ w, jnp.tanh(x[:, :8] @ w[:8, :64]), 128, axis=1),
-], ids=["slice", "dynamic_slice", "dynamic_update_slice"])
+    lambda x, w: jax.lax.dynamic_update_slice_in_dim(
+      x @ w, jnp.tanh(x[:, :8] @ w[:8, :64]), 128, axis=1
+    ),
+  ],
+  ids=["slice", "dynamic_slice", "dynamic_update_slice"],
+)
 def test_slices_move_what_they_keep_and_an_update_slice_what_it_writes(fn):
   """A slice or dynamic slice of a dot's result reads the elements it keeps, not the whole
   result; a dynamic-update-slice writes its update into its operand's buffer in place:
@@ -433,10 +530,16 @@ def test_a_scan_iteration_reads_and_writes_its_slice_not_the_stack():
   output moves one step's bytes (a dynamic-slice, an in-place dynamic-update-slice), so
   the loop's traffic grows with its length, not with its square."""
   xs = jnp.ones((64, 8, 16))
-  program = ir.trace(lambda xs: jax.lax.scan(lambda c, x: (c + x, c * x), jnp.zeros((8, 16)), xs), xs)
+  program = ir.trace(
+    lambda xs: jax.lax.scan(lambda c, x: (c + x, c * x), jnp.zeros((8, 16)), xs), xs
+  )
   traffic = memory_bytes(program)
   step_bytes = 8 * 16 * 4
-  moved = {op.primitive: (op.repeat, traffic[op.id]) for op in program.ops if op.primitive.startswith("scan_")}
+  moved = {
+    op.primitive: (op.repeat, traffic[op.id])
+    for op in program.ops
+    if op.primitive.startswith("scan_")
+  }
   assert moved["scan_slice"] == (64, 2 * step_bytes)
   assert moved["scan_stack"] == (64, 2 * step_bytes)
 
@@ -448,12 +551,20 @@ def test_conv_batch_group_factor_is_the_kernel_gradients_group(groups):
   and ungrouped convolutions have none."""
   channels = 6
   x, w = jnp.ones((4, channels, 16)), jnp.ones((channels, 1 if groups != "none" else channels, 3))
-  conv = functools.partial(jax.lax.conv_general_dilated, window_strides=(1,), padding="SAME",
-                           feature_group_count=1 if groups == "none" else channels)
+  conv = functools.partial(
+    jax.lax.conv_general_dilated,
+    window_strides=(1,),
+    padding="SAME",
+    feature_group_count=1 if groups == "none" else channels,
+  )
   fn = (lambda x, w: jax.grad(lambda w: conv(x, w).sum())(w)) if groups == "batch" else conv
   convs = [op for op in ir.trace(fn, x, w).ops if op.primitive == "conv_general_dilated"]
-  group_sizes = [op.rule.factor_sizes[f] for op in convs if (f := rules.conv_batch_group_factor(op.rule)) >= 0]
-  assert group_sizes == ([channels] if groups == "batch" else [])  # The gradient's trace has the forward too.
+  group_sizes = [
+    op.rule.factor_sizes[f] for op in convs if (f := rules.conv_batch_group_factor(op.rule)) >= 0
+  ]
+  assert group_sizes == (
+    [channels] if groups == "batch" else []
+  )  # The gradient's trace has the forward too.
 
 
 def test_non_trainable_state_has_a_role_of_its_own():
@@ -461,5 +572,9 @@ def test_non_trainable_state_has_a_role_of_its_own():
   optimizer state."""
   program = workloads.make_workload(workloads.SMALL["wresnet"], abstract=True).trace()
   roles = {program.values[v].path.split("/")[0]: program.values[v].role for v in program.inputs}
-  assert roles == {"params": ir.Role.PARAMETER, "opt_state": ir.Role.OPTIMIZER_STATE, "model_state": ir.Role.STATE,
-                   "batch": ir.Role.INPUT}
+  assert roles == {
+    "params": ir.Role.PARAMETER,
+    "opt_state": ir.Role.OPTIMIZER_STATE,
+    "model_state": ir.Role.STATE,
+    "batch": ir.Role.INPUT,
+  }

@@ -14,13 +14,21 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
 def lint(root: Path) -> subprocess.CompletedProcess:
-  return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=root, capture_output=True, text=True,
-                        env={"PYTHONPATH": str(root), "PATH": ""}, timeout=120)
+  return subprocess.run(
+    [str(LINT_IMPORTS), "--no-cache"],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    env={"PYTHONPATH": str(root), "PATH": ""},
+    timeout=120,
+  )
 
 
 def copy_tree(tmp_path: Path) -> Path:
   for package in PACKAGES:
-    shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+      ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__")
+    )
   shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
   return tmp_path
 
@@ -31,10 +39,16 @@ def test_the_repository_keeps_its_layers():
   assert "1 kept, 0 broken" in result.stdout
 
 
-@pytest.mark.parametrize("module,source", [
+@pytest.mark.parametrize(
+  "module,source",
+  [
     ("envs/upward.py", "from experiments import cli\n"),
-    ("automap_rl/upward.py", "def later():\n  import agents  # A lazy import still counts.\n  return agents\n"),
-])
+    (
+      "automap_rl/upward.py",
+      "def later():\n  import agents  # A lazy import still counts.\n  return agents\n",
+    ),
+  ],
+)
 def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path, module, source):
   root = copy_tree(tmp_path)
   (root / module).write_text(source)
@@ -44,6 +58,11 @@ def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path, modu
 
 
 def test_no_jax_internals():
-  hits = [f"{path.relative_to(ROOT)}:{n}" for package in PACKAGES for path in (ROOT / package).rglob("*.py")
-          for n, line in enumerate(path.read_text().splitlines(), 1) if "jax._src" in line]
+  hits = [
+    f"{path.relative_to(ROOT)}:{n}"
+    for package in PACKAGES
+    for path in (ROOT / package).rglob("*.py")
+    for n, line in enumerate(path.read_text().splitlines(), 1)
+    if "jax._src" in line
+  ]
   assert hits == []

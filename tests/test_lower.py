@@ -8,20 +8,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-from jax.sharding import NamedSharding, PartitionSpec as P
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from automap_rl import ir, simulator, tactics, workloads
+from automap_rl.compile_options import quick_compile_options
 from automap_rl.mesh import make_mesh, spec_axes, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
-from automap_rl.xla.lower import lower, staged_spec
-from automap_rl.xla.numerics import (NumericsError, check_numerics, compare_leaf, compare_outputs, compute_dtype,
-                                     program_depth, reference_outputs)
 from automap_rl.xla.fullsize import implied_cost
-from automap_rl.compile_options import quick_compile_options
 from automap_rl.xla.hlo import inspect_compiled, summarize
 from automap_rl.xla.isolated import CompileAborted, compile_directly
+from automap_rl.xla.lower import lower, staged_spec
+from automap_rl.xla.numerics import (
+  NumericsError,
+  check_numerics,
+  compare_leaf,
+  compare_outputs,
+  compute_dtype,
+  program_depth,
+  reference_outputs,
+)
 from automap_rl.xla.realized import Expected, partitioner_input, sharding_differences
 
 MLP = "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16"
@@ -34,8 +43,13 @@ GNN = "gnn:n_node=64,n_edge=256,node_dim=32,edge_dim=32,latent=128,steps=2,batch
 @functools.cache
 def _setup(spec: str, mesh: str):
   workload = workloads.make_workload(spec)
-  program = ir.trace(workload.step, *workload.args, arg_names=workload.arg_names,
-                     arg_roles=workload.arg_roles, donate_argnums=(0, 1))
+  program = ir.trace(
+    workload.step,
+    *workload.args,
+    arg_names=workload.arg_names,
+    arg_roles=workload.arg_roles,
+    donate_argnums=(0, 1),
+  )
   return workload, Problem.build(program, make_mesh(mesh, "cpu"))
 
 
@@ -46,7 +60,9 @@ def _nbytes(tree) -> int:
 def test_mlp_data_parallel_all_reduces_exactly_the_gradients():
   workload, problem = _setup(MLP, "data=8")
   decisions = tactics.data_parallel(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   # One all-reduce over 'data' of every gradient plus the scalar loss (XLA combines them).
   assert {c.kind for c in lowered.stats.collectives} == {"all-reduce"}
   assert {c.mesh_axes for c in lowered.stats.collectives} == {("data",)}
@@ -64,7 +80,9 @@ def test_mlp_data_parallel_all_reduces_exactly_the_gradients():
 
 def test_gpt_megatron_all_reduces_over_the_model_axis():
   workload, problem = _setup(GPT, "data=2,model=4")
-  lowered = lower(problem, tactics.data_megatron(problem), workload.step, workload.args, isolated=False)
+  lowered = lower(
+    problem, tactics.data_megatron(problem), workload.step, workload.args, isolated=False
+  )
   axes = {(c.kind, c.mesh_axes) for c in lowered.stats.collectives}
   assert ("all-reduce", ("model",)) in axes
   assert ("all-reduce", ("data",)) in axes
@@ -88,9 +106,13 @@ def test_quick_compile_options_leave_what_the_checks_read_unchanged():
   """The checks compile with LLVM's optimisations off (`quick_compile_options`): the
   partitioned module's collectives, flops and memory are those of XLA's default compile."""
   workload, problem = _setup(GPT, "data=2,model=4")
-  lowered = lower(problem, tactics.data_megatron(problem), workload.step, workload.args, isolated=False)
+  lowered = lower(
+    problem, tactics.data_megatron(problem), workload.step, workload.args, isolated=False
+  )
   # XLA's default compile: its fusion emitters on (the tests' XLA_FLAGS turn them off).
-  default = lowered.jitted.lower(*workload.args).compile(compiler_options={"xla_cpu_use_fusion_emitters": True})
+  default = lowered.jitted.lower(*workload.args).compile(
+    compiler_options={"xla_cpu_use_fusion_emitters": True}
+  )
   assert quick_compile_options("cpu")  # The checks' compile differs from the default on CPU...
   stats = inspect_compiled(default, problem.mesh.axis_names, problem.mesh.axis_sizes)
   assert stats == lowered.stats  # ...yet XLA compiled the same module.
@@ -114,7 +136,9 @@ def test_gpt_megatron_all_reduce_bytes_match_the_simulator():
 
 def test_check_numerics_names_the_wrong_leaf():
   workload, problem = _setup(MLP, "data=8")
-  lowered = lower(problem, tactics.data_parallel(problem), workload.step, workload.args, isolated=False)
+  lowered = lower(
+    problem, tactics.data_parallel(problem), workload.step, workload.args, isolated=False
+  )
 
   def wrong(params, opt_state, batch):
     new_params, new_opt_state, loss = workload.step(params, opt_state, batch)
@@ -135,8 +159,13 @@ def test_compare_leaf_tolerates_reference_noise_only():
   zero, lucky = np.zeros(16), np.full(16, 1e-5, np.float32)
   with pytest.raises(NumericsError, match="Output z"):
     compare_leaf("z", zero, lucky, np.full(16, -3e-5, np.float32))
-  compare_leaf("z", zero, lucky, np.full(16, -3e-5, np.float32),
-               perturbed=[np.full(16, 5e-6, np.float32), np.full(16, 2e-5, np.float32)])
+  compare_leaf(
+    "z",
+    zero,
+    lucky,
+    np.full(16, -3e-5, np.float32),
+    perturbed=[np.full(16, 5e-6, np.float32), np.full(16, 2e-5, np.float32)],
+  )
   with pytest.raises(NumericsError, match="2 of 3 elements differ"):
     compare_leaf("i", np.arange(3), np.arange(3, dtype=np.int32), np.array([0, 2, 3], np.int32))
 
@@ -162,7 +191,9 @@ def test_compare_leaf_allows_the_compute_dtypes_rounding_of_what_the_step_change
   with pytest.raises(NumericsError, match="Output p"):  # 5% of the change.
     compare_leaf("p", ref, plain, plain + np.float32(5e-4), compute="bfloat16", before=before)
   moment = np.full(64, 1e-2)  # A new value (an AdamW moment from zero): all of it is change.
-  compare_leaf("m", moment, moment.astype(np.float32), np.float32(moment * 1.01), compute="bfloat16")
+  compare_leaf(
+    "m", moment, moment.astype(np.float32), np.float32(moment * 1.01), compute="bfloat16"
+  )
 
 
 def test_a_bfloat16_step_is_checked_at_the_precision_it_computes_in():
@@ -172,23 +203,33 @@ def test_a_bfloat16_step_is_checked_at_the_precision_it_computes_in():
   float32's precision the plan fails; at bfloat16's it passes, and a doubled update or a
   loss 10% off still fail."""
   workload, problem = _setup(GPT.replace("batch=8", "batch=32") + ",dtype=bfloat16", "data=8")
-  lowered = lower(problem, tactics.data_parallel(problem), workload.step, workload.args, isolated=False)
+  lowered = lower(
+    problem, tactics.data_parallel(problem), workload.step, workload.args, isolated=False
+  )
   assert compute_dtype(problem.program) == lowered.compute_dtype == "bfloat16"
   with pytest.raises(NumericsError, match=r"Output \[0\]"):
-    compare_outputs(reference_outputs(workload.step, workload.args), lowered.run(workload.args), lowered.depth)
+    compare_outputs(
+      reference_outputs(workload.step, workload.args), lowered.run(workload.args), lowered.depth
+    )
   assert check_numerics(workload.step, workload.args, lowered).note == "float64"
-  doubled = lambda params, *rest: (lambda out: (jax.tree.map(lambda new, old: 2 * new - old, out[0], params),
-                                                *out[1:]))(workload.step(params, *rest))
+  doubled = lambda params, *rest: (
+    lambda out: (jax.tree.map(lambda new, old: 2 * new - old, out[0], params), *out[1:])
+  )(workload.step(params, *rest))
   with pytest.raises(NumericsError, match=r"Output \[0\]"):
     check_numerics(doubled, workload.args, lowered)
   with pytest.raises(NumericsError, match=r"Output \[2\]"):
-    check_numerics(lambda *args: (lambda out: (*out[:2], out[2] * 1.1))(workload.step(*args)), workload.args,
-                   lowered)
+    check_numerics(
+      lambda *args: (lambda out: (*out[:2], out[2] * 1.1))(workload.step(*args)),
+      workload.args,
+      lowered,
+    )
 
 
 def test_program_depth_counts_a_loop_body_once_per_trip():
-  program = ir.trace(lambda x: jnp.cos(jax.lax.scan(lambda c, _: (jnp.sin(c) * 2, None), x, None, length=5)[0]),
-                     jnp.ones(3))
+  program = ir.trace(
+    lambda x: jnp.cos(jax.lax.scan(lambda c, _: (jnp.sin(c) * 2, None), x, None, length=5)[0]),
+    jnp.ones(3),
+  )
   # Carry in, 5 trips of sin and mul, carry out, cos.
   assert program_depth(program) == 1 + 5 * 2 + 1 + 1
 
@@ -197,17 +238,31 @@ def _keyed_step(params, state, x):
   """A dropout step whose state holds a typed PRNG key, an int32 counter and a flag."""
   key, sub = jax.random.split(state["key"])
   keep = jax.random.bernoulli(sub, 0.9, x.shape)
-  loss, grad = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(jnp.where(keep, x, 0.0) @ w) ** 2))(params)
-  return params - 0.1 * grad, {"key": key, "count": state["count"] + 1, "done": state["done"] | (loss < 0.01)}, loss
+  loss, grad = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(jnp.where(keep, x, 0.0) @ w) ** 2))(
+    params
+  )
+  return (
+    params - 0.1 * grad,
+    {"key": key, "count": state["count"] + 1, "done": state["done"] | (loss < 0.01)},
+    loss,
+  )
 
 
 def test_typed_prng_keys_integer_and_boolean_state_lower_and_check_numerics():
-  args = (jnp.full((16, 8), 0.1), {"key": jax.random.key(0), "count": jnp.int32(3), "done": jnp.bool_(False)},
-          jnp.asarray(np.random.default_rng(0).normal(size=(32, 16)), jnp.float32))
+  args = (
+    jnp.full((16, 8), 0.1),
+    {"key": jax.random.key(0), "count": jnp.int32(3), "done": jnp.bool_(False)},
+    jnp.asarray(np.random.default_rng(0).normal(size=(32, 16)), jnp.float32),
+  )
   program = ir.trace(_keyed_step, *args, arg_names=("params", "state", "x"))
   problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
-  lowered = lower(problem, [Decision(ArgDim("x", 0), "data"), Decision(ArgDim("params", 1), "model")],
-                  _keyed_step, args, isolated=False)
+  lowered = lower(
+    problem,
+    [Decision(ArgDim("x", 0), "data"), Decision(ArgDim("params", 1), "model")],
+    _keyed_step,
+    args,
+    isolated=False,
+  )
   assert check_numerics(_keyed_step, args, lowered).note == "float64"  # Keys are never cast.
   assert lowered.differences == ()  # A key's trailing key-data dim in HLO is not the plan's.
   _, state, _ = lowered.run(args)
@@ -250,8 +305,14 @@ def _grouped_conv_step(groups: int):
   """A training step of one grouped convolution, NHWC, 16 channels in `groups` groups."""
 
   def loss(kernel, x):
-    y = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                     feature_group_count=groups)
+    y = jax.lax.conv_general_dilated(
+      x,
+      kernel,
+      (1, 1),
+      "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+      feature_group_count=groups,
+    )
     return jnp.sum(jnp.tanh(y) ** 2)
 
   def step(kernel, x):
@@ -259,8 +320,10 @@ def _grouped_conv_step(groups: int):
     return kernel - 0.01 * grad_kernel, grad_x, value
 
   rng = np.random.default_rng(groups)
-  args = (jnp.asarray(rng.normal(size=(3, 3, 16 // groups, 16)) * 0.1, jnp.float32),
-          jnp.asarray(rng.normal(size=(8, 8, 8, 16)), jnp.float32))
+  args = (
+    jnp.asarray(rng.normal(size=(3, 3, 16 // groups, 16)) * 0.1, jnp.float32),
+    jnp.asarray(rng.normal(size=(8, 8, 8, 16)), jnp.float32),
+  )
   program = ir.trace(step, *args, arg_names=("kernel", "x"))
   return step, args, Problem.build(program, make_mesh("data=2,model=4", "cpu"))
 
@@ -283,7 +346,9 @@ def test_a_grouped_convolution_sharded_on_its_features_is_split_by_whole_groups(
 
 
 @pytest.mark.parametrize("groups, axis", [(16, "model"), (4, "data")])
-def test_a_grouped_convolutions_kernel_gradient_with_the_batch_on_part_of_the_mesh_is_right(groups, axis):
+def test_a_grouped_convolutions_kernel_gradient_with_the_batch_on_part_of_the_mesh_is_right(
+  groups, axis
+):
   """The batch on one axis of two: XLA alone all-reduces the kernel gradient's convolution
   over every device and multiplies it by the other axis's size; under the lowering's
   `shard_map` every all-reduce (the kernel gradient's, the loss's) is over the batch's axis."""
@@ -299,8 +364,11 @@ def test_without_the_shard_map_xla_gets_the_kernel_gradient_wrong(monkeypatch):
   """The reproducer of the bug the lowering works around: XLA's own partitioning of the
   same plan gives a kernel gradient 2x too large (a failing check is what this shows)."""
   lower_module = importlib.import_module("automap_rl.xla.lower")
-  monkeypatch.setattr(lower_module, "_conv_binder", lambda pinned, mesh: lambda origin, eqn, invals:
-                      lower_module._bind(eqn, invals))
+  monkeypatch.setattr(
+    lower_module,
+    "_conv_binder",
+    lambda pinned, mesh: lambda origin, eqn, invals: lower_module._bind(eqn, invals),
+  )
   step, args, problem = _grouped_conv_step(16)
   lowered = lower(problem, [Decision(ArgDim("x", 0), "model")], step, args)
   with pytest.raises(NumericsError, match=r"Output \[0\]"):
@@ -316,12 +384,19 @@ def test_an_xla_abort_kills_only_the_child_compile():
 
   def f(kernel, x):
     def loss(kernel, x):
-      y = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                       feature_group_count=2)
+      y = jax.lax.conv_general_dilated(
+        x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2
+      )
       return jnp.sum(jnp.tanh(jax.lax.with_sharding_constraint(y, channels)) ** 2)
-    return tuple(jax.lax.with_sharding_constraint(g, channels) for g in jax.grad(loss, argnums=(0, 1))(kernel, x))
 
-  stage = jax.jit(f, in_shardings=(channels, channels)).lower(jnp.ones((3, 3, 8, 16)), jnp.ones((8, 8, 8, 16)))
+    return tuple(
+      jax.lax.with_sharding_constraint(g, channels)
+      for g in jax.grad(loss, argnums=(0, 1))(kernel, x)
+    )
+
+  stage = jax.jit(f, in_shardings=(channels, channels)).lower(
+    jnp.ones((3, 3, 8, 16)), jnp.ones((8, 8, 8, 16))
+  )
   with pytest.raises(CompileAborted, match=r"^convolution_handler\.cc:\d+: Check failed") as error:
     compile_directly(stage, mesh.devices)
   assert error.value.where.startswith("convolution_handler.cc:")
@@ -333,7 +408,9 @@ def test_an_xla_abort_kills_only_the_child_compile():
 def test_a_plan_xla_cannot_compile_is_a_one_line_error_naming_the_op_and_its_sharding(monkeypatch):
   """Without the pins that split grouped convolutions by whole groups, 2 groups with their
   channels over all 8 devices make XLA reject the partitioned convolution."""
-  lower_module = importlib.import_module("automap_rl.xla.lower")  # The package exports `lower` the function.
+  lower_module = importlib.import_module(
+    "automap_rl.xla.lower"
+  )  # The package exports `lower` the function.
   monkeypatch.setattr(lower_module, "PINNED_PRIMITIVES", frozenset())
   step, args, problem = _grouped_conv_step(2)
   plan = [Decision(ArgDim("x", 3), "model"), Decision(ArgDim("x", 3), "data")]
@@ -341,13 +418,19 @@ def test_a_plan_xla_cannot_compile_is_a_one_line_error_naming_the_op_and_its_sha
     lower(problem, plan, step, args)
   message = str(error.value)
   assert "\n" not in message
-  assert message.startswith("XLA cannot compile the plan (INVALID_ARGUMENT: feature_group_count must be a positive")
-  assert "at conv_general_dilated (op " in message and "[8, 8, 8, 16] P(None, None, None, 'data')" in message
+  assert message.startswith(
+    "XLA cannot compile the plan (INVALID_ARGUMENT: feature_group_count must be a positive"
+  )
+  assert (
+    "at conv_general_dilated (op " in message
+    and "[8, 8, 8, 16] P(None, None, None, 'data')" in message
+  )
 
 
 def test_intermediates_follow_the_plan():
   """A plan sharding the hidden dim of x @ w1 @ w2 makes XLA all-reduce the partial sums of
   the second product, which propagation alone would not decide."""
+
   def f(x, w1, w2):
     return jnp.tanh(x @ w1) @ w2
 
@@ -364,6 +447,7 @@ def test_intermediates_follow_the_plan():
 
 def _scanned(x, w1, w2):
   """Two matmuls per trip of a `jax.lax.scan` over stacked weights."""
+
   def layer(h, ws):
     a, b = ws
     return jnp.tanh(h @ a) @ b, None
@@ -377,22 +461,27 @@ def test_a_scan_body_follows_the_plan():
   prices them. With the body bound whole XLA chose for itself and split the dots over
   `model`, an axis the plan leaves idle. The realized check sees the in-body values."""
   keys = jax.random.split(jax.random.key(0), 3)
-  args = (jax.random.normal(keys[0], (16, 32)), jax.random.normal(keys[1], (3, 32, 64)) / 6,
-          jax.random.normal(keys[2], (3, 64, 32)) / 8)
+  args = (
+    jax.random.normal(keys[0], (16, 32)),
+    jax.random.normal(keys[1], (3, 32, 64)) / 6,
+    jax.random.normal(keys[2], (3, 64, 32)) / 8,
+  )
   program = ir.trace(_scanned, *args, arg_names=("x", "w1", "w2"))
   problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
   decisions = [Decision(ArgDim("x", 0), "data"), Decision(ArgDim("w1", 1), "data")]
   lowered = lower(problem, decisions, _scanned, args, isolated=False)
   layer = 32 * 64 * 4  # One trip's f32 weight matrix.
   assert [(c.kind, c.mesh_axes, c.bytes, c.repeat) for c in lowered.stats.collectives] == [
-      ("all-gather", ("data",), layer, 3)] * 2
+    ("all-gather", ("data",), layer, 3)
+  ] * 2
   assert float(problem.cost(decisions).comm_bytes.sum()) == 2 * 3 * layer
   assert lowered.differences == ()
   check_numerics(_scanned, args, lowered)
   text = partitioner_input(lowered.jitted.lower(*args), lowered.mesh.devices)
   tanh = next(op for op in program.ops if op.primitive == "tanh").results[0]
-  wrong = sharding_differences(text, {}, {tanh: Expected(tanh, "tanh", ((), ("data",)))}, [], ("data", "model"),
-                               (2, 4))
+  wrong = sharding_differences(
+    text, {}, {tanh: Expected(tanh, "tanh", ((), ("data",)))}, [], ("data", "model"), (2, 4)
+  )
   assert [(d.expected, d.actual) for d in wrong] == [("P(None, 'data')", "P('data', None)")]
 
 
@@ -410,7 +499,11 @@ def test_a_dot_summed_over_an_axis_its_value_adds_to_a_split_dim_reduces_and_kee
   args = (jnp.ones((32, 8, 64)), jnp.ones((32, 8, 4, 16)), jnp.ones((4, 32, 16, 64)))
   program = ir.trace(_batched_dot_into_a_residual, *args, arg_names=("h", "a", "b"))
   problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
-  decisions = [Decision(ArgDim("a", 0), "model"), Decision(ArgDim("a", 2), "data"), Decision(ArgDim("h", 0), "data")]
+  decisions = [
+    Decision(ArgDim("a", 0), "model"),
+    Decision(ArgDim("a", 2), "data"),
+    Decision(ArgDim("h", 0), "data"),
+  ]
   dot = next(op for op in program.ops if op.primitive == "dot_general")
   [stored], [(_, [computed])] = problem.value_and_op_specs(decisions, dot.results, [dot.id])
   assert (stored, computed) == (P(("model", "data"), None, None), P("model", None, None))
@@ -425,11 +518,12 @@ def test_a_dot_summed_over_an_axis_its_value_adds_to_a_split_dim_reduces_and_kee
 def _stacked_gradient_step(w, x):
   """A sign-like AdamW update of layers `w` [L, D] from their gradient, stacked by the
   backward layer scan and squared after it."""
+
   def loss(w):
     return jnp.sum(jax.lax.scan(lambda h, wi: (jnp.tanh(h * wi), None), x, w)[0])
 
   g = jax.grad(loss)(w)
-  return w - 0.1 * g / (jnp.sqrt(g ** 2) + 1e-8)
+  return w - 0.1 * g / (jnp.sqrt(g**2) + 1e-8)
 
 
 def test_a_stacked_gradient_gathers_each_iteration_where_its_layer_dim_takes_the_iterations_axis():
@@ -438,16 +532,23 @@ def test_a_stacked_gradient_gathers_each_iteration_where_its_layer_dim_takes_the
   dim. The simulator gathers each iteration's gradient and keeps its layers' slices; left
   to itself XLA stacked the split gradients and moved the stack by all-to-alls after the
   loop (no all-gather), where the square read it before the reshard."""
-  args = (jax.random.normal(jax.random.key(0), (4, 64)), jax.random.normal(jax.random.key(1), (64,)))
+  args = (
+    jax.random.normal(jax.random.key(0), (4, 64)),
+    jax.random.normal(jax.random.key(1), (64,)),
+  )
   program = ir.trace(_stacked_gradient_step, *args, arg_names=("w", "x"))
   problem = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
   decisions = [Decision(ArgDim("w", 0), "model"), Decision(ArgDim("x", 0), "model")]
   squared = next(op for op in program.ops if op.primitive == "integer_pow").operands[0]
-  stacked = next(op for op in program.ops if op.primitive == "scan_stack" and op.results[0] == squared)
+  stacked = next(
+    op for op in program.ops if op.primitive == "scan_stack" and op.results[0] == squared
+  )
   _, [(operand_specs, result_specs)] = problem.value_and_op_specs(decisions, (), [stacked.id])
   assert (tuple(operand_specs[0]), tuple(result_specs[0])) == ((None,), ("model", None))
   lowered = lower(problem, decisions, _stacked_gradient_step, args, isolated=False)
-  gathered = [(c.mesh_axes, c.bytes, c.repeat) for c in lowered.stats.collectives if c.kind == "all-gather"]
+  gathered = [
+    (c.mesh_axes, c.bytes, c.repeat) for c in lowered.stats.collectives if c.kind == "all-gather"
+  ]
   assert gathered == [(("model",), 64 * 4, 4)]  # Each iteration's gradient, in the loop.
   assert float(problem.cost(decisions).comm_bytes[1]) == 4 * 64 * 4  # All-gather bytes, as priced.
   assert lowered.differences == ()
@@ -458,6 +559,7 @@ def test_sharding_differences_report_what_xla_decided_against_a_wrong_expectatio
   """The same compiled module checked against a perturbed plan: w1's stored sharding and
   the first product's result expected on `data` instead of XLA's (and the plan's)
   `model` are both reported, with the value, where it is, and both shardings."""
+
   def f(x, w1, w2):
     return jnp.tanh(x @ w1) @ w2
 
@@ -469,25 +571,44 @@ def test_sharding_differences_report_what_xla_decided_against_a_wrong_expectatio
   w1 = program.inputs[1]
   product = next(op for op in program.ops if op.primitive == "dot_general").results[0]
   right = {"call_args[1]": Expected(w1, "argument w1", ((), ("model",)))}
-  assert sharding_differences(text, right, {product: Expected(product, "x @ w1", ((), ("model",)))}, [],
-                              ("data", "model"), (2, 4)) == ()
+  assert (
+    sharding_differences(
+      text,
+      right,
+      {product: Expected(product, "x @ w1", ((), ("model",)))},
+      [],
+      ("data", "model"),
+      (2, 4),
+    )
+    == ()
+  )
   wrong = {"call_args[1]": Expected(w1, "argument w1", (("data",), ()))}
-  differences = sharding_differences(text, wrong, {product: Expected(product, "x @ w1", ((), ("data",)))}, [],
-                                     ("data", "model"), (2, 4))
+  differences = sharding_differences(
+    text,
+    wrong,
+    {product: Expected(product, "x @ w1", ((), ("data",)))},
+    [],
+    ("data", "model"),
+    (2, 4),
+  )
   assert [(d.value, d.where, d.expected, d.actual) for d in differences] == [
-      (w1, "argument w1", "P('data', None)", "P(None, 'model')"),
-      (product, "x @ w1", "P(None, 'data')", "P(None, 'model')")]
+    (w1, "argument w1", "P('data', None)", "P(None, 'model')"),
+    (product, "x @ w1", "P(None, 'data')", "P(None, 'model')"),
+  ]
 
 
 def _simulated(problem, decisions):
   from automap_rl.xla.validate import simulated_metrics
+
   return simulated_metrics(problem, decisions)
 
 
 def test_fsdp_gathers_each_parameter_once_as_xla_does():
   workload, problem = _setup(MLP, "data=8")
   decisions = tactics.fsdp(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   assert lowered.differences == ()
   gathers = [c for c in lowered.stats.collectives if c.kind == "all-gather"]
   sim = _simulated(problem, decisions)
@@ -502,14 +623,20 @@ def test_a_gnn_gathers_its_node_features_for_the_edges_and_not_its_zero_accumula
   """Data parallelism on a GNN shards the batch's flattened nodes: every edge gather
   all-gathers the node features (senders and receivers once for both), while the zeros
   a segment sum (a scatter-add) accumulates into are made in the sharding it needs."""
-  workload, problem = _setup("gnn:n_node=32,n_edge=64,node_dim=16,edge_dim=16,latent=64,steps=2,batch=8", "data=8")
+  workload, problem = _setup(
+    "gnn:n_node=32,n_edge=64,node_dim=16,edge_dim=16,latent=64,steps=2,batch=8", "data=8"
+  )
   decisions = tactics.data_parallel(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   gathered = sum(c.repeat * c.bytes for c in lowered.stats.collectives if c.kind == "all-gather")
   # Four all-gathers of the node latents [256, 64] f32 and two small ones. Gathering the
   # scatter-adds' zeros too would be 2.5x these bytes.
   assert gathered == 264224
-  assert _simulated(problem, decisions)["comm_bytes_by_kind"]["all-gather"] == pytest.approx(gathered)
+  assert _simulated(problem, decisions)["comm_bytes_by_kind"]["all-gather"] == pytest.approx(
+    gathered
+  )
 
 
 def test_a_scatter_adds_zeros_are_made_in_the_sharding_it_reads_them_on():
@@ -519,18 +646,40 @@ def test_a_scatter_adds_zeros_are_made_in_the_sharding_it_reads_them_on():
   constrained first to their own sharding they were an array that XLA moved there (an
   all-to-all and an all-gather each: 1.24x the all-gathered bytes)."""
   workload, problem = _setup(GNN, "data=2,model=4")
-  decisions = [Decision(Group(group), axis) for group, axis in (
-      (9, "data"), (12, "model"), (2, "model"), (1, "model"), (9, "model"), (14, "model"), (12, "data"))]
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  decisions = [
+    Decision(Group(group), axis)
+    for group, axis in (
+      (9, "data"),
+      (12, "model"),
+      (2, "model"),
+      (1, "model"),
+      (9, "model"),
+      (14, "model"),
+      (12, "data"),
+    )
+  ]
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   assert lowered.differences == ()
   simulated = _simulated(problem, decisions)["comm_bytes_by_kind"]
   for kind in ("all-gather", "all-to-all"):
-    assert sum(c.repeat * c.bytes for c in lowered.stats.collectives if c.kind == kind) == simulated[kind]
+    assert (
+      sum(c.repeat * c.bytes for c in lowered.stats.collectives if c.kind == kind)
+      == simulated[kind]
+    )
 
 
-@pytest.mark.parametrize("spec, mesh, plan", [(MLP, "data=8", "replicated"), (GPT, "data=8", "fsdp"),
-                                              (MLP, "data=2,model=4", "megatron"), (RESNET, "data=8", "data_parallel"),
-                                              (GNN, "data=2,model=4", "megatron")])
+@pytest.mark.parametrize(
+  "spec, mesh, plan",
+  [
+    (MLP, "data=8", "replicated"),
+    (GPT, "data=8", "fsdp"),
+    (MLP, "data=2,model=4", "megatron"),
+    (RESNET, "data=8", "data_parallel"),
+    (GNN, "data=2,model=4", "megatron"),
+  ],
+)
 def test_peak_memory_within_tolerance_of_memory_analysis(spec, mesh, plan):
   """On the ResNet, the group norms' backward recomputes fused intermediates from the
   convolutions' outputs, which stay live until then (25% under before that was modelled).
@@ -538,11 +687,16 @@ def test_peak_memory_within_tolerance_of_memory_analysis(spec, mesh, plan):
   op (30% over when every gathered copy was held at the peak)."""
   workload, problem = _setup(spec, mesh)
   decisions = tactics.TACTICS[plan](problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   assert lowered.differences == ()
   stats = lowered.stats
   # The validated figure: argument + output + temp - alias of `memory_analysis()`.
-  assert stats.peak_bytes == stats.argument_bytes + stats.output_bytes + stats.temp_bytes - stats.alias_bytes
+  assert (
+    stats.peak_bytes
+    == stats.argument_bytes + stats.output_bytes + stats.temp_bytes - stats.alias_bytes
+  )
   assert _simulated(problem, decisions)["peak_memory"] == pytest.approx(stats.peak_bytes, rel=0.15)
 
 
@@ -550,10 +704,13 @@ def test_flops_match_cost_analysis_on_the_mlp_and_gpt():
   # GPT replicated: under data parallelism XLA duplicates fused elementwise work, and the
   # simulated flops are 5% under its count.
   from automap_rl.xla.validate import simulated_flops
+
   for spec, plan in ((MLP, "data_parallel"), (GPT, "replicated")):
     workload, problem = _setup(spec, "data=8")
     decisions = tactics.TACTICS[plan](problem)
-    stats = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False).stats
+    stats = lower(
+      problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    ).stats
     resolution = problem.resolve(*problem.encode(decisions))
     assert simulated_flops(problem, resolution) == pytest.approx(stats.flops, rel=0.02)
 
@@ -570,13 +727,20 @@ def test_a_reduce_scatter_costs_the_all_reduce_xla_on_cpu_runs():
   lowered = lower(cpu, decisions, fn, args, isolated=False)
   assert lowered.differences == ()
   (compiled,) = lowered.stats.collectives
-  assert (compiled.kind, compiled.mesh_axes, compiled.bytes) == ("all-reduce", ("model",), 64 * 32 * 4)
+  assert (compiled.kind, compiled.mesh_axes, compiled.bytes) == (
+    "all-reduce",
+    ("model",),
+    64 * 32 * 4,
+  )
   cost = cpu.cost(decisions)
   assert cost.comm_bytes.tolist() == [compiled.bytes, 0, 0, 0]
-  assert float(cost.comm_time) == pytest.approx(implied_cost(cpu, lowered.stats)["comm_time"], rel=1e-6)
+  assert float(cost.comm_time) == pytest.approx(
+    implied_cost(cpu, lowered.stats)["comm_time"], rel=1e-6
+  )
   gpu = Problem.build(program, make_mesh("data=2,model=4", "h100"))
   assert float(gpu.cost(decisions).comm_time) == pytest.approx(
-      simulator.collective_seconds(gpu.tables, "reduce-scatter", compiled.bytes, 0b10), rel=1e-6)
+    simulator.collective_seconds(gpu.tables, "reduce-scatter", compiled.bytes, 0b10), rel=1e-6
+  )
 
 
 def test_the_implied_compute_is_a_roofline_over_the_compiled_kernels():
@@ -588,12 +752,19 @@ def test_the_implied_compute_is_a_roofline_over_the_compiled_kernels():
   from automap_rl.xla.fullsize import _peak_flops
 
   workload, problem = _setup(MLP, "data=8")
-  lowered = lower(problem, tactics.data_parallel(problem), workload.step, workload.args, donate_argnums=(0, 1),
-                  isolated=False)
+  lowered = lower(
+    problem,
+    tactics.data_parallel(problem),
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+  )
   peak, bandwidth = _peak_flops(problem), problem.mesh.hardware.hbm_bandwidth
   dot, elementwise = (peak, 1.0), (1.0, 2 * bandwidth)  # One second each at the roofline.
-  stats = dataclasses.replace(lowered.stats, kernels=(dot, elementwise), flops=peak + 1.0,
-                              bytes_accessed=2 * bandwidth + 1.0)
+  stats = dataclasses.replace(
+    lowered.stats, kernels=(dot, elementwise), flops=peak + 1.0, bytes_accessed=2 * bandwidth + 1.0
+  )
   assert implied_cost(problem, stats)["compute_time"] == pytest.approx(1.0 + 2.0, rel=1e-9)
 
 
@@ -602,17 +773,32 @@ def test_a_linear_combination_of_partial_sums_reduces_the_buffers_its_sources_ma
   sequence-parallel layer's query, key and value input gradients): XLA reduces the two
   partial sums as the dots made them, [32, 32] each on `data`, in one collective; the
   sum's own sharding over `model` as well does not divide their bytes."""
-  fn, args = (lambda x, w1, w2: x @ w1 + x @ w2), (jnp.ones((64, 128)), jnp.ones((128, 32)), jnp.ones((128, 32)))
+  fn, args = (
+    (lambda x, w1, w2: x @ w1 + x @ w2),
+    (jnp.ones((64, 128)), jnp.ones((128, 32)), jnp.ones((128, 32))),
+  )
   problem = Problem.build(ir.trace(fn, *args), make_mesh("data=2,model=4", "cpu"))
-  decisions = [Decision(ArgDim("arg0", 0), "data"), Decision(ArgDim("arg0", 1), "model"),
-               Decision(ArgDim("arg0", 0), "model")]
+  decisions = [
+    Decision(ArgDim("arg0", 0), "data"),
+    Decision(ArgDim("arg0", 1), "model"),
+    Decision(ArgDim("arg0", 0), "model"),
+  ]
   lowered = lower(problem, decisions, fn, args, isolated=False)
   assert lowered.differences == ()
   (compiled,) = lowered.stats.collectives
-  assert (compiled.kind, compiled.mesh_axes, compiled.bytes) == ("all-reduce", ("model",), 2 * 32 * 32 * 4)
+  assert (compiled.kind, compiled.mesh_axes, compiled.bytes) == (
+    "all-reduce",
+    ("model",),
+    2 * 32 * 32 * 4,
+  )
   cost = problem.cost(decisions)
-  assert (cost.comm_bytes.tolist(), cost.comm_count.tolist()) == ([compiled.bytes, 0, 0, 0], [1, 0, 0, 0])
-  assert float(cost.comm_time) == pytest.approx(implied_cost(problem, lowered.stats)["comm_time"], rel=1e-6)
+  assert (cost.comm_bytes.tolist(), cost.comm_count.tolist()) == (
+    [compiled.bytes, 0, 0, 0],
+    [1, 0, 0, 0],
+  )
+  assert float(cost.comm_time) == pytest.approx(
+    implied_cost(problem, lowered.stats)["comm_time"], rel=1e-6
+  )
 
 
 def test_a_dim_over_two_axes_lays_out_the_axis_its_class_uses_most_as_major():
@@ -626,13 +812,29 @@ def test_a_dim_over_two_axes_lays_out_the_axis_its_class_uses_most_as_major():
   from automap_rl.sharding import Group
   from automap_rl.xla.validate import simulated_flops
 
-  workload, problem = _setup("gpt:size=350m,layers=2,d_model=256,heads=4,seq=128,vocab=256,batch=16,dtype=float32",
-                             "data=4,model=2")
-  query = next(v for v in problem.program.inputs if problem.program.values[v].path == "params/blocks/attn/query/kernel")
-  residual = next(g for g, classes in enumerate(problem.named.groups) if problem.named.class_of(query, 1) in classes)
-  batch = [Decision(ArgDim(f"batch/{name}", 0), axis) for axis in ("model", "data") for name in ("inputs", "targets")]
+  workload, problem = _setup(
+    "gpt:size=350m,layers=2,d_model=256,heads=4,seq=128,vocab=256,batch=16,dtype=float32",
+    "data=4,model=2",
+  )
+  query = next(
+    v
+    for v in problem.program.inputs
+    if problem.program.values[v].path == "params/blocks/attn/query/kernel"
+  )
+  residual = next(
+    g
+    for g, classes in enumerate(problem.named.groups)
+    if problem.named.class_of(query, 1) in classes
+  )
+  batch = [
+    Decision(ArgDim(f"batch/{name}", 0), axis)
+    for axis in ("model", "data")
+    for name in ("inputs", "targets")
+  ]
   decisions = [Decision(Group(residual), "model"), *batch]
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   assert lowered.in_shardings[2]["inputs"].spec == P(("data", "model"), None)
   resolution = problem.resolve(*problem.encode(decisions))
   assert simulated_flops(problem, resolution) == pytest.approx(lowered.stats.flops, rel=0.02)
@@ -646,9 +848,13 @@ def test_an_fsdp_stored_bias_gathers_into_the_megatron_shard_its_readers_use():
   simulated flops and moved 2.5x the bytes."""
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
-  workload, problem = _setup("mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", "data=2,model=4")
+  workload, problem = _setup(
+    "mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", "data=2,model=4"
+  )
   decisions = tactics.applicable(problem)["fsdp_megatron"]
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   assert lowered.in_shardings[0]["mlp/~/linear_0"]["b"].spec == P(("model", "data"))
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   assert compiled["flops"] == pytest.approx(simulated["flops"], rel=0.01)
@@ -666,12 +872,19 @@ def test_a_normalizations_input_and_statistics_go_through_memory():
   from automap_rl.mesh import HARDWARE
 
   workload = workloads.make_workload(RESNET)
-  program = ir.trace(workload.step, *workload.args, arg_names=workload.arg_names, arg_roles=workload.arg_roles,
-                     donate_argnums=(0, 1))
+  program = ir.trace(
+    workload.step,
+    *workload.args,
+    arg_names=workload.arg_names,
+    arg_roles=workload.arg_roles,
+    donate_argnums=(0, 1),
+  )
   hardware = dataclasses.replace(HARDWARE["a100-40g"], multi_output_fusion=False)
   problem = Problem.build(program, make_mesh("data=8", hardware))
   decisions = tactics.data_parallel(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   implied = implied_cost(problem, lowered.stats)["compute_time"]
   assert implied / 2 < float(problem.cost(decisions).compute_time) <= implied
 
@@ -683,13 +896,19 @@ def test_a_split_along_a_sharded_dim_gathers_its_operand_once():
   pairs: 24 collective-permutes and four all-gathers a step."""
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
-  workload, problem = _setup("lstm:layers=1,cells=256,d_model=256,seq=4,vocab=256,batch=16", "data=2,model=4")
+  workload, problem = _setup(
+    "lstm:layers=1,cells=256,d_model=256,seq=4,vocab=256,batch=16", "data=2,model=4"
+  )
   decisions = [Decision(ArgDim("params/layers/w_recurrent", 2), "model")]
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   compiled = compiled_metrics(lowered.stats)
   assert compiled["collective_permute_count"] == 0
   simulated = simulated_metrics(problem, decisions)
-  assert compiled["comm_count_by_kind"]["all-gather"] == simulated["comm_count_by_kind"]["all-gather"]
+  assert (
+    compiled["comm_count_by_kind"]["all-gather"] == simulated["comm_count_by_kind"]["all-gather"]
+  )
 
 
 def test_partial_sums_over_two_reduction_factors_are_all_reduced_one_factor_at_a_time():
@@ -702,10 +921,13 @@ def test_partial_sums_over_two_reduction_factors_are_all_reduced_one_factor_at_a
   spec = "t5:size=base,batch=16,layers=1,d_model=64,heads=4,d_ff=128,seq=32,vocab=128,dtype=float32"
   workload, problem = _setup(spec, "data=2,model=4")
   decisions = tactics.sequence_parallel(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
-  assert simulated["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(compiled["comm_bytes_by_kind"]["all-reduce"],
-                                                                       rel=0.02)
+  assert simulated["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(
+    compiled["comm_bytes_by_kind"]["all-reduce"], rel=0.02
+  )
 
 
 def test_reads_of_one_value_on_different_shardings_each_pay_their_own_collective():
@@ -717,13 +939,21 @@ def test_reads_of_one_value_on_different_shardings_each_pay_their_own_collective
   Under the plan, only reads resharded to the same sharding share."""
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
-  workload, problem = _setup("gpt:layers=2,d_model=128,heads=4,seq=64,vocab=256,batch=16", "data=2,model=4")
+  workload, problem = _setup(
+    "gpt:layers=2,d_model=128,heads=4,seq=64,vocab=256,batch=16", "data=2,model=4"
+  )
   decisions = tactics.sequence_parallel(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   for kind in ("all-gather", "all-to-all"):
-    assert simulated["comm_count_by_kind"][kind] == pytest.approx(compiled["comm_count_by_kind"][kind])
-    assert simulated["comm_bytes_by_kind"][kind] == pytest.approx(compiled["comm_bytes_by_kind"][kind], rel=1e-6)
+    assert simulated["comm_count_by_kind"][kind] == pytest.approx(
+      compiled["comm_count_by_kind"][kind]
+    )
+    assert simulated["comm_bytes_by_kind"][kind] == pytest.approx(
+      compiled["comm_bytes_by_kind"][kind], rel=1e-6
+    )
 
 
 @pytest.mark.parametrize("mesh, shards", [("data=2,model=4", 2), ("data=4,model=2", 1)])
@@ -737,12 +967,17 @@ def test_a_weight_gradient_stored_split_is_computed_split_over_the_idle_axis(mes
 
   workload, problem = _setup("mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", mesh)
   decisions = tactics.fsdp(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
-  weights = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(workload.args[0]) if x.ndim == 2)
+  weights = sum(
+    x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(workload.args[0]) if x.ndim == 2
+  )
   assert compiled["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(weights / shards, rel=0.05)
-  assert simulated["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(compiled["comm_bytes_by_kind"]["all-reduce"],
-                                                                       rel=1e-6)
+  assert simulated["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(
+    compiled["comm_bytes_by_kind"]["all-reduce"], rel=1e-6
+  )
   assert (compiled["collective_permute_count"] > 0) == (shards > 1)
 
 
@@ -751,9 +986,13 @@ def test_a_dot_that_splits_its_batch_still_reads_its_weight_whole():
   multiply one row by the whole recurrent weight, so their time is the weight's traffic.
   The simulator divided an op's traffic by all its shards (0.63x the compiled compute);
   each operand and result now moves its share as the op computes on it."""
-  workload, problem = _setup("lstm:layers=1,cells=512,d_model=256,seq=32,vocab=256,batch=8", "data=8")
+  workload, problem = _setup(
+    "lstm:layers=1,cells=512,d_model=256,seq=32,vocab=256,batch=8", "data=8"
+  )
   decisions = tactics.data_parallel(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   compiled = implied_cost(problem, lowered.stats)["compute_time"]
   assert float(problem.cost(decisions).compute_time) == pytest.approx(compiled, rel=0.1)
 
@@ -774,7 +1013,9 @@ def test_an_op_whose_result_is_never_used_costs_nothing():
   lowered = lower(problem, decisions, aggregate, args, isolated=False)
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   assert compiled["comm_bytes_by_kind"]["all-reduce"] == 64 * 32 * 4
-  assert simulated["comm_bytes_by_kind"]["all-reduce"] == compiled["comm_bytes_by_kind"]["all-reduce"]
+  assert (
+    simulated["comm_bytes_by_kind"]["all-reduce"] == compiled["comm_bytes_by_kind"]["all-reduce"]
+  )
 
 
 @given(st.data())
@@ -796,19 +1037,27 @@ def test_a_staged_reshard_first_moves_axes_then_only_gathers(data):
   have, want = spec_axes(stored, rank), spec_axes(required, rank)
   wanted = {a for dim in want for a in dim}
   gathered = {a for dim in have for a in dim} - wanted
-  moved = any(a in wanted and a not in dim_want for dim_have, dim_want in zip(have, want) for a in dim_have)
+  moved = any(
+    a in wanted and a not in dim_want for dim_have, dim_want in zip(have, want) for a in dim_have
+  )
   if not gathered or not moved:
     assert middle is None
     return
   staged = spec_axes(middle, rank)
-  assert {a for dim in staged for a in dim} == {a for dim in have + want for a in dim}  # Slices are free.
+  assert {a for dim in staged for a in dim} == {
+    a for dim in have + want for a in dim
+  }  # Slices are free.
   for dim_staged, dim_want in zip(staged, want):
-    assert dim_staged[:len(dim_want)] == dim_want and set(dim_staged[len(dim_want):]) <= gathered
+    assert dim_staged[: len(dim_want)] == dim_want and set(dim_staged[len(dim_want) :]) <= gathered
 
 
-@pytest.mark.parametrize("stored, required", [(P(("data", "model"), None), P(None, "model")),
-                                              (P(("data", "model"), None), P(None, "data"))])
-def test_through_the_staged_sharding_xla_moves_a_shard_where_at_once_it_gathers_the_whole_array(stored, required):
+@pytest.mark.parametrize(
+  "stored, required",
+  [(P(("data", "model"), None), P(None, "model")), (P(("data", "model"), None), P(None, "data"))],
+)
+def test_through_the_staged_sharding_xla_moves_a_shard_where_at_once_it_gathers_the_whole_array(
+  stored, required
+):
   """An array split over (data, model) on its rows, read split over one of them on its
   columns: asked for that at once, XLA's partitioner gathers the whole array over all 8
   devices and slices it; through `staged_spec` it does one all-to-all and gathers only the
@@ -823,14 +1072,17 @@ def test_through_the_staged_sharding_xla_moves_a_shard_where_at_once_it_gathers_
       for spec in specs:
         a = jax.lax.with_sharding_constraint(a + 1.0, NamedSharding(mesh, spec))
       return a * 2.0
+
     stats = inspect_compiled(jax.jit(f).lower(x).compile(), ("data", "model"), (2, 4))
     return sorted((c.kind, c.bytes) for c in stats.collectives)
 
   assert gathered([stored, required]) == [("all-gather", 64 * 32 * 4)]
   staged = gathered([stored, staged_spec(stored, required, 2), required])
   # Where the moved axis is the rows' major one, XLA also permutes a shard between devices.
-  assert [c for c in staged if c[0] != "collective-permute"] == [("all-gather", 64 * columns * 4),
-                                                                 ("all-to-all", 64 * 32 * 4 // 8)]
+  assert [c for c in staged if c[0] != "collective-permute"] == [
+    ("all-gather", 64 * columns * 4),
+    ("all-to-all", 64 * 32 * 4 // 8),
+  ]
   assert all(nbytes == 64 * 32 * 4 // 8 for kind, nbytes in staged if kind == "collective-permute")
 
 
@@ -843,15 +1095,30 @@ def test_a_gnn_splits_its_edge_features_where_they_are_and_moves_the_pieces_as_p
   collective-permutes and gathered whole arrays (1.95x the simulated bytes)."""
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
-  workload, problem = _setup("gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8",
-                             "data=2,model=4")
-  decisions = [Decision(Group(g), axis) for g, axis in
-               [(9, "data"), (12, "model"), (2, "model"), (1, "model"), (9, "model"), (14, "model"), (12, "data")]]
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  workload, problem = _setup(
+    "gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8", "data=2,model=4"
+  )
+  decisions = [
+    Decision(Group(g), axis)
+    for g, axis in [
+      (9, "data"),
+      (12, "model"),
+      (2, "model"),
+      (1, "model"),
+      (9, "model"),
+      (14, "model"),
+      (12, "data"),
+    ]
+  ]
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   compiled, simulated = compiled_metrics(lowered.stats), simulated_metrics(problem, decisions)
   assert lowered.differences == ()
   assert compiled["collective_permute_count"] == 0
-  moved = lambda metrics: sum(metrics["comm_bytes_by_kind"][k] for k in ("all-gather", "all-to-all"))
+  moved = lambda metrics: sum(
+    metrics["comm_bytes_by_kind"][k] for k in ("all-gather", "all-to-all")
+  )
   assert moved(simulated) <= moved(compiled) <= 1.2 * moved(simulated)
 
 
@@ -860,12 +1127,18 @@ def test_a_gnns_megatron_expert_is_realized_where_the_propagation_reshards_a_sum
   and is stored split over it. XLA's propagation reshards the stored sum again for the
   concatenate that reads it, a copy named like the value's constraint: that copy is the
   reader's, not the value's sharding (it was reported as two values XLA shards otherwise)."""
-  workload, problem = _setup("gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8",
-                             "data=2,model=4")
+  workload, problem = _setup(
+    "gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8", "data=2,model=4"
+  )
   decisions = tactics.data_megatron(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
   assert lowered.differences == ()
-  scatters = [op for op in problem.program.ops if op.primitive == "scatter-add"
-              and problem.program.values[op.results[0]].dtype == "float32"]
+  scatters = [
+    op
+    for op in problem.program.ops
+    if op.primitive == "scatter-add" and problem.program.values[op.results[0]].dtype == "float32"
+  ]
   specs = problem.partition_specs(decisions, [op.results[0] for op in scatters])
   assert P("data", "model") in specs  # A sum stored otherwise than it is computed is checked.

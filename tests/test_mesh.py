@@ -42,17 +42,17 @@ def test_links_block_must_divide_node():
 
 
 @pytest.mark.parametrize(
-    "spec, message",
-    [
-        ("data2", "'data2'"),
-        ("data=2,,model=4", "''"),
-        ("data=two", "'data=two'"),
-        ("=4", "'=4'"),
-        ("data=0", "'data' has size 0"),
-        ("data=-1", "'data' has size -1"),
-        ("data=2,data=4", "Duplicate axis name 'data'"),
-        ("1x=2", "'1x'"),
-    ],
+  "spec, message",
+  [
+    ("data2", "'data2'"),
+    ("data=2,,model=4", "''"),
+    ("data=two", "'data=two'"),
+    ("=4", "'=4'"),
+    ("data=0", "'data' has size 0"),
+    ("data=-1", "'data' has size -1"),
+    ("data=2,data=4", "Duplicate axis name 'data'"),
+    ("1x=2", "'1x'"),
+  ],
 )
 def test_make_mesh_errors_name_the_bad_part(spec, message):
   with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -68,7 +68,16 @@ def test_unknown_axis_and_hardware_errors():
 
 
 def test_hardware_profiles_are_complete():
-  assert set(mesh_lib.HARDWARE) == {"h100", "h200", "a100", "a100-40g", "a100-80g", "tpu-v4", "tpu-v5e", "cpu"}
+  assert set(mesh_lib.HARDWARE) == {
+    "h100",
+    "h200",
+    "a100",
+    "a100-40g",
+    "a100-80g",
+    "tpu-v4",
+    "tpu-v5e",
+    "cpu",
+  }
   for name, hw in mesh_lib.HARDWARE.items():
     assert hw.name == name
     assert set(hw.flops) == {"float32", "bfloat16", "float16", "int8"}
@@ -89,6 +98,7 @@ def test_to_jax_mesh():
 
 def test_to_jax_mesh_too_few_devices():
   m = mesh_lib.make_mesh("data=4,model=8", "cpu")
-  with pytest.raises(ValueError, match="needs 32 devices but only 8.*"
-                     "xla_force_host_platform_device_count"):
+  with pytest.raises(
+    ValueError, match="needs 32 devices but only 8.*xla_force_host_platform_device_count"
+  ):
     mesh_lib.to_jax_mesh(m)

@@ -23,7 +23,9 @@ CONFIG = gumbel.GumbelConfig(gumbel=gumbel.GumbelSettings(num_simulations=16), m
 
 @functools.cache
 def problem(spec: str, mesh: str) -> Problem:
-  return Problem.build(workloads.make_workload(spec, abstract=True).trace(), make_mesh(mesh, "h100"))
+  return Problem.build(
+    workloads.make_workload(spec, abstract=True).trace(), make_mesh(mesh, "h100")
+  )
 
 
 @functools.cache
@@ -43,7 +45,9 @@ def played(spec: tuple[str, str], moves: int = 2) -> core.State:
   if moves == 0:
     return jax.jit(env(*spec).init)(jax.random.key(0))
   state = played(spec, moves - 1)
-  return stepper(spec)(state, jnp.int32(np.flatnonzero(np.asarray(state.legal_action_mask)[:-1])[0]))
+  return stepper(spec)(
+    state, jnp.int32(np.flatnonzero(np.asarray(state.legal_action_mask)[:-1])[0])
+  )
 
 
 NET = network.Network()
@@ -84,7 +88,9 @@ def test_head_on_cached_embeddings_is_the_full_forward():
   full = jax.jit(NET.apply)(params(), e.tables, played(GPT))
   for a, b in zip(cached, full):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-  assert not np.allclose(np.asarray(cached[0]), np.asarray(forward(GPT, 1)[0]))  # The head reads the state.
+  assert not np.allclose(
+    np.asarray(cached[0]), np.asarray(forward(GPT, 1)[0])
+  )  # The head reads the state.
 
 
 @pytest.mark.slow
@@ -94,13 +100,17 @@ def test_outputs_do_not_depend_on_padding():
   specs = (MLP, GPT)
   config = EnvConfig(max_decisions=64, max_axes=2)
   tables, _ = batch_tables([problem(*spec) for spec in specs], config)
-  states = jax.vmap(functools.partial(core.init, config), in_axes=(0, None))(tables, jax.random.key(0))
+  states = jax.vmap(functools.partial(core.init, config), in_axes=(0, None))(
+    tables, jax.random.key(0)
+  )
   step = jax.jit(jax.vmap(functools.partial(core.step, config)))
   for move in range(2):
     actions = []
     for spec in specs:
-      target, axis = divmod(int(np.flatnonzero(np.asarray(played(spec, move).legal_action_mask)[:-1])[0]),
-                            env(*spec).config.max_axes)
+      target, axis = divmod(
+        int(np.flatnonzero(np.asarray(played(spec, move).legal_action_mask)[:-1])[0]),
+        env(*spec).config.max_axes,
+      )
       actions.append(target * 2 + axis)
     states = step(tables, states, jnp.asarray(actions, jnp.int32))
   graphs, features = jax.jit(jax.vmap(network.observation))(tables, states)
@@ -118,8 +128,10 @@ def test_outputs_do_not_depend_on_padding():
     exact = observation(e.tables, state)[1]
     padded_rows = slice(num_nodes - 1 - num_targets, num_nodes - 1 - num_targets + t)
     legal = jnp.zeros(tables.num_actions, bool).at[-1].set(True)
-    legal = legal.at[:-1].set(legal[:-1].reshape(-1, 2).at[:t, :x].set(exact.legal[:-1].reshape(t, x)).reshape(-1))
-    row = row.replace(axes=row.axes.at[padded_rows, :x].set(exact.axes[-1 - t:-1]), legal=legal)
+    legal = legal.at[:-1].set(
+      legal[:-1].reshape(-1, 2).at[:t, :x].set(exact.legal[:-1].reshape(t, x)).reshape(-1)
+    )
+    row = row.replace(axes=row.axes.at[padded_rows, :x].set(exact.axes[-1 - t : -1]), legal=legal)
     logits, value = head(params(), encode(params(), jax.tree.map(lambda a: a[b], graphs)), row)
     want_logits, want_value = forward(spec)
     got = np.asarray(logits[:-1]).reshape(-1, 2)[:t, :x].reshape(-1)
@@ -134,19 +146,27 @@ def test_uniform_gumbel_is_seeded_budgeted_and_matches_data_parallel():
   a = gumbel.search(p, CONFIG, seed=5, budget=240)
   b = gumbel.search(p, CONFIG, seed=5, budget=240)
   assert a.decisions == b.decisions
-  assert [(t.simulations, t.step_time) for t in a.trace] == [(t.simulations, t.step_time) for t in b.trace]
+  assert [(t.simulations, t.step_time) for t in a.trace] == [
+    (t.simulations, t.step_time) for t in b.trace
+  ]
   assert 0 < a.simulations <= 240
   assert float(a.cost.step_time) == pytest.approx(float(p.cost(a.decisions).step_time), rel=1e-4)
   assert a.step_time <= float(p.cost(tactics.data_parallel(p)).step_time) * 1.0001
-  small = gumbel.search(p, CONFIG, seed=5, budget=7)  # Less than one search: a shorter loop, same compile.
+  small = gumbel.search(
+    p, CONFIG, seed=5, budget=7
+  )  # Less than one search: a shorter loop, same compile.
   assert 0 < small.simulations <= 7
 
 
 def test_learned_prior_run_search_on_a_mixed_batch():
   config = EnvConfig(max_decisions=64, max_axes=2)
   tables, _ = batch_tables([problem(*MLP), problem(*GPT)], config)
-  states = jax.vmap(functools.partial(core.init, config), in_axes=(0, None))(tables, jax.random.key(0))
-  action, weights, value = gumbel.run_search(params(), tables, states, jax.random.key(2), CONFIG, config)
+  states = jax.vmap(functools.partial(core.init, config), in_axes=(0, None))(
+    tables, jax.random.key(0)
+  )
+  action, weights, value = gumbel.run_search(
+    params(), tables, states, jax.random.key(2), CONFIG, config
+  )
   assert action.shape == (2,) and weights.shape == (2, tables.num_actions) and value.shape == (2,)
   legal = np.asarray(states.legal_action_mask)
   assert legal[np.arange(2), np.asarray(action)].all()
@@ -163,21 +183,47 @@ def test_a_search_over_one_programs_states_is_the_batched_search():
   env = Env.build(problem(*GPT), config)
   count = 3
   key = jax.random.key(0)
-  states = jax.vmap(env.init)(jax.random.split(key, count))  # Three episodes from the replicated plan.
+  states = jax.vmap(env.init)(
+    jax.random.split(key, count)
+  )  # Three episodes from the replicated plan.
   embeddings = jax.jit(NET.encode)(params(), network.static_graph(env.tables, env.init(key)))
   copies = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (count,) + x.shape), tree)
   limit = jnp.int32(CONFIG.gumbel.num_simulations)
   search = jax.jit(gumbel.policy, static_argnames=("config", "env_config", "batched"))
-  one = search(params(), embeddings, env.tables, states, jax.random.key(3), limit, CONFIG, config, batched=False)
-  many = search(params(), copies(embeddings), copies(env.tables), states, jax.random.key(3), limit, CONFIG, config,
-                batched=True)
+  one = search(
+    params(),
+    embeddings,
+    env.tables,
+    states,
+    jax.random.key(3),
+    limit,
+    CONFIG,
+    config,
+    batched=False,
+  )
+  many = search(
+    params(),
+    copies(embeddings),
+    copies(env.tables),
+    states,
+    jax.random.key(3),
+    limit,
+    CONFIG,
+    config,
+    batched=True,
+  )
   np.testing.assert_array_equal(one.action, many.action)
   np.testing.assert_allclose(one.action_weights, many.action_weights, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(one.search_tree.children_index, many.search_tree.children_index)
-  np.testing.assert_allclose(one.search_tree.embeddings.objective, many.search_tree.embeddings.objective, rtol=1e-6)
+  np.testing.assert_allclose(
+    one.search_tree.embeddings.objective, many.search_tree.embeddings.objective, rtol=1e-6
+  )
 
 
-PIPED = ("gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=true", "data=2,fsdp=2,model=2")
+PIPED = (
+  "gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=true",
+  "data=2,fsdp=2,model=2",
+)
 
 
 def test_one_parameter_tree_reads_environments_with_and_without_pipeline_options():
@@ -187,8 +233,12 @@ def test_one_parameter_tree_reads_environments_with_and_without_pipeline_options
   p = problem(*PIPED)
   piped = Env.build(p, EnvConfig(max_decisions=64, max_axes=3, pipelines=4))
   plain = Env.build(p, EnvConfig(max_decisions=64, max_axes=3))
-  shapes = [jax.tree.map(jnp.shape, jax.eval_shape(NET.init, jax.random.key(0), e.tables, e.init(jax.random.key(0))))
-            for e in (piped, plain)]
+  shapes = [
+    jax.tree.map(
+      jnp.shape, jax.eval_shape(NET.init, jax.random.key(0), e.tables, e.init(jax.random.key(0)))
+    )
+    for e in (piped, plain)
+  ]
   assert shapes[0] == shapes[1]
   parameters = jax.jit(NET.init)(jax.random.key(1), plain.tables, plain.init(jax.random.key(0)))
   root = jax.jit(piped.init)(jax.random.key(0))
@@ -199,11 +249,15 @@ def test_one_parameter_tree_reads_environments_with_and_without_pipeline_options
   np.testing.assert_array_equal(finite, [*range(moves, moves + options), piped.stop_action])
   kinds = [None if o is None else (o.stages, o.microbatches) for o in piped.pipelines]
   assert len(set(kinds)) > 2
-  option_logits = dict(zip(kinds, np.asarray(logits)[moves:moves + options]))  # Axes alike here: same link.
-  assert len(set(option_logits.values())) == len(option_logits), "options of other S and M share a logit"
+  option_logits = dict(
+    zip(kinds, np.asarray(logits)[moves : moves + options])
+  )  # Axes alike here: same link.
+  assert len(set(option_logits.values())) == len(option_logits), (
+    "options of other S and M share a logit"
+  )
   chosen = jax.jit(piped.step)(root, jnp.int32(moves + options - 1))
   after, _ = jax.jit(NET.apply)(parameters, piped.tables, chosen)
-  assert (np.asarray(after)[moves:moves + 4] == network.MASKED_LOGIT).all()
+  assert (np.asarray(after)[moves : moves + 4] == network.MASKED_LOGIT).all()
   assert (np.asarray(after)[:moves] > network.MASKED_LOGIT / 2).any()
 
 
@@ -213,21 +267,35 @@ def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
   from agents import checkpoint, learned
 
   # Four nodes: `data` crosses them, and pipeline stages pay.
-  p = problem("gpt:layers=4,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true", "data=4,fsdp=2,model=4")
+  p = problem(
+    "gpt:layers=4,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true", "data=4,fsdp=2,model=4"
+  )
   config = network.NetworkConfig(pipelines=6)
   e = Env.build(p, EnvConfig(max_axes=3, pipelines=6))
   root = jax.jit(e.init)(jax.random.key(0))  # Jitted: op by op, each primitive compiles alone.
-  checkpoint.save_policy(str(tmp_path), jax.jit(network.Network(config).init)(jax.random.key(0), e.tables, root), config)
+  checkpoint.save_policy(
+    str(tmp_path), jax.jit(network.Network(config).init)(jax.random.key(0), e.tables, root), config
+  )
   assert learned.load_network(str(tmp_path)).config.pipelines == 6
   # From the replicated plan and the pipeline options, not the best expert's plan, which an
   # untrained policy's paths do not improve on here; of those paths a pipelined one is best.
-  result = learned.search(p, learned.LearnedConfig(checkpoint=str(tmp_path), from_expert=False), seed=0, budget=32)
-  assert result.greedy_steps >= len(e.pipelines)  # A greedy path from each option before the search.
+  result = learned.search(
+    p, learned.LearnedConfig(checkpoint=str(tmp_path), from_expert=False), seed=0, budget=32
+  )
+  assert result.greedy_steps >= len(
+    e.pipelines
+  )  # A greedy path from each option before the search.
   assert result.pipeline is not None and result.actions[0] == str(result.pipeline)
-  assert result.step_time == pytest.approx(float(p.plan_cost(result.decisions, result.pipeline).step_time), rel=1e-5)
+  assert result.step_time == pytest.approx(
+    float(p.plan_cost(result.decisions, result.pipeline).step_time), rel=1e-5
+  )
   with pytest.raises(ValueError, match="6 pipeline options"):
-    gumbel.search(p, gumbel.GumbelConfig(network=config), budget=10, params=learned.load_policy(
-        str(tmp_path), e.tables, root)[1])
+    gumbel.search(
+      p,
+      gumbel.GumbelConfig(network=config),
+      budget=10,
+      params=learned.load_policy(str(tmp_path), e.tables, root)[1],
+    )
 
 
 def test_episodes_from_a_start_below_the_root_search_below_it():
@@ -241,11 +309,14 @@ def test_episodes_from_a_start_below_the_root_search_below_it():
     state, prefix = agents_base.row(search.children(state, [action]), 0), prefix + [action]
   offered = []
   offer = track.offer
-  track.offer = lambda objective, step_time, actions, at=None: offered.append(list(actions)) or offer(
-      objective, step_time, actions, at)
+  track.offer = lambda objective, step_time, actions, at=None: (
+    offered.append(list(actions)) or offer(objective, step_time, actions, at)
+  )
   gumbel.play([gumbel.Start(search, state, tuple(prefix))], track, CONFIG, 0, None, None)
   assert offered and all(a[:2] == prefix and len(a) > 2 for a in offered)
   assert 0 < track.simulations <= 24
   result = track.result()
   assert result.action_ids[:2] == tuple(prefix)
-  assert result.objective == pytest.approx(agents_base.plan_objective(p, p.cost(result.decisions)), rel=1e-5)
+  assert result.objective == pytest.approx(
+    agents_base.plan_objective(p, p.cost(result.decisions)), rel=1e-5
+  )

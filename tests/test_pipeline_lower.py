@@ -20,9 +20,9 @@ GPT = "gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=true"
 # state-space model in Equinox (its stack under the batch's vmap, a scan over time inside).
 # Each family's spec and the width of its residual stream (what crosses between stages).
 FAMILIES = {
-    "gpt": (GPT, 64),
-    "llama": ("llama:layers=4,d_model=64,heads=4,kv_heads=2,d_ff=128,seq=16,vocab=64,batch=8", 64),
-    "ssm": ("ssm:layers=4,d_model=32,seq=16,vocab=64,batch=8", 32),
+  "gpt": (GPT, 64),
+  "llama": ("llama:layers=4,d_model=64,heads=4,kv_heads=2,d_ff=128,seq=16,vocab=64,batch=8", 64),
+  "ssm": ("ssm:layers=4,d_model=32,seq=16,vocab=64,batch=8", 32),
 }
 
 
@@ -36,7 +36,9 @@ def problem(mesh: str, spec: str = GPT) -> Problem:
   return Problem.build(workload(spec).trace(), make_mesh(mesh, "h100"))
 
 
-def pipelined_plan(mesh: str, tactic, microbatches: int, bare: bool = False, spec: str = GPT) -> Plan:
+def pipelined_plan(
+  mesh: str, tactic, microbatches: int, bare: bool = False, spec: str = GPT
+) -> Plan:
   """The tactic's plan of `spec` on `mesh`, run as GPipe with `microbatches`."""
   p = problem(mesh, spec)
   decisions, pipeline = tactic(p)
@@ -46,7 +48,9 @@ def pipelined_plan(mesh: str, tactic, microbatches: int, bare: bool = False, spe
   return Plan(w.step, w.args, p, decisions, pipeline=pipeline, **training)
 
 
-TWO_LAYERS_A_STAGE = GPT.replace("layers=4", "layers=8")  # Over 4 stages, each runs a loop of 2 layers.
+TWO_LAYERS_A_STAGE = GPT.replace(
+  "layers=4", "layers=8"
+)  # Over 4 stages, each runs a loop of 2 layers.
 
 
 @functools.cache
@@ -60,20 +64,40 @@ def compiled_module(tactic, spec: str = GPT):
 
   plan = pipelined_plan("stage=4,data=2", tactic, 4, spec=spec)
   w = workload(spec)
-  lowered = lower_pipelined(plan.problem, plan.decisions, plan.pipeline, w.loss_fn, w.optimizer, w.args,
-                            to_jax_mesh(plan.problem.mesh), DONATE_ARGNUMS, isolated=False)
+  lowered = lower_pipelined(
+    plan.problem,
+    plan.decisions,
+    plan.pipeline,
+    w.loss_fn,
+    w.optimizer,
+    w.args,
+    to_jax_mesh(plan.problem.mesh),
+    DONATE_ARGNUMS,
+    isolated=False,
+  )
   return plan, hlo.parse_module(lowered.compiled.as_text())
 
 
 # GPT as GPipe over 4 stages and with Megatron inside 2 stages (the SSM and Llama, the
 # other families with Megatron, and more microbatches in `make test-all`).
-@pytest.mark.parametrize("family,mesh,tactic,microbatches", [
-    pytest.param(family, mesh, tactic, microbatches,
-                 marks=[pytest.mark.slow] if microbatches > 4 or family != "gpt" else [])
+@pytest.mark.parametrize(
+  "family,mesh,tactic,microbatches",
+  [
+    pytest.param(
+      family,
+      mesh,
+      tactic,
+      microbatches,
+      marks=[pytest.mark.slow] if microbatches > 4 or family != "gpt" else [],
+    )
     for family in sorted(FAMILIES)
-    for mesh, tactic in (("stage=2,data=2,model=2", tactics.megatron_3d), ("stage=4,data=2", tactics.pipeline))
+    for mesh, tactic in (
+      ("stage=2,data=2,model=2", tactics.megatron_3d),
+      ("stage=4,data=2", tactics.pipeline),
+    )
     for microbatches in (4, 8)
-])
+  ],
+)
 def test_pipelined_step_matches_the_unpartitioned_step(family, mesh, tactic, microbatches):
   spec, width = FAMILIES[family]
   plan = pipelined_plan(mesh, tactic, microbatches, spec=spec)
@@ -82,8 +106,11 @@ def test_pipelined_step_matches_the_unpartitioned_step(family, mesh, tactic, mic
   lowered = plan.check()  # Outputs, parameters and optimizer state against the unpartitioned step.
   # The stage transfers: forward and backward, once per loop iteration. (Permutes over the
   # other axes are resharding inside a stage that XLA's propagation chose.)
-  transfers = [c for c in lowered.stats.collectives
-               if c.kind == "collective-permute" and c.repeat > 1 and c.mesh_axes == ("stage",)]
+  transfers = [
+    c
+    for c in lowered.stats.collectives
+    if c.kind == "collective-permute" and c.repeat > 1 and c.mesh_axes == ("stage",)
+  ]
   assert len(transfers) >= 2 and all(c.repeat == microbatches + stages - 1 for c in transfers)
   # Each moves one microbatch's activations [8 / M, seq 16, width] in float32, its rows
   # split over the data axis where they divide.
@@ -96,15 +123,22 @@ def test_pipelined_step_matches_the_unpartitioned_step(family, mesh, tactic, mic
   stack = plan.pipeline.check(program, named, plan.mesh)
   ins = jax.tree_util.tree_leaves(lowered.in_shardings)
   outs = jax.tree_util.tree_leaves(lowered.out_shardings)
-  stacked = [i for i, v in enumerate(program.inputs)
-             if program.values[v].shape and named.class_of(v, 0) in stack.layer_classes]
+  stacked = [
+    i
+    for i, v in enumerate(program.inputs)
+    if program.values[v].shape and named.class_of(v, 0) in stack.layer_classes
+  ]
   roles = [program.values[program.inputs[i]].role for i in stacked]
-  assert roles.count(Role.PARAMETER) >= 4 and roles.count(Role.OPTIMIZER_STATE) == 2 * roles.count(Role.PARAMETER)
+  assert roles.count(Role.PARAMETER) >= 4 and roles.count(Role.OPTIMIZER_STATE) == 2 * roles.count(
+    Role.PARAMETER
+  )
   for i in stacked:
     spec = ins[i].spec[0]
     assert spec == "stage" or spec[0] == "stage"
     assert ins[i].shard_shape(program.values[program.inputs[i]].shape)[0] == stack.layers // stages
-    assert outs[i] == ins[i]  # The step's outputs are (params, opt_state, loss), in its inputs' order.
+    assert (
+      outs[i] == ins[i]
+    )  # The step's outputs are (params, opt_state, loss), in its inputs' order.
 
 
 def test_pipelined_gpt_jit_runs_with_the_plans_shardings():
@@ -117,7 +151,9 @@ def test_pipelined_gpt_jit_runs_with_the_plans_shardings():
 def test_bare_step_pipeline_plan_says_what_to_pass():
   plan = pipelined_plan("stage=2,data=2,model=2", tactics.megatron_3d, 4, bare=True)
   for run in (plan.jit, plan.check):
-    with pytest.raises(ValueError, match="pass the loss function and optimizer it is built from") as e:
+    with pytest.raises(
+      ValueError, match="pass the loss function and optimizer it is built from"
+    ) as e:
       run()
     assert "\n" not in str(e.value)
 
@@ -128,8 +164,16 @@ def test_partition_with_the_forward_gives_a_pipelined_plan_that_runs():
   from automap_rl import workloads
 
   w = workloads.make_workload("gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=true")
-  plan = agents.partition(w.step, *w.args, mesh="data=2,fsdp=2,model=2", agent="megatron_3d",
-                          arg_names=w.arg_names, arg_roles=w.arg_roles, loss_fn=w.loss_fn, optimizer=w.optimizer)
+  plan = agents.partition(
+    w.step,
+    *w.args,
+    mesh="data=2,fsdp=2,model=2",
+    agent="megatron_3d",
+    arg_names=w.arg_names,
+    arg_roles=w.arg_roles,
+    loss_fn=w.loss_fn,
+    optimizer=w.optimizer,
+  )
   assert plan.pipeline is not None and plan.pipeline.stages == 2
   plan.check()  # Raises NumericsError on a mismatch.
 
@@ -145,15 +189,26 @@ def test_compiled_stage_transfers_are_the_simulators():
   from automap_rl.xla import fullsize
 
   plan = pipelined_plan("stage=4,data=2", tactics.megatron_3d, 4)
-  check = fullsize.check_pipelined_plan("gpt", plan.problem, workload(), "megatron_3d", plan.decisions, plan.pipeline)
-  transfer = 2 * 16 * 64 * 4  # [8 / M rows, seq, d_model] float32, not split: megatron_3d leaves no data axis here.
+  check = fullsize.check_pipelined_plan(
+    "gpt", plan.problem, workload(), "megatron_3d", plan.decisions, plan.pipeline
+  )
+  transfer = (
+    2 * 16 * 64 * 4
+  )  # [8 / M rows, seq, d_model] float32, not split: megatron_3d leaves no data axis here.
   boundary = 4 * transfer  # The M microbatches at once.
-  assert check.compiled["stage_permute_bytes"] == check.simulated["stage_permute_bytes"] == 7 * 2 * transfer
+  assert (
+    check.compiled["stage_permute_bytes"]
+    == check.simulated["stage_permute_bytes"]
+    == 7 * 2 * transfer
+  )
   assert check.pipeline == plan.pipeline.to_json()
   for side in (check.simulated, check.compiled):
     assert side["collective_permute_bytes"] == 7 * 2 * transfer + 2 * boundary
   # The scalar loss's all-reduce over the stage axis aside.
-  assert check.compiled["comm_bytes_by_axes"]["stage"] == 7 * 2 * transfer + 2 * boundary + 2 * boundary + 4
+  assert (
+    check.compiled["comm_bytes_by_axes"]["stage"]
+    == 7 * 2 * transfer + 2 * boundary + 2 * boundary + 4
+  )
 
 
 def test_each_iterations_residuals_are_stacked_and_sliced_back_as_the_simulator_prices():
@@ -172,7 +227,11 @@ def test_each_iterations_residuals_are_stacked_and_sliced_back_as_the_simulator_
     if module.repeats.get(name) != iterations:
       continue
     for inst in body:
-      inner = module.bodies.get(called_computations(inst)[0][0], ()) if inst.opcode == "fusion" else (inst,)
+      inner = (
+        module.bodies.get(called_computations(inst)[0][0], ())
+        if inst.opcode == "fusion"
+        else (inst,)
+      )
       root = inner[-1] if inner else None
       if root is None or root.opcode not in ("dynamic-update-slice", "dynamic-slice"):
         continue
@@ -197,10 +256,19 @@ def test_each_iteration_reads_and_writes_only_its_own_microbatch_of_the_loops_in
   from automap_rl.xla.hlo.module import parse_shapes, shape_bytes
 
   _, module = compiled_module(tactics.pipeline, TWO_LAYERS_A_STAGE)
-  microbatch = (1, 16, 64)  # [8 / M / 2 rows, seq, d_model]: this plan splits a microbatch over `data`.
-  buffers = [inst for name, body in module.bodies.items() if module.repeats.get(name) == 4 + 4 - 1
-             for inst in body if inst.opcode in ("fusion", "copy")
-             and parse_shapes(inst.type)[0][1] in ((4, *microbatch), (7, *microbatch))]
+  microbatch = (
+    1,
+    16,
+    64,
+  )  # [8 / M / 2 rows, seq, d_model]: this plan splits a microbatch over `data`.
+  buffers = [
+    inst
+    for name, body in module.bodies.items()
+    if module.repeats.get(name) == 4 + 4 - 1
+    for inst in body
+    if inst.opcode in ("fusion", "copy")
+    and parse_shapes(inst.type)[0][1] in ((4, *microbatch), (7, *microbatch))
+  ]
   assert buffers  # The loop's output of each iteration is written in place.
   for inst in buffers:
     assert instruction_bytes(inst, module.types, module.bodies) < shape_bytes(inst.type), inst.name
@@ -216,20 +284,32 @@ def test_each_iterations_weight_gradients_are_added_into_their_sums_as_the_simul
   from automap_rl.xla import hlo
   from automap_rl.xla.hlo.module import called_computations, parse_shapes
 
-  plan, module = compiled_module(tactics.pipeline, TWO_LAYERS_A_STAGE)  # Weights whole on each device.
+  plan, module = compiled_module(
+    tactics.pipeline, TWO_LAYERS_A_STAGE
+  )  # Weights whole on each device.
   staged = plan.problem.pipelined(plan.pipeline).staged
   program = staged.program
-  gradient_shapes = {program.values[v].shape for v in staged.stack.stacked_inputs(program, plan.problem.named)
-                     if program.values[v].role == Role.PARAMETER}
+  gradient_shapes = {
+    program.values[v].shape
+    for v in staged.stack.stacked_inputs(program, plan.problem.named)
+    if program.values[v].role == Role.PARAMETER
+  }
   assert all(shape[0] == 2 for shape in gradient_shapes)  # The stage's two layers.
   moved = 0.0
   for name, body in module.bodies.items():
     if module.repeats.get(name) != 4 + 4 - 1:
       continue
     for inst in body:
-      inner = module.bodies.get(called_computations(inst)[0][0], ()) if inst.opcode == "fusion" else (inst,)
-      if (inst.opcode in ("fusion", "copy") and parse_shapes(inst.type)[0][1] in gradient_shapes
-          and not any(i.opcode in ("dynamic-slice", "dynamic-update-slice") for i in inner)):
+      inner = (
+        module.bodies.get(called_computations(inst)[0][0], ())
+        if inst.opcode == "fusion"
+        else (inst,)
+      )
+      if (
+        inst.opcode in ("fusion", "copy")
+        and parse_shapes(inst.type)[0][1] in gradient_shapes
+        and not any(i.opcode in ("dynamic-slice", "dynamic-update-slice") for i in inner)
+      ):
         moved += hlo.instruction_bytes(inst, module.types, module.bodies)
   terms = plan.problem.plan_cost(plan.decisions, plan.pipeline).terms
   priced = float(terms.accumulation_s[0]) * plan.problem.mesh.hardware.hbm_bandwidth
@@ -241,8 +321,15 @@ def test_each_iterations_weight_gradients_are_added_into_their_sums_as_the_simul
 WIDE_HEAD = GPT.replace("vocab=64", "vocab=4096")
 
 
-@pytest.mark.parametrize("spec,tactic", [(GPT, tactics.megatron_3d), (GPT, tactics.pipeline),
-                                         (WIDE_HEAD, tactics.pipeline), (GPT + ",remat=true", tactics.megatron_3d)])
+@pytest.mark.parametrize(
+  "spec,tactic",
+  [
+    (GPT, tactics.megatron_3d),
+    (GPT, tactics.pipeline),
+    (WIDE_HEAD, tactics.pipeline),
+    (GPT + ",remat=true", tactics.megatron_3d),
+  ],
+)
 def test_compiled_flops_memory_and_transfers_are_the_simulators(spec, tactic):
   """The simulator prices the GPipe step as it is lowered: every stage runs its layers in
   all M + S - 1 iterations of the loop (the bubble's on garbage) and keeps each
@@ -254,7 +341,9 @@ def test_compiled_flops_memory_and_transfers_are_the_simulators(spec, tactic):
   from automap_rl.xla import fullsize
 
   plan = pipelined_plan("stage=4,data=2", tactic, 4, spec=spec)
-  check = fullsize.check_pipelined_plan("gpt", plan.problem, workload(spec), "plan", plan.decisions, plan.pipeline)
+  check = fullsize.check_pipelined_plan(
+    "gpt", plan.problem, workload(spec), "plan", plan.decisions, plan.pipeline
+  )
   simulated, compiled = check.simulated, check.compiled
   assert simulated["stage_permute_bytes"] == compiled["stage_permute_bytes"]
   assert simulated["flops"] == pytest.approx(compiled["flops"], rel=0.05)
@@ -265,8 +354,9 @@ def test_compiled_flops_memory_and_transfers_are_the_simulators(spec, tactic):
   # stage weights' gradients in every one of the M + S - 1 iterations); Megatron's in the
   # layers run in every iteration of the loop, the bubble's included; over the stage axis,
   # the stack's output and its input's gradient once a step.
-  assert compiled["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(simulated["comm_bytes_by_kind"]["all-reduce"],
-                                                                       rel=0.01)
+  assert compiled["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(
+    simulated["comm_bytes_by_kind"]["all-reduce"], rel=0.01
+  )
 
 
 def test_gradient_reductions_over_an_axis_the_loop_is_auto_over_run_in_every_iteration():
@@ -278,7 +368,9 @@ def test_gradient_reductions_over_an_axis_the_loop_is_auto_over_run_in_every_ite
   from automap_rl.xla import fullsize
 
   plan = pipelined_plan("stage=2,data=2,model=2", tactics.fsdp_megatron_3d, 4)
-  check = fullsize.check_pipelined_plan("gpt", plan.problem, workload(), "plan", plan.decisions, plan.pipeline)
+  check = fullsize.check_pipelined_plan(
+    "gpt", plan.problem, workload(), "plan", plan.decisions, plan.pipeline
+  )
   simulated, compiled = check.simulated["comm_bytes_by_kind"], check.compiled["comm_bytes_by_kind"]
   reductions = lambda by_kind: by_kind["all-reduce"] + by_kind["reduce-scatter"]
   assert reductions(simulated) == pytest.approx(reductions(compiled), rel=0.2)
@@ -298,7 +390,9 @@ def test_a_stacked_weight_split_over_the_batch_axis_on_its_layer_dim_keeps_the_l
   pipeline = dataclasses.replace(pipeline, microbatches=2, schedule="gpipe")
   check = fullsize.check_pipelined_plan("gpt", p, workload(), "plan", decisions, pipeline)
   simulated, compiled = check.simulated["comm_bytes_by_kind"], check.compiled["comm_bytes_by_kind"]
-  assert compiled["all-reduce"] == pytest.approx(simulated["all-reduce"], rel=0.1)  # 2.9x, reduced per iteration.
+  assert compiled["all-reduce"] == pytest.approx(
+    simulated["all-reduce"], rel=0.1
+  )  # 2.9x, reduced per iteration.
 
 
 def test_a_recurrent_layers_weight_gradient_is_summed_over_time_and_reduced_once():

@@ -19,8 +19,13 @@ def test_the_readme_has_snippets():
 def test_readme_snippet_runs_as_written(index, tmp_path):
   # The tests' environment: its XLA flags ask for the 8 devices the snippets set by default
   # and generate code without LLVM's expensive passes.
-  result = subprocess.run([sys.executable, "-c", SNIPPETS[index]], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+  result = subprocess.run(
+    [sys.executable, "-c", SNIPPETS[index]],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -29,14 +34,19 @@ def _flags(config_cls) -> list[str]:
   positional arguments, which the README names in capitals, left out)."""
   import dataclasses
   import typing
+
   hints = typing.get_type_hints(config_cls, include_extras=True)
   positional = lambda f: "Positional" in repr(hints[f.name])
-  return [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(config_cls) if not positional(f)]
+  return [
+    f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(config_cls) if not positional(f)
+  ]
 
 
 def test_every_command_and_flag_is_in_the_readme():
   import importlib
+
   from experiments import cli
+
   readme = README.read_text()
   missing = []
   for name, command in cli.COMMANDS.items():

@@ -19,7 +19,7 @@ from experiments.bench_cmd import random_plans
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = (KINDS.index(k) for k in KINDS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def zoo_problem(spec: str, mesh: str) -> Problem:
   workload = workloads.make_workload(spec, abstract=True)
   return Problem.build(workload.trace(), make_mesh(mesh, "h100"))
@@ -35,16 +35,20 @@ def test_contracting_dim_sharded_costs_one_all_reduce_of_the_output():
   assert cost.compute_time < replicated.compute_time
 
 
-@pytest.mark.parametrize("hardware, matmul_rate", [("h100", 494.5e12), ("a100-80g", 156e12), ("tpu-v4", 275e12 / 6)])
+@pytest.mark.parametrize(
+  "hardware, matmul_rate", [("h100", 494.5e12), ("a100-80g", 156e12), ("tpu-v4", 275e12 / 6)]
+)
 def test_float32_matmuls_are_priced_at_the_rate_xla_runs_them(hardware, matmul_rate):
   """XLA:GPU runs float32 dots on TF32 tensor cores by default (a float32 GPT step on an
   H100 reached 80 TFLOP/s, above the 67 of its float32 units); other ops keep the float32
   rate, and a profile without a matmul rate prices dots like the rest."""
   n = 1024
-  tables = Problem.build(ir.trace(lambda x, w: x @ w, jnp.ones((n, n)), jnp.ones((n, n))),
-                         make_mesh("data=2", hardware)).tables
-  assert float(tables.op_compute_s.sum() + tables.value_compute_s.sum()) == pytest.approx(2 * n**3 / matmul_rate,
-                                                                                          rel=1e-5)
+  tables = Problem.build(
+    ir.trace(lambda x, w: x @ w, jnp.ones((n, n)), jnp.ones((n, n))), make_mesh("data=2", hardware)
+  ).tables
+  assert float(tables.op_compute_s.sum() + tables.value_compute_s.sum()) == pytest.approx(
+    2 * n**3 / matmul_rate, rel=1e-5
+  )
   hw = make_mesh("data=2", hardware).hardware
   assert hw.peak_flops("tanh", "float32") == hw.flops["float32"]
   assert hw.peak_flops("dot_general", "bfloat16") == hw.flops["bfloat16"]
@@ -57,7 +61,9 @@ def test_collective_seconds_are_linear_in_buffers_of_gibibytes(kind):
   tables = Problem.build(program, make_mesh("data=2,model=4", "h100")).tables
   small, large = (simulator.collective_seconds(tables, kind, n, 1) for n in (2**30, 3 * 2**30))
   assert large > small > 0
-  assert large - small == pytest.approx(2 * (small - simulator.collective_seconds(tables, kind, 0, 1)))
+  assert large - small == pytest.approx(
+    2 * (small - simulator.collective_seconds(tables, kind, 0, 1))
+  )
 
 
 def test_data_parallel_mlp_all_reduces_exactly_the_gradient_bytes():
@@ -78,6 +84,7 @@ def test_combined_gradient_all_reduces_pay_latency_per_combined_collective():
   so the latency term is that many link latencies, not one per gradient; a threshold
   with no limit (XLA on CPU) combines all of them into one."""
   import dataclasses
+
   workload = workloads.make_workload("gpt:layers=2", abstract=True)
   program = workload.trace()
   grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(workload.params))
@@ -91,7 +98,9 @@ def test_combined_gradient_all_reduces_pay_latency_per_combined_collective():
     counts[threshold] = float(reduce.count.sum())
     # Latency: (n - 1) hops of 2 rounds per combined collective (ring all-reduce, n = 8).
     bandwidth_s = float((reduce.seconds - reduce.count * 2 * 7 * h100.intra_node.latency).sum())
-    assert bandwidth_s == pytest.approx(float(reduce.bytes.sum()) * 2 * 7 / 8 / h100.intra_node.bandwidth, rel=1e-4)
+    assert bandwidth_s == pytest.approx(
+      float(reduce.bytes.sum()) * 2 * 7 / 8 / h100.intra_node.bandwidth, rel=1e-4
+    )
   assert counts == pytest.approx({grad_bytes / 3.5: 4, float("inf"): 1})
 
 
@@ -112,7 +121,9 @@ def test_megatron_gpt_all_reduces_twice_per_layer_forward_and_twice_backward():
 def test_fsdp_stores_optimizer_state_over_the_axis_size():
   problem = zoo_problem("gpt", "data=8")
   decisions = tactics.fsdp(problem)
-  opt_values = [v for v in problem.program.inputs if problem.program.values[v].role == ir.Role.OPTIMIZER_STATE]
+  opt_values = [
+    v for v in problem.program.inputs if problem.program.values[v].role == ir.Role.OPTIMIZER_STATE
+  ]
   specs = problem.partition_specs(decisions, opt_values)
   total = per_device = 0
   for value_id, spec in zip(opt_values, specs):
@@ -161,16 +172,21 @@ def test_expected_order_of_expert_tactics_on_gpt():
   # Wide enough that the model-parallel plans' compute savings outweigh their all-reduces
   # with float32 dots on the H100's TF32 tensor cores.
   problem = zoo_problem("gpt:layers=4,d_model=1024,batch=32", "data=2,model=4")
-  times = {name: float(problem.cost(plan).step_time) for name, plan in tactics.applicable(problem).items()}
+  times = {
+    name: float(problem.cost(plan).step_time) for name, plan in tactics.applicable(problem).items()
+  }
   assert times["data_megatron"] < times["megatron"] < times["data_parallel"] < times["replicated"]
 
 
 def test_row_sums_split_into_groups_a_gpu_can_tile_give_the_same_sums(monkeypatch):
   from automap_rl.simulator import cost
+
   terms = tuple(jax.random.normal(jax.random.key(i), (297, 128)) for i in range(30))
   whole = cost._sum_rows(*terms)
   monkeypatch.setattr(cost.jax, "default_backend", lambda: "gpu")
-  reductions = [e for e in jax.make_jaxpr(cost._sum_rows)(*terms).eqns if e.primitive.name.startswith("reduce")]
+  reductions = [
+    e for e in jax.make_jaxpr(cost._sum_rows)(*terms).eqns if e.primitive.name.startswith("reduce")
+  ]
   assert [len(e.invars) // 2 for e in reductions] == [16, 14]
   for grouped, one_pass in zip(cost._sum_rows(*terms), whole, strict=True):
     np.testing.assert_array_equal(grouped, one_pass)
@@ -187,25 +203,49 @@ def test_jit_and_vmap_agree_with_unbatched_evaluation():
       np.testing.assert_allclose(getattr(batched, field)[i], getattr(single, field), rtol=1e-5)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(seed=st.integers(0, 2**16), length=st.sampled_from([4, 16, 40]),
-       case=st.sampled_from([("gpt:layers=2", "data=2,model=4"), ("moe", "data=2,fsdp=2,model=2")]))
+@settings(
+  max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+@given(
+  seed=st.integers(0, 2**16),
+  length=st.sampled_from([4, 16, 40]),
+  case=st.sampled_from([("gpt:layers=2", "data=2,model=4"), ("moe", "data=2,fsdp=2,model=2")]),
+)
 def test_edges_summed_by_class_cost_what_the_edges_cost_one_by_one(seed, length, case):
   """`evaluate` sums the collective terms of each class of edges that resolve alike
   (`CostTables.edge_unique`) once; `terms` keeps every edge: random plans cost the same
   up to float32 reassociation, field by field."""
   problem = zoo_problem(*case)
   classes, axes = random_plans(problem, jax.random.key(seed), 8, length)
-  classes = jnp.where(jax.random.uniform(jax.random.key(seed + 1), classes.shape) < 0.1, -1, classes)  # Padding.
+  classes = jnp.where(
+    jax.random.uniform(jax.random.key(seed + 1), classes.shape) < 0.1, -1, classes
+  )  # Padding.
   summed = jax.jit(jax.vmap(problem.evaluate))(classes, axes)
-  per_edge = jax.jit(jax.vmap(lambda c, a: simulator.total(problem.tables, simulator.terms(
-      problem.tables, problem.resolve(c, a)))))(classes, axes)
+  per_edge = jax.jit(
+    jax.vmap(
+      lambda c, a: simulator.total(
+        problem.tables, simulator.terms(problem.tables, problem.resolve(c, a))
+      )
+    )
+  )(classes, axes)
   assert problem.tables.unique_edge.shape < problem.tables.edge_op.shape
-  for field in ("step_time", "compute_time", "comm_time", "peak_memory", "comm_bytes", "comm_count", "fits"):
-    np.testing.assert_allclose(getattr(summed, field), getattr(per_edge, field), rtol=1e-5, err_msg=field)
+  for field in (
+    "step_time",
+    "compute_time",
+    "comm_time",
+    "peak_memory",
+    "comm_bytes",
+    "comm_count",
+    "fits",
+  ):
+    np.testing.assert_allclose(
+      getattr(summed, field), getattr(per_edge, field), rtol=1e-5, err_msg=field
+    )
 
 
-def _resolve_by_the_book(classes: np.ndarray, sizes: np.ndarray, axis_sizes, dec_class, dec_axis) -> np.ndarray:
+def _resolve_by_the_book(
+  classes: np.ndarray, sizes: np.ndarray, axis_sizes, dec_class, dec_axis
+) -> np.ndarray:
   """DESIGN.md's resolution, one owner and one decision at a time: the first slot of the
   decision's class whose owner does not use the axis yet and whose size divides takes it."""
   masks = np.zeros(classes.shape, np.int64)
@@ -221,11 +261,14 @@ def _resolve_by_the_book(classes: np.ndarray, sizes: np.ndarray, axis_sizes, dec
   return masks
 
 
-@pytest.mark.parametrize("spec, mesh, length", [
+@pytest.mark.parametrize(
+  "spec, mesh, length",
+  [
     ("gpt:layers=2", "data=2,model=4", 12),  # Attention scores: two seq dims in one owner.
     ("unet", "a=2,b=2,c=2,d=2", 12),  # Convolutions: 9 factors of 4 bits, two packed words.
     ("moe", "data=2,model=4", 130),  # Decision times past int8.
-])
+  ],
+)
 def test_resolution_follows_the_decision_semantics(spec, mesh, length):
   problem = zoo_problem(spec, mesh)
   sigs = problem.sigs
@@ -234,30 +277,49 @@ def test_resolution_follows_the_decision_semantics(spec, mesh, length):
   resolved = jax.jit(jax.vmap(problem.resolve))(classes, axes)
   for i in range(classes.shape[0]):
     plan = (problem.mesh.axis_sizes, np.asarray(classes[i]), np.asarray(axes[i]))
-    np.testing.assert_array_equal(resolved.value_mask[i], _resolve_by_the_book(sigs.value_class, sigs.value_size, *plan))
-    np.testing.assert_array_equal(resolved.op_mask[i], _resolve_by_the_book(sigs.op_class, sigs.op_size, *plan))
+    np.testing.assert_array_equal(
+      resolved.value_mask[i], _resolve_by_the_book(sigs.value_class, sigs.value_size, *plan)
+    )
+    np.testing.assert_array_equal(
+      resolved.op_mask[i], _resolve_by_the_book(sigs.op_class, sigs.op_size, *plan)
+    )
 
 
-@pytest.mark.parametrize("spec,mesh", [("gpt:layers=2", "data=2,model=4"), ("moe", "data=2,fsdp=2,model=2"),
-                                       pytest.param("unet", "data=8", marks=pytest.mark.slow),
-                                       pytest.param("gnn", "data=2,model=4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "spec,mesh",
+  [
+    ("gpt:layers=2", "data=2,model=4"),
+    ("moe", "data=2,fsdp=2,model=2"),
+    pytest.param("unet", "data=8", marks=pytest.mark.slow),
+    pytest.param("gnn", "data=2,model=4", marks=pytest.mark.slow),
+  ],
+)
 def test_the_cost_is_the_sum_of_its_named_terms(spec, mesh):
   problem = zoo_problem(spec, mesh)
   for name, plan in tactics.applicable(problem).items():
     cost, terms = problem.cost(plan), problem.cost_terms(plan)
     # The simulator sums the edges of a class (`CostTables.edge_unique`) in one term, the
     # terms are per edge: the same sums up to float32 reassociation.
-    np.testing.assert_allclose(jax.device_get(simulator.total(problem.tables, terms)).step_time, cost.step_time,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      jax.device_get(simulator.total(problem.tables, terms)).step_time, cost.step_time, rtol=1e-6
+    )
     compute = terms.op_compute_s.sum(dtype=np.float64) + terms.value_compute_s.sum(dtype=np.float64)
-    kinds = {"all-reduce": terms.all_reduce, "all-gather": terms.gather, "reduce-scatter": terms.reduce_scatter,
-             "all-to-all": terms.all_to_all}
+    kinds = {
+      "all-reduce": terms.all_reduce,
+      "all-gather": terms.gather,
+      "reduce-scatter": terms.reduce_scatter,
+      "all-to-all": terms.all_to_all,
+    }
     comm = sum(k.seconds.sum(dtype=np.float64) for k in kinds.values())
     np.testing.assert_allclose(compute, cost.compute_time, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(compute + comm, cost.step_time, rtol=1e-5, err_msg=name)
     for kind, edge in kinds.items():
-      np.testing.assert_allclose(edge.bytes.sum(dtype=np.float64), cost.comm_bytes[KINDS.index(kind)], rtol=1e-5)
-      np.testing.assert_allclose(edge.count.sum(dtype=np.float64), cost.comm_count[KINDS.index(kind)], rtol=1e-5)
+      np.testing.assert_allclose(
+        edge.bytes.sum(dtype=np.float64), cost.comm_bytes[KINDS.index(kind)], rtol=1e-5
+      )
+      np.testing.assert_allclose(
+        edge.count.sum(dtype=np.float64), cost.comm_count[KINDS.index(kind)], rtol=1e-5
+      )
     # One term per edge and op signature, so a report can name what each op costs.
     assert terms.gather.seconds.shape == problem.tables.edge_op.shape
     assert terms.all_reduce.seconds.shape == problem.tables.reduction_edge.shape

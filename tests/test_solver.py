@@ -13,27 +13,28 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from automap_rl.solver import (
-    FORBIDDEN,
-    LimitReached,
-    Limits,
-    StrategyGraph,
-    evaluate,
-    is_feasible,
-    load_problem,
-    peak_usage,
-    plan_cost,
-    read_solution,
-    separable_lower_bound,
-    solve,
-    tile,
-    write_solution,
+  FORBIDDEN,
+  LimitReached,
+  Limits,
+  StrategyGraph,
+  evaluate,
+  iopddl,
+  is_feasible,
+  load_problem,
+  peak_usage,
+  plan_cost,
+  read_solution,
+  separable_lower_bound,
+  solve,
+  tile,
+  write_solution,
 )
-from automap_rl.solver import iopddl
 from automap_rl.solver.reduce import GraphTooLarge, reduce_graph
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "iopddl"
-needs_data = pytest.mark.skipif(not (DATA / "example.json").exists(),
-                                reason=f"IOPDDL instances not found in {DATA}")
+needs_data = pytest.mark.skipif(
+  not (DATA / "example.json").exists(), reason=f"IOPDDL instances not found in {DATA}"
+)
 
 
 def brute_force(graph: StrategyGraph) -> tuple[int | float | None, list[int] | None]:
@@ -56,8 +57,13 @@ def reference_cost(lists: dict, plan: list[int]) -> int:
 
 def reference_peak(lists: dict, plan: list[int]) -> int:
   horizon = max((end for _, end in lists["intervals"]), default=0)
-  return max((sum(u[s] for u, s, (a, b) in zip(lists["usages"], plan, lists["intervals"]) if a <= t < b)
-              for t in range(horizon)), default=0)
+  return max(
+    (
+      sum(u[s] for u, s, (a, b) in zip(lists["usages"], plan, lists["intervals"]) if a <= t < b)
+      for t in range(horizon)
+    ),
+    default=0,
+  )
 
 
 @st.composite
@@ -70,15 +76,29 @@ def graph_lists(draw, max_nodes: int = 5, forbidden: bool = True):
   usages = [draw(st.lists(st.integers(0, 9), min_size=k, max_size=k)) for k in ks]
   intervals = [sorted(draw(st.lists(st.integers(0, 8), min_size=2, max_size=2))) for _ in range(n)]
   edges = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2 * n))
-  edge_costs = [draw(st.lists(value, min_size=ks[u] * ks[v], max_size=ks[u] * ks[v])) for u, v in edges]
+  edge_costs = [
+    draw(st.lists(value, min_size=ks[u] * ks[v], max_size=ks[u] * ks[v])) for u, v in edges
+  ]
   limit = draw(st.none() | st.integers(0, 25))
-  return dict(costs=costs, usages=usages, intervals=intervals, edges=[list(e) for e in edges],
-              edge_costs=edge_costs, limit=limit)
+  return dict(
+    costs=costs,
+    usages=usages,
+    intervals=intervals,
+    edges=[list(e) for e in edges],
+    edge_costs=edge_costs,
+    limit=limit,
+  )
 
 
 def to_graph(lists: dict) -> StrategyGraph:
-  return StrategyGraph.from_lists(lists["costs"], lists["usages"], lists["intervals"], lists["edges"],
-                                  lists["edge_costs"], lists["limit"])
+  return StrategyGraph.from_lists(
+    lists["costs"],
+    lists["usages"],
+    lists["intervals"],
+    lists["edges"],
+    lists["edge_costs"],
+    lists["limit"],
+  )
 
 
 @needs_data
@@ -100,14 +120,25 @@ def test_evaluate_rejects_with_the_contest_reason():
   assert evaluate(graph, [0, -1, 2, 1, 0]).reason == iopddl.REASON_INDEX
   # Node 2's strategy 1 uses 20: 10 + 25 + 20 = 55 > 50 during [50, 70).
   over = evaluate(graph, [0, 0, 1, 1, 0])
-  assert (over.feasible, over.reason, over.peak_usage, over.cost) == (False, iopddl.REASON_USAGE, 55, 415)
+  assert (over.feasible, over.reason, over.peak_usage, over.cost) == (
+    False,
+    iopddl.REASON_USAGE,
+    55,
+    415,
+  )
   ok = evaluate(graph, [0, 0, 2, 1, 0])
   assert (ok.feasible, ok.reason, ok.cost, ok.peak_usage) == (True, None, 445, 50)
 
 
 def test_evaluate_rejects_forbidden_strategies_and_pairs():
-  graph = StrategyGraph.from_lists([[1, FORBIDDEN], [2, 3]], [[0, 0], [0, 0]], [[0, 1], [0, 1]],
-                                   [[0, 1]], [[0, FORBIDDEN, 5, 6]], usage_limit=10)
+  graph = StrategyGraph.from_lists(
+    [[1, FORBIDDEN], [2, 3]],
+    [[0, 0], [0, 0]],
+    [[0, 1], [0, 1]],
+    [[0, 1]],
+    [[0, FORBIDDEN, 5, 6]],
+    usage_limit=10,
+  )
   assert evaluate(graph, [1, 0]).reason == iopddl.REASON_FORBIDDEN
   bad_pair = evaluate(graph, [0, 1])
   assert bad_pair.reason == iopddl.REASON_FORBIDDEN and bad_pair.cost == 1 + 3 + FORBIDDEN
@@ -120,8 +151,14 @@ def test_reduction_refuses_a_grouping_beyond_its_entry_limit_before_building_it(
   the graph's 3 + 4 entries (edges 0-1 and 1-2) become one 3 x 4 matrix between node 0's
   group and node 2's. The limit counts the entries of edges between groups before they
   are allocated."""
-  graph = StrategyGraph.from_lists([[1, 2, 3], [0], [1, 1, 1, 1]], [[0] * 3, [0], [0] * 4], [[0, 1]] * 3,
-                                   [[0, 1], [1, 2]], [[1, 2, 3], [4, 5, 6, 7]], usage_limit=None)
+  graph = StrategyGraph.from_lists(
+    [[1, 2, 3], [0], [1, 1, 1, 1]],
+    [[0] * 3, [0], [0] * 4],
+    [[0, 1]] * 3,
+    [[0, 1], [1, 2]],
+    [[1, 2, 3], [4, 5, 6, 7]],
+    usage_limit=None,
+  )
   assert reduce_graph(graph, max_entries=12).num_groups == 2
   with pytest.raises(GraphTooLarge, match="groups into 12 pair-cost entries, more than the 11"):
     reduce_graph(graph, max_entries=11)
@@ -181,15 +218,29 @@ def test_the_lower_bound_proves_an_optimum_the_memory_limit_does_not_bind():
   n, k = 12, 3
   costs = rng.integers(0, 100, (n, k)).tolist()
   edge_costs = rng.integers(0, 100, (n - 1, k * k)).tolist()
-  graph = StrategyGraph.from_lists(costs, [[0] * k] * n, [[0, 1]] * n, [[i, i + 1] for i in range(n - 1)],
-                                   edge_costs, usage_limit=None)
+  graph = StrategyGraph.from_lists(
+    costs,
+    [[0] * k] * n,
+    [[0, 1]] * n,
+    [[i, i + 1] for i in range(n - 1)],
+    edge_costs,
+    usage_limit=None,
+  )
   result = solve(graph, timeout_s=3, seed=0)
   assert result.lower_bound == pytest.approx(result.cost)
 
 
 def test_a_memory_ceiling_stops_the_solver_before_it_has_a_plan():
-  graph = to_graph({"costs": [[1, 2], [3, 4]], "usages": [[1, 1], [1, 1]], "intervals": [[0, 1], [0, 1]],
-                    "edges": [[0, 1]], "edge_costs": [[0, 1, 1, 0]], "limit": None})
+  graph = to_graph(
+    {
+      "costs": [[1, 2], [3, 4]],
+      "usages": [[1, 1], [1, 1]],
+      "intervals": [[0, 1], [0, 1]],
+      "edges": [[0, 1]],
+      "edge_costs": [[0, 1, 1, 0]],
+      "limit": None,
+    }
+  )
   with pytest.raises(LimitReached, match="resident memory") as raised:
     solve(graph, timeout_s=2, seed=0, limits=Limits(max_resident_bytes=1))
   assert raised.value.limit == "memory"
@@ -199,6 +250,7 @@ def test_a_memory_ceiling_stops_the_solver_before_it_has_a_plan():
 
 def test_an_allocation_that_would_pass_the_memory_ceiling_stops_before_it_is_made():
   from automap_rl.solver.limits import resident_bytes
+
   limits = Limits(max_resident_bytes=resident_bytes() + 2**30)
   limits.check("building")
   with pytest.raises(LimitReached, match="and 2.00 GiB to allocate, above the ceiling") as raised:
@@ -208,21 +260,33 @@ def test_an_allocation_that_would_pass_the_memory_ceiling_stops_before_it_is_mad
 
 def test_prices_of_a_segment_no_plan_fits_stay_finite():
   from automap_rl.solver.solve import Role, next_prices
+
   prices, capacity = np.zeros(3), np.array([10.0, 10.0, 10.0])
   excess = np.array([5.0, -5.0, 0.0])  # Over the limit, well under it, at it.
   for _ in range(5000):  # Far beyond the ~1,750 rounds after which 1.5x a round overflows.
     prices = next_prices(prices, excess, capacity, base=2.0)
   assert np.isfinite(prices).all() and prices[0] == 2.0 * 1e12 and prices[1] == 0.0 == prices[2]
-  assert next_prices(np.array([4.0, 4.0, 4.0]), excess, capacity, base=2.0).tolist() == [6.0, 3.2, 4.0]
+  assert next_prices(np.array([4.0, 4.0, 4.0]), excess, capacity, base=2.0).tolist() == [
+    6.0,
+    3.2,
+    4.0,
+  ]
   faster = Role(price_rise=2.0, price_fall=0.5)
-  assert next_prices(np.array([4.0, 4.0, 4.0]), excess, capacity, base=2.0, role=faster).tolist() == [8.0, 2.0, 4.0]
+  assert next_prices(
+    np.array([4.0, 4.0, 4.0]), excess, capacity, base=2.0, role=faster
+  ).tolist() == [8.0, 2.0, 4.0]
 
 
 def test_solve_handles_float_costs():
   rng = np.random.default_rng(0)
-  lists = dict(costs=rng.uniform(0, 5, (4, 3)).tolist(), usages=rng.uniform(0, 3, (4, 3)).tolist(),
-               intervals=[[0, 3], [1, 4], [2, 5], [0, 5]], edges=[[0, 1], [1, 2], [2, 3], [3, 0]],
-               edge_costs=rng.uniform(0, 5, (4, 9)).tolist(), limit=6.0)
+  lists = dict(
+    costs=rng.uniform(0, 5, (4, 3)).tolist(),
+    usages=rng.uniform(0, 3, (4, 3)).tolist(),
+    intervals=[[0, 3], [1, 4], [2, 5], [0, 5]],
+    edges=[[0, 1], [1, 2], [2, 3], [3, 0]],
+    edge_costs=rng.uniform(0, 5, (4, 9)).tolist(),
+    limit=6.0,
+  )
   graph = to_graph(lists)
   cost, _ = brute_force(graph)
   result = solve(graph, timeout_s=2, seed=1)
@@ -230,8 +294,14 @@ def test_solve_handles_float_costs():
 
 
 def test_solve_uses_a_feasible_warm_start():
-  lists = dict(costs=[[5, 1], [5, 1]], usages=[[1, 2], [1, 2]], intervals=[[0, 2], [1, 3]],
-               edges=[[0, 1]], edge_costs=[[0, 9, 9, 0]], limit=4)
+  lists = dict(
+    costs=[[5, 1], [5, 1]],
+    usages=[[1, 2], [1, 2]],
+    intervals=[[0, 2], [1, 3]],
+    edges=[[0, 1]],
+    edge_costs=[[0, 9, 9, 0]],
+    limit=4,
+  )
   graph = to_graph(lists)
   seen = []
   result = solve(graph, timeout_s=2, seed=0, warm_start=[0, 0], progress=lambda *a: seen.append(a))
@@ -253,8 +323,14 @@ def test_solution_files_round_trip(tmp_path):
 
 
 def test_load_problem_names_the_malformed_field(tmp_path):
-  problem = {"problem": {"name": "x", "nodes": {"intervals": [[0, 1]], "costs": [[1, 2]], "usages": [[1]]},
-                         "edges": {"nodes": [], "costs": []}, "usage_limit": 5}}
+  problem = {
+    "problem": {
+      "name": "x",
+      "nodes": {"intervals": [[0, 1]], "costs": [[1, 2]], "usages": [[1]]},
+      "edges": {"nodes": [], "costs": []},
+      "usage_limit": 5,
+    }
+  }
   path = tmp_path / "bad.json.gz"
   with gzip.open(path, "wt") as f:
     json.dump(problem, f)
@@ -279,7 +355,10 @@ def test_short_solve_of_a_contest_instance(name):
   result = solve(graph, timeout_s=8, seed=0)
   verdict = evaluate(graph, result.choice)
   assert verdict.feasible and verdict.cost == result.cost
-  best = {row.split(",")[0]: int(row.split(",")[1]) for row in (DATA / "best_known.csv").read_text().split()[1:]}
+  best = {
+    row.split(",")[0]: int(row.split(",")[1])
+    for row in (DATA / "best_known.csv").read_text().split()[1:]
+  }
   assert result.cost <= 1.10 * best[name]
   assert result.seconds < 8
 
@@ -287,11 +366,19 @@ def test_short_solve_of_a_contest_instance(name):
 def binding_chain(n: int = 40, k: int = 3, seed: int = 0) -> StrategyGraph:
   """A chain whose cheap strategies use more memory than the limit allows everywhere."""
   rng = np.random.default_rng(seed)
-  costs = (rng.integers(0, 50, (n, k)) + np.arange(k)[::-1] * 40).tolist()  # higher strategies cost less...
+  costs = (
+    rng.integers(0, 50, (n, k)) + np.arange(k)[::-1] * 40
+  ).tolist()  # higher strategies cost less...
   usages = (np.arange(k) * 10 + rng.integers(0, 5, (n, k))).tolist()  # ...and use more memory
   intervals = [[i, i + 6] for i in range(n)]
-  return StrategyGraph.from_lists(costs, usages, intervals, [[i, i + 1] for i in range(n - 1)],
-                                  rng.integers(0, 30, (n - 1, k * k)).tolist(), usage_limit=60)
+  return StrategyGraph.from_lists(
+    costs,
+    usages,
+    intervals,
+    [[i, i + 1] for i in range(n - 1)],
+    rng.integers(0, 30, (n - 1, k * k)).tolist(),
+    usage_limit=60,
+  )
 
 
 def test_every_highs_call_gets_a_time_limit_within_the_shared_deadline(monkeypatch):
@@ -330,7 +417,9 @@ def test_a_worker_killed_before_its_first_plan_names_the_time_limit(monkeypatch)
   stopped it (not that no plan is within the usage limit)."""
   solve_module = importlib.import_module("automap_rl.solver.solve")
   monkeypatch.setattr(solve_module._Search, "price", lambda self, **kwargs: time.sleep(3600))
-  with pytest.raises(LimitReached, match="the time limit came before the solver found a plan") as error:
+  with pytest.raises(
+    LimitReached, match="the time limit came before the solver found a plan"
+  ) as error:
     solve(binding_chain(), timeout_s=2, seed=0, workers=1)
   assert error.value.limit == "seconds"
 
@@ -338,6 +427,7 @@ def test_a_worker_killed_before_its_first_plan_names_the_time_limit(monkeypatch)
 def solver_views(graph: StrategyGraph):
   from automap_rl.solver.local import Layout
   from automap_rl.solver.memory import build_memory
+
   reduced = reduce_graph(graph)
   memory = build_memory(graph, reduced)
   return reduced, Layout(reduced, memory)
@@ -345,10 +435,15 @@ def solver_views(graph: StrategyGraph):
 
 def test_repair_turns_a_plan_over_the_limit_into_one_within_it():
   from automap_rl.solver.local import Plan
+
   graph = binding_chain()
   reduced, layout = solver_views(graph)
-  greedy = np.array([int(np.argmin(reduced.unary[reduced.offsets[g]:reduced.offsets[g + 1]]))
-                     for g in range(reduced.num_groups)])  # the cheapest, heaviest strategies
+  greedy = np.array(
+    [
+      int(np.argmin(reduced.unary[reduced.offsets[g] : reduced.offsets[g + 1]]))
+      for g in range(reduced.num_groups)
+    ]
+  )  # the cheapest, heaviest strategies
   plan = Plan(layout, greedy)
   assert np.any(plan.excess() > 0) and not is_feasible(graph, reduced.expand(greedy))
   assert plan.repair(max_switches=200)
@@ -359,8 +454,15 @@ def test_repair_turns_a_plan_over_the_limit_into_one_within_it():
 def test_a_two_group_move_finds_an_improvement_no_single_switch_can():
   """From (0, 0), cost 10: switching either node alone costs 3 + 20 = 23; both together 3 + 3 + 0 = 6."""
   from automap_rl.solver.local import Plan
-  graph = StrategyGraph.from_lists([[0, 3], [0, 3]], [[0, 0], [0, 0]], [[0, 1], [0, 1]], [[0, 1]],
-                                   [[10, 20, 20, 0]], usage_limit=None)
+
+  graph = StrategyGraph.from_lists(
+    [[0, 3], [0, 3]],
+    [[0, 0], [0, 0]],
+    [[0, 1], [0, 1]],
+    [[0, 1]],
+    [[10, 20, 20, 0]],
+    usage_limit=None,
+  )
   reduced, layout = solver_views(graph)
   plan = Plan(layout, np.zeros(2, np.int64))
   assert plan.descend(np.arange(2)) == 0
@@ -370,8 +472,10 @@ def test_a_two_group_move_finds_an_improvement_no_single_switch_can():
 
 def test_a_two_group_move_that_would_break_the_limit_is_not_made():
   from automap_rl.solver.local import Plan
-  graph = StrategyGraph.from_lists([[0, 3], [0, 3]], [[1, 5], [1, 5]], [[0, 1], [0, 1]], [[0, 1]],
-                                   [[10, 20, 20, 0]], usage_limit=9)
+
+  graph = StrategyGraph.from_lists(
+    [[0, 3], [0, 3]], [[1, 5], [1, 5]], [[0, 1], [0, 1]], [[0, 1]], [[10, 20, 20, 0]], usage_limit=9
+  )
   _, layout = solver_views(graph)
   plan = Plan(layout, np.zeros(2, np.int64))
   assert plan.descend_pairs() == 0 and plan.choice.tolist() == [0, 0]
@@ -392,7 +496,9 @@ def test_tiled_copies_cost_and_fit_as_the_original_times_the_copies():
   tiled = tile(graph, 3)
   assert tiled.num_nodes == 15 and tiled.num_edges == 3 * graph.num_edges
   verdict = evaluate(tiled, [0, 0, 2, 1, 0] * 3)
-  assert verdict.feasible and verdict.cost == 3 * 445 and verdict.peak_usage == 50  # copies never overlap in time
+  assert (
+    verdict.feasible and verdict.cost == 3 * 445 and verdict.peak_usage == 50
+  )  # copies never overlap in time
   assert not evaluate(tiled, [0, 0, 2, 1, 0] * 2 + [0, 0, 1, 1, 0]).feasible
   with pytest.raises(ValueError, match="copies must be at least 1"):
     tile(graph, 0)
@@ -400,7 +506,10 @@ def test_tiled_copies_cost_and_fit_as_the_original_times_the_copies():
 
 def test_the_shared_best_plan_reaches_the_other_workers_only():
   import multiprocessing
-  shared = importlib.import_module("automap_rl.solver.solve")._SharedBest(multiprocessing.get_context("fork"), 3)
+
+  shared = importlib.import_module("automap_rl.solver.solve")._SharedBest(
+    multiprocessing.get_context("fork"), 3
+  )
   assert shared.newer(0, worker=1) is None
   shared.publish(np.array([2, 0, 1]), 7.0, worker=0)
   version, plan, cost = shared.newer(0, worker=1)
@@ -411,22 +520,41 @@ def test_the_shared_best_plan_reaches_the_other_workers_only():
 
 def test_bench_reports_why_an_instance_has_no_plan(tmp_path, monkeypatch):
   from automap_rl.solver import bench_iopddl
-  problem = {"problem": {"name": "Z", "nodes": {"intervals": [[0, 1], [0, 1]], "costs": [[1, 2], [3, 4]],
-                                                "usages": [[1, 1], [1, 1]]},
-                         "edges": {"nodes": [[0, 1]], "costs": [[0, 1, 1, 0]]}, "usage_limit": 5}}
+
+  problem = {
+    "problem": {
+      "name": "Z",
+      "nodes": {
+        "intervals": [[0, 1], [0, 1]],
+        "costs": [[1, 2], [3, 4]],
+        "usages": [[1, 1], [1, 1]],
+      },
+      "edges": {"nodes": [[0, 1]], "costs": [[0, 1, 1, 0]]},
+      "usage_limit": 5,
+    }
+  }
   (tmp_path / "asplos-2025-iopddl-Z.json").write_text(json.dumps(problem))
   (tmp_path / "best_known.csv").write_text("instance,best_known_cost\nZ,4\n")
   [row] = bench_iopddl(tmp_path, timeout_s=5, seed=0, workers=0, copies=2)
-  assert (row.instance, row.cost, row.best_known, row.feasible, row.failure) == ("Z x2", 8, 8, True, None)
+  assert (row.instance, row.cost, row.best_known, row.feasible, row.failure) == (
+    "Z x2",
+    8,
+    8,
+    True,
+    None,
+  )
   monkeypatch.setattr(importlib.import_module("automap_rl.solver.solve"), "MAX_PAIR_ENTRIES", 3)
   [row] = bench_iopddl(tmp_path, timeout_s=5, seed=0, workers=0)
-  assert not row.feasible and row.cost is None and "more than the 3 the solver can set up" in row.failure
+  assert (
+    not row.feasible and row.cost is None and "more than the 3 the solver can set up" in row.failure
+  )
 
 
 def test_the_best_entry_of_each_segment_skips_undefined_gains():
   """A pair whose current entry costs inf has gains inf - inf (NaN): its best entry is still
   one of its own, never past the end of the entries."""
   from automap_rl.solver.local import _segment_argmax
+
   values = np.array([np.nan, np.nan, 1.0, np.nan, 3.0, 3.0])
   np.testing.assert_array_equal(_segment_argmax(values, np.array([0, 2, 3, 6])), [0, 0, 1])
 
@@ -437,6 +565,7 @@ def test_usage_rows_have_no_power_of_two_scale_to_integers():
   crossover adds must have no power-of-two scale that makes them integral."""
   from automap_rl.solver.local import Plan
   from automap_rl.solver.mip import _Model
+
   graph = binding_chain()
   reduced, layout = solver_views(graph)
   plan = Plan(layout, np.zeros(reduced.num_groups, dtype=np.int64))
@@ -445,4 +574,6 @@ def test_usage_rows_have_no_power_of_two_scale_to_integers():
   matrix, upper = model.usage_rows(np.arange(len(layout.memory.capacity)))
   values = np.concatenate([matrix.data, upper])
   assert len(matrix.data) > 0
-  assert not any(np.all(np.mod(values * 2.0 ** k, 1.0) == 0) for k in range(-32, 33))  # 2**52 makes any float whole.
+  assert not any(
+    np.all(np.mod(values * 2.0**k, 1.0) == 0) for k in range(-32, 33)
+  )  # 2**52 makes any float whole.

@@ -37,7 +37,9 @@ def test_cases_are_well_formed():
       assert f"size={case.size}" in case.workload
   assert {"a100-40g", "a100-80g", "h100", "tpu-v5e"} <= hardware
   assert any(len(mesh_lib.parse_mesh_spec(c.mesh)) == 3 for c in cases)
-  assert any(c.make_mesh().num_devices > 64 for c in cases if c.split == "train")  # GPT-175B on 16 nodes.
+  assert any(
+    c.make_mesh().num_devices > 64 for c in cases if c.split == "train"
+  )  # GPT-175B on 16 nodes.
 
 
 def test_gpu_meshes_have_a_fast_inner_and_a_slow_outer_axis():
@@ -47,7 +49,9 @@ def test_gpu_meshes_have_a_fast_inner_and_a_slow_outer_axis():
 
 
 def test_unknown_split_is_a_one_line_error():
-  with pytest.raises(ValueError, match=r"^unknown split 'dev'; valid splits: smoke, train, test, external$"):
+  with pytest.raises(
+    ValueError, match=r"^unknown split 'dev'; valid splits: smoke, train, test, external$"
+  ):
     load_cases("dev")
 
 
@@ -73,13 +77,21 @@ def test_smoke_cases_trace_abstractly_and_simulate(case):
 FAST_EXTERNAL = ("jraph-gcn", "jraph-gat", "eqx-mlp")
 
 
-@pytest.mark.parametrize("case", [c if c.family in FAST_EXTERNAL else pytest.param(c, marks=pytest.mark.slow)
-                                  for c in load_cases("external")], ids=lambda c: c.name)
+@pytest.mark.parametrize(
+  "case",
+  [
+    c if c.family in FAST_EXTERNAL else pytest.param(c, marks=pytest.mark.slow)
+    for c in load_cases("external")
+  ],
+  ids=lambda c: c.name,
+)
 def test_external_cases_trace_abstractly_and_have_dims_to_shard(case):
   problem = _traced(case)
   # Named dimensions that every mesh axis divides, and an expert plan over them that takes
   # less memory per device than replication.
-  divisible = [c for c in problem.named.classes if all(c.size % a == 0 for a in problem.mesh.axis_sizes)]
+  divisible = [
+    c for c in problem.named.classes if all(c.size % a == 0 for a in problem.mesh.axis_sizes)
+  ]
   assert len(divisible) >= 4
   expert = tactics.best_expert_plan(problem)
   assert expert.decisions and float(expert.cost.peak_memory) < float(problem.cost([]).peak_memory)
@@ -87,6 +99,7 @@ def test_external_cases_trace_abstractly_and_have_dims_to_shard(case):
 
 def test_suite_list_prints_every_case_of_the_split(capsys):
   from experiments import cli
+
   assert cli.main(["suite", "list", "--split", "test"]) == 0
   out = capsys.readouterr().out
   test = load_cases("test")
@@ -97,8 +110,11 @@ def test_suite_list_prints_every_case_of_the_split(capsys):
 
 def test_bench_suite_families_picks_their_cases_in_suite_order():
   from experiments import suite_cmd
+
   picked = suite_cmd.bench_cases(suite_cmd.SuiteBenchConfig(split="train", families=("dit", "mlp")))
-  assert picked == [c for c in load_cases("train") if c.family in ("mlp", "dit")] and len(picked) >= 2
+  assert (
+    picked == [c for c in load_cases("train") if c.family in ("mlp", "dit")] and len(picked) >= 2
+  )
   assert suite_cmd.bench_cases(suite_cmd.SuiteBenchConfig(split="test")) == load_cases("test")
 
 
@@ -106,8 +122,11 @@ def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
   from automap_rl.plan import plan_from_json, plan_to_json
   from automap_rl.sharding import ArgDim, Decision
   from experiments import suite_cmd
+
   case = load_cases("smoke")[0]
-  config = suite_cmd.SuiteBenchConfig(agents=("random",), budget=40, best_known=str(tmp_path / "best.json"))
+  config = suite_cmd.SuiteBenchConfig(
+    agents=("random",), budget=40, best_known=str(tmp_path / "best.json")
+  )
   decision = Decision(ArgDim("batch/inputs", 0), "data")
   stored = plan_to_json([decision])
   assert plan_from_json(stored) == ([decision], None)
@@ -117,7 +136,9 @@ def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
   assert all(s["ratio"] >= 1.0 - 1e-6 for s in row["experts"].values() if s["fits"])
   # The best-known plan is the best plan of the row, stored plans included.
   scores = [*row["experts"].values(), *row["agents"].values()]
-  assert row["best_known"]["step_time_s"] == min(s["step_time_s"] for s in scores + [row["best_known"]])
+  assert row["best_known"]["step_time_s"] == min(
+    s["step_time_s"] for s in scores + [row["best_known"]]
+  )
   assert row["best_known"]["ratio"] == pytest.approx(row["best_known"]["step_time_s"] / best)
   written = suite_cmd.update_best_known([row], config.best_known, "cmd")
   assert written == (row["best_known"]["source"] != "stored")
@@ -125,49 +146,84 @@ def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
     entry = suite_cmd.load_best_known(config.best_known)["cases"][case.name]
     assert entry["command"] == "cmd" and entry["decisions"] == row["best_known"]["decisions"]
   summary = suite_cmd.summarize([row, {**row, "best_known": {**row["best_known"], "ratio": 0.5}}])
-  assert summary["cases"] == 2 and summary["best_known_beats_best_expert_by_5pct_or_only_it_fits"] == 0.5
+  assert (
+    summary["cases"] == 2 and summary["best_known_beats_best_expert_by_5pct_or_only_it_fits"] == 0.5
+  )
 
 
-def test_an_agents_pipelined_plan_is_stored_with_its_pipeline_and_prices_the_same_again(tmp_path, monkeypatch):
+def test_an_agents_pipelined_plan_is_stored_with_its_pipeline_and_prices_the_same_again(
+  tmp_path, monkeypatch
+):
   """A searched plan with pipeline stages becomes the best-known with them: written back
   and read again, the stored plan costs what the agent's did."""
   from agents import SearchResult
   from automap_rl.plan import plan_from_json
   from experiments import suite_cmd
+
   case = next(c for c in load_cases("smoke") if c.name.startswith("llama"))
   problem = Problem.build(case.make_workload().trace(), case.make_mesh())
   decisions, pipeline = tactics.applicable_pipelines(problem)["pipeline"]
   cost = problem.plan_cost(decisions, pipeline)
-  assert not pipeline.trivial and float(cost.step_time) != float(problem.plan_cost(decisions).step_time)
-  found = SearchResult(decisions=list(decisions), cost=cost, trace=[], simulations=0, seconds=0.0, actions=[],
-                       objective=0.0, pipeline=pipeline)
+  assert not pipeline.trivial and float(cost.step_time) != float(
+    problem.plan_cost(decisions).step_time
+  )
+  found = SearchResult(
+    decisions=list(decisions),
+    cost=cost,
+    trace=[],
+    simulations=0,
+    seconds=0.0,
+    actions=[],
+    objective=0.0,
+    pipeline=pipeline,
+  )
   # Priced a thousand times faster than it is, it is the case's best-known plan.
-  monkeypatch.setattr(suite_cmd.agents, "run_agent", lambda *a, **k: dataclasses.replace(
-      found, cost=jax.tree.map(lambda x: x * 1e-3 if x.dtype.kind == "f" else x, cost)))
+  monkeypatch.setattr(
+    suite_cmd.agents,
+    "run_agent",
+    lambda *a, **k: dataclasses.replace(
+      found, cost=jax.tree.map(lambda x: x * 1e-3 if x.dtype.kind == "f" else x, cost)
+    ),
+  )
   config = suite_cmd.SuiteBenchConfig(agents=("learned",), best_known=str(tmp_path / "best.json"))
   row = suite_cmd.bench_case(case, config, None)
-  assert row["best_known"]["source"] == "learned" and row["best_known"]["pipeline"] == pipeline.to_json()
+  assert (
+    row["best_known"]["source"] == "learned" and row["best_known"]["pipeline"] == pipeline.to_json()
+  )
   assert suite_cmd.update_best_known([row], config.best_known, "cmd") == 1
   stored = plan_from_json(suite_cmd.load_best_known(config.best_known)["cases"][case.name])
   assert stored == (list(decisions), pipeline)
-  assert float(problem.plan_cost(*stored).step_time) == pytest.approx(float(cost.step_time), rel=1e-6)
+  assert float(problem.plan_cost(*stored).step_time) == pytest.approx(
+    float(cost.step_time), rel=1e-6
+  )
 
 
 def test_bench_pipeline_compares_the_best_pipelined_and_intra_op_plans(tmp_path):
   from experiments import bench_pipeline
 
-  (row,) = bench_pipeline.run(bench_pipeline.PipelineBenchConfig(
-      cases=("gpt-39b-4x2x8-h100-remat",), agents=(), json=str(tmp_path / "p.json")))
+  (row,) = bench_pipeline.run(
+    bench_pipeline.PipelineBenchConfig(
+      cases=("gpt-39b-4x2x8-h100-remat",), agents=(), json=str(tmp_path / "p.json")
+    )
+  )
   plans = row["plans"]
   piped, intra = plans[row["best_pipelined"]], plans[row["best_intra_op"]]
   assert piped["pipelined"] and piped["fits"] and "stages" in piped["pipeline"]
   # The best expert inside megatron_3d's stages: its decisions on the stage axis dropped.
   staged = plans[next(n for n in plans if n.startswith("best expert"))]
-  assert plans[next(n for n in plans if n.startswith("best expert") and n.endswith("+ stages"))]["pipelined"]
+  assert plans[next(n for n in plans if n.startswith("best expert") and n.endswith("+ stages"))][
+    "pipelined"
+  ]
   assert not staged.get("pipelined", False)
   assert not intra.get("pipelined", False) and intra["fits"]
-  assert row["pipelined_over_intra_op"] == pytest.approx(piped["step_time_s"] / intra["step_time_s"])
-  assert 0 < piped["bubble_share"] < 1 and 0 < intra["comm_share"] < 1 and 0 < piped["stage_balance"] <= 1
+  assert row["pipelined_over_intra_op"] == pytest.approx(
+    piped["step_time_s"] / intra["step_time_s"]
+  )
+  assert (
+    0 < piped["bubble_share"] < 1
+    and 0 < intra["comm_share"] < 1
+    and 0 < piped["stage_balance"] <= 1
+  )
   assert 0 < piped["utilization"] < 1
   with pytest.raises(ValueError, match="unknown case"):
     bench_pipeline.run(bench_pipeline.PipelineBenchConfig(cases=("gpt-39b",), agents=()))

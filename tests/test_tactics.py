@@ -3,12 +3,11 @@
 import collections
 import math
 
-import numpy as np
-
 import equinox as eqx
 import flax.linen as nn
 import haiku as hk
 import jax
+import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings
@@ -33,7 +32,6 @@ def _xent(logits, batch):
 
 
 class _FlaxBlock(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = x + nn.MultiHeadDotProductAttention(num_heads=HEADS)(nn.LayerNorm()(x))
@@ -42,7 +40,6 @@ class _FlaxBlock(nn.Module):
 
 
 class _FlaxTransformer(nn.Module):
-
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(VOCAB, D)(tokens)
@@ -54,15 +51,18 @@ class _FlaxTransformer(nn.Module):
 def _flax():
   model, batch = _FlaxTransformer(), _batch()
   params = model.init(jax.random.key(1), batch["inputs"])["params"]
-  return training.build_workload("flax", lambda p, b: _xent(model.apply({"params": p}, b["inputs"]), b),
-                                 params, batch)
+  return training.build_workload(
+    "flax", lambda p, b: _xent(model.apply({"params": p}, b["inputs"]), b), params, batch
+  )
 
 
 def _haiku_forward(tokens):
   x = hk.Embed(VOCAB, D)(tokens)
   for _ in range(LAYERS):
     y = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
-    x = x + hk.MultiHeadAttention(HEADS, D // HEADS, w_init=hk.initializers.VarianceScaling())(y, y, y)
+    x = x + hk.MultiHeadAttention(HEADS, D // HEADS, w_init=hk.initializers.VarianceScaling())(
+      y, y, y
+    )
     y = hk.LayerNorm(-1, create_scale=True, create_offset=True)(x)
     x = x + hk.Linear(D)(jax.nn.gelu(hk.Linear(FF)(y)))
   return hk.Linear(VOCAB)(hk.LayerNorm(-1, create_scale=True, create_offset=True)(x))
@@ -71,7 +71,9 @@ def _haiku_forward(tokens):
 def _haiku():
   model, batch = hk.without_apply_rng(hk.transform(_haiku_forward)), _batch()
   params = model.init(jax.random.key(1), batch["inputs"])
-  return training.build_workload("haiku", lambda p, b: _xent(model.apply(p, b["inputs"]), b), params, batch)
+  return training.build_workload(
+    "haiku", lambda p, b: _xent(model.apply(p, b["inputs"]), b), params, batch
+  )
 
 
 class _EqxBlock(eqx.Module):
@@ -84,8 +86,15 @@ class _EqxBlock(eqx.Module):
   def __init__(self, key):
     k1, k2, k3 = jax.random.split(key, 3)
     self.norm1, self.norm2 = eqx.nn.LayerNorm(D), eqx.nn.LayerNorm(D)
-    self.attention = eqx.nn.MultiheadAttention(HEADS, D, use_query_bias=True, use_key_bias=True,
-                                               use_value_bias=True, use_output_bias=True, key=k1)
+    self.attention = eqx.nn.MultiheadAttention(
+      HEADS,
+      D,
+      use_query_bias=True,
+      use_key_bias=True,
+      use_value_bias=True,
+      use_output_bias=True,
+      key=k1,
+    )
     self.fc1, self.fc2 = eqx.nn.Linear(D, FF, key=k2), eqx.nn.Linear(FF, D, key=k3)
 
   def __call__(self, x):  # [seq, d]
@@ -136,7 +145,12 @@ def _parameter_shards(problem: Problem, decisions) -> collections.Counter:
   shards = collections.Counter()
   for value_id, spec in zip(ids, specs):
     size = problem.program.values[value_id].size
-    axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
+    axes = [
+      a
+      for entry in spec
+      if entry is not None
+      for a in ((entry,) if isinstance(entry, str) else entry)
+    ]
     shards[(size, size // math.prod(problem.mesh.axis_size(a) for a in axes))] += 1
   return shards
 
@@ -146,9 +160,13 @@ def problems():
   return {style: _problem(build()) for style, build in STYLES.items()}
 
 
-@pytest.mark.parametrize("tactic", ["megatron", "fsdp", "data_megatron", "fsdp_megatron", "sequence_parallel"])
+@pytest.mark.parametrize(
+  "tactic", ["megatron", "fsdp", "data_megatron", "fsdp_megatron", "sequence_parallel"]
+)
 def test_each_tactic_shards_the_same_dims_in_flax_haiku_and_equinox(problems, tactic):
-  shards = {style: _parameter_shards(p, tactics.TACTICS[tactic](p)) for style, p in problems.items()}
+  shards = {
+    style: _parameter_shards(p, tactics.TACTICS[tactic](p)) for style, p in problems.items()
+  }
   assert shards["flax"] == shards["haiku"] == shards["equinox"]
 
 
@@ -175,7 +193,15 @@ TRANSFORMERS = ("gpt:layers=2", "llama", "moe", "t5", "vit")
 def test_every_expert_tactic_changes_the_plan_of_every_transformer_family(spec):
   problem = _problem(make_workload(spec, abstract=True))
   plans = tactics.applicable(problem)
-  expected = {"replicated", "data_parallel", "megatron", "fsdp", "hsdp", "data_megatron", "fsdp_megatron"}
+  expected = {
+    "replicated",
+    "data_parallel",
+    "megatron",
+    "fsdp",
+    "hsdp",
+    "data_megatron",
+    "fsdp_megatron",
+  }
   expected |= {"expert_parallel"} if spec == "moe" else set()
   expected |= {"sequence_parallel", "fsdp_megatron_sp"} if spec != "vit" else set()
   assert set(plans) == expected
@@ -185,7 +211,9 @@ def test_every_expert_tactic_changes_the_plan_of_every_transformer_family(spec):
       continue
     assert _parameter_shards(problem, decisions) != replicated, name
   base = float(problem.cost([]).peak_memory)
-  assert all(float(problem.cost(d).peak_memory) < base for n, d in plans.items() if n != "replicated")
+  assert all(
+    float(problem.cost(d).peak_memory) < base for n, d in plans.items() if n != "replicated"
+  )
 
 
 def test_expert_costs_are_evaluated_together_with_one_compile(problems):
@@ -205,8 +233,12 @@ def test_fsdp_megatron_stores_every_parameter_over_all_data_axes_beside_tensor_p
   and every parameter large enough stored over data and fsdp on a dim that is not its
   tensor-parallel one; so parameters take 1/64th of their memory where Megatron's are split
   8 ways and FSDP's 2 ways."""
-  problem = Problem.build(make_workload("gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16",
-                                        abstract=True).trace(), make_mesh("data=4,fsdp=2,model=8", "h100"))
+  problem = Problem.build(
+    make_workload(
+      "gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16", abstract=True
+    ).trace(),
+    make_mesh("data=4,fsdp=2,model=8", "h100"),
+  )
   decisions = tactics.fsdp_megatron(problem)
   ids = [v for v in problem.program.inputs if problem.program.values[v].role == Role.PARAMETER]
   tp = set(tactics.structure(problem).tensor_parallel)
@@ -215,13 +247,17 @@ def test_fsdp_megatron_stores_every_parameter_over_all_data_axes_beside_tensor_p
     entries = [() if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in spec]
     assert sum(a in ("data", "fsdp") for e in entries for a in e) in (0, 2), (value.path, spec)
     for dim, axes in enumerate(entries):
-      if "data" in axes and problem.named.class_of(value_id, dim) in tp:  # Only if nothing else divides.
+      if (
+        "data" in axes and problem.named.class_of(value_id, dim) in tp
+      ):  # Only if nothing else divides.
         others = [d for d in range(len(value.shape)) if d != dim and value.shape[d] % 8 == 0]
         assert not others, (value.path, spec)
     if value.size >= 256 * 256:
       assert any(axes == ("data", "fsdp") for axes in entries), (value.path, spec)
-  memory = {name: float(problem.cost(tactics.TACTICS[name](problem)).peak_memory)
-            for name in ("fsdp", "data_megatron", "fsdp_megatron")}
+  memory = {
+    name: float(problem.cost(tactics.TACTICS[name](problem)).peak_memory)
+    for name in ("fsdp", "data_megatron", "fsdp_megatron")
+  }
   assert memory["fsdp_megatron"] < min(memory["fsdp"], memory["data_megatron"])
 
 
@@ -229,11 +265,17 @@ def test_hsdp_splits_the_batch_over_every_axis_and_stores_parameters_over_the_mo
   """On data x fsdp x model: every input's batch over all three axes, every parameter large
   enough stored over `model` alone (replicated over the other two), so the step computes no
   copy of another device's work and parameters take 1/8th of their memory."""
-  problem = Problem.build(make_workload("gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16",
-                                        abstract=True).trace(), make_mesh("data=2,fsdp=2,model=4", "h100"))
+  problem = Problem.build(
+    make_workload(
+      "gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16", abstract=True
+    ).trace(),
+    make_mesh("data=2,fsdp=2,model=4", "h100"),
+  )
   decisions = tactics.hsdp(problem)
   program = problem.program
-  for value_id, spec in zip(program.batch_inputs, problem.partition_specs(decisions, program.batch_inputs)):
+  for value_id, spec in zip(
+    program.batch_inputs, problem.partition_specs(decisions, program.batch_inputs)
+  ):
     assert tuple(spec[0]) == ("data", "fsdp", "model"), (program.values[value_id].path, spec)
   ids = [v for v in program.inputs if program.values[v].role == Role.PARAMETER]
   for value_id, spec in zip(ids, problem.partition_specs(decisions, ids)):
@@ -241,20 +283,31 @@ def test_hsdp_splits_the_batch_over_every_axis_and_stores_parameters_over_the_mo
     assert axes in ([], ["model"]), (program.values[value_id].path, spec)
     if program.values[value_id].size >= 256 * 256:
       assert axes == ["model"], (program.values[value_id].path, spec)
-  cost = {name: problem.cost(tactics.TACTICS[name](problem)) for name in ("data_parallel", "fsdp", "hsdp")}
-  assert float(cost["hsdp"].compute_time) < 0.5 * float(cost["data_parallel"].compute_time)  # A 4x larger share.
+  cost = {
+    name: problem.cost(tactics.TACTICS[name](problem)) for name in ("data_parallel", "fsdp", "hsdp")
+  }
+  assert float(cost["hsdp"].compute_time) < 0.5 * float(
+    cost["data_parallel"].compute_time
+  )  # A 4x larger share.
   assert float(cost["hsdp"].peak_memory) < float(cost["data_parallel"].peak_memory)
 
 
 def test_hsdp_needs_two_mesh_axes():
-  assert "hsdp" not in tactics.applicable(_gpt("gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16", "data=8"))
+  assert "hsdp" not in tactics.applicable(
+    _gpt("gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16", "data=8")
+  )
 
 
 def test_fsdp_megatron_sp_stores_the_residual_stream_split_by_sequence():
-  problem = Problem.build(make_workload("gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16",
-                                        abstract=True).trace(), make_mesh("data=2,model=4", "h100"))
-  sequence = problem.named.class_of(next(v for v in problem.program.inputs
-                                         if problem.program.values[v].role == Role.INPUT), 1)
+  problem = Problem.build(
+    make_workload(
+      "gpt:layers=2,d_model=256,heads=8,seq=64,vocab=512,batch=16", abstract=True
+    ).trace(),
+    make_mesh("data=2,model=4", "h100"),
+  )
+  sequence = problem.named.class_of(
+    next(v for v in problem.program.inputs if problem.program.values[v].role == Role.INPUT), 1
+  )
   for name, split in (("fsdp_megatron", False), ("fsdp_megatron_sp", True)):
     resolution = problem.resolution(tactics.TACTICS[name](problem))
     axes = np.asarray(resolution.value_mask)  # [value signatures, dims]: bit masks of mesh axes.
@@ -265,8 +318,13 @@ def test_fsdp_megatron_sp_stores_the_residual_stream_split_by_sequence():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(sorted(tactics.TACTICS)),
-                       st.tuples(st.floats(1e-3, 1e3), st.floats(1.0, 1e12), st.booleans()), min_size=1))
+@given(
+  st.dictionaries(
+    st.sampled_from(sorted(tactics.TACTICS)),
+    st.tuples(st.floats(1e-3, 1e3), st.floats(1.0, 1e12), st.booleans()),
+    min_size=1,
+  )
+)
 def test_the_best_expert_is_the_fastest_that_fits_and_never_one_that_does_not(raw):
   scores = {name: tactics.Score(*score) for name, score in raw.items()}
   best = tactics.best_expert(scores)
@@ -307,17 +365,28 @@ def test_megatron_3d_pipelines_the_slow_axis_with_tensor_parallelism_on_the_fast
   """data=4,fsdp=2,model=8 on H100s: `model` is one node's NVLink, `data` and `fsdp` cross
   nodes; the stages go on `data` (the most major of the slowest), the batch over `fsdp`,
   heads and FFN hidden over `model`, one sequence per data-parallel replica a microbatch."""
-  problem = _gpt("gpt:layers=8,d_model=256,heads=8,seq=64,vocab=512,batch=16,scan=true", "data=4,fsdp=2,model=8")
+  problem = _gpt(
+    "gpt:layers=8,d_model=256,heads=8,seq=64,vocab=512,batch=16,scan=true", "data=4,fsdp=2,model=8"
+  )
   assert tactics.stage_axis(problem) == "data"
   decisions, pipeline = tactics.megatron_3d(problem)
-  assert (pipeline.axis, pipeline.stages, pipeline.microbatches, pipeline.schedule) == ("data", 4, 8, "1f1b")
+  assert (pipeline.axis, pipeline.stages, pipeline.microbatches, pipeline.schedule) == (
+    "data",
+    4,
+    8,
+    "1f1b",
+  )
   assert all(d.axis != "data" for d in decisions)
   assert {d.axis for d in decisions} == {"fsdp", "model"}
   assert [d for d in decisions if d.axis == "model"] == tactics.megatron(problem)
   cost = problem.plan_cost(decisions, pipeline)
   terms = cost.terms
   assert float(cost.step_time) == pytest.approx(
-      sum(float(getattr(terms, t)) for t in ("steady_s", "bubble_s", "transfer_s", "gradient_reduction_s", "update_s")))
+    sum(
+      float(getattr(terms, t))
+      for t in ("steady_s", "bubble_s", "transfer_s", "gradient_reduction_s", "update_s")
+    )
+  )
   assert float(cost.comm_bytes[-1]) > 0  # Collective-permutes between the stages.
 
 
@@ -331,9 +400,19 @@ def test_stages_that_leave_devices_of_the_stage_axis_shard_the_batch_over_them()
 
 
 def test_pipeline_tactics_need_a_layer_stack_and_a_second_axis():
-  assert tactics.applicable_pipelines(_gpt("gpt:layers=1,d_model=256,heads=8,seq=64,vocab=512,batch=16",
-                                           "data=4,model=2")) == {}
-  assert tactics.applicable_pipelines(_gpt("gpt:layers=4,d_model=256,heads=8,seq=64,vocab=512,batch=16",
-                                           "data=8")) == {}
+  assert (
+    tactics.applicable_pipelines(
+      _gpt("gpt:layers=1,d_model=256,heads=8,seq=64,vocab=512,batch=16", "data=4,model=2")
+    )
+    == {}
+  )
+  assert (
+    tactics.applicable_pipelines(
+      _gpt("gpt:layers=4,d_model=256,heads=8,seq=64,vocab=512,batch=16", "data=8")
+    )
+    == {}
+  )
   with pytest.raises(ValueError, match="no repeated layer stack"):
-    tactics.megatron_3d(_gpt("gpt:layers=1,d_model=256,heads=8,seq=64,vocab=512,batch=16", "data=4,model=2"))
+    tactics.megatron_3d(
+      _gpt("gpt:layers=1,d_model=256,heads=8,seq=64,vocab=512,batch=16", "data=4,model=2")
+    )

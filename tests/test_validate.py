@@ -5,16 +5,21 @@ import json
 import math
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from automap_rl import workloads, tactics
+from automap_rl import tactics, workloads
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.xla import validate
 from automap_rl.xla.numerics import reference_outputs
 from experiments import validate_cmd
 
-TINY = validate.Suite(models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",), meshes=("data=8",),
-                      random_plans=1, isolated=False)
+TINY = validate.Suite(
+  models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",),
+  meshes=("data=8",),
+  random_plans=1,
+  isolated=False,
+)
 
 
 def test_tiny_suite_json_and_plot(tmp_path, monkeypatch):
@@ -24,14 +29,27 @@ def test_tiny_suite_json_and_plot(tmp_path, monkeypatch):
   document = json.loads(json_path.read_text())
   assert set(document) == {"cases", "summary"}
   assert set(document["summary"]) == {
-      "num_cases", "lowering_errors", "xla_aborts", "pipelined_cases", "comm_bytes_median_rel_error",
-      "comm_bytes_spearman", "flops_median_rel_error", "memory_median_rel_error", "memory_spearman",
-      "numerics_ok_fraction", "realized_fraction"}
-  assert document["summary"]["numerics_ok_fraction"] == 1 and document["summary"]["pipelined_cases"] == 0
+    "num_cases",
+    "lowering_errors",
+    "xla_aborts",
+    "pipelined_cases",
+    "comm_bytes_median_rel_error",
+    "comm_bytes_spearman",
+    "flops_median_rel_error",
+    "memory_median_rel_error",
+    "memory_spearman",
+    "numerics_ok_fraction",
+    "realized_fraction",
+  }
+  assert (
+    document["summary"]["numerics_ok_fraction"] == 1 and document["summary"]["pipelined_cases"] == 0
+  )
   assert document["summary"]["realized_fraction"] == 1  # Every plan compiled as written.
   assert document["summary"]["num_cases"] == len(document["cases"]) >= 4
   case = document["cases"][0]
-  assert {"model", "mesh", "plan", "simulated", "compiled", "numerics_ok", "differences"} <= set(case)
+  assert {"model", "mesh", "plan", "simulated", "compiled", "numerics_ok", "differences"} <= set(
+    case
+  )
   by_plan = {c["plan"]: c for c in document["cases"]}
   dp = by_plan["data_parallel"]
   assert dp["simulated"]["comm_bytes"] == dp["compiled"]["comm_bytes"] > 0
@@ -51,16 +69,33 @@ def test_rank_agreement_orders_pipelined_and_intra_op_plans_of_a_case_together()
   """Pairs within a case, pipelined plans and intra-op ones alike; compiled ties left out."""
   from automap_rl.xla import fullsize
 
-  def check(case: str, plan: str, simulated: float, compiled: float, pipelined: bool) -> fullsize.PlanCheck:
-    return fullsize.PlanCheck(case=case, devices=8, plan=plan, searched=False, decisions=(),
-                              simulated={"step_time": simulated}, compiled={"step_time": compiled}, differences=0,
-                              seconds=0.0, pipeline={"axis": "data"} if pipelined else None)
+  def check(
+    case: str, plan: str, simulated: float, compiled: float, pipelined: bool
+  ) -> fullsize.PlanCheck:
+    return fullsize.PlanCheck(
+      case=case,
+      devices=8,
+      plan=plan,
+      searched=False,
+      decisions=(),
+      simulated={"step_time": simulated},
+      compiled={"step_time": compiled},
+      differences=0,
+      seconds=0.0,
+      pipeline={"axis": "data"} if pipelined else None,
+    )
 
-  checks = [check("a", "megatron", 1.0, 1.0, False), check("a", "megatron_3d", 2.0, 3.0, True),
-            check("a", "pipeline", 3.0, 2.0, True), check("b", "fsdp", 1.0, 2.0, False),
-            check("b", "pipeline", 2.0, 1.0, True), check("b", "megatron_3d", 5.0, 2.0005, True)]
+  checks = [
+    check("a", "megatron", 1.0, 1.0, False),
+    check("a", "megatron_3d", 2.0, 3.0, True),
+    check("a", "pipeline", 3.0, 2.0, True),
+    check("b", "fsdp", 1.0, 2.0, False),
+    check("b", "pipeline", 2.0, 1.0, True),
+    check("b", "megatron_3d", 5.0, 2.0005, True),
+  ]
   # a: (megatron, megatron_3d) and (megatron, pipeline) agree, (megatron_3d, pipeline) does not;
-  # b: (fsdp, pipeline) disagrees, (pipeline, megatron_3d) agrees, (fsdp, megatron_3d) ties on the compiled side.
+  # b: (fsdp, pipeline) disagrees, (pipeline, megatron_3d) agrees, (fsdp, megatron_3d) ties on the
+  # compiled side.
   assert fullsize.agreement_by_case(checks) == pytest.approx({"a": 2 / 3, "b": 1 / 2})
   assert fullsize.pairwise_agreement(checks) == pytest.approx(3 / 5)
 
@@ -77,7 +112,9 @@ def test_simulated_flops_follow_xla_fusion_on_per_device_shapes():
   problem = validate.trace_problem(workload, "data=8", "cpu")
   plans = tactics.applicable(problem)
   for name in ("replicated", "data_parallel"):
-    case = validate.run_case(problem, workload, "data=8", name, plans[name], reference, isolated=False)
+    case = validate.run_case(
+      problem, workload, "data=8", name, plans[name], reference, isolated=False
+    )
     assert validate.relative_error(case.simulated["flops"], case.compiled["flops"]) < 0.015, name
 
 
@@ -86,16 +123,29 @@ def test_collectives_combine_per_loop_iteration_as_xla_does():
   reductions (the loop body is one computation), and the simulator counts the same
   collectives of every kind, and the same bytes."""
   from automap_rl.xla.lower import lower
-  workload = workloads.make_workload("gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=True",
-                                     abstract=True)
+
+  workload = workloads.make_workload(
+    "gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=True", abstract=True
+  )
   problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
   plans = tactics.applicable(problem)
   for name in ("data_megatron",):  # Gradient reductions combined per iteration; activations' not.
-    lowered = lower(problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
-    simulated, compiled = validate.simulated_metrics(problem, plans[name]), validate.compiled_metrics(lowered.stats)
-    assert compiled["comm_count_by_kind"]["all-reduce"] > 4  # One per iteration at least, and the rest.
-    assert {k: round(v, 3) for k, v in simulated["comm_count_by_kind"].items()} == compiled["comm_count_by_kind"], name
+    lowered = lower(
+      problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS
+    )
+    simulated, compiled = (
+      validate.simulated_metrics(problem, plans[name]),
+      validate.compiled_metrics(lowered.stats),
+    )
+    assert (
+      compiled["comm_count_by_kind"]["all-reduce"] > 4
+    )  # One per iteration at least, and the rest.
+    assert {k: round(v, 3) for k, v in simulated["comm_count_by_kind"].items()} == compiled[
+      "comm_count_by_kind"
+    ], name
     assert math.isclose(simulated["comm_bytes"], compiled["comm_bytes"], rel_tol=1e-6), name
+
+
 def test_nested_loops_cost_what_xla_compiles():
   """An SSM: a scan over time steps inside the scan over layers. XLA all-reduces the
   state matrix's gradient in every time step (combined per loop, not with the layer
@@ -104,19 +154,31 @@ def test_nested_loops_cost_what_xla_compiles():
   convolution over all channels: the simulator counts the same collectives, bytes and
   flops."""
   from automap_rl.xla.lower import lower
+
   layers, seq = 2, 16
-  workload = workloads.make_workload(f"ssm:layers={layers},d_model=32,seq={seq},batch=8", abstract=True)
+  workload = workloads.make_workload(
+    f"ssm:layers={layers},d_model=32,seq={seq},batch=8", abstract=True
+  )
   problem = validate.trace_problem(workload, "data=4,model=2", "cpu")
   plans = tactics.applicable(problem)
   for name in ("replicated", "data_parallel", "fsdp", "data_megatron"):
-    lowered = lower(problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
-    simulated, compiled = validate.simulated_metrics(problem, plans[name]), validate.compiled_metrics(lowered.stats)
+    lowered = lower(
+      problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS
+    )
+    simulated, compiled = (
+      validate.simulated_metrics(problem, plans[name]),
+      validate.compiled_metrics(lowered.stats),
+    )
     assert lowered.differences == (), name
     assert validate.relative_error(simulated["flops"], compiled["flops"]) < 0.03, name
     for kind in ("all-reduce", "all-gather") if name == "fsdp" else ("all-reduce",):
-      assert simulated["comm_count_by_kind"][kind] == pytest.approx(compiled["comm_count_by_kind"][kind], rel=0.15), name
+      assert simulated["comm_count_by_kind"][kind] == pytest.approx(
+        compiled["comm_count_by_kind"][kind], rel=0.15
+      ), name
     if name != "replicated":
-      assert compiled["comm_count_by_kind"]["all-reduce"] > layers * seq  # One per time step at least.
+      assert (
+        compiled["comm_count_by_kind"]["all-reduce"] > layers * seq
+      )  # One per time step at least.
     if name == "data_parallel":
       assert simulated["comm_bytes"] == compiled["comm_bytes"]
 
@@ -128,12 +190,18 @@ def test_loop_buffers_are_live_through_the_loop():
   scan over layers) is the compiled one's within 5% (it was 12-16% under when a value's
   liveness ended at its last read in the body)."""
   from automap_rl.xla.lower import lower
+
   workload = workloads.make_workload("ssm:layers=8,d_model=64,seq=128,batch=16", abstract=True)
   problem = validate.trace_problem(workload, "data=4,model=2", "h100")
   plans = tactics.applicable(problem)
   for name in ("data_parallel", "fsdp"):
-    lowered = lower(problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
-    simulated, compiled = validate.simulated_metrics(problem, plans[name]), validate.compiled_metrics(lowered.stats)
+    lowered = lower(
+      problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS
+    )
+    simulated, compiled = (
+      validate.simulated_metrics(problem, plans[name]),
+      validate.compiled_metrics(lowered.stats),
+    )
     assert simulated["peak_memory"] == pytest.approx(compiled["peak_memory"], rel=0.05), name
 
 
@@ -148,14 +216,24 @@ def test_gathers_and_scatter_adds_move_what_the_simulator_prices():
   all-reduce made the simulated bytes 1.36x XLA's). In float32: XLA's CPU backend
   computes bfloat16 in float32, collectives included."""
   from automap_rl.xla.lower import lower
-  workload = workloads.make_workload("gnn:n_node=256,n_edge=1024,latent=64,steps=1,batch=8,dtype=float32",
-                                     abstract=True)
+
+  workload = workloads.make_workload(
+    "gnn:n_node=256,n_edge=1024,latent=64,steps=1,batch=8,dtype=float32", abstract=True
+  )
   problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
   plan = tactics.applicable(problem)["fsdp"]
-  lowered = lower(problem, plan, workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS)
-  simulated, compiled = validate.simulated_metrics(problem, plan), validate.compiled_metrics(lowered.stats)
+  lowered = lower(
+    problem, plan, workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS
+  )
+  simulated, compiled = (
+    validate.simulated_metrics(problem, plan),
+    validate.compiled_metrics(lowered.stats),
+  )
   gathered = compiled["comm_bytes_by_kind"]["all-gather"]
-  assert gathered == pytest.approx(simulated["comm_bytes_by_kind"]["all-gather"], rel=1e-3) and gathered > 1e6
+  assert (
+    gathered == pytest.approx(simulated["comm_bytes_by_kind"]["all-gather"], rel=1e-3)
+    and gathered > 1e6
+  )
   assert simulated["comm_bytes"] == pytest.approx(compiled["comm_bytes"], rel=1e-3)
   assert not lowered.differences
 
@@ -164,13 +242,18 @@ def test_random_plans_are_lowered_in_isolation_and_checked(tmp_path, capsys):
   """`validate --random 2` on one model: two plans, one per mesh, every one compiled in a
   child process first, run and checked; the JSON counts lowering errors and aborts."""
   json_path = tmp_path / "r.json"
-  validate_cmd.run(validate_cmd.ValidateConfig(random=2, models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",),
-                                               json=str(json_path)))
+  validate_cmd.run(
+    validate_cmd.ValidateConfig(
+      random=2, models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",), json=str(json_path)
+    )
+  )
   document = json.loads(json_path.read_text())
   assert [c["mesh"] for c in document["cases"]] == ["data=8", "data=2,model=4"]
   assert [c["plan"] for c in document["cases"]] == ["random_0", "random_1"]
-  assert all(c["numerics_ok"] and c["reference"] == "float64" and c["lowering_error"] is None
-             for c in document["cases"])
+  assert all(
+    c["numerics_ok"] and c["reference"] == "float64" and c["lowering_error"] is None
+    for c in document["cases"]
+  )
   summary = document["summary"]
   assert (summary["num_cases"], summary["lowering_errors"], summary["xla_aborts"]) == (2, 0, 0)
   assert summary["numerics_ok_fraction"] == 1
@@ -179,11 +262,14 @@ def test_random_plans_are_lowered_in_isolation_and_checked(tmp_path, capsys):
 def test_random_plans_in_two_processes_are_the_plans_of_one():
   """`validate --random N --workers 2` runs the same plans, compiled to the same modules,
   and returns them in the same order as one process does."""
-  suite = validate.RandomSuite(models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",), plans=3)
+  suite = validate.RandomSuite(
+    models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",), plans=3
+  )
   one, two = (validate.run_random(dataclasses.replace(suite, workers=w)) for w in (1, 2))
   assert [c.plan for c in two] == ["random_0", "random_1", "random_2"]
   assert [(c.mesh, c.decisions, c.compiled, c.numerics_ok) for c in two] == [
-      (c.mesh, c.decisions, c.compiled, c.numerics_ok) for c in one]
+    (c.mesh, c.decisions, c.compiled, c.numerics_ok) for c in one
+  ]
   assert all(c.numerics_ok for c in two)
 
 
@@ -192,15 +278,30 @@ def test_a_plan_that_does_not_lower_is_a_failed_case_not_a_crash(monkeypatch):
   problem = validate.trace_problem(workload, "data=8", "cpu")
 
   def refuse(*args, **kwargs):
-    raise validate.LoweringError("XLA cannot compile the plan (aborted: x.cc:1: Check failed: no) at dot_general.")
+    raise validate.LoweringError(
+      "XLA cannot compile the plan (aborted: x.cc:1: Check failed: no) at dot_general."
+    )
 
   monkeypatch.setattr(validate, "lower", refuse)
-  case = validate.run_case(problem, workload, "data=8", "p", tactics.data_parallel(problem),
-                           reference_outputs(workload.step, workload.args))
+  case = validate.run_case(
+    problem,
+    workload,
+    "data=8",
+    "p",
+    tactics.data_parallel(problem),
+    reference_outputs(workload.step, workload.args),
+  )
   assert (case.numerics_ok, case.compiled) == (False, {})
-  assert case.lowering_error == "XLA cannot compile the plan (aborted: x.cc:1: Check failed: no) at dot_general."
+  assert (
+    case.lowering_error
+    == "XLA cannot compile the plan (aborted: x.cc:1: Check failed: no) at dot_general."
+  )
   summary = validate.summarize_cases([case])
-  assert (summary["lowering_errors"], summary["xla_aborts"], summary["numerics_ok_fraction"]) == (1, 1, 0.0)
+  assert (summary["lowering_errors"], summary["xla_aborts"], summary["numerics_ok_fraction"]) == (
+    1,
+    1,
+    0.0,
+  )
 
 
 PIPELINED_GPT = "gpt:layers=4,d_model=16,heads=2,seq=8,vocab=32,batch=8,scan=true"
@@ -216,7 +317,9 @@ def test_random_pipelines_take_a_whole_axis_and_decisions_off_it():
   from automap_rl.problem import Problem
 
   workload = workloads.make_workload(PIPELINED_GPT)
-  problem = Problem.build(validate.trace_workload(workload), make_mesh("stage=2,data=2,model=2", "cpu"))
+  problem = Problem.build(
+    validate.trace_workload(workload), make_mesh("stage=2,data=2,model=2", "cpu")
+  )
   rng = np.random.default_rng(0)
   seen = set()
   for _ in range(12):
@@ -234,7 +337,11 @@ def test_random_pipelined_plans_are_lowered_run_and_counted(tmp_path):
   compiled in a child process first, run and checked; the stage transfers are compiled
   collective-permutes and the simulator prices them; the summary counts the plans."""
   json_path = tmp_path / "p.json"
-  validate_cmd.run(validate_cmd.ValidateConfig(random=2, pipelines=True, models=(PIPELINED_GPT,), json=str(json_path)))
+  validate_cmd.run(
+    validate_cmd.ValidateConfig(
+      random=2, pipelines=True, models=(PIPELINED_GPT,), json=str(json_path)
+    )
+  )
   document = json.loads(json_path.read_text())
   cases = document["cases"]
   assert [c["mesh"] for c in cases] == list(validate.PIPELINE_MESHES)
@@ -243,30 +350,50 @@ def test_random_pipelined_plans_are_lowered_run_and_counted(tmp_path):
     sizes = dict(part.split("=") for part in case["mesh"].split(","))
     assert pipeline["stages"] == int(sizes[pipeline["axis"]]) and pipeline["microbatches"] in (4, 8)
     assert case["numerics_ok"] and case["lowering_error"] is None and case["reference"] == "float64"
-    assert case["compiled"]["collective_permute_bytes"] > 0 and case["simulated"]["collective_permute_bytes"] > 0
+    assert (
+      case["compiled"]["collective_permute_bytes"] > 0
+      and case["simulated"]["collective_permute_bytes"] > 0
+    )
     assert not any(f"axis='{pipeline['axis']}'" in d for d in case["decisions"])
   summary = document["summary"]
-  assert (summary["num_cases"], summary["pipelined_cases"], summary["lowering_errors"], summary["xla_aborts"]) == (
-      2, 2, 0, 0)
+  assert (
+    summary["num_cases"],
+    summary["pipelined_cases"],
+    summary["lowering_errors"],
+    summary["xla_aborts"],
+  ) == (2, 2, 0, 0)
   assert summary["numerics_ok_fraction"] == 1
 
 
 def test_random_pipelines_of_a_model_without_a_scanned_stack_fail_in_one_line():
-  suite = validate.RandomSuite(models=("mlp:layers=2,width=32,in_dim=16,classes=8,batch=8",), plans=1, pipelines=True)
-  with pytest.raises(ValueError, match="on stage=2,data=2,model=2: no lowerable GPipe pipeline") as e:
+  suite = validate.RandomSuite(
+    models=("mlp:layers=2,width=32,in_dim=16,classes=8,batch=8",), plans=1, pipelines=True
+  )
+  with pytest.raises(
+    ValueError, match="on stage=2,data=2,model=2: no lowerable GPipe pipeline"
+  ) as e:
     validate.run_random(suite)
   assert "\n" not in str(e.value)
   with pytest.raises(ValueError, match="--pipelines needs --random"):
     validate_cmd.run(validate_cmd.ValidateConfig(pipelines=True))
 
 
-def _metrics(comm: dict[str, float], flops: float, memory: float, step_time: float, permute: float = 0.0) -> dict:
+def _metrics(
+  comm: dict[str, float], flops: float, memory: float, step_time: float, permute: float = 0.0
+) -> dict:
   from automap_rl.simulator import KINDS
 
   by_kind = {k: comm.get(k, 0.0) for k in KINDS}
-  return {"comm_bytes": sum(by_kind.values()), "comm_bytes_by_kind": by_kind,
-          "comm_count_by_kind": {k: float(b > 0) for k, b in by_kind.items()}, "collective_permute_bytes": permute,
-          "flops": flops, "peak_memory": memory, "step_time": step_time, "fits": True}
+  return {
+    "comm_bytes": sum(by_kind.values()),
+    "comm_bytes_by_kind": by_kind,
+    "comm_count_by_kind": {k: float(b > 0) for k, b in by_kind.items()},
+    "collective_permute_bytes": permute,
+    "flops": flops,
+    "peak_memory": memory,
+    "step_time": step_time,
+    "fits": True,
+  }
 
 
 def _sampled_checks():
@@ -275,21 +402,62 @@ def _sampled_checks():
   from automap_rl.xla import fullsize
 
   def check(case, family, plan, searched, simulated, compiled, error=None):
-    return fullsize.PlanCheck(case=case, devices=8, plan=plan, searched=searched, decisions=(), simulated=simulated,
-                              compiled=compiled, differences=0, seconds=1.0, family=family, error=error)
+    return fullsize.PlanCheck(
+      case=case,
+      devices=8,
+      plan=plan,
+      searched=searched,
+      decisions=(),
+      simulated=simulated,
+      compiled=compiled,
+      differences=0,
+      seconds=1.0,
+      family=family,
+      error=error,
+    )
 
   return [
-      check("gpt-350m-8x2-a100-80g", "gpt", "megatron", False, _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0),
-            _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0)),
-      check("gpt-350m-8x2-a100-80g", "gpt", "mcts@2000", True, _metrics({"all-reduce": 50.0}, 10.0, 5.0, 0.8),
-            _metrics({"all-reduce": 60.0}, 10.0, 5.0, 0.9)),
-      check("gpt-350m-8x2-a100-80g", "gpt", "learned@64", True, _metrics({"all-reduce": 50.0}, 10.0, 5.0, 0.7), {},
-            error="ValueError: no lowering"),
-      check("ssm-370m-4x4-tpu-v5e", "ssm", "fsdp", False, _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0),
-            _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0)),
-      check("ssm-370m-4x4-tpu-v5e", "ssm", "megatron", False,
-            _metrics({"all-reduce": 100.0, "all-gather": 300.0, "all-to-all": 1.0}, 10.0, 5.5, 2.0),
-            _metrics({"all-reduce": 100.0, "all-gather": 100.0, "all-to-all": 0.0}, 10.0, 5.0, 1.25)),
+    check(
+      "gpt-350m-8x2-a100-80g",
+      "gpt",
+      "megatron",
+      False,
+      _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0),
+      _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0),
+    ),
+    check(
+      "gpt-350m-8x2-a100-80g",
+      "gpt",
+      "mcts@2000",
+      True,
+      _metrics({"all-reduce": 50.0}, 10.0, 5.0, 0.8),
+      _metrics({"all-reduce": 60.0}, 10.0, 5.0, 0.9),
+    ),
+    check(
+      "gpt-350m-8x2-a100-80g",
+      "gpt",
+      "learned@64",
+      True,
+      _metrics({"all-reduce": 50.0}, 10.0, 5.0, 0.7),
+      {},
+      error="ValueError: no lowering",
+    ),
+    check(
+      "ssm-370m-4x4-tpu-v5e",
+      "ssm",
+      "fsdp",
+      False,
+      _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0),
+      _metrics({"all-reduce": 100.0}, 10.0, 5.0, 1.0),
+    ),
+    check(
+      "ssm-370m-4x4-tpu-v5e",
+      "ssm",
+      "megatron",
+      False,
+      _metrics({"all-reduce": 100.0, "all-gather": 300.0, "all-to-all": 1.0}, 10.0, 5.5, 2.0),
+      _metrics({"all-reduce": 100.0, "all-gather": 100.0, "all-to-all": 0.0}, 10.0, 5.0, 1.25),
+    ),
   ]
 
 
@@ -298,16 +466,26 @@ def test_the_family_table_names_each_familys_worst_plan_and_its_largest_term_err
 
   checks = _sampled_checks()
   worst = checks[-1]
-  # all-to-all carries under `TERM_SHARE` of the bytes on both sides: no term, though its error is infinite.
-  assert fullsize.term_errors(worst) == pytest.approx({"flops": 0.0, "peak_memory": 0.1, "all-reduce": 0.0,
-                                                       "all-gather": 2.0})
+  # all-to-all carries under `TERM_SHARE` of the bytes on both sides: no term, though its error is
+  # infinite.
+  assert fullsize.term_errors(worst) == pytest.approx(
+    {"flops": 0.0, "peak_memory": 0.1, "all-reduce": 0.0, "all-gather": 2.0}
+  )
   gpt, ssm = fullsize.family_table(checks)
   assert (gpt["family"], gpt["cases"], gpt["plans"], gpt["failed_to_compile"]) == ("gpt", 1, 3, 1)
-  assert gpt["realized_fraction"] == pytest.approx(2 / 3)  # The plan that did not compile is not realized.
-  assert gpt["exploit_gap_max"] == pytest.approx(0.9 - 0.8)  # Only the compiled searched plan has a gap.
-  assert gpt["worst_plan"] == "gpt-350m-8x2-a100-80g/mcts@2000" and gpt["worst_term"] == "all-reduce"
+  assert gpt["realized_fraction"] == pytest.approx(
+    2 / 3
+  )  # The plan that did not compile is not realized.
+  assert gpt["exploit_gap_max"] == pytest.approx(
+    0.9 - 0.8
+  )  # Only the compiled searched plan has a gap.
+  assert (
+    gpt["worst_plan"] == "gpt-350m-8x2-a100-80g/mcts@2000" and gpt["worst_term"] == "all-reduce"
+  )
   assert ssm["worst_plan"] == "ssm-370m-4x4-tpu-v5e/megatron" and ssm["worst_term"] == "all-gather"
-  assert ssm["worst_step_time_rel_error"] == pytest.approx(0.6) and ssm["worst_term_rel_error"] == pytest.approx(2.0)
+  assert ssm["worst_step_time_rel_error"] == pytest.approx(0.6) and ssm[
+    "worst_term_rel_error"
+  ] == pytest.approx(2.0)
   assert ssm["pairwise_rank_agreement"] == 1.0 and math.isnan(ssm["exploit_gap_median_abs"])
 
 
@@ -319,29 +497,71 @@ def test_pieces_of_a_sampled_run_resume_and_merge_without_compiling(tmp_path, ca
   first.write_text(json.dumps({"checks": checks[:3]}))
   second.write_text(json.dumps({"checks": checks[3:]}))
   # The JSON already holds the case asked for: nothing is traced or compiled.
-  assert cli.main(["validate", "--suite", "fullsize", "--cases", "gpt-350m-8x2-a100-80g", "--resume",
-                   "--json", str(first)]) == 0
-  assert [c["plan"] for c in json.loads(first.read_text())["checks"]] == ["megatron", "mcts@2000", "learned@64"]
+  assert (
+    cli.main(
+      [
+        "validate",
+        "--suite",
+        "fullsize",
+        "--cases",
+        "gpt-350m-8x2-a100-80g",
+        "--resume",
+        "--json",
+        str(first),
+      ]
+    )
+    == 0
+  )
+  assert [c["plan"] for c in json.loads(first.read_text())["checks"]] == [
+    "megatron",
+    "mcts@2000",
+    "learned@64",
+  ]
   merged = tmp_path / "merged.json"
-  assert cli.main(["validate", "--suite", "fullsize", "--merge", str(first), str(second), "--json", str(merged)]) == 0
+  assert (
+    cli.main(
+      ["validate", "--suite", "fullsize", "--merge", str(first), str(second), "--json", str(merged)]
+    )
+    == 0
+  )
   document = json.loads(merged.read_text())
   assert [row["family"] for row in document["families"]] == ["gpt", "ssm"]
   assert document["summary"]["plans"] == 5 and document["summary"]["failed_to_compile"] == 1
   out = capsys.readouterr().out
   assert "FAILED TO COMPILE gpt-350m-8x2-a100-80g/learned@64: ValueError: no lowering" in out
   assert "ssm-370m-4x4-tpu-v5e/megatron (60.0%; all-gather 200.0%)" in out
-  # A plan compiled again in a later piece replaces its earlier check: the failed plan, now compiled.
+  # A plan compiled again in a later piece replaces its earlier check: the failed plan, now
+  # compiled.
   again = tmp_path / "again.json"
   again.write_text(json.dumps({"checks": [{**checks[1], "plan": "learned@64"}]}))
-  assert cli.main(["validate", "--suite", "fullsize", "--merge", str(first), str(second), str(again),
-                   "--json", str(merged)]) == 0
+  assert (
+    cli.main(
+      [
+        "validate",
+        "--suite",
+        "fullsize",
+        "--merge",
+        str(first),
+        str(second),
+        str(again),
+        "--json",
+        str(merged),
+      ]
+    )
+    == 0
+  )
   summary = json.loads(merged.read_text())["summary"]
   assert summary["plans"] == 5 and summary["failed_to_compile"] == 0
 
 
-@given(st.one_of(st.builds(ArgDim, st.text(max_size=20), st.integers(0, 5)),
-                 st.builds(Group, st.integers(0, 10**6)), st.integers(0, 10**6)),
-       st.sampled_from(["data", "model", "fsdp_2"]))
+@given(
+  st.one_of(
+    st.builds(ArgDim, st.text(max_size=20), st.integers(0, 5)),
+    st.builds(Group, st.integers(0, 10**6)),
+    st.integers(0, 10**6),
+  ),
+  st.sampled_from(["data", "model", "fsdp_2"]),
+)
 def test_a_decision_is_read_back_from_its_repr(target, axis):
   from automap_rl.xla import fullsize
 
@@ -356,30 +576,49 @@ def test_merged_checks_are_priced_again_by_this_simulator_without_compiling():
 
   name = "gpt-350m-8x2-a100-80g"
   case = fullsize.validation_case(name)
-  problem = validate.trace_problem(case.make_workload(abstract=True), case.mesh,
-                                   fullsize.validation_mesh(case).hardware)
+  problem = validate.trace_problem(
+    case.make_workload(abstract=True), case.mesh, fullsize.validation_mesh(case).hardware
+  )
   decisions = tactics.applicable(problem)["megatron"]
   stale = _metrics({"all-reduce": 1.0}, 1.0, 1.0, 1.0)
-  check = fullsize.PlanCheck(case=name, devices=16, plan="megatron", searched=False,
-                             decisions=tuple(map(repr, decisions)), simulated=stale, compiled=stale, differences=0,
-                             seconds=1.0, family="gpt")
+  check = fullsize.PlanCheck(
+    case=name,
+    devices=16,
+    plan="megatron",
+    searched=False,
+    decisions=tuple(map(repr, decisions)),
+    simulated=stale,
+    compiled=stale,
+    differences=0,
+    seconds=1.0,
+    family="gpt",
+  )
   (priced,) = fullsize.resimulated([check])
   assert priced.compiled == stale
-  assert priced.simulated["peak_memory"] == pytest.approx(float(problem.cost(decisions).peak_memory))
-  assert priced.simulated["comm_bytes"] == pytest.approx(validate.simulated_metrics(problem, decisions)["comm_bytes"])
+  assert priced.simulated["peak_memory"] == pytest.approx(
+    float(problem.cost(decisions).peak_memory)
+  )
+  assert priced.simulated["comm_bytes"] == pytest.approx(
+    validate.simulated_metrics(problem, decisions)["comm_bytes"]
+  )
 
 
-def test_merged_checks_are_compiled_again_case_by_case_without_searching(tmp_path, monkeypatch, capsys):
+def test_merged_checks_are_compiled_again_case_by_case_without_searching(
+  tmp_path, monkeypatch, capsys
+):
   """A stored searched plan with stale figures on both sides: `--recompile` lowers and
   compiles it again (a small copy of the case here), keeps its name and searched flag,
   and measures what a fresh check measures."""
-  from experiments import cli
   from automap_rl.xla import fullsize
+  from experiments import cli
 
   name, small = "mlp-8x8192-2x4-h100", "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16"
   validation_case = fullsize.validation_case
-  monkeypatch.setattr(fullsize, "validation_case",
-                      lambda case: dataclasses.replace(validation_case(case), workload=small))
+  monkeypatch.setattr(
+    fullsize,
+    "validation_case",
+    lambda case: dataclasses.replace(validation_case(case), workload=small),
+  )
   case = fullsize.validation_case(name)
   workload = case.make_workload(abstract=True)
   problem = validate.trace_problem(workload, case.mesh, fullsize.validation_mesh(case).hardware)
@@ -389,16 +628,27 @@ def test_merged_checks_are_compiled_again_case_by_case_without_searching(tmp_pat
   stored = dataclasses.replace(fresh, simulated=stale, compiled=stale, family="mlp")
   merged, out = tmp_path / "stored.json", tmp_path / "again.json"
   merged.write_text(json.dumps({"checks": [dataclasses.asdict(stored)]}))
-  assert cli.main(["validate", "--suite", "fullsize", "--merge", str(merged), "--recompile", "--json", str(out)]) == 0
+  assert (
+    cli.main(
+      ["validate", "--suite", "fullsize", "--merge", str(merged), "--recompile", "--json", str(out)]
+    )
+    == 0
+  )
   (check,) = json.loads(out.read_text())["checks"]
-  assert (check["plan"], check["searched"], check["decisions"]) == ("mcts@2000", True, list(fresh.decisions))
+  assert (check["plan"], check["searched"], check["decisions"]) == (
+    "mcts@2000",
+    True,
+    list(fresh.decisions),
+  )
   for side in ("simulated", "compiled"):
     assert check[side]["comm_bytes"] == pytest.approx(getattr(fresh, side)["comm_bytes"])
     assert check[side]["step_time"] == pytest.approx(getattr(fresh, side)["step_time"])
   assert "mlp-8x8192-2x4-h100: tracing, then one compile per plan" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["--agents", "mcts@lots"], "--agents mcts@lots: the budget after @ must be a positive number"),
     (["--agents", "uct"], "--agents uct: unknown agent 'uct'"),
     (["--resume"], "--resume needs --json"),
@@ -406,11 +656,14 @@ def test_merged_checks_are_compiled_again_case_by_case_without_searching(tmp_pat
     (["--resimulate"], "--resimulate needs --merge"),
     (["--recompile"], "--recompile needs --merge"),
     (["--no-experts", "--agents"], "--no-experts needs --agents"),
-])
+  ],
+)
 def test_a_bad_fullsize_request_is_one_line_and_exit_2(argv, message, capsys):
   from experiments import cli
 
-  assert cli.main(["validate", "--suite", "fullsize", "--cases", "gpt-350m-8x2-a100-80g", *argv]) == 2
+  assert (
+    cli.main(["validate", "--suite", "fullsize", "--cases", "gpt-350m-8x2-a100-80g", *argv]) == 2
+  )
   (line,) = capsys.readouterr().err.strip().splitlines()
   assert message in line
 
@@ -423,8 +676,12 @@ def test_the_sampled_run_covers_every_family_on_8_to_64_devices():
     config = workloads.spec.make_config(case.workload)[1]
     assert getattr(config, "dtype", "float32") == "float32", case.name
   families = [c.family for c in cases]
-  assert set(families) == set(workloads.FAMILIES) and all(families.count(f) >= 2 for f in workloads.FAMILIES)
-  assert not set(fullsize.SAMPLED_CASES) & set(fullsize.FULLSIZE_CASES)  # Cases the simulator was not fitted to.
+  assert set(families) == set(workloads.FAMILIES) and all(
+    families.count(f) >= 2 for f in workloads.FAMILIES
+  )
+  assert not set(fullsize.SAMPLED_CASES) & set(
+    fullsize.FULLSIZE_CASES
+  )  # Cases the simulator was not fitted to.
   devices = [c.make_mesh().num_devices for c in cases]
   assert min(devices) == 8 and max(devices) == 64
   assert {c.hardware.split("-")[0] for c in cases} == {"a100", "h100", "tpu"}

@@ -7,14 +7,33 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from automap_rl.workloads import FAMILIES, SMALL, make_workload, parse_model_spec
-from automap_rl.workloads import lstm, moe, spec, ssm, vit
+from automap_rl.workloads import (
+  FAMILIES,
+  SMALL,
+  lstm,
+  make_workload,
+  moe,
+  parse_model_spec,
+  spec,
+  ssm,
+  vit,
+)
 from automap_rl.xla.numerics import reference_outputs
 
 # The largest preset of every family with presets.
-LARGEST = ("gpt:size=39b", "moe:size=70b", "llama:size=70b", "t5:size=xxl",
-           "vit:size=22b", "wresnet:size=13b", "unet:size=sd-1.5",
-           "gnn:size=graphcast", "ssm:size=2.8b", "lstm:size=8192-2048", "dit:size=xl-2")
+LARGEST = (
+  "gpt:size=39b",
+  "moe:size=70b",
+  "llama:size=70b",
+  "t5:size=xxl",
+  "vit:size=22b",
+  "wresnet:size=13b",
+  "unet:size=sd-1.5",
+  "gnn:size=graphcast",
+  "ssm:size=2.8b",
+  "lstm:size=8192-2048",
+  "dit:size=xl-2",
+)
 
 
 def _shapes(tree):
@@ -30,13 +49,17 @@ def test_every_family_has_a_small_spec_and_a_style():
 FAST_FAMILIES = ("gpt", "llama")
 
 
-@pytest.mark.parametrize("name", [n if n in FAST_FAMILIES else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in FAMILIES])
+@pytest.mark.parametrize(
+  "name", [n if n in FAST_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES]
+)
 def test_step_runs_preserves_structure_and_lowers_the_loss(name):
   w = make_workload(SMALL[name])
   stateful = w.model_state is not None
-  assert w.arg_names == (("params", "opt_state", "model_state", "batch") if stateful
-                         else ("params", "opt_state", "batch"))
+  assert w.arg_names == (
+    ("params", "opt_state", "model_state", "batch")
+    if stateful
+    else ("params", "opt_state", "batch")
+  )
   step = jax.jit(w.step)
   out = step(*w.args)
   assert _shapes(out[:-1]) == _shapes(w.args[:-1])
@@ -56,13 +79,20 @@ def test_step_runs_preserves_structure_and_lowers_the_loss(name):
   # step narrows it back to float32) and agrees with the float32 step.
   reference = reference_outputs(w.step, w.args)
   assert reference.note == "float64"
-  for p, r in zip(jax.tree_util.tree_leaves(reference.plain), jax.tree_util.tree_leaves(reference.float64)):
+  for p, r in zip(
+    jax.tree_util.tree_leaves(reference.plain), jax.tree_util.tree_leaves(reference.float64)
+  ):
     assert r.dtype == (np.float64 if jnp.issubdtype(p.dtype, jnp.floating) else p.dtype)
   np.testing.assert_allclose(reference.float64[-1], reference.plain[-1], rtol=1e-3)
 
 
-@pytest.mark.parametrize("spec_", [s if s.split(":")[0] in FAST_FAMILIES else pytest.param(s, marks=pytest.mark.slow)
-                                   for s in LARGEST])
+@pytest.mark.parametrize(
+  "spec_",
+  [
+    s if s.split(":")[0] in FAST_FAMILIES else pytest.param(s, marks=pytest.mark.slow)
+    for s in LARGEST
+  ],
+)
 def test_full_size_abstract_builds_allocate_nothing(spec_):
   w = make_workload(spec_, abstract=True)
   assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(w.args))
@@ -70,8 +100,10 @@ def test_full_size_abstract_builds_allocate_nothing(spec_):
 
 
 def _paths(tree, is_leaf=None):
-  return {jax.tree_util.keystr(path, simple=True, separator="/")
-          for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+  return {
+    jax.tree_util.keystr(path, simple=True, separator="/")
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  }
 
 
 def test_flax_linen_trees_are_module_dicts_of_kernels():
@@ -79,8 +111,17 @@ def test_flax_linen_trees_are_module_dicts_of_kernels():
     params = make_workload(SMALL[name], abstract=True).params
     assert type(params) is dict
     leaf_names = {p.rsplit("/", 1)[-1] for p in _paths(params)}
-    assert "kernel" in leaf_names and leaf_names <= {"kernel", "bias", "scale", "embedding",
-                                                     "pos_embed", "wi", "bi", "wo", "bo"}, name
+    assert "kernel" in leaf_names and leaf_names <= {
+      "kernel",
+      "bias",
+      "scale",
+      "embedding",
+      "pos_embed",
+      "wi",
+      "bi",
+      "wo",
+      "bo",
+    }, name
   state = make_workload(SMALL["wresnet"], abstract=True).model_state
   assert {p.rsplit("/", 1)[-1] for p in _paths(state)} == {"mean", "var"}
 
@@ -97,8 +138,10 @@ def test_flax_nnx_tree_is_a_state_of_params():
 def test_haiku_trees_map_module_paths_to_parameter_dicts():
   for name in ("t5", "gnn", "mlp", "resnet"):
     params = make_workload(SMALL[name], abstract=True).params
-    assert all(isinstance(v, dict) and all(not isinstance(x, dict) for x in v.values())
-               for v in params.values()), name
+    assert all(
+      isinstance(v, dict) and all(not isinstance(x, dict) for x in v.values())
+      for v in params.values()
+    ), name
   t5_params = make_workload("t5", abstract=True).params
   assert t5_params["encoder/layer_stack/layer/self_attention/q"]["w"].shape == (2, 64, 64)
 
@@ -115,7 +158,9 @@ def test_equinox_trees_are_modules_with_out_in_weights():
 def test_parse_model_spec_converts_types():
   assert parse_model_spec("gpt") == ("gpt", {})
   assert parse_model_spec("gpt:layers=12,d_model=768,scan=true") == (
-      "gpt", {"layers": 12, "d_model": 768, "scan": True})
+    "gpt",
+    {"layers": 12, "d_model": 768, "scan": True},
+  )
   name, kwargs = parse_model_spec("moe:capacity_factor=1.5,scan=False")
   assert name == "moe" and kwargs == {"capacity_factor": 1.5, "scan": False}
   assert type(kwargs["capacity_factor"]) is float
@@ -133,7 +178,9 @@ def test_presets_expand_and_round_trip():
       assert spec.canonical_spec(f"{family}:size={size}") == f"{family}:size={size}"
 
 
-@pytest.mark.parametrize("spec_, match", [
+@pytest.mark.parametrize(
+  "spec_, match",
+  [
     ("transformer:layers=2", r"unknown model 'transformer'.*gpt.*unet"),
     ("gpt:depth=3", r"unknown key 'depth'.*valid keys: layers, d_model.*size"),
     ("resnet:size=18", r"unknown size '18' for model 'resnet'; valid sizes: none"),
@@ -145,7 +192,8 @@ def test_presets_expand_and_round_trip():
     ("gpt:layers=two", r"'two'.*'layers'"),
     ("gpt:layers", r"key=value"),
     ("gpt:dtype=float16", r"dtype='float16'.*float32, bfloat16"),
-])
+  ],
+)
 def test_parse_model_spec_errors(spec_, match):
   with pytest.raises(ValueError, match=match):
     make_workload(spec_, abstract=True)
@@ -215,24 +263,34 @@ def test_lstm_scan_matches_the_recurrence():
     c = sigmoid(f) * c + sigmoid(i) * np.tanh(g)
     h = (sigmoid(o) * np.tanh(c)) @ np.asarray(w_project)
     expected.append(h)
-  np.testing.assert_allclose(lstm.lstm_scan(gates_in, w_recurrent, w_project), np.stack(expected), rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    lstm.lstm_scan(gates_in, w_recurrent, w_project), np.stack(expected), rtol=1e-5, atol=1e-5
+  )
 
 
 def test_lstm_parameters_are_stacked_per_layer_and_the_time_loop_runs_inside_the_layer_loop():
   w = make_workload("lstm:size=8192-1024", abstract=True)
   layers = w.params["layers"]
   assert {k: v.shape for k, v in layers.items()} == {
-      "w_input": (2, 1024, 32768), "w_recurrent": (2, 1024, 32768), "bias": (2, 32768), "w_project": (2, 8192, 1024)}
+    "w_input": (2, 1024, 32768),
+    "w_recurrent": (2, 1024, 32768),
+    "bias": (2, 32768),
+    "w_project": (2, 8192, 1024),
+  }
   program = w.trace()
-  assert max(op.repeat for op in program.ops) == 2 * 256  # Two layers of 256 time steps (forward and backward).
+  assert (
+    max(op.repeat for op in program.ops) == 2 * 256
+  )  # Two layers of 256 time steps (forward and backward).
 
 
 def test_dit_presets_have_the_published_parameter_counts():
   """DiT-B/2 and DiT-XL/2: 130M and 675M parameters (Peebles & Xie 2023)."""
 
   def count(size):
-    return sum(leaf.size for leaf in jax.tree_util.tree_leaves(make_workload(f"dit:size={size}", abstract=True).params))
+    return sum(
+      leaf.size
+      for leaf in jax.tree_util.tree_leaves(make_workload(f"dit:size={size}", abstract=True).params)
+    )
 
   assert count("b-2") == pytest.approx(130e6, rel=0.01)
   assert count("xl-2") == pytest.approx(675e6, rel=0.01)

@@ -83,10 +83,10 @@ class NamedDims:
     return int(self.dim_class[self.dim_offsets[value_id] + dim])
 
   def value_classes(self, value_id: int) -> np.ndarray:
-    return self.dim_class[self.dim_offsets[value_id]:self.dim_offsets[value_id + 1]]
+    return self.dim_class[self.dim_offsets[value_id] : self.dim_offsets[value_id + 1]]
 
   def op_factor_classes(self, op_id: int) -> np.ndarray:
-    return self.factor_class[self.factor_offsets[op_id]:self.factor_offsets[op_id + 1]]
+    return self.factor_class[self.factor_offsets[op_id] : self.factor_offsets[op_id + 1]]
 
 
 def _major_dims(program: Program, dim_offsets: np.ndarray):
@@ -106,7 +106,9 @@ def analyze(program: Program) -> NamedDims:
   dim_offsets = np.concatenate([[0], np.cumsum(ranks)])
   num_dims = int(dim_offsets[-1])
   dim_sizes = np.array([s for v in program.values for s in v.shape], dtype=np.int64)
-  factor_offsets = np.concatenate([[0], np.cumsum([op.rule.num_factors for op in program.ops])]).astype(np.int64)
+  factor_offsets = np.concatenate(
+    [[0], np.cumsum([op.rule.num_factors for op in program.ops])]
+  ).astype(np.int64)
 
   owners = np.array(list(_major_dims(program, dim_offsets)), dtype=np.int64).reshape(-1, 3)
   factor_ids = factor_offsets[owners[:, 0]] + owners[:, 1]
@@ -197,9 +199,17 @@ def _find_conflicts(program, dim_offsets, dim_class, factor_offsets, factor_clas
       entry[0] += 1
 
   for value in program.values:
-    record(dim_class[dim_offsets[value.id]:dim_offsets[value.id + 1]], "value",
-           lambda v=value: f"{v.path or 'value'} {list(v.shape)}")
+    record(
+      dim_class[dim_offsets[value.id] : dim_offsets[value.id + 1]],
+      "value",
+      lambda v=value: f"{v.path or 'value'} {list(v.shape)}",
+    )
   for op in program.ops:
-    record(factor_class[factor_offsets[op.id]:factor_offsets[op.id + 1]], "op",
-           lambda o=op: f"{o.primitive} -> {[list(program.values[r].shape) for r in o.results]}")
-  return tuple(Conflict(cls, kind, count, example) for (cls, kind), (count, example) in sorted(found.items()))
+    record(
+      factor_class[factor_offsets[op.id] : factor_offsets[op.id + 1]],
+      "op",
+      lambda o=op: f"{o.primitive} -> {[list(program.values[r].shape) for r in o.results]}",
+    )
+  return tuple(
+    Conflict(cls, kind, count, example) for (cls, kind), (count, example) in sorted(found.items())
+  )

@@ -33,22 +33,96 @@ from typing import Any
 
 Shape = Sequence[int]
 
-ZERO_FLOP = frozenset({
-    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice",
-    "dynamic_update_slice", "gather", "concatenate", "pad", "copy", "copy_p", "iota", "rev",
-    "select_and_gather_add", "stop_gradient", "device_put", "sharding_constraint", "optimization_barrier",
-    "random_seed", "random_wrap", "random_unwrap", "random_key_data", "bitcast_convert_type",
-    "scan_slice", "scan_stack", "scan_carry", "cond_merge", "split", "squeeze_p", "real", "imag",
-    "empty", "zeros_like", "broadcast", "stack", "unstack", "tile",
-})
-TRANSCENDENTAL = frozenset({
-    "exp", "exp2", "log", "log1p", "expm1", "tanh", "sin", "cos", "tan", "asin", "acos", "atan",
-    "sinh", "cosh", "asinh", "acosh", "atanh", "atan2", "sqrt", "rsqrt", "cbrt", "pow", "erf",
-    "erfc", "erf_inv", "lgamma", "digamma", "igamma", "igammac", "bessel_i0e", "bessel_i1e",
-})
+ZERO_FLOP = frozenset(
+  {
+    "broadcast_in_dim",
+    "reshape",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "gather",
+    "concatenate",
+    "pad",
+    "copy",
+    "copy_p",
+    "iota",
+    "rev",
+    "select_and_gather_add",
+    "stop_gradient",
+    "device_put",
+    "sharding_constraint",
+    "optimization_barrier",
+    "random_seed",
+    "random_wrap",
+    "random_unwrap",
+    "random_key_data",
+    "bitcast_convert_type",
+    "scan_slice",
+    "scan_stack",
+    "scan_carry",
+    "cond_merge",
+    "split",
+    "squeeze_p",
+    "real",
+    "imag",
+    "empty",
+    "zeros_like",
+    "broadcast",
+    "stack",
+    "unstack",
+    "tile",
+  }
+)
+TRANSCENDENTAL = frozenset(
+  {
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "sin",
+    "cos",
+    "tan",
+    "asin",
+    "acos",
+    "atan",
+    "sinh",
+    "cosh",
+    "asinh",
+    "acosh",
+    "atanh",
+    "atan2",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "pow",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "lgamma",
+    "digamma",
+    "igamma",
+    "igammac",
+    "bessel_i0e",
+    "bessel_i1e",
+  }
+)
 ELEMENTWISE_FLOPS = {"logistic": 3.0, "one_minus_square": 3.0}
-REDUCTIONS = {"reduce_sum": 1.0, "reduce_max": 1.0, "reduce_min": 1.0, "reduce_prod": 1.0,
-              "reduce_and": 1.0, "reduce_or": 1.0, "reduce_xor": 1.0, "argmax": 9.0, "argmin": 9.0}
+REDUCTIONS = {
+  "reduce_sum": 1.0,
+  "reduce_max": 1.0,
+  "reduce_min": 1.0,
+  "reduce_prod": 1.0,
+  "reduce_and": 1.0,
+  "reduce_or": 1.0,
+  "reduce_xor": 1.0,
+  "argmax": 9.0,
+  "argmin": 9.0,
+}
 
 
 def _size(shape: Shape) -> int:
@@ -61,8 +135,9 @@ def _integer_pow_flops(y: int) -> int:
   return mults + (1 if y < 0 else 0)
 
 
-def _valid_pairs(in_size: int, kernel: int, out_size: int, stride: int, pad_lo: int, lhs_dil: int,
-                 rhs_dil: int) -> int:
+def _valid_pairs(
+  in_size: int, kernel: int, out_size: int, stride: int, pad_lo: int, lhs_dil: int, rhs_dil: int
+) -> int:
   """(output position, kernel tap) pairs of one spatial dim whose tap reads a real input
   element of the lhs-dilated, padded input."""
   dilated = (in_size - 1) * lhs_dil + 1 if in_size else 0
@@ -96,13 +171,19 @@ def conv_flops(lhs: Shape, rhs: Shape, params: Mapping[str, Any]) -> float:
     kernel_span = (kernel - 1) * rhs_dil[d] + 1 if kernel else 0
     padded = dilated + padding[d][0] + padding[d][1]
     out_size = max((padded - kernel_span) // strides[d] + 1, 0)
-    pairs *= _valid_pairs(in_size, kernel, out_size, strides[d], padding[d][0], lhs_dil[d], rhs_dil[d])
+    pairs *= _valid_pairs(
+      in_size, kernel, out_size, strides[d], padding[d][0], lhs_dil[d], rhs_dil[d]
+    )
   del out_spec
   return 2.0 * (batch // batch_groups) * (in_features // feature_groups) * out_features * pairs
 
 
-def primitive_flops(primitive: str, operand_shapes: Sequence[Shape], result_shapes: Sequence[Shape],
-                    params: Mapping[str, Any]) -> float:
+def primitive_flops(
+  primitive: str,
+  operand_shapes: Sequence[Shape],
+  result_shapes: Sequence[Shape],
+  params: Mapping[str, Any],
+) -> float:
   """Flops of one call of `primitive` on operands and results of these shapes."""
   out = max((_size(s) for s in result_shapes), default=0)
   if primitive == "dot_general":

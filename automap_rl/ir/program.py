@@ -34,7 +34,9 @@ class Role(enum.IntEnum):
   INTERMEDIATE = 3
   OUTPUT = 4
   CONSTANT = 5
-  STATE = 6  # Non-trainable state the step reads and replaces: batch-norm statistics, caches, counters.
+  STATE = (
+    6  # Non-trainable state the step reads and replaces: batch-norm statistics, caches, counters.
+  )
 
   @classmethod
   def parse(cls, name: str) -> Role:
@@ -170,7 +172,9 @@ class Program:
   def batch_inputs(self) -> tuple[int, ...]:
     """The value ids of the batched arguments (role `input`, not scalars), in order:
     their dim 0 is the batch."""
-    return tuple(v for v in self.inputs if self.values[v].role == Role.INPUT and self.values[v].shape)
+    return tuple(
+      v for v in self.inputs if self.values[v].role == Role.INPUT and self.values[v].shape
+    )
 
   def input_by_path(self, path: str) -> Value:
     """Returns the argument value at `path`; a KeyError lists close matches."""

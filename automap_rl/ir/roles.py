@@ -56,8 +56,10 @@ def _same_tree(a: Any, b: Any) -> bool:
   """Whether two pytrees have one structure and leaves of equal shapes and dtypes."""
   if jax.tree.structure(a) != jax.tree.structure(b):
     return False
-  return all(np.shape(x) == np.shape(y) and x.dtype == y.dtype  # Typed PRNG keys have no numpy dtype.
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return all(
+    np.shape(x) == np.shape(y) and x.dtype == y.dtype  # Typed PRNG keys have no numpy dtype.
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 def _holds_optax_state(tree: Any) -> bool:
@@ -82,35 +84,54 @@ def updated_arguments(returned: Sequence[Any], args: Sequence[Any]) -> list[int 
   return taken
 
 
-def infer_roles(fn: Callable[..., Any], *args: Any, arg_names: Sequence[str] | None = None) -> InferredRoles:
+def infer_roles(
+  fn: Callable[..., Any], *args: Any, arg_names: Sequence[str] | None = None
+) -> InferredRoles:
   """The role of each positional argument of `fn(*args)` (nothing is run: shapes only);
   `arg_names` name them in the doubts (default `arg0`, `arg1`, ...)."""
   out = jax.eval_shape(fn, *args)
   returned = list(out) if isinstance(out, (tuple, list)) else [out]
   names = list(arg_names) if arg_names is not None else [f"arg{i}" for i in range(len(args))]
-  updated = [i for i, arg in enumerate(args)
-             if jax.tree.leaves(arg) and any(_same_tree(arg, r) for r in returned)]
+  updated = [
+    i
+    for i, arg in enumerate(args)
+    if jax.tree.leaves(arg) and any(_same_tree(arg, r) for r in returned)
+  ]
   roles = ["input"] * len(args)
   if not updated:
-    return InferredRoles(tuple(roles), (f"the step returns none of its arguments updated, so none of "
-                                        f"{', '.join(names)} reads as parameters",))
+    return InferredRoles(
+      tuple(roles),
+      (
+        f"the step returns none of its arguments updated, so none of "
+        f"{', '.join(names)} reads as parameters",
+      ),
+    )
   shapes = {i: _leaf_shapes(args[i]) for i in updated}
   mirrors = lambda i, within: any(_mirrors(shapes[j], shapes[i]) for j in within if j != i)
-  optimizer = ({i for i in updated if _holds_optax_state(args[i])}
-               or {i for i in updated if any(_mirrors(shapes[i], shapes[j]) for j in updated) and not mirrors(i, updated)})
+  optimizer = {i for i in updated if _holds_optax_state(args[i])} or {
+    i
+    for i in updated
+    if any(_mirrors(shapes[i], shapes[j]) for j in updated) and not mirrors(i, updated)
+  }
   mirrored = [j for j in updated if j not in optimizer and mirrors(j, optimizer)]
-  parameters = {j for j in mirrored if not mirrors(j, mirrored)}  # Not what the parameters mirror (norm statistics).
+  parameters = {
+    j for j in mirrored if not mirrors(j, mirrored)
+  }  # Not what the parameters mirror (norm statistics).
   rest = [i for i in updated if i not in optimizer | parameters]
   doubts = []
   if not parameters and len(rest) == 1:
     parameters = set(rest)
     if optimizer:
-      doubts.append(f"the optimizer state does not mirror {names[rest[0]]}'s shapes; taken as the parameters")
+      doubts.append(
+        f"the optimizer state does not mirror {names[rest[0]]}'s shapes; taken as the parameters"
+      )
   elif not parameters:
-    doubts.append(f"none of the updated arguments ({', '.join(names[i] for i in updated)}) reads as the "
-                  "parameters (no optimizer state mirrors one)")
+    doubts.append(
+      f"none of the updated arguments ({', '.join(names[i] for i in updated)}) reads as the "
+      "parameters (no optimizer state mirrors one)"
+    )
   for i in updated:
-    roles[i] = ("optimizer_state" if i in optimizer else "parameter" if i in parameters else "state")
+    roles[i] = "optimizer_state" if i in optimizer else "parameter" if i in parameters else "state"
   return InferredRoles(tuple(roles), tuple(doubts))
 
 
@@ -120,8 +141,12 @@ def donated_argnums(roles: Sequence[str | Role]) -> tuple[int, ...]:
   return tuple(i for i, role in enumerate(parsed) if role != Role.INPUT)
 
 
-def trace_step(fn: Callable[..., Any], *args: Any, arg_names: Sequence[str] | None = None,
-               arg_roles: Sequence[str | Role] | None = None) -> Program:
+def trace_step(
+  fn: Callable[..., Any],
+  *args: Any,
+  arg_names: Sequence[str] | None = None,
+  arg_roles: Sequence[str | Role] | None = None,
+) -> Program:
   """Traces a training step with its arguments' roles (given, else `infer_roles`, with a
   warning that names the arguments where they are in doubt) and its updated arguments
   donated (`donated_argnums`)."""
@@ -129,6 +154,11 @@ def trace_step(fn: Callable[..., Any], *args: Any, arg_names: Sequence[str] | No
     inferred = infer_roles(fn, *args, arg_names=arg_names)
     arg_roles = inferred.roles
     for doubt in inferred.doubts:
-      warnings.warn(f"argument roles: {doubt}; the expert baselines (data parallel, Megatron, FSDP) may be "
-                    f"wrong. Roles used: {', '.join(arg_roles)}; pass arg_roles=(...) to say them.", stacklevel=3)
-  return trace(fn, *args, arg_names=arg_names, arg_roles=arg_roles, donate_argnums=donated_argnums(arg_roles))
+      warnings.warn(
+        f"argument roles: {doubt}; the expert baselines (data parallel, Megatron, FSDP) may be "
+        f"wrong. Roles used: {', '.join(arg_roles)}; pass arg_roles=(...) to say them.",
+        stacklevel=3,
+      )
+  return trace(
+    fn, *args, arg_names=arg_names, arg_roles=arg_roles, donate_argnums=donated_argnums(arg_roles)
+  )

@@ -55,7 +55,9 @@ class _Factors:
     for index, dim in results:
       self.results[index][dim] = self.results[index][dim] + (factor,)
 
-  def own(self, kind: FactorKind, operand_shapes, result_shapes, operand_dims=None, result_dims=None):
+  def own(
+    self, kind: FactorKind, operand_shapes, result_shapes, operand_dims=None, result_dims=None
+  ):
     """Gives each listed dimension a factor of its own (all dims when None)."""
     for index, shape in enumerate(operand_shapes):
       for dim in range(len(shape)) if operand_dims is None else operand_dims.get(index, ()):
@@ -66,10 +68,10 @@ class _Factors:
 
   def build(self) -> Rule:
     return Rule(
-        factor_sizes=tuple(self.sizes),
-        factor_kinds=tuple(self.kinds),
-        operand_dims=tuple(tuple(d) for d in self.operands),
-        result_dims=tuple(tuple(d) for d in self.results),
+      factor_sizes=tuple(self.sizes),
+      factor_kinds=tuple(self.kinds),
+      operand_dims=tuple(tuple(d) for d in self.operands),
+      result_dims=tuple(tuple(d) for d in self.results),
     )
 
 
@@ -89,7 +91,9 @@ def elementwise(operand_shapes, result_shapes, params=None) -> Rule:
   f = _Factors(operand_shapes, result_shapes)
   out = result_shapes[0]
   for dim, size in enumerate(out):
-    operands = [(i, dim) for i, s in enumerate(operand_shapes) if len(s) == len(out) and s[dim] == size]
+    operands = [
+      (i, dim) for i, s in enumerate(operand_shapes) if len(s) == len(out) and s[dim] == size
+    ]
     results = [(i, dim) for i, s in enumerate(result_shapes) if s == out]
     f.add(size, PASS, operands, results)
   return f.build()
@@ -113,7 +117,10 @@ def dot_general(operand_shapes, result_shapes, params) -> Rule:
   for l, r in zip(lhs_batch, rhs_batch):
     f.add(lhs[l], PASS, [(0, l), (1, r)], [(0, out_dim)])
     out_dim += 1
-  for index, shape, used in ((0, lhs, (*lhs_contract, *lhs_batch)), (1, rhs, (*rhs_contract, *rhs_batch))):
+  for index, shape, used in (
+    (0, lhs, (*lhs_contract, *lhs_batch)),
+    (1, rhs, (*rhs_contract, *rhs_batch)),
+  ):
     for dim in range(len(shape)):
       if dim not in used:
         f.add(shape[dim], PASS, [(index, dim)], [(0, out_dim)])
@@ -134,7 +141,12 @@ def _reduce(kind: FactorKind) -> RuleBuilder:
       if dim in axes:
         f.add(size, kind, [(0, dim)])
       else:
-        f.add(size, PASS, [(i, dim) for i in range(len(operand_shapes))], [(i, out_dim) for i in range(len(result_shapes))])
+        f.add(
+          size,
+          PASS,
+          [(i, dim) for i in range(len(operand_shapes))],
+          [(i, out_dim) for i in range(len(result_shapes))],
+        )
         out_dim += 1
     return f.build()
 
@@ -145,7 +157,7 @@ def reduce(operand_shapes, result_shapes, params) -> Rule:
   """`reduce` with a user computation over `n` arrays and their `n` scalar inits: kept dims
   pass through the arrays and results, reduced dims need replication (the computation is
   not known to be a sum, so partial results cannot be priced as one)."""
-  arrays = operand_shapes[:len(result_shapes)]
+  arrays = operand_shapes[: len(result_shapes)]
   axes = set(params["dimensions"])
   f = _Factors(operand_shapes, result_shapes)
   out_dim = 0
@@ -154,7 +166,12 @@ def reduce(operand_shapes, result_shapes, params) -> Rule:
       for index in range(len(arrays)):
         f.add(size, REPLICATE, [(index, dim)])
     else:
-      f.add(size, PASS, [(i, dim) for i in range(len(arrays))], [(i, out_dim) for i in range(len(result_shapes))])
+      f.add(
+        size,
+        PASS,
+        [(i, dim) for i in range(len(arrays))],
+        [(i, out_dim) for i in range(len(result_shapes))],
+      )
       out_dim += 1
   return f.build()
 
@@ -219,7 +236,11 @@ def squeeze(operand_shapes, result_shapes, params) -> Rule:
   return f.build()
 
 
-def _per_dim(special: Callable[[Sequence[Shape], Sequence[Shape], Mapping[str, Any]], Mapping[int, FactorKind]]) -> RuleBuilder:
+def _per_dim(
+  special: Callable[
+    [Sequence[Shape], Sequence[Shape], Mapping[str, Any]], Mapping[int, FactorKind]
+  ],
+) -> RuleBuilder:
   """Same-rank ops: dims listed by `special` get their own factors of the given kind; the
   rest pass through all operands and results of that rank."""
 
@@ -247,11 +268,15 @@ def _per_dim(special: Callable[[Sequence[Shape], Sequence[Shape], Mapping[str, A
 
 def _changed_dims(operand_shapes, result_shapes, params):
   """Dims whose size differs between the first operand and the result."""
-  return {d: REPLICATE for d, (a, b) in enumerate(zip(operand_shapes[0], result_shapes[0])) if a != b}
+  return {
+    d: REPLICATE for d, (a, b) in enumerate(zip(operand_shapes[0], result_shapes[0])) if a != b
+  }
 
 
 def _axis(name: str):
-  return lambda operand_shapes, result_shapes, params: {params[name] % len(result_shapes[0]): REPLICATE}
+  return lambda operand_shapes, result_shapes, params: {
+    params[name] % len(result_shapes[0]): REPLICATE
+  }
 
 
 def _last_dim(operand_shapes, result_shapes, params):
@@ -269,9 +294,13 @@ def _windowed_dims(operand_shapes, result_shapes, params):
   padding = params.get("padding", ((0, 0),) * len(dims))
   dilations = [params.get(k) or (1,) * len(dims) for k in ("base_dilation", "window_dilation")]
   return {
-      d: REPLICATE
-      for d in range(len(dims))
-      if dims[d] != 1 or strides[d] != 1 or any(padding[d]) or dilations[0][d] != 1 or dilations[1][d] != 1
+    d: REPLICATE
+    for d in range(len(dims))
+    if dims[d] != 1
+    or strides[d] != 1
+    or any(padding[d])
+    or dilations[0][d] != 1
+    or dilations[1][d] != 1
   }
 
 
@@ -297,16 +326,22 @@ def scan_slice(operand_shapes, result_shapes, params=None) -> Rule:
 def scan_stack(operand_shapes, result_shapes, params=None) -> Rule:
   """One iteration's output stacked into a scan result, `[...] -> [L, ...]`."""
   rank = len(operand_shapes[0])
-  return broadcast_in_dim(operand_shapes, result_shapes, {"broadcast_dimensions": tuple(range(1, rank + 1))})
+  return broadcast_in_dim(
+    operand_shapes, result_shapes, {"broadcast_dimensions": tuple(range(1, rank + 1))}
+  )
 
 
 def concatenate(operand_shapes, result_shapes, params) -> Rule:
   """The concatenated dim needs replication; the others pass through every operand."""
-  return _per_dim(lambda o, r, p: {p["dimension"]: REPLICATE})(operand_shapes, result_shapes, params)
+  return _per_dim(lambda o, r, p: {p["dimension"]: REPLICATE})(
+    operand_shapes, result_shapes, params
+  )
 
 
 def split(operand_shapes, result_shapes, params) -> Rule:
-  return _per_dim(lambda o, r, p: {p["axis"] % len(o[0]): REPLICATE})(operand_shapes, result_shapes, params)
+  return _per_dim(lambda o, r, p: {p["axis"] % len(o[0]): REPLICATE})(
+    operand_shapes, result_shapes, params
+  )
 
 
 def iota(operand_shapes, result_shapes, params) -> Rule:
@@ -325,7 +360,13 @@ def _trailing_extra(operand_shapes, result_shapes, params) -> Rule:
   while common < min(len(operand), len(result)) and operand[common] == result[common]:
     f.add(operand[common], PASS, [(0, common)], [(0, common)])
     common += 1
-  f.own(PASS, operand_shapes[:1], result_shapes, {0: range(common, len(operand))}, {0: range(common, len(result))})
+  f.own(
+    PASS,
+    operand_shapes[:1],
+    result_shapes,
+    {0: range(common, len(operand))},
+    {0: range(common, len(result))},
+  )
   return f.build()
 
 
@@ -354,7 +395,7 @@ def gather(operand_shapes, result_shapes, params) -> Rule:
       operands.append((0, operand_batching[indices_batching.index(idx_dim)]))
     f.add(result[out_dim], PASS, operands, [(0, out_dim)])
   window_operand_dims = [
-      d for d in range(len(operand)) if d not in dn.collapsed_slice_dims and d not in operand_batching
+    d for d in range(len(operand)) if d not in dn.collapsed_slice_dims and d not in operand_batching
   ]
   for out_dim, src in zip(offset_dims, window_operand_dims):
     if slice_sizes[src] == operand[src] and src not in dn.start_index_map:
@@ -383,7 +424,9 @@ def _scatter(batch_kind: FactorKind) -> RuleBuilder:
     indices_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
     window = tuple(dn.update_window_dims)
     window_operand_dims = [
-        d for d in range(len(operand)) if d not in dn.inserted_window_dims and d not in operand_batching
+      d
+      for d in range(len(operand))
+      if d not in dn.inserted_window_dims and d not in operand_batching
     ]
     window_of = dict(zip(window_operand_dims, window))
     for dim, size in enumerate(operand):
@@ -459,7 +502,9 @@ def conv_general_dilated(operand_shapes, result_shapes, params) -> Rule:
     else:
       f.add(rhs[o[1]], PASS, [o], [out_c])
       f.add(lhs[c[1]], REDUCTION, [c, rhs_c])
-  f.own(REPLICATE, operand_shapes, result_shapes, {0: lhs_spec[2:], 1: rhs_spec[2:]}, {0: out_spec[2:]})
+  f.own(
+    REPLICATE, operand_shapes, result_shapes, {0: lhs_spec[2:], 1: rhs_spec[2:]}, {0: out_spec[2:]}
+  )
   return f.build()
 
 
@@ -522,7 +567,8 @@ def fft(operand_shapes, result_shapes, params) -> Rule:
   leading batch dims pass through."""
   rank, transformed = len(result_shapes[0]), len(params["fft_lengths"])
   return _per_dim(lambda o, r, p: {d: REPLICATE for d in range(rank - transformed, rank)})(
-      operand_shapes, result_shapes, params)
+    operand_shapes, result_shapes, params
+  )
 
 
 def _matrix_dims(operand_shapes, result_shapes, params):
@@ -537,90 +583,92 @@ def _approx_top_k_dims(operand_shapes, result_shapes, params):
 
 
 ELEMENTWISE = (
-    # Unary.
-    "neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan "
-    "asin acos atan sinh cosh asinh acosh atanh lgamma digamma erf erfc erf_inv abs sqrt rsqrt "
-    "cbrt not integer_pow square one_minus_square population_count clz real imag conj reduce_precision "
-    "convert_element_type copy copy_p stop_gradient name sharding_constraint "
-    # Binary, compare, select.
-    "add sub mul div rem pow max min atan2 nextafter and or xor add_any shift_left "
-    "shift_right_logical shift_right_arithmetic complex igamma igammac polygamma "
-    "random_gamma_grad eq ne lt le gt ge eq_to lt_to le_to select_n clamp mulhi zeta igamma_grad_a "
-    "regularized_incomplete_beta bessel_i0e bessel_i1e "
-    # PRNG.
-    "random_fold_in random_seed threefry2x32 random_clone"
+  # Unary.
+  "neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan "
+  "asin acos atan sinh cosh asinh acosh atanh lgamma digamma erf erfc erf_inv abs sqrt rsqrt "
+  "cbrt not integer_pow square one_minus_square population_count clz real imag conj reduce_precision "
+  "convert_element_type copy copy_p stop_gradient name sharding_constraint "
+  # Binary, compare, select.
+  "add sub mul div rem pow max min atan2 nextafter and or xor add_any shift_left "
+  "shift_right_logical shift_right_arithmetic complex igamma igammac polygamma "
+  "random_gamma_grad eq ne lt le gt ge eq_to lt_to le_to select_n clamp mulhi zeta igamma_grad_a "
+  "regularized_incomplete_beta bessel_i0e bessel_i1e "
+  # PRNG.
+  "random_fold_in random_seed threefry2x32 random_clone"
 ).split()
 
 # `scan_carry` and `cond_merge` are the IR's own ops for loop carries and branch results.
-REGISTRY: dict[str, RuleBuilder] = {name: elementwise for name in (*ELEMENTWISE, "scan_carry", "cond_merge")}
+REGISTRY: dict[str, RuleBuilder] = {
+  name: elementwise for name in (*ELEMENTWISE, "scan_carry", "cond_merge")
+}
 REGISTRY.update(
-    {
-        "scan_slice": scan_slice,
-        "scan_stack": scan_stack,
-        "device_put": pairwise,
-        "optimization_barrier": pairwise,
-        "dot_general": dot_general,
-        "reduce_sum": _reduce(REDUCTION),
-        "reduce_max": _reduce(REDUCTION),
-        "reduce_min": _reduce(REDUCTION),
-        "reduce_prod": _reduce(REDUCTION),
-        "reduce_and": _reduce(REDUCTION),
-        "reduce_or": _reduce(REDUCTION),
-        "reduce_xor": _reduce(REDUCTION),
-        "reduce": reduce,
-        "argmax": _reduce(REPLICATE),
-        "argmin": _reduce(REPLICATE),
-        "broadcast_in_dim": broadcast_in_dim,
-        "reshape": reshape,
-        "squeeze": squeeze,
-        "transpose": transpose,
-        "rev": _per_dim(_rev_dims),
-        "concatenate": concatenate,
-        "stack": stack,
-        "unstack": unstack,
-        "tile": tile,
-        "split": split,
-        "pad": _per_dim(_padded_dims),
-        "slice": _per_dim(_changed_dims),
-        "dynamic_slice": _per_dim(_changed_dims),
-        "dynamic_update_slice": _per_dim(_dynamic_update_dims),
-        "gather": gather,
-        "scatter": _scatter(REPLICATE),
-        "scatter-add": _scatter(REDUCTION),
-        "scatter_add": _scatter(REDUCTION),
-        "scatter-mul": _scatter(REPLICATE),
-        "scatter_mul": _scatter(REPLICATE),
-        "scatter-sub": _scatter(REDUCTION),
-        "scatter_sub": _scatter(REDUCTION),
-        "scatter-min": _scatter(REPLICATE),
-        "scatter_min": _scatter(REPLICATE),
-        "scatter-max": _scatter(REPLICATE),
-        "scatter_max": _scatter(REPLICATE),
-        "iota": iota,
-        "conv_general_dilated": conv_general_dilated,
-        "reduce_window_sum": _per_dim(_windowed_dims),
-        "reduce_window_max": _per_dim(_windowed_dims),
-        "reduce_window_min": _per_dim(_windowed_dims),
-        "reduce_window": _per_dim(_windowed_dims),
-        "select_and_scatter_add": _per_dim(_windowed_dims),
-        "select_and_gather_add": _per_dim(_windowed_dims),
-        "cumsum": _per_dim(_axis("axis")),
-        "cumprod": _per_dim(_axis("axis")),
-        "cummax": _per_dim(_axis("axis")),
-        "cummin": _per_dim(_axis("axis")),
-        "cumlogsumexp": _per_dim(_axis("axis")),
-        "sort": _per_dim(_axis("dimension")),
-        "top_k": _per_dim(_last_dim),
-        "approx_top_k": _per_dim(_approx_top_k_dims),
-        "fft": fft,
-        "cholesky": _per_dim(_matrix_dims),
-        "triangular_solve": _per_dim(_matrix_dims),
-        "random_bits": _trailing_extra,
-        "random_split": _trailing_extra,
-        "random_wrap": _trailing_extra,
-        "random_unwrap": _trailing_extra,
-        "bitcast_convert_type": bitcast_convert_type,
-    }
+  {
+    "scan_slice": scan_slice,
+    "scan_stack": scan_stack,
+    "device_put": pairwise,
+    "optimization_barrier": pairwise,
+    "dot_general": dot_general,
+    "reduce_sum": _reduce(REDUCTION),
+    "reduce_max": _reduce(REDUCTION),
+    "reduce_min": _reduce(REDUCTION),
+    "reduce_prod": _reduce(REDUCTION),
+    "reduce_and": _reduce(REDUCTION),
+    "reduce_or": _reduce(REDUCTION),
+    "reduce_xor": _reduce(REDUCTION),
+    "reduce": reduce,
+    "argmax": _reduce(REPLICATE),
+    "argmin": _reduce(REPLICATE),
+    "broadcast_in_dim": broadcast_in_dim,
+    "reshape": reshape,
+    "squeeze": squeeze,
+    "transpose": transpose,
+    "rev": _per_dim(_rev_dims),
+    "concatenate": concatenate,
+    "stack": stack,
+    "unstack": unstack,
+    "tile": tile,
+    "split": split,
+    "pad": _per_dim(_padded_dims),
+    "slice": _per_dim(_changed_dims),
+    "dynamic_slice": _per_dim(_changed_dims),
+    "dynamic_update_slice": _per_dim(_dynamic_update_dims),
+    "gather": gather,
+    "scatter": _scatter(REPLICATE),
+    "scatter-add": _scatter(REDUCTION),
+    "scatter_add": _scatter(REDUCTION),
+    "scatter-mul": _scatter(REPLICATE),
+    "scatter_mul": _scatter(REPLICATE),
+    "scatter-sub": _scatter(REDUCTION),
+    "scatter_sub": _scatter(REDUCTION),
+    "scatter-min": _scatter(REPLICATE),
+    "scatter_min": _scatter(REPLICATE),
+    "scatter-max": _scatter(REPLICATE),
+    "scatter_max": _scatter(REPLICATE),
+    "iota": iota,
+    "conv_general_dilated": conv_general_dilated,
+    "reduce_window_sum": _per_dim(_windowed_dims),
+    "reduce_window_max": _per_dim(_windowed_dims),
+    "reduce_window_min": _per_dim(_windowed_dims),
+    "reduce_window": _per_dim(_windowed_dims),
+    "select_and_scatter_add": _per_dim(_windowed_dims),
+    "select_and_gather_add": _per_dim(_windowed_dims),
+    "cumsum": _per_dim(_axis("axis")),
+    "cumprod": _per_dim(_axis("axis")),
+    "cummax": _per_dim(_axis("axis")),
+    "cummin": _per_dim(_axis("axis")),
+    "cumlogsumexp": _per_dim(_axis("axis")),
+    "sort": _per_dim(_axis("dimension")),
+    "top_k": _per_dim(_last_dim),
+    "approx_top_k": _per_dim(_approx_top_k_dims),
+    "fft": fft,
+    "cholesky": _per_dim(_matrix_dims),
+    "triangular_solve": _per_dim(_matrix_dims),
+    "random_bits": _trailing_extra,
+    "random_split": _trailing_extra,
+    "random_wrap": _trailing_extra,
+    "random_unwrap": _trailing_extra,
+    "bitcast_convert_type": bitcast_convert_type,
+  }
 )
 
 

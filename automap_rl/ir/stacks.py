@@ -62,13 +62,17 @@ class LayerStack:
   example: str
 
   def describe(self) -> str:
-    return f"{'scanned' if self.scanned else 'unrolled'} stack of {self.layers} layers ({self.example})"
+    return (
+      f"{'scanned' if self.scanned else 'unrolled'} stack of {self.layers} layers ({self.example})"
+    )
 
   def stacked_inputs(self, program: Program, named: NamedDims) -> list[int]:
     """The arguments stacked along the layers ([L, ...]: a scanned stack's weights and
     their optimizer state), by value id."""
     classes = set(self.layer_classes)
-    return [v for v in program.inputs if program.values[v].shape and named.class_of(v, 0) in classes]
+    return [
+      v for v in program.inputs if program.values[v].shape and named.class_of(v, 0) in classes
+    ]
 
 
 def layer_stacks(program: Program, named: NamedDims) -> tuple[LayerStack, ...]:
@@ -82,8 +86,10 @@ def layer_stacks(program: Program, named: NamedDims) -> tuple[LayerStack, ...]:
 
 def what_is_looked_for() -> str:
   """One phrase naming what `layer_stacks` looks for, for error messages."""
-  return ("a loop (scan) whose body slices stacked parameters, or groups of two or more "
-          "per-layer parameter dimensions (unrolled repeats)")
+  return (
+    "a loop (scan) whose body slices stacked parameters, or groups of two or more "
+    "per-layer parameter dimensions (unrolled repeats)"
+  )
 
 
 def _in_loop(scope: str) -> bool:
@@ -96,7 +102,11 @@ def _parameter_derived(program: Program) -> np.ndarray:
   derived = np.array([v.role in (Role.PARAMETER, Role.CONSTANT) for v in program.values])
   has_parameter = np.array([v.role == Role.PARAMETER for v in program.values])
   for op in program.ops:
-    if op.operands and all(derived[v] for v in op.operands) and any(has_parameter[v] for v in op.operands):
+    if (
+      op.operands
+      and all(derived[v] for v in op.operands)
+      and any(has_parameter[v] for v in op.operands)
+    ):
       derived[list(op.results)] = True
       has_parameter[list(op.results)] = True
   return derived & has_parameter
@@ -105,27 +115,42 @@ def _parameter_derived(program: Program) -> np.ndarray:
 def _scanned_stacks(program: Program, named: NamedDims) -> list[LayerStack]:
   producer = {v: op.id for op in program.ops for v in op.results}
   in_loop = np.array([_in_loop(op.scope) for op in program.ops])
-  carry = np.array([op.primitive == "scan_carry" for op in program.ops]) & ~in_loop  # A top-level loop's carries.
+  carry = (
+    np.array([op.primitive == "scan_carry" for op in program.ops]) & ~in_loop
+  )  # A top-level loop's carries.
   loops = DisjointSet(np.flatnonzero(in_loop | carry).tolist())
   for op in program.ops:
     for v in op.operands:
       p = producer.get(v)
-      if p is not None and (in_loop[op.id] and (in_loop[p] or carry[p]) or carry[op.id] and in_loop[p]):
+      if p is not None and (
+        in_loop[op.id] and (in_loop[p] or carry[p]) or carry[op.id] and in_loop[p]
+      ):
         loops.merge(p, op.id)
   derived = _parameter_derived(program)
   carried_in = {a for a, _ in program.ties}
   found: list[tuple[int, set[int], set[int]]] = []  # (length, loop ops, parameters sliced)
-  loose: list[tuple[int, set[int]]] = []  # Loops that read constants alone (a layer's zero auxiliary loss).
+  loose: list[
+    tuple[int, set[int]]
+  ] = []  # Loops that read constants alone (a layer's zero auxiliary loss).
   for members in loops.subsets():
     top = [program.ops[o] for o in sorted(members) if program.ops[o].scope == "scan"]
     repeats = {op.repeat for op in top}
     if len(repeats) != 1 or min(repeats) < 2:
       continue
-    sliced = set().union(*(_sources(v, producer, program, derived) for op in top if op.primitive == "scan_slice"
-                           for v in op.operands))
+    sliced = set().union(
+      *(
+        _sources(v, producer, program, derived)
+        for op in top
+        if op.primitive == "scan_slice"
+        for v in op.operands
+      )
+    )
     if not sliced:
-      if all(producer.get(v) in members or program.values[v].role == Role.CONSTANT
-             for o in members for v in program.ops[o].operands):
+      if all(
+        producer.get(v) in members or program.values[v].role == Role.CONSTANT
+        for o in members
+        for v in program.ops[o].operands
+      ):
         loose.append((min(repeats), set(members)))
       continue
     # The loop that differentiates a stack (or recomputes it under remat) slices the same weights.
@@ -153,14 +178,25 @@ def _scanned_stacks(program: Program, named: NamedDims) -> list[LayerStack]:
         carries += [v for v in op.results if v in carried_in]
       elif classes & set(named.op_factor_classes(op.id).tolist()):
         op_layer[op.id] = EVERY_LAYER
-    example = next((f"{program.values[v].path}:0" for v in program.inputs
-                    if program.values[v].role == Role.PARAMETER and program.values[v].shape
-                    and named.class_of(v, 0) in classes), f"a loop of {length} iterations")
-    stacks.append(LayerStack(True, length, op_layer, tuple(sorted(classes)), tuple(carries), example))
+    example = next(
+      (
+        f"{program.values[v].path}:0"
+        for v in program.inputs
+        if program.values[v].role == Role.PARAMETER
+        and program.values[v].shape
+        and named.class_of(v, 0) in classes
+      ),
+      f"a loop of {length} iterations",
+    )
+    stacks.append(
+      LayerStack(True, length, op_layer, tuple(sorted(classes)), tuple(carries), example)
+    )
   return stacks
 
 
-def _sources(value: int, producer: dict[int, int], program: Program, derived: np.ndarray) -> set[int]:
+def _sources(
+  value: int, producer: dict[int, int], program: Program, derived: np.ndarray
+) -> set[int]:
   """The parameters a parameter-derived value is computed from (empty for other values)."""
   out, todo = set(), [value]
   while todo:
@@ -187,13 +223,19 @@ def _unrolled_stacks(program: Program, named: NamedDims, taken: set[int]) -> lis
     first_use[classes[classes >= 0]] = op.id
   layered = []  # Each per-layer group's classes, in layer order.
   for members in named.groups:
-    if (len(members) < 2 or taken & set(members) or not all(c in parameter_classes for c in members)
-        or _share_a_parameter([parameter_classes[c] for c in members])):
+    if (
+      len(members) < 2
+      or taken & set(members)
+      or not all(c in parameter_classes for c in members)
+      or _share_a_parameter([parameter_classes[c] for c in members])
+    ):
       continue
     layered.append(sorted(members, key=lambda c: first_use[c]))
   clusters: list[list[list[int]]] = []
   for group in sorted(layered, key=lambda g: first_use[g[0]]):
-    home = next((cluster for cluster in clusters if _interleave(cluster[0], group, first_use)), None)
+    home = next(
+      (cluster for cluster in clusters if _interleave(cluster[0], group, first_use)), None
+    )
     if home is None:
       clusters.append([group])
     else:
@@ -210,9 +252,15 @@ def _unrolled_stacks(program: Program, named: NamedDims, taken: set[int]) -> lis
       if len(layers) == 1:
         op_layer[op.id] = layers.pop()
     first_class = cluster[0][0]
-    path, dim = next((program.values[v].path, d) for v in program.inputs for d, c in enumerate(named.value_classes(v))
-                     if c == first_class)
-    stacks.append(LayerStack(False, len(cluster[0]), op_layer, tuple(sorted(layer_of)), (), f"{path}:{dim}"))
+    path, dim = next(
+      (program.values[v].path, d)
+      for v in program.inputs
+      for d, c in enumerate(named.value_classes(v))
+      if c == first_class
+    )
+    stacks.append(
+      LayerStack(False, len(cluster[0]), op_layer, tuple(sorted(layer_of)), (), f"{path}:{dim}")
+    )
   return stacks
 
 

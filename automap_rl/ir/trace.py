@@ -36,8 +36,20 @@ from automap_rl.ir.program import Op, Program, Role, Rule, Value, itemsize_of
 # `eval_jaxpr` is jax 0.11's plain call, e.g. around the known half of a scan split by
 # `checkpoint` (the forward scan and the residuals it hoists out of the loop).
 CALL_PRIMITIVES = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
-     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin", "eval_jaxpr"}
+  {
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "checkpoint",
+    "remat",
+    "remat2",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "custom_lin",
+    "eval_jaxpr",
+  }
 )
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
@@ -78,14 +90,36 @@ class _Builder:
 
   def new_value(self, aval, role: Role = Role.INTERMEDIATE, path: str | None = None) -> int:
     dtype = str(aval.dtype)
-    value = Value(len(self.values), tuple(int(d) for d in aval.shape), dtype, role, path, itemsize_of(dtype))
+    value = Value(
+      len(self.values), tuple(int(d) for d in aval.shape), dtype, role, path, itemsize_of(dtype)
+    )
     self.values.append(value)
     return value.id
 
-  def add_op(self, primitive: str, operands, results, rule: Rule, repeat: int, scope: str,
-             origin: tuple[int, ...] = (), flops: float = 0.0) -> None:
-    self.ops.append(Op(len(self.ops), primitive, tuple(operands), tuple(results), rule, repeat, scope, origin,
-                       float(flops)))
+  def add_op(
+    self,
+    primitive: str,
+    operands,
+    results,
+    rule: Rule,
+    repeat: int,
+    scope: str,
+    origin: tuple[int, ...] = (),
+    flops: float = 0.0,
+  ) -> None:
+    self.ops.append(
+      Op(
+        len(self.ops),
+        primitive,
+        tuple(operands),
+        tuple(results),
+        rule,
+        repeat,
+        scope,
+        origin,
+        float(flops),
+      )
+    )
 
   def read(self, env: dict, var) -> int | None:
     """The value id of a jaxpr atom; None for literals (scalars folded into the op)."""
@@ -103,11 +137,16 @@ class _Builder:
     for var in closed.jaxpr.constvars:
       env[var] = self.new_value(var.aval, Role.CONSTANT)
 
-  def add_rule_op(self, primitive: str, operands, results, repeat: int, scope: str,
-                  origin: tuple[int, ...] = ()) -> None:
+  def add_rule_op(
+    self, primitive: str, operands, results, repeat: int, scope: str, origin: tuple[int, ...] = ()
+  ) -> None:
     """Adds one of the IR's own ops (`scan_slice`, `scan_carry`, ...) with its registry rule."""
     rule, _ = rules.rule_for(
-        primitive, [self.values[v].shape for v in operands], [self.values[v].shape for v in results], {})
+      primitive,
+      [self.values[v].shape for v in operands],
+      [self.values[v].shape for v in results],
+      {},
+    )
     self.add_op(primitive, operands, results, rule, repeat, scope, origin)
 
   def identity(self, primitive: str, source: int, aval, repeat: int, scope: str) -> int:
@@ -142,22 +181,31 @@ class _Builder:
     if not known and name not in self.unknown:
       self.unknown[name] = None
       warnings.warn(
-          f"automap_rl: no sharding rule for primitive {name!r}; using the conservative rule "
-          "(every dimension replicated).",
-          stacklevel=4,
+        f"automap_rl: no sharding rule for primitive {name!r}; using the conservative rule "
+        "(every dimension replicated).",
+        stacklevel=4,
       )
     operand_ids = [self.read(env, v) for v in eqn.invars]
     kept = [i for i, v in enumerate(operand_ids) if v is not None]
-    rule = Rule(rule.factor_sizes, rule.factor_kinds, tuple(rule.operand_dims[i] for i in kept), rule.result_dims)
+    rule = Rule(
+      rule.factor_sizes,
+      rule.factor_kinds,
+      tuple(rule.operand_dims[i] for i in kept),
+      rule.result_dims,
+    )
     results = []
     for var in eqn.outvars:
       results.append(self.new_value(var.aval))
       if not isinstance(var, jax_core.DropVar):
         env[var] = results[-1]
     flops = primitive_flops(name, operand_shapes, result_shapes, eqn.params)
-    self.add_op(name, [operand_ids[i] for i in kept], results, rule, repeat, scope, origin or (), flops)
+    self.add_op(
+      name, [operand_ids[i] for i in kept], results, rule, repeat, scope, origin or (), flops
+    )
 
-  def inline(self, closed, operand_ids: Sequence[int], repeat: int, scope: str, prefix=None) -> list[int]:
+  def inline(
+    self, closed, operand_ids: Sequence[int], repeat: int, scope: str, prefix=None
+  ) -> list[int]:
     """Walks a (closed) sub-jaxpr whose invars are `operand_ids`; returns its outputs."""
     jaxpr = getattr(closed, "jaxpr", closed)
     env: dict = {}
@@ -170,8 +218,8 @@ class _Builder:
   def operands_as_values(self, eqn, env: dict) -> list[int]:
     """Operand ids, turning literals into constant values (bodies need a value per invar)."""
     return [
-        self.new_value(v.aval, Role.CONSTANT) if isinstance(v, jax_core.Literal) else env[v]
-        for v in eqn.invars
+      self.new_value(v.aval, Role.CONSTANT) if isinstance(v, jax_core.Literal) else env[v]
+      for v in eqn.invars
     ]
 
   def bind_results(self, eqn, env: dict, ids: Sequence[int]) -> None:
@@ -184,24 +232,35 @@ class _Builder:
     self.bind_results(eqn, env, outs)
 
   def carry_in(self, init_ids: Sequence[int], body_invars, repeat: int, scope: str) -> list[int]:
-    return [self.identity("scan_carry", v, var.aval, repeat, scope) for v, var in zip(init_ids, body_invars)]
+    return [
+      self.identity("scan_carry", v, var.aval, repeat, scope)
+      for v, var in zip(init_ids, body_invars)
+    ]
 
-  def carry_out(self, body_in: Sequence[int], body_out: Sequence[int], outvars, repeat: int, scope: str) -> list[int]:
+  def carry_out(
+    self, body_in: Sequence[int], body_out: Sequence[int], outvars, repeat: int, scope: str
+  ) -> list[int]:
     self.ties.extend(zip(body_in, body_out))
-    return [self.identity("scan_carry", v, var.aval, repeat, scope) for v, var in zip(body_out, outvars)]
+    return [
+      self.identity("scan_carry", v, var.aval, repeat, scope) for v, var in zip(body_out, outvars)
+    ]
 
   def inline_scan(self, eqn, env: dict, repeat: int, scope: str, origin) -> None:
     params = eqn.params
     body = params["jaxpr"]
     length, (num_consts, num_carry) = params["length"], scan_counts(params)
     operands = self.operands_as_values(eqn, env)
-    consts, init, xs = operands[:num_consts], operands[num_consts:num_consts + num_carry], operands[num_consts + num_carry:]
+    consts, init, xs = (
+      operands[:num_consts],
+      operands[num_consts : num_consts + num_carry],
+      operands[num_consts + num_carry :],
+    )
     body_invars = body.jaxpr.invars
     inner_scope = f"{scope}/scan" if scope else "scan"
     inner_repeat = repeat * length
-    carries = self.carry_in(init, body_invars[num_consts:num_consts + num_carry], repeat, scope)
+    carries = self.carry_in(init, body_invars[num_consts : num_consts + num_carry], repeat, scope)
     slices = []
-    for x, var in zip(xs, body_invars[num_consts + num_carry:]):
+    for x, var in zip(xs, body_invars[num_consts + num_carry :]):
       sliced = self.new_value(var.aval)
       self.add_rule_op("scan_slice", [x], [sliced], inner_repeat, inner_scope)
       slices.append(sliced)
@@ -218,7 +277,11 @@ class _Builder:
     params = eqn.params
     cond_n, body_n = params["cond_nconsts"], params["body_nconsts"]
     operands = self.operands_as_values(eqn, env)
-    cond_consts, body_consts, init = operands[:cond_n], operands[cond_n:cond_n + body_n], operands[cond_n + body_n:]
+    cond_consts, body_consts, init = (
+      operands[:cond_n],
+      operands[cond_n : cond_n + body_n],
+      operands[cond_n + body_n :],
+    )
     inner_scope = f"{scope}/while" if scope else "while"
     carries = self.carry_in(init, params["body_jaxpr"].jaxpr.invars[body_n:], repeat, scope)
     self.inline(params["cond_jaxpr"], [*cond_consts, *carries], repeat, inner_scope)
@@ -228,7 +291,9 @@ class _Builder:
   def inline_cond(self, eqn, env: dict, repeat: int, scope: str) -> None:
     operands = self.operands_as_values(eqn, env)
     inner_scope = f"{scope}/cond" if scope else "cond"
-    branch_outs = [self.inline(branch, operands[1:], repeat, inner_scope) for branch in eqn.params["branches"]]
+    branch_outs = [
+      self.inline(branch, operands[1:], repeat, inner_scope) for branch in eqn.params["branches"]
+    ]
     merged = []
     for outs, var in zip(zip(*branch_outs), eqn.outvars):
       result = self.new_value(var.aval)
@@ -238,11 +303,11 @@ class _Builder:
 
 
 def trace(
-    fn: Callable[..., Any],
-    *args: Any,
-    arg_names: Sequence[str] | None = None,
-    arg_roles: Sequence[str | Role] | None = None,
-    donate_argnums: Sequence[int] = (),
+  fn: Callable[..., Any],
+  *args: Any,
+  arg_names: Sequence[str] | None = None,
+  arg_roles: Sequence[str | Role] | None = None,
+  donate_argnums: Sequence[int] = (),
 ) -> Program:
   """Traces `fn(*args)` into a `Program`.
 
@@ -260,19 +325,31 @@ def trace(
     The program; unknown primitives got the conservative rule, with one warning each.
   """
   names = tuple(arg_names) if arg_names is not None else tuple(f"arg{i}" for i in range(len(args)))
-  roles = tuple(Role.parse(r) if isinstance(r, str) else r for r in (arg_roles or (Role.INPUT,) * len(args)))
+  roles = tuple(
+    Role.parse(r) if isinstance(r, str) else r for r in (arg_roles or (Role.INPUT,) * len(args))
+  )
   if len(names) != len(args) or len(roles) != len(args):
-    raise ValueError(f"trace got {len(args)} arguments but {len(names)} names and {len(roles)} roles.")
+    raise ValueError(
+      f"trace got {len(args)} arguments but {len(names)} names and {len(roles)} roles."
+    )
   repeated = sorted({n for n in names if names.count(n) > 1})
   if repeated:
-    raise ValueError(f"arg_names repeat {repeated}: every argument needs its own name (its paths start with it)")
+    raise ValueError(
+      f"arg_names repeat {repeated}: every argument needs its own name (its paths start with it)"
+    )
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
   builder = _Builder()
   env: dict = {}
   inputs, donated = [], []
-  leaves = [(i, path) for i, arg in enumerate(args) for path, _ in jax.tree_util.tree_flatten_with_path(arg)[0]]
+  leaves = [
+    (i, path)
+    for i, arg in enumerate(args)
+    for path, _ in jax.tree_util.tree_flatten_with_path(arg)[0]
+  ]
   if len(leaves) != len(closed.jaxpr.invars):
-    raise ValueError(f"{len(leaves)} argument leaves but the jaxpr has {len(closed.jaxpr.invars)} inputs.")
+    raise ValueError(
+      f"{len(leaves)} argument leaves but the jaxpr has {len(closed.jaxpr.invars)} inputs."
+    )
   for (arg_index, path), var in zip(leaves, closed.jaxpr.invars):
     full_path = "/".join(filter(None, (names[arg_index], _path_string(path))))
     env[var] = builder.new_value(var.aval, roles[arg_index], full_path)
@@ -286,17 +363,23 @@ def trace(
   input_set = set(inputs)
   for value_id, path in zip(outputs, out_paths):
     if value_id not in input_set:
-      values[value_id] = Value(value_id, values[value_id].shape, values[value_id].dtype, Role.OUTPUT,
-                               f"out/{path}" if path else "out", values[value_id].itemsize)
+      values[value_id] = Value(
+        value_id,
+        values[value_id].shape,
+        values[value_id].dtype,
+        Role.OUTPUT,
+        f"out/{path}" if path else "out",
+        values[value_id].itemsize,
+      )
   return Program(
-      values=tuple(values),
-      ops=tuple(builder.ops),
-      inputs=tuple(inputs),
-      outputs=tuple(outputs),
-      donated=tuple(donated),
-      ties=tuple(builder.ties),
-      unknown_primitives=tuple(builder.unknown),
-      jaxpr=closed,
-      out_tree=jax.tree_util.tree_structure(out_shape),
-      donate_argnums=tuple(sorted(set(donate_argnums))),
+    values=tuple(values),
+    ops=tuple(builder.ops),
+    inputs=tuple(inputs),
+    outputs=tuple(outputs),
+    donated=tuple(donated),
+    ties=tuple(builder.ties),
+    unknown_primitives=tuple(builder.unknown),
+    jaxpr=closed,
+    out_tree=jax.tree_util.tree_structure(out_shape),
+    donate_argnums=tuple(sorted(set(donate_argnums))),
   )

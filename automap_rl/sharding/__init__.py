@@ -19,15 +19,50 @@ bit-packed form), `specs` (`PartitionSpec`s of a resolved plan).
 """
 
 from automap_rl.sharding.decisions import ArgDim, Decision, Group, classes_of, encode
-from automap_rl.sharding.resolution import (NO_SLOT_RANK, Owners, Resolution, apply_decision, decision_slots,
-                                            resolve, resolve_batch_last, resolve_tile, takes_axis, with_slots)
-from automap_rl.sharding.signatures import (LINEAR_COMBINES, Signatures, divisibility_bits, pending_partial_sums,
-                                            signatures)
+from automap_rl.sharding.resolution import (
+  NO_SLOT_RANK,
+  Owners,
+  Resolution,
+  apply_decision,
+  decision_slots,
+  resolve,
+  resolve_batch_last,
+  resolve_tile,
+  takes_axis,
+  with_slots,
+)
+from automap_rl.sharding.signatures import (
+  LINEAR_COMBINES,
+  Signatures,
+  divisibility_bits,
+  pending_partial_sums,
+  signatures,
+)
 from automap_rl.sharding.specs import class_axis_use, dim_axes, op_partition_specs, partition_spec
 
 __all__ = [
-    "LINEAR_COMBINES", "NO_SLOT_RANK", "ArgDim", "Decision", "Group", "Owners", "Resolution", "Signatures",
-    "apply_decision", "class_axis_use", "classes_of", "decision_slots", "dim_axes", "divisibility_bits", "encode",
-    "op_partition_specs", "partition_spec", "pending_partial_sums", "resolve", "resolve_batch_last",
-    "resolve_tile", "signatures", "takes_axis", "with_slots",
+  "LINEAR_COMBINES",
+  "NO_SLOT_RANK",
+  "ArgDim",
+  "Decision",
+  "Group",
+  "Owners",
+  "Resolution",
+  "Signatures",
+  "apply_decision",
+  "class_axis_use",
+  "classes_of",
+  "decision_slots",
+  "dim_axes",
+  "divisibility_bits",
+  "encode",
+  "op_partition_specs",
+  "partition_spec",
+  "pending_partial_sums",
+  "resolve",
+  "resolve_batch_last",
+  "resolve_tile",
+  "signatures",
+  "takes_axis",
+  "with_slots",
 ]

@@ -45,7 +45,9 @@ def classes_of(target: ArgDim | Group | int, program: Program, named: NamedDims)
       raise ValueError(f"No argument at path {target.path!r}; did you mean {close}?")
     value = program.values[paths[target.path]]
     if not 0 <= target.dim < len(value.shape):
-      raise ValueError(f"Argument {target.path!r} of shape {value.shape} has no dimension {target.dim}.")
+      raise ValueError(
+        f"Argument {target.path!r} of shape {value.shape} has no dimension {target.dim}."
+      )
     cls = named.class_of(value.id, target.dim)
     return () if cls < 0 else (cls,)
   if isinstance(target, Group):
@@ -57,8 +59,13 @@ def classes_of(target: ArgDim | Group | int, program: Program, named: NamedDims)
   return (int(target),)
 
 
-def encode(decisions: Sequence[Decision], program: Program, named: NamedDims, mesh: Mesh,
-           length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def encode(
+  decisions: Sequence[Decision],
+  program: Program,
+  named: NamedDims,
+  mesh: Mesh,
+  length: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
   """Expands decisions to parallel arrays `(classes, axes)` of shape [length], padded with -1."""
   classes, axes = [], []
   for decision in decisions:

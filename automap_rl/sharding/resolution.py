@@ -58,20 +58,30 @@ class Owners:
         slot[row, real] = np.arange(len(real))
       return owner, slot
 
-    value_owner, value_slot = place(sigs.value_class, divisibility_bits(sigs.value_size, axis_sizes))
+    value_owner, value_slot = place(
+      sigs.value_class, divisibility_bits(sigs.value_size, axis_sizes)
+    )
     op_owner, op_slot = place(sigs.op_class, divisibility_bits(sigs.op_size, axis_sizes))
     width = max([len(key[0]) for key in rows] + [1])
     return cls(
-        classes=pad_rows([key[0] for key in rows] or [[]], width, -1),
-        divisible=pad_rows([key[1] for key in rows] or [[]], width, 1),
-        value_owner=value_owner, value_slot=value_slot, op_owner=op_owner, op_slot=op_slot,
-        num_axes=len(axis_sizes))
+      classes=pad_rows([key[0] for key in rows] or [[]], width, -1),
+      divisible=pad_rows([key[1] for key in rows] or [[]], width, 1),
+      value_owner=value_owner,
+      value_slot=value_slot,
+      op_owner=op_owner,
+      op_slot=op_slot,
+      num_axes=len(axis_sizes),
+    )
 
 
-NO_SLOT_RANK = np.iinfo(np.int16).max  # `apply_decision`'s rank of a slot the decision does not cover.
+NO_SLOT_RANK = np.iinfo(
+  np.int16
+).max  # `apply_decision`'s rank of a slot the decision does not cover.
 
 
-def takes_axis(divisible: jax.Array, mask: jax.Array, used: jax.Array, axis_bit: jax.Array) -> jax.Array:
+def takes_axis(
+  divisible: jax.Array, mask: jax.Array, used: jax.Array, axis_bit: jax.Array
+) -> jax.Array:
   """THE rule of a decision: whether a slot (a value dim or an op factor) takes an axis.
 
   A slot takes the axis of bit `axis_bit` when its owner (the value or op) does not use
@@ -90,7 +100,9 @@ def takes_axis(divisible: jax.Array, mask: jax.Array, used: jax.Array, axis_bit:
   return ((used & axis_bit) == 0) & ((jnp.right_shift(divisible, want) & 1) == 1)
 
 
-def decision_slots(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array) -> jax.Array:
+def decision_slots(
+  divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array
+) -> jax.Array:
   """The slot of each owner that one decision shards (see `apply_decision`), -1 for none,
   int8 [owners]; arguments as `apply_decision`'s."""
   slots = mask.shape[1]
@@ -118,7 +130,9 @@ def with_slots(mask: jax.Array, slot: jax.Array, chosen: jax.Array, axis: jax.Ar
   return mask | jnp.where(slot == chosen, jnp.left_shift(1, axis), 0).astype(mask.dtype)
 
 
-def apply_decision(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array) -> jax.Array:
+def apply_decision(
+  divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis: jax.Array
+) -> jax.Array:
   """Applies one decision, `axis` for the classes of a target in rank order, to resolved
   masks: in each owner the first slot that `takes_axis`, of the lowest-ranked class, takes
   it. Appending the decision's classes to an encoded list and re-resolving (`resolve`)
@@ -139,7 +153,9 @@ def apply_decision(divisible: jax.Array, mask: jax.Array, rank: jax.Array, axis:
   return with_slots(mask, jnp.arange(mask.shape[1], dtype=jnp.int8), chosen[:, None], axis)
 
 
-def _first_decisions(dec_class: jax.Array, dec_axis: jax.Array, num_classes: int, num_axes: int) -> jax.Array:
+def _first_decisions(
+  dec_class: jax.Array, dec_axis: jax.Array, num_classes: int, num_axes: int
+) -> jax.Array:
   """When each (class, axis) is first decided: the decision's index, K if never.
 
   Args:
@@ -150,13 +166,18 @@ def _first_decisions(dec_class: jax.Array, dec_axis: jax.Array, num_classes: int
   """
   k = dec_class.shape[0]
   dtype = jnp.int8 if k < 128 else jnp.int16
-  hit = ((dec_class[None, None] == jnp.arange(num_classes)[:, None, None, None])
-         & (dec_axis[None, None] == jnp.arange(num_axes)[None, :, None, None]))  # [C, X, K, B]
-  first = jnp.where(hit, jnp.arange(k, dtype=dtype)[:, None], jnp.asarray(k, dtype)).min(axis=2, initial=k)
+  hit = (dec_class[None, None] == jnp.arange(num_classes)[:, None, None, None]) & (
+    dec_axis[None, None] == jnp.arange(num_axes)[None, :, None, None]
+  )  # [C, X, K, B]
+  first = jnp.where(hit, jnp.arange(k, dtype=dtype)[:, None], jnp.asarray(k, dtype)).min(
+    axis=2, initial=k
+  )
   return jnp.concatenate([first, jnp.full((1, *first.shape[1:]), k, dtype)])
 
 
-def _assign_packed(owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: jax.Array) -> jax.Array:
+def _assign_packed(
+  owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: jax.Array
+) -> jax.Array:
   """Applies decisions in order to every owner slot, for a batch of plans laid out last.
 
   Only the first decision of each (class, axis) can shard anything: a later one finds the
@@ -199,8 +220,14 @@ def _assign_packed(owners: Owners, num_classes: int, dec_class: jax.Array, dec_a
       for axis in range(x):
         time = times[:, s, axis].astype(jnp.int32)
         slot_mask = (words[w] >> (x * shift)) & field
-        open_ = (time > last) & (time < never) & takes_axis(divisible[:, s, None], slot_mask, used, 1 << axis)
-        earliest = jnp.minimum(earliest, jnp.where(open_, (time << event_bits) | (s * x + axis), none))
+        open_ = (
+          (time > last)
+          & (time < never)
+          & takes_axis(divisible[:, s, None], slot_mask, used, 1 << axis)
+        )
+        earliest = jnp.minimum(
+          earliest, jnp.where(open_, (time << event_bits) | (s * x + axis), none)
+        )
     found = earliest < none
     event = earliest & ((1 << event_bits) - 1)
     slot, axis = event // x, event % x
@@ -210,8 +237,10 @@ def _assign_packed(owners: Owners, num_classes: int, dec_class: jax.Array, dec_a
 
   batch = dec_class.shape[-1]
   num_words = -(-width // per_word)
-  init = (tuple(jnp.zeros((num_owners, batch), jnp.int32) for _ in range(num_words)),
-          jnp.full((num_owners, batch), -1, jnp.int32))
+  init = (
+    tuple(jnp.zeros((num_owners, batch), jnp.int32) for _ in range(num_words)),
+    jnp.full((num_owners, batch), -1, jnp.int32),
+  )
   # A loop, not unrolled: XLA would fuse the rounds into one another and recompute them.
   (words, _), _ = jax.lax.scan(apply_earliest, init, None, length=x)
   return jnp.stack(words)
@@ -231,14 +260,17 @@ class Resolution:
   op_mask: jax.Array
 
 
-def resolve_batch_last(owners: Owners, num_classes: int,
-                       decisions: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def resolve_batch_last(
+  owners: Owners, num_classes: int, decisions: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
   """`resolve` for a batch of plans laid out last (see `automap_rl.batching`): decisions
   `(dec_class, dec_axis)` int32 [K, B] each; returns the value and op masks, int8
   [Uv, Rv, B] and [Uo, Rf, B], in the layout the simulator's batch-last calls take."""
   words = _assign_packed(owners, num_classes, *decisions)
-  return (_unpack(words, owners.value_owner, owners.value_slot, owners.num_axes),
-          _unpack(words, owners.op_owner, owners.op_slot, owners.num_axes))
+  return (
+    _unpack(words, owners.value_owner, owners.value_slot, owners.num_axes),
+    _unpack(words, owners.op_owner, owners.op_slot, owners.num_axes),
+  )
 
 
 def resolve_tile(owners: Owners) -> int:
@@ -246,15 +278,23 @@ def resolve_tile(owners: Owners) -> int:
   return batching.tile_for(owners.classes.size)
 
 
-def _resolve_batch(owners: Owners, num_classes: int, decisions: tuple[jax.Array, jax.Array]) -> Resolution:
+def _resolve_batch(
+  owners: Owners, num_classes: int, decisions: tuple[jax.Array, jax.Array]
+) -> Resolution:
   value_mask, op_mask = resolve_batch_last(owners, num_classes, decisions)
-  return Resolution(value_mask=jnp.moveaxis(value_mask, -1, 0), op_mask=jnp.moveaxis(op_mask, -1, 0))
+  return Resolution(
+    value_mask=jnp.moveaxis(value_mask, -1, 0), op_mask=jnp.moveaxis(op_mask, -1, 0)
+  )
 
 
-def resolve(owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: jax.Array) -> Resolution:
+def resolve(
+  owners: Owners, num_classes: int, dec_class: jax.Array, dec_axis: jax.Array
+) -> Resolution:
   """Resolves encoded decisions (see `encode`) on the compressed program with `num_classes`
   named dimensions. Pure; jittable; vmapped over decisions, the batch runs in calls laid
   out last (see `automap_rl.batching`), which is what XLA on CPU vectorises."""
-  resolve_batch = batching.batch_last(lambda _, decisions: _resolve_batch(owners, num_classes, decisions),
-                                      lambda _: resolve_tile(owners))
+  resolve_batch = batching.batch_last(
+    lambda _, decisions: _resolve_batch(owners, num_classes, decisions),
+    lambda _: resolve_tile(owners),
+  )
   return resolve_batch((), (jnp.asarray(dec_class, jnp.int32), jnp.asarray(dec_axis, jnp.int32)))

@@ -15,7 +15,7 @@ def pad_rows(rows: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray
   """Rows of ints as one int32 array [len(rows), width], each padded with `fill`."""
   out = np.full((len(rows), width), fill, np.int32)
   for i, row in enumerate(rows):
-    out[i, :len(row)] = row
+    out[i, : len(row)] = row
   return out
 
 
@@ -138,29 +138,43 @@ def signatures(program: Program, named: NamedDims) -> Signatures:
   for op in program.ops:
     factor_classes = named.op_factor_classes(op.id)
     factors = tuple(
-        (int(c) if kind in shardable else -1, size, int(kind))
-        for c, size, kind in zip(factor_classes, op.rule.factor_sizes, op.rule.factor_kinds)
+      (int(c) if kind in shardable else -1, size, int(kind))
+      for c, size, kind in zip(factor_classes, op.rule.factor_sizes, op.rule.factor_kinds)
     )
-    operands = tuple((int(value_sig[v]), dims) for v, dims in zip(op.operands, op.rule.operand_dims))
+    operands = tuple(
+      (int(value_sig[v]), dims) for v, dims in zip(op.operands, op.rule.operand_dims)
+    )
     results = tuple((int(value_sig[v]), dims) for v, dims in zip(op.results, op.rule.result_dims))
-    partial = (op.id in deferred, int(op_sig[carried[op.id]]) if op.id in carried else -1, buffers.get(op.id, 1))
-    if partial == (False, -1, 1) and _follows_its_values(factors, (*operands, *results), unique_values):
+    partial = (
+      op.id in deferred,
+      int(op_sig[carried[op.id]]) if op.id in carried else -1,
+      buffers.get(op.id, 1),
+    )
+    if partial == (False, -1, 1) and _follows_its_values(
+      factors, (*operands, *results), unique_values
+    ):
       op_sig[op.id] = -1
       continue
-    key = (op.primitive in ("dot_general", "conv_general_dilated"), factors, operands, results, partial)
+    key = (
+      op.primitive in ("dot_general", "conv_general_dilated"),
+      factors,
+      operands,
+      results,
+      partial,
+    )
     op_sig[op.id] = index.setdefault(key, len(index))
   unique_ops = list(index)
   rv = max([len(k[1]) for k in unique_values] + [1])
   rf = max([len(k[1]) for k in unique_ops] + [1])
   return Signatures(
-      value_sig=value_sig,
-      value_class=pad_rows([k[0] for k in unique_values], rv, -1),
-      value_size=pad_rows([k[1] for k in unique_values], rv, 1),
-      value_keys=tuple(unique_values),
-      op_sig=op_sig,
-      op_class=pad_rows([[f[0] for f in k[1]] for k in unique_ops], rf, -1),
-      op_size=pad_rows([[f[1] for f in k[1]] for k in unique_ops], rf, 1),
-      op_keys=tuple(unique_ops),
+    value_sig=value_sig,
+    value_class=pad_rows([k[0] for k in unique_values], rv, -1),
+    value_size=pad_rows([k[1] for k in unique_values], rv, 1),
+    value_keys=tuple(unique_values),
+    op_sig=op_sig,
+    op_class=pad_rows([[f[0] for f in k[1]] for k in unique_ops], rf, -1),
+    op_size=pad_rows([[f[1] for f in k[1]] for k in unique_ops], rf, 1),
+    op_keys=tuple(unique_ops),
   )
 
 

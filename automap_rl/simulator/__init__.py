@@ -6,12 +6,45 @@ encoded decisions and simulates them in one call. `pipeline_cost` prices a plan 
 pipeline stages (`PipelineCost`, its typed `PipelineTerms`) from the same terms.
 """
 
-from automap_rl.simulator.cost import (KINDS, Cost, CostTerms, EdgeTerms, collective_seconds, evaluate, simulate,
-                                       terms, total)
-from automap_rl.simulator.pipeline import (PIPELINE_KINDS, PipelineCost, PipelineTables, PipelineTerms,
-                                           build_pipeline_tables, for_stages, pipeline_cost)
+from automap_rl.simulator.cost import (
+  KINDS,
+  Cost,
+  CostTerms,
+  EdgeTerms,
+  collective_seconds,
+  evaluate,
+  simulate,
+  terms,
+  total,
+)
+from automap_rl.simulator.pipeline import (
+  PIPELINE_KINDS,
+  PipelineCost,
+  PipelineTables,
+  PipelineTerms,
+  build_pipeline_tables,
+  for_stages,
+  pipeline_cost,
+)
 from automap_rl.simulator.tables import CostTables, build_cost_tables
 
-__all__ = ["KINDS", "PIPELINE_KINDS", "Cost", "CostTables", "CostTerms", "EdgeTerms", "PipelineCost", "PipelineTables",
-           "PipelineTerms", "build_cost_tables", "build_pipeline_tables", "collective_seconds", "evaluate",
-           "for_stages", "pipeline_cost", "simulate", "terms", "total"]
+__all__ = [
+  "KINDS",
+  "PIPELINE_KINDS",
+  "Cost",
+  "CostTables",
+  "CostTerms",
+  "EdgeTerms",
+  "PipelineCost",
+  "PipelineTables",
+  "PipelineTerms",
+  "build_cost_tables",
+  "build_pipeline_tables",
+  "collective_seconds",
+  "evaluate",
+  "for_stages",
+  "pipeline_cost",
+  "simulate",
+  "terms",
+  "total",
+]

@@ -94,8 +94,9 @@ def _group_size(t: CostTables, on: list[jax.Array]) -> jax.Array:
   return n
 
 
-def _collective(t: CostTables, rounds: float | jax.Array, axes: jax.Array,
-                divisor: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _collective(
+  t: CostTables, rounds: float | jax.Array, axes: jax.Array, divisor: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Cost terms of ring collectives over the axes of bit masks `axes` [...] moving
   `nbytes / group(divisor)` bytes per device: each takes `nbytes * per_byte + fixed`
   seconds and moves `nbytes * fraction` bytes, in `rounds` passes (2 for an all-reduce,
@@ -108,7 +109,10 @@ def _collective(t: CostTables, rounds: float | jax.Array, axes: jax.Array,
   n = jnp.asarray(t.mask_group)
   per_byte = rounds * (1.0 - 1.0 / n) * jnp.asarray(t.mask_seconds_per_byte)
   fixed = rounds * (n - 1.0) * jnp.asarray(t.mask_latency)
-  axes, divisor = axes.astype(jnp.uint8), divisor.astype(jnp.uint8)  # Unsigned: no wrap of negative indices.
+  axes, divisor = (
+    axes.astype(jnp.uint8),
+    divisor.astype(jnp.uint8),
+  )  # Unsigned: no wrap of negative indices.
   fraction = (1.0 / n)[divisor]
   return per_byte[axes] * fraction, fixed[axes], fraction
 
@@ -121,10 +125,18 @@ def collective_seconds(t: CostTables, kind: str, buffer_bytes: float, axes: int)
   costing what XLA compiled with the simulator's own alpha-beta model, in Python floats
   (a buffer of 2 GiB or more would overflow a jax int32)."""
   if kind == "collective-permute":
-    return float(buffer_bytes) * float(t.mask_seconds_per_byte[axes]) + float(t.mask_latency[axes]) if axes else 0.0
+    return (
+      float(buffer_bytes) * float(t.mask_seconds_per_byte[axes]) + float(t.mask_latency[axes])
+      if axes
+      else 0.0
+    )
   if kind not in KINDS:
-    raise ValueError(f"Unknown collective kind {kind!r}; expected one of {KINDS} or 'collective-permute'.")
-  per_byte, fixed, _ = _collective(t, 2.0 if kind == "all-reduce" else 1.0, jnp.asarray(axes), jnp.asarray(0))
+    raise ValueError(
+      f"Unknown collective kind {kind!r}; expected one of {KINDS} or 'collective-permute'."
+    )
+  per_byte, fixed, _ = _collective(
+    t, 2.0 if kind == "all-reduce" else 1.0, jnp.asarray(axes), jnp.asarray(0)
+  )
   return float(buffer_bytes) * float(per_byte) + float(fixed)
 
 
@@ -147,14 +159,22 @@ class EdgeTerms(NamedTuple):
 COMBINE_COUNT = 256.0
 
 
-def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.Array, combines: jax.Array,
-                    loop: jax.Array, threshold: jax.Array) -> jax.Array:
+def _combined_count(
+  t: CostTables,
+  axes: jax.Array,
+  moved: jax.Array,
+  runs: jax.Array,
+  combines: jax.Array,
+  loop: jax.Array,
+  threshold: jax.Array,
+) -> jax.Array:
   """Collectives per step of edges whose collectives XLA's combiner merges.
 
   The combining edges (`combines` [N] > 0, see `CostTables.reduction_combines`, and
   `threshold` > 0: the backend combines this kind) with collectives over the same axes
   (`axes` [N, B]) in the same loop group (`loop` [N], `CostTables.reduction_loop`: one
-  group outside loops and one per loop repeat count, `CostTables.loop_repeats`) form one group, counted per
+  group outside loops and one per loop repeat count, `CostTables.loop_repeats`) form one group,
+  counted per
   iteration (each edge's `moved` [N, B], bytes per device a step, and `runs` [N, B],
   collectives a step, divided by its loop's repeat count). A group of total bytes T and n
   collectives (per iteration) runs `max(ceil(T / threshold), ceil(n / COMBINE_COUNT))`
@@ -165,21 +185,40 @@ def _combined_count(t: CostTables, axes: jax.Array, moved: jax.Array, runs: jax.
   moved_once, runs_once = moved / repeat, runs / repeat  # Per iteration (the step, outside loops).
   masks = range(1, t.mask_group.shape[-1])
   in_group = [(loop == k)[:, None] for k in range(t.loop_repeats.shape[0])]
-  sums = _sum_rows(*[jnp.where(member & (axes == m) & group, x, 0.0)
-                     for group in in_group for m in masks for x in (moved_once, runs_once)])
+  sums = _sum_rows(
+    *[
+      jnp.where(member & (axes == m) & group, x, 0.0)
+      for group in in_group
+      for m in masks
+      for x in (moved_once, runs_once)
+    ]
+  )
   share = runs
   for k, group in enumerate(in_group):
     for i, m in enumerate(masks):
-      total, count = sums[2 * (k * len(masks) + i):2 * (k * len(masks) + i) + 2]  # [B] each.
-      combined = jnp.where(total > 0, jnp.maximum(jnp.ceil(total / threshold), jnp.ceil(count / COMBINE_COUNT)), 0.0)
+      total, count = sums[2 * (k * len(masks) + i) : 2 * (k * len(masks) + i) + 2]  # [B] each.
+      combined = jnp.where(
+        total > 0, jnp.maximum(jnp.ceil(total / threshold), jnp.ceil(count / COMBINE_COUNT)), 0.0
+      )
       # Selects per (group, mask), not a look-up by the edge's axes: elementwise, they vectorise.
-      share = jnp.where(group & (axes == m), combined * moved / jnp.maximum(total, jnp.finfo(jnp.float32).tiny), share)
+      share = jnp.where(
+        group & (axes == m),
+        combined * moved / jnp.maximum(total, jnp.finfo(jnp.float32).tiny),
+        share,
+      )
   return jnp.where(member, share, runs)
 
 
-def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divisor: jax.Array, weight: jax.Array,
-                weighted_bytes: jax.Array, buffer_bytes: jax.Array,
-                combine: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> EdgeTerms:
+def _edge_terms(
+  t: CostTables,
+  rounds: float | jax.Array,
+  axes: jax.Array,
+  divisor: jax.Array,
+  weight: jax.Array,
+  weighted_bytes: jax.Array,
+  buffer_bytes: jax.Array,
+  combine: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+) -> EdgeTerms:
   """The terms of one collective kind over the axes `axes` [N, B] of edges run `weight`
   [N, 1] or [N, B] times a step, moving values of `weighted_bytes / weight` bytes
   (`weighted_bytes` of `weight`'s shape: weight times bytes; see `_collective`):
@@ -194,21 +233,32 @@ def _edge_terms(t: CostTables, rounds: float | jax.Array, axes: jax.Array, divis
   runs_bytes = jnp.where(axes != 0, weighted_bytes, 0.0)
   moved = runs_bytes * fraction
   count = runs if combine is None else _combined_count(t, axes, moved, runs, *combine)
-  return EdgeTerms(seconds=runs_bytes * per_byte + count * fixed, bytes=moved, count=count,
-                   buffer=buffer_bytes[:, None] * fraction)
+  return EdgeTerms(
+    seconds=runs_bytes * per_byte + count * fixed,
+    bytes=moved,
+    count=count,
+    buffer=buffer_bytes[:, None] * fraction,
+  )
 
 
-def _with_second_factor(t: CostTables, first: EdgeTerms, axes: jax.Array, divisor: jax.Array,
-                        weighted_bytes: jax.Array) -> EdgeTerms:
+def _with_second_factor(
+  t: CostTables, first: EdgeTerms, axes: jax.Array, divisor: jax.Array, weighted_bytes: jax.Array
+) -> EdgeTerms:
   """`first`, the all-reduces of the reductions' first sharded factor [R, B], plus those
   of their other factors, over `axes` [R, B]: the same buffers (`weighted_bytes` [R, B]),
   combined as the first factor's are (their counts; uncombined, their runs, where the first
   factor is reduce-scattered), without a second pass of the combiner over the edges."""
   per_byte, fixed, fraction = _collective(t, 2.0, axes, divisor)
   runs_bytes = jnp.where(axes != 0, weighted_bytes, 0.0)
-  count = jnp.where(axes != 0, jnp.where(first.count > 0, first.count, t.reduction_weight[:, None]), 0.0)
-  return EdgeTerms(seconds=first.seconds + runs_bytes * per_byte + count * fixed,
-                   bytes=first.bytes + runs_bytes * fraction, count=first.count + count, buffer=first.buffer)
+  count = jnp.where(
+    axes != 0, jnp.where(first.count > 0, first.count, t.reduction_weight[:, None]), 0.0
+  )
+  return EdgeTerms(
+    seconds=first.seconds + runs_bytes * per_byte + count * fixed,
+    bytes=first.bytes + runs_bytes * fraction,
+    count=first.count + count,
+    buffer=first.buffer,
+  )
 
 
 # XLA:GPU tiles a column reduction in shared memory, one tile per operand (8,320 bytes
@@ -224,9 +274,13 @@ def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
   group = _GPU_VARIADIC_OPERANDS if jax.default_backend() == "gpu" else len(terms)
   sums = []
   for start in range(0, len(terms), group):
-    chunk = terms[start:start + group]
-    sums += jax.lax.reduce(chunk, tuple(jnp.zeros((), x.dtype) for x in chunk),
-                           lambda a, b: tuple(x + y for x, y in zip(a, b)), (0,))
+    chunk = terms[start : start + group]
+    sums += jax.lax.reduce(
+      chunk,
+      tuple(jnp.zeros((), x.dtype) for x in chunk),
+      lambda a, b: tuple(x + y for x, y in zip(a, b)),
+      (0,),
+    )
   return sums
 
 
@@ -279,8 +333,9 @@ def _dense_shards(t: CostTables, op_mask: jax.Array) -> jax.Array:
   return jnp.where((t.op_dense_factor >= 0)[:, None], _group_size(t, _axes_of(t, mask)), 1.0)
 
 
-def _unshared_reads(t: CostTables, row_of_edge: jax.Array | None, moves: jax.Array, required: jax.Array,
-                    num_axes: int) -> tuple[jax.Array, jax.Array]:
+def _unshared_reads(
+  t: CostTables, row_of_edge: jax.Array | None, moves: jax.Array, required: jax.Array, num_axes: int
+) -> tuple[jax.Array, jax.Array]:
   """The runs of resharding a step, [S, B], that reads `edge_weight` prices as sharing one
   resharding add where they do not share it under the plan, and the row of each, [S].
 
@@ -297,13 +352,18 @@ def _unshared_reads(t: CostTables, row_of_edge: jax.Array | None, moves: jax.Arr
   slot_moves = moves[slot_row]  # [S, B]
   first, second = t.shared_pairs  # [Q] each.
   same = slot_moves[second] & jnp.all(words[:, first] == words[:, second], axis=0)  # [Q, B]
-  sharers = jax.ops.segment_sum(same.astype(jnp.float32), first, slot_row.shape[0])  # Drops padding (-1).
-  share = jnp.where(slot_moves, 1.0 / jnp.maximum(sharers, 1.0) - t.shared_slot_share[:, None], 0.0)  # [S, B]
+  sharers = jax.ops.segment_sum(
+    same.astype(jnp.float32), first, slot_row.shape[0]
+  )  # Drops padding (-1).
+  share = jnp.where(
+    slot_moves, 1.0 / jnp.maximum(sharers, 1.0) - t.shared_slot_share[:, None], 0.0
+  )  # [S, B]
   return share * t.shared_slot_runs[:, None], slot_row
 
 
-def _split_over_idle_axes(t: CostTables, op_axes: jax.Array, reduced: jax.Array,
-                          stored: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _split_over_idle_axes(
+  t: CostTables, op_axes: jax.Array, reduced: jax.Array, stored: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """How many ways XLA's partitioner splits each dot whose partial sums it reduces over
   devices its plan leaves idle, per reduction [R, B] and per op signature [Uo, B] (1 where
   it does not split), and the axes a split dot's shares cross to their owners [R, B].
@@ -324,7 +384,11 @@ def _split_over_idle_axes(t: CostTables, op_axes: jax.Array, reduced: jax.Array,
   n_idle, n_scattered = (_group_size(t, _axes_of(t, mask)) for mask in (idle, scattered))
   split = t.reduction_dot[:, None] & (scattered != 0) & (jnp.mod(n_idle, n_scattered) == 0)
   shards = jnp.where(split, n_scattered, 1.0)
-  return shards, jnp.take(shards, t.op_dot_reduction, axis=0, mode="fill", fill_value=1.0), scattered | idle
+  return (
+    shards,
+    jnp.take(shards, t.op_dot_reduction, axis=0, mode="fill", fill_value=1.0),
+    scattered | idle,
+  )
 
 
 def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) -> CostTerms:
@@ -358,36 +422,55 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   num_axes = t.mask_group.shape[-1].bit_length() - 1
   edge = np.arange(t.edge_op.shape[0]) if per_edge else t.unique_edge
   edge_op = t.edge_op[edge]
-  stored = packing.read(packing.pack(value_mask, num_axes), t.edge_value[edge][:, None],
-                        np.arange(value_mask.shape[1])[None, :], num_axes)  # [E or Eu, Rv, B]
-  required = packing.read(packing.pack(op_mask, num_axes), edge_op[:, None, None], t.edge_dim_factors[edge],
-                          num_axes).sum(axis=2, dtype=jnp.int8)  # [E or Eu, Rv, B]; factor Rf (padding) is none.
+  stored = packing.read(
+    packing.pack(value_mask, num_axes),
+    t.edge_value[edge][:, None],
+    np.arange(value_mask.shape[1])[None, :],
+    num_axes,
+  )  # [E or Eu, Rv, B]
+  required = packing.read(
+    packing.pack(op_mask, num_axes), edge_op[:, None, None], t.edge_dim_factors[edge], num_axes
+  ).sum(axis=2, dtype=jnp.int8)  # [E or Eu, Rv, B]; factor Rf (padding) is none.
   stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E or Eu, B]
   required_all = required.sum(axis=1, dtype=jnp.int8)
   # Each op moves each operand and result as it computes on it: its share of the value.
   edge_shards = _group_size(t, _axes_of(t, required_all))  # [E or Eu, B]
   edge_shards = edge_shards if per_edge else edge_shards[t.edge_unique]  # [E, B]
-  op_memory_s = jax.ops.segment_sum(t.edge_memory_s[:, None] / edge_shards, t.edge_op,
-                                    t.op_compute_s.shape[0])  # [Uo, B]
+  op_memory_s = jax.ops.segment_sum(
+    t.edge_memory_s[:, None] / edge_shards, t.edge_op, t.op_compute_s.shape[0]
+  )  # [Uo, B]
   overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
   factor_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0)  # [Uo, Rf, B]
   op_reduced = factor_reduced.sum(axis=1, dtype=jnp.int8)
   op_first = jnp.zeros_like(op_reduced)  # The axes of each op's first sharded reduction factor.
   for k in reversed(range(factor_reduced.shape[1])):
     op_first = jnp.where(factor_reduced[:, k] != 0, factor_reduced[:, k], op_first)
-  reduced, first = (jnp.where(t.op_deferred[:, None], 0, x[t.op_reduction_source])[edge_op]  # [E or Eu, B]
-                    for x in (op_reduced, op_first))
+  reduced, first = (
+    jnp.where(t.op_deferred[:, None], 0, x[t.op_reduction_source])[edge_op]  # [E or Eu, B]
+    for x in (op_reduced, op_first)
+  )
   reduction = t.reduction_edge if per_edge else t.edge_unique[t.reduction_edge]
-  r_stored, r_required, r_reduced, r_first = (x[reduction]  # [R, B] each.
-                                               for x in (stored_all, required_all, reduced, first))
+  r_stored, r_required, r_reduced, r_first = (
+    x[reduction]  # [R, B] each.
+    for x in (stored_all, required_all, reduced, first)
+  )
 
   operand = ~t.edge_result[edge][:, None]
   if per_edge:
     nbytes = t.value_bytes[t.edge_value]
-    weight, weighted_bytes, buffers, buffer_bytes = t.edge_weight, t.edge_weight * nbytes, t.edge_buffers, nbytes
+    weight, weighted_bytes, buffers, buffer_bytes = (
+      t.edge_weight,
+      t.edge_weight * nbytes,
+      t.edge_buffers,
+      nbytes,
+    )
     transient = (t.edge_transient > 0).astype(jnp.float32)
   else:
-    weight, weighted_bytes, buffers = t.unique_weight, t.unique_weighted_bytes, t.unique_buffer_bytes
+    weight, weighted_bytes, buffers = (
+      t.unique_weight,
+      t.unique_weighted_bytes,
+      t.unique_buffer_bytes,
+    )
     buffer_bytes, transient = jnp.ones_like(buffers), t.unique_transient_bytes
   misplaced, placed_out = stored_all - overlap, required_all - overlap
   gather_in = stored_all & ~required_all
@@ -399,16 +482,27 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   gather_divisor = jnp.where(operand, stored_all & ~gather_in, stored_all)
   to_all_axes = jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced)
   # Reads priced as sharing a resharding that do not share it under this plan run more.
-  extra, slot_row = _unshared_reads(t, None if per_edge else t.edge_unique,
-                                    operand & ((gather_axes | to_all_axes) != 0), required, num_axes)
+  extra, slot_row = _unshared_reads(
+    t,
+    None if per_edge else t.edge_unique,
+    operand & ((gather_axes | to_all_axes) != 0),
+    required,
+    num_axes,
+  )
   extra_bytes = extra * t.value_bytes[t.edge_value[t.shared_slot_edge]][:, None]
   weight = weight[:, None] + jax.ops.segment_sum(extra, slot_row, edge.shape[0])
-  weighted_bytes = weighted_bytes[:, None] + jax.ops.segment_sum(extra_bytes, slot_row, edge.shape[0])
+  weighted_bytes = weighted_bytes[:, None] + jax.ops.segment_sum(
+    extra_bytes, slot_row, edge.shape[0]
+  )
   gather = _edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
   to_all = _edge_terms(t, 1.0, to_all_axes, stored_all, weight, weighted_bytes, buffer_bytes)
 
-  split, op_split, crossed = _split_over_idle_axes(t, op_axes, r_reduced, r_stored)  # [R, B], [Uo, B], [R, B]
-  scatter_axes = jnp.where(t.native_scatter & (split == 1.0), r_reduced & r_stored, 0).astype(r_reduced.dtype)
+  split, op_split, crossed = _split_over_idle_axes(
+    t, op_axes, r_reduced, r_stored
+  )  # [R, B], [Uo, B], [R, B]
+  scatter_axes = jnp.where(t.native_scatter & (split == 1.0), r_reduced & r_stored, 0).astype(
+    r_reduced.dtype
+  )
   # The partial sums are sharded as their op computes less the axes they are pending over:
   # a linear combination of partial sums may compute on those too, but XLA reduces the
   # buffers its sources made.
@@ -421,25 +515,51 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   r_weighted = (t.reduction_weight * r_nbytes)[:, None] / split  # [R, B]
   # A split dot's share goes to its owner: one hop over the axes its pairs cross.
   sent = crossed.astype(jnp.uint8)
-  permute_s = jnp.where(split > 1.0, r_weighted * jnp.asarray(t.mask_seconds_per_byte)[sent]
-                        + t.reduction_weight[:, None] * jnp.asarray(t.mask_latency)[sent], 0.0)
-  all_reduce = _with_second_factor(t, _edge_terms(t, 2.0, r_first & ~scatter_axes, partial_axes | scatter_axes,
-                                                  t.reduction_weight[:, None], r_weighted, r_nbytes,
-                                                  (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])),
-                                   r_reduced & ~r_first & ~scatter_axes, partial_axes | scatter_axes, r_weighted)
+  permute_s = jnp.where(
+    split > 1.0,
+    r_weighted * jnp.asarray(t.mask_seconds_per_byte)[sent]
+    + t.reduction_weight[:, None] * jnp.asarray(t.mask_latency)[sent],
+    0.0,
+  )
+  all_reduce = _with_second_factor(
+    t,
+    _edge_terms(
+      t,
+      2.0,
+      r_first & ~scatter_axes,
+      partial_axes | scatter_axes,
+      t.reduction_weight[:, None],
+      r_weighted,
+      r_nbytes,
+      (t.reduction_combines, t.reduction_loop, t.combine_bytes[0]),
+    ),
+    r_reduced & ~r_first & ~scatter_axes,
+    partial_axes | scatter_axes,
+    r_weighted,
+  )
   return CostTerms(
-      value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards,
-      op_compute_s=jnp.maximum(t.op_compute_s[:, None] / _dense_shards(t, op_mask) / op_split / op_shards,
-                               op_memory_s),
-      gather=gather,
-      all_to_all=to_all,
-      reduce_scatter=_edge_terms(t, 1.0, scatter_axes, partial_axes, t.reduction_weight[:, None], r_weighted, r_nbytes,
-                                 (t.reduction_combines, t.reduction_loop, t.combine_bytes[1])),
-      all_reduce=all_reduce._replace(seconds=all_reduce.seconds + permute_s),
-      gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
-      transient_bytes=jnp.where(operand & (gather_axes != 0), transient[:, None], 0.0) * gather.buffer,
-      reduced_axes=r_reduced,
-      value_shards=value_shards,
+    value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards,
+    op_compute_s=jnp.maximum(
+      t.op_compute_s[:, None] / _dense_shards(t, op_mask) / op_split / op_shards, op_memory_s
+    ),
+    gather=gather,
+    all_to_all=to_all,
+    reduce_scatter=_edge_terms(
+      t,
+      1.0,
+      scatter_axes,
+      partial_axes,
+      t.reduction_weight[:, None],
+      r_weighted,
+      r_nbytes,
+      (t.reduction_combines, t.reduction_loop, t.combine_bytes[1]),
+    ),
+    all_reduce=all_reduce._replace(seconds=all_reduce.seconds + permute_s),
+    gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
+    transient_bytes=jnp.where(operand & (gather_axes != 0), transient[:, None], 0.0)
+    * gather.buffer,
+    reduced_axes=r_reduced,
+    value_shards=value_shards,
   )
 
 
@@ -448,10 +568,17 @@ def _total(t: CostTables, terms: CostTerms) -> Cost:
   compute = jnp.sum(terms.op_compute_s, axis=0) + jnp.sum(terms.value_compute_s, axis=0)
   gather, to_all = terms.gather, terms.all_to_all
   gather_time, shared_copies, gather_bytes, to_all_bytes, gather_count, to_all_count = _sum_rows(
-      gather.seconds + to_all.seconds, terms.gathered_bytes, gather.bytes, to_all.bytes, gather.count, to_all.count)
+    gather.seconds + to_all.seconds,
+    terms.gathered_bytes,
+    gather.bytes,
+    to_all.bytes,
+    gather.count,
+    to_all.count,
+  )
   scatter, reduce = terms.reduce_scatter, terms.all_reduce
   reduce_time, scatter_bytes, reduce_bytes, scatter_count, reduce_count = _sum_rows(
-      scatter.seconds + reduce.seconds, scatter.bytes, reduce.bytes, scatter.count, reduce.count)
+    scatter.seconds + reduce.seconds, scatter.bytes, reduce.bytes, scatter.count, reduce.count
+  )
 
   comm_time = gather_time + reduce_time
   comm_bytes = [reduce_bytes, gather_bytes, scatter_bytes, to_all_bytes]  # In `KINDS` order.
@@ -459,13 +586,13 @@ def _total(t: CostTables, terms: CostTerms) -> Cost:
   copies = shared_copies + jnp.max(terms.transient_bytes, axis=0, initial=0.0)
   peak = jnp.max(t.live_bytes @ (1.0 / terms.value_shards), axis=0) + copies
   return Cost(
-      step_time=compute + comm_time,
-      compute_time=compute,
-      comm_time=comm_time,
-      peak_memory=peak,
-      fits=peak <= t.hbm_bytes,
-      comm_bytes=jnp.stack(comm_bytes, axis=-1),
-      comm_count=jnp.stack(comm_count, axis=-1),
+    step_time=compute + comm_time,
+    compute_time=compute,
+    comm_time=comm_time,
+    peak_memory=peak,
+    fits=peak <= t.hbm_bytes,
+    comm_bytes=jnp.stack(comm_bytes, axis=-1),
+    comm_count=jnp.stack(comm_count, axis=-1),
   )
 
 
@@ -489,20 +616,28 @@ def simulate(tables: CostTables, resolution: Resolution) -> Cost:
   return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
 
 
-def evaluate(tables: CostTables, owners: sharding.Owners, num_classes: int, dec_class: jax.Array,
-             dec_axis: jax.Array) -> Cost:
+def evaluate(
+  tables: CostTables,
+  owners: sharding.Owners,
+  num_classes: int,
+  dec_class: jax.Array,
+  dec_axis: jax.Array,
+) -> Cost:
   """Costs encoded decisions (see `sharding.encode`): `simulate(tables, sharding.resolve(owners,
   num_classes, dec_class, dec_axis))`. Vmapped over the decisions, each tile of the batch
   is resolved and costed in one batch-last call, so the resolved masks stay batch-last
   between the two."""
   run = batching.batch_last(
-      lambda t, decisions: _simulate(t, sharding.resolve_batch_last(owners, num_classes, decisions)),
-      lambda t: min(_tile(t), sharding.resolve_tile(owners)))
+    lambda t, decisions: _simulate(t, sharding.resolve_batch_last(owners, num_classes, decisions)),
+    lambda t: min(_tile(t), sharding.resolve_tile(owners)),
+  )
   return run(tables, (jnp.asarray(dec_class, jnp.int32), jnp.asarray(dec_axis, jnp.int32)))
 
 
 _terms_one_or_many = batching.batch_last(
-    lambda t, masks: jax.tree.map(lambda x: jnp.moveaxis(x, -1, 0), _terms(t, masks, per_edge=True)), _tile)
+  lambda t, masks: jax.tree.map(lambda x: jnp.moveaxis(x, -1, 0), _terms(t, masks, per_edge=True)),
+  _tile,
+)
 
 
 def terms(tables: CostTables, resolution: Resolution) -> CostTerms:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence, Set as AbstractSet
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from automap_rl.ir.flops import REDUCTIONS, TRANSCENDENTAL
 from automap_rl.ir.program import FactorKind, Op, Program, Role
@@ -33,30 +34,133 @@ Shape = Sequence[int]
 
 # -- which primitives fuse --------------------------------------------------------------
 
-CHEAP_ELEMENTWISE = frozenset({
-    "add", "add_any", "sub", "mul", "neg", "max", "min", "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge",
-    "and", "or", "not", "xor", "abs", "sign", "floor", "ceil", "round", "is_finite", "convert_element_type",
-    "integer_pow", "square", "copy", "copy_p", "real", "imag", "nextafter", "sin", "cos", "tan", "shift_left",
-    "shift_right_logical", "shift_right_arithmetic", "population_count", "clz", "reduce_precision",
+CHEAP_ELEMENTWISE = frozenset(
+  {
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "neg",
+    "max",
+    "min",
+    "select_n",
+    "clamp",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "and",
+    "or",
+    "not",
+    "xor",
+    "abs",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "is_finite",
+    "convert_element_type",
+    "integer_pow",
+    "square",
+    "copy",
+    "copy_p",
+    "real",
+    "imag",
+    "nextafter",
+    "sin",
+    "cos",
+    "tan",
+    "shift_left",
+    "shift_right_logical",
+    "shift_right_arithmetic",
+    "population_count",
+    "clz",
+    "reduce_precision",
     "one_minus_square",  # jax 0.11's `1 - x**2`, lowered as `(1 + x) * (1 - x)`.
-})
-DIVISIONS = frozenset({"div", "rem"})  # Cheap by a literal (a multiply by its inverse), else expensive.
+  }
+)
+DIVISIONS = frozenset(
+  {"div", "rem"}
+)  # Cheap by a literal (a multiply by its inverse), else expensive.
 EXPENSIVE_ELEMENTWISE = TRANSCENDENTAL | {"logistic"}
 NO_OPS = frozenset({"device_put", "sharding_constraint", "stop_gradient"})  # Gone by fusion time.
-MOVEMENT = frozenset({
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice",
-    "dynamic_update_slice", "concatenate", "pad", "iota", "rev", "split", "gather",
-}) | NO_OPS
-PERMUTING = frozenset({"reshape", "squeeze", "expand_dims", "transpose", "slice", "concatenate", "rev", "split",
-                       "gather"}) | NO_OPS  # Movement that reads each operand element once.
+MOVEMENT = (
+  frozenset(
+    {
+      "broadcast_in_dim",
+      "reshape",
+      "squeeze",
+      "expand_dims",
+      "transpose",
+      "slice",
+      "dynamic_slice",
+      "dynamic_update_slice",
+      "concatenate",
+      "pad",
+      "iota",
+      "rev",
+      "split",
+      "gather",
+    }
+  )
+  | NO_OPS
+)
+PERMUTING = (
+  frozenset(
+    {
+      "reshape",
+      "squeeze",
+      "expand_dims",
+      "transpose",
+      "slice",
+      "concatenate",
+      "rev",
+      "split",
+      "gather",
+    }
+  )
+  | NO_OPS
+)  # Movement that reads each operand element once.
 SLICES = frozenset({"slice", "dynamic_slice"})  # Movement that reads only the elements it keeps.
 FUSED_REDUCTIONS = frozenset(REDUCTIONS)
 LIBRARY_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min"})
-LIBRARY_PRODUCERS = frozenset({
-    "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "square", "abs", "ceil", "floor",
-    "round", "sign", "neg", "convert_element_type", "erf", "exp", "expm1", "log", "log1p", "logistic", "rsqrt",
-    "sqrt", "tanh", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "one_minus_square",
-})
+LIBRARY_PRODUCERS = frozenset(
+  {
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "div",
+    "max",
+    "min",
+    "pow",
+    "integer_pow",
+    "square",
+    "abs",
+    "ceil",
+    "floor",
+    "round",
+    "sign",
+    "neg",
+    "convert_element_type",
+    "erf",
+    "exp",
+    "expm1",
+    "log",
+    "log1p",
+    "logistic",
+    "rsqrt",
+    "sqrt",
+    "tanh",
+    "broadcast_in_dim",
+    "reshape",
+    "squeeze",
+    "expand_dims",
+    "one_minus_square",
+  }
+)
 LIBRARY_MIN_ELEMENTS = 4096
 MAX_FUSED_REDUCTIONS = 5
 ELEMENTWISE = CHEAP_ELEMENTWISE | DIVISIONS | EXPENSIVE_ELEMENTWISE
@@ -72,19 +176,75 @@ MIN_KERNEL_CONCATENATE_BYTES = 2048
 # static offsets; a subset of `LOOP_FUSIBLE` without the rarer transcendentals, the bit
 # operations, the no-ops but `stop_gradient`, and concatenate, pad, rev, split, gathers
 # and dynamic slices.
-KEPT_IN_FUSION = frozenset({
-    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor", "ceil",
-    "round", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "sqrt", "rsqrt",
-    "cbrt", "pow", "integer_pow", "square", "erf", "erfc", "erf_inv", "select_n", "clamp", "eq", "ne",
-    "lt", "le", "gt", "ge", "and", "or", "not", "xor", "is_finite", "convert_element_type",
-    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota", "slice",
-    "stop_gradient", "copy", "copy_p", "nextafter", "atan2", "one_minus_square",
-})
+KEPT_IN_FUSION = frozenset(
+  {
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "div",
+    "rem",
+    "max",
+    "min",
+    "neg",
+    "abs",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
+    "sin",
+    "cos",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "pow",
+    "integer_pow",
+    "square",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "select_n",
+    "clamp",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "and",
+    "or",
+    "not",
+    "xor",
+    "is_finite",
+    "convert_element_type",
+    "broadcast_in_dim",
+    "reshape",
+    "transpose",
+    "squeeze",
+    "expand_dims",
+    "iota",
+    "slice",
+    "stop_gradient",
+    "copy",
+    "copy_p",
+    "nextafter",
+    "atan2",
+    "one_minus_square",
+  }
+)
 # Readers that fuse a `KEPT_IN_FUSION` producer: those ops and the reductions but `reduce_xor`.
 READS_INSIDE_FUSION = KEPT_IN_FUSION | (FUSED_REDUCTIONS - {"reduce_xor"})
 # Producers cheap enough that the peak-memory model has each reader recompute them.
-RECOMPUTED_PER_READER = frozenset({
-    "broadcast_in_dim", "iota", "reshape", "convert_element_type", "squeeze", "expand_dims"})
+RECOMPUTED_PER_READER = frozenset(
+  {"broadcast_in_dim", "iota", "reshape", "convert_element_type", "squeeze", "expand_dims"}
+)
 
 
 # -- memory traffic and peak memory -----------------------------------------------------
@@ -109,16 +269,20 @@ def kernel_concatenates(program: Program) -> set[int]:
     if op.primitive != "concatenate":
       continue
     result, first = program.values[op.results[0]], program.values[op.operands[0]]
-    minor = (len(result.shape) > 1 and result.shape[-1] != first.shape[-1]
-             and result.shape[-1] * result.itemsize >= MIN_KERNEL_CONCATENATE_ROW_BYTES
-             and result.nbytes >= MIN_KERNEL_CONCATENATE_BYTES)
+    minor = (
+      len(result.shape) > 1
+      and result.shape[-1] != first.shape[-1]
+      and result.shape[-1] * result.itemsize >= MIN_KERNEL_CONCATENATE_ROW_BYTES
+      and result.nbytes >= MIN_KERNEL_CONCATENATE_BYTES
+    )
     if minor or len(op.operands) > MAX_FUSED_CONCATENATE_OPERANDS:
       kernels.add(op.id)
   return kernels
 
 
-def memory_traffic(program: Program, multi_output_fusion: bool = True, minor_concatenate_fusion: bool = True
-                   ) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+def memory_traffic(
+  program: Program, multi_output_fusion: bool = True, minor_concatenate_fusion: bool = True
+) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
   """Bytes each op reads of each operand and writes of each result once XLA has fused
   loop-fusible chains (elementwise ops, data movement, reductions): a loop-fusible op
   reads an operand that a loop-fusible op produced from the fusion, not from memory, and
@@ -145,11 +309,20 @@ def memory_traffic(program: Program, multi_output_fusion: bool = True, minor_con
   kernels = set() if minor_concatenate_fusion else kernel_concatenates(program)
   fused = lambda op: op is not None and op.primitive in LOOP_FUSIBLE and op.id not in kernels
   reduction = lambda op: op is not None and op.primitive in FUSED_REDUCTIONS
-  materialized = {v for v, ops in readers.items() if reduction(producer.get(v))
-                  or (len(ops) > 1 and any(reduction(r) for r in ops))}
-  ends = materialized if multi_output_fusion else materialized | {
-      v for v in producer if v in outputs or any(not fused(c) for c in readers.get(v, ()))}
-  inside = lambda op, v: fused(op) and fused(producer.get(v)) and v not in ends  # Read in its fusion.
+  materialized = {
+    v
+    for v, ops in readers.items()
+    if reduction(producer.get(v)) or (len(ops) > 1 and any(reduction(r) for r in ops))
+  }
+  ends = (
+    materialized
+    if multi_output_fusion
+    else materialized
+    | {v for v in producer if v in outputs or any(not fused(c) for c in readers.get(v, ()))}
+  )
+  inside = lambda op, v: (
+    fused(op) and fused(producer.get(v)) and v not in ends
+  )  # Read in its fusion.
   fusion = list(range(program.num_ops))  # Union-find over the fused producer-consumer pairs.
 
   def root(o: int) -> int:
@@ -171,8 +344,12 @@ def memory_traffic(program: Program, multi_output_fusion: bool = True, minor_con
       out.append(((write_bytes[0],) + (0.0,) * (len(read_bytes) - 1), tuple(write_bytes)))
       continue
     if op.primitive == "scan_stack":  # Reads the slice, writes it into the stack.
-      out.append(((read_bytes[0],) + (0.0,) * (len(read_bytes) - 1),
-                  (read_bytes[0],) + (0.0,) * (len(write_bytes) - 1)))
+      out.append(
+        (
+          (read_bytes[0],) + (0.0,) * (len(read_bytes) - 1),
+          (read_bytes[0],) + (0.0,) * (len(write_bytes) - 1),
+        )
+      )
       continue
     if op.primitive in SLICES:
       read_bytes[0] = write_bytes[0]
@@ -183,9 +360,18 @@ def memory_traffic(program: Program, multi_output_fusion: bool = True, minor_con
       once = (root(op.id) if fused(op) else -1 - op.id, v)  # A fusion reads each input once.
       reads.append(0.0 if inside(op, v) or once in read_by_fusion else b)
       read_by_fusion.add(once)
-    writes = tuple(0.0 if (fused(op) and v not in outputs and readers.get(v) and v not in materialized
-                           and all(fused(c) for c in readers[v])) else b
-                   for v, b in zip(op.results, write_bytes))
+    writes = tuple(
+      0.0
+      if (
+        fused(op)
+        and v not in outputs
+        and readers.get(v)
+        and v not in materialized
+        and all(fused(c) for c in readers[v])
+      )
+      else b
+      for v, b in zip(op.results, write_bytes)
+    )
     out.append((tuple(reads), writes))
   return out
 
@@ -203,8 +389,12 @@ def unmaterialized_values(program: Program) -> set[int]:
       continue
     for v in op.results:
       primitives = [c.primitive for c in readers.get(v, ())]
-      if (v not in keep and primitives and set(primitives) <= READS_INSIDE_FUSION
-          and (len(primitives) == 1 or op.primitive in RECOMPUTED_PER_READER)):
+      if (
+        v not in keep
+        and primitives
+        and set(primitives) <= READS_INSIDE_FUSION
+        and (len(primitives) == 1 or op.primitive in RECOMPUTED_PER_READER)
+      ):
         fused.add(v)
   return fused
 
@@ -233,11 +423,16 @@ def unmaterialized_values(program: Program) -> set[int]:
 #    reads more elements than it writes is cloned only if it fuses into all its users on
 #    all paths. A producer left with users it did not fuse into stays computed on its own.
 
+
 def _expensive(op: Op) -> bool:
   """Worth materialising rather than recomputing (`CpuInstructionFusion::IsExpensive`)."""
   if op.primitive in DIVISIONS:
-    return len(op.operands) > 1  # Literals are dropped: one operand left is a division by a literal.
-  return op.primitive not in CHEAP_ELEMENTWISE and (op.primitive not in MOVEMENT or op.primitive == "gather")
+    return (
+      len(op.operands) > 1
+    )  # Literals are dropped: one operand left is a division by a literal.
+  return op.primitive not in CHEAP_ELEMENTWISE and (
+    op.primitive not in MOVEMENT or op.primitive == "gather"
+  )
 
 
 def _true_rank(shape: Shape) -> int:
@@ -257,8 +452,14 @@ def _common_subexpressions(program: Program) -> tuple[dict[int, int], frozenset[
     operands = tuple(canon.get(v, v) for v in op.operands)
     if not operands:
       continue
-    key = (op.primitive, operands, tuple((program.values[v].shape, program.values[v].dtype) for v in op.results),
-           op.rule, op.flops, op.scope)
+    key = (
+      op.primitive,
+      operands,
+      tuple((program.values[v].shape, program.values[v].dtype) for v in op.results),
+      op.rule,
+      op.flops,
+      op.scope,
+    )
     if key in first:
       merged.add(op.id)
       canon.update(zip(op.results, first[key].results))
@@ -331,10 +532,19 @@ def _contraction_layout(op: Op, index: int) -> tuple | None:
   roles = _dim_roles(op, index)
   dims = tuple(d for d, role in enumerate(roles) if role is not None)
   if op.primitive == "dot_general":
-    batch, free, contract = (tuple(d for d in dims if roles[d] == role) for role in ("batch", "free", "contract"))
-    if len(roles) <= len(batch) + 2 and dims[:len(batch)] == batch and len(free) <= 1 and len(contract) <= 1:
+    batch, free, contract = (
+      tuple(d for d in dims if roles[d] == role) for role in ("batch", "free", "contract")
+    )
+    if (
+      len(roles) <= len(batch) + 2
+      and dims[: len(batch)] == batch
+      and len(free) <= 1
+      and len(contract) <= 1
+    ):
       return None  # Canonical; size-1 dims count towards the rank, not towards the layout.
-    return (batch, free, contract) if index == 0 else (batch, contract, free)  # [b, m, k] and [b, k, n].
+    return (
+      (batch, free, contract) if index == 0 else (batch, contract, free)
+    )  # [b, m, k] and [b, k, n].
   if "contract" not in roles or "free" not in roles:
     return None  # A grouped convolution, whose feature dims need replication.
   free, feature = roles.index("free"), roles.index("contract")
@@ -378,13 +588,16 @@ class _Graph:
   num_ops: int
 
 
-def _op_reuses(op: Op, operands: Sequence[int], shapes: Sequence[Shape], producer: Mapping[int, int]
-               ) -> frozenset[int]:
+def _op_reuses(
+  op: Op, operands: Sequence[int], shapes: Sequence[Shape], producer: Mapping[int, int]
+) -> frozenset[int]:
   """Producers whose elements `op` reads more than once: all of a broadcast's, and for an
   elementwise op those of operands of another shape (implicit broadcasts)."""
   if op.primitive in ELEMENTWISE:
     out = shapes[op.results[0]]
-    return frozenset(producer[v] for v in op.operands if v in producer and shapes[v] != out) & set(operands)
+    return frozenset(producer[v] for v in op.operands if v in producer and shapes[v] != out) & set(
+      operands
+    )
   if op.primitive in PERMUTING or op.primitive in FUSED_REDUCTIONS:
     return frozenset()
   if op.primitive == "pad":
@@ -397,13 +610,19 @@ def _op_unary(op: Op, shapes: Sequence[Shape], broadcasts: AbstractSet[int]) -> 
   broadcasts, iotas and folded constants) and an elementwise op's implicitly broadcast
   operands do not count."""
   out = shapes[op.results[0]]
-  large = {v for v in op.operands if v not in broadcasts and _true_rank(shapes[v]) >= _true_rank(out)
-           and not (op.primitive in ELEMENTWISE and shapes[v] != out)}
+  large = {
+    v
+    for v in op.operands
+    if v not in broadcasts
+    and _true_rank(shapes[v]) >= _true_rank(out)
+    and not (op.primitive in ELEMENTWISE and shapes[v] != out)
+  }
   return len(large) <= 1
 
 
-def _edges(program: Program, canon: Mapping[int, int], producer: Mapping[int, int], skip: AbstractSet[int]
-           ) -> tuple[list[list[int]], list[bool]]:
+def _edges(
+  program: Program, canon: Mapping[int, int], producer: Mapping[int, int], skip: AbstractSet[int]
+) -> tuple[list[list[int]], list[bool]]:
   """(operand nodes of each node, pinned nodes): ops read their producers in the same
   scope, contractions through one layout node per (value, layout); a producer read from
   another scope or as an output is pinned. Ops in `skip` (merged, folded) read nothing."""
@@ -421,7 +640,11 @@ def _edges(program: Program, canon: Mapping[int, int], producer: Mapping[int, in
       if ops[p].scope != op.scope:
         pinned[p] = True
         continue
-      layout = _contraction_layout(op, index) if op.primitive in ("dot_general", "conv_general_dilated") else None
+      layout = (
+        _contraction_layout(op, index)
+        if op.primitive in ("dot_general", "conv_general_dilated")
+        else None
+      )
       if layout is not None:
         if (v, layout) not in layouts:
           layouts[v, layout] = len(operands)
@@ -446,23 +669,29 @@ def _graph(program: Program, shapes: Sequence[Shape]) -> _Graph:
   for node, mine in enumerate(operands):
     for p in mine:
       users[p].add(node)
-  broadcasts = {v for op in ops if op.id in folded or op.primitive in ("broadcast_in_dim", "iota") for v in op.results}
+  broadcasts = {
+    v
+    for op in ops
+    if op.id in folded or op.primitive in ("broadcast_in_dim", "iota")
+    for v in op.results
+  }
   size = [math.prod(s) for s in shapes]
   layouts = len(operands) - len(ops)
   return _Graph(
-      operands=operands,
-      users=users,
-      pinned=pinned,
-      fusible=[op.primitive in LOOP_FUSIBLE for op in ops] + [True] * layouts,
-      expensive=[_expensive(op) for op in ops] + [False] * layouts,
-      reduction=[op.primitive in FUSED_REDUCTIONS for op in ops] + [False] * layouts,
-      reuses=[_op_reuses(op, operands[op.id], shapes, producer) for op in ops] + [frozenset()] * layouts,
-      unary=[not op.results or _op_unary(op, shapes, broadcasts) for op in ops] + [True] * layouts,
-      grows=[sum(size[v] for v in set(op.operands)) <= sum(size[v] for v in op.results) for op in ops]
-      + [True] * layouts,
-      live=[op.id not in skip for op in ops] + [True] * layouts,
-      copies=[int(op.id not in skip) for op in ops] + [1] * layouts,
-      num_ops=len(ops),
+    operands=operands,
+    users=users,
+    pinned=pinned,
+    fusible=[op.primitive in LOOP_FUSIBLE for op in ops] + [True] * layouts,
+    expensive=[_expensive(op) for op in ops] + [False] * layouts,
+    reduction=[op.primitive in FUSED_REDUCTIONS for op in ops] + [False] * layouts,
+    reuses=[_op_reuses(op, operands[op.id], shapes, producer) for op in ops]
+    + [frozenset()] * layouts,
+    unary=[not op.results or _op_unary(op, shapes, broadcasts) for op in ops] + [True] * layouts,
+    grows=[sum(size[v] for v in set(op.operands)) <= sum(size[v] for v in op.results) for op in ops]
+    + [True] * layouts,
+    live=[op.id not in skip for op in ops] + [True] * layouts,
+    copies=[int(op.id not in skip) for op in ops] + [1] * layouts,
+    num_ops=len(ops),
   )
 
 
@@ -472,19 +701,32 @@ def _library_fusions(program: Program, graph: _Graph, shapes: Sequence[Shape]) -
   ops = program.ops
   taken: set[int] = set()
   for op in reversed(ops):
-    if (not graph.live[op.id] or op.id in taken or op.primitive not in LIBRARY_REDUCTIONS
-        or "float" not in program.values[op.results[0]].dtype
-        or max(math.prod(shapes[v]) for v in (*op.operands, *op.results)) < LIBRARY_MIN_ELEMENTS):
+    if (
+      not graph.live[op.id]
+      or op.id in taken
+      or op.primitive not in LIBRARY_REDUCTIONS
+      or "float" not in program.values[op.results[0]].dtype
+      or max(math.prod(shapes[v]) for v in (*op.operands, *op.results)) < LIBRARY_MIN_ELEMENTS
+    ):
       continue
     members, frontier = {op.id}, [op.id]
     while frontier:
       for p in graph.operands[frontier.pop()]:
-        if (p < len(ops) and p not in members and p not in taken and not graph.pinned[p]
-            and ops[p].primitive in LIBRARY_PRODUCERS and graph.users[p] <= members):
+        if (
+          p < len(ops)
+          and p not in members
+          and p not in taken
+          and not graph.pinned[p]
+          and ops[p].primitive in LIBRARY_PRODUCERS
+          and graph.users[p] <= members
+        ):
           members.add(p)
           frontier.append(p)
-    outside = list(dict.fromkeys(p for m in sorted(members, reverse=True) for p in graph.operands[m]
-                                 if p not in members))
+    outside = list(
+      dict.fromkeys(
+        p for m in sorted(members, reverse=True) for p in graph.operands[m] if p not in members
+      )
+    )
     for m in members - {op.id}:
       graph.live[m] = False
       graph.operands[m], graph.users[m] = [], set()
@@ -498,7 +740,9 @@ def _library_fusions(program: Program, graph: _Graph, shapes: Sequence[Shape]) -
 def _may_fuse(graph: _Graph, producer: int, reused: AbstractSet[int], duplicates: bool) -> bool:
   """`ShouldFuse` of `producer` into a consumer that reuses the elements of `reused`;
   `duplicates`: the producer has other users, so fusing clones it."""
-  return graph.fusible[producer] and not (graph.expensive[producer] and (duplicates or producer in reused))
+  return graph.fusible[producer] and not (
+    graph.expensive[producer] and (duplicates or producer in reused)
+  )
 
 
 def _globally_unfusible(graph: _Graph) -> set[int]:
@@ -517,11 +761,12 @@ def _globally_unfusible(graph: _Graph) -> set[int]:
       return True
     if (producer, consumer) not in cache:
       cache[producer, consumer] = graph.fusible[consumer] and all(
-          o not in unfusible
-          and _may_fuse(graph, o, graph.reuses[consumer], len(graph.users[o]) > 1 or graph.pinned[o])
-          and on_all_paths(producer, o)
-          for o in graph.operands[consumer]
-          if position[o] >= position[producer] and reach[producer] >> position[o] & 1)
+        o not in unfusible
+        and _may_fuse(graph, o, graph.reuses[consumer], len(graph.users[o]) > 1 or graph.pinned[o])
+        and on_all_paths(producer, o)
+        for o in graph.operands[consumer]
+        if position[o] >= position[producer] and reach[producer] >> position[o] & 1
+      )
     return cache[producer, consumer]
 
   for node in reversed(order):
@@ -542,8 +787,10 @@ def _union(bits: Iterable[int]) -> int:
 def _post_order(graph: _Graph) -> list[int]:
   """Live nodes, producers first: ops in program order, each layout op just before the
   first op that reads it."""
+
   def position(node: int) -> float:
     return node if node < graph.num_ops else min(graph.users[node], default=node) - 0.5
+
   return sorted((node for node in range(len(graph.operands)) if graph.live[node]), key=position)
 
 
@@ -564,11 +811,16 @@ def _fuse(graph: _Graph, unfusible: set[int]) -> None:
     queued.discard(consumer)
     if consumer not in fused and not graph.fusible[consumer]:
       continue
-    candidates = sorted((p for p in graph.operands[consumer] if p in queued), key=priority.get, reverse=True)
+    candidates = sorted(
+      (p for p in graph.operands[consumer] if p in queued), key=priority.get, reverse=True
+    )
     for producer in candidates:
       duplicates = len(graph.users[producer]) > 1 or graph.pinned[producer]
-      if (producer in unfusible or not _may_fuse(graph, producer, reused[consumer], duplicates)
-          or (graph.reduction[producer] and reductions[consumer] > MAX_FUSED_REDUCTIONS)):
+      if (
+        producer in unfusible
+        or not _may_fuse(graph, producer, reused[consumer], duplicates)
+        or (graph.reduction[producer] and reductions[consumer] > MAX_FUSED_REDUCTIONS)
+      ):
         continue
       _fuse_into(graph, consumer, producer, reused)
       fused.add(consumer)
@@ -615,4 +867,4 @@ def fusion_copies(program: Program, shapes: Sequence[Shape] | None = None) -> tu
   graph = _graph(program, shapes)
   _library_fusions(program, graph, shapes)
   _fuse(graph, _globally_unfusible(graph))
-  return tuple(graph.copies[:graph.num_ops])
+  return tuple(graph.copies[: graph.num_ops])

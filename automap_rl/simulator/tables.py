@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence, Set as AbstractSet
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import chex
 import numpy as np
@@ -13,7 +14,13 @@ from automap_rl.ir import FactorKind, Op, Program
 from automap_rl.ir.rules import conv_batch_group_factor
 from automap_rl.mesh import Hardware, Mesh
 from automap_rl.sharding import Owners, Signatures
-from automap_rl.simulator.fusion import constant_ops, dead_ops, fusion_copies, memory_traffic, unmaterialized_values
+from automap_rl.simulator.fusion import (
+  constant_ops,
+  dead_ops,
+  fusion_copies,
+  memory_traffic,
+  unmaterialized_values,
+)
 
 _MEMORY_PROBES = 256
 
@@ -51,8 +58,12 @@ def dense_group_factors(program: Program, hardware: Hardware) -> np.ndarray:
   its share, G the factor's size and k its shards."""
   if not hardware.dense_batch_group_conv:
     return np.full(program.num_ops, -1)
-  return np.array([conv_batch_group_factor(op.rule) if op.primitive == "conv_general_dilated" else -1
-                   for op in program.ops])
+  return np.array(
+    [
+      conv_batch_group_factor(op.rule) if op.primitive == "conv_general_dilated" else -1
+      for op in program.ops
+    ]
+  )
 
 
 def _conv_out_feature_dim(op: Op, program: Program) -> int:
@@ -159,7 +170,8 @@ class CostTables:
       of its group resharded as it is. Padding slots have runs 0.
     shared_pairs: every ordered pair of slots of one pattern (a slot with itself
       included), int32 [2, Q]; padding pairs are -1.
-    live_bytes: global bytes of each value signature live at each probe point (`probe_rows`), [T, Uv].
+    live_bytes: global bytes of each value signature live at each probe point (`probe_rows`), [T,
+    Uv].
     mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
       group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency
       of a collective over those axes.
@@ -239,8 +251,11 @@ def loop_spans(program: Program) -> list[tuple[int, int]]:
       if d >= k and first is None:
         first = i
       elif d < k and first is not None:
-        if (level and all(op.primitive == "scan_stack" for op in ops[first:i])
-            and all(op.primitive == "scan_carry" for op in ops[level[-1][1] + 1:first])):
+        if (
+          level
+          and all(op.primitive == "scan_stack" for op in ops[first:i])
+          and all(op.primitive == "scan_carry" for op in ops[level[-1][1] + 1 : first])
+        ):
           level[-1] = (level[-1][0], i - 1)
         else:
           level.append((first, i - 1))
@@ -274,7 +289,7 @@ def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.nd
     for v in op.operands:
       end[v] = max(end[v], op.id)
   for first, last in loop_spans(program) if loops else ():
-    for op in program.ops[first:last + 1]:
+    for op in program.ops[first : last + 1]:
       for v in op.operands:
         if start[v] < first:
           end[v] = max(end[v], last)
@@ -307,7 +322,9 @@ def probe_rows(live: np.ndarray, seed: int = 0, kinds: np.ndarray | None = None)
   from activations)."""
   rng = np.random.default_rng(seed)
   num_sigs = live.shape[1]
-  probes = np.concatenate([np.ones((1, num_sigs)), 1.0 / rng.choice([1, 2, 4, 8, 16], (_MEMORY_PROBES, num_sigs))])
+  probes = np.concatenate(
+    [np.ones((1, num_sigs)), 1.0 / rng.choice([1, 2, 4, 8, 16], (_MEMORY_PROBES, num_sigs))]
+  )
   if kinds is not None:
     _, kinds = np.unique(kinds, return_inverse=True)
     factors = np.array(list(itertools.product([1, 8, 64], repeat=kinds.max() + 1)), np.float64)
@@ -316,7 +333,9 @@ def probe_rows(live: np.ndarray, seed: int = 0, kinds: np.ndarray | None = None)
   return live[rows].astype(np.float32)
 
 
-def _read_keys(program: Program, sigs: Signatures, dead: AbstractSet[int]) -> dict[tuple[int, int], tuple]:
+def _read_keys(
+  program: Program, sigs: Signatures, dead: AbstractSet[int]
+) -> dict[tuple[int, int], tuple]:
   """(op, operand index) -> what reads that share one resharding have in common: the value
   and the classes of the factors each of its dims maps to (reads on factors of the same
   named dimensions resolve alike under every plan, up to one op's axis conflicts). Only
@@ -333,7 +352,9 @@ def _read_keys(program: Program, sigs: Signatures, dead: AbstractSet[int]) -> di
   return keys
 
 
-def _operand_read_shares(program: Program, keys: dict[tuple[int, int], tuple]) -> dict[tuple[int, int], float]:
+def _operand_read_shares(
+  program: Program, keys: dict[tuple[int, int], tuple]
+) -> dict[tuple[int, int], float]:
   """(op, operand index) -> the share of the operand's resharding this read pays.
 
   XLA reshards a value once and reuses the result for every op that needs it in that
@@ -358,9 +379,15 @@ def _operand_read_shares(program: Program, keys: dict[tuple[int, int], tuple]) -
 MAX_SHARED_READS = 16
 
 
-def _shared_reads(program: Program, sigs: Signatures, keys: dict[tuple[int, int], tuple],
-                  shares: dict[tuple[int, int], float], operand_edge: np.ndarray, edge_unique: np.ndarray,
-                  made: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _shared_reads(
+  program: Program,
+  sigs: Signatures,
+  keys: dict[tuple[int, int], tuple],
+  shares: dict[tuple[int, int], float],
+  operand_edge: np.ndarray,
+  edge_unique: np.ndarray,
+  made: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """The groups of 2 to `MAX_SHARED_READS` reads that `_operand_read_shares` prices as
   sharing one resharding, but for those whose edges all resolve alike under every plan
   (one class of `edge_unique`: they always share), by pattern (the edges of a group's
@@ -384,7 +411,9 @@ def _shared_reads(program: Program, sigs: Signatures, keys: dict[tuple[int, int]
     runs = [min(program.ops[op].repeat, made[program.ops[op].operands[i]]) for op, i in reads]
     order = np.argsort(edges, kind="stable")
     pattern = tuple(edges[k] for k in order)
-    patterns[pattern] = patterns.get(pattern, np.zeros(len(reads))) + np.array(runs, np.float64)[order]
+    patterns[pattern] = (
+      patterns.get(pattern, np.zeros(len(reads))) + np.array(runs, np.float64)[order]
+    )
   slot_edge, slot_runs, slot_share, pairs = [], [], [], []
   for pattern, runs in patterns.items():
     first = len(slot_edge)
@@ -392,8 +421,12 @@ def _shared_reads(program: Program, sigs: Signatures, keys: dict[tuple[int, int]
     slot_runs += list(runs)
     slot_share += [1.0 / len(pattern)] * len(pattern)
     pairs += [(first + a, first + b) for a in range(len(pattern)) for b in range(len(pattern))]
-  return (np.array(slot_edge, np.int32), np.array(slot_runs, np.float32), np.array(slot_share, np.float32),
-          np.array(pairs, np.int32).reshape(-1, 2).T)
+  return (
+    np.array(slot_edge, np.int32),
+    np.array(slot_runs, np.float32),
+    np.array(slot_share, np.float32),
+    np.array(pairs, np.int32).reshape(-1, 2).T,
+  )
 
 
 def _terminal_reductions(program: Program, sigs: Signatures, reduces: np.ndarray) -> np.ndarray:
@@ -411,10 +444,14 @@ def _terminal_reductions(program: Program, sigs: Signatures, reduces: np.ndarray
   for op in program.ops:
     for v in set(op.operands):
       consumers.setdefault(v, []).append(op.id)
-  can_reduce = np.array([sigs.op_sig[op.id] >= 0 and reduces[sigs.op_sig[op.id]] for op in program.ops], bool)
+  can_reduce = np.array(
+    [sigs.op_sig[op.id] >= 0 and reduces[sigs.op_sig[op.id]] for op in program.ops], bool
+  )
   reaches = np.zeros(program.num_ops, bool)  # Reaches an op that can reduce, itself excluded.
   for op in reversed(program.ops):  # Program order is a topological order.
-    reaches[op.id] = any(can_reduce[c] or reaches[c] for v in op.results for c in consumers.get(v, ()))
+    reaches[op.id] = any(
+      can_reduce[c] or reaches[c] for v in op.results for c in consumers.get(v, ())
+    )
   repeat = np.full(len(sigs.op_keys), np.nan)
   combines = np.ones(len(sigs.op_keys), bool)
   for op in program.ops:
@@ -433,7 +470,7 @@ def _loop_groups(combines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """`(CostTables.reduction_loop, CostTables.loop_repeats)` from `reduction_combines`
   [R]: group 0 for repeat <= 1, else the rank of the repeat count among the distinct ones
   above 1 (1-based, capped at `MAX_LOOP_GROUPS - 1`); int8 [R] and float32 [K]."""
-  repeats = np.unique(combines[combines > 1])[:MAX_LOOP_GROUPS - 1]
+  repeats = np.unique(combines[combines > 1])[: MAX_LOOP_GROUPS - 1]
   rank = np.minimum(np.searchsorted(repeats, combines) + 1, len(repeats))
   groups = np.where(combines > 1, rank, 0).astype(np.int8)
   return groups, np.concatenate([[1.0], repeats]).astype(np.float32)
@@ -446,13 +483,20 @@ def _factor_indices(tables: list[np.ndarray], rv: int, rf: int) -> np.ndarray:
   for e, table in enumerate(tables):
     for dim in range(rv):
       factors = np.flatnonzero(table[dim])
-      out[e, dim, :len(factors)] = factors
+      out[e, dim, : len(factors)] = factors
   return out
 
 
-def _unique_edges(owners: Owners, edge_op: np.ndarray, edge_value: np.ndarray, edge_result: np.ndarray,
-                  edge_dims: np.ndarray, reduction_source: np.ndarray, reduction: np.ndarray,
-                  deferred: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _unique_edges(
+  owners: Owners,
+  edge_op: np.ndarray,
+  edge_value: np.ndarray,
+  edge_result: np.ndarray,
+  edge_dims: np.ndarray,
+  reduction_source: np.ndarray,
+  reduction: np.ndarray,
+  deferred: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
   """Classes of edges whose masks agree under every plan, `(edge_unique [E], unique_edge
   [Eu])` (see `CostTables`).
 
@@ -463,18 +507,28 @@ def _unique_edges(owners: Owners, edge_op: np.ndarray, edge_value: np.ndarray, e
   classes)."""
 
   def slots(owner: np.ndarray, slot: np.ndarray, rows: np.ndarray, columns) -> tuple:
-    return tuple((int(owner[r, c]), int(slot[r, c])) for r, c in zip(rows, columns) if owner[r, c] >= 0)
+    return tuple(
+      (int(owner[r, c]), int(slot[r, c])) for r, c in zip(rows, columns) if owner[r, c] >= 0
+    )
 
   keys: dict[tuple, int] = {}
   unique = np.zeros(len(edge_op), np.int32)
   rf = owners.op_owner.shape[1]
   for e, (op, value, result) in enumerate(zip(edge_op, edge_value, edge_result)):
-    stored = tuple(slots(owners.value_owner, owners.value_slot, [value], [d]) for d in range(owners.value_owner.shape[1]))
-    required = tuple(slots(owners.op_owner, owners.op_slot, [op] * len(f), [x for x in f if x < rf])
-                     for f in edge_dims[e])
+    stored = tuple(
+      slots(owners.value_owner, owners.value_slot, [value], [d])
+      for d in range(owners.value_owner.shape[1])
+    )
+    required = tuple(
+      slots(owners.op_owner, owners.op_slot, [op] * len(f), [x for x in f if x < rf])
+      for f in edge_dims[e]
+    )
     source = reduction_source[op]
-    reduced = () if not result or deferred[op] else slots(owners.op_owner, owners.op_slot, [source] * rf,
-                                                          np.flatnonzero(reduction[source]))
+    reduced = (
+      ()
+      if not result or deferred[op]
+      else slots(owners.op_owner, owners.op_slot, [source] * rf, np.flatnonzero(reduction[source]))
+    )
     unique[e] = keys.setdefault((bool(result), stored, required, reduced), len(keys))
   first = np.zeros(len(keys), np.int32)
   first[unique[::-1]] = np.arange(len(edge_op) - 1, -1, -1, dtype=np.int32)
@@ -492,8 +546,12 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   buffers = np.zeros(num_ops, np.float64)
   operand_buffers: dict[int, np.ndarray] = {}
   operand_weight: dict[int, np.ndarray] = {}  # Op signature -> gather weight of each operand.
-  operand_transient: dict[int, np.ndarray] = {}  # Op signature -> reads of each operand resharded alone.
-  use_memory: dict[int, np.ndarray] = {}  # Op signature -> HBM seconds of each operand, then each result.
+  operand_transient: dict[
+    int, np.ndarray
+  ] = {}  # Op signature -> reads of each operand resharded alone.
+  use_memory: dict[
+    int, np.ndarray
+  ] = {}  # Op signature -> HBM seconds of each operand, then each result.
   for sig, (_, _, operands, results, _) in enumerate(sigs.op_keys):
     for table in (operand_weight, operand_buffers, operand_transient):
       table[sig] = np.zeros(len(operands), np.float64)
@@ -537,18 +595,26 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   rf = sigs.op_class.shape[1]
   edge_op, edge_value, edge_result, edge_dims = [], [], [], []
   edge_weight, edge_buffers, edge_transient = [], [], []
-  edge_memory = np.concatenate([use_memory[sig] for sig in range(num_ops)]) if num_ops else np.zeros(0)
+  edge_memory = (
+    np.concatenate([use_memory[sig] for sig in range(num_ops)]) if num_ops else np.zeros(0)
+  )
   operand_edge = np.zeros(num_ops, np.int64)
-  for sig, (_, factors, operands, results, _) in enumerate(sigs.op_keys):
+  for sig, (_, _, operands, results, _) in enumerate(sigs.op_keys):
     first = operand_edge[sig] = len(edge_op)
     for is_result, edges in ((False, operands), (True, results)):
       for value_sig, dims in edges:
         table = np.zeros((rv, rf), bool)
         for dim, dim_factors in enumerate(dims):
           table[dim, list(dim_factors)] = True
-        edge_weight.append(operand_weight[sig][len(edge_op) - first] if not is_result else weight[sig])
-        edge_buffers.append(operand_buffers[sig][len(edge_op) - first] if not is_result else buffers[sig])
-        edge_transient.append(operand_transient[sig][len(edge_op) - first] if not is_result else 0.0)
+        edge_weight.append(
+          operand_weight[sig][len(edge_op) - first] if not is_result else weight[sig]
+        )
+        edge_buffers.append(
+          operand_buffers[sig][len(edge_op) - first] if not is_result else buffers[sig]
+        )
+        edge_transient.append(
+          operand_transient[sig][len(edge_op) - first] if not is_result else 0.0
+        )
         edge_op.append(sig)
         edge_value.append(value_sig)
         edge_result.append(is_result)
@@ -573,64 +639,76 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
   edge_dim_factors = _factor_indices(edge_dims, rv, rf)
   edge_value = np.array(edge_value, np.int32)
   edge_result = np.array(edge_result, bool)
-  edge_unique, unique_edge = _unique_edges(Owners.from_signatures(sigs, mesh.axis_sizes), edge_op, edge_value,
-                                           edge_result, edge_dim_factors, reduction_source, reduction, deferred)
+  edge_unique, unique_edge = _unique_edges(
+    Owners.from_signatures(sigs, mesh.axis_sizes),
+    edge_op,
+    edge_value,
+    edge_result,
+    edge_dim_factors,
+    reduction_source,
+    reduction,
+    deferred,
+  )
   value_bytes = np.array([math.prod(k[1]) * k[2] for k in sigs.value_keys], np.float32)
   weight32, buffers32 = np.array(edge_weight, np.float32), np.array(edge_buffers, np.float32)
   transient32 = np.array(edge_transient, np.float32)
   transient_bytes = np.zeros(len(unique_edge), np.float32)
-  np.maximum.at(transient_bytes, edge_unique, np.where(transient32 > 0, value_bytes[edge_value], 0.0))
+  np.maximum.at(
+    transient_bytes, edge_unique, np.where(transient32 > 0, value_bytes[edge_value], 0.0)
+  )
 
   reduction_dot = (dots & (reduction_source == np.arange(num_ops)))[edge_op[reduction_edge]]
   op_dot_reduction = np.full(num_ops, len(reduction_edge), np.int32)
   op_dot_reduction[edge_op[reduction_edge[reduction_dot]]] = np.flatnonzero(reduction_dot)
-  slot_edge, slot_runs, slot_share, pairs = _shared_reads(program, sigs, keys, read_share, operand_edge,
-                                                        edge_unique, made)
+  slot_edge, slot_runs, slot_share, pairs = _shared_reads(
+    program, sigs, keys, read_share, operand_edge, edge_unique, made
+  )
 
   def per_class(x: np.ndarray) -> np.ndarray:
     return np.bincount(edge_unique, x.astype(np.float64), len(unique_edge)).astype(np.float32)
 
   return CostTables(
-      value_bytes=value_bytes,
-      value_compute_s=value_compute.astype(np.float32),
-      value_memory_s=value_memory.astype(np.float32),
-      op_compute_s=compute.astype(np.float32),
-      op_reduction=reduction,
-      op_reduction_source=reduction_source,
-      op_deferred=deferred,
-      op_dense_factor=dense_factor,
-      edge_op=edge_op,
-      edge_value=edge_value,
-      edge_result=edge_result,
-      edge_dim_factors=edge_dim_factors,
-      edge_weight=weight32,
-      edge_buffers=buffers32,
-      edge_transient=transient32,
-      edge_memory_s=edge_memory.astype(np.float32),
-      edge_unique=edge_unique,
-      unique_edge=unique_edge,
-      unique_weight=per_class(weight32),
-      unique_weighted_bytes=per_class(weight32 * value_bytes[edge_value]),
-      unique_buffer_bytes=per_class(np.where(edge_result, 0.0, buffers32 * value_bytes[edge_value])),
-      unique_transient_bytes=transient_bytes,
-      shared_slot_edge=slot_edge,
-      shared_slot_runs=slot_runs,
-      shared_slot_share=slot_share,
-      shared_pairs=pairs,
-      reduction_edge=reduction_edge,
-      reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
-      reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
-      reduction_dot=reduction_dot,
-      op_dot_reduction=op_dot_reduction,
-      reduction_combines=terminal[edge_op[reduction_edge]],
-      reduction_loop=loop_groups,
-      loop_repeats=loop_repeats,
-      combine_bytes=np.array([hw.combine_threshold.get(k, 0.0) for k in ("all-reduce", "reduce-scatter")],
-                             np.float32),
-      native_scatter=np.array(hw.reduce_scatter),
-      live_bytes=probe_rows(live_matrix(program, sigs)),
-      mask_group=group,
-      mask_seconds_per_byte=seconds_per_byte,
-      mask_latency=latency,
-      hbm_bytes=float(hw.hbm_bytes),
+    value_bytes=value_bytes,
+    value_compute_s=value_compute.astype(np.float32),
+    value_memory_s=value_memory.astype(np.float32),
+    op_compute_s=compute.astype(np.float32),
+    op_reduction=reduction,
+    op_reduction_source=reduction_source,
+    op_deferred=deferred,
+    op_dense_factor=dense_factor,
+    edge_op=edge_op,
+    edge_value=edge_value,
+    edge_result=edge_result,
+    edge_dim_factors=edge_dim_factors,
+    edge_weight=weight32,
+    edge_buffers=buffers32,
+    edge_transient=transient32,
+    edge_memory_s=edge_memory.astype(np.float32),
+    edge_unique=edge_unique,
+    unique_edge=unique_edge,
+    unique_weight=per_class(weight32),
+    unique_weighted_bytes=per_class(weight32 * value_bytes[edge_value]),
+    unique_buffer_bytes=per_class(np.where(edge_result, 0.0, buffers32 * value_bytes[edge_value])),
+    unique_transient_bytes=transient_bytes,
+    shared_slot_edge=slot_edge,
+    shared_slot_runs=slot_runs,
+    shared_slot_share=slot_share,
+    shared_pairs=pairs,
+    reduction_edge=reduction_edge,
+    reduction_weight=np.array(edge_weight, np.float32)[reduction_edge],
+    reduction_partial_sums=partial_sums[edge_op[reduction_edge]],
+    reduction_dot=reduction_dot,
+    op_dot_reduction=op_dot_reduction,
+    reduction_combines=terminal[edge_op[reduction_edge]],
+    reduction_loop=loop_groups,
+    loop_repeats=loop_repeats,
+    combine_bytes=np.array(
+      [hw.combine_threshold.get(k, 0.0) for k in ("all-reduce", "reduce-scatter")], np.float32
+    ),
+    native_scatter=np.array(hw.reduce_scatter),
+    live_bytes=probe_rows(live_matrix(program, sigs)),
+    mask_group=group,
+    mask_seconds_per_byte=seconds_per_byte,
+    mask_latency=latency,
+    hbm_bytes=float(hw.hbm_bytes),
   )

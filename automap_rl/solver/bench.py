@@ -53,8 +53,14 @@ class BenchRow:
   failure: str | None = None
 
 
-def bench_iopddl(directory: str | Path, timeout_s: float, seed: int,
-                 instances: Sequence[str] | None = None, workers: int = 2, copies: int = 1) -> list[BenchRow]:
+def bench_iopddl(
+  directory: str | Path,
+  timeout_s: float,
+  seed: int,
+  instances: Sequence[str] | None = None,
+  workers: int = 2,
+  copies: int = 1,
+) -> list[BenchRow]:
   """Solves the contest instances in `directory` (all, or those named), each tiled into `copies`."""
   directory = Path(directory)
   best = _best_known(directory / "best_known.csv")
@@ -69,21 +75,42 @@ def bench_iopddl(directory: str | Path, timeout_s: float, seed: int,
     label = name if copies == 1 else f"{name} x{copies}"
     known = best[name] * copies if name in best else None
     try:
-      result = solve(graph, timeout_s=max(timeout_s - (time.monotonic() - started), 1.0), seed=seed, workers=workers)
-    except RuntimeError as e:  # No plan within the limit, `LimitReached` before one, or `GraphTooLarge`.
-      rows.append(BenchRow(label, None, known, None, time.monotonic() - started, False,
-                           getattr(e, "limit", None), str(e)))
+      result = solve(
+        graph,
+        timeout_s=max(timeout_s - (time.monotonic() - started), 1.0),
+        seed=seed,
+        workers=workers,
+      )
+    except (
+      RuntimeError
+    ) as e:  # No plan within the limit, `LimitReached` before one, or `GraphTooLarge`.
+      rows.append(
+        BenchRow(
+          label,
+          None,
+          known,
+          None,
+          time.monotonic() - started,
+          False,
+          getattr(e, "limit", None),
+          str(e),
+        )
+      )
       continue
     verdict = evaluate(graph, result.choice)
     seconds = time.monotonic() - started
     ratio = verdict.cost / known if known and verdict.cost is not None else None
-    rows.append(BenchRow(label, verdict.cost, known, ratio, seconds, verdict.feasible, result.stopped_by))
+    rows.append(
+      BenchRow(label, verdict.cost, known, ratio, seconds, verdict.feasible, result.stopped_by)
+    )
   return rows
 
 
 def contest_points(rows: Sequence[BenchRow]) -> float:
   """The contest's score: the sum over instances of best known / ours (0 for no feasible plan)."""
-  return sum(row.best_known / row.cost for row in rows if row.feasible and row.cost and row.best_known)
+  return sum(
+    row.best_known / row.cost for row in rows if row.feasible and row.cost and row.best_known
+  )
 
 
 def geometric_mean(rows: Sequence[BenchRow]) -> float | None:

@@ -40,8 +40,10 @@ class Dual:
     k = np.arange(len(entry_pair)) - reduced.pair_offsets[entry_pair]
     self._slot_offsets = (offsets_from_counts(counts[g]), offsets_from_counts(k_h))
     # A "slot" is (pair, strategy of one side); messages live on slots, entries are row-major.
-    slot = (self._slot_offsets[0][entry_pair] + k // k_h[entry_pair],
-            self._slot_offsets[1][entry_pair] + k % k_h[entry_pair])
+    slot = (
+      self._slot_offsets[0][entry_pair] + k // k_h[entry_pair],
+      self._slot_offsets[1][entry_pair] + k % k_h[entry_pair],
+    )
     self.slot_var = (_ranges(reduced.offsets[g], counts[g]), _ranges(reduced.offsets[h], k_h))
     self._entry_slot = slot
     self.messages = [np.zeros(len(self.slot_var[0])), np.zeros(len(self.slot_var[1]))]
@@ -49,8 +51,12 @@ class Dual:
     self.num_colors = int(self.color.max(initial=-1)) + 1
     color_g, color_h = self.color[g], self.color[h]
     groups = reduced.num_groups
-    earlier = np.bincount(np.concatenate([g[color_g > color_h], h[color_h > color_g]]), minlength=groups)
-    later = np.bincount(np.concatenate([g[color_g < color_h], h[color_h < color_g]]), minlength=groups)
+    earlier = np.bincount(
+      np.concatenate([g[color_g > color_h], h[color_h > color_g]]), minlength=groups
+    )
+    later = np.bincount(
+      np.concatenate([g[color_g < color_h], h[color_h < color_g]]), minlength=groups
+    )
     self._var_weight = (1.0 / np.maximum(np.maximum(earlier, later), 1))[reduced.var_group]
     self._steps = {}
     by_column = np.argsort(slot[1], kind="stable")
@@ -62,7 +68,10 @@ class Dual:
         # minimising over its own strategies, so entries are grouped by the
         # receiving slot.
         for side, order in ((0, by_column), (1, row_major)):
-          mine, theirs = self.color[pairs[entry_pair[order], side]], self.color[pairs[entry_pair[order], 1 - side]]
+          mine, theirs = (
+            self.color[pairs[entry_pair[order], side]],
+            self.color[pairs[entry_pair[order], 1 - side]],
+          )
           entries = order[(mine == c) & ((theirs > c) if forward else (theirs < c))]
           if len(entries):
             receiving = slot[1 - side][entries]
@@ -71,13 +80,27 @@ class Dual:
             pair_of_slot = entry_pair[entries[starts]]
             pair_starts = np.flatnonzero(np.r_[True, pair_of_slot[1:] != pair_of_slot[:-1]])
             own_slot = slot[side][entries]
-            steps.append((side, reduced.pair_costs[entries], own_slot, self.slot_var[side][own_slot], starts, slots,
-                          self.slot_var[1 - side][slots], pair_starts, np.diff(np.r_[pair_starts, len(slots)])))
+            steps.append(
+              (
+                side,
+                reduced.pair_costs[entries],
+                own_slot,
+                self.slot_var[side][own_slot],
+                starts,
+                slots,
+                self.slot_var[1 - side][slots],
+                pair_starts,
+                np.diff(np.r_[pair_starts, len(slots)]),
+              )
+            )
         self._steps[forward, c] = steps
     self.unary = reduced.unary.copy()
     member_entry = np.repeat(np.arange(len(memory.member_group)), np.diff(memory.member_offsets))
-    self._usage_var = reduced.offsets[memory.member_group[member_entry]] + np.arange(len(member_entry)) \
-        - memory.member_offsets[member_entry]
+    self._usage_var = (
+      reduced.offsets[memory.member_group[member_entry]]
+      + np.arange(len(member_entry))
+      - memory.member_offsets[member_entry]
+    )
     self._usage_member = member_entry
 
   def set_prices(self, prices: np.ndarray) -> None:
@@ -86,7 +109,9 @@ class Dual:
     cumulative = np.concatenate([[0.0], np.cumsum(prices)])
     per_member = cumulative[memory.member_last] - cumulative[memory.member_first]
     weights = memory.member_usage * per_member[self._usage_member]
-    self.unary = self.reduced.unary + np.bincount(self._usage_var, weights=weights, minlength=len(self.reduced.unary))
+    self.unary = self.reduced.unary + np.bincount(
+      self._usage_var, weights=weights, minlength=len(self.reduced.unary)
+    )
 
   def sweep(self, forward: bool = True) -> None:
     """One TRW-S pass over the colours, forward or backward."""
@@ -94,11 +119,23 @@ class Dual:
     incoming = self._incoming()
     for c in colors:
       weighted = (self.unary + incoming) * self._var_weight
-      for side, costs, own_slot, own_var, starts, slots, slot_var, pair_starts, pair_sizes in self._steps[forward, c]:
+      for (
+        side,
+        costs,
+        own_slot,
+        own_var,
+        starts,
+        slots,
+        slot_var,
+        pair_starts,
+        pair_sizes,
+      ) in self._steps[forward, c]:
         values = costs + weighted[own_var] - self.messages[side][own_slot]
         message = np.minimum.reduceat(values, starts)
         message -= np.repeat(np.minimum.reduceat(message, pair_starts), pair_sizes)
-        incoming += np.bincount(slot_var, weights=message - self.messages[1 - side][slots], minlength=len(incoming))
+        incoming += np.bincount(
+          slot_var, weights=message - self.messages[1 - side][slots], minlength=len(incoming)
+        )
         self.messages[1 - side][slots] = message
 
   def _incoming(self) -> np.ndarray:
@@ -125,11 +162,20 @@ class Dual:
     unary = self.reparametrized_unary()
     degree = np.bincount(reduced.pairs.ravel(), minlength=reduced.num_groups)
     share = unary / np.maximum(degree, 1)[reduced.var_group]
-    total = float(np.minimum.reduceat(unary, reduced.offsets[:-1])[degree == 0].sum()) if reduced.num_groups else 0.0
+    total = (
+      float(np.minimum.reduceat(unary, reduced.offsets[:-1])[degree == 0].sum())
+      if reduced.num_groups
+      else 0.0
+    )
     if len(reduced.pairs):
       row, col = (self.slot_var[side][self._entry_slot[side]] for side in (0, 1))
-      entries = (reduced.pair_costs - self.messages[0][self._entry_slot[0]] - self.messages[1][self._entry_slot[1]]
-                 + share[row] + share[col])
+      entries = (
+        reduced.pair_costs
+        - self.messages[0][self._entry_slot[0]]
+        - self.messages[1][self._entry_slot[1]]
+        + share[row]
+        + share[col]
+      )
       total += float(np.minimum.reduceat(entries, reduced.pair_offsets[:-1]).sum())
     return total - float(np.dot(prices, self.memory.capacity.astype(np.float64)))
 
@@ -155,20 +201,27 @@ class Dual:
         fixed = choice[other[p]]
         entry = reduced.pair_offsets[p] + (s * k_h[p] + fixed if side == 0 else fixed * k_h[p] + s)
         slot = self._slot_offsets[side][p] + s
-        values += np.bincount(offsets[mine[p]] + s, weights=reduced.pair_costs[entry] - self.messages[side][slot],
-                              minlength=len(values))
+        values += np.bincount(
+          offsets[mine[p]] + s,
+          weights=reduced.pair_costs[entry] - self.messages[side][slot],
+          minlength=len(values),
+        )
       groups = np.flatnonzero(self.color == c)
       if pick is None:
         choice[groups] = _segment_argmin(values, offsets, groups)
       else:
         for g in groups.tolist():
-          choice[g] = pick(g, values[offsets[g]:offsets[g + 1]])
+          choice[g] = pick(g, values[offsets[g] : offsets[g + 1]])
     return choice
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
   """Concatenation of arange(start, start + length) for each pair."""
-  return np.repeat(starts, lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+  return (
+    np.repeat(starts, lengths)
+    + np.arange(lengths.sum())
+    - np.repeat(np.cumsum(lengths) - lengths, lengths)
+  )
 
 
 def _segment_argmin(values: np.ndarray, offsets: np.ndarray, groups: np.ndarray) -> np.ndarray:

@@ -22,17 +22,17 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
-    "FORBIDDEN",
-    "StrategyGraph",
-    "forbidden_parts",
-    "is_feasible",
-    "is_forbidden",
-    "offsets_from_counts",
-    "peak_usage",
-    "plan_cost",
-    "separable_lower_bound",
-    "tile",
-    "usage_profile",
+  "FORBIDDEN",
+  "StrategyGraph",
+  "forbidden_parts",
+  "is_feasible",
+  "is_forbidden",
+  "offsets_from_counts",
+  "peak_usage",
+  "plan_cost",
+  "separable_lower_bound",
+  "tile",
+  "usage_profile",
 ]
 
 FORBIDDEN = 10**18
@@ -75,27 +75,37 @@ class StrategyGraph:
     counts = np.diff(self.node_offsets)
     _check(n >= 0 and self.node_offsets[0] == 0, "node_offsets must start at 0")
     _check(bool(np.all(counts >= 1)), "every node needs at least one strategy")
-    _check(len(self.node_costs) == self.node_offsets[-1], "node_costs length differs from node_offsets")
-    _check(len(self.node_usages) == len(self.node_costs), "node_usages length differs from node_costs")
+    _check(
+      len(self.node_costs) == self.node_offsets[-1], "node_costs length differs from node_offsets"
+    )
+    _check(
+      len(self.node_usages) == len(self.node_costs), "node_usages length differs from node_costs"
+    )
     _check(self.intervals.shape == (n, 2), "intervals must have shape [num_nodes, 2]")
     _check(bool(np.all(self.intervals >= 0)), "intervals must be non-negative")
     e = len(self.edge_offsets) - 1
     _check(self.edges.shape == (e, 2), "edges must have shape [num_edges, 2]")
-    _check(bool(np.all((self.edges >= 0) & (self.edges < n))), "edge endpoints must be node indices")
+    _check(
+      bool(np.all((self.edges >= 0) & (self.edges < n))), "edge endpoints must be node indices"
+    )
     sizes = counts[self.edges[:, 0]] * counts[self.edges[:, 1]] if e else np.zeros(0, np.int64)
-    _check(bool(np.array_equal(np.diff(self.edge_offsets), sizes)), "edge cost counts must be n_u * n_v")
-    _check(len(self.edge_costs) == self.edge_offsets[-1], "edge_costs length differs from edge_offsets")
+    _check(
+      bool(np.array_equal(np.diff(self.edge_offsets), sizes)), "edge cost counts must be n_u * n_v"
+    )
+    _check(
+      len(self.edge_costs) == self.edge_offsets[-1], "edge_costs length differs from edge_offsets"
+    )
 
   @classmethod
   def from_lists(
-      cls,
-      node_costs: Sequence[Sequence[float]],
-      node_usages: Sequence[Sequence[float]],
-      intervals: Sequence[Sequence[int]],
-      edges: Sequence[Sequence[int]],
-      edge_costs: Sequence[Sequence[float]],
-      usage_limit: float | None,
-      name: str = "",
+    cls,
+    node_costs: Sequence[Sequence[float]],
+    node_usages: Sequence[Sequence[float]],
+    intervals: Sequence[Sequence[int]],
+    edges: Sequence[Sequence[int]],
+    edge_costs: Sequence[Sequence[float]],
+    usage_limit: float | None,
+    name: str = "",
   ) -> StrategyGraph:
     """Builds a graph from nested lists (one list per node or edge)."""
     counts = [len(c) for c in node_costs]
@@ -105,15 +115,15 @@ class StrategyGraph:
     if len(edge_sizes) != len(edges):
       raise ValueError("edge_costs must have one list per edge")
     return cls(
-        node_costs=_flat(node_costs),
-        node_usages=_flat(node_usages),
-        node_offsets=offsets_from_counts(counts),
-        intervals=np.asarray(intervals, dtype=np.int64).reshape(len(counts), 2),
-        edges=np.asarray(edges, dtype=np.int64).reshape(len(edge_sizes), 2),
-        edge_costs=_flat(edge_costs),
-        edge_offsets=offsets_from_counts(edge_sizes),
-        usage_limit=usage_limit,
-        name=name,
+      node_costs=_flat(node_costs),
+      node_usages=_flat(node_usages),
+      node_offsets=offsets_from_counts(counts),
+      intervals=np.asarray(intervals, dtype=np.int64).reshape(len(counts), 2),
+      edges=np.asarray(edges, dtype=np.int64).reshape(len(edge_sizes), 2),
+      edge_costs=_flat(edge_costs),
+      edge_offsets=offsets_from_counts(edge_sizes),
+      usage_limit=usage_limit,
+      name=name,
     )
 
   @property
@@ -133,7 +143,9 @@ class StrategyGraph:
     """[n_u, n_v] view of edge e's costs."""
     u, v = self.edges[e]
     counts = self.num_strategies
-    return self.edge_costs[self.edge_offsets[e]:self.edge_offsets[e + 1]].reshape(counts[u], counts[v])
+    return self.edge_costs[self.edge_offsets[e] : self.edge_offsets[e + 1]].reshape(
+      counts[u], counts[v]
+    )
 
 
 def is_forbidden(costs: np.ndarray) -> np.ndarray:
@@ -161,7 +173,10 @@ def separable_lower_bound(graph: StrategyGraph) -> float:
   Weak but needs no reduction, so it bounds graphs too large to solve. Raises ValueError
   when some node or edge allows nothing (no plan is allowed)."""
   parts = []
-  for costs, offsets in ((graph.node_costs, graph.node_offsets), (graph.edge_costs, graph.edge_offsets)):
+  for costs, offsets in (
+    (graph.node_costs, graph.node_offsets),
+    (graph.edge_costs, graph.edge_offsets),
+  ):
     if len(offsets) < 2:
       continue
     allowed = np.where(is_forbidden(costs), np.inf, costs.astype(np.float64))
@@ -172,11 +187,15 @@ def separable_lower_bound(graph: StrategyGraph) -> float:
   return sum(parts)
 
 
-def forbidden_parts(graph: StrategyGraph, choice: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def forbidden_parts(
+  graph: StrategyGraph, choice: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
   """(nodes, edges): indices of nodes and edges whose chosen cost is forbidden."""
   node_idx, edge_idx = _chosen_indices(graph, _as_choice(graph, choice))
-  return (np.flatnonzero(is_forbidden(graph.node_costs[node_idx])),
-          np.flatnonzero(is_forbidden(graph.edge_costs[edge_idx])))
+  return (
+    np.flatnonzero(is_forbidden(graph.node_costs[node_idx])),
+    np.flatnonzero(is_forbidden(graph.edge_costs[edge_idx])),
+  )
 
 
 def usage_profile(graph: StrategyGraph, choice: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -216,7 +235,9 @@ def _as_choice(graph: StrategyGraph, choice: Sequence[int] | np.ndarray) -> np.n
   """Validated [N] int64 strategy indices (ValueError on a wrong length or index)."""
   array = np.asarray(choice)
   if array.ndim != 1 or len(array) != graph.num_nodes:
-    raise ValueError(f"a plan needs one strategy per node: got {array.shape}, expected ({graph.num_nodes},)")
+    raise ValueError(
+      f"a plan needs one strategy per node: got {array.shape}, expected ({graph.num_nodes},)"
+    )
   if len(array) and array.dtype.kind not in "iu":
     raise ValueError("strategy indices must be integers")
   array = array.astype(np.int64)
@@ -229,7 +250,9 @@ def _chosen_indices(graph: StrategyGraph, choice: np.ndarray) -> tuple[np.ndarra
   """([N], [E]) flat indices of the chosen node costs and edge costs."""
   counts = graph.num_strategies
   u, v = graph.edges[:, 0], graph.edges[:, 1]
-  return graph.node_offsets[:-1] + choice, graph.edge_offsets[:-1] + choice[u] * counts[v] + choice[v]
+  return graph.node_offsets[:-1] + choice, graph.edge_offsets[:-1] + choice[u] * counts[v] + choice[
+    v
+  ]
 
 
 def _fits_int64(values: np.ndarray) -> bool:
@@ -270,16 +293,18 @@ def tile(graph: StrategyGraph, copies: int) -> StrategyGraph:
   shift = np.repeat(np.arange(copies, dtype=np.int64) * horizon, graph.num_nodes)[:, None]
   live = np.tile(graph.intervals[:, 0] < graph.intervals[:, 1], copies)[:, None]
   return StrategyGraph(
-      node_costs=np.tile(graph.node_costs, copies),
-      node_usages=np.tile(graph.node_usages, copies),
-      node_offsets=offsets_from_counts(np.tile(graph.num_strategies, copies)),
-      intervals=np.where(live, np.tile(graph.intervals, (copies, 1)) + shift, 0),
-      edges=(np.tile(graph.edges, (copies, 1))
-             + np.repeat(np.arange(copies, dtype=np.int64) * graph.num_nodes, graph.num_edges)[:, None]),
-      edge_costs=np.tile(graph.edge_costs, copies),
-      edge_offsets=offsets_from_counts(np.tile(np.diff(graph.edge_offsets), copies)),
-      usage_limit=graph.usage_limit,
-      name=f"{graph.name} x{copies}" if copies > 1 else graph.name,
+    node_costs=np.tile(graph.node_costs, copies),
+    node_usages=np.tile(graph.node_usages, copies),
+    node_offsets=offsets_from_counts(np.tile(graph.num_strategies, copies)),
+    intervals=np.where(live, np.tile(graph.intervals, (copies, 1)) + shift, 0),
+    edges=(
+      np.tile(graph.edges, (copies, 1))
+      + np.repeat(np.arange(copies, dtype=np.int64) * graph.num_nodes, graph.num_edges)[:, None]
+    ),
+    edge_costs=np.tile(graph.edge_costs, copies),
+    edge_offsets=offsets_from_counts(np.tile(np.diff(graph.edge_offsets), copies)),
+    usage_limit=graph.usage_limit,
+    name=f"{graph.name} x{copies}" if copies > 1 else graph.name,
   )
 
 

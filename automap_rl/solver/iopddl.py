@@ -28,7 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from automap_rl.solver.graph import StrategyGraph, forbidden_parts, offsets_from_counts, peak_usage, plan_cost
+from automap_rl.solver.graph import (
+  StrategyGraph,
+  forbidden_parts,
+  offsets_from_counts,
+  peak_usage,
+  plan_cost,
+)
 
 __all__ = ["Evaluation", "evaluate", "load_problem", "read_solution", "write_solution"]
 
@@ -108,15 +114,15 @@ def load_problem(path: str | Path) -> StrategyGraph:
     field.fail("problem.edges.costs", "each edge needs n_u * n_v costs")
 
   return StrategyGraph(
-      node_costs=field.values(costs, "problem.nodes.costs", sum(counts), dtype),
-      node_usages=field.values(usages, "problem.nodes.usages", sum(counts), dtype),
-      node_offsets=offsets_from_counts(counts),
-      intervals=interval_array,
-      edges=edge_array,
-      edge_costs=field.values(edge_costs, "problem.edges.costs", int(sum(sizes)), dtype),
-      edge_offsets=offsets_from_counts(sizes),
-      usage_limit=limit,
-      name=str(problem.get("name", path.name)),
+    node_costs=field.values(costs, "problem.nodes.costs", sum(counts), dtype),
+    node_usages=field.values(usages, "problem.nodes.usages", sum(counts), dtype),
+    node_offsets=offsets_from_counts(counts),
+    intervals=interval_array,
+    edges=edge_array,
+    edge_costs=field.values(edge_costs, "problem.edges.costs", int(sum(sizes)), dtype),
+    edge_offsets=offsets_from_counts(sizes),
+    usage_limit=limit,
+    name=str(problem.get("name", path.name)),
   )
 
 
@@ -136,7 +142,9 @@ def read_solution(path: str | Path) -> list[int]:
     choice = json.loads(lines[-1]) if lines else None
   except json.JSONDecodeError:
     choice = None
-  if not isinstance(choice, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in choice):
+  if not isinstance(choice, list) or not all(
+    isinstance(s, int) and not isinstance(s, bool) for s in choice
+  ):
     raise ValueError(f"{path}: the last line must be a list of strategy indices like [0, 2, 1]")
   return choice
 
@@ -146,7 +154,9 @@ def evaluate(graph: StrategyGraph, choice: Sequence[int] | np.ndarray) -> Evalua
   array = np.asarray(choice)
   if array.ndim != 1 or len(array) != graph.num_nodes:
     return Evaluation(None, False, None, REASON_SIZE)
-  if len(array) and (array.dtype.kind not in "iu" or np.any((array < 0) | (array >= graph.num_strategies))):
+  if len(array) and (
+    array.dtype.kind not in "iu" or np.any((array < 0) | (array >= graph.num_strategies))
+  ):
     return Evaluation(None, False, None, REASON_INDEX)
   cost = plan_cost(graph, array)
   peak = peak_usage(graph, array)

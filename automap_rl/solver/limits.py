@@ -68,5 +68,8 @@ class Limits:
       rss = resident_bytes()
       if rss + allocating > self.max_resident_bytes:
         planned = f" and {allocating / 2**30:.2f} GiB to allocate" if allocating else ""
-        raise LimitReached("memory", f"resident memory reached {rss / 2**30:.2f} GiB{planned}, above the ceiling "
-                                     f"of {self.max_resident_bytes / 2**30:.2f} GiB, while {where}")
+        raise LimitReached(
+          "memory",
+          f"resident memory reached {rss / 2**30:.2f} GiB{planned}, above the ceiling "
+          f"of {self.max_resident_bytes / 2**30:.2f} GiB, while {where}",
+        )

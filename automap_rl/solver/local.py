@@ -56,7 +56,7 @@ class Layout:
     self.usage: list[np.ndarray] = []  # per group: [pieces, k] usage per strategy
     self.lowest: list[np.ndarray] = []  # per group: [pieces] sum of its members' least usages
     for g in range(groups):
-      members = order[bounds[g]:bounds[g + 1]]
+      members = order[bounds[g] : bounds[g + 1]]
       k = int(reduced.counts[g])
       if not len(members):
         self.cuts.append(np.zeros(1, np.int64))
@@ -116,7 +116,7 @@ class Plan:
   def switch_costs(self, g: int) -> np.ndarray:
     """[k] cost change of switching group g to each strategy."""
     offsets = self.layout.reduced.offsets
-    local = self.local[offsets[g]:offsets[g + 1]]
+    local = self.local[offsets[g] : offsets[g + 1]]
     current = local[self.choice[g]]
     if np.isinf(current):  # leaving a forbidden strategy: any finite one is better
       return np.where(np.isinf(local), 0.0, -np.inf)
@@ -128,7 +128,7 @@ class Plan:
     cuts, usage = self.layout.cuts[g], self.layout.usage[g]
     if not len(usage):
       return usage, np.zeros(0)
-    slack = self.layout.memory.capacity[cuts[0]:cuts[-1]] - self.profile[cuts[0]:cuts[-1]]
+    slack = self.layout.memory.capacity[cuts[0] : cuts[-1]] - self.profile[cuts[0] : cuts[-1]]
     slack = np.minimum.reduceat(slack, cuts[:-1] - cuts[0])
     return usage - usage[:, [self.choice[g]]], slack
 
@@ -156,7 +156,7 @@ class Plan:
       self.local[span] = np.where(self._forbidden[span] > 0, np.inf, self._finite[span])
     cuts, usage = self.layout.cuts[g], self.layout.usage[g]
     if len(usage):
-      self.profile[cuts[0]:cuts[-1]] += np.repeat(usage[:, s] - usage[:, old], np.diff(cuts))
+      self.profile[cuts[0] : cuts[-1]] += np.repeat(usage[:, s] - usage[:, old], np.diff(cuts))
     self.choice[g] = s
 
   def descend(self, order: np.ndarray, min_gain: float = 0.0) -> int:
@@ -179,7 +179,6 @@ class Plan:
         switches += 1
     return switches
 
-
   def move_fits(self, moves: list[tuple[int, int]]) -> bool:
     """Whether switching each (group, strategy) of `moves` together keeps every segment within
     capacity (or, in segments already over it, adds no usage)."""
@@ -193,7 +192,9 @@ class Plan:
     for g, s in moves:
       cuts, usage = cuts_of[g], self.layout.usage[g]
       if len(usage):
-        change[cuts[0] - lo:cuts[-1] - lo] += np.repeat(usage[:, s] - usage[:, self.choice[g]], np.diff(cuts))
+        change[cuts[0] - lo : cuts[-1] - lo] += np.repeat(
+          usage[:, s] - usage[:, self.choice[g]], np.diff(cuts)
+        )
     slack = self.layout.memory.capacity[lo:hi] - self.profile[lo:hi]
     return bool(np.all(change <= np.maximum(slack, 0)))
 
@@ -209,28 +210,40 @@ class Plan:
     pair, row, col = layout.entry_pair, layout.entry_row, layout.entry_col
     base = reduced.pair_offsets[pair]
     with np.errstate(invalid="ignore"):  # inf - inf: a forbidden entry, priced inf below
-      # Group g at s with h at its current t0 is in g's switch cost; replace that pair term by (s, t).
-      joint = (self.local[layout.entry_row_var] - reduced.pair_costs[base + row * k_h[pair] + self.choice[h][pair]]
-               + self.local[layout.entry_col_var] - reduced.pair_costs[base + self.choice[g][pair] * k_h[pair] + col]
-               + reduced.pair_costs)
+      # Group g at s with h at its current t0 is in g's switch cost; replace that pair term by (s,
+      # t).
+      joint = (
+        self.local[layout.entry_row_var]
+        - reduced.pair_costs[base + row * k_h[pair] + self.choice[h][pair]]
+        + self.local[layout.entry_col_var]
+        - reduced.pair_costs[base + self.choice[g][pair] * k_h[pair] + col]
+        + reduced.pair_costs
+      )
     joint = np.where(np.isnan(joint), np.inf, joint)
     current = joint[reduced.pair_offsets[:-1] + self.choice[g] * k_h + self.choice[h]]
     with np.errstate(invalid="ignore"):  # inf - inf: a forbidden current pair, no move
       gain = current[pair] - joint
     gain = np.where(np.isnan(gain), -np.inf, gain)
-    gain[(row == self.choice[g][pair]) | (col == self.choice[h][pair])] = -np.inf  # single switches: `descend`
+    gain[
+      (row == self.choice[g][pair]) | (col == self.choice[h][pair])
+    ] = -np.inf  # single switches: `descend`
     best_entry = reduced.pair_offsets[:-1] + _segment_argmax(gain, reduced.pair_offsets)
     best_gain = gain[best_entry]
     moves = 0
-    for p in np.argsort(-best_gain, kind="stable")[:int(np.sum(best_gain > min_gain))].tolist():
+    for p in np.argsort(-best_gain, kind="stable")[: int(np.sum(best_gain > min_gain))].tolist():
       e = int(best_entry[p] - reduced.pair_offsets[p])
       gp, hp, sp, tp = int(g[p]), int(h[p]), e // int(k_h[p]), e % int(k_h[p])
       if sp == self.choice[gp] or tp == self.choice[hp]:
         continue  # An earlier move switched one of them there already.
       now = self.switch_costs(gp)[sp] + self.switch_costs(hp)[tp]
       matrix = reduced.pair_matrix(p)
-      exact = (now - matrix[sp, self.choice[hp]] - matrix[self.choice[gp], tp] + matrix[sp, tp]
-               + matrix[self.choice[gp], self.choice[hp]])
+      exact = (
+        now
+        - matrix[sp, self.choice[hp]]
+        - matrix[self.choice[gp], tp]
+        + matrix[sp, tp]
+        + matrix[self.choice[gp], self.choice[hp]]
+      )
       if exact < -min_gain and self.move_fits([(gp, sp), (hp, tp)]):
         self.switch(gp, sp)
         self.switch(hp, tp)
@@ -243,21 +256,29 @@ class Plan:
     no room. True if the plan ends within the limit (at most `max_switches` switches)."""
     memory, reduced = self.layout.memory, self.layout.reduced
     member_var = np.repeat(np.arange(len(memory.member_group)), np.diff(memory.member_offsets))
-    var = reduced.offsets[memory.member_group[member_var]] + np.arange(len(member_var)) \
-        - memory.member_offsets[member_var]
+    var = (
+      reduced.offsets[memory.member_group[member_var]]
+      + np.arange(len(member_var))
+      - memory.member_offsets[member_var]
+    )
     for _ in range(max_switches):
       excess = self.excess()
       worst = int(np.argmax(excess)) if len(excess) else 0
       if not len(excess) or excess[worst] <= 0:
         return True
       live = (memory.member_first <= worst) & (memory.member_last > worst)
-      use = np.bincount(var[live[member_var]], weights=memory.member_usage[live[member_var]],
-                        minlength=len(self.local))
+      use = np.bincount(
+        var[live[member_var]],
+        weights=memory.member_usage[live[member_var]],
+        minlength=len(self.local),
+      )
       current = self.choice[reduced.var_group] + reduced.offsets[:-1][reduced.var_group]
       freed = use[current] - use
       raise_cost = self.local - self.local[current]
-      price = np.where(freed > 0, raise_cost / np.maximum(freed, _MIN_FREED_SHARE * excess[worst]), np.inf)
-      for v in np.argsort(price, kind="stable")[:int(np.sum(np.isfinite(price)))].tolist():
+      price = np.where(
+        freed > 0, raise_cost / np.maximum(freed, _MIN_FREED_SHARE * excess[worst]), np.inf
+      )
+      for v in np.argsort(price, kind="stable")[: int(np.sum(np.isfinite(price)))].tolist():
         group = int(reduced.var_group[v])
         if self.move_fits([(group, v - int(reduced.offsets[group]))]):
           self.switch(group, v - int(reduced.offsets[group]))
@@ -288,8 +309,11 @@ class Budget:
   def __init__(self, layout: Layout):
     self.layout = layout
     memory = layout.memory
-    lowest = np.minimum.reduceat(memory.member_usage, memory.member_offsets[:-1]) \
-        if len(memory.member_usage) else memory.member_usage
+    lowest = (
+      np.minimum.reduceat(memory.member_usage, memory.member_offsets[:-1])
+      if len(memory.member_usage)
+      else memory.member_usage
+    )
     self.profile = memory.profile_of(lowest)
 
   def pick(self, g: int, values: np.ndarray) -> int:
@@ -298,10 +322,10 @@ class Budget:
     cuts, usage, lowest = self.layout.cuts[g], self.layout.usage[g], self.layout.lowest[g]
     if not len(usage):
       return int(np.argmin(values))
-    slack = self.layout.memory.capacity[cuts[0]:cuts[-1]] - self.profile[cuts[0]:cuts[-1]]
+    slack = self.layout.memory.capacity[cuts[0] : cuts[-1]] - self.profile[cuts[0] : cuts[-1]]
     slack = np.minimum.reduceat(slack, cuts[:-1] - cuts[0])
     over = np.max(usage - lowest[:, None] - slack[:, None], axis=0)
     fits = over <= 0
     s = int(np.argmin(np.where(fits, values, np.inf))) if fits.any() else int(np.argmin(over))
-    self.profile[cuts[0]:cuts[-1]] += np.repeat(usage[:, s] - lowest, np.diff(cuts))
+    self.profile[cuts[0] : cuts[-1]] += np.repeat(usage[:, s] - lowest, np.diff(cuts))
     return s

@@ -95,11 +95,17 @@ def build_memory(graph: StrategyGraph, reduced: Reduced) -> Memory:
   np.add.at(delta, end[fixed], -low[fixed])
   base = np.cumsum(delta[:-1])
   if limit is not None and base.max(initial=0) > limit:
-    raise ValueError("StrategyGraph: the usage that no strategy choice changes already exceeds the limit")
+    raise ValueError(
+      "StrategyGraph: the usage that no strategy choice changes already exceeds the limit"
+    )
 
   members = np.flatnonzero(varying)
   cuts = np.unique(np.concatenate([start[members], end[members]]))
-  capacity = limit - np.maximum.reduceat(base[:cuts[-1]], cuts[:-1]) if len(cuts) > 1 else np.zeros(0, usage.dtype)
+  capacity = (
+    limit - np.maximum.reduceat(base[: cuts[-1]], cuts[:-1])
+    if len(cuts) > 1
+    else np.zeros(0, usage.dtype)
+  )
   first = np.searchsorted(cuts, start[members])
   last = np.searchsorted(cuts, end[members])
   starts_at = np.bincount(first, minlength=len(cuts)) > 0
@@ -107,15 +113,18 @@ def build_memory(graph: StrategyGraph, reduced: Reduced) -> Memory:
   if len(usage) and usage.min() >= 0 and len(capacity):
     keep = _undominated(capacity, starts_at, ends_at)
     first, last, capacity = _compact(keep, first, last, capacity)
-  entries = np.concatenate([np.arange(map_offsets[m], map_offsets[m + 1]) for m in members]) \
-      if len(members) else np.zeros(0, np.int64)
+  entries = (
+    np.concatenate([np.arange(map_offsets[m], map_offsets[m + 1]) for m in members])
+    if len(members)
+    else np.zeros(0, np.int64)
+  )
   return Memory(
-      capacity=capacity,
-      member_group=reduced.node_group[members],
-      member_first=first,
-      member_last=last,
-      member_offsets=offsets_from_counts(counts[members]),
-      member_usage=usage[entries],
+    capacity=capacity,
+    member_group=reduced.node_group[members],
+    member_first=first,
+    member_last=last,
+    member_offsets=offsets_from_counts(counts[members]),
+    member_usage=usage[entries],
   )
 
 

@@ -64,8 +64,17 @@ def group_cost(reduced: Reduced, choice: np.ndarray) -> float:
   return float(reduced.unary[reduced.offsets[:-1] + choice].sum() + pair.sum())
 
 
-def reoptimize(reduced: Reduced, memory: Memory, choice: np.ndarray, free: np.ndarray, *,
-               time_limit: float, seed: int, allowed: np.ndarray | None = None, gap: float = 1e-7) -> SubResult:
+def reoptimize(
+  reduced: Reduced,
+  memory: Memory,
+  choice: np.ndarray,
+  free: np.ndarray,
+  *,
+  time_limit: float,
+  seed: int,
+  allowed: np.ndarray | None = None,
+  gap: float = 1e-7,
+) -> SubResult:
   """Re-chooses the `free` groups ([G] bool) optimally; never returns worse.
 
   `allowed` ([V] bool), if given, restricts the free groups to some of their
@@ -79,15 +88,23 @@ def reoptimize(reduced: Reduced, memory: Memory, choice: np.ndarray, free: np.nd
   highs = highspy.Highs()
   # Presolve stays off: with dense usage rows, HiGHS's root probing after it
   # can run for tens of seconds without looking at the time limit.
-  for name, value in (("output_flag", False), ("random_seed", int(seed) % 2**31), ("threads", 1),
-                      ("mip_rel_gap", gap), ("mip_abs_gap", 0.0), ("presolve", "off")):
+  for name, value in (
+    ("output_flag", False),
+    ("random_seed", int(seed) % 2**31),
+    ("threads", 1),
+    ("mip_rel_gap", gap),
+    ("mip_abs_gap", 0.0),
+    ("presolve", "off"),
+  ):
     highs.setOptionValue(name, value)
   highs.passModel(model.lp(scale))
   rows = model.initial_segments()
   _add_usage_rows(highs, model, rows)
   start = highspy.HighsSolution()
   start.col_value = model.start_values()
-  columns = np.concatenate([model.x_cost, model.y_cost])  # Banned (infinite) columns are 0 in the start.
+  columns = np.concatenate(
+    [model.x_cost, model.y_cost]
+  )  # Banned (infinite) columns are 0 in the start.
   constant = cost - float(np.dot(np.where(np.isfinite(columns), columns, 0.0), start.col_value))
   best, best_cost, bound, optimal = choice, cost, -np.inf, False
   while time.monotonic() < deadline:
@@ -120,16 +137,29 @@ def _add_usage_rows(highs: highspy.Highs, model: _Model, segments: np.ndarray) -
   matrix, upper = model.usage_rows(segments)
   if matrix.shape[0]:
     lower = np.full(matrix.shape[0], -highs.getInfinity())
-    highs.addRows(matrix.shape[0], lower, upper, matrix.nnz, matrix.indptr[:-1].astype(np.int32),
-                  matrix.indices.astype(np.int32), matrix.data)
+    highs.addRows(
+      matrix.shape[0],
+      lower,
+      upper,
+      matrix.nnz,
+      matrix.indptr[:-1].astype(np.int32),
+      matrix.indices.astype(np.int32),
+      matrix.data,
+    )
 
 
 class _Model:
   """Columns and rows of one sub-problem: x per allowed strategy of a free
   group, then y per allowed cost entry between two free groups."""
 
-  def __init__(self, reduced: Reduced, memory: Memory, choice: np.ndarray, free: np.ndarray,
-               allowed: np.ndarray | None):
+  def __init__(
+    self,
+    reduced: Reduced,
+    memory: Memory,
+    choice: np.ndarray,
+    free: np.ndarray,
+    allowed: np.ndarray | None,
+  ):
     self.reduced, self.memory, self.choice, self.free = reduced, memory, choice, free
     counts, offsets = reduced.counts, reduced.offsets
     var_group = reduced.var_group
@@ -144,13 +174,17 @@ class _Model:
     k_h = counts[h]
     # Pairs with one free end: a cost per strategy of the free end.
     for free_side in (0, 1):
-      pairs = np.flatnonzero(free[reduced.pairs[:, free_side]] & ~free[reduced.pairs[:, 1 - free_side]])
+      pairs = np.flatnonzero(
+        free[reduced.pairs[:, free_side]] & ~free[reduced.pairs[:, 1 - free_side]]
+      )
       mine = reduced.pairs[pairs, free_side]
       k = counts[mine]
       p = np.repeat(pairs, k)
       s = _local_index(k)
       fixed = choice[reduced.pairs[p, 1 - free_side]]
-      entry = reduced.pair_offsets[p] + (s * k_h[p] + fixed if free_side == 0 else fixed * k_h[p] + s)
+      entry = reduced.pair_offsets[p] + (
+        s * k_h[p] + fixed if free_side == 0 else fixed * k_h[p] + s
+      )
       column = self.column[offsets[reduced.pairs[p, free_side]] + s]
       used = column >= 0
       np.add.at(x_cost, column[used], reduced.pair_costs[entry[used]])
@@ -194,9 +228,11 @@ class _Model:
       vals += [np.ones(ny), -np.ones(len(keys))]
       num_rows += len(keys)
     matrix = scipy.sparse.csr_matrix(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(num_rows, nx + ny))
+      (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+      shape=(num_rows, nx + ny),
+    )
     bounds = np.zeros(num_rows)
-    bounds[:len(groups)] = 1.0
+    bounds[: len(groups)] = 1.0
 
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = nx + ny, num_rows
@@ -224,7 +260,7 @@ class _Model:
   def decode(self, values: np.ndarray) -> np.ndarray:
     """[G] plan: the input plan with the free groups' strategies from x."""
     choice = self.choice.copy()
-    chosen = values[:self.num_x] > 0.5
+    chosen = values[: self.num_x] > 0.5
     choice[self.x_group[chosen]] = self.x_var[chosen] - self.reduced.offsets[self.x_group[chosen]]
     return choice
 
@@ -262,7 +298,9 @@ class _Model:
     col = self.column[reduced.offsets[memory.member_group[em]] + s]
     val = memory.member_usage[memory.member_offsets[em] + s].astype(np.float64)
     used = col >= 0
-    matrix = scipy.sparse.csr_matrix((val[used], (er[used], col[used])), shape=(len(segments), self.num_x))
+    matrix = scipy.sparse.csr_matrix(
+      (val[used], (er[used], col[used])), shape=(len(segments), self.num_x)
+    )
     # The factor is no power of two and no simple fraction, so HiGHS cannot scale the rows
     # back to integers: its root mod-k separation takes rows it can, and on dense usage
     # rows it ran for minutes without looking at the time limit (K: over 100 s in a call

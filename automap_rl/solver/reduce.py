@@ -80,7 +80,9 @@ class Reduced:
   def pair_matrix(self, p: int) -> np.ndarray:
     """[k_g, k_h] view of pair p's costs."""
     g, h = self.pairs[p]
-    return self.pair_costs[self.pair_offsets[p]:self.pair_offsets[p + 1]].reshape(self.counts[g], self.counts[h])
+    return self.pair_costs[self.pair_offsets[p] : self.pair_offsets[p + 1]].reshape(
+      self.counts[g], self.counts[h]
+    )
 
   def expand(self, group_choice: np.ndarray) -> np.ndarray:
     """[N] original strategy per node from [G] group strategies."""
@@ -96,7 +98,7 @@ class Reduced:
     var = self.offsets[self.node_group[entry_node]] + local
     fits = np.bincount(var, weights=~match, minlength=len(self.unary)) == 0
     for g in range(self.num_groups):
-      hits = np.flatnonzero(fits[self.offsets[g]:self.offsets[g + 1]])
+      hits = np.flatnonzero(fits[self.offsets[g] : self.offsets[g + 1]])
       if not len(hits):
         return None
       group_choice[g] = hits[0]
@@ -112,7 +114,9 @@ class _Grouping:
   members: dict[int, list[int]]  # root -> nodes of its group
 
 
-def reduce_graph(graph: StrategyGraph, max_entries: int | None = None, limits: Limits = Limits()) -> Reduced:
+def reduce_graph(
+  graph: StrategyGraph, max_entries: int | None = None, limits: Limits = Limits()
+) -> Reduced:
   """Applies the exact reductions until none applies.
 
   Merging a node into a group with many strategies can grow the pair-cost matrices of its
@@ -134,14 +138,19 @@ def reduce_graph(graph: StrategyGraph, max_entries: int | None = None, limits: L
   edge_costs = _as_cost(graph.edge_costs)
   n = graph.num_nodes
   state = _Grouping(
-      root=np.arange(n), maps=[np.arange(c) for c in graph.num_strategies],
-      members={i: [i] for i in range(n)})
+    root=np.arange(n),
+    maps=[np.arange(c) for c in graph.num_strategies],
+    members={i: [i] for i in range(n)},
+  )
   while True:
     limits.check("reducing the graph")
     reduced = _build(graph, node_costs, edge_costs, state, max_entries)
     entries = _Entries(reduced)
     allowed = _arc_consistent(reduced, entries)
-    keep = {int(r): allowed[reduced.offsets[g]:reduced.offsets[g + 1]] for g, r in enumerate(np.unique(state.root))}
+    keep = {
+      int(r): allowed[reduced.offsets[g] : reduced.offsets[g + 1]]
+      for g, r in enumerate(np.unique(state.root))
+    }
     merged = _merge_determined(reduced, entries, allowed, state, keep)
     if not merged and np.all(allowed):
       return reduced
@@ -154,8 +163,13 @@ def _as_cost(costs: np.ndarray) -> np.ndarray:
   return out
 
 
-def _build(graph: StrategyGraph, node_costs: np.ndarray, edge_costs: np.ndarray, state: _Grouping,
-           max_entries: int | None) -> Reduced:
+def _build(
+  graph: StrategyGraph,
+  node_costs: np.ndarray,
+  edge_costs: np.ndarray,
+  state: _Grouping,
+  max_entries: int | None,
+) -> Reduced:
   """The group problem for the current grouping (vectorised over all edges)."""
   roots = np.unique(state.root)
   group_of_root = np.full(graph.num_nodes, -1)
@@ -170,8 +184,9 @@ def _build(graph: StrategyGraph, node_costs: np.ndarray, edge_costs: np.ndarray,
   entry_node = np.repeat(np.arange(graph.num_nodes), np.diff(map_offsets))
   local = np.arange(len(node_map)) - map_offsets[entry_node]
   unary_var = offsets[node_group[entry_node]] + local
-  unary = np.bincount(unary_var, weights=node_costs[graph.node_offsets[entry_node] + node_map],
-                      minlength=offsets[-1]).astype(np.float64)
+  unary = np.bincount(
+    unary_var, weights=node_costs[graph.node_offsets[entry_node] + node_map], minlength=offsets[-1]
+  ).astype(np.float64)
 
   u, v = graph.edges[:, 0], graph.edges[:, 1]
   gu, gv = node_group[u], node_group[v]
@@ -179,9 +194,14 @@ def _build(graph: StrategyGraph, node_costs: np.ndarray, edge_costs: np.ndarray,
   inside = gu == gv
   # Edges inside a group: one cost per group strategy.
   e_in = np.repeat(np.flatnonzero(inside), counts[gu[inside]])
-  s_in = np.arange(len(e_in)) - np.repeat(offsets_from_counts(counts[gu[inside]])[:-1], counts[gu[inside]])
-  cost_in = edge_costs[graph.edge_offsets[e_in] + node_map[map_offsets[u[e_in]] + s_in] * n_v[e_in]
-                       + node_map[map_offsets[v[e_in]] + s_in]]
+  s_in = np.arange(len(e_in)) - np.repeat(
+    offsets_from_counts(counts[gu[inside]])[:-1], counts[gu[inside]]
+  )
+  cost_in = edge_costs[
+    graph.edge_offsets[e_in]
+    + node_map[map_offsets[u[e_in]] + s_in] * n_v[e_in]
+    + node_map[map_offsets[v[e_in]] + s_in]
+  ]
   unary += np.bincount(offsets[gu[e_in]] + s_in, weights=cost_in, minlength=offsets[-1])
   unary[np.isnan(unary)] = np.inf
 
@@ -193,21 +213,36 @@ def _build(graph: StrategyGraph, node_costs: np.ndarray, edge_costs: np.ndarray,
   pair_offsets = offsets_from_counts(counts[pairs[:, 0]] * counts[pairs[:, 1]])
   sizes = counts[gu[out]] * counts[gv[out]]
   if max_entries is not None and sizes.sum() > max_entries:
-    raise GraphTooLarge(f"solver: {graph.name or 'the graph'} groups into {int(sizes.sum()):,} pair-cost entries, "
-                        f"more than the {max_entries:,} the solver can set up within a time limit")
+    raise GraphTooLarge(
+      f"solver: {graph.name or 'the graph'} groups into {int(sizes.sum()):,} pair-cost entries, "
+      f"more than the {max_entries:,} the solver can set up within a time limit"
+    )
   e = np.repeat(out, sizes)
   k = np.arange(len(e)) - np.repeat(offsets_from_counts(sizes)[:-1], sizes)
   kv = counts[gv[e]]
   a, b = k // kv, k % kv  # strategies of u's group and v's group
-  cost = edge_costs[graph.edge_offsets[e] + node_map[map_offsets[u[e]] + a] * n_v[e] + node_map[map_offsets[v[e]] + b]]
+  cost = edge_costs[
+    graph.edge_offsets[e]
+    + node_map[map_offsets[u[e]] + a] * n_v[e]
+    + node_map[map_offsets[v[e]] + b]
+  ]
   flip = gu[e] > gv[e]
   row, col = np.where(flip, b, a), np.where(flip, a, b)
   p = np.repeat(pair_of_edge, sizes)
   slot = pair_offsets[p] + row * counts[pairs[p, 1]] + col
   pair_costs = np.bincount(slot, weights=cost, minlength=pair_offsets[-1]).astype(np.float64)
   pair_costs[np.isnan(pair_costs)] = np.inf
-  return Reduced(counts=counts, offsets=offsets, unary=unary, pairs=pairs, pair_offsets=pair_offsets,
-                 pair_costs=pair_costs, node_group=node_group, node_map_offsets=map_offsets, node_map=node_map)
+  return Reduced(
+    counts=counts,
+    offsets=offsets,
+    unary=unary,
+    pairs=pairs,
+    pair_offsets=pair_offsets,
+    pair_costs=pair_costs,
+    node_group=node_group,
+    node_map_offsets=map_offsets,
+    node_map=node_map,
+  )
 
 
 class _Entries:
@@ -223,19 +258,30 @@ class _Entries:
     k = np.arange(len(self.pair)) - reduced.pair_offsets[self.pair]
     k_h = counts[pairs[self.pair, 1]]
     self.row_local, self.col_local = k // k_h, k % k_h
-    self.slot_offsets = (offsets_from_counts(counts[pairs[:, 0]]), offsets_from_counts(counts[pairs[:, 1]]))
+    self.slot_offsets = (
+      offsets_from_counts(counts[pairs[:, 0]]),
+      offsets_from_counts(counts[pairs[:, 1]]),
+    )
     self.row_slot = self.slot_offsets[0][self.pair] + self.row_local
     self.col_slot = self.slot_offsets[1][self.pair] + self.col_local
     self.row = reduced.offsets[pairs[self.pair, 0]] + self.row_local
     self.col = reduced.offsets[pairs[self.pair, 1]] + self.col_local
-    self.slot_var = tuple(_ranges(reduced.offsets[pairs[:, side]], counts[pairs[:, side]]) for side in (0, 1))
-    self.slot_pair = tuple(np.repeat(np.arange(len(pairs)), counts[pairs[:, side]]) for side in (0, 1))
+    self.slot_var = tuple(
+      _ranges(reduced.offsets[pairs[:, side]], counts[pairs[:, side]]) for side in (0, 1)
+    )
+    self.slot_pair = tuple(
+      np.repeat(np.arange(len(pairs)), counts[pairs[:, side]]) for side in (0, 1)
+    )
     self.finite = np.isfinite(reduced.pair_costs)
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
   """Concatenation of arange(start, start + length) for each pair."""
-  return np.repeat(starts, lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+  return (
+    np.repeat(starts, lengths)
+    + np.arange(lengths.sum())
+    - np.repeat(np.cumsum(lengths) - lengths, lengths)
+  )
 
 
 def _arc_consistent(reduced: Reduced, e: _Entries) -> np.ndarray:
@@ -261,8 +307,9 @@ def _restrict(state: _Grouping, keep: dict[int, np.ndarray]) -> None:
         state.maps[m] = state.maps[m][mask]
 
 
-def _merge_determined(reduced: Reduced, e: _Entries, allowed: np.ndarray, state: _Grouping,
-                      keep: dict[int, np.ndarray]) -> bool:
+def _merge_determined(
+  reduced: Reduced, e: _Entries, allowed: np.ndarray, state: _Grouping, keep: dict[int, np.ndarray]
+) -> bool:
   """Merges groups determined by a neighbour across one pair; True if any.
 
   Only allowed strategies count; `keep` (allowed strategies per root) is
@@ -292,7 +339,9 @@ def _merge_determined(reduced: Reduced, e: _Entries, allowed: np.ndarray, state:
     options = []
     for side, (decider, decided) in enumerate(((g, h), (h, g))):
       if decides[side][q]:
-        options.append((decider, decided, partner[side][e.slot_offsets[side][q]:e.slot_offsets[side][q + 1]]))
+        options.append(
+          (decider, decided, partner[side][e.slot_offsets[side][q] : e.slot_offsets[side][q + 1]])
+        )
     options.sort(key=lambda o: -size[owner[o[0]]])
     for decider, decided, choice in options:
       top = owner[decider]

@@ -130,15 +130,17 @@ class Role:
 ROLES = (Role(), Role(price_rise=1.8, price_fall=0.75, repair_until_fitted=True))
 
 
-def next_prices(prices: np.ndarray, excess: np.ndarray, capacity: np.ndarray, base: float,
-                role: Role = Role()) -> np.ndarray:
+def next_prices(
+  prices: np.ndarray, excess: np.ndarray, capacity: np.ndarray, base: float, role: Role = Role()
+) -> np.ndarray:
   """The pricing round's update of the per-segment prices [S]: `role.price_rise` times (at
   least `base`) where the plan's usage `excess` [S] breaks the limit, up to
   `_MAX_PRICE * base`; `role.price_fall` times where 1% of `capacity` [S] is left;
   unchanged elsewhere."""
   rising = np.minimum(np.maximum(prices * role.price_rise, base), _MAX_PRICE * base)
-  return np.where(excess > 0, rising, np.where(excess < -0.01 * capacity, prices * role.price_fall, prices))
-
+  return np.where(
+    excess > 0, rising, np.where(excess < -0.01 * capacity, prices * role.price_fall, prices)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +171,16 @@ class SolveResult:
   stopped_by: str | None = None
 
 
-def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
-          warm_start: Sequence[int] | np.ndarray | None = None,
-          progress: Progress | None = None, limits: Limits = Limits(), workers: int = 0) -> SolveResult:
+def solve(
+  graph: StrategyGraph,
+  *,
+  timeout_s: float,
+  seed: int,
+  warm_start: Sequence[int] | np.ndarray | None = None,
+  progress: Progress | None = None,
+  limits: Limits = Limits(),
+  workers: int = 0,
+) -> SolveResult:
   """Finds a low-cost plan within the usage limit in about `timeout_s` seconds.
 
   Args:
@@ -199,12 +208,17 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
   started = time.monotonic()
   if warm_start is not None:
     warm_start = np.asarray(warm_start)
-    if (warm_start.shape != (graph.num_nodes,) or warm_start.dtype.kind not in "iu"
-        or np.any((warm_start < 0) | (warm_start >= graph.num_strategies))):
+    if (
+      warm_start.shape != (graph.num_nodes,)
+      or warm_start.dtype.kind not in "iu"
+      or np.any((warm_start < 0) | (warm_start >= graph.num_strategies))
+    ):
       raise ValueError("solve: warm_start must hold one valid strategy index per node")
   if workers < 0:
     raise ValueError("solve: workers must be 0 (in this process) or a number of processes")
-  deadline = min(started + 0.93 * timeout_s - 0.5, np.inf if limits.deadline is None else limits.deadline)
+  deadline = min(
+    started + 0.93 * timeout_s - 0.5, np.inf if limits.deadline is None else limits.deadline
+  )
   reduced = reduce_graph(graph, max_entries=MAX_PAIR_ENTRIES, limits=limits)
   memory = build_memory(graph, reduced)
   limits.check("setting up the solver")
@@ -212,28 +226,50 @@ def solve(graph: StrategyGraph, *, timeout_s: float, seed: int,
   limits.check("setting up the solver")
   problem = _Problem(graph, reduced, memory, layout, started)
   warm = None if warm_start is None else reduced.node_choice_to_group(warm_start.astype(np.int64))
-  setup = (f"{time.monotonic() - started:6.2f}s reduce: {graph.num_nodes} nodes, {graph.num_edges} edges -> "
-           f"{reduced.num_groups} groups, {len(reduced.pairs)} pairs, {memory.num_segments} time segments")
+  setup = (
+    f"{time.monotonic() - started:6.2f}s reduce: {graph.num_nodes} nodes, {graph.num_edges} edges -> "
+    f"{reduced.num_groups} groups, {len(reduced.pairs)} pairs, {memory.num_segments} time segments"
+  )
   if workers == 0:
     search = _Search(problem, deadline, seed, limits, progress=progress)
     search.run_guarded(warm)
     outcome = search.outcome()
   else:
-    outcome = _supervise(problem, warm, deadline, limits, [_worker_seed(seed, i) for i in range(workers)],
-                         hard_deadline=deadline + 0.05 * timeout_s + 0.3, progress=progress)
+    outcome = _supervise(
+      problem,
+      warm,
+      deadline,
+      limits,
+      [_worker_seed(seed, i) for i in range(workers)],
+      hard_deadline=deadline + 0.05 * timeout_s + 0.3,
+      progress=progress,
+    )
   if outcome.best is None:
     if outcome.limit_error is not None:
       raise outcome.limit_error
     if outcome.stopped_by == "seconds":
-      raise LimitReached("seconds", f"the time limit came before the solver found a plan for "
-                                    f"{graph.name or 'the graph'}")
-    raise RuntimeError(f"solver: no plan within the usage limit found for {graph.name or 'the graph'}")
+      raise LimitReached(
+        "seconds",
+        f"the time limit came before the solver found a plan for {graph.name or 'the graph'}",
+      )
+    raise RuntimeError(
+      f"solver: no plan within the usage limit found for {graph.name or 'the graph'}"
+    )
   choice = reduced.expand(outcome.best)
   if not is_feasible(graph, choice):
-    raise RuntimeError(f"solver: the plan found for {graph.name or 'the graph'} fails the original graph's check")
+    raise RuntimeError(
+      f"solver: the plan found for {graph.name or 'the graph'} fails the original graph's check"
+    )
   lower_bound = None if outcome.lower_bound is None else min(outcome.lower_bound, outcome.best_cost)
-  return SolveResult(choice=choice, cost=plan_cost(graph, choice), feasible=True, seconds=time.monotonic() - started,
-                     lower_bound=lower_bound, log=(setup,) + outcome.log, stopped_by=outcome.stopped_by)
+  return SolveResult(
+    choice=choice,
+    cost=plan_cost(graph, choice),
+    feasible=True,
+    seconds=time.monotonic() - started,
+    lower_bound=lower_bound,
+    log=(setup,) + outcome.log,
+    stopped_by=outcome.stopped_by,
+  )
 
 
 def _worker_seed(seed: int, worker: int) -> int:
@@ -273,8 +309,15 @@ class _Outcome:
   limit_error: LimitReached | None
 
 
-def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limits: Limits, seeds: list[int],
-               hard_deadline: float, progress: Progress | None) -> _Outcome:
+def _supervise(
+  problem: _Problem,
+  warm: np.ndarray | None,
+  deadline: float,
+  limits: Limits,
+  seeds: list[int],
+  hard_deadline: float,
+  progress: Progress | None,
+) -> _Outcome:
   """Runs one search per seed in a forked process; publishes each new best plan to the
   other searches (`_SharedBest`); keeps the best plan and lower bound each search reports
   as it finds them; kills the searches still running at `hard_deadline`, or once a search
@@ -287,9 +330,12 @@ def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limi
   for worker, seed in enumerate(seeds):
     here, there = context.Pipe(duplex=False)
     role = ROLES[worker % len(ROLES)]
-    process = context.Process(target=_search_in_child,
-                              args=(problem, warm, deadline, seed, role, limits, there, shared, worker),
-                              name=f"iopddl-search-{worker}", daemon=True)
+    process = context.Process(
+      target=_search_in_child,
+      args=(problem, warm, deadline, seed, role, limits, there, shared, worker),
+      name=f"iopddl-search-{worker}",
+      daemon=True,
+    )
     process.start()
     there.close()
     channels.append(here)
@@ -299,12 +345,16 @@ def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limi
   running = dict(enumerate(channels))
   proven = False
   while running and not proven and time.monotonic() < hard_deadline:
-    for channel in multiprocessing.connection.wait(list(running.values()), timeout=hard_deadline - time.monotonic()):
+    for channel in multiprocessing.connection.wait(
+      list(running.values()), timeout=hard_deadline - time.monotonic()
+    ):
       worker = channels.index(channel)
       try:
         message = channel.recv()
       except (EOFError, OSError):
-        logs.append(f"worker {worker}: ended without a report (exit code {processes[worker].exitcode})")
+        logs.append(
+          f"worker {worker}: ended without a report (exit code {processes[worker].exitcode})"
+        )
         del running[worker]
         continue
       if message[0] == "bound":
@@ -336,8 +386,14 @@ def _supervise(problem: _Problem, warm: np.ndarray | None, deadline: float, limi
     process.join()
   for channel in channels:
     channel.close()
-  return _Outcome(best=best, best_cost=best_key[0], lower_bound=max(bounds, default=None), log=tuple(logs),
-                  stopped_by=stopped[0] if stopped else None, limit_error=errors[0] if errors else None)
+  return _Outcome(
+    best=best,
+    best_cost=best_key[0],
+    lower_bound=max(bounds, default=None),
+    log=tuple(logs),
+    stopped_by=stopped[0] if stopped else None,
+    limit_error=errors[0] if errors else None,
+  )
 
 
 class _SharedBest:
@@ -356,7 +412,7 @@ class _SharedBest:
 
   def publish(self, choice: np.ndarray, cost: float, worker: int) -> None:
     with self.lock:
-      np.frombuffer(self.plan, np.int64)[:self.num_groups] = choice
+      np.frombuffer(self.plan, np.int64)[: self.num_groups] = choice
       self.cost.value, self.source.value = cost, worker
       self.version.value += 1
 
@@ -367,14 +423,28 @@ class _SharedBest:
     with self.lock:
       if self.source.value == worker:
         return self.version.value, None, np.inf
-      return self.version.value, np.frombuffer(self.plan, np.int64)[:self.num_groups].copy(), self.cost.value
+      return (
+        self.version.value,
+        np.frombuffer(self.plan, np.int64)[: self.num_groups].copy(),
+        self.cost.value,
+      )
 
 
-def _search_in_child(problem: _Problem, warm: np.ndarray | None, deadline: float, seed: int, role: Role,
-                     limits: Limits, channel: multiprocessing.connection.Connection, shared: _SharedBest,
-                     worker: int) -> None:
+def _search_in_child(
+  problem: _Problem,
+  warm: np.ndarray | None,
+  deadline: float,
+  seed: int,
+  role: Role,
+  limits: Limits,
+  channel: multiprocessing.connection.Connection,
+  shared: _SharedBest,
+  worker: int,
+) -> None:
   """A worker process: one search that reports each better plan and its outcome through `channel`."""
-  search = _Search(problem, deadline, seed, limits, role=role, channel=channel, shared=shared, worker=worker)
+  search = _Search(
+    problem, deadline, seed, limits, role=role, channel=channel, shared=shared, worker=worker
+  )
   search.run_guarded(warm)
   channel.send(("done", search.outcome()))
   channel.close()
@@ -386,10 +456,24 @@ class _Search:
   In worker number `worker`, `channel` carries each better plan to the supervisor and
   `shared` holds the best plan of all searches, adopted between neighbourhood steps."""
 
-  def __init__(self, problem: _Problem, deadline: float, seed: int, limits: Limits, role: Role = ROLES[0],
-               progress: Progress | None = None, channel: multiprocessing.connection.Connection | None = None,
-               shared: _SharedBest | None = None, worker: int = 0):
-    self.graph, self.reduced, self.memory, self.layout = problem.graph, problem.reduced, problem.memory, problem.layout
+  def __init__(
+    self,
+    problem: _Problem,
+    deadline: float,
+    seed: int,
+    limits: Limits,
+    role: Role = ROLES[0],
+    progress: Progress | None = None,
+    channel: multiprocessing.connection.Connection | None = None,
+    shared: _SharedBest | None = None,
+    worker: int = 0,
+  ):
+    self.graph, self.reduced, self.memory, self.layout = (
+      problem.graph,
+      problem.reduced,
+      problem.memory,
+      problem.layout,
+    )
     self.started, self.deadline, self.limits = problem.started, deadline, limits
     self.progress, self.channel, self.role = progress, channel, role
     self.shared, self.worker, self.seen_version = shared, worker, 0
@@ -398,9 +482,13 @@ class _Search:
     self.rng = np.random.default_rng(seed)
     self.seed = seed
     self.log: list[str] = []
-    self.best: np.ndarray | None = None  # the best plan of the line: what crossovers and neighbourhoods improve
+    self.best: np.ndarray | None = (
+      None  # the best plan of the line: what crossovers and neighbourhoods improve
+    )
     self.best_cost = np.inf
-    self.spare: np.ndarray | None = None  # a cheaper plan kept apart from the line (a repaired one), or None
+    self.spare: np.ndarray | None = (
+      None  # a cheaper plan kept apart from the line (a repaired one), or None
+    )
     self.spare_cost = np.inf
     self.lower_bound: float | None = None
 
@@ -450,9 +538,19 @@ class _Search:
         self.best, self.best_cost = choice, cost
 
   def outcome(self) -> _Outcome:
-    best, cost = (self.spare, self.spare_cost) if self.spare_cost < self.best_cost else (self.best, self.best_cost)
-    return _Outcome(best=best, best_cost=cost, lower_bound=self.lower_bound, log=tuple(self.log),
-                    stopped_by=self.stopped_by, limit_error=self.limit_error if best is None else None)
+    best, cost = (
+      (self.spare, self.spare_cost)
+      if self.spare_cost < self.best_cost
+      else (self.best, self.best_cost)
+    )
+    return _Outcome(
+      best=best,
+      best_cost=cost,
+      lower_bound=self.lower_bound,
+      log=tuple(self.log),
+      stopped_by=self.stopped_by,
+      limit_error=self.limit_error if best is None else None,
+    )
 
   def run_guarded(self, warm: np.ndarray | None) -> None:
     """`run`, turning a `LimitReached` into `stopped_by` (or `limit_error` without a plan)."""
@@ -469,9 +567,14 @@ class _Search:
     if warm is not None and self.offer(warm, "warm start"):
       self.note(f"warm start: {self.best_cost:.6g}")
     small = len(reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
-    self.price(until=self.deadline - (0.55 if small else 0.05) * max(self.left(), 0.0),
-               patience=_SMALL_PATIENCE if small else None, budget_every=_SMALL_BUDGET_EVERY if small else None)
-    if self.spare_cost < self.best_cost:  # Pricing is over: the stages after it improve the cheapest plan.
+    self.price(
+      until=self.deadline - (0.55 if small else 0.05) * max(self.left(), 0.0),
+      patience=_SMALL_PATIENCE if small else None,
+      budget_every=_SMALL_BUDGET_EVERY if small else None,
+    )
+    if (
+      self.spare_cost < self.best_cost
+    ):  # Pricing is over: the stages after it improve the cheapest plan.
       self.best, self.best_cost = self.spare, self.spare_cost
     if self.best is None:
       return
@@ -495,7 +598,9 @@ class _Search:
     pending: tuple[float, np.ndarray] | None = None
     rounds = merges = crossings = last_better = 0
     fitted = False
-    while rounds < 2 or (time.monotonic() < until and (patience is None or rounds - last_better < patience)):
+    while rounds < 2 or (
+      time.monotonic() < until and (patience is None or rounds - last_better < patience)
+    ):
       self.limits.check("pricing")
       best_before = self.best_cost
       dual.set_prices(prices)
@@ -505,12 +610,19 @@ class _Search:
       choice = dual.decode()
       cost = group_cost(reduced, choice)
       excess = memory.excess(choice).astype(np.float64)
-      if rounds == 0:  # A plan's cost per unit of capacity (a finite one: a first plan may cost inf).
+      if (
+        rounds == 0
+      ):  # A plan's cost per unit of capacity (a finite one: a first plan may cost inf).
         scale = next((c for c in (cost, self.best_cost) if np.isfinite(c)), 1.0)
         base = max(abs(scale), 1.0) / max(float(capacity.sum()), 1.0)
       fitted = fitted or bool(np.all(excess <= 0))
-      if (self.role.repair_until_fitted and not fitted and self.spare is None and rounds % 4 == 0
-          and cost < self.best_cost):
+      if (
+        self.role.repair_until_fitted
+        and not fitted
+        and self.spare is None
+        and rounds % 4 == 0
+        and cost < self.best_cost
+      ):
         self.polish(choice, "pricing, repaired", line=False)
       if cost < self.best_cost and np.all(excess <= 0):
         self.polish(choice, "pricing")
@@ -518,7 +630,12 @@ class _Search:
         pending = (cost, choice)
       if self.best is None or (budget_every and rounds % budget_every == 0):
         self.polish(dual.decode(Budget(self.layout).pick), "pricing within budget")
-      if rounds % 2 == 1 and pending is not None and self.best is not None and (fitted or rounds >= _CROSSOVER_AFTER):
+      if (
+        rounds % 2 == 1
+        and pending is not None
+        and self.best is not None
+        and (fitted or rounds >= _CROSSOVER_AFTER)
+      ):
         left = until - time.monotonic()
         if left > 0.3:
           merges += self.crossover(pending[1], time_limit=min(left, 4.0))
@@ -528,8 +645,10 @@ class _Search:
         last_better = rounds
       prices = next_prices(prices, excess, capacity, base, self.role)
       rounds += 1
-    self.note(f"pricing: {rounds} rounds, {dual.num_colors} colours, {crossings} crossovers "
-              f"({merges} improving), best {self.best_cost:.6g}")
+    self.note(
+      f"pricing: {rounds} rounds, {dual.num_colors} colours, {crossings} crossovers "
+      f"({merges} improving), best {self.best_cost:.6g}"
+    )
 
   def polish(self, choice: np.ndarray, stage: str, line: bool = True) -> None:
     """Repairs a plan over the limit (`Plan.repair`), then descends with single switches
@@ -539,7 +658,9 @@ class _Search:
       return
     order = self.rng.permutation(self.reduced.num_groups)
     tolerance = 1e-12 * max(float(np.abs(self.reduced.unary).max(initial=1.0)), 1.0)
-    while self.left() > 0 and plan.descend(order, min_gain=tolerance) + plan.descend_pairs(min_gain=tolerance):
+    while self.left() > 0 and plan.descend(order, min_gain=tolerance) + plan.descend_pairs(
+      min_gain=tolerance
+    ):
       pass
     self.offer(plan.choice, stage, line)
 
@@ -553,8 +674,15 @@ class _Search:
     allowed = np.zeros(len(reduced.unary), bool)
     allowed[reduced.offsets[:-1] + self.best] = True
     allowed[reduced.offsets[:-1] + other] = True
-    result = reoptimize(reduced, self.memory, self.best, free, time_limit=time_limit,
-                        seed=self.seed + len(self.log), allowed=allowed)
+    result = reoptimize(
+      reduced,
+      self.memory,
+      self.best,
+      free,
+      time_limit=time_limit,
+      seed=self.seed + len(self.log),
+      allowed=allowed,
+    )
     return self.offer(result.choice, "crossover")
 
   def whole_mip(self, time_limit: float) -> bool:
@@ -563,11 +691,15 @@ class _Search:
     if time_limit <= 0.5:
       return False
     everything = np.ones(self.reduced.num_groups, bool)
-    result = reoptimize(self.reduced, self.memory, self.best, everything, time_limit=time_limit, seed=self.seed)
+    result = reoptimize(
+      self.reduced, self.memory, self.best, everything, time_limit=time_limit, seed=self.seed
+    )
     self.offer(result.choice, "whole MIP")
     self.bound(result.bound)
-    self.note(f"whole MIP: {'optimal' if result.optimal else 'stopped'}, best {self.best_cost:.6g}, "
-              f"bound {result.bound:.6g}")
+    self.note(
+      f"whole MIP: {'optimal' if result.optimal else 'stopped'}, best {self.best_cost:.6g}, "
+      f"bound {result.bound:.6g}"
+    )
     return result.optimal
 
   def neighbourhoods(self) -> None:
@@ -588,10 +720,14 @@ class _Search:
       else:
         free = self._ball(size, neighbours)
       limit = min(self.left() - 0.5, 3.0)
-      result = reoptimize(reduced, memory, self.best, free, time_limit=limit, seed=self.seed + steps)
+      result = reoptimize(
+        reduced, memory, self.best, free, time_limit=limit, seed=self.seed + steps
+      )
       if self.offer(result.choice, "neighbourhood"):
         improved += 1
-      size = min(int(size * 1.25), reduced.num_groups) if result.optimal else max(int(size * 0.7), 20)
+      size = (
+        min(int(size * 1.25), reduced.num_groups) if result.optimal else max(int(size * 0.7), 20)
+      )
       steps += 1
     self.note(f"neighbourhoods: {steps} steps, {improved} improving, best {self.best_cost:.6g}")
 
@@ -603,8 +739,10 @@ class _Search:
       return self._ball(size, neighbours)
     tight = np.argsort(slack, kind="stable")[:64]
     segment = int(self.rng.choice(tight))
-    live = np.unique(memory.member_group[(memory.member_first <= segment) & (memory.member_last > segment)])
-    picked = self.rng.permutation(live)[:max(size // 2, 1)]
+    live = np.unique(
+      memory.member_group[(memory.member_first <= segment) & (memory.member_last > segment)]
+    )
+    picked = self.rng.permutation(live)[: max(size // 2, 1)]
     free[picked] = True
     count = len(picked)
     for g in picked.tolist():

@@ -10,12 +10,28 @@ split. :data:`EXTERNAL_FAMILIES` wrap models that ship inside other packages
 (:mod:`automap_rl.workloads.external`); the suite's ``external`` split holds them.
 """
 
-from automap_rl.workloads.spec import (EXTERNAL_FAMILIES, FAMILIES, SMALL, STYLES,
-                                       canonical_spec, make_workload, parse_model_spec)
+from automap_rl.workloads.spec import (
+  EXTERNAL_FAMILIES,
+  FAMILIES,
+  SMALL,
+  STYLES,
+  canonical_spec,
+  make_workload,
+  parse_model_spec,
+)
 from automap_rl.workloads.suite import SPLITS, Case, load_cases
 from automap_rl.workloads.training import Workload
 
 __all__ = [
-    "EXTERNAL_FAMILIES", "FAMILIES", "SMALL", "SPLITS", "STYLES", "Case", "Workload", "canonical_spec", "load_cases",
-    "make_workload", "parse_model_spec",
+  "EXTERNAL_FAMILIES",
+  "FAMILIES",
+  "SMALL",
+  "SPLITS",
+  "STYLES",
+  "Case",
+  "Workload",
+  "canonical_spec",
+  "load_cases",
+  "make_workload",
+  "parse_model_spec",
 ]

@@ -80,8 +80,9 @@ class DiTConfig:
     training.check_dtype(self.dtype)
     if self.image_size % self.patch or self.d_model % self.heads or self.d_model % 4:
       raise ValueError(
-          f"patch={self.patch} must divide image_size={self.image_size}, and "
-          f"heads={self.heads} and 4 must divide d_model={self.d_model}")
+        f"patch={self.patch} must divide image_size={self.image_size}, and "
+        f"heads={self.heads} and 4 must divide d_model={self.d_model}"
+      )
     if self.frequency_dim % 2:
       raise ValueError(f"frequency_dim={self.frequency_dim} must be even")
 
@@ -94,10 +95,10 @@ class DiTConfig:
 _IMAGENET_256 = {"patch": 2, "image_size": 32, "channels": 4, "classes": 1000, "dtype": "bfloat16"}
 # Size label -> config fields.
 PRESETS: dict[str, dict[str, Any]] = {
-    "s-2": {"layers": 12, "d_model": 384, "heads": 6, "mlp_dim": 1536, **_IMAGENET_256},
-    "b-2": {"layers": 12, "d_model": 768, "heads": 12, "mlp_dim": 3072, **_IMAGENET_256},
-    "l-2": {"layers": 24, "d_model": 1024, "heads": 16, "mlp_dim": 4096, **_IMAGENET_256},
-    "xl-2": {"layers": 28, "d_model": 1152, "heads": 16, "mlp_dim": 4608, **_IMAGENET_256},
+  "s-2": {"layers": 12, "d_model": 384, "heads": 6, "mlp_dim": 1536, **_IMAGENET_256},
+  "b-2": {"layers": 12, "d_model": 768, "heads": 12, "mlp_dim": 3072, **_IMAGENET_256},
+  "l-2": {"layers": 24, "d_model": 1024, "heads": 16, "mlp_dim": 4096, **_IMAGENET_256},
+  "xl-2": {"layers": 28, "d_model": 1152, "heads": 16, "mlp_dim": 4608, **_IMAGENET_256},
 }
 
 
@@ -131,8 +132,10 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, n, d = x.shape
-    q, k, v = (proj(x).reshape(b, n, self.heads, self.head_dim)
-               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    q, k, v = (
+      proj(x).reshape(b, n, self.heads, self.head_dim)
+      for proj in (self.q_proj, self.k_proj, self.v_proj)
+    )
     logits = jnp.einsum("bshd,bthd->bhst", q, k) / jnp.sqrt(self.head_dim).astype(x.dtype)
     weights = jax.nn.softmax(training.widen(logits), axis=-1).astype(x.dtype)
     return self.o_proj(jnp.einsum("bhst,bthd->bshd", weights, v).reshape(b, n, d))
@@ -158,7 +161,9 @@ class TimeEmbedding(nnx.Module):
     self.fc2 = nnx.Linear(config.d_model, config.d_model, rngs=rngs)
 
   def __call__(self, t: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    return self.fc2(nnx.silu(self.fc1(unet.timestep_embedding(t, self.frequency_dim).astype(dtype))))
+    return self.fc2(
+      nnx.silu(self.fc1(unet.timestep_embedding(t, self.frequency_dim).astype(dtype)))
+    )
 
 
 class Block(nnx.Module):
@@ -174,7 +179,9 @@ class Block(nnx.Module):
     self.modulation = nnx.Linear(d, 6 * d, kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
 
   def __call__(self, x: jax.Array, c: jax.Array) -> jax.Array:
-    shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(self.modulation(nnx.silu(c)), 6, axis=-1)
+    shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(
+      self.modulation(nnx.silu(c)), 6, axis=-1
+    )
     x = x + gate1[:, None] * self.attn(modulate(self.norm1(x), shift1, scale1))
     return x + gate2[:, None] * self.mlp(modulate(self.norm2(x), shift2, scale2))
 
@@ -202,7 +209,9 @@ class DiT(nnx.Module):
   def __init__(self, config: DiTConfig, rngs: nnx.Rngs):
     d, p = config.d_model, config.patch
     self.config = config
-    self.patch_embed = nnx.Conv(config.channels, d, (p, p), strides=(p, p), padding="VALID", rngs=rngs)
+    self.patch_embed = nnx.Conv(
+      config.channels, d, (p, p), strides=(p, p), padding="VALID", rngs=rngs
+    )
     self.time_embed = TimeEmbedding(config, rngs)
     self.label_embed = nnx.Embed(config.classes + 1, d, rngs=rngs)
 
@@ -226,8 +235,9 @@ class DiT(nnx.Module):
     def run(tokens: jax.Array, block: Block, c: jax.Array) -> jax.Array:
       return block(tokens, c)
 
-    run = nnx.scan(nnx.remat(run) if cfg.remat else run,
-                   in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+    run = nnx.scan(
+      nnx.remat(run) if cfg.remat else run, in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry
+    )
     out = self.final(run(tokens, self.blocks, c), c)  # [b, grid * grid, p * p * channels]
     out = out.reshape(b, grid, grid, p, p, cfg.channels).transpose(0, 1, 3, 2, 4, 5)
     return out.reshape(b, grid * p, grid * p, cfg.channels)
@@ -250,18 +260,21 @@ def make(config: DiTConfig, seed: int = 0) -> training.Workload:
   labels = jax.random.randint(labels_key, (config.batch,), 0, config.classes, jnp.int32)
   dropped = jax.random.uniform(drop_key, (config.batch,)) < LABEL_DROPOUT
   batch = {
-      "latents": jax.random.normal(latents_key, shape, jnp.float32),
-      "noise": jax.random.normal(noise_key, shape, jnp.float32),
-      "timesteps": jax.random.uniform(time_key, (config.batch,), jnp.float32),
-      "labels": jnp.where(dropped, config.classes, labels),
+    "latents": jax.random.normal(latents_key, shape, jnp.float32),
+    "noise": jax.random.normal(noise_key, shape, jnp.float32),
+    "timesteps": jax.random.uniform(time_key, (config.batch,), jnp.float32),
+    "labels": jnp.where(dropped, config.classes, labels),
   }
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, training.cast_floating(params, config.dtype))
     alpha = jnp.cos(0.5 * jnp.pi * batch["timesteps"])[:, None, None, None] ** 2
     latents = jnp.sqrt(alpha) * batch["latents"] + jnp.sqrt(1.0 - alpha) * batch["noise"]
-    predicted = model(training.cast_floating(latents, config.dtype), batch["timesteps"], batch["labels"])
+    predicted = model(
+      training.cast_floating(latents, config.dtype), batch["timesteps"], batch["labels"]
+    )
     return jnp.mean((training.widen(predicted) - batch["noise"]) ** 2)
 
   return training.build_workload(
-      training.spec_string("dit", config, PRESETS), loss_fn, params, batch)
+    training.spec_string("dit", config, PRESETS), loss_fn, params, batch
+  )

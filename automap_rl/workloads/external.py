@@ -50,11 +50,14 @@ def _transformers() -> Any:
   try:
     module = importlib.import_module("transformers")
   except ModuleNotFoundError:
-    raise ValueError("the hf-* workloads need transformers 4.x with its Flax models: "
-                     "pip install -e '.[external]'") from None
+    raise ValueError(
+      "the hf-* workloads need transformers 4.x with its Flax models: pip install -e '.[external]'"
+    ) from None
   if not hasattr(module, "FlaxGPT2LMHeadModel"):
-    raise ValueError(f"transformers {module.__version__} has no Flax models (dropped in 5.0): "
-                     "pip install -e '.[external]' (it pins 4.57.6)")
+    raise ValueError(
+      f"transformers {module.__version__} has no Flax models (dropped in 5.0): "
+      "pip install -e '.[external]' (it pins 4.57.6)"
+    )
   return module
 
 
@@ -93,10 +96,17 @@ class HFConfig:
       raise ValueError(f"heads={self.heads} must divide d_model={self.d_model}")
 
 
-def _hf_workload(name: str, config: HFConfig, presets: Mapping[str, Mapping[str, Any]], class_name: str,
-                 hf_config: Callable[[Any], Any], input_shape: tuple[int, ...],
-                 make_batch: Callable[[jax.Array], dict[str, jax.Array]],
-                 loss: Callable[[Any, Any, dict[str, jax.Array]], jax.Array], seed: int) -> training.Workload:
+def _hf_workload(
+  name: str,
+  config: HFConfig,
+  presets: Mapping[str, Mapping[str, Any]],
+  class_name: str,
+  hf_config: Callable[[Any], Any],
+  input_shape: tuple[int, ...],
+  make_batch: Callable[[jax.Array], dict[str, jax.Array]],
+  loss: Callable[[Any, Any, dict[str, jax.Array]], jax.Array],
+  seed: int,
+) -> training.Workload:
   """The training step of a ``transformers`` Flax model.
 
   Args:
@@ -115,11 +125,16 @@ def _hf_workload(name: str, config: HFConfig, presets: Mapping[str, Mapping[str,
   """
   hf = _transformers()
   params_key, data_key = training.split_seed(seed)
-  model = getattr(hf, class_name)(hf_config(hf), input_shape=input_shape, dtype=jnp.dtype(config.dtype),
-                                  _do_init=False)
+  model = getattr(hf, class_name)(
+    hf_config(hf), input_shape=input_shape, dtype=jnp.dtype(config.dtype), _do_init=False
+  )
   params = model.init_weights(params_key, input_shape)
-  return training.build_workload(training.spec_string(name, config, presets),
-                                 lambda params, batch: loss(model, params, batch), params, make_batch(data_key))
+  return training.build_workload(
+    training.spec_string(name, config, presets),
+    lambda params, batch: loss(model, params, batch),
+    params,
+    make_batch(data_key),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +153,10 @@ class HFGPT2Config(HFConfig):
 _GPT2 = {"seq": 1024, "vocab": 50257, "dtype": "bfloat16"}
 # GPT-2's four sizes (Radford et al. 2019, Table 2).
 GPT2_PRESETS: dict[str, dict[str, Any]] = {
-    "small": {"layers": 12, "d_model": 768, "heads": 12, **_GPT2},
-    "medium": {"layers": 24, "d_model": 1024, "heads": 16, **_GPT2},
-    "large": {"layers": 36, "d_model": 1280, "heads": 20, **_GPT2},
-    "xl": {"layers": 48, "d_model": 1600, "heads": 25, **_GPT2},
+  "small": {"layers": 12, "d_model": 768, "heads": 12, **_GPT2},
+  "medium": {"layers": 24, "d_model": 1024, "heads": 16, **_GPT2},
+  "large": {"layers": 36, "d_model": 1280, "heads": 20, **_GPT2},
+  "xl": {"layers": 48, "d_model": 1600, "heads": 25, **_GPT2},
 }
 
 
@@ -154,15 +169,30 @@ def make_gpt2(config: HFGPT2Config, seed: int = 0) -> training.Workload:
 
   def loss(model, params, batch):
     tokens = batch["tokens"]
-    return _cross_entropy(model(tokens[:, :-1], params=params, train=False).logits, tokens[:, 1:]).mean()
+    return _cross_entropy(
+      model(tokens[:, :-1], params=params, train=False).logits, tokens[:, 1:]
+    ).mean()
 
   return _hf_workload(
-      "hf-gpt2", config, GPT2_PRESETS, "FlaxGPT2LMHeadModel",
-      lambda hf: hf.GPT2Config(vocab_size=config.vocab, n_positions=config.seq, n_embd=config.d_model,
-                               n_layer=config.layers, n_head=config.heads, resid_pdrop=0.0, embd_pdrop=0.0,
-                               attn_pdrop=0.0),
-      (1, config.seq), lambda key: {"tokens": _tokens(key, (config.batch, config.seq + 1), config.vocab)},
-      loss, seed)
+    "hf-gpt2",
+    config,
+    GPT2_PRESETS,
+    "FlaxGPT2LMHeadModel",
+    lambda hf: hf.GPT2Config(
+      vocab_size=config.vocab,
+      n_positions=config.seq,
+      n_embd=config.d_model,
+      n_layer=config.layers,
+      n_head=config.heads,
+      resid_pdrop=0.0,
+      embd_pdrop=0.0,
+      attn_pdrop=0.0,
+    ),
+    (1, config.seq),
+    lambda key: {"tokens": _tokens(key, (config.batch, config.seq + 1), config.vocab)},
+    loss,
+    seed,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +213,8 @@ class HFBertConfig(HFConfig):
 _BERT = {"seq": 512, "vocab": 30522, "dtype": "bfloat16"}
 # BERT-Base and BERT-Large (Devlin et al. 2019, section 3).
 BERT_PRESETS: dict[str, dict[str, Any]] = {
-    "base": {"layers": 12, "d_model": 768, "heads": 12, "d_ff": 3072, **_BERT},
-    "large": {"layers": 24, "d_model": 1024, "heads": 16, "d_ff": 4096, **_BERT},
+  "base": {"layers": 12, "d_model": 768, "heads": 12, "d_ff": 3072, **_BERT},
+  "large": {"layers": 24, "d_model": 1024, "heads": 16, "d_ff": 4096, **_BERT},
 }
 
 
@@ -199,20 +229,38 @@ def make_bert(config: HFBertConfig, seed: int = 0) -> training.Workload:
 
   def make_batch(key):
     tokens_key, labels_key, mask_key = jax.random.split(key, 3)
-    return {"tokens": _tokens(tokens_key, shape, config.vocab), "labels": _tokens(labels_key, shape, config.vocab),
-            "weights": jax.random.bernoulli(mask_key, 0.15, shape).astype(jnp.float32)}
+    return {
+      "tokens": _tokens(tokens_key, shape, config.vocab),
+      "labels": _tokens(labels_key, shape, config.vocab),
+      "weights": jax.random.bernoulli(mask_key, 0.15, shape).astype(jnp.float32),
+    }
 
   def loss(model, params, batch):
-    losses = _cross_entropy(model(batch["tokens"], params=params, train=False).logits, batch["labels"])
+    losses = _cross_entropy(
+      model(batch["tokens"], params=params, train=False).logits, batch["labels"]
+    )
     return (losses * batch["weights"]).sum() / jnp.maximum(batch["weights"].sum(), 1.0)
 
   return _hf_workload(
-      "hf-bert", config, BERT_PRESETS, "FlaxBertForMaskedLM",
-      lambda hf: hf.BertConfig(vocab_size=config.vocab, hidden_size=config.d_model, num_hidden_layers=config.layers,
-                               num_attention_heads=config.heads, intermediate_size=config.d_ff,
-                               max_position_embeddings=config.seq, hidden_dropout_prob=0.0,
-                               attention_probs_dropout_prob=0.0),
-      (1, config.seq), make_batch, loss, seed)
+    "hf-bert",
+    config,
+    BERT_PRESETS,
+    "FlaxBertForMaskedLM",
+    lambda hf: hf.BertConfig(
+      vocab_size=config.vocab,
+      hidden_size=config.d_model,
+      num_hidden_layers=config.layers,
+      num_attention_heads=config.heads,
+      intermediate_size=config.d_ff,
+      max_position_embeddings=config.seq,
+      hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0,
+    ),
+    (1, config.seq),
+    make_batch,
+    loss,
+    seed,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,9 +289,9 @@ class HFViTConfig(HFConfig):
 _IMAGENET = {"image_size": 224, "classes": 1000, "dtype": "bfloat16"}
 # ViT-B/16, L/16 and H/14 (Dosovitskiy et al. 2021, Table 1).
 VIT_PRESETS: dict[str, dict[str, Any]] = {
-    "b16": {"layers": 12, "d_model": 768, "heads": 12, "mlp_dim": 3072, "patch": 16, **_IMAGENET},
-    "l16": {"layers": 24, "d_model": 1024, "heads": 16, "mlp_dim": 4096, "patch": 16, **_IMAGENET},
-    "h14": {"layers": 32, "d_model": 1280, "heads": 16, "mlp_dim": 5120, "patch": 14, **_IMAGENET},
+  "b16": {"layers": 12, "d_model": 768, "heads": 12, "mlp_dim": 3072, "patch": 16, **_IMAGENET},
+  "l16": {"layers": 24, "d_model": 1024, "heads": 16, "mlp_dim": 4096, "patch": 16, **_IMAGENET},
+  "h14": {"layers": 32, "d_model": 1280, "heads": 16, "mlp_dim": 5120, "patch": 14, **_IMAGENET},
 }
 
 
@@ -257,19 +305,38 @@ def make_vit(config: HFViTConfig, seed: int = 0) -> training.Workload:
 
   def make_batch(key):
     images_key, labels_key = jax.random.split(key)
-    return {"images": jax.random.normal(images_key, (config.batch, 3, size, size), jnp.float32),
-            "labels": _tokens(labels_key, (config.batch,), config.classes)}
+    return {
+      "images": jax.random.normal(images_key, (config.batch, 3, size, size), jnp.float32),
+      "labels": _tokens(labels_key, (config.batch,), config.classes),
+    }
 
   def loss(model, params, batch):
-    return _cross_entropy(model(batch["images"], params=params, train=False).logits, batch["labels"]).mean()
+    return _cross_entropy(
+      model(batch["images"], params=params, train=False).logits, batch["labels"]
+    ).mean()
 
   return _hf_workload(
-      "hf-vit", config, VIT_PRESETS, "FlaxViTForImageClassification",
-      lambda hf: hf.ViTConfig(image_size=size, patch_size=config.patch, num_channels=3, hidden_size=config.d_model,
-                              num_hidden_layers=config.layers, num_attention_heads=config.heads,
-                              intermediate_size=config.mlp_dim, hidden_dropout_prob=0.0,
-                              attention_probs_dropout_prob=0.0, num_labels=config.classes),
-      (1, size, size, 3), make_batch, loss, seed)
+    "hf-vit",
+    config,
+    VIT_PRESETS,
+    "FlaxViTForImageClassification",
+    lambda hf: hf.ViTConfig(
+      image_size=size,
+      patch_size=config.patch,
+      num_channels=3,
+      hidden_size=config.d_model,
+      num_hidden_layers=config.layers,
+      num_attention_heads=config.heads,
+      intermediate_size=config.mlp_dim,
+      hidden_dropout_prob=0.0,
+      attention_probs_dropout_prob=0.0,
+      num_labels=config.classes,
+    ),
+    (1, size, size, 3),
+    make_batch,
+    loss,
+    seed,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,8 +361,8 @@ class HFBartConfig(HFConfig):
 # lengths of CNN/DailyMail (1024 source tokens, targets cut to 128).
 _BART = {"source_len": 1024, "target_len": 128, "vocab": 50265, "dtype": "bfloat16"}
 BART_PRESETS: dict[str, dict[str, Any]] = {
-    "base": {"layers": 6, "d_model": 768, "heads": 12, "d_ff": 3072, **_BART},
-    "large": {"layers": 12, "d_model": 1024, "heads": 16, "d_ff": 4096, **_BART},
+  "base": {"layers": 6, "d_model": 768, "heads": 12, "d_ff": 3072, **_BART},
+  "large": {"layers": 12, "d_model": 1024, "heads": 16, "d_ff": 4096, **_BART},
 }
 
 
@@ -309,23 +376,42 @@ def make_bart(config: HFBartConfig, seed: int = 0) -> training.Workload:
 
   def make_batch(key):
     inputs_key, targets_key = jax.random.split(key)
-    return {"inputs": _tokens(inputs_key, (config.batch, config.source_len), config.vocab),
-            "targets": _tokens(targets_key, (config.batch, config.target_len + 1), config.vocab)}
+    return {
+      "inputs": _tokens(inputs_key, (config.batch, config.source_len), config.vocab),
+      "targets": _tokens(targets_key, (config.batch, config.target_len + 1), config.vocab),
+    }
 
   def loss(model, params, batch):
     targets = batch["targets"]
-    logits = model(batch["inputs"], decoder_input_ids=targets[:, :-1], params=params, train=False).logits
+    logits = model(
+      batch["inputs"], decoder_input_ids=targets[:, :-1], params=params, train=False
+    ).logits
     return _cross_entropy(logits, targets[:, 1:]).mean()
 
   return _hf_workload(
-      "hf-bart", config, BART_PRESETS, "FlaxBartForConditionalGeneration",
-      lambda hf: hf.BartConfig(vocab_size=config.vocab, d_model=config.d_model, encoder_layers=config.layers,
-                               decoder_layers=config.layers, encoder_attention_heads=config.heads,
-                               decoder_attention_heads=config.heads, encoder_ffn_dim=config.d_ff,
-                               decoder_ffn_dim=config.d_ff,
-                               max_position_embeddings=max(config.source_len, config.target_len),
-                               dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
-      (1, config.source_len), make_batch, loss, seed)
+    "hf-bart",
+    config,
+    BART_PRESETS,
+    "FlaxBartForConditionalGeneration",
+    lambda hf: hf.BartConfig(
+      vocab_size=config.vocab,
+      d_model=config.d_model,
+      encoder_layers=config.layers,
+      decoder_layers=config.layers,
+      encoder_attention_heads=config.heads,
+      decoder_attention_heads=config.heads,
+      encoder_ffn_dim=config.d_ff,
+      decoder_ffn_dim=config.d_ff,
+      max_position_embeddings=max(config.source_len, config.target_len),
+      dropout=0.0,
+      attention_dropout=0.0,
+      activation_dropout=0.0,
+    ),
+    (1, config.source_len),
+    make_batch,
+    loss,
+    seed,
+  )
 
 
 # --- dm-haiku ---------------------------------------------------------------------
@@ -355,15 +441,17 @@ class HKResNetConfig:
   def __post_init__(self):
     training.check_dtype(self.dtype)
     if self.depth not in hk.nets.ResNet.CONFIGS:
-      raise ValueError(f"depth={self.depth} is not one of {', '.join(map(str, hk.nets.ResNet.CONFIGS))}")
+      raise ValueError(
+        f"depth={self.depth} is not one of {', '.join(map(str, hk.nets.ResNet.CONFIGS))}"
+      )
 
 
 _RESNET = {"width": 64, "image_size": 224, "classes": 1000, "dtype": "bfloat16"}
 # ResNet-50, 101 and 152 on ImageNet (He et al. 2016, Table 1).
 RESNET_PRESETS: dict[str, dict[str, Any]] = {
-    "50": {"depth": 50, **_RESNET},
-    "101": {"depth": 101, **_RESNET},
-    "152": {"depth": 152, **_RESNET},
+  "50": {"depth": 50, **_RESNET},
+  "101": {"depth": 101, **_RESNET},
+  "152": {"depth": 152, **_RESNET},
 }
 
 
@@ -377,25 +465,38 @@ def make_resnet(config: HKResNetConfig, seed: int = 0) -> training.Workload:
   shape["channels_per_group"] = tuple(c * config.width // 64 for c in shape["channels_per_group"])
 
   def forward(images: jax.Array, is_training: bool) -> jax.Array:
-    return hk.nets.ResNet(num_classes=config.classes, initial_conv_config={"output_channels": config.width},
-                          **shape)(images, is_training=is_training)
+    return hk.nets.ResNet(
+      num_classes=config.classes, initial_conv_config={"output_channels": config.width}, **shape
+    )(images, is_training=is_training)
 
   net = hk.transform_with_state(forward)
   params_key, data_key = training.split_seed(seed)
   images_key, labels_key = jax.random.split(data_key)
   size = config.image_size
-  batch = {"images": jax.random.normal(images_key, (config.batch, size, size, 3), jnp.float32),
-           "labels": _tokens(labels_key, (config.batch,), config.classes)}
+  batch = {
+    "images": jax.random.normal(images_key, (config.batch, size, size, 3), jnp.float32),
+    "labels": _tokens(labels_key, (config.batch,), config.classes),
+  }
   params, state = net.init(params_key, batch["images"], is_training=True)
 
   def loss_fn(params, state, batch):
-    logits, state = net.apply(training.cast_floating(params, config.dtype), state, None,
-                              training.cast_floating(batch["images"], config.dtype), is_training=True)
+    logits, state = net.apply(
+      training.cast_floating(params, config.dtype),
+      state,
+      None,
+      training.cast_floating(batch["images"], config.dtype),
+      is_training=True,
+    )
     loss = _cross_entropy(logits, batch["labels"]).mean()
     return loss, state
 
-  return training.build_workload(training.spec_string("hk-resnet", config, RESNET_PRESETS), loss_fn, params,
-                                 batch, model_state=state)
+  return training.build_workload(
+    training.spec_string("hk-resnet", config, RESNET_PRESETS),
+    loss_fn,
+    params,
+    batch,
+    model_state=state,
+  )
 
 
 # --- jraph ------------------------------------------------------------------------
@@ -441,15 +542,21 @@ class GATConfig(GCNConfig):
 # Open Graph Benchmark node-property graphs (Hu et al. 2020): ogbn-arxiv and
 # ogbn-products, node and edge counts rounded up to multiples of 64.
 _ARXIV = {"n_node": 169344, "n_edge": 1166336, "features": 128, "classes": 40, "dtype": "bfloat16"}
-_PRODUCTS = {"n_node": 2449408, "n_edge": 61859200, "features": 100, "classes": 47, "dtype": "bfloat16"}
+_PRODUCTS = {
+  "n_node": 2449408,
+  "n_edge": 61859200,
+  "features": 100,
+  "classes": 47,
+  "dtype": "bfloat16",
+}
 GCN_PRESETS: dict[str, dict[str, Any]] = {
-    "arxiv": {**_ARXIV, "hidden": 256, "layers": 3},
-    "products": {**_PRODUCTS, "hidden": 256, "layers": 3},
+  "arxiv": {**_ARXIV, "hidden": 256, "layers": 3},
+  "products": {**_PRODUCTS, "hidden": 256, "layers": 3},
 }
 # GAT as in OGB's leaderboards: 3 layers of 3 heads x 256 on arxiv, 4 heads x 128 on products.
 GAT_PRESETS: dict[str, dict[str, Any]] = {
-    "arxiv": {**_ARXIV, "hidden": 256, "heads": 3, "layers": 3},
-    "products": {**_PRODUCTS, "hidden": 128, "heads": 4, "layers": 3},
+  "arxiv": {**_ARXIV, "hidden": 256, "heads": 3, "layers": 3},
+  "products": {**_PRODUCTS, "hidden": 128, "heads": 4, "layers": 3},
 }
 
 
@@ -477,9 +584,13 @@ def _gat_layer(config: GATConfig, width: int) -> Callable[[jraph.GraphsTuple], j
   return jraph.GAT(query, logit, update)
 
 
-def _make_graph(config: GCNConfig, name: str, presets: Mapping[str, Mapping[str, Any]],
-                layer: Callable[[Any, int], Callable[[jraph.GraphsTuple], jraph.GraphsTuple]],
-                seed: int) -> training.Workload:
+def _make_graph(
+  config: GCNConfig,
+  name: str,
+  presets: Mapping[str, Mapping[str, Any]],
+  layer: Callable[[Any, int], Callable[[jraph.GraphsTuple], jraph.GraphsTuple]],
+  seed: int,
+) -> training.Workload:
   """The node-classification step of a stack of ``layer``s (relu between them).
 
   Batch: ``nodes`` float32 [n_node, features], ``senders`` and ``receivers`` int32
@@ -488,20 +599,30 @@ def _make_graph(config: GCNConfig, name: str, presets: Mapping[str, Mapping[str,
 
   def forward(batch: Mapping[str, jax.Array]) -> jax.Array:
     graph = jraph.GraphsTuple(
-        nodes=batch["nodes"], edges=None, senders=batch["senders"], receivers=batch["receivers"],
-        n_node=jnp.array([config.n_node]), n_edge=jnp.array([config.n_edge]), globals=None)
+      nodes=batch["nodes"],
+      edges=None,
+      senders=batch["senders"],
+      receivers=batch["receivers"],
+      n_node=jnp.array([config.n_node]),
+      n_edge=jnp.array([config.n_edge]),
+      globals=None,
+    )
     for i in range(config.layers):
       graph = layer(config, config.hidden)(graph)
-      graph = graph._replace(nodes=jax.nn.relu(graph.nodes) if i < config.layers - 1 else graph.nodes)
+      graph = graph._replace(
+        nodes=jax.nn.relu(graph.nodes) if i < config.layers - 1 else graph.nodes
+      )
     return hk.Linear(config.classes)(graph.nodes)
 
   net = hk.without_apply_rng(hk.transform(forward))
   params_key, data_key = training.split_seed(seed)
   nodes_key, senders_key, receivers_key, labels_key = jax.random.split(data_key, 4)
-  batch = {"nodes": jax.random.normal(nodes_key, (config.n_node, config.features), jnp.float32),
-           "senders": _tokens(senders_key, (config.n_edge,), config.n_node),
-           "receivers": _tokens(receivers_key, (config.n_edge,), config.n_node),
-           "labels": _tokens(labels_key, (config.n_node,), config.classes)}
+  batch = {
+    "nodes": jax.random.normal(nodes_key, (config.n_node, config.features), jnp.float32),
+    "senders": _tokens(senders_key, (config.n_edge,), config.n_node),
+    "receivers": _tokens(receivers_key, (config.n_edge,), config.n_node),
+    "labels": _tokens(labels_key, (config.n_node,), config.classes),
+  }
   params = net.init(params_key, batch)
 
   def loss_fn(params, batch):
@@ -509,7 +630,9 @@ def _make_graph(config: GCNConfig, name: str, presets: Mapping[str, Mapping[str,
     logits = net.apply(training.cast_floating(params, config.dtype), inputs)
     return _cross_entropy(logits, batch["labels"]).mean()
 
-  return training.build_workload(training.spec_string(name, config, presets), loss_fn, params, batch)
+  return training.build_workload(
+    training.spec_string(name, config, presets), loss_fn, params, batch
+  )
 
 
 def make_gcn(config: GCNConfig, seed: int = 0) -> training.Workload:
@@ -552,8 +675,22 @@ class EqxMLPConfig:
 
 # Deep and wide MLPs by parameter count, at a batch of 4096.
 MLP_PRESETS: dict[str, dict[str, Any]] = {
-    "250m": {"in_dim": 1024, "width": 8192, "depth": 4, "classes": 1000, "batch": 4096, "dtype": "bfloat16"},
-    "1b": {"in_dim": 4096, "width": 16384, "depth": 4, "classes": 1000, "batch": 4096, "dtype": "bfloat16"},
+  "250m": {
+    "in_dim": 1024,
+    "width": 8192,
+    "depth": 4,
+    "classes": 1000,
+    "batch": 4096,
+    "dtype": "bfloat16",
+  },
+  "1b": {
+    "in_dim": 4096,
+    "width": 16384,
+    "depth": 4,
+    "classes": 1000,
+    "batch": 4096,
+    "dtype": "bfloat16",
+  },
 }
 
 
@@ -573,15 +710,19 @@ def make_mlp(config: EqxMLPConfig, seed: int = 0) -> training.Workload:
   params = eqx.partition(build(params_key), eqx.is_inexact_array)[0]
   _, static = eqx.partition(eqx.filter_eval_shape(build, params_key), eqx.is_inexact_array)
   inputs_key, labels_key = jax.random.split(data_key)
-  batch = {"inputs": jax.random.normal(inputs_key, (config.batch, config.in_dim), jnp.float32),
-           "labels": _tokens(labels_key, (config.batch,), config.classes)}
+  batch = {
+    "inputs": jax.random.normal(inputs_key, (config.batch, config.in_dim), jnp.float32),
+    "labels": _tokens(labels_key, (config.batch,), config.classes),
+  }
 
   def loss_fn(params, batch):
     mlp = eqx.combine(training.cast_floating(params, config.dtype), static)
     logits = jax.vmap(mlp)(training.cast_floating(batch["inputs"], config.dtype))
     return _cross_entropy(logits, batch["labels"]).mean()
 
-  return training.build_workload(training.spec_string("eqx-mlp", config, MLP_PRESETS), loss_fn, params, batch)
+  return training.build_workload(
+    training.spec_string("eqx-mlp", config, MLP_PRESETS), loss_fn, params, batch
+  )
 
 
 # --- the registry -----------------------------------------------------------------
@@ -608,12 +749,22 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "hf-gpt2": Family(make_gpt2, HFGPT2Config, GPT2_PRESETS, "transformers 4.57.6: FlaxGPT2LMHeadModel"),
-    "hf-bert": Family(make_bert, HFBertConfig, BERT_PRESETS, "transformers 4.57.6: FlaxBertForMaskedLM"),
-    "hf-vit": Family(make_vit, HFViTConfig, VIT_PRESETS, "transformers 4.57.6: FlaxViTForImageClassification"),
-    "hf-bart": Family(make_bart, HFBartConfig, BART_PRESETS, "transformers 4.57.6: FlaxBartForConditionalGeneration"),
-    "hk-resnet": Family(make_resnet, HKResNetConfig, RESNET_PRESETS, "dm-haiku 0.0.17: hk.nets.ResNet"),
-    "jraph-gcn": Family(make_gcn, GCNConfig, GCN_PRESETS, "jraph 0.0.6.dev0: jraph.GraphConvolution"),
-    "jraph-gat": Family(make_gat, GATConfig, GAT_PRESETS, "jraph 0.0.6.dev0: jraph.GAT"),
-    "eqx-mlp": Family(make_mlp, EqxMLPConfig, MLP_PRESETS, "equinox 0.13.8: eqx.nn.MLP"),
+  "hf-gpt2": Family(
+    make_gpt2, HFGPT2Config, GPT2_PRESETS, "transformers 4.57.6: FlaxGPT2LMHeadModel"
+  ),
+  "hf-bert": Family(
+    make_bert, HFBertConfig, BERT_PRESETS, "transformers 4.57.6: FlaxBertForMaskedLM"
+  ),
+  "hf-vit": Family(
+    make_vit, HFViTConfig, VIT_PRESETS, "transformers 4.57.6: FlaxViTForImageClassification"
+  ),
+  "hf-bart": Family(
+    make_bart, HFBartConfig, BART_PRESETS, "transformers 4.57.6: FlaxBartForConditionalGeneration"
+  ),
+  "hk-resnet": Family(
+    make_resnet, HKResNetConfig, RESNET_PRESETS, "dm-haiku 0.0.17: hk.nets.ResNet"
+  ),
+  "jraph-gcn": Family(make_gcn, GCNConfig, GCN_PRESETS, "jraph 0.0.6.dev0: jraph.GraphConvolution"),
+  "jraph-gat": Family(make_gat, GATConfig, GAT_PRESETS, "jraph 0.0.6.dev0: jraph.GAT"),
+  "eqx-mlp": Family(make_mlp, EqxMLPConfig, MLP_PRESETS, "equinox 0.13.8: eqx.nn.MLP"),
 }

@@ -18,7 +18,8 @@ steps) in bfloat16.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import haiku as hk
 import jax
@@ -61,10 +62,23 @@ class GNNConfig:
 # Size label -> config fields; input features are mesh node positions (3) and
 # edge displacements plus length (4).
 PRESETS: dict[str, dict[str, Any]] = {
-    "mgn": {"n_node": 2048, "n_edge": 12288, "node_dim": 3, "edge_dim": 4,
-            "latent": 128, "steps": 15},
-    "graphcast": {"n_node": 40962, "n_edge": 327660, "node_dim": 3, "edge_dim": 4,
-                  "latent": 512, "steps": 16, "dtype": "bfloat16"},
+  "mgn": {
+    "n_node": 2048,
+    "n_edge": 12288,
+    "node_dim": 3,
+    "edge_dim": 4,
+    "latent": 128,
+    "steps": 15,
+  },
+  "graphcast": {
+    "n_node": 40962,
+    "n_edge": 327660,
+    "node_dim": 3,
+    "edge_dim": 4,
+    "latent": 512,
+    "steps": 16,
+    "dtype": "bfloat16",
+  },
 }
 
 
@@ -81,13 +95,14 @@ def network(graph: jraph.GraphsTuple, config: GNNConfig) -> jax.Array:
   graph = graph._replace(nodes=nodes, edges=edges)
   for i in range(config.steps):
     update = jraph.InteractionNetwork(
-        update_edge_fn=_concat_mlp(config.latent, f"edge_mlp_{i}"),
-        update_node_fn=_concat_mlp(config.latent, f"node_mlp_{i}"))(graph)
-    graph = graph._replace(nodes=graph.nodes + update.nodes,
-                           edges=graph.edges + update.edges)
+      update_edge_fn=_concat_mlp(config.latent, f"edge_mlp_{i}"),
+      update_node_fn=_concat_mlp(config.latent, f"node_mlp_{i}"),
+    )(graph)
+    graph = graph._replace(nodes=graph.nodes + update.nodes, edges=graph.edges + update.edges)
   n_graph = graph.n_node.shape[0]
-  graph_index = jnp.repeat(jnp.arange(n_graph), graph.n_node,
-                           total_repeat_length=graph.nodes.shape[0])
+  graph_index = jnp.repeat(
+    jnp.arange(n_graph), graph.n_node, total_repeat_length=graph.nodes.shape[0]
+  )
   pooled = jax.ops.segment_sum(graph.nodes, graph_index, n_graph)
   pooled = pooled / graph.n_node[:, None].astype(pooled.dtype)
   return hk.Linear(config.target_dim, name="decoder")(pooled)
@@ -101,40 +116,44 @@ def make_batch(config: GNNConfig, key: jax.Array) -> dict[str, jax.Array]:
   offset = jnp.repeat(jnp.arange(n_graph) * config.n_node, config.n_edge)
   senders, receivers = (local + offset).astype(jnp.int32)
   return {
-      "nodes": jax.random.normal(
-          node_key, (n_graph * config.n_node, config.node_dim), jnp.float32),
-      "edges": jax.random.normal(
-          edge_key, (total_edges, config.edge_dim), jnp.float32),
-      "senders": senders,
-      "receivers": receivers,
-      "n_node": jnp.full((n_graph,), config.n_node, jnp.int32),
-      "n_edge": jnp.full((n_graph,), config.n_edge, jnp.int32),
-      "targets": jax.random.normal(
-          target_key, (n_graph, config.target_dim), jnp.float32),
+    "nodes": jax.random.normal(node_key, (n_graph * config.n_node, config.node_dim), jnp.float32),
+    "edges": jax.random.normal(edge_key, (total_edges, config.edge_dim), jnp.float32),
+    "senders": senders,
+    "receivers": receivers,
+    "n_node": jnp.full((n_graph,), config.n_node, jnp.int32),
+    "n_edge": jnp.full((n_graph,), config.n_edge, jnp.int32),
+    "targets": jax.random.normal(target_key, (n_graph, config.target_dim), jnp.float32),
   }
 
 
 def _graph(batch: dict[str, jax.Array]) -> jraph.GraphsTuple:
   return jraph.GraphsTuple(
-      nodes=batch["nodes"], edges=batch["edges"], senders=batch["senders"],
-      receivers=batch["receivers"], n_node=batch["n_node"],
-      n_edge=batch["n_edge"], globals=None)
+    nodes=batch["nodes"],
+    edges=batch["edges"],
+    senders=batch["senders"],
+    receivers=batch["receivers"],
+    n_node=batch["n_node"],
+    n_edge=batch["n_edge"],
+    globals=None,
+  )
 
 
 def make(config: GNNConfig, seed: int = 0) -> training.Workload:
   """Builds the GNN training step; loss is per-graph MSE on ``targets``."""
-  net = hk.without_apply_rng(hk.transform(
-      lambda graph: network(graph, config)))
+  net = hk.without_apply_rng(hk.transform(lambda graph: network(graph, config)))
   params_key, data_key = training.split_seed(seed)
   batch = make_batch(config, data_key)
 
   def loss_fn(params, batch):
     graph = _graph(batch)
-    graph = graph._replace(nodes=training.cast_floating(graph.nodes, config.dtype),
-                           edges=training.cast_floating(graph.edges, config.dtype))
+    graph = graph._replace(
+      nodes=training.cast_floating(graph.nodes, config.dtype),
+      edges=training.cast_floating(graph.edges, config.dtype),
+    )
     predictions = net.apply(training.cast_floating(params, config.dtype), graph)
     return jnp.mean((training.widen(predictions) - batch["targets"]) ** 2)
 
   params = jax.jit(net.init)(params_key, _graph(batch))
   return training.build_workload(
-      training.spec_string("gnn", config, PRESETS), loss_fn, params, batch)
+    training.spec_string("gnn", config, PRESETS), loss_fn, params, batch
+  )

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -60,8 +61,7 @@ class GPTConfig:
   def __post_init__(self):
     training.check_dtype(self.dtype)
     if self.d_model % self.heads:
-      raise ValueError(
-          f"d_model={self.d_model} is not divisible by heads={self.heads}")
+      raise ValueError(f"d_model={self.d_model} is not divisible by heads={self.heads}")
 
   @property
   def hidden(self) -> int:
@@ -75,13 +75,13 @@ _GPT3 = {"seq": 1024, "vocab": 51200, "scan": True, "dtype": "bfloat16"}
 # 5120; the table's 5140 is a typo that does not divide into 40 heads); 175b is GPT-3
 # 175B (the same table: 96 layers, 96 heads, d_model 12288).
 PRESETS: dict[str, dict[str, Any]] = {
-    "350m": {"layers": 24, "d_model": 1024, "heads": 16, **_GPT3},
-    "1.3b": {"layers": 24, "d_model": 2048, "heads": 32, **_GPT3},
-    "2.6b": {"layers": 32, "d_model": 2560, "heads": 32, **_GPT3},
-    "6.7b": {"layers": 32, "d_model": 4096, "heads": 32, **_GPT3},
-    "13b": {"layers": 40, "d_model": 5120, "heads": 40, **_GPT3},
-    "39b": {"layers": 48, "d_model": 8192, "heads": 64, **_GPT3},
-    "175b": {"layers": 96, "d_model": 12288, "heads": 96, **_GPT3},
+  "350m": {"layers": 24, "d_model": 1024, "heads": 16, **_GPT3},
+  "1.3b": {"layers": 24, "d_model": 2048, "heads": 32, **_GPT3},
+  "2.6b": {"layers": 32, "d_model": 2560, "heads": 32, **_GPT3},
+  "6.7b": {"layers": 32, "d_model": 4096, "heads": 32, **_GPT3},
+  "13b": {"layers": 40, "d_model": 5120, "heads": 40, **_GPT3},
+  "39b": {"layers": 48, "d_model": 8192, "heads": 64, **_GPT3},
+  "175b": {"layers": 96, "d_model": 12288, "heads": 96, **_GPT3},
 }
 
 
@@ -94,8 +94,9 @@ class CausalSelfAttention(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     seq, d_model = x.shape[-2:]
     head_dim = d_model // self.heads
-    qkv = [nn.DenseGeneral((self.heads, head_dim), name=name)(x)
-           for name in ("query", "key", "value")]  # each [b, s, h, hd]
+    qkv = [
+      nn.DenseGeneral((self.heads, head_dim), name=name)(x) for name in ("query", "key", "value")
+    ]  # each [b, s, h, hd]
     q, k, v = qkv
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
@@ -128,8 +129,7 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, _: Any = None):
-    x = x + CausalSelfAttention(self.heads, name="attn")(
-        nn.LayerNorm(name="ln1")(x))
+    x = x + CausalSelfAttention(self.heads, name="attn")(nn.LayerNorm(name="ln1")(x))
     y, aux_loss = self.ffn(name="mlp")(nn.LayerNorm(name="ln2")(x))
     return x + y, aux_loss
 
@@ -144,13 +144,13 @@ class Transformer(nn.Module):
   def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     cfg = self.config
     x = nn.Embed(cfg.vocab, cfg.d_model, name="embed")(tokens)
-    pos = self.param("pos_embed", nn.initializers.normal(0.02),
-                     (cfg.seq, cfg.d_model))
+    pos = self.param("pos_embed", nn.initializers.normal(0.02), (cfg.seq, cfg.d_model))
     x = x + pos[: tokens.shape[-1]]
     block_cls = nn.remat(Block) if cfg.remat else Block
     if cfg.scan:
-      blocks = nn.scan(block_cls, variable_axes={"params": 0},
-                       split_rngs={"params": True}, length=cfg.layers)
+      blocks = nn.scan(
+        block_cls, variable_axes={"params": 0}, split_rngs={"params": True}, length=cfg.layers
+      )
       x, aux_losses = blocks(cfg.heads, self.ffn, name="blocks")(x, None)
       aux_loss = aux_losses.sum()
     else:
@@ -162,9 +162,9 @@ class Transformer(nn.Module):
     return nn.Dense(cfg.vocab, use_bias=False, name="lm_head")(x), aux_loss
 
 
-def make_lm_workload(name: str, config: GPTConfig, ffn: FeedForwardFactory,
-                     seed: int, aux_loss_weight: float = 0.0
-                     ) -> training.Workload:
+def make_lm_workload(
+  name: str, config: GPTConfig, ffn: FeedForwardFactory, seed: int, aux_loss_weight: float = 0.0
+) -> training.Workload:
   """Next-token LM workload for a :class:`Transformer` with the given ffn.
 
   Batch: ``inputs`` and ``targets`` int32 [batch, seq]; ``targets`` is
@@ -173,15 +173,16 @@ def make_lm_workload(name: str, config: GPTConfig, ffn: FeedForwardFactory,
   """
   model = Transformer(config, ffn)
   params_key, data_key = training.split_seed(seed)
-  tokens = jax.random.randint(
-      data_key, (config.batch, config.seq + 1), 0, config.vocab, jnp.int32)
+  tokens = jax.random.randint(data_key, (config.batch, config.seq + 1), 0, config.vocab, jnp.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
   def loss_fn(params, batch):
     logits, aux_loss = model.apply(
-        {"params": training.cast_floating(params, config.dtype)}, batch["inputs"])
+      {"params": training.cast_floating(params, config.dtype)}, batch["inputs"]
+    )
     xent = optax.softmax_cross_entropy_with_integer_labels(
-        training.widen(logits), batch["targets"]).mean()
+      training.widen(logits), batch["targets"]
+    ).mean()
     return xent + aux_loss_weight * training.widen(aux_loss)
 
   params = jax.jit(model.init)(params_key, batch["inputs"])["params"]
@@ -190,5 +191,9 @@ def make_lm_workload(name: str, config: GPTConfig, ffn: FeedForwardFactory,
 
 def make(config: GPTConfig, seed: int = 0) -> training.Workload:
   """Builds the GPT training step (see :func:`make_lm_workload`)."""
-  return make_lm_workload(training.spec_string("gpt", config, PRESETS), config,
-                          functools.partial(MLP, config.hidden), seed)
+  return make_lm_workload(
+    training.spec_string("gpt", config, PRESETS),
+    config,
+    functools.partial(MLP, config.hidden),
+    seed,
+  )

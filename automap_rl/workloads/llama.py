@@ -65,8 +65,9 @@ class LlamaConfig:
     training.check_dtype(self.dtype)
     if self.d_model % self.heads or self.heads % self.kv_heads:
       raise ValueError(
-          f"heads={self.heads} must divide d_model={self.d_model} and be a "
-          f"multiple of kv_heads={self.kv_heads}")
+        f"heads={self.heads} must divide d_model={self.d_model} and be a "
+        f"multiple of kv_heads={self.kv_heads}"
+      )
 
   @property
   def head_dim(self) -> int:
@@ -76,12 +77,16 @@ class LlamaConfig:
 _LLAMA3 = {"vocab": 128256, "seq": 2048, "kv_heads": 8, "dtype": "bfloat16"}
 # Size label -> config fields.
 PRESETS: dict[str, dict[str, Any]] = {
-    "1b": {"layers": 16, "d_model": 2048, "heads": 32, "d_ff": 8192,
-           "tie_embeddings": True, **_LLAMA3},
-    "8b": {"layers": 32, "d_model": 4096, "heads": 32, "d_ff": 14336,
-           **_LLAMA3},
-    "70b": {"layers": 80, "d_model": 8192, "heads": 64, "d_ff": 28672,
-            **_LLAMA3},
+  "1b": {
+    "layers": 16,
+    "d_model": 2048,
+    "heads": 32,
+    "d_ff": 8192,
+    "tie_embeddings": True,
+    **_LLAMA3,
+  },
+  "8b": {"layers": 32, "d_model": 4096, "heads": 32, "d_ff": 14336, **_LLAMA3},
+  "70b": {"layers": 80, "d_model": 8192, "heads": 64, "d_ff": 28672, **_LLAMA3},
 }
 
 
@@ -93,8 +98,7 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
   cos = jnp.cos(angles)[None, :, None].astype(x.dtype)
   sin = jnp.sin(angles)[None, :, None].astype(x.dtype)
   first, second = jnp.split(x, 2, axis=-1)
-  return jnp.concatenate([first * cos - second * sin,
-                          second * cos + first * sin], axis=-1)
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
 class Attention(nnx.Module):
@@ -166,8 +170,11 @@ class Llama(nnx.Module):
 
     self.layers = make_layers(rngs)
     self.norm = nnx.RMSNorm(config.d_model, epsilon=1e-5, rngs=rngs)
-    self.lm_head = (None if config.tie_embeddings else
-                    nnx.Linear(config.d_model, config.vocab, use_bias=False, rngs=rngs))
+    self.lm_head = (
+      None
+      if config.tie_embeddings
+      else nnx.Linear(config.d_model, config.vocab, use_bias=False, rngs=rngs)
+    )
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     # A plain lookup, not `self.embed(tokens)`: nnx.Embed casts to its float32 default
@@ -178,8 +185,9 @@ class Llama(nnx.Module):
     def run(x: jax.Array, layer: DecoderLayer) -> jax.Array:
       return layer(x)
 
-    run = nnx.scan(nnx.remat(run) if self.remat else run,
-                   in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    run = nnx.scan(
+      nnx.remat(run) if self.remat else run, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry
+    )
     x = self.norm(run(x, self.layers))
     return x @ table.T if self.lm_head is None else self.lm_head(x)
 
@@ -192,15 +200,14 @@ def make(config: LlamaConfig, seed: int = 0) -> training.Workload:
   """
   params_key, data_key = training.split_seed(seed)
   graphdef, params = nnx.split(Llama(config, nnx.Rngs(params=params_key)))
-  tokens = jax.random.randint(
-      data_key, (config.batch, config.seq + 1), 0, config.vocab, jnp.int32)
+  tokens = jax.random.randint(data_key, (config.batch, config.seq + 1), 0, config.vocab, jnp.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, training.cast_floating(params, config.dtype))
     logits = training.widen(model(batch["inputs"]))
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["targets"]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
   return training.build_workload(
-      training.spec_string("llama", config, PRESETS), loss_fn, params, batch)
+    training.spec_string("llama", config, PRESETS), loss_fn, params, batch
+  )

@@ -67,10 +67,10 @@ class LSTMConfig:
 _LM = {"vocab": 32768, "seq": 256, "dtype": "bfloat16"}
 # Size label (cells-projection) -> config fields.
 PRESETS: dict[str, dict[str, Any]] = {
-    "2048-512": {"layers": 1, "cells": 2048, "d_model": 512, **_LM},
-    "8192-1024": {"layers": 2, "cells": 8192, "d_model": 1024, **_LM},
-    "8192-2048": {"layers": 1, "cells": 8192, "d_model": 2048, **_LM},
-    "gnmt-1024": {"layers": 8, "cells": 1024, "d_model": 1024, **_LM},
+  "2048-512": {"layers": 1, "cells": 2048, "d_model": 512, **_LM},
+  "8192-1024": {"layers": 2, "cells": 8192, "d_model": 1024, **_LM},
+  "8192-2048": {"layers": 1, "cells": 8192, "d_model": 2048, **_LM},
+  "gnmt-1024": {"layers": 8, "cells": 1024, "d_model": 1024, **_LM},
 }
 
 
@@ -88,14 +88,19 @@ def lstm_scan(gates_in: jax.Array, w_recurrent: jax.Array, w_project: jax.Array)
   """
   batch, cells = gates_in.shape[1], w_project.shape[0]
 
-  def step(carry: tuple[jax.Array, jax.Array], gates_t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+  def step(
+    carry: tuple[jax.Array, jax.Array], gates_t: jax.Array
+  ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     h, c = carry
     i, f, g, o = jnp.split(gates_t + h @ w_recurrent, 4, axis=-1)
     c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
     h = (jax.nn.sigmoid(o) * jnp.tanh(c)) @ w_project
     return (h, c), h
 
-  init = (jnp.zeros((batch, w_project.shape[1]), gates_in.dtype), jnp.zeros((batch, cells), gates_in.dtype))
+  init = (
+    jnp.zeros((batch, w_project.shape[1]), gates_in.dtype),
+    jnp.zeros((batch, cells), gates_in.dtype),
+  )
   _, hs = jax.lax.scan(step, init, gates_in)
   return hs
 
@@ -127,8 +132,12 @@ class LSTMLM(nn.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     cfg = self.config
     x = nn.Embed(cfg.vocab, cfg.d_model, name="embed")(tokens)
-    layers = nn.scan(nn.remat(LSTMLayer), variable_axes={"params": 0}, split_rngs={"params": True},
-                     length=cfg.layers)
+    layers = nn.scan(
+      nn.remat(LSTMLayer),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=cfg.layers,
+    )
     x, _ = layers(cfg.cells, name="layers")(x, None)
     x = nn.LayerNorm(name="ln_f")(x)
     return nn.Dense(cfg.vocab, use_bias=False, name="lm_head")(x)
@@ -147,7 +156,11 @@ def make(config: LSTMConfig, seed: int = 0) -> training.Workload:
 
   def loss_fn(params, batch):
     logits = model.apply({"params": training.cast_floating(params, config.dtype)}, batch["inputs"])
-    return optax.softmax_cross_entropy_with_integer_labels(training.widen(logits), batch["targets"]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(
+      training.widen(logits), batch["targets"]
+    ).mean()
 
   params = jax.jit(model.init)(params_key, batch["inputs"])["params"]
-  return training.build_workload(training.spec_string("lstm", config, PRESETS), loss_fn, params, batch)
+  return training.build_workload(
+    training.spec_string("lstm", config, PRESETS), loss_fn, params, batch
+  )

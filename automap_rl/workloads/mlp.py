@@ -35,10 +35,10 @@ class MLPConfig:
 # Size label (hidden layers x width) -> config fields: deep and wide classifiers of
 # 0.06B to 1.04B parameters.
 PRESETS: dict[str, dict[str, Any]] = {
-    "4x4096": {"layers": 4, "width": 4096, "in_dim": 1024, "classes": 1024},
-    "8x8192": {"layers": 8, "width": 8192, "in_dim": 1024, "classes": 1024},
-    "4x16384": {"layers": 4, "width": 16384, "in_dim": 4096, "classes": 4096},
-    "16x8192": {"layers": 16, "width": 8192, "in_dim": 2048, "classes": 2048},
+  "4x4096": {"layers": 4, "width": 4096, "in_dim": 1024, "classes": 1024},
+  "8x8192": {"layers": 8, "width": 8192, "in_dim": 1024, "classes": 1024},
+  "4x16384": {"layers": 4, "width": 16384, "in_dim": 4096, "classes": 4096},
+  "16x8192": {"layers": 16, "width": 8192, "in_dim": 2048, "classes": 2048},
 }
 
 
@@ -52,17 +52,15 @@ def make(config: MLPConfig, seed: int = 0) -> training.Workload:
   params_key, data_key = training.split_seed(seed)
   inputs_key, labels_key = jax.random.split(data_key)
   batch = {
-      "inputs": jax.random.normal(
-          inputs_key, (config.batch, config.in_dim), jnp.float32),
-      "labels": jax.random.randint(
-          labels_key, (config.batch,), 0, config.classes, jnp.int32),
+    "inputs": jax.random.normal(inputs_key, (config.batch, config.in_dim), jnp.float32),
+    "labels": jax.random.randint(labels_key, (config.batch,), 0, config.classes, jnp.int32),
   }
 
   def loss_fn(params, batch):
     logits = net.apply(params, batch["inputs"])  # [batch, classes]
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["labels"]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
   params = jax.jit(net.init)(params_key, batch["inputs"])
   return training.build_workload(
-      training.spec_string("mlp", config, PRESETS), loss_fn, params, batch)
+    training.spec_string("mlp", config, PRESETS), loss_fn, params, batch
+  )

@@ -25,8 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from automap_rl.workloads import gpt
-from automap_rl.workloads import training
+from automap_rl.workloads import gpt, training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,31 +48,35 @@ class MoEConfig(gpt.GPTConfig):
   def __post_init__(self):
     super().__post_init__()
     if not 1 <= self.top_k <= self.experts:
-      raise ValueError(
-          f"top_k={self.top_k} must be in [1, experts={self.experts}]")
+      raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
 
   @property
   def capacity(self) -> int:
-    return max(1, math.ceil(
-        self.top_k * self.seq * self.capacity_factor / self.experts))
+    return max(1, math.ceil(self.top_k * self.seq * self.capacity_factor / self.experts))
 
 
-_GSHARD = {"seq": 1024, "vocab": 32000, "heads": 16, "top_k": 2,
-           "capacity_factor": 1.0, "scan": True, "dtype": "bfloat16"}
+_GSHARD = {
+  "seq": 1024,
+  "vocab": 32000,
+  "heads": 16,
+  "top_k": 2,
+  "capacity_factor": 1.0,
+  "scan": True,
+  "dtype": "bfloat16",
+}
 # Size label -> config fields (d_model, layers, experts from Alpa's table).
 PRESETS: dict[str, dict[str, Any]] = {
-    "380m": {"d_model": 768, "layers": 8, "experts": 8, **_GSHARD},
-    "690m": {"d_model": 768, "layers": 8, "experts": 16, **_GSHARD},
-    "1.3b": {"d_model": 768, "layers": 16, "experts": 16, **_GSHARD},
-    "2.4b": {"d_model": 1024, "layers": 16, "experts": 16, **_GSHARD},
-    "10b": {"d_model": 1536, "layers": 16, "experts": 32, **_GSHARD},
-    "27b": {"d_model": 2048, "layers": 16, "experts": 48, **_GSHARD},
-    "70b": {"d_model": 2048, "layers": 32, "experts": 64, **_GSHARD},
+  "380m": {"d_model": 768, "layers": 8, "experts": 8, **_GSHARD},
+  "690m": {"d_model": 768, "layers": 8, "experts": 16, **_GSHARD},
+  "1.3b": {"d_model": 768, "layers": 16, "experts": 16, **_GSHARD},
+  "2.4b": {"d_model": 1024, "layers": 16, "experts": 16, **_GSHARD},
+  "10b": {"d_model": 1536, "layers": 16, "experts": 32, **_GSHARD},
+  "27b": {"d_model": 2048, "layers": 16, "experts": 48, **_GSHARD},
+  "70b": {"d_model": 2048, "layers": 32, "experts": 64, **_GSHARD},
 }
 
 
-def route(probs: jax.Array, top_k: int, capacity: int
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(probs: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Top-k routing with capacity.
 
   Args:
@@ -94,10 +97,10 @@ def route(probs: jax.Array, top_k: int, capacity: int
   choice_ks = choice.transpose(0, 2, 1, 3).reshape(groups, top_k * seq, experts)
   position = (jnp.cumsum(choice_ks, axis=1) - 1.0) * choice_ks
   choice_ks = choice_ks * (position < capacity)
-  slots = jax.nn.one_hot(position.astype(jnp.int32), capacity,
-                         dtype=probs.dtype)
+  slots = jax.nn.one_hot(position.astype(jnp.int32), capacity, dtype=probs.dtype)
   slots = (slots * choice_ks[..., None]).reshape(
-      groups, top_k, seq, experts, capacity)  # [g, k, s, e, c]
+    groups, top_k, seq, experts, capacity
+  )  # [g, k, s, e, c]
   dispatch = slots.sum(axis=1)
   combine = jnp.einsum("gksec,gsk->gsec", slots, gates)
   density = choice[:, :, 0].mean(axis=(0, 1))  # top-1 token share [e]
@@ -128,19 +131,20 @@ class MoEFeedForward(nn.Module):
     logits = nn.Dense(self.experts, use_bias=False, name="router")(x)
     # Routing in float32: slot positions are token counts, exact in float32.
     dispatch, combine, aux_loss = route(
-        jax.nn.softmax(training.widen(logits), axis=-1), self.top_k,
-        self.capacity)
+      jax.nn.softmax(training.widen(logits), axis=-1), self.top_k, self.capacity
+    )
     dispatch, combine = dispatch.astype(x.dtype), combine.astype(x.dtype)
     expert_in = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
-    h = nn.gelu(jnp.einsum("ebcd,edf->ebcf", expert_in, wi)
-                + bi[:, None, None])
+    h = nn.gelu(jnp.einsum("ebcd,edf->ebcf", expert_in, wi) + bi[:, None, None])
     expert_out = jnp.einsum("ebcf,efd->ebcd", h, wo) + bo[:, None, None]
     return jnp.einsum("bsec,ebcd->bsd", combine, expert_out), aux_loss
 
 
 def make(config: MoEConfig, seed: int = 0) -> training.Workload:
   """Builds the MoE LM training step (batch as in :mod:`gpt`)."""
-  ffn = functools.partial(MoEFeedForward, config.experts, config.hidden,
-                          config.top_k, config.capacity)
-  return gpt.make_lm_workload(training.spec_string("moe", config, PRESETS), config,
-                              ffn, seed, config.aux_loss_weight)
+  ffn = functools.partial(
+    MoEFeedForward, config.experts, config.hidden, config.top_k, config.capacity
+  )
+  return gpt.make_lm_workload(
+    training.spec_string("moe", config, PRESETS), config, ffn, seed, config.aux_loss_weight
+  )

@@ -54,10 +54,10 @@ class ResidualBlock(hk.Module):
     """x [b, h, w, c_in] -> [b, h / stride, w / stride, channels]."""
     shortcut = x
     if self.stride != 1 or x.shape[-1] != self.channels:
-      shortcut = hk.Conv2D(self.channels, 1, stride=self.stride,
-                           with_bias=False, name="shortcut")(x)
-    y = hk.Conv2D(self.channels, 3, stride=self.stride, with_bias=False,
-                  name="conv1")(x)
+      shortcut = hk.Conv2D(self.channels, 1, stride=self.stride, with_bias=False, name="shortcut")(
+        x
+      )
+    y = hk.Conv2D(self.channels, 3, stride=self.stride, with_bias=False, name="conv1")(x)
     y = jax.nn.relu(hk.GroupNorm(self.groups, name="norm1")(y))
     y = hk.Conv2D(self.channels, 3, with_bias=False, name="conv2")(y)
     y = hk.GroupNorm(self.groups, name="norm2")(y)
@@ -71,8 +71,9 @@ def network(images: jax.Array, config: ResNetConfig) -> jax.Array:
   for stage in range(config.stages):
     for block in range(config.blocks):
       stride = 2 if stage > 0 and block == 0 else 1
-      x = ResidualBlock(config.width * 2**stage, stride, config.groups,
-                        name=f"stage_{stage}_block_{block}")(x)
+      x = ResidualBlock(
+        config.width * 2**stage, stride, config.groups, name=f"stage_{stage}_block_{block}"
+      )(x)
   return hk.Linear(config.classes, name="head")(x.mean(axis=(1, 2)))
 
 
@@ -82,23 +83,20 @@ def make(config: ResNetConfig, seed: int = 0) -> training.Workload:
   Batch: ``images`` float32 [batch, image_size, image_size, channels],
   ``labels`` int32 [batch]; loss is softmax cross-entropy.
   """
-  net = hk.without_apply_rng(hk.transform(
-      lambda images: network(images, config)))
+  net = hk.without_apply_rng(hk.transform(lambda images: network(images, config)))
   params_key, data_key = training.split_seed(seed)
   images_key, labels_key = jax.random.split(data_key)
   size = config.image_size
   batch = {
-      "images": jax.random.normal(
-          images_key, (config.batch, size, size, config.channels), jnp.float32),
-      "labels": jax.random.randint(
-          labels_key, (config.batch,), 0, config.classes, jnp.int32),
+    "images": jax.random.normal(
+      images_key, (config.batch, size, size, config.channels), jnp.float32
+    ),
+    "labels": jax.random.randint(labels_key, (config.batch,), 0, config.classes, jnp.int32),
   }
 
   def loss_fn(params, batch):
     logits = net.apply(params, batch["images"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["labels"]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
   params = jax.jit(net.init)(params_key, batch["images"])
-  return training.build_workload(
-      training.spec_string("resnet", config), loss_fn, params, batch)
+  return training.build_workload(training.spec_string("resnet", config), loss_fn, params, batch)

@@ -25,58 +25,89 @@ from typing import Any
 import jax
 
 from automap_rl.compile_options import quick_compile_options
-from automap_rl.workloads import (dit, external, gnn, gpt, llama, lstm, mlp, moe, resnet,
-                                  ssm, t5, training, unet, vit, wide_resnet)
+from automap_rl.workloads import (
+  dit,
+  external,
+  gnn,
+  gpt,
+  llama,
+  lstm,
+  mlp,
+  moe,
+  resnet,
+  ssm,
+  t5,
+  training,
+  unet,
+  vit,
+  wide_resnet,
+)
 
 # Zoo model name -> (module with ``make(config, seed)`` and ``PRESETS``, config
 # class).
 _ZOO: dict[str, tuple[ModuleType, type]] = {
-    "mlp": (mlp, mlp.MLPConfig),
-    "gpt": (gpt, gpt.GPTConfig),
-    "moe": (moe, moe.MoEConfig),
-    "gnn": (gnn, gnn.GNNConfig),
-    "resnet": (resnet, resnet.ResNetConfig),
-    "unet": (unet, unet.UNetConfig),
-    "llama": (llama, llama.LlamaConfig),
-    "t5": (t5, t5.T5Config),
-    "vit": (vit, vit.ViTConfig),
-    "wresnet": (wide_resnet, wide_resnet.WideResNetConfig),
-    "ssm": (ssm, ssm.SSMConfig),
-    "lstm": (lstm, lstm.LSTMConfig),
-    "dit": (dit, dit.DiTConfig),
+  "mlp": (mlp, mlp.MLPConfig),
+  "gpt": (gpt, gpt.GPTConfig),
+  "moe": (moe, moe.MoEConfig),
+  "gnn": (gnn, gnn.GNNConfig),
+  "resnet": (resnet, resnet.ResNetConfig),
+  "unet": (unet, unet.UNetConfig),
+  "llama": (llama, llama.LlamaConfig),
+  "t5": (t5, t5.T5Config),
+  "vit": (vit, vit.ViTConfig),
+  "wresnet": (wide_resnet, wide_resnet.WideResNetConfig),
+  "ssm": (ssm, ssm.SSMConfig),
+  "lstm": (lstm, lstm.LSTMConfig),
+  "dit": (dit, dit.DiTConfig),
 }
 # Every model name, the zoo's and the external ones -> (``make(config, seed)``,
 # config class, size label -> config fields).
-_MODELS: dict[str, tuple[Callable[[Any, int], training.Workload], type, Mapping[str, Mapping[str, Any]]]] = {
-    **{name: (module.make, config, getattr(module, "PRESETS", {})) for name, (module, config) in _ZOO.items()},
-    **{name: (family.make, family.config, family.presets) for name, family in external.FAMILIES.items()},
+_MODELS: dict[
+  str, tuple[Callable[[Any, int], training.Workload], type, Mapping[str, Mapping[str, Any]]]
+] = {
+  **{
+    name: (module.make, config, getattr(module, "PRESETS", {}))
+    for name, (module, config) in _ZOO.items()
+  },
+  **{
+    name: (family.make, family.config, family.presets) for name, family in external.FAMILIES.items()
+  },
 }
 FAMILIES: tuple[str, ...] = tuple(_ZOO)
 EXTERNAL_FAMILIES: tuple[str, ...] = tuple(external.FAMILIES)
 # Family -> its framework style.
 STYLES: dict[str, str] = {
-    "mlp": "haiku", "gpt": "flax.linen", "moe": "flax.linen", "gnn": "haiku",
-    "resnet": "haiku", "unet": "flax.linen", "llama": "flax.nnx", "t5": "haiku",
-    "vit": "equinox", "wresnet": "flax.linen", "ssm": "equinox", "lstm": "flax.linen",
-    "dit": "flax.nnx",
+  "mlp": "haiku",
+  "gpt": "flax.linen",
+  "moe": "flax.linen",
+  "gnn": "haiku",
+  "resnet": "haiku",
+  "unet": "flax.linen",
+  "llama": "flax.nnx",
+  "t5": "haiku",
+  "vit": "equinox",
+  "wresnet": "flax.linen",
+  "ssm": "equinox",
+  "lstm": "flax.linen",
+  "dit": "flax.nnx",
 }
 
 # A tiny spec per family, for numerics (`automap-rl validate --random`) and concrete tests:
 # seconds to build, trace and compile on CPU, every dim still divisible by 8.
 SMALL: dict[str, str] = {
-    "mlp": "mlp:width=32,batch=8",
-    "gpt": "gpt:layers=1,d_model=32,heads=2,seq=16,vocab=64,batch=4",
-    "moe": "moe:layers=1,d_model=32,seq=16,vocab=64,batch=8,experts=4",
-    "gnn": "gnn",
-    "resnet": "resnet:stages=2,width=8,groups=4,image_size=8,batch=8",
-    "unet": "unet:levels=1,base_channels=8,groups=4,image_size=8,batch=4",
-    "llama": "llama",
-    "t5": "t5:layers=1",
-    "vit": "vit:layers=1",
-    "wresnet": "wresnet:width=4,image_size=16",
-    "ssm": "ssm:layers=1",
-    "lstm": "lstm:layers=1",
-    "dit": "dit:layers=1,image_size=16",
+  "mlp": "mlp:width=32,batch=8",
+  "gpt": "gpt:layers=1,d_model=32,heads=2,seq=16,vocab=64,batch=4",
+  "moe": "moe:layers=1,d_model=32,seq=16,vocab=64,batch=8,experts=4",
+  "gnn": "gnn",
+  "resnet": "resnet:stages=2,width=8,groups=4,image_size=8,batch=8",
+  "unet": "unet:levels=1,base_channels=8,groups=4,image_size=8,batch=4",
+  "llama": "llama",
+  "t5": "t5:layers=1",
+  "vit": "vit:layers=1",
+  "wresnet": "wresnet:width=4,image_size=16",
+  "ssm": "ssm:layers=1",
+  "lstm": "lstm:layers=1",
+  "dit": "dit:layers=1,image_size=16",
 }
 
 
@@ -96,8 +127,9 @@ def _convert(key: str, value: str, kind: type) -> Any:
     except ValueError:
       pass
   raise ValueError(
-      f"bad value {value!r} for key {key!r}: expected {kind.__name__}"
-      + (" ('true' or 'false')" if kind is bool else ""))
+    f"bad value {value!r} for key {key!r}: expected {kind.__name__}"
+    + (" ('true' or 'false')" if kind is bool else "")
+  )
 
 
 def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -115,29 +147,30 @@ def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
   name = name.strip()
   if name not in _MODELS:
     raise ValueError(
-        f"unknown model {name!r}; valid models: {', '.join(FAMILIES + EXTERNAL_FAMILIES)}")
+      f"unknown model {name!r}; valid models: {', '.join(FAMILIES + EXTERNAL_FAMILIES)}"
+    )
   config_cls = _MODELS[name][1]
   types = typing.get_type_hints(config_cls)
   kwargs, size = {}, {}
   for item in filter(None, (i.strip() for i in overrides.split(","))):
     key, sep, value = (s.strip() for s in item.partition("="))
     if not sep:
-      raise ValueError(
-          f"bad item {item!r} in spec {spec!r}: expected key=value")
+      raise ValueError(f"bad item {item!r} in spec {spec!r}: expected key=value")
     if key in kwargs or (key == "size" and size):
       raise ValueError(f"key {key!r} given twice in spec {spec!r}")
     if key == "size":
       sizes = presets(name)
       if value not in sizes:
         raise ValueError(
-            f"unknown size {value!r} for model {name!r}; valid sizes: "
-            f"{', '.join(sizes) or 'none'}")
+          f"unknown size {value!r} for model {name!r}; valid sizes: {', '.join(sizes) or 'none'}"
+        )
       size = sizes[value]
     elif key not in types:
       keys = [f.name for f in dataclasses.fields(config_cls)]
       raise ValueError(
-          f"unknown key {key!r} for model {name!r}; valid keys: "
-          f"{', '.join(keys + ['size'] * bool(presets(name)))}")
+        f"unknown key {key!r} for model {name!r}; valid keys: "
+        f"{', '.join(keys + ['size'] * bool(presets(name)))}"
+      )
     else:
       kwargs[key] = _convert(key, value, types[key])
   return name, {**size, **kwargs}
@@ -166,8 +199,12 @@ def _check_sizes(name: str, config_cls: type, kwargs: dict[str, Any]) -> None:
       continue
     least = 0 if default in (0, None) else 1
     if isinstance(value, int) and value < least:
-      raise ValueError(f"{name}: {key}={value} must be {'>= 0' if least == 0 else 'a positive integer'}")
-    if isinstance(value, float) and (not math.isfinite(value) or (isinstance(default, float) and default > 0 >= value)):
+      raise ValueError(
+        f"{name}: {key}={value} must be {'>= 0' if least == 0 else 'a positive integer'}"
+      )
+    if isinstance(value, float) and (
+      not math.isfinite(value) or (isinstance(default, float) and default > 0 >= value)
+    ):
       raise ValueError(f"{name}: {key}={value} must be a finite positive number")
 
 
@@ -197,6 +234,9 @@ def make_workload(spec: str, seed: int = 0, abstract: bool = False) -> training.
   # instead of one per eager op; it runs once.
   quick = quick_compile_options(jax.devices()[0].platform)
   args = jax.eval_shape(build) if abstract else jax.jit(build, compiler_options=quick)()
-  fields = ("params", "opt_state", "batch") if len(args) == 3 else (
-      "params", "opt_state", "model_state", "batch")
+  fields = (
+    ("params", "opt_state", "batch")
+    if len(args) == 3
+    else ("params", "opt_state", "model_state", "batch")
+  )
   return dataclasses.replace(built[0], **dict(zip(fields, args)))

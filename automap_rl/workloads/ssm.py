@@ -82,16 +82,17 @@ class SSMConfig:
 _MAMBA = {"vocab": 50280, "seq": 2048, "d_state": 16, "dtype": "bfloat16"}
 # Size label -> config fields.
 PRESETS: dict[str, dict[str, Any]] = {
-    "130m": {"layers": 24, "d_model": 768, **_MAMBA},
-    "370m": {"layers": 48, "d_model": 1024, **_MAMBA},
-    "790m": {"layers": 48, "d_model": 1536, **_MAMBA},
-    "1.4b": {"layers": 48, "d_model": 2048, **_MAMBA},
-    "2.8b": {"layers": 64, "d_model": 2560, **_MAMBA},
+  "130m": {"layers": 24, "d_model": 768, **_MAMBA},
+  "370m": {"layers": 48, "d_model": 1024, **_MAMBA},
+  "790m": {"layers": 48, "d_model": 1536, **_MAMBA},
+  "1.4b": {"layers": 48, "d_model": 2048, **_MAMBA},
+  "2.8b": {"layers": 64, "d_model": 2560, **_MAMBA},
 }
 
 
-def selective_scan(u: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array,
-                   c: jax.Array) -> jax.Array:
+def selective_scan(
+  u: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array
+) -> jax.Array:
   """The diagonal selective scan h_t = exp(dt_t a) h_{t-1} + dt_t u_t b_t,
   y_t = h_t c_t, sequentially over time.
 
@@ -105,6 +106,7 @@ def selective_scan(u: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array,
   Returns:
     y [seq, d_inner].
   """
+
   def step(state: jax.Array, inputs) -> tuple[jax.Array, jax.Array]:
     u_t, dt_t, b_t, c_t = inputs
     state = jnp.exp(dt_t[:, None] * a) * state + (dt_t * u_t)[:, None] * b_t[None, :]
@@ -129,8 +131,9 @@ class Mixer(eqx.Module):
     keys = jax.random.split(key, 5)
     d, inner, n, rank = config.d_model, config.d_inner, config.d_state, config.rank
     self.in_proj = eqx.nn.Linear(d, 2 * inner, use_bias=False, key=keys[0])
-    self.conv1d = eqx.nn.Conv1d(inner, inner, config.d_conv, padding=[(config.d_conv - 1, 0)],
-                                groups=inner, key=keys[1])
+    self.conv1d = eqx.nn.Conv1d(
+      inner, inner, config.d_conv, padding=[(config.d_conv - 1, 0)], groups=inner, key=keys[1]
+    )
     self.x_proj = eqx.nn.Linear(inner, rank + 2 * n, use_bias=False, key=keys[2])
     self.dt_proj = eqx.nn.Linear(rank, inner, key=keys[3])
     # S4D-real initialization: a_n = -(n + 1).
@@ -144,8 +147,13 @@ class Mixer(eqx.Module):
     u = jax.nn.silu(self.conv1d(u.T).T)
     dt, b, c = jnp.split(jax.vmap(self.x_proj)(u), [rank, rank + n], axis=-1)
     dt = jax.nn.softplus(jax.vmap(self.dt_proj)(dt))
-    y = selective_scan(training.widen(u), training.widen(dt), -jnp.exp(training.widen(self.A_log)),
-                       training.widen(b), training.widen(c)).astype(x.dtype)
+    y = selective_scan(
+      training.widen(u),
+      training.widen(dt),
+      -jnp.exp(training.widen(self.A_log)),
+      training.widen(b),
+      training.widen(c),
+    ).astype(x.dtype)
     y = (y + u * self.D) * jax.nn.silu(z)
     return jax.vmap(self.out_proj)(y)
 
@@ -174,9 +182,11 @@ class Mamba(eqx.Module):
   def __init__(self, config: SSMConfig, key: jax.Array):
     embed_key, layers_key = jax.random.split(key)
     self.embedding = eqx.nn.Embedding(
-        weight=0.02 * jax.random.normal(embed_key, (config.vocab, config.d_model)))
+      weight=0.02 * jax.random.normal(embed_key, (config.vocab, config.d_model))
+    )
     self.layers = eqx.filter_vmap(lambda k: ResidualBlock(config, k))(
-        jax.random.split(layers_key, config.layers))
+      jax.random.split(layers_key, config.layers)
+    )
     self.norm_f = eqx.nn.RMSNorm(config.d_model, use_bias=False)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -198,17 +208,18 @@ def make(config: SSMConfig, seed: int = 0) -> training.Workload:
   ``inputs`` shifted left by one token; loss is the mean cross-entropy.
   """
   params_key, data_key = training.split_seed(seed)
-  params = jax.jit(lambda key: eqx.partition(Mamba(config, key), eqx.is_inexact_array)[0])(params_key)
+  params = jax.jit(lambda key: eqx.partition(Mamba(config, key), eqx.is_inexact_array)[0])(
+    params_key
+  )
   _, static = eqx.partition(eqx.filter_eval_shape(Mamba, config, params_key), eqx.is_inexact_array)
-  tokens = jax.random.randint(
-      data_key, (config.batch, config.seq + 1), 0, config.vocab, jnp.int32)
+  tokens = jax.random.randint(data_key, (config.batch, config.seq + 1), 0, config.vocab, jnp.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
   def loss_fn(params, batch):
     model = eqx.combine(training.cast_floating(params, config.dtype), static)
     logits = training.widen(jax.vmap(model)(batch["inputs"]))
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["targets"]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
   return training.build_workload(
-      training.spec_string("ssm", config, PRESETS), loss_fn, params, batch)
+    training.spec_string("ssm", config, PRESETS), loss_fn, params, batch
+  )

@@ -92,14 +92,24 @@ def _case(entry: dict[str, str]) -> Case:
     raise ValueError(f"case {name!r}: unknown split {entry['split']!r}")
   family, _ = spec_lib.parse_model_spec(entry["workload"])
   if (family in spec_lib.EXTERNAL_FAMILIES) != (entry["split"] == "external"):
-    raise ValueError(f"case {name!r}: family {family!r} does not belong in split {entry['split']!r} "
-                     "(the external split holds exactly the external families)")
+    raise ValueError(
+      f"case {name!r}: family {family!r} does not belong in split {entry['split']!r} "
+      "(the external split holds exactly the external families)"
+    )
   mesh = mesh_lib.make_mesh(entry["mesh"], entry["hardware"])
   if not 8 <= mesh.num_devices <= MAX_DEVICES or len(mesh.axis_names) not in (2, 3):
-    raise ValueError(f"case {name!r}: mesh {entry['mesh']!r} is not 8 to {MAX_DEVICES} devices on 2 or 3 axes")
-  return Case(name=name, workload=entry["workload"], family=family,
-              size=_size_label(entry["workload"]), mesh=entry["mesh"],
-              hardware=entry["hardware"], split=entry["split"])
+    raise ValueError(
+      f"case {name!r}: mesh {entry['mesh']!r} is not 8 to {MAX_DEVICES} devices on 2 or 3 axes"
+    )
+  return Case(
+    name=name,
+    workload=entry["workload"],
+    family=family,
+    size=_size_label(entry["workload"]),
+    mesh=entry["mesh"],
+    hardware=entry["hardware"],
+    split=entry["split"],
+  )
 
 
 @functools.cache

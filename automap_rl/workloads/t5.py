@@ -68,20 +68,20 @@ class T5Config:
     training.check_dtype(self.dtype)
 
 
-_T5 = {"vocab": 32128, "seq": 512, "target_seq": 128, "d_kv": 64,
-       "dtype": "bfloat16"}
+_T5 = {"vocab": 32128, "seq": 512, "target_seq": 128, "d_kv": 64, "dtype": "bfloat16"}
 # Size label -> config fields.
 PRESETS: dict[str, dict[str, Any]] = {
-    "small": {"layers": 8, "d_model": 512, "heads": 6, "d_ff": 1024, **_T5},
-    "base": {"layers": 12, "d_model": 768, "heads": 12, "d_ff": 2048, **_T5},
-    "large": {"layers": 24, "d_model": 1024, "heads": 16, "d_ff": 2816, **_T5},
-    "xl": {"layers": 24, "d_model": 2048, "heads": 32, "d_ff": 5120, **_T5},
-    "xxl": {"layers": 24, "d_model": 4096, "heads": 64, "d_ff": 10240, **_T5},
+  "small": {"layers": 8, "d_model": 512, "heads": 6, "d_ff": 1024, **_T5},
+  "base": {"layers": 12, "d_model": 768, "heads": 12, "d_ff": 2048, **_T5},
+  "large": {"layers": 24, "d_model": 1024, "heads": 16, "d_ff": 2816, **_T5},
+  "xl": {"layers": 24, "d_model": 2048, "heads": 32, "d_ff": 5120, **_T5},
+  "xxl": {"layers": 24, "d_model": 4096, "heads": 64, "d_ff": 10240, **_T5},
 }
 
 
-def relative_buckets(query_len: int, key_len: int, buckets: int, max_distance: int,
-                     bidirectional: bool) -> jax.Array:
+def relative_buckets(
+  query_len: int, key_len: int, buckets: int, max_distance: int, bidirectional: bool
+) -> jax.Array:
   """T5's bucket of every (query, key) offset: int32 [query_len, key_len].
 
   Half the buckets (per direction) are exact offsets, the rest grow
@@ -97,8 +97,8 @@ def relative_buckets(query_len: int, key_len: int, buckets: int, max_distance: i
     distance = jnp.maximum(-offset, 0)
   exact = buckets // 2
   log_bucket = exact + (
-      jnp.log(jnp.maximum(distance, 1) / exact) / math.log(max_distance / exact)
-      * (buckets - exact)).astype(jnp.int32)
+    jnp.log(jnp.maximum(distance, 1) / exact) / math.log(max_distance / exact) * (buckets - exact)
+  ).astype(jnp.int32)
   log_bucket = jnp.minimum(log_bucket, buckets - 1)
   return bucket + jnp.where(distance < exact, distance, log_bucket)
 
@@ -113,10 +113,10 @@ class RelativePositionBias(hk.Module):
 
   def __call__(self, query_len: int, key_len: int) -> jax.Array:
     cfg = self.config
-    table = hk.get_parameter("embeddings", (cfg.buckets, cfg.heads),
-                             init=hk.initializers.RandomNormal(1.0))
-    index = relative_buckets(query_len, key_len, cfg.buckets, cfg.max_distance,
-                             self.bidirectional)
+    table = hk.get_parameter(
+      "embeddings", (cfg.buckets, cfg.heads), init=hk.initializers.RandomNormal(1.0)
+    )
+    index = relative_buckets(query_len, key_len, cfg.buckets, cfg.max_distance, self.bidirectional)
     return jnp.take(table, index, axis=0).transpose(2, 0, 1)[None]
 
 
@@ -178,8 +178,7 @@ def encoder(tokens_embedded: jax.Array, config: T5Config) -> jax.Array:
     return _norm("final_norm")(x)
 
 
-def decoder(targets_embedded: jax.Array, encoded: jax.Array,
-            config: T5Config) -> jax.Array:
+def decoder(targets_embedded: jax.Array, encoded: jax.Array, config: T5Config) -> jax.Array:
   """Causal decoder stack with cross-attention: [b, t, d] -> [b, t, d]."""
   with hk.experimental.name_scope("decoder"):
     seq = targets_embedded.shape[1]
@@ -201,8 +200,7 @@ def decoder(targets_embedded: jax.Array, encoded: jax.Array,
     return _norm("final_norm")(x)
 
 
-def network(inputs: jax.Array, decoder_inputs: jax.Array,
-            config: T5Config) -> jax.Array:
+def network(inputs: jax.Array, decoder_inputs: jax.Array, config: T5Config) -> jax.Array:
   """inputs int32 [b, seq], decoder_inputs int32 [b, target_seq] -> logits
   [b, target_seq, vocab]."""
   embed = hk.Embed(config.vocab, config.d_model, name="shared")
@@ -218,26 +216,32 @@ def make(config: T5Config, seed: int = 0) -> training.Workload:
   target_seq]; the decoder sees ``targets`` shifted right (token 0 first) and
   the loss is the mean cross-entropy on ``targets``.
   """
-  net = hk.without_apply_rng(hk.transform(
-      lambda inputs, decoder_inputs: network(inputs, decoder_inputs, config)))
+  net = hk.without_apply_rng(
+    hk.transform(lambda inputs, decoder_inputs: network(inputs, decoder_inputs, config))
+  )
   params_key, data_key = training.split_seed(seed)
   inputs_key, targets_key = jax.random.split(data_key)
   batch = {
-      "inputs": jax.random.randint(
-          inputs_key, (config.batch, config.seq), 0, config.vocab, jnp.int32),
-      "targets": jax.random.randint(
-          targets_key, (config.batch, config.target_seq), 0, config.vocab, jnp.int32),
+    "inputs": jax.random.randint(
+      inputs_key, (config.batch, config.seq), 0, config.vocab, jnp.int32
+    ),
+    "targets": jax.random.randint(
+      targets_key, (config.batch, config.target_seq), 0, config.vocab, jnp.int32
+    ),
   }
 
   def shift_right(targets: jax.Array) -> jax.Array:
     return jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
 
   def loss_fn(params, batch):
-    logits = net.apply(training.cast_floating(params, config.dtype),
-                       batch["inputs"], shift_right(batch["targets"]))
+    logits = net.apply(
+      training.cast_floating(params, config.dtype), batch["inputs"], shift_right(batch["targets"])
+    )
     return optax.softmax_cross_entropy_with_integer_labels(
-        training.widen(logits), batch["targets"]).mean()
+      training.widen(logits), batch["targets"]
+    ).mean()
 
   params = jax.jit(net.init)(params_key, batch["inputs"], shift_right(batch["targets"]))
   return training.build_workload(
-      training.spec_string("t5", config, PRESETS), loss_fn, params, batch)
+    training.spec_string("t5", config, PRESETS), loss_fn, params, batch
+  )

@@ -14,8 +14,8 @@ step updates (batch-norm statistics) supply
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -90,12 +90,17 @@ class Workload:
   def trace(self) -> ir.Program:
     """The training step as a `Program`, with argument names and roles; every
     argument but the batch is donated (the step replaces it)."""
-    return ir.trace(self.step, *self.args, arg_names=self.arg_names, arg_roles=self.arg_roles,
-                    donate_argnums=ir.donated_argnums(self.arg_roles))
+    return ir.trace(
+      self.step,
+      *self.args,
+      arg_names=self.arg_names,
+      arg_roles=self.arg_roles,
+      donate_argnums=ir.donated_argnums(self.arg_roles),
+    )
 
 
 def make_train_step(
-    loss_fn: LossFn, optimizer: optax.GradientTransformation, stateful: bool = False
+  loss_fn: LossFn, optimizer: optax.GradientTransformation, stateful: bool = False
 ) -> StepFn:
   """Returns ``step(params, opt_state, batch) -> (params, opt_state, loss)``,
   or with ``stateful`` ``step(params, opt_state, model_state, batch) ->
@@ -111,28 +116,30 @@ def make_train_step(
 
   def stateful_step(params, opt_state, model_state, batch):
     (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, model_state, batch)
+      params, model_state, batch
+    )
     return *update(params, opt_state, grads), model_state, loss
 
   return stateful_step if stateful else step
 
 
-def build_workload(name: str, loss_fn: LossFn, params: Any, batch: Any,
-                   model_state: Any = None) -> Workload:
+def build_workload(
+  name: str, loss_fn: LossFn, params: Any, batch: Any, model_state: Any = None
+) -> Workload:
   """Packages ``loss_fn`` with an AdamW step and initial optimizer state.
 
   With ``model_state`` the loss has the stateful signature (module docstring).
   """
   optimizer = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
   return Workload(
-      name=name,
-      step=make_train_step(loss_fn, optimizer, stateful=model_state is not None),
-      params=params,
-      opt_state=optimizer.init(params),
-      batch=batch,
-      model_state=model_state,
-      loss_fn=loss_fn,
-      optimizer=optimizer,
+    name=name,
+    step=make_train_step(loss_fn, optimizer, stateful=model_state is not None),
+    params=params,
+    opt_state=optimizer.init(params),
+    batch=batch,
+    model_state=model_state,
+    loss_fn=loss_fn,
+    optimizer=optimizer,
   )
 
 
@@ -174,8 +181,9 @@ def format_value(value: Any) -> str:
   return repr(value)
 
 
-def spec_string(model: str, config: Any,
-                presets: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+def spec_string(
+  model: str, config: Any, presets: Mapping[str, Mapping[str, Any]] | None = None
+) -> str:
   """Canonical spec of ``config``: the model name plus non-default fields.
 
   Example: ``spec_string("gpt", GPTConfig(layers=4))`` is
@@ -186,9 +194,11 @@ def spec_string(model: str, config: Any,
   default = type(config)()
 
   def changed(base) -> list[str]:
-    return [f"{f.name}={format_value(getattr(config, f.name))}"
-            for f in dataclasses.fields(config)
-            if getattr(config, f.name) != getattr(base, f.name)]
+    return [
+      f"{f.name}={format_value(getattr(config, f.name))}"
+      for f in dataclasses.fields(config)
+      if getattr(config, f.name) != getattr(base, f.name)
+    ]
 
   best = changed(default)
   for size, fields in (presets or {}).items():

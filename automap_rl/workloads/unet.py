@@ -74,11 +74,11 @@ class UNetConfig:
   def __post_init__(self):
     training.check_dtype(self.dtype)
     if self.image_size % 2**self.levels:
-      raise ValueError(f"image_size={self.image_size} is not divisible by "
-                       f"2**levels={2**self.levels}")
+      raise ValueError(
+        f"image_size={self.image_size} is not divisible by 2**levels={2**self.levels}"
+      )
     if any(not c.isdigit() or int(c) > self.levels for c in self.attention):
-      raise ValueError(f"attention={self.attention!r} must be digits of levels "
-                       f"0 to {self.levels}")
+      raise ValueError(f"attention={self.attention!r} must be digits of levels 0 to {self.levels}")
 
   def level_channels(self, level: int) -> int:
     mult = 2**level
@@ -90,12 +90,31 @@ class UNetConfig:
 
 # Size label -> config fields.
 PRESETS: dict[str, dict[str, Any]] = {
-    "ddpm-cifar10": {"levels": 3, "base_channels": 128, "max_mult": 2, "blocks": 2,
-                     "groups": 32, "attention": "1", "heads": 1, "image_size": 32,
-                     "channels": 3},
-    "sd-1.5": {"levels": 3, "base_channels": 320, "max_mult": 4, "blocks": 2,
-               "groups": 32, "attention": "012", "heads": 8, "context_dim": 768,
-               "context_len": 77, "image_size": 64, "channels": 4, "dtype": "bfloat16"},
+  "ddpm-cifar10": {
+    "levels": 3,
+    "base_channels": 128,
+    "max_mult": 2,
+    "blocks": 2,
+    "groups": 32,
+    "attention": "1",
+    "heads": 1,
+    "image_size": 32,
+    "channels": 3,
+  },
+  "sd-1.5": {
+    "levels": 3,
+    "base_channels": 320,
+    "max_mult": 4,
+    "blocks": 2,
+    "groups": 32,
+    "attention": "012",
+    "heads": 8,
+    "context_dim": 768,
+    "context_len": 77,
+    "image_size": 64,
+    "channels": 4,
+    "dtype": "bfloat16",
+  },
 }
 
 
@@ -115,9 +134,13 @@ class ResBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, temb: jax.Array) -> jax.Array:
-    h = nn.Conv(self.features, (3, 3), name="conv1")(nn.swish(nn.GroupNorm(self.groups, name="norm1")(x)))
+    h = nn.Conv(self.features, (3, 3), name="conv1")(
+      nn.swish(nn.GroupNorm(self.groups, name="norm1")(x))
+    )
     h = h + nn.Dense(self.features, name="time_proj")(nn.swish(temb))[:, None, None]
-    h = nn.Conv(self.features, (3, 3), name="conv2")(nn.swish(nn.GroupNorm(self.groups, name="norm2")(h)))
+    h = nn.Conv(self.features, (3, 3), name="conv2")(
+      nn.swish(nn.GroupNorm(self.groups, name="norm2")(h))
+    )
     if x.shape[-1] != self.features:
       x = nn.Conv(self.features, (1, 1), name="skip")(x)
     return x + h
@@ -138,10 +161,15 @@ class AttentionBlock(nn.Module):
       t = nn.MultiHeadDotProductAttention(self.heads, name="attn")(t)
     else:
       t = nn.Dense(c, name="proj_in")(t)
-      t = t + nn.MultiHeadDotProductAttention(self.heads, name="attn1")(nn.LayerNorm(name="norm1")(t))
+      t = t + nn.MultiHeadDotProductAttention(self.heads, name="attn1")(
+        nn.LayerNorm(name="norm1")(t)
+      )
       t = t + nn.MultiHeadDotProductAttention(self.heads, name="attn2")(
-          nn.LayerNorm(name="norm2")(t), context)
-      value, gate = jnp.split(nn.Dense(8 * c, name="ff_in")(nn.LayerNorm(name="norm3")(t)), 2, axis=-1)
+        nn.LayerNorm(name="norm2")(t), context
+      )
+      value, gate = jnp.split(
+        nn.Dense(8 * c, name="ff_in")(nn.LayerNorm(name="norm3")(t)), 2, axis=-1
+      )
       t = t + nn.Dense(c, name="ff_out")(value * nn.gelu(gate))
       t = nn.Dense(c, name="proj_out")(t)
     return x + t.reshape(b, height, width, c)
@@ -207,20 +235,24 @@ def make(config: UNetConfig, seed: int = 0) -> training.Workload:
   shape = (config.batch, config.image_size, config.image_size, config.channels)
   images_key, noise_key, time_key, context_key = jax.random.split(data_key, 4)
   batch = {
-      "images": jax.random.normal(images_key, shape, jnp.float32),
-      "noise": jax.random.normal(noise_key, shape, jnp.float32),
-      "timesteps": jax.random.uniform(time_key, (config.batch,), jnp.float32),
+    "images": jax.random.normal(images_key, shape, jnp.float32),
+    "noise": jax.random.normal(noise_key, shape, jnp.float32),
+    "timesteps": jax.random.uniform(time_key, (config.batch,), jnp.float32),
   }
   if config.context_dim:
     batch["context"] = jax.random.normal(
-        context_key, (config.batch, config.context_len, config.context_dim), jnp.float32)
+      context_key, (config.batch, config.context_len, config.context_dim), jnp.float32
+    )
 
   def noisy(batch):
     alpha = jnp.cos(0.5 * jnp.pi * batch["timesteps"])[:, None, None, None] ** 2
     images = jnp.sqrt(alpha) * batch["images"] + jnp.sqrt(1.0 - alpha) * batch["noise"]
     context = batch.get("context")
-    return (training.cast_floating(images, config.dtype), batch["timesteps"],
-            None if context is None else training.cast_floating(context, config.dtype))
+    return (
+      training.cast_floating(images, config.dtype),
+      batch["timesteps"],
+      None if context is None else training.cast_floating(context, config.dtype),
+    )
 
   def loss_fn(params, batch):
     predicted = model.apply({"params": training.cast_floating(params, config.dtype)}, *noisy(batch))
@@ -228,4 +260,5 @@ def make(config: UNetConfig, seed: int = 0) -> training.Workload:
 
   params = jax.jit(model.init)(params_key, *noisy(batch))["params"]
   return training.build_workload(
-      training.spec_string("unet", config, PRESETS), loss_fn, params, batch)
+    training.spec_string("unet", config, PRESETS), loss_fn, params, batch
+  )

@@ -66,8 +66,9 @@ class ViTConfig:
     training.check_dtype(self.dtype)
     if self.image_size % self.patch or self.d_model % self.heads:
       raise ValueError(
-          f"patch={self.patch} must divide image_size={self.image_size} and "
-          f"heads={self.heads} must divide d_model={self.d_model}")
+        f"patch={self.patch} must divide image_size={self.image_size} and "
+        f"heads={self.heads} must divide d_model={self.d_model}"
+      )
 
   @property
   def tokens(self) -> int:
@@ -78,12 +79,12 @@ class ViTConfig:
 _IMAGENET = {"image_size": 224, "classes": 1000, "dtype": "bfloat16"}
 # Size label -> config fields.
 PRESETS: dict[str, dict[str, Any]] = {
-    "b16": {"layers": 12, "d_model": 768, "heads": 12, "mlp_dim": 3072, "patch": 16, **_IMAGENET},
-    "l16": {"layers": 24, "d_model": 1024, "heads": 16, "mlp_dim": 4096, "patch": 16, **_IMAGENET},
-    "h14": {"layers": 32, "d_model": 1280, "heads": 16, "mlp_dim": 5120, "patch": 14, **_IMAGENET},
-    "g14": {"layers": 40, "d_model": 1408, "heads": 16, "mlp_dim": 6144, "patch": 14, **_IMAGENET},
-    "G14": {"layers": 48, "d_model": 1664, "heads": 16, "mlp_dim": 8192, "patch": 14, **_IMAGENET},
-    "22b": {"layers": 48, "d_model": 6144, "heads": 48, "mlp_dim": 24576, "patch": 14, **_IMAGENET},
+  "b16": {"layers": 12, "d_model": 768, "heads": 12, "mlp_dim": 3072, "patch": 16, **_IMAGENET},
+  "l16": {"layers": 24, "d_model": 1024, "heads": 16, "mlp_dim": 4096, "patch": 16, **_IMAGENET},
+  "h14": {"layers": 32, "d_model": 1280, "heads": 16, "mlp_dim": 5120, "patch": 14, **_IMAGENET},
+  "g14": {"layers": 40, "d_model": 1408, "heads": 16, "mlp_dim": 6144, "patch": 14, **_IMAGENET},
+  "G14": {"layers": 48, "d_model": 1664, "heads": 16, "mlp_dim": 8192, "patch": 14, **_IMAGENET},
+  "22b": {"layers": 48, "d_model": 6144, "heads": 48, "mlp_dim": 24576, "patch": 14, **_IMAGENET},
 }
 
 
@@ -114,8 +115,14 @@ class EncoderBlock(eqx.Module):
     attention_key, mlp_key = jax.random.split(key)
     self.norm1 = eqx.nn.LayerNorm(config.d_model)
     self.attention = eqx.nn.MultiheadAttention(
-        config.heads, config.d_model, use_query_bias=True, use_key_bias=True,
-        use_value_bias=True, use_output_bias=True, key=attention_key)
+      config.heads,
+      config.d_model,
+      use_query_bias=True,
+      use_key_bias=True,
+      use_value_bias=True,
+      use_output_bias=True,
+      key=attention_key,
+    )
     self.norm2 = eqx.nn.LayerNorm(config.d_model)
     self.mlp = MLP(config.d_model, config.mlp_dim, mlp_key)
 
@@ -140,11 +147,13 @@ class ViT(eqx.Module):
     keys = jax.random.split(key, 5)
     d = config.d_model
     self.patch_embedding = eqx.nn.Conv2d(
-        config.channels, d, config.patch, stride=config.patch, key=keys[0])
+      config.channels, d, config.patch, stride=config.patch, key=keys[0]
+    )
     self.cls_token = 0.02 * jax.random.normal(keys[1], (1, d))
     self.positional_embedding = 0.02 * jax.random.normal(keys[2], (config.tokens, d))
     self.blocks = eqx.filter_vmap(lambda k: EncoderBlock(config, k))(
-        jax.random.split(keys[3], config.layers))
+      jax.random.split(keys[3], config.layers)
+    )
     self.norm = eqx.nn.LayerNorm(d)
     self.head = eqx.nn.Linear(d, config.classes, key=keys[4])
     self.remat = config.remat
@@ -174,17 +183,19 @@ def make(config: ViTConfig, seed: int = 0) -> training.Workload:
   images_key, labels_key = jax.random.split(data_key)
   size = config.image_size
   batch = {
-      "images": jax.random.normal(
-          images_key, (config.batch, config.channels, size, size), jnp.float32),
-      "labels": jax.random.randint(
-          labels_key, (config.batch,), 0, config.classes, jnp.int32),
+    "images": jax.random.normal(
+      images_key, (config.batch, config.channels, size, size), jnp.float32
+    ),
+    "labels": jax.random.randint(labels_key, (config.batch,), 0, config.classes, jnp.int32),
   }
 
   def loss_fn(params, batch):
     model = eqx.combine(training.cast_floating(params, config.dtype), static)
     logits = jax.vmap(model)(training.cast_floating(batch["images"], config.dtype))
     return optax.softmax_cross_entropy_with_integer_labels(
-        training.widen(logits), batch["labels"]).mean()
+      training.widen(logits), batch["labels"]
+    ).mean()
 
   return training.build_workload(
-      training.spec_string("vit", config, PRESETS), loss_fn, params, batch)
+    training.spec_string("vit", config, PRESETS), loss_fn, params, batch
+  )

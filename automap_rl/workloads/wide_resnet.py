@@ -29,11 +29,11 @@ from automap_rl.workloads import training
 # Depth -> bottleneck blocks per stage (He et al. 2016, Table 1; 14 and 26 are
 # the same pattern with one and two blocks per stage).
 STAGE_SIZES: dict[int, tuple[int, ...]] = {
-    14: (1, 1, 1, 1),
-    26: (2, 2, 2, 2),
-    50: (3, 4, 6, 3),
-    101: (3, 4, 23, 3),
-    152: (3, 8, 36, 3),
+  14: (1, 1, 1, 1),
+  26: (2, 2, 2, 2),
+  50: (3, 4, 6, 3),
+  101: (3, 4, 23, 3),
+  152: (3, 8, 36, 3),
 }
 
 
@@ -65,20 +65,19 @@ class WideResNetConfig:
   def __post_init__(self):
     training.check_dtype(self.dtype)
     if self.depth not in STAGE_SIZES:
-      raise ValueError(
-          f"depth={self.depth} is not one of {', '.join(map(str, STAGE_SIZES))}")
+      raise ValueError(f"depth={self.depth} is not one of {', '.join(map(str, STAGE_SIZES))}")
 
 
 _ALPA = {"depth": 50, "image_size": 224, "classes": 1024}
 # Size label -> config fields (base channels and width factor from Alpa).
 PRESETS: dict[str, dict[str, Any]] = {
-    "250m": {"width": 160, "width_factor": 2, **_ALPA},
-    "500m": {"width": 224, "width_factor": 2, **_ALPA},
-    "1b": {"width": 320, "width_factor": 2, **_ALPA},
-    "2b": {"width": 448, "width_factor": 2, **_ALPA},
-    "4b": {"width": 640, "width_factor": 2, **_ALPA},
-    "6.8b": {"width": 320, "width_factor": 16, **_ALPA},
-    "13b": {"width": 320, "width_factor": 32, **_ALPA},
+  "250m": {"width": 160, "width_factor": 2, **_ALPA},
+  "500m": {"width": 224, "width_factor": 2, **_ALPA},
+  "1b": {"width": 320, "width_factor": 2, **_ALPA},
+  "2b": {"width": 448, "width_factor": 2, **_ALPA},
+  "4b": {"width": 640, "width_factor": 2, **_ALPA},
+  "6.8b": {"width": 320, "width_factor": 16, **_ALPA},
+  "13b": {"width": 320, "width_factor": 32, **_ALPA},
 }
 
 
@@ -93,8 +92,7 @@ class Bottleneck(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     conv = functools.partial(nn.Conv, use_bias=False)
-    norm = functools.partial(nn.BatchNorm, use_running_average=False,
-                             momentum=0.9, epsilon=1e-5)
+    norm = functools.partial(nn.BatchNorm, use_running_average=False, momentum=0.9, epsilon=1e-5)
     strides = (self.stride, self.stride)
     y = nn.relu(norm(name="bn1")(conv(self.filters, (1, 1), name="conv1")(x)))
     y = conv(self.filters * self.width_factor, (3, 3), strides, name="conv2")(y)
@@ -115,16 +113,17 @@ class WideResNet(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    x = nn.Conv(cfg.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)],
-                use_bias=False, name="conv_init")(x)
-    x = nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-5,
-                     name="bn_init")(x)
+    x = nn.Conv(
+      cfg.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False, name="conv_init"
+    )(x)
+    x = nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-5, name="bn_init")(x)
     x = nn.max_pool(nn.relu(x), (3, 3), strides=(2, 2), padding="SAME")
     for stage, blocks in enumerate(STAGE_SIZES[cfg.depth]):
       for block in range(blocks):
         stride = 2 if stage > 0 and block == 0 else 1
-        x = Bottleneck(cfg.width * 2**stage, cfg.width_factor, stride,
-                       name=f"stage{stage}_block{block}")(x)
+        x = Bottleneck(
+          cfg.width * 2**stage, cfg.width_factor, stride, name=f"stage{stage}_block{block}"
+        )(x)
     return nn.Dense(cfg.classes, name="head")(x.mean(axis=(1, 2)))
 
 
@@ -140,23 +139,30 @@ def make(config: WideResNetConfig, seed: int = 0) -> training.Workload:
   images_key, labels_key = jax.random.split(data_key)
   size = config.image_size
   batch = {
-      "images": jax.random.normal(
-          images_key, (config.batch, size, size, config.channels), jnp.float32),
-      "labels": jax.random.randint(
-          labels_key, (config.batch,), 0, config.classes, jnp.int32),
+    "images": jax.random.normal(
+      images_key, (config.batch, size, size, config.channels), jnp.float32
+    ),
+    "labels": jax.random.randint(labels_key, (config.batch,), 0, config.classes, jnp.int32),
   }
 
   def loss_fn(params, model_state, batch):
     variables = {"params": training.cast_floating(params, config.dtype), **model_state}
     logits, updates = model.apply(
-        variables, training.cast_floating(batch["images"], config.dtype), mutable=["batch_stats"])
+      variables, training.cast_floating(batch["images"], config.dtype), mutable=["batch_stats"]
+    )
     loss = optax.softmax_cross_entropy_with_integer_labels(
-        training.widen(logits), batch["labels"]).mean()
+      training.widen(logits), batch["labels"]
+    ).mean()
     return loss, jax.tree_util.tree_map(
-        lambda new, old: new.astype(old.dtype), updates, model_state)
+      lambda new, old: new.astype(old.dtype), updates, model_state
+    )
 
   variables = jax.jit(model.init)(params_key, batch["images"])
   model_state = {"batch_stats": variables["batch_stats"]}
   return training.build_workload(
-      training.spec_string("wresnet", config, PRESETS), loss_fn,
-      variables["params"], batch, model_state)
+    training.spec_string("wresnet", config, PRESETS),
+    loss_fn,
+    variables["params"],
+    batch,
+    model_state,
+  )

@@ -55,12 +55,15 @@ class Flat:
     name = self.eqn.primitive.name
     if name == "scan":
       return name, self.eqn.params["length"], self.eqn.params["reverse"]
-    types = lambda vs: tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in vs if hasattr(v.aval, "shape"))
+    types = lambda vs: tuple(
+      (tuple(v.aval.shape), str(v.aval.dtype)) for v in vs if hasattr(v.aval, "shape")
+    )
     return name, types(self.eqn.invars), types(self.eqn.outvars)
 
 
-def flatten(jaxpr: jax_core.Jaxpr, prefix: Origin = (), alias: dict | None = None, into_scans: bool = False
-            ) -> list[Flat]:
+def flatten(
+  jaxpr: jax_core.Jaxpr, prefix: Origin = (), alias: dict | None = None, into_scans: bool = False
+) -> list[Flat]:
   """`jaxpr`'s equations with calls inlined (a scan stays one equation, followed by its
   body's with `into_scans`); `alias` maps the variables of inlined bodies to the outer ones
   they stand for (filled in)."""
@@ -74,7 +77,9 @@ def flatten(jaxpr: jax_core.Jaxpr, prefix: Origin = (), alias: dict | None = Non
       inner = getattr(body, "jaxpr", body)
       alias.update((i, o) for i, o in zip(inner.invars, map(canon, eqn.invars)) if o is not None)
       out += flatten(inner, origin, alias, into_scans)
-      alias.update((o, canon(i)) for o, i in zip(eqn.outvars, inner.outvars) if canon(i) is not None)
+      alias.update(
+        (o, canon(i)) for o, i in zip(eqn.outvars, inner.outvars) if canon(i) is not None
+      )
     else:
       out.append(Flat(origin, eqn, tuple(map(canon, eqn.invars))))
       if into_scans and eqn.primitive.name == "scan":
@@ -82,7 +87,9 @@ def flatten(jaxpr: jax_core.Jaxpr, prefix: Origin = (), alias: dict | None = Non
   return out
 
 
-def align(loss: Sequence[Flat], step: Sequence[Flat], counterpart: Mapping[Any, Any]) -> dict[Origin, Origin]:
+def align(
+  loss: Sequence[Flat], step: Sequence[Flat], counterpart: Mapping[Any, Any]
+) -> dict[Origin, Origin]:
   """Loss origin -> step origin for every loss equation with a counterpart (module
   docstring), scan bodies included.
 
@@ -102,8 +109,10 @@ def align(loss: Sequence[Flat], step: Sequence[Flat], counterpart: Mapping[Any, 
     candidates = [i for i in by_key.get(entry.key(), ()) if position <= i < position + WINDOW]
     if not candidates:
       continue
-    agrees = lambda i: all(v is None or counterpart.get(v) is None or counterpart[v] == s
-                           for v, s in zip(entry.operands, step[i].operands))
+    agrees = lambda i: all(
+      v is None or counterpart.get(v) is None or counterpart[v] == s
+      for v, s in zip(entry.operands, step[i].operands)
+    )
     chosen = next((i for i in candidates if agrees(i)), candidates[0])
     other = step[chosen]
     matched[entry.origin] = other.origin

@@ -53,22 +53,53 @@ from automap_rl.simulator.tables import program_flops
 from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import lower
 from automap_rl.xla.pipeline_lower import lower_pipelined
-from automap_rl.xla.validate import DONATE_ARGNUMS, compiled_metrics, relative_error, simulated_metrics, trace_problem
+from automap_rl.xla.validate import (
+  DONATE_ARGNUMS,
+  compiled_metrics,
+  relative_error,
+  simulated_metrics,
+  trace_problem,
+)
 
 __all__ = [
-    "FULLSIZE_CASES", "SAMPLED_CASES", "ZOO_CASES", "PlanCheck", "Search", "agreement_by_case", "check_case",
-    "check_pipelined_plan", "compiled_checks", "decision_from_text", "exploit_gaps", "family_table", "implied_cost",
-    "pairwise_agreement", "plot", "recompiled", "resimulated", "stage_permute_bytes", "summarize", "term_errors",
-    "validation_case", "validation_mesh",
+  "FULLSIZE_CASES",
+  "SAMPLED_CASES",
+  "ZOO_CASES",
+  "PlanCheck",
+  "Search",
+  "agreement_by_case",
+  "check_case",
+  "check_pipelined_plan",
+  "compiled_checks",
+  "decision_from_text",
+  "exploit_gaps",
+  "family_table",
+  "implied_cost",
+  "pairwise_agreement",
+  "plot",
+  "recompiled",
+  "resimulated",
+  "stage_permute_bytes",
+  "summarize",
+  "term_errors",
+  "validation_case",
+  "validation_mesh",
 ]
 
 # Cases at published sizes on 8 and 64 devices: the demo's model on a 2x4 and an 8x8 mesh,
 # then GPT, MoE, U-Net and SSM (a time-step scan inside the layer scan) cases of the task
 # suite.
 FULLSIZE_CASES = (
-    "demo-gpt-2x4-h100", "demo-gpt-8x8-h100",
-    "gpt-1.3b-2x4-h100", "moe-380m-2x4-a100-40g", "unet-ddpm-cifar10-4x2-a100-40g", "ssm-130m-4x2-a100-40g",
-    "gpt-6.7b-8x8-h100", "moe-27b-8x8-a100-80g", "unet-sd-1.5-8x8-h100", "ssm-2.8b-8x8-h100",
+  "demo-gpt-2x4-h100",
+  "demo-gpt-8x8-h100",
+  "gpt-1.3b-2x4-h100",
+  "moe-380m-2x4-a100-40g",
+  "unet-ddpm-cifar10-4x2-a100-40g",
+  "ssm-130m-4x2-a100-40g",
+  "gpt-6.7b-8x8-h100",
+  "moe-27b-8x8-a100-80g",
+  "unet-sd-1.5-8x8-h100",
+  "ssm-2.8b-8x8-h100",
 )
 _DEMO = {"demo-gpt-2x4-h100": "data=2,model=4", "demo-gpt-8x8-h100": "data=8,model=8"}
 DEMO_WORKLOAD = "gpt:layers=8,d_model=1024"
@@ -79,32 +110,47 @@ DEMO_WORKLOAD = "gpt:layers=8,d_model=1024"
 # wider one; deep and wide MLPs; the LSTM language models of Jozefowicz et al. and GNMT's
 # stack; DiT-B/2 and DiT-XL/2 at the paper's batch of 256.
 ZOO_CASES = {
-    "mlp-8x8192-2x4-h100": ("mlp:size=8x8192,batch=1024", "data=2,model=4", "h100"),
-    "mlp-4x16384-4x8-a100-80g": ("mlp:size=4x16384,batch=2048", "data=4,model=8", "a100-80g"),
-    "resnet-18-4x2-a100-40g": ("resnet:stages=4,blocks=2,width=64,groups=32,image_size=224,classes=1000,batch=256",
-                               "data=4,model=2", "a100-40g"),
-    "resnet-4x3x128-8x4-tpu-v5e": ("resnet:stages=4,blocks=3,width=128,groups=32,image_size=224,classes=1000,batch=512",
-                                   "data=8,model=4", "tpu-v5e"),
-    "lstm-8192-1024-4x4-tpu-v5e": ("lstm:size=8192-1024,batch=64", "data=4,model=4", "tpu-v5e"),
-    "lstm-gnmt-1024-8x4-h100": ("lstm:size=gnmt-1024,batch=128", "data=8,model=4", "h100"),
-    "dit-b-2-4x2-a100-40g": ("dit:size=b-2,batch=256", "data=4,model=2", "a100-40g"),
-    "dit-xl-2-8x4-h100": ("dit:size=xl-2,batch=256", "data=8,model=4", "h100"),
+  "mlp-8x8192-2x4-h100": ("mlp:size=8x8192,batch=1024", "data=2,model=4", "h100"),
+  "mlp-4x16384-4x8-a100-80g": ("mlp:size=4x16384,batch=2048", "data=4,model=8", "a100-80g"),
+  "resnet-18-4x2-a100-40g": (
+    "resnet:stages=4,blocks=2,width=64,groups=32,image_size=224,classes=1000,batch=256",
+    "data=4,model=2",
+    "a100-40g",
+  ),
+  "resnet-4x3x128-8x4-tpu-v5e": (
+    "resnet:stages=4,blocks=3,width=128,groups=32,image_size=224,classes=1000,batch=512",
+    "data=8,model=4",
+    "tpu-v5e",
+  ),
+  "lstm-8192-1024-4x4-tpu-v5e": ("lstm:size=8192-1024,batch=64", "data=4,model=4", "tpu-v5e"),
+  "lstm-gnmt-1024-8x4-h100": ("lstm:size=gnmt-1024,batch=128", "data=8,model=4", "h100"),
+  "dit-b-2-4x2-a100-40g": ("dit:size=b-2,batch=256", "data=4,model=2", "a100-40g"),
+  "dit-xl-2-8x4-h100": ("dit:size=xl-2,batch=256", "data=8,model=4", "h100"),
 }
 
 # The sampled run over every family: two task-suite cases of each suite family that the
 # simulator was not developed against (none of `FULLSIZE_CASES`), and `ZOO_CASES`; 8 to 64
 # devices, two- and three-axis meshes, A100, H100 and TPU profiles.
 SAMPLED_CASES = (
-    "gpt-350m-8x2-a100-80g", "gpt-2.6b-2x2x8-h100",
-    "llama-8b-2x8-h100", "llama-70b-8x8-a100-80g-remat",
-    "moe-690m-4x4-h100", "moe-2.4b-8x4-tpu-v5e",
-    "vit-b16-4x2-a100-40g", "vit-h14-8x4-a100-80g",
-    "wresnet-250m-4x2-a100-40g", "wresnet-2b-4x8-a100-80g",
-    "gnn-mgn-4x4-tpu-v5e", "gnn-graphcast-8x8-h100",
-    "t5-base-4x4-tpu-v5e", "t5-xl-4x8-a100-80g",
-    "unet-ddpm-cifar10-8x2-tpu-v5e", "unet-sd-1.5-4x4-a100-80g",
-    "ssm-370m-4x4-tpu-v5e", "ssm-1.4b-4x8-a100-80g",
-    *ZOO_CASES,
+  "gpt-350m-8x2-a100-80g",
+  "gpt-2.6b-2x2x8-h100",
+  "llama-8b-2x8-h100",
+  "llama-70b-8x8-a100-80g-remat",
+  "moe-690m-4x4-h100",
+  "moe-2.4b-8x4-tpu-v5e",
+  "vit-b16-4x2-a100-40g",
+  "vit-h14-8x4-a100-80g",
+  "wresnet-250m-4x2-a100-40g",
+  "wresnet-2b-4x8-a100-80g",
+  "gnn-mgn-4x4-tpu-v5e",
+  "gnn-graphcast-8x8-h100",
+  "t5-base-4x4-tpu-v5e",
+  "t5-xl-4x8-a100-80g",
+  "unet-ddpm-cifar10-8x2-tpu-v5e",
+  "unet-sd-1.5-4x4-a100-80g",
+  "ssm-370m-4x4-tpu-v5e",
+  "ssm-1.4b-4x8-a100-80g",
+  *ZOO_CASES,
 )
 
 # A search: (problem, seed) -> {plan name: (decisions, pipeline or None)}, e.g. UCT and
@@ -154,17 +200,33 @@ def validation_case(name: str) -> workloads.Case:
   """The case called `name` (`FULLSIZE_CASES`, `ZOO_CASES` or any task-suite case),
   computing in float32."""
   if name in _DEMO:
-    case = workloads.Case(name=name, workload=DEMO_WORKLOAD, family="gpt", size="demo", mesh=_DEMO[name],
-                          hardware="h100", split="validate")
+    case = workloads.Case(
+      name=name,
+      workload=DEMO_WORKLOAD,
+      family="gpt",
+      size="demo",
+      mesh=_DEMO[name],
+      hardware="h100",
+      split="validate",
+    )
   elif name in ZOO_CASES:
     workload, mesh, hardware = ZOO_CASES[name]
-    case = workloads.Case(name=name, workload=workload, family=workload.partition(":")[0], size="zoo", mesh=mesh,
-                          hardware=hardware, split="validate")
+    case = workloads.Case(
+      name=name,
+      workload=workload,
+      family=workload.partition(":")[0],
+      size="zoo",
+      mesh=mesh,
+      hardware=hardware,
+      split="validate",
+    )
   else:
     known = {c.name: c for c in workloads.load_cases()}
     if name not in known:
-      raise ValueError(f"Unknown validation case {name!r}; valid: {', '.join(FULLSIZE_CASES)}, "
-                       f"{', '.join(ZOO_CASES)} or a suite case.")
+      raise ValueError(
+        f"Unknown validation case {name!r}; valid: {', '.join(FULLSIZE_CASES)}, "
+        f"{', '.join(ZOO_CASES)} or a suite case."
+      )
     case = known[name]
   if not hasattr(workloads.spec.make_config(case.workload)[1], "dtype"):
     return case  # A family without a dtype key computes in float32.
@@ -199,71 +261,149 @@ def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, float]:
   """The compiled module priced with the simulator's model (see the module docstring):
   `step_time = compute_time + comm_time`, seconds per step per device."""
   hardware = problem.mesh.hardware
-  comm = sum(c.repeat * collective_seconds(problem.tables, c.kind, c.bytes, _axes_mask(problem.mesh, c.mesh_axes))
-             for c in stats.collectives)
+  comm = sum(
+    c.repeat
+    * collective_seconds(problem.tables, c.kind, c.bytes, _axes_mask(problem.mesh, c.mesh_axes))
+    for c in stats.collectives
+  )
   peak = _peak_flops(problem)
-  compute = sum(max(flops / peak, nbytes / hardware.hbm_bandwidth) for flops, nbytes in stats.kernels)
+  compute = sum(
+    max(flops / peak, nbytes / hardware.hbm_bandwidth) for flops, nbytes in stats.kernels
+  )
   return {"step_time": compute + comm, "compute_time": compute, "comm_time": comm}
 
 
-def _simulated(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None) -> dict[str, Any]:
+def _simulated(
+  problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None
+) -> dict[str, Any]:
   """The simulator's side of a check: `simulated_metrics`, `step_time` (seconds), `fits`,
   and of a pipelined plan `stage_permute_bytes` (`PipelineTerms.permute_bytes`)."""
   cost = problem.cost(decisions) if pipeline is None else problem.plan_cost(decisions, pipeline)
-  simulated = {**simulated_metrics(problem, decisions, pipeline), "step_time": float(cost.step_time),
-               "fits": bool(cost.fits)}
+  simulated = {
+    **simulated_metrics(problem, decisions, pipeline),
+    "step_time": float(cost.step_time),
+    "fits": bool(cost.fits),
+  }
   if pipeline is not None:
     simulated["stage_permute_bytes"] = float(cost.terms.permute_bytes)
   return simulated
 
 
-def check_plan(case: str, problem: Problem, workload: workloads.Workload, plan: str, decisions: Sequence[Decision],
-               searched: bool) -> PlanCheck:
+def check_plan(
+  case: str,
+  problem: Problem,
+  workload: workloads.Workload,
+  plan: str,
+  decisions: Sequence[Decision],
+  searched: bool,
+) -> PlanCheck:
   """Lowers and compiles one plan (abstract arguments) and measures both sides."""
   start = time.perf_counter()
   lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS)
   simulated = _simulated(problem, decisions, None)
   compiled = {**compiled_metrics(lowered.stats), **implied_cost(problem, lowered.stats)}
-  return PlanCheck(case=case, devices=problem.mesh.num_devices, plan=plan, searched=searched,
-                   decisions=tuple(map(str, decisions)), simulated=simulated, compiled=compiled,
-                   differences=len(lowered.differences), seconds=time.perf_counter() - start)
+  return PlanCheck(
+    case=case,
+    devices=problem.mesh.num_devices,
+    plan=plan,
+    searched=searched,
+    decisions=tuple(map(str, decisions)),
+    simulated=simulated,
+    compiled=compiled,
+    differences=len(lowered.differences),
+    seconds=time.perf_counter() - start,
+  )
 
 
 def stage_permute_bytes(stats: CompiledStats, pipeline: Pipeline) -> float:
   """Per-device bytes of the compiled stage transfers: the collective-permutes over the
   pipeline's axis inside the microbatch loop (`repeat` > 1), times their trip counts."""
-  return float(sum(c.repeat * c.bytes for c in stats.collectives
-                   if c.kind == "collective-permute" and c.mesh_axes == (pipeline.axis,) and c.repeat > 1))
+  return float(
+    sum(
+      c.repeat * c.bytes
+      for c in stats.collectives
+      if c.kind == "collective-permute" and c.mesh_axes == (pipeline.axis,) and c.repeat > 1
+    )
+  )
 
 
-def check_pipelined_plan(case: str, problem: Problem, workload: workloads.Workload, plan: str,
-                         decisions: Sequence[Decision], pipeline: Pipeline) -> PlanCheck:
+def check_pipelined_plan(
+  case: str,
+  problem: Problem,
+  workload: workloads.Workload,
+  plan: str,
+  decisions: Sequence[Decision],
+  pipeline: Pipeline,
+) -> PlanCheck:
   """Lowers and compiles one pipelined plan (`pipeline_lower.lower_pipelined`, abstract
   arguments) and measures both sides, the stage transfers included."""
   start = time.perf_counter()
-  lowered = lower_pipelined(problem, decisions, pipeline, workload.loss_fn, workload.optimizer, workload.args,
-                            to_jax_mesh(problem.mesh), DONATE_ARGNUMS, isolated=True)
+  lowered = lower_pipelined(
+    problem,
+    decisions,
+    pipeline,
+    workload.loss_fn,
+    workload.optimizer,
+    workload.args,
+    to_jax_mesh(problem.mesh),
+    DONATE_ARGNUMS,
+    isolated=True,
+  )
   simulated = _simulated(problem, decisions, pipeline)
-  compiled = {**compiled_metrics(lowered.stats), **implied_cost(problem, lowered.stats),
-              "stage_permute_bytes": stage_permute_bytes(lowered.stats, pipeline)}
-  return PlanCheck(case=case, devices=problem.mesh.num_devices, plan=plan, searched=False,
-                   decisions=tuple(map(str, decisions)), simulated=simulated, compiled=compiled, differences=0,
-                   seconds=time.perf_counter() - start, pipeline=pipeline.to_json())
+  compiled = {
+    **compiled_metrics(lowered.stats),
+    **implied_cost(problem, lowered.stats),
+    "stage_permute_bytes": stage_permute_bytes(lowered.stats, pipeline),
+  }
+  return PlanCheck(
+    case=case,
+    devices=problem.mesh.num_devices,
+    plan=plan,
+    searched=False,
+    decisions=tuple(map(str, decisions)),
+    simulated=simulated,
+    compiled=compiled,
+    differences=0,
+    seconds=time.perf_counter() - start,
+    pipeline=pipeline.to_json(),
+  )
 
 
-def _failed_check(case: workloads.Case, problem: Problem, plan: str, decisions: Sequence[Decision],
-                  pipeline: Pipeline | None, searched: bool, error: Exception, seconds: float) -> PlanCheck:
+def _failed_check(
+  case: workloads.Case,
+  problem: Problem,
+  plan: str,
+  decisions: Sequence[Decision],
+  pipeline: Pipeline | None,
+  searched: bool,
+  error: Exception,
+  seconds: float,
+) -> PlanCheck:
   """A plan that did not lower or compile: the simulator's side and the error."""
-  return PlanCheck(case=case.name, devices=problem.mesh.num_devices, plan=plan, searched=searched,
-                   decisions=tuple(map(str, decisions)), simulated=_simulated(problem, decisions, pipeline), compiled={},
-                   differences=0,
-                   seconds=seconds, pipeline=None if pipeline is None else pipeline.to_json(), family=case.family,
-                   error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300])
+  return PlanCheck(
+    case=case.name,
+    devices=problem.mesh.num_devices,
+    plan=plan,
+    searched=searched,
+    decisions=tuple(map(str, decisions)),
+    simulated=_simulated(problem, decisions, pipeline),
+    compiled={},
+    differences=0,
+    seconds=seconds,
+    pipeline=None if pipeline is None else pipeline.to_json(),
+    family=case.family,
+    error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300],
+  )
 
 
-def check_case(name: str, search: Search | None = None, seed: int = 0,
-               report: Callable[[PlanCheck], None] = lambda check: None, pipelines: bool = False,
-               experts: bool = True) -> list[PlanCheck]:
+def check_case(
+  name: str,
+  search: Search | None = None,
+  seed: int = 0,
+  report: Callable[[PlanCheck], None] = lambda check: None,
+  pipelines: bool = False,
+  experts: bool = True,
+) -> list[PlanCheck]:
   """Every applicable expert plan of case `name` (none without `experts`: a run of the
   searched plans alone, merged later with one of the experts) and the plans `search` finds
   (a searched pipeline run in GPipe order, as it is lowered); with `pipelines`, also every
@@ -272,18 +412,31 @@ def check_case(name: str, search: Search | None = None, seed: int = 0,
   case = validation_case(name)
   workload = case.make_workload(abstract=True)
   problem = trace_problem(workload, case.mesh, validation_mesh(case).hardware)
-  plans = [(plan, decisions, None, False) for plan, decisions in tactics.applicable(problem).items() if experts]
+  plans = [
+    (plan, decisions, None, False)
+    for plan, decisions in tactics.applicable(problem).items()
+    if experts
+  ]
   if pipelines and experts:
-    plans += [(plan, decisions, pipeline, False)
-              for plan, (decisions, pipeline) in tactics.applicable_pipelines(problem).items()]
+    plans += [
+      (plan, decisions, pipeline, False)
+      for plan, (decisions, pipeline) in tactics.applicable_pipelines(problem).items()
+    ]
   if search is not None:
-    plans += [(plan, list(decisions), pipeline, True) for plan, (decisions, pipeline) in search(problem, seed).items()]
+    plans += [
+      (plan, list(decisions), pipeline, True)
+      for plan, (decisions, pipeline) in search(problem, seed).items()
+    ]
   return _check_plans(case, problem, workload, plans, report)
 
 
-def _check_plans(case: workloads.Case, problem: Problem, workload: workloads.Workload,
-                 plans: Sequence[tuple[str, Sequence[Decision], Pipeline | None, bool]],
-                 report: Callable[[PlanCheck], None]) -> list[PlanCheck]:
+def _check_plans(
+  case: workloads.Case,
+  problem: Problem,
+  workload: workloads.Workload,
+  plans: Sequence[tuple[str, Sequence[Decision], Pipeline | None, bool]],
+  report: Callable[[PlanCheck], None],
+) -> list[PlanCheck]:
   """A check of each of `plans`, `(name, decisions, pipeline or None, searched)`, of one
   case (a pipeline run in GPipe order; an expert's pipelined plan met before, once)."""
   name = case.name
@@ -299,20 +452,27 @@ def _check_plans(case: workloads.Case, problem: Problem, workload: workloads.Wor
       if pipeline is None:
         check = check_plan(name, problem, workload, plan, decisions, searched)
       else:
-        check = dataclasses.replace(check_pipelined_plan(name, problem, workload, plan, decisions, pipeline),
-                                    searched=searched)
+        check = dataclasses.replace(
+          check_pipelined_plan(name, problem, workload, plan, decisions, pipeline),
+          searched=searched,
+        )
       checks.append(dataclasses.replace(check, family=case.family))
     except Exception as error:  # noqa: BLE001 -- one plan's failure is a finding, not the end of the run.
-      checks.append(_failed_check(case, problem, plan, decisions, pipeline, searched, error,
-                                  time.perf_counter() - start))
+      checks.append(
+        _failed_check(
+          case, problem, plan, decisions, pipeline, searched, error, time.perf_counter() - start
+        )
+      )
     report(checks[-1])
   return checks
 
 
 # `repr` of a `Decision`: an `ArgDim` (its path a Python string literal), a `Group` or a class id.
 _STRING_LITERAL = r"'(?:[^'\\]|\\.)*'" + "|" + r'"(?:[^"\\]|\\.)*"'
-_DECISION = re.compile(rf"Decision\(target=(?:ArgDim\(path=(?P<path>{_STRING_LITERAL}), dim=(?P<dim>\d+)\)"
-                       r"|Group\(id=(?P<group>\d+)\)|(?:np\.int\d+\()?(?P<cls>\d+)\)?), axis='(?P<axis>[^']+)'\)")
+_DECISION = re.compile(
+  rf"Decision\(target=(?:ArgDim\(path=(?P<path>{_STRING_LITERAL}), dim=(?P<dim>\d+)\)"
+  r"|Group\(id=(?P<group>\d+)\)|(?:np\.int\d+\()?(?P<cls>\d+)\)?), axis='(?P<axis>[^']+)'\)"
+)
 
 
 def decision_from_text(text: str) -> Decision:
@@ -327,7 +487,9 @@ def decision_from_text(text: str) -> Decision:
   return Decision(target, match["axis"])
 
 
-def resimulated(checks: Sequence[PlanCheck], report: Callable[[str], None] = lambda case: None) -> list[PlanCheck]:
+def resimulated(
+  checks: Sequence[PlanCheck], report: Callable[[str], None] = lambda case: None
+) -> list[PlanCheck]:
   """`checks` with their simulated side priced again by this checkout's simulator. Their
   compiled side does not depend on it, so a change of the simulator is re-measured on
   compiled plans in the time it takes to trace their cases; `report` sees each case
@@ -338,15 +500,20 @@ def resimulated(checks: Sequence[PlanCheck], report: Callable[[str], None] = lam
     if check.case not in problems:
       report(check.case)
       case = validation_case(check.case)
-      problems[check.case] = trace_problem(case.make_workload(abstract=True), case.mesh, validation_mesh(case).hardware)
+      problems[check.case] = trace_problem(
+        case.make_workload(abstract=True), case.mesh, validation_mesh(case).hardware
+      )
     pipeline = None if check.pipeline is None else Pipeline.from_json(check.pipeline)
     decisions = [decision_from_text(d) for d in check.decisions]
-    out.append(dataclasses.replace(check, simulated=_simulated(problems[check.case], decisions, pipeline)))
+    out.append(
+      dataclasses.replace(check, simulated=_simulated(problems[check.case], decisions, pipeline))
+    )
   return out
 
 
-def recompiled(checks: Sequence[PlanCheck], report: Callable[[PlanCheck], None] = lambda check: None
-               ) -> list[PlanCheck]:
+def recompiled(
+  checks: Sequence[PlanCheck], report: Callable[[PlanCheck], None] = lambda check: None
+) -> list[PlanCheck]:
   """`checks` measured again on both sides by this checkout: each plan lowered and
   compiled anew and priced by this simulator (a change of the lowering or of the compiled
   side's measures re-measured on stored plans, without searching for them again), case by
@@ -359,8 +526,15 @@ def recompiled(checks: Sequence[PlanCheck], report: Callable[[PlanCheck], None] 
     case = validation_case(name)
     workload = case.make_workload(abstract=True)
     problem = trace_problem(workload, case.mesh, validation_mesh(case).hardware)
-    plans = [(c.plan, [decision_from_text(d) for d in c.decisions],
-              None if c.pipeline is None else Pipeline.from_json(c.pipeline), c.searched) for c in stored]
+    plans = [
+      (
+        c.plan,
+        [decision_from_text(d) for d in c.decisions],
+        None if c.pipeline is None else Pipeline.from_json(c.pipeline),
+        c.searched,
+      )
+      for c in stored
+    ]
     out += _check_plans(case, problem, workload, plans, report)
   return out
 
@@ -380,7 +554,7 @@ def _ordered_pairs(checks: Sequence[PlanCheck]) -> tuple[int, int]:
   checks = compiled_checks(checks)
   agree = total = 0
   for i, a in enumerate(checks):
-    for b in checks[i + 1:]:
+    for b in checks[i + 1 :]:
       if a.case != b.case:
         continue
       compiled = a.compiled["step_time"] - b.compiled["step_time"]
@@ -400,7 +574,10 @@ def pairwise_agreement(checks: Sequence[PlanCheck]) -> float:
 
 def agreement_by_case(checks: Sequence[PlanCheck]) -> dict[str, float]:
   """`pairwise_agreement` of each case's plans, by case name."""
-  return {name: pairwise_agreement([c for c in checks if c.case == name]) for name in dict.fromkeys(c.case for c in checks)}
+  return {
+    name: pairwise_agreement([c for c in checks if c.case == name])
+    for name in dict.fromkeys(c.case for c in checks)
+  }
 
 
 def exploit_gaps(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
@@ -414,15 +591,31 @@ def exploit_gaps(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
     experts = {c.plan: c for c in checks if c.case == name and not c.searched}
     if not experts:
       continue
-    best = experts[tactics.best_expert({n: tactics.Score(c.simulated["step_time"], c.simulated["peak_memory"],
-                                                        c.simulated["fits"]) for n, c in experts.items()})]
+    best = experts[
+      tactics.best_expert(
+        {
+          n: tactics.Score(
+            c.simulated["step_time"], c.simulated["peak_memory"], c.simulated["fits"]
+          )
+          for n, c in experts.items()
+        }
+      )
+    ]
     if best.error is not None:
       continue
     for found in (c for c in compiled_checks(checks) if c.case == name and c.searched):
       simulated = found.simulated["step_time"] / best.simulated["step_time"]
       compiled = found.compiled["step_time"] / best.compiled["step_time"]
-      gaps.append({"case": name, "plan": found.plan, "best_expert": best.plan, "simulated_ratio": simulated,
-                   "compiled_ratio": compiled, "gap": compiled - simulated})
+      gaps.append(
+        {
+          "case": name,
+          "plan": found.plan,
+          "best_expert": best.plan,
+          "simulated_ratio": simulated,
+          "compiled_ratio": compiled,
+          "gap": compiled - simulated,
+        }
+      )
   return gaps
 
 
@@ -434,28 +627,41 @@ def summarize(checks: Sequence[PlanCheck]) -> dict[str, float]:
   error = lambda key: median([relative_error(c.simulated[key], c.compiled[key]) for c in checks])
   count_ratio = []
   for c in checks:
-    simulated, compiled = sum(c.simulated["comm_count_by_kind"].values()), sum(c.compiled["comm_count_by_kind"].values())
+    simulated, compiled = (
+      sum(c.simulated["comm_count_by_kind"].values()),
+      sum(c.compiled["comm_count_by_kind"].values()),
+    )
     if simulated or compiled:
       count_ratio.append(max(simulated, compiled) / max(min(simulated, compiled), 1e-9))
   gaps = [g["gap"] for g in exploit_gaps(checks)]
   pipelined = [c for c in checks if c.pipeline is not None]
   return {
-      "plans": len(everything),
-      "failed_to_compile": len(everything) - len(checks),
-      "realized_fraction": float(np.mean([c.error is None and c.differences == 0 for c in everything]))
-                           if everything else math.nan,
-      "comm_bytes_median_rel_error": error("comm_bytes"),
-      "collective_counts_within_2x_fraction": float(np.mean([r <= 2.0 for r in count_ratio])) if count_ratio else math.nan,
-      "flops_median_rel_error": error("flops"),
-      "memory_median_rel_error": error("peak_memory"),
-      "stage_permute_bytes_median_rel_error": median([
-          relative_error(c.simulated["stage_permute_bytes"], c.compiled["stage_permute_bytes"]) for c in pipelined]),
-      "step_time_median_rel_error": median([relative_error(c.simulated["step_time"], c.compiled["step_time"])
-                                            for c in checks]),
-      "pairwise_rank_agreement": pairwise_agreement(checks),
-      "exploit_gap_median": median(gaps),
-      "exploit_gap_median_abs": median(np.abs(gaps)),
-      "exploit_gap_max": max(gaps, default=math.nan),
+    "plans": len(everything),
+    "failed_to_compile": len(everything) - len(checks),
+    "realized_fraction": float(
+      np.mean([c.error is None and c.differences == 0 for c in everything])
+    )
+    if everything
+    else math.nan,
+    "comm_bytes_median_rel_error": error("comm_bytes"),
+    "collective_counts_within_2x_fraction": float(np.mean([r <= 2.0 for r in count_ratio]))
+    if count_ratio
+    else math.nan,
+    "flops_median_rel_error": error("flops"),
+    "memory_median_rel_error": error("peak_memory"),
+    "stage_permute_bytes_median_rel_error": median(
+      [
+        relative_error(c.simulated["stage_permute_bytes"], c.compiled["stage_permute_bytes"])
+        for c in pipelined
+      ]
+    ),
+    "step_time_median_rel_error": median(
+      [relative_error(c.simulated["step_time"], c.compiled["step_time"]) for c in checks]
+    ),
+    "pairwise_rank_agreement": pairwise_agreement(checks),
+    "exploit_gap_median": median(gaps),
+    "exploit_gap_median_abs": median(np.abs(gaps)),
+    "exploit_gap_max": max(gaps, default=math.nan),
   }
 
 
@@ -469,11 +675,15 @@ def term_errors(check: PlanCheck) -> dict[str, float]:
   the bytes of each collective kind carrying at least `TERM_SHARE` of its comm bytes on
   either side (keyed by kind), and `collective-permute` bytes likewise."""
   s, c = check.simulated, check.compiled
-  errors = {"flops": relative_error(s["flops"], c["flops"]),
-            "peak_memory": relative_error(s["peak_memory"], c["peak_memory"])}
+  errors = {
+    "flops": relative_error(s["flops"], c["flops"]),
+    "peak_memory": relative_error(s["peak_memory"], c["peak_memory"]),
+  }
   permute = "stage_permute_bytes" if check.pipeline else "collective_permute_bytes"
-  moved = {**{k: (s["comm_bytes_by_kind"][k], c["comm_bytes_by_kind"][k]) for k in KINDS},
-           "collective-permute": (s[permute], c[permute])}
+  moved = {
+    **{k: (s["comm_bytes_by_kind"][k], c["comm_bytes_by_kind"][k]) for k in KINDS},
+    "collective-permute": (s[permute], c[permute]),
+  }
   totals = [sum(side) for side in zip(*moved.values())]
   for kind, (simulated, xla) in moved.items():
     if any(b >= TERM_SHARE * t > 0 for b, t in zip((simulated, xla), totals)):
@@ -489,13 +699,22 @@ def family_table(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
   for family in dict.fromkeys(c.family for c in checks):
     mine = [c for c in checks if c.family == family]
     ok = compiled_checks(mine)
-    worst = max(ok, key=lambda c: relative_error(c.simulated["step_time"], c.compiled["step_time"]), default=None)
+    worst = max(
+      ok,
+      key=lambda c: relative_error(c.simulated["step_time"], c.compiled["step_time"]),
+      default=None,
+    )
     row = {"family": family, "cases": len({c.case for c in mine}), **summarize(mine)}
     if worst is not None:
       term, error = max(term_errors(worst).items(), key=lambda item: item[1])
-      row |= {"worst_plan": f"{worst.case}/{worst.plan}",
-              "worst_step_time_rel_error": relative_error(worst.simulated["step_time"], worst.compiled["step_time"]),
-              "worst_term": term, "worst_term_rel_error": error}
+      row |= {
+        "worst_plan": f"{worst.case}/{worst.plan}",
+        "worst_step_time_rel_error": relative_error(
+          worst.simulated["step_time"], worst.compiled["step_time"]
+        ),
+        "worst_term": term,
+        "worst_term_rel_error": error,
+      }
     rows.append(row)
   return rows
 
@@ -505,14 +724,19 @@ def plot(checks: Sequence[PlanCheck], path: str) -> None:
   per device, and each plan's step time over its case's best expert (the simulator's
   ratio against the compiled-implied one); searched plans drawn as crosses."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   checks = compiled_checks(checks)
   best = {g["case"]: g["best_expert"] for g in exploit_gaps(checks)}
   expert = {(c.case, c.plan): c for c in checks if not c.searched}
-  panels = (("comm_bytes", "comm bytes / device"), ("flops", "flops / device"), ("peak_memory", "peak memory / device"),
-            ("ratio", "step time / best expert's"))
+  panels = (
+    ("comm_bytes", "comm bytes / device"),
+    ("flops", "flops / device"),
+    ("peak_memory", "peak memory / device"),
+    ("ratio", "step time / best expert's"),
+  )
   fig, axes = plt.subplots(1, len(panels), figsize=(20, 5))
   for ax, (key, title) in zip(axes, panels):
     points = []

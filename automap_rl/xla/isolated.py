@@ -35,8 +35,14 @@ from automap_rl.compile_options import quick_compile_options
 __all__ = ["CompileAborted", "backend_compile", "compile_directly"]
 
 
-def backend_compile(text: str, platform: str, shardy: bool, ids: list[int], dump_to: str = "",
-                    debug_options: dict[str, Any] | None = None) -> None:
+def backend_compile(
+  text: str,
+  platform: str,
+  shardy: bool,
+  ids: list[int],
+  dump_to: str = "",
+  debug_options: dict[str, Any] | None = None,
+) -> None:
   """Compiles the StableHLO `text` with SPMD partitioning over the devices `ids` (in mesh
   order) through the backend itself (`jax.extend.backend`, not jax's persistent
   compilation cache, whose hits run no pass), with the XLA `debug_options`; with
@@ -47,8 +53,9 @@ def backend_compile(text: str, platform: str, shardy: bool, ids: list[int], dump
   import numpy as np
 
   by_id = {d.id: d for d in jax.devices(platform)}
-  options = backend.get_compile_options(num_replicas=1, num_partitions=len(ids),
-                                        device_assignment=np.array(ids).reshape(1, len(ids)))
+  options = backend.get_compile_options(
+    num_replicas=1, num_partitions=len(ids), device_assignment=np.array(ids).reshape(1, len(ids))
+  )
   build = options.executable_build_options
   build.use_spmd_partitioning = True
   build.use_shardy_partitioner = shardy
@@ -65,7 +72,10 @@ def backend_compile(text: str, platform: str, shardy: bool, ids: list[int], dump
 # stderr to the log file, compiles (`backend_compile`) and answers `ok` or `error` (an
 # ordinary XLA error, left to the caller's own compile to raise) on stdout; an XLA CHECK
 # aborts it. It exits when the caller closes its stdin.
-_CHILD = "from __future__ import annotations\n" + inspect.getsource(backend_compile) + """
+_CHILD = (
+  "from __future__ import annotations\n"
+  + inspect.getsource(backend_compile)
+  + """
 import json, os, sys
 requests, replies = sys.stdin.buffer, sys.stdout.buffer
 for header in requests:
@@ -75,13 +85,15 @@ for header in requests:
   os.dup2(log, 2)
   os.close(log)
   try:
-    backend_compile(text, request["platform"], request["shardy"], request["ids"], request["dump_to"],
+    backend_compile(text, request["platform"], request["shardy"], request["ids"],
+    request["dump_to"],
                     request["options"])
     replies.write(b"ok\\n")
   except Exception:
     replies.write(b"error\\n")
   replies.flush()
 """
+)
 
 # glog's fatal line: `F1123 13:56:07.484964   20148 convolution_handler.cc:984] Check failed: ...`.
 _FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ ([\w.]+:\d+)\] (.*)$")
@@ -106,7 +118,9 @@ def _child_env(num_devices: int, platform: str) -> dict[str, str]:
   env = dict(os.environ)
   if platform == "cpu":
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(num_devices, jax.device_count())}".strip()
+    env["XLA_FLAGS"] = (
+      f"{flags} --xla_force_host_platform_device_count={max(num_devices, jax.device_count())}".strip()
+    )
   env["JAX_PLATFORMS"] = platform
   return env
 
@@ -118,8 +132,13 @@ class _Child:
     self.timed_out: float | None = None
     handle, self.log = tempfile.mkstemp(prefix="automap_compile_", suffix=".log")
     with os.fdopen(handle, "w") as log:  # Until its first request: what an import of jax says.
-      self.process = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=log, env=env)
+      self.process = subprocess.Popen(
+        [sys.executable, "-c", _CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        env=env,
+      )
 
   def close(self) -> None:
     if self.process.poll() is None:
@@ -172,7 +191,9 @@ def _close_children() -> None:
 atexit.register(_close_children)
 
 
-def _compile_in_child(text: str, request: dict[str, Any], env: dict[str, str], timeout_s: float) -> None:
+def _compile_in_child(
+  text: str, request: dict[str, Any], env: dict[str, str], timeout_s: float
+) -> None:
   key = tuple(sorted(env.items()))
   if key not in _CHILDREN:
     _close_children()
@@ -185,10 +206,16 @@ def _compile_in_child(text: str, request: dict[str, Any], env: dict[str, str], t
     raise error
 
 
-def compile_directly(stage: Any, devices: np.ndarray, isolated: bool = True, dump_to: str = "",
-                     timeout_s: float = 600.0) -> None:
+def compile_directly(
+  stage: Any,
+  devices: np.ndarray,
+  isolated: bool = True,
+  dump_to: str = "",
+  timeout_s: float = 600.0,
+) -> None:
   """Compiles `stage` (a `jax.stages.Lowered`) over `devices` (the mesh's devices, in mesh
-  order) with `backend_compile` and `quick_compile_options`: in a child process when `isolated`, raising
+  order) with `backend_compile` and `quick_compile_options`: in a child process when `isolated`,
+  raising
   `CompileAborted` if XLA aborts the child (a fatal check or a signal) or it times out (a
   compile that raises an ordinary error there is left to the caller's own compile to
   raise); in this process otherwise (XLA's errors raise here). `dump_to`: see
@@ -203,10 +230,18 @@ def compile_directly(stage: Any, devices: np.ndarray, isolated: bool = True, dum
   ids = [d.id for d in flat]
   # Fusion emitters are a code generation choice: the partitioner's module does not depend
   # on them, and `DebugOptions` has no field for them (XLA_FLAGS then decides).
-  options = {k: v for k, v in quick_compile_options(platform).items() if k != "xla_cpu_use_fusion_emitters"}
+  options = {
+    k: v for k, v in quick_compile_options(platform).items() if k != "xla_cpu_use_fusion_emitters"
+  }
   text = stage.as_text(debug_info=True)
   if not isolated:
     backend_compile(text, platform, shardy, ids, dump_to, options)
     return
-  request = {"platform": platform, "shardy": shardy, "ids": ids, "dump_to": dump_to, "options": options}
+  request = {
+    "platform": platform,
+    "shardy": shardy,
+    "ids": ids,
+    "dump_to": dump_to,
+    "options": options,
+  }
   _compile_in_child(text, request, _child_env(len(flat), platform), timeout_s)

@@ -59,10 +59,23 @@ from automap_rl.simulator.fusion import constant_ops
 from automap_rl.xla.hlo import CompiledStats, inspect_compiled
 from automap_rl.xla.isolated import CompileAborted
 from automap_rl.xla.numerics import compute_dtype, host_copy, program_depth
-from automap_rl.xla.realized import (Expected, ShardingDifference, normalize, partitioner_input, scope_name,
-                                     sharding_differences)
+from automap_rl.xla.realized import (
+  Expected,
+  ShardingDifference,
+  normalize,
+  partitioner_input,
+  scope_name,
+  sharding_differences,
+)
 
-__all__ = ["Lowered", "LoweringError", "grouped_conv_binder", "interpret", "lower", "lowering_errors"]
+__all__ = [
+  "Lowered",
+  "LoweringError",
+  "grouped_conv_binder",
+  "interpret",
+  "lower",
+  "lowering_errors",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +133,8 @@ def _constrained(problem: Problem) -> dict[tuple[int, ...], tuple[int | None, ..
   for op in problem.program.ops:
     if op.origin:
       out[op.origin] = out.get(op.origin, ()) + tuple(
-          v if problem.program.values[v].shape and op.id not in folded else None for v in op.results)
+        v if problem.program.values[v].shape and op.id not in folded else None for v in op.results
+      )
   return {origin: chosen for origin, chosen in out.items() if any(v is not None for v in chosen)}
 
 
@@ -133,16 +147,25 @@ def _bind(eqn, invals: Sequence[Any], **replaced: Any) -> list[Any]:
 
 
 # Calls whose custom derivative rule a differentiated interpretation keeps.
-_CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})
+_CUSTOM_DERIVATIVES = frozenset(
+  {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+)
 # Calls that rematerialize their body (`jax.checkpoint`) in a differentiated interpretation.
 _REMAT = frozenset({"checkpoint", "remat", "remat2"})
 
 
-def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...], list[Any]], list[Any]],
-              before: Callable[[tuple[int, ...], list[Any]], list[Any]] = lambda origin, operands: operands,
-              bind: Callable[[tuple[int, ...], Any, list[Any]], list[Any]] = lambda origin, eqn, invals: _bind(eqn, invals),
-              *, replaced: Mapping[tuple[int, ...], Callable[[list[Any]], list[Any]]] | None = None,
-              differentiable: bool = False, stacks: bool = False) -> Callable[..., list[Any]]:
+def interpret(
+  closed: jax_core.ClosedJaxpr,
+  constrain: Callable[[tuple[int, ...], list[Any]], list[Any]],
+  before: Callable[[tuple[int, ...], list[Any]], list[Any]] = lambda origin, operands: operands,
+  bind: Callable[[tuple[int, ...], Any, list[Any]], list[Any]] = lambda origin, eqn, invals: _bind(
+    eqn, invals
+  ),
+  *,
+  replaced: Mapping[tuple[int, ...], Callable[[list[Any]], list[Any]]] | None = None,
+  differentiable: bool = False,
+  stacks: bool = False,
+) -> Callable[..., list[Any]]:
   """A function evaluating `closed` equation by equation, calling `before(origin, operands)`
   on each equation's array (non-literal) operands, `bind(origin, eqn, operands)` to apply it
   and `constrain(origin, results)` on its results, for every equation outside `while` and
@@ -160,7 +183,9 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
   """
   replaced = replaced or {}
 
-  def walk(jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...]):
+  def walk(
+    jaxpr: jax_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...]
+  ):
     env: dict = {}
     read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
     env.update(zip(jaxpr.constvars, consts))
@@ -175,10 +200,13 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
         outs = _bind(eqn, invals)
       elif name in CALL_PRIMITIVES:
         body = call_body(eqn)
-        run = lambda *a, body=body, origin=origin: walk(getattr(body, "jaxpr", body), getattr(body, "consts", ()),
-                                                         a, origin)
+        run = lambda *a, body=body, origin=origin: walk(
+          getattr(body, "jaxpr", body), getattr(body, "consts", ()), a, origin
+        )
         if differentiable and name in _REMAT:
-          run = jax.checkpoint(run, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+          run = jax.checkpoint(
+            run, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
+          )
         outs = run(*invals)
       elif name == "scan":
         carried = eqn.params["num_carry"]
@@ -195,14 +223,18 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
           env[var] = val
     return [read(v) for v in jaxpr.outvars]
 
-  def scan_body(body: jax_core.ClosedJaxpr, prefix: tuple[int, ...], carried: int) -> jax_core.ClosedJaxpr:
+  def scan_body(
+    body: jax_core.ClosedJaxpr, prefix: tuple[int, ...], carried: int
+  ) -> jax_core.ClosedJaxpr:
     """A scan's body, interpreted with origins under `prefix` (the scan's): the same
     inputs and outputs, so the scan's other params stay valid (constants the trace hoists
     stay in the closed jaxpr, which `scan` accepts); with `stacks`, its outputs after the
     `carried` carries go through `before(prefix, ...)`."""
+
     def run(*args):
       outs = walk(body.jaxpr, body.consts, args, prefix)
       return [*outs[:carried], *before(prefix, outs[carried:])] if stacks else outs
+
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in body.in_avals]
     return jax.make_jaxpr(run)(*avals)
 
@@ -218,10 +250,20 @@ def interpret(closed: jax_core.ClosedJaxpr, constrain: Callable[[tuple[int, ...]
 # between device pairs, while the rule splits the operand where it is and moves the pieces
 # by one all-to-all each. `lower` pins their operands and results to the shardings their
 # rule computes on.
-PINNED_PRIMITIVES = frozenset({
-    "conv_general_dilated", "reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
-    "select_and_scatter_add", "select_and_gather_add", "gather", "scatter-add", "split",
-})
+PINNED_PRIMITIVES = frozenset(
+  {
+    "conv_general_dilated",
+    "reduce_window_sum",
+    "reduce_window_max",
+    "reduce_window_min",
+    "reduce_window",
+    "select_and_scatter_add",
+    "select_and_gather_add",
+    "gather",
+    "scatter-add",
+    "split",
+  }
+)
 
 
 # Ops whose operands (not results, see `result_pins`) `lower` pins to the shardings their
@@ -231,12 +273,15 @@ OPERAND_PINNED = frozenset({"dot_general"})
 
 def _splits_further(computed: PartitionSpec, stored: PartitionSpec, rank: int) -> bool:
   """`stored` splits a dim that `computed` splits over more axes, the computed ones major."""
-  return any(c and s[:len(c)] == c and len(s) > len(c)
-             for c, s in zip(spec_axes(computed, rank), spec_axes(stored, rank)))
+  return any(
+    c and s[: len(c)] == c and len(s) > len(c)
+    for c, s in zip(spec_axes(computed, rank), spec_axes(stored, rank))
+  )
 
 
-def result_pins(program: Program, op: int, computed: Sequence[PartitionSpec],
-                values: Mapping[int, PartitionSpec]) -> tuple[PartitionSpec, ...]:
+def result_pins(
+  program: Program, op: int, computed: Sequence[PartitionSpec], values: Mapping[int, PartitionSpec]
+) -> tuple[PartitionSpec, ...]:
   """The shardings the results of a pinned op (`_pinned`) are constrained to before their
   values' own (`values`), given those it computes them on (`computed`).
 
@@ -251,14 +296,19 @@ def result_pins(program: Program, op: int, computed: Sequence[PartitionSpec],
   if program.ops[op].primitive not in OPERAND_PINNED:
     return tuple(computed)
   stored = [values.get(v, PartitionSpec()) for v in results]
-  return tuple(c if _splits_further(c, s, len(program.values[v].shape)) else s
-               for v, c, s in zip(results, computed, stored))
+  return tuple(
+    c if _splits_further(c, s, len(program.values[v].shape)) else s
+    for v, c, s in zip(results, computed, stored)
+  )
 
 
 def _pinned(problem: Problem) -> dict[tuple[int, ...], int]:
   """Origin -> op id of every program op in `PINNED_PRIMITIVES` or `OPERAND_PINNED`."""
-  return {op.origin: op.id for op in problem.program.ops
-          if op.origin and (op.primitive in PINNED_PRIMITIVES or op.primitive in OPERAND_PINNED)}
+  return {
+    op.origin: op.id
+    for op in problem.program.ops
+    if op.origin and (op.primitive in PINNED_PRIMITIVES or op.primitive in OPERAND_PINNED)
+  }
 
 
 def _stacks(problem: Problem) -> dict[tuple[int, ...], tuple[int, ...]]:
@@ -296,12 +346,18 @@ def staged_spec(stored: PartitionSpec, required: PartitionSpec, rank: int) -> Pa
   moved = any(a in wanted and a not in want[d] for d, axes in enumerate(have) for a in axes)
   if not gathered or not moved:
     return None
-  return PartitionSpec(*(tuple(w) + tuple(a for a in h if a in gathered) or None for h, w in zip(have, want)))
+  return PartitionSpec(
+    *(tuple(w) + tuple(a for a in h if a in gathered) or None for h, w in zip(have, want))
+  )
 
 
-def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], specs: Mapping[int, PartitionSpec],
-                 pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
-                 mesh: jax.sharding.Mesh | None, differentiated: bool = False):
+def _constrainer(
+  constrained: Mapping[tuple[int, ...], Sequence[int | None]],
+  specs: Mapping[int, PartitionSpec],
+  pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
+  mesh: jax.sharding.Mesh | None,
+  differentiated: bool = False,
+):
   """`(before, constrain)` for `interpret`: each pinned op's operands and results are
   constrained to the shardings it computes on (`pinned`: origin -> (operand specs, result
   specs)); then each array result of a program op is constrained to its value's spec,
@@ -318,7 +374,9 @@ def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], sp
   constrained (the names `realized` reads are then missing, so only for steps whose
   shardings are not compared)."""
   on = lambda spec: NamedSharding(jax.sharding.get_abstract_mesh() if mesh is None else mesh, spec)
-  pinned_as: dict[int, tuple[Any, PartitionSpec]] = {}  # id(array) -> (the array, its constraint's spec).
+  pinned_as: dict[
+    int, tuple[Any, PartitionSpec]
+  ] = {}  # id(array) -> (the array, its constraint's spec).
 
   def to(x: Any, spec: PartitionSpec) -> Any:
     y = jax.lax.with_sharding_constraint(x, on(spec))
@@ -329,7 +387,9 @@ def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], sp
     with jax.named_scope(scope_name(value)):
       return to(x, specs[value])
 
-  resharded: dict[tuple[int, PartitionSpec], tuple[Any, Any]] = {}  # (id(x), spec) -> (x, x resharded).
+  resharded: dict[
+    tuple[int, PartitionSpec], tuple[Any, Any]
+  ] = {}  # (id(x), spec) -> (x, x resharded).
 
   def reshard(x: Any, spec: PartitionSpec) -> Any:
     """`x` constrained to `spec` for a pinned op, through `staged_spec` where it has one;
@@ -342,7 +402,9 @@ def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], sp
       resharded[id(x), spec] = (x, to(x if middle is None else to(x, middle), spec))
     return resharded[id(x), spec][1]
 
-  operand_specs: list[tuple[tuple[int, ...], PartitionSpec]] = []  # The last equation's constrained operands.
+  operand_specs: list[
+    tuple[tuple[int, ...], PartitionSpec]
+  ] = []  # The last equation's constrained operands.
 
   def before(origin: tuple[int, ...], operands: list[Any]) -> list[Any]:
     if origin in pinned:
@@ -360,24 +422,40 @@ def _constrainer(constrained: Mapping[tuple[int, ...], Sequence[int | None]], sp
 
   def constrain(origin: tuple[int, ...], results: list[Any]) -> list[Any]:
     if origin in pinned:
-      results = [x if follows(x, spec) else to(x, spec) for x, spec in zip(results, pinned[origin][1], strict=True)]
+      results = [
+        x if follows(x, spec) else to(x, spec)
+        for x, spec in zip(results, pinned[origin][1], strict=True)
+      ]
     chosen = constrained.get(origin)
     if chosen is None:
       return results
     if len(chosen) != len(results):
-      raise ValueError(f"Equation {origin} has {len(results)} results but its program op has {len(chosen)}; "
-                       "was the program traced from the same function and arguments?")
+      raise ValueError(
+        f"Equation {origin} has {len(results)} results but its program op has {len(chosen)}; "
+        "was the program traced from the same function and arguments?"
+      )
     kept = lambda x, spec: differentiated and id(x) in pinned_as and pinned_as[id(x)][1] == spec
-    return [x if v is None or kept(x, specs[v]) or follows(x, specs[v]) else pin(x, v)
-            for x, v in zip(results, chosen)]
+    return [
+      x if v is None or kept(x, specs[v]) or follows(x, specs[v]) else pin(x, v)
+      for x, v in zip(results, chosen)
+    ]
+
   return before, constrain
 
 
-def _grouped_conv_axes(eqn, pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
-                       origin: tuple[int, ...], count_param: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+def _grouped_conv_axes(
+  eqn,
+  pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
+  origin: tuple[int, ...],
+  count_param: str,
+) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
   """The mesh axes of a pinned grouped convolution's lhs batch and feature dims, or None
   when `eqn` is not a convolution at `origin` in `pinned` with `count_param` above one."""
-  if eqn.primitive.name != "conv_general_dilated" or eqn.params.get(count_param, 1) <= 1 or origin not in pinned:
+  if (
+    eqn.primitive.name != "conv_general_dilated"
+    or eqn.params.get(count_param, 1) <= 1
+    or origin not in pinned
+  ):
     return None
   lhs_dims = eqn.params["dimension_numbers"][0]
   lhs_axes = spec_axes(pinned[origin][0][0], len(lhs_dims))
@@ -389,8 +467,10 @@ def _dims_spec(dims: Sequence[int], by_dim: Mapping[int, tuple[str, ...]]) -> Pa
   return PartitionSpec(*(by_dim.get(d) or None for d in range(len(dims))))
 
 
-def _conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
-                 mesh: jax.sharding.Mesh) -> Callable[[tuple[int, ...], Any, list[Any]], list[Any]]:
+def _conv_binder(
+  pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
+  mesh: jax.sharding.Mesh,
+) -> Callable[[tuple[int, ...], Any, list[Any]], list[Any]]:
   """`bind` for `interpret`: a batch-grouped convolution (`batch_group_count > 1`, the kernel
   gradient of a grouped one) whose reduction (its lhs feature dim) the plan shards runs
   per device under `shard_map` and sums its partial results with a `psum` over the
@@ -413,16 +493,23 @@ def _conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec],
     lhs_dims, rhs_dims, out_dims = eqn.params["dimension_numbers"]
     spec = _dims_spec
     shards = int(np.prod([mesh.shape[a] for a in groups]))
-    local = lambda lhs, rhs: jax.lax.psum(_bind(eqn, [lhs, rhs], batch_group_count=groups_count // shards)[0], summed)
-    in_specs = (spec(lhs_dims, {lhs_dims[0]: groups, lhs_dims[1]: summed}),
-                spec(rhs_dims, {rhs_dims[0]: groups, rhs_dims[1]: summed}))
+    local = lambda lhs, rhs: jax.lax.psum(
+      _bind(eqn, [lhs, rhs], batch_group_count=groups_count // shards)[0], summed
+    )
+    in_specs = (
+      spec(lhs_dims, {lhs_dims[0]: groups, lhs_dims[1]: summed}),
+      spec(rhs_dims, {rhs_dims[0]: groups, rhs_dims[1]: summed}),
+    )
     out_spec = spec(out_dims, {out_dims[1]: groups})
     return [jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(*invals)]
+
   return bind
 
 
-def grouped_conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
-                        mesh: jax.sharding.Mesh | None) -> Callable[[tuple[int, ...], Any, list[Any]], list[Any]]:
+def grouped_conv_binder(
+  pinned: Mapping[tuple[int, ...], tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]],
+  mesh: jax.sharding.Mesh | None,
+) -> Callable[[tuple[int, ...], Any, list[Any]], list[Any]]:
   """`bind` for an `interpret` that will be differentiated (`_conv_binder`'s counterpart,
   for a kernel gradient that autodiff writes, not the program): a grouped convolution
   (`feature_group_count > 1`) whose lhs batch dim the plan shards (`pinned`: origin ->
@@ -443,8 +530,11 @@ def grouped_conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[Partitio
     on = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     shards = int(np.prod([on.shape[a] for a in features]))
     spec = _dims_spec
-    specs = (spec(lhs_dims, {lhs_dims[0]: batch, lhs_dims[1]: features}), spec(rhs_dims, {rhs_dims[0]: features}),
-             spec(out_dims, {out_dims[0]: batch, out_dims[1]: features}))
+    specs = (
+      spec(lhs_dims, {lhs_dims[0]: batch, lhs_dims[1]: features}),
+      spec(rhs_dims, {rhs_dims[0]: features}),
+      spec(out_dims, {out_dims[0]: batch, out_dims[1]: features}),
+    )
     conv = lambda lhs, rhs: _bind(eqn, [lhs, rhs])[0]
 
     def kernel_gradient(lhs, rhs, cotangent):
@@ -458,31 +548,52 @@ def grouped_conv_binder(pinned: Mapping[tuple[int, ...], tuple[Sequence[Partitio
     def backward(saved, cotangent):
       lhs, rhs = saved
       d_lhs = jax.vjp(lambda x: conv(x, rhs), lhs)[1](cotangent)[0]
-      d_rhs = jax.shard_map(kernel_gradient, mesh=on, in_specs=specs, out_specs=specs[1],
-                            axis_names={*batch, *features}, check_vma=False)(lhs, rhs, cotangent)
+      d_rhs = jax.shard_map(
+        kernel_gradient,
+        mesh=on,
+        in_specs=specs,
+        out_specs=specs[1],
+        axis_names={*batch, *features},
+        check_vma=False,
+      )(lhs, rhs, cotangent)
       return d_lhs, d_rhs
 
     grouped.defvjp(lambda lhs, rhs: (conv(lhs, rhs), (lhs, rhs)), backward)
     return [grouped(*invals)]
+
   return bind
 
 
-def _expectations(problem: Problem, specs: Mapping[int, PartitionSpec], args: Sequence[Any],
-                  constrained: Mapping[tuple[int, ...], Sequence[int | None]], computed: Mapping[int, PartitionSpec]
-                  ) -> tuple[dict[str, Expected], dict[int, Expected], list[Expected]]:
+def _expectations(
+  problem: Problem,
+  specs: Mapping[int, PartitionSpec],
+  args: Sequence[Any],
+  constrained: Mapping[tuple[int, ...], Sequence[int | None]],
+  computed: Mapping[int, PartitionSpec],
+) -> tuple[dict[str, Expected], dict[int, Expected], list[Expected]]:
   """The plan's sharding of each argument (by the `op_name` jax gives its HLO parameter),
   constrained result (by value id; a pinned op's result as its op computes it, `computed`)
   and output, for `realized.sharding_differences`."""
   program, shape = problem.program, problem.mesh.shape
-  expect = lambda v, where, s=specs: Expected(v, where, normalize(s[v], len(program.values[v].shape), shape))
+  expect = lambda v, where, s=specs: Expected(
+    v, where, normalize(s[v], len(program.values[v].shape), shape)
+  )
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tuple(args))[0]]
-  arguments = {f"call_args{path}": expect(v, f"argument {program.values[v].path or path}")
-               for path, v in zip(paths, program.inputs)}
+  arguments = {
+    f"call_args{path}": expect(v, f"argument {program.values[v].path or path}")
+    for path, v in zip(paths, program.inputs)
+  }
   ops = {v: op for op in program.ops for v in op.results}
-  results = {v: expect(v, f"result of {ops[v].primitive} (op {ops[v].id})", {**specs, **computed})
-             for chosen in constrained.values() for v in chosen if v is not None}
-  outputs = [expect(v, f"output {i}" + (f" {program.values[v].path}" if program.values[v].path else ""))
-             for i, v in enumerate(program.outputs)]
+  results = {
+    v: expect(v, f"result of {ops[v].primitive} (op {ops[v].id})", {**specs, **computed})
+    for chosen in constrained.values()
+    for v in chosen
+    if v is not None
+  }
+  outputs = [
+    expect(v, f"output {i}" + (f" {program.values[v].path}" if program.values[v].path else ""))
+    for i, v in enumerate(program.outputs)
+  ]
   return arguments, results, outputs
 
 
@@ -494,31 +605,40 @@ class LoweringError(RuntimeError):
 # Words of XLA's complaints (its SPMD handler's file, or the parameter it rejects) -> the
 # primitives they are about.
 _COMPLAINTS = {
-    "convolution": ("conv_general_dilated",),
-    "group_count": ("conv_general_dilated",),
-    "dot_handler": ("dot_general",),
-    "gather": ("gather",),
-    "scatter": ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"),
+  "convolution": ("conv_general_dilated",),
+  "group_count": ("conv_general_dilated",),
+  "dot_handler": ("dot_general",),
+  "gather": ("gather",),
+  "scatter": ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"),
 }
 
 
-def _lowering_error(problem: Problem, decisions: Sequence[Decision], complaint: str) -> LoweringError:
+def _lowering_error(
+  problem: Problem, decisions: Sequence[Decision], complaint: str
+) -> LoweringError:
   """One line: XLA's complaint, then the first program op of the kind it is about that the
   plan shards, with the shardings it computes on (and how many more there are)."""
   kinds = {p for word, primitives in _COMPLAINTS.items() if word in complaint for p in primitives}
   program = problem.program
   ops = [op.id for op in program.ops if op.primitive in kinds]
   _, specs = problem.value_and_op_specs(decisions, (), ops)
-  sharded = [(o, operands, results) for o, (operands, results) in zip(ops, specs)
-             if any(any(d is not None for d in spec) for spec in (*operands, *results))]
+  sharded = [
+    (o, operands, results)
+    for o, (operands, results) in zip(ops, specs)
+    if any(any(d is not None for d in spec) for spec in (*operands, *results))
+  ]
   if not sharded:
     return LoweringError(f"XLA cannot compile the plan ({complaint}); it does not say which op.")
   o, operands, results = sharded[0]
   op = program.ops[o]
-  shapes = lambda ids, specs_: ", ".join(f"{list(program.values[v].shape)} {spec}" for v, spec in zip(ids, specs_))
+  shapes = lambda ids, specs_: ", ".join(
+    f"{list(program.values[v].shape)} {spec}" for v, spec in zip(ids, specs_)
+  )
   more = f" (and {len(sharded) - 1} more sharded {op.primitive} ops)" if len(sharded) > 1 else ""
-  return LoweringError(f"XLA cannot compile the plan ({complaint}) at {op.primitive} (op {o}): "
-                       f"{shapes(op.operands, operands)} -> {shapes(op.results, results)}{more}.")
+  return LoweringError(
+    f"XLA cannot compile the plan ({complaint}) at {op.primitive} (op {o}): "
+    f"{shapes(op.operands, operands)} -> {shapes(op.results, results)}{more}."
+  )
 
 
 @contextlib.contextmanager
@@ -533,9 +653,16 @@ def lowering_errors(problem: Problem, decisions: Sequence[Decision]) -> Iterator
     raise _lowering_error(problem, decisions, str(e).strip().splitlines()[0]) from None
 
 
-def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any], args: Sequence[Any], *,
-          jax_mesh: jax.sharding.Mesh | None = None, donate_argnums: Sequence[int] = (),
-          isolated: bool = True) -> Lowered:
+def lower(
+  problem: Problem,
+  decisions: Sequence[Decision],
+  fn: Callable[..., Any],
+  args: Sequence[Any],
+  *,
+  jax_mesh: jax.sharding.Mesh | None = None,
+  donate_argnums: Sequence[int] = (),
+  isolated: bool = True,
+) -> Lowered:
   """Compiles `fn(*args)` partitioned by `decisions`.
 
   Args:
@@ -563,25 +690,39 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
   else:
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     out_tree = jax.tree_util.tree_structure(out_shape)
-  if len(closed.jaxpr.invars) != len(program.inputs) or len(closed.jaxpr.outvars) != len(program.outputs):
-    raise ValueError(f"fn has {len(closed.jaxpr.invars)} inputs and {len(closed.jaxpr.outvars)} outputs but the "
-                     f"program has {len(program.inputs)} and {len(program.outputs)}.")
+  if len(closed.jaxpr.invars) != len(program.inputs) or len(closed.jaxpr.outvars) != len(
+    program.outputs
+  ):
+    raise ValueError(
+      f"fn has {len(closed.jaxpr.invars)} inputs and {len(closed.jaxpr.outvars)} outputs but the "
+      f"program has {len(program.inputs)} and {len(program.outputs)}."
+    )
   constrained = _constrained(problem)
   results = [v for chosen in constrained.values() for v in chosen if v is not None]
   value_ids = list(dict.fromkeys([*program.inputs, *program.outputs, *results]))
   pinned, stacks = _pinned(problem), _stacks(problem)
   stack_ops = [op for ops in stacks.values() for op in ops]
-  value_specs, op_specs = problem.value_and_op_specs(decisions, value_ids,
-                                                     [*pinned.values(), *stack_ops])  # One resolution.
+  value_specs, op_specs = problem.value_and_op_specs(
+    decisions, value_ids, [*pinned.values(), *stack_ops]
+  )  # One resolution.
   specs = dict(zip(value_ids, value_specs))
-  stack_specs = dict(zip(stack_ops, op_specs[len(pinned):]))
-  op_specs = [(operands, result_pins(program, op, results, specs))
-              for op, (operands, results) in zip(pinned.values(), op_specs)]
+  stack_specs = dict(zip(stack_ops, op_specs[len(pinned) :]))
+  op_specs = [
+    (operands, result_pins(program, op, results, specs))
+    for op, (operands, results) in zip(pinned.values(), op_specs)
+  ]
   pinned_specs = dict(zip(pinned, op_specs))
-  pinned_specs.update({origin: ([stack_specs[op][0][0] for op in ops], [stack_specs[op][1][0] for op in ops])
-                       for origin, ops in stacks.items()})
-  computed = {v: spec for op, (_, result_specs) in [*zip(pinned.values(), op_specs), *stack_specs.items()]
-              for v, spec in zip(program.ops[op].results, result_specs)}
+  pinned_specs.update(
+    {
+      origin: ([stack_specs[op][0][0] for op in ops], [stack_specs[op][1][0] for op in ops])
+      for origin, ops in stacks.items()
+    }
+  )
+  computed = {
+    v: spec
+    for op, (_, result_specs) in [*zip(pinned.values(), op_specs), *stack_specs.items()]
+    for v, spec in zip(program.ops[op].results, result_specs)
+  }
   in_leaves = [NamedSharding(mesh, specs[v]) for v in program.inputs]
   out_leaves = [NamedSharding(mesh, specs[v]) for v in program.outputs]
   arg_tree = jax.tree_util.tree_structure(tuple(args))
@@ -594,18 +735,41 @@ def lower(problem: Problem, decisions: Sequence[Decision], fn: Callable[..., Any
     flat = jax.tree_util.tree_leaves(call_args)
     return jax.tree_util.tree_unflatten(out_tree, body(*flat))
 
-  jitted = jax.jit(interpreted, in_shardings=in_shardings, out_shardings=out_shardings,
-                   donate_argnums=tuple(donate_argnums))
+  jitted = jax.jit(
+    interpreted,
+    in_shardings=in_shardings,
+    out_shardings=out_shardings,
+    donate_argnums=tuple(donate_argnums),
+  )
   stage = jitted.lower(*args)
   with lowering_errors(problem, decisions):
     partitioned = partitioner_input(stage, mesh.devices, isolated)
     compiled = stage.compile(compiler_options=quick_compile_options(mesh.devices.flat[0].platform))
   if partitioned is None and mesh.devices.size > 1:
-    raise RuntimeError(f"The sharding check of a {mesh.devices.size}-device plan got no module from XLA's "
-                       "partitioner dump (the direct compile failed where jax's compile did not).")
+    raise RuntimeError(
+      f"The sharding check of a {mesh.devices.size}-device plan got no module from XLA's "
+      "partitioner dump (the direct compile failed where jax's compile did not)."
+    )
   axis_names, axis_sizes = problem.mesh.axis_names, problem.mesh.axis_sizes
   stats = inspect_compiled(compiled, axis_names, axis_sizes)
-  differences = () if partitioned is None else sharding_differences(
-      partitioned, *_expectations(problem, specs, args, constrained, computed), axis_names, axis_sizes)
-  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, mesh, differences, program_depth(program),
-                 compute_dtype(program))
+  differences = (
+    ()
+    if partitioned is None
+    else sharding_differences(
+      partitioned,
+      *_expectations(problem, specs, args, constrained, computed),
+      axis_names,
+      axis_sizes,
+    )
+  )
+  return Lowered(
+    jitted,
+    compiled,
+    in_shardings,
+    out_shardings,
+    stats,
+    mesh,
+    differences,
+    program_depth(program),
+    compute_dtype(program),
+  )

@@ -43,8 +43,14 @@ class StepTiming:
   compiled: CompiledStats
 
 
-def time_step(step: Callable[..., Sequence[Any]], args: Sequence[Any], carried: int, *,
-              repeats: int = 10, warmup: int = 2) -> StepTiming:
+def time_step(
+  step: Callable[..., Sequence[Any]],
+  args: Sequence[Any],
+  carried: int,
+  *,
+  repeats: int = 10,
+  warmup: int = 2,
+) -> StepTiming:
   """Times `step` on the default device, as a training loop runs it.
 
   Args:
@@ -74,5 +80,11 @@ def time_step(step: Callable[..., Sequence[Any]], args: Sequence[Any], carried: 
     if i >= warmup:
       seconds.append(time.perf_counter() - start)
     state = list(outputs[:carried])
-  return StepTiming(seconds=statistics.median(seconds), fastest=min(seconds), slowest=max(seconds),
-                    steps=repeats, device=jax.devices()[0].device_kind, compiled=stats)
+  return StepTiming(
+    seconds=statistics.median(seconds),
+    fastest=min(seconds),
+    slowest=max(seconds),
+    steps=repeats,
+    device=jax.devices()[0].device_kind,
+    compiled=stats,
+  )

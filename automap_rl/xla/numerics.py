@@ -28,8 +28,15 @@ from automap_rl.ir import Program, updated_arguments
 if TYPE_CHECKING:
   from automap_rl.xla.lower import Lowered
 
-__all__ = ["NumericsError", "Reference", "check_numerics", "compare_outputs", "compute_dtype", "program_depth",
-           "reference_outputs"]
+__all__ = [
+  "NumericsError",
+  "Reference",
+  "check_numerics",
+  "compare_outputs",
+  "compute_dtype",
+  "program_depth",
+  "reference_outputs",
+]
 
 
 class NumericsError(AssertionError):
@@ -38,10 +45,10 @@ class NumericsError(AssertionError):
 
 # (rtol, atol) by dtype: what reordering the sums of a small training step may cost.
 TOLERANCES: dict[str, tuple[float, float]] = {
-    "float64": (1e-9, 1e-12),
-    "float32": (1e-4, 1e-6),
-    "bfloat16": (2e-2, 1e-3),
-    "float16": (1e-2, 1e-4),
+  "float64": (1e-9, 1e-12),
+  "float32": (1e-4, 1e-6),
+  "bfloat16": (2e-2, 1e-3),
+  "float16": (1e-2, 1e-4),
 }
 
 
@@ -77,8 +84,11 @@ def compute_dtype(program: Program) -> str:
   """The narrowest floating dtype among the program's values (fewest mantissa bits;
   `float32` when it has none): the precision its partial sums may be rounded to (a
   partitioned bfloat16 matmul rounds each device's partial sum, one device the whole)."""
-  floats = {v.dtype for v in program.values if not v.dtype.startswith("key")
-            and jax.dtypes.issubdtype(v.dtype, np.floating)}
+  floats = {
+    v.dtype
+    for v in program.values
+    if not v.dtype.startswith("key") and jax.dtypes.issubdtype(v.dtype, np.floating)
+  }
   return min(floats, key=lambda d: (_mantissa_bits(d), d), default="float32")
 
 
@@ -86,10 +96,17 @@ def _mantissa_bits(dtype: Any) -> int:
   return int(jnp.finfo(dtype).nmant)
 
 
-def compare_leaf(path: str, reference: np.ndarray | None, plain: np.ndarray, actual: np.ndarray,
-                 tolerances: Mapping[str, tuple[float, float]] = TOLERANCES, depth: int = 1,
-                 perturbed: Sequence[np.ndarray] = (), compute: str = "float32",
-                 before: np.ndarray | None = None) -> None:
+def compare_leaf(
+  path: str,
+  reference: np.ndarray | None,
+  plain: np.ndarray,
+  actual: np.ndarray,
+  tolerances: Mapping[str, tuple[float, float]] = TOLERANCES,
+  depth: int = 1,
+  perturbed: Sequence[np.ndarray] = (),
+  compute: str = "float32",
+  before: np.ndarray | None = None,
+) -> None:
   """Raises `NumericsError` naming `path` and the errors unless `actual` (partitioned)
   is about as close to `reference` (float64) as `plain` (unpartitioned, same dtype) is.
 
@@ -98,7 +115,8 @@ def compare_leaf(path: str, reference: np.ndarray | None, plain: np.ndarray, act
   `|plain - ref|` and `|p - ref|` for each `p` of `perturbed` (the unpartitioned run on
   arguments moved by one unit in their last bit, each with its own random directions:
   samples of the rounding noise, as one can be lucky; on a ViT's key bias the norms of
-  eight such samples spread over 0.26-0.55 of 1e-3). Elementwise bounds fail on a first AdamW step, whose update
+  eight such samples spread over 0.26-0.55 of 1e-3). Elementwise bounds fail on a first AdamW step,
+  whose update
   `g / (sqrt(g^2) + eps)` turns the rounding noise of a tiny gradient element into an
   O(lr) difference (a key bias under softmax has a gradient of zero in exact arithmetic:
   its whole update is noise); the float64 reference measures that noise, so the bound
@@ -108,7 +126,8 @@ def compare_leaf(path: str, reference: np.ndarray | None, plain: np.ndarray, act
   partitioned run is compared with the unpartitioned one in their own dtype; tolerances
   scale with `sqrt(depth)` (the program's op depth, `program_depth`: rounding errors of a
   chain of `depth` ops add up like a random walk), and the noise is measured by
-  `perturbed`: `|actual - plain| <= sqrt(depth) (rtol |plain| + atol sqrt(n)) + 2 max_p |p - plain|`.
+  `perturbed`: `|actual - plain| <= sqrt(depth) (rtol |plain| + atol sqrt(n)) + 2 max_p |p -
+  plain|`.
 
   Where `compute` (the dtype the program computes in, `compute_dtype`) is narrower than
   the leaf's, the step's change of the leaf, `|ref - before|` (`before`: the argument
@@ -119,8 +138,10 @@ def compare_leaf(path: str, reference: np.ndarray | None, plain: np.ndarray, act
   Integer, boolean and key leaves (compared by their key data) must match exactly.
   """
   if plain.shape != actual.shape or plain.dtype != actual.dtype:
-    raise NumericsError(f"Output {path}: expected {plain.dtype}{list(plain.shape)}, "
-                        f"got {actual.dtype}{list(actual.shape)}.")
+    raise NumericsError(
+      f"Output {path}: expected {plain.dtype}{list(plain.shape)}, "
+      f"got {actual.dtype}{list(actual.shape)}."
+    )
   if not np.issubdtype(plain.dtype, np.inexact):
     bad = plain != actual
     if bad.any():
@@ -134,27 +155,44 @@ def compare_leaf(path: str, reference: np.ndarray | None, plain: np.ndarray, act
     base = plain.astype(np.float64)
     error = np.linalg.norm(actual.astype(np.float64) - base)
     noise = max([np.linalg.norm(p.astype(np.float64) - base) for p in perturbed], default=0.0)
-    allowed = np.sqrt(depth) * (rtol * np.linalg.norm(base) + rtol_compute * change(base)
-                                + atol * np.sqrt(base.size)) + 2 * noise
+    allowed = (
+      np.sqrt(depth)
+      * (rtol * np.linalg.norm(base) + rtol_compute * change(base) + atol * np.sqrt(base.size))
+      + 2 * noise
+    )
     if not error <= allowed:
-      raise NumericsError(f"Output {path}: |partitioned - unpartitioned| = {error:.3g} exceeds {allowed:.3g} "
-                          f"(no float64 reference; {plain.dtype} tolerances scaled by sqrt(depth {depth}), "
-                          f"perturbed-input noise {noise:.3g}).")
+      raise NumericsError(
+        f"Output {path}: |partitioned - unpartitioned| = {error:.3g} exceeds {allowed:.3g} "
+        f"(no float64 reference; {plain.dtype} tolerances scaled by sqrt(depth {depth}), "
+        f"perturbed-input noise {noise:.3g})."
+      )
     return
   ref = reference.astype(np.float64)
   error = actual.astype(np.float64) - ref
   noise = max([np.linalg.norm(plain - ref), *(np.linalg.norm(p - ref) for p in perturbed)])
-  allowed = rtol * np.linalg.norm(ref) + rtol_compute * change(ref) + atol * np.sqrt(ref.size) + 2 * noise
+  allowed = (
+    rtol * np.linalg.norm(ref) + rtol_compute * change(ref) + atol * np.sqrt(ref.size) + 2 * noise
+  )
   if not np.linalg.norm(error) <= allowed:
-    raise NumericsError(f"Output {path}: |partitioned - float64 reference| = {np.linalg.norm(error):.3g} exceeds "
-                        f"{allowed:.3g} (unpartitioned: {noise:.3g}, |reference| {np.linalg.norm(ref):.3g}); max abs "
-                        f"error {np.max(np.abs(error), initial=0.0):.3g}.")
+    raise NumericsError(
+      f"Output {path}: |partitioned - float64 reference| = {np.linalg.norm(error):.3g} exceeds "
+      f"{allowed:.3g} (unpartitioned: {noise:.3g}, |reference| {np.linalg.norm(ref):.3g}); max abs "
+      f"error {np.max(np.abs(error), initial=0.0):.3g}."
+    )
 
 
 def _to_float64(tree: Any) -> Any:
   """Float leaves as float64 host arrays; keys, integers and booleans as they are."""
-  return jax.tree.map(lambda x: x if is_key(x) else np.asarray(x, np.float64) if np.issubdtype(
-      x.dtype, np.floating) else np.asarray(x), tree)
+  return jax.tree.map(
+    lambda x: (
+      x
+      if is_key(x)
+      else np.asarray(x, np.float64)
+      if np.issubdtype(x.dtype, np.floating)
+      else np.asarray(x)
+    ),
+    tree,
+  )
 
 
 def _perturbed(tree: Any, seed: int, compute: str = "float32") -> Any:
@@ -172,7 +210,7 @@ def _perturbed(tree: Any, seed: int, compute: str = "float32") -> Any:
     coarser = _mantissa_bits(x.dtype) - _mantissa_bits(compute)
     if coarser <= 0:
       return np.nextafter(x, np.where(down, -np.inf, np.inf).astype(x.dtype))
-    step = np.spacing(np.abs(x)) * x.dtype.type(2.0 ** coarser)
+    step = np.spacing(np.abs(x)) * x.dtype.type(2.0**coarser)
     return np.where(down, x - step, x + step).astype(x.dtype)
 
   return jax.tree.map(nudge, tree)
@@ -216,13 +254,18 @@ def _updated_leaves(outputs: Any, args: Sequence[Any]) -> tuple[np.ndarray | Non
   leaves = []
   for out, i in zip(returned, updated_arguments(returned, args)):
     old = [None] * len(jax.tree.leaves(out)) if i is None else jax.tree.leaves(args[i])
-    leaves += [np.asarray(x, np.float64) if x is not None and not is_key(x) and np.issubdtype(x.dtype, np.floating)
-               else None for x in old]
+    leaves += [
+      np.asarray(x, np.float64)
+      if x is not None and not is_key(x) and np.issubdtype(x.dtype, np.floating)
+      else None
+      for x in old
+    ]
   return tuple(leaves)
 
 
-def reference_outputs(fn: Callable[..., Any], args: Sequence[Any], float64: bool = True,
-                      compute: str = "float32") -> Reference:
+def reference_outputs(
+  fn: Callable[..., Any], args: Sequence[Any], float64: bool = True, compute: str = "float32"
+) -> Reference:
   """Runs `fn` unpartitioned, in its own dtypes and (unless `float64` is False) in float64;
   see `Reference`. `compute`: the narrowest float dtype `fn` computes in (`compute_dtype`
   of its program), the unit of the perturbed runs' moves. `args` are left untouched."""
@@ -235,36 +278,58 @@ def reference_outputs(fn: Callable[..., Any], args: Sequence[Any], float64: bool
   if float64:
     try:
       with jax.enable_x64(True):
-        return Reference(plain, run(_to_float64(tuple(args))), perturbed, "float64", compute, before)
+        return Reference(
+          plain, run(_to_float64(tuple(args))), perturbed, "float64", compute, before
+        )
     except Exception as e:  # Any failure of the float64 run: compare in float32, and say so.
       why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-  return Reference(plain, None, perturbed, f"float32 (no float64 reference: {why})", compute, before)
+  return Reference(
+    plain, None, perturbed, f"float32 (no float64 reference: {why})", compute, before
+  )
 
 
-def compare_outputs(reference: Reference, actual: Any, depth: int,
-                    tolerances: Mapping[str, tuple[float, float]] = TOLERANCES) -> None:
+def compare_outputs(
+  reference: Reference,
+  actual: Any,
+  depth: int,
+  tolerances: Mapping[str, tuple[float, float]] = TOLERANCES,
+) -> None:
   """Checks every leaf of the partitioned `actual` (see `compare_leaf`; `depth` scales the
   tolerances where there is no float64 reference); raises `NumericsError` naming the first
   leaf out of tolerance."""
   flat_plain, _ = jax.tree_util.tree_flatten_with_path(reference.plain)
   flat_actual = [_comparable(a) for a in jax.tree_util.tree_leaves(actual)]
   if len(flat_actual) != len(flat_plain):
-    raise NumericsError(f"The partitioned program has {len(flat_actual)} outputs, the function {len(flat_plain)}.")
-  leaves = lambda tree: [None] * len(flat_plain) if tree is None else jax.tree_util.tree_leaves(tree)
+    raise NumericsError(
+      f"The partitioned program has {len(flat_actual)} outputs, the function {len(flat_plain)}."
+    )
+  leaves = lambda tree: (
+    [None] * len(flat_plain) if tree is None else jax.tree_util.tree_leaves(tree)
+  )
   flat_perturbed = zip(*(jax.tree_util.tree_leaves(p) for p in reference.perturbed))
   before = reference.before or (None,) * len(flat_plain)
-  for (path, p), a, r, q, b in zip(flat_plain, flat_actual, leaves(reference.float64), flat_perturbed, before):
-    compare_leaf(jax.tree_util.keystr(path), r, np.asarray(p), a, tolerances, depth, q, reference.compute, b)
+  for (path, p), a, r, q, b in zip(
+    flat_plain, flat_actual, leaves(reference.float64), flat_perturbed, before
+  ):
+    compare_leaf(
+      jax.tree_util.keystr(path), r, np.asarray(p), a, tolerances, depth, q, reference.compute, b
+    )
 
 
-def check_numerics(fn: Callable[..., Any], args: Sequence[Any], lowered: Lowered,
-                   tolerances: Mapping[str, tuple[float, float]] = TOLERANCES,
-                   reference: Reference | None = None) -> Reference:
+def check_numerics(
+  fn: Callable[..., Any],
+  args: Sequence[Any],
+  lowered: Lowered,
+  tolerances: Mapping[str, tuple[float, float]] = TOLERANCES,
+  reference: Reference | None = None,
+) -> Reference:
   """Runs the unpartitioned `fn`, a float64 reference and the partitioned program on
   `args` (concrete arrays, left untouched: the partitioned run copies them, so donation
   is harmless) and compares every output leaf; raises `NumericsError` on a mismatch.
   `reference`: `reference_outputs(fn, args)` if already run. Returns the reference
   compared with (its `note` says whether it was float64)."""
-  reference = reference_outputs(fn, args, compute=lowered.compute_dtype) if reference is None else reference
+  reference = (
+    reference_outputs(fn, args, compute=lowered.compute_dtype) if reference is None else reference
+  )
   compare_outputs(reference, lowered.run(args), lowered.depth, tolerances)
   return reference

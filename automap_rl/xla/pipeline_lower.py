@@ -15,7 +15,8 @@ forward pipelined:
    (s + 1) L / S - 1; the carries (activations [B, ...]) are split into M microbatches
    [M, B / M, ...] (microbatch m holds rows m, m + M, m + 2M, ..., so that a batch dim
    sharded over the data axes stays on its devices). One loop of M + S - 1 iterations
-   runs under `jax.shard_map`, manual over the stage axis (and the batch axes, below): at iteration t stage s
+   runs under `jax.shard_map`, manual over the stage axis (and the batch axes, below): at iteration
+   t stage s
    applies its L / S layers (a scan of the original body, its rematerialization kept) to
    microbatch t - s (stage 0 reads it as the loop's input of iteration t, the others
    receive it from the stage before with `jax.lax.ppermute`); its result is the loop's
@@ -68,20 +69,46 @@ from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.workloads.training import make_train_step
+from automap_rl.xla.correspond import Flat, Origin, align, flatten
 from automap_rl.xla.hlo import inspect_compiled
 from automap_rl.xla.isolated import compile_directly
-from automap_rl.xla.correspond import Flat, Origin, align, flatten
-from automap_rl.xla.lower import (grouped_conv_binder, Lowered, _constrained, _constrainer, _pinned, interpret,
-                                  lowering_errors, result_pins)
+from automap_rl.xla.lower import (
+  Lowered,
+  _constrained,
+  _constrainer,
+  _pinned,
+  grouped_conv_binder,
+  interpret,
+  lowering_errors,
+  result_pins,
+)
 from automap_rl.xla.numerics import compute_dtype, program_depth
 
-__all__ = ["batch_axes", "check_lowerable", "gpipe", "jit_pipelined", "lower_pipelined", "pipelined_loss",
-           "staged_specs"]
+__all__ = [
+  "batch_axes",
+  "check_lowerable",
+  "gpipe",
+  "jit_pipelined",
+  "lower_pipelined",
+  "pipelined_loss",
+  "staged_specs",
+]
 
 
-def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any], carries: Sequence[Any],
-          xs: Sequence[Any], *, stages: int, microbatches: int, axis: str, batch_axes: tuple[str, ...],
-          mesh: jax.sharding.Mesh, manual_batch: bool = False) -> list[Any]:
+def gpipe(
+  body: Callable[..., list[Any]],
+  num_carry: int,
+  consts: Sequence[Any],
+  carries: Sequence[Any],
+  xs: Sequence[Any],
+  *,
+  stages: int,
+  microbatches: int,
+  axis: str,
+  batch_axes: tuple[str, ...],
+  mesh: jax.sharding.Mesh,
+  manual_batch: bool = False,
+) -> list[Any]:
   """A layer scan run as a GPipe pipeline over mesh axis `axis` (module docstring, 2).
 
   Args:
@@ -108,22 +135,34 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
   layers = xs[0].shape[0]
   free = PartitionSpec.UNCONSTRAINED  # Dims XLA's propagation shards as the arguments are.
   constrain = lambda x, *dims: jax.lax.with_sharding_constraint(
-      x, NamedSharding(mesh, PartitionSpec(*dims, *(free,) * (x.ndim - len(dims)))))
+    x, NamedSharding(mesh, PartitionSpec(*dims, *(free,) * (x.ndim - len(dims))))
+  )
   splits = math.prod(mesh.shape[a] for a in batch_axes)
-  rows = lambda c: batch_axes if (c.shape[0] // m_count) % splits == 0 else None  # A microbatch of one row stays whole.
-  split = lambda c: constrain(jnp.swapaxes(c.reshape(c.shape[0] // m_count, m_count, *c.shape[1:]), 0, 1), None,
-                              rows(c) or None)
+  rows = lambda c: (
+    batch_axes if (c.shape[0] // m_count) % splits == 0 else None
+  )  # A microbatch of one row stays whole.
+  split = lambda c: constrain(
+    jnp.swapaxes(c.reshape(c.shape[0] // m_count, m_count, *c.shape[1:]), 0, 1),
+    None,
+    rows(c) or None,
+  )
   micro = [split(c) for c in carries]  # Each [M, B / M, ...].
   staged = [constrain(x.reshape(s_count, layers // s_count, *x.shape[1:]), axis, None) for x in xs]
 
-  def run_stage(consts: list[Any], weights: list[Any], carry: list[Any]) -> tuple[list[Any], list[Any]]:
+  def run_stage(
+    consts: list[Any], weights: list[Any], carry: list[Any]
+  ) -> tuple[list[Any], list[Any]]:
     """This stage's L / S layers on one microbatch: (carries, per-layer outputs [L / S, ...])."""
+
     def layer(c, x):
       out = body(*consts, *c, *x)
       return list(out[:num_carry]), list(out[num_carry:])
+
     return jax.lax.scan(layer, list(carry), list(weights))
 
-  def pipeline(weights: list[Any], inputs: list[Any], consts: list[Any]) -> tuple[list[Any], list[Any]]:
+  def pipeline(
+    weights: list[Any], inputs: list[Any], consts: list[Any]
+  ) -> tuple[list[Any], list[Any]]:
     """Per stage: weights [1, L / S, ...], inputs [M, B / M, ...] -> (outputs [1, M, B / M,
     ...], per-layer outputs [1, L / S, ...])."""
     weights = [w[0] for w in weights]
@@ -145,37 +184,55 @@ def gpipe(body: Callable[..., list[Any]], num_carry: int, consts: Sequence[Any],
     # on are the M microbatches'): read from, or written into, a carried buffer, the
     # buffer's gradient would be summed and selected over whole in every iteration.
     padded = [jnp.concatenate([i, jnp.zeros((s_count - 1, *i.shape[1:]), i.dtype)]) for i in inputs]
-    start = ([jnp.zeros_like(i[0]) for i in inputs], [jnp.zeros(y.shape, y.dtype) for y in ys_shape])
+    start = (
+      [jnp.zeros_like(i[0]) for i in inputs],
+      [jnp.zeros(y.shape, y.dtype) for y in ys_shape],
+    )
     (_, ys_sum), outputs = jax.lax.scan(tick, start, (jnp.arange(m_count + s_count - 1), padded))
     if manual_batch:  # Per-layer outputs are batch means or do not depend on the batch.
       ys_sum = [jax.lax.pmean(y, batch_axes) for y in ys_sum]
-    return [o[None, s_count - 1:] for o in outputs], [(y / m_count)[None] for y in ys_sum]
+    return [o[None, s_count - 1 :] for o in outputs], [(y / m_count)[None] for y in ys_sum]
 
   rows_spec = PartitionSpec(None, batch_axes) if manual_batch else PartitionSpec()
-  outputs, ys = jax.shard_map(pipeline, mesh=mesh, in_specs=(PartitionSpec(axis), rows_spec, PartitionSpec()),
-                              out_specs=(PartitionSpec(axis, *rows_spec), PartitionSpec(axis)),
-                              axis_names={axis, *batch_axes} if manual_batch else {axis}, check_vma=False
-                              )(staged, micro, list(consts))
+  outputs, ys = jax.shard_map(
+    pipeline,
+    mesh=mesh,
+    in_specs=(PartitionSpec(axis), rows_spec, PartitionSpec()),
+    out_specs=(PartitionSpec(axis, *rows_spec), PartitionSpec(axis)),
+    axis_names={axis, *batch_axes} if manual_batch else {axis},
+    check_vma=False,
+  )(staged, micro, list(consts))
   merge = lambda o, c: jnp.swapaxes(o[-1], 0, 1).reshape(c.shape)
-  return [merge(o, c) for o, c in zip(outputs, carries)] + [y.reshape(layers, *y.shape[2:]) for y in ys]
+  return [merge(o, c) for o, c in zip(outputs, carries)] + [
+    y.reshape(layers, *y.shape[2:]) for y in ys
+  ]
 
 
 def _stack_scans(jaxpr: jax_core.Jaxpr, layers: int) -> list[Flat]:
   """The forward scans of `layers` iterations with a carry in `jaxpr` (calls inlined), in
   order: a layer stack's loop."""
-  return [e for e in flatten(jaxpr) if e.eqn.primitive.name == "scan" and e.eqn.params["length"] == layers
-          and scan_counts(e.eqn.params)[1] > 0 and not e.eqn.params["reverse"]]
+  return [
+    e
+    for e in flatten(jaxpr)
+    if e.eqn.primitive.name == "scan"
+    and e.eqn.params["length"] == layers
+    and scan_counts(e.eqn.params)[1] > 0
+    and not e.eqn.params["reverse"]
+  ]
 
 
-def _in_stage(spec: PartitionSpec, shape: Sequence[int], manual: frozenset[str], mesh: jax.sharding.Mesh
-              ) -> PartitionSpec:
+def _in_stage(
+  spec: PartitionSpec, shape: Sequence[int], manual: frozenset[str], mesh: jax.sharding.Mesh
+) -> PartitionSpec:
   """`spec` for an array of `shape` in a stage: without the `manual` axes (the stage axis,
   and the batch axes where the loop is manual over them), and a dim that does not divide
   over its axes (a microbatch's share) left to XLA."""
   dims = []
   for size, axes in zip(shape, spec_axes(spec, len(shape))):
     axes = tuple(a for a in axes if a not in manual)
-    dims.append(PartitionSpec.UNCONSTRAINED if size % math.prod(mesh.shape[a] for a in axes) else axes or None)
+    dims.append(
+      PartitionSpec.UNCONSTRAINED if size % math.prod(mesh.shape[a] for a in axes) else axes or None
+    )
   return PartitionSpec(*dims)
 
 
@@ -200,19 +257,29 @@ class _StepPins:
     value_ids = list(dict.fromkeys(v for ids in results.values() for v in ids if v is not None))
     value_specs, op_specs = problem.value_and_op_specs(decisions, value_ids, list(pinned.values()))
     values = dict(zip(value_ids, value_specs))
-    ops = {origin: (operands, result_pins(program, op, result_specs, values))
-           for (origin, op), (operands, result_specs) in zip(pinned.items(), op_specs)}
+    ops = {
+      origin: (operands, result_pins(program, op, result_specs, values))
+      for (origin, op), (operands, result_specs) in zip(pinned.items(), op_specs)
+    }
     return cls(results, values, ops)
 
-  def constrainer(self, aligned: Mapping[Origin, Origin], entries: Mapping[Origin, Flat], manual: frozenset[str],
-                  mesh: jax.sharding.Mesh, in_stage: bool):
+  def constrainer(
+    self,
+    aligned: Mapping[Origin, Origin],
+    entries: Mapping[Origin, Flat],
+    manual: frozenset[str],
+    mesh: jax.sharding.Mesh,
+    in_stage: bool,
+  ):
     """`(before, constrain, bind)` for `interpret`: the equations at `entries`' origins
     pinned as their counterparts in the step (`aligned`: origin -> the step's), at their
     own shapes without the `manual` axes (`_in_stage`), on `mesh` or (`in_stage`) the
     stage's, those axes manual; grouped convolutions bound by `grouped_conv_binder`."""
     arrays = lambda vs: [v.aval for v in vs if not isinstance(v, jax_core.Literal)]
-    ranks = lambda specs, avals: len(specs) == len(avals) and all(
-        s is None or len(s) <= len(a.shape) for s, a in zip(specs, avals))
+    ranks = lambda specs, avals: (
+      len(specs) == len(avals)
+      and all(s is None or len(s) <= len(a.shape) for s, a in zip(specs, avals))
+    )
     results, values, pinned = {}, {}, {}
     for origin, at in aligned.items():
       if origin not in entries:
@@ -222,17 +289,36 @@ class _StepPins:
       ids = self.results.get(at)
       if ids is not None and ranks([None if v is None else self.values[v] for v in ids], outs):
         results[origin] = ids
-        values.update((v, _in_stage(self.values[v], a.shape, manual, mesh)) for v, a in zip(ids, outs) if v is not None)
-      if at in self.ops and ranks(self.ops[at][0], arrays(eqn.invars)) and ranks(self.ops[at][1], outs):
+        values.update(
+          (v, _in_stage(self.values[v], a.shape, manual, mesh))
+          for v, a in zip(ids, outs)
+          if v is not None
+        )
+      if (
+        at in self.ops
+        and ranks(self.ops[at][0], arrays(eqn.invars))
+        and ranks(self.ops[at][1], outs)
+      ):
         operands, result_specs = self.ops[at]
-        pinned[origin] = ([_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(operands, arrays(eqn.invars))],
-                          [_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(result_specs, outs)])
+        pinned[origin] = (
+          [_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(operands, arrays(eqn.invars))],
+          [_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(result_specs, outs)],
+        )
     on = None if in_stage else mesh
-    return (*_constrainer(results, values, pinned, on, differentiated=True), grouped_conv_binder(pinned, on))
+    return (
+      *_constrainer(results, values, pinned, on, differentiated=True),
+      grouped_conv_binder(pinned, on),
+    )
 
 
-def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: LayerStack, problem: Problem,
-                   decisions: Sequence[Decision], mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+def pipelined_loss(
+  loss_fn: Callable[..., Any],
+  pipeline: Pipeline,
+  stack: LayerStack,
+  problem: Problem,
+  decisions: Sequence[Decision],
+  mesh: jax.sharding.Mesh,
+) -> Callable[..., Any]:
   """`loss_fn(params, batch)` with its layer stack's forward scan (the first scan of the
   stack's L layers) run by `gpipe` (module docstring, 1). The loop body `gpipe` runs on a
   microbatch is the same scan's of `loss_fn` traced on a microbatch (every leaf of `batch`
@@ -247,83 +333,140 @@ def pipelined_loss(loss_fn: Callable[..., Any], pipeline: Pipeline, stack: Layer
   """
   m_count, layers = pipeline.microbatches, stack.layers
   if problem.program.jaxpr is None:
-    raise ValueError("pipeline lowering pins the plan through the traced step's jaxpr; this program has none "
-                     "(build it with automap_rl.ir.trace)")
+    raise ValueError(
+      "pipeline lowering pins the plan through the traced step's jaxpr; this program has none "
+      "(build it with automap_rl.ir.trace)"
+    )
   step = problem.program.jaxpr.jaxpr
   rows = batch_axes(problem, decisions)
   pins = _StepPins.build(problem, decisions)
   program, stacked = problem.program, stack.stacked_inputs(problem.program, problem.named)
   # A stacked weight split over the batch axes on its layer dim only is gathered over them
   # before the loop (`gpipe` takes the stage's layers whole); on another dim, it cannot be.
-  weights_on_rows = any(set(rows) & {a for axes in spec_axes(spec, len(program.values[v].shape))[1:] for a in axes}
-                        for v, spec in zip(stacked, problem.partition_specs(decisions, stacked)))
+  weights_on_rows = any(
+    set(rows) & {a for axes in spec_axes(spec, len(program.values[v].shape))[1:] for a in axes}
+    for v, spec in zip(stacked, problem.partition_specs(decisions, stacked))
+  )
 
   def loss(params, batch):
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(params, batch)
     scans = _stack_scans(closed.jaxpr, layers)
     if not scans:
-      raise NotImplementedError(f"pipeline lowering runs a scanned layer stack; the loss function has no forward "
-                                f"scan of the {stack.describe()} (unrolled stacks are not lowered yet)")
+      raise NotImplementedError(
+        f"pipeline lowering runs a scanned layer stack; the loss function has no forward "
+        f"scan of the {stack.describe()} (unrolled stacks are not lowered yet)"
+      )
     target, where = scans[0].eqn, scans[0].origin
     n_const, n_carry = scan_counts(target.params)
     whole = [v.aval.shape for v in target.invars]
     splits = math.prod(mesh.shape[a] for a in rows)
-    manual_batch = (bool(rows) and not weights_on_rows
-                    and all((s[0] // m_count) % splits == 0 for s in whole[n_const:n_const + n_carry]))
+    manual_batch = (
+      bool(rows)
+      and not weights_on_rows
+      and all((s[0] // m_count) % splits == 0 for s in whole[n_const : n_const + n_carry])
+    )
     # The body runs on a device's rows of a microbatch where the loop is manual over the batch axes.
     cut_by = m_count * (splits if manual_batch else 1)
-    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // cut_by, *x.shape[1:]), x.dtype), batch)
+    micro = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((x.shape[0] // cut_by, *x.shape[1:]), x.dtype), batch
+    )
     micro_scans = _stack_scans(jax.make_jaxpr(loss_fn)(params, micro).jaxpr, layers)
-    cut = [(s[0] // cut_by, *s[1:]) if n_const <= i < n_const + n_carry else s for i, s in enumerate(whole)]
+    cut = [
+      (s[0] // cut_by, *s[1:]) if n_const <= i < n_const + n_carry else s
+      for i, s in enumerate(whole)
+    ]
     if len(micro_scans) != len(scans) or cut != [v.aval.shape for v in micro_scans[0].eqn.invars]:
-      raise NotImplementedError(f"the loop of the {stack.describe()} on a microbatch is not its loop on the batch "
-                                "cut along the carries' dim 0; only such loops are pipelined")
+      raise NotImplementedError(
+        f"the loop of the {stack.describe()} on a microbatch is not its loop on the batch "
+        "cut along the carries' dim 0; only such loops are pipelined"
+      )
     micro_scan = micro_scans[0].eqn
     # The loss's inputs are the step's parameters and batch (its optimizer state between).
-    n_params, n_batch = len(jax.tree_util.tree_leaves(params)), len(jax.tree_util.tree_leaves(batch))
+    n_params, n_batch = (
+      len(jax.tree_util.tree_leaves(params)),
+      len(jax.tree_util.tree_leaves(batch)),
+    )
     inputs = list(closed.jaxpr.invars)
-    step_inputs = [*step.invars[:n_params], *step.invars[len(step.invars) - n_batch:]]
+    step_inputs = [*step.invars[:n_params], *step.invars[len(step.invars) - n_batch :]]
     aligned = align(flatten(closed.jaxpr), flatten(step), dict(zip(inputs, step_inputs)))
     body_closed = micro_scan.params["jaxpr"]
     entries = lambda jaxpr: {e.origin: e for e in flatten(jaxpr, into_scans=True)}
     whole_body, in_body = entries(target.params["jaxpr"].jaxpr), entries(body_closed.jaxpr)
-    inside = {o[len(where):]: s for o, s in aligned.items() if o[:len(where)] == where and len(o) > len(where)}
-    inside = {o: s for o, s in inside.items()
-              if o in in_body and o in whole_body and in_body[o].eqn.primitive == whole_body[o].eqn.primitive}
+    inside = {
+      o[len(where) :]: s
+      for o, s in aligned.items()
+      if o[: len(where)] == where and len(o) > len(where)
+    }
+    inside = {
+      o: s
+      for o, s in inside.items()
+      if o in in_body
+      and o in whole_body
+      and in_body[o].eqn.primitive == whole_body[o].eqn.primitive
+    }
     manual = frozenset({pipeline.axis, *(rows if manual_batch else ())})
     before, constrain, bind = pins.constrainer(inside, in_body, manual, mesh, in_stage=True)
-    # Evaluated as traced, rematerialization (`checkpoint`) kept: the loss is differentiated after this.
+    # Evaluated as traced, rematerialization (`checkpoint`) kept: the loss is differentiated after
+    # this.
     body = interpret(body_closed, constrain, before, bind, differentiable=True)
-    run = lambda operands: gpipe(body, n_carry, operands[:n_const], operands[n_const:n_const + n_carry],
-                                 operands[n_const + n_carry:], stages=pipeline.stages, microbatches=m_count,
-                                 axis=pipeline.axis, batch_axes=rows, mesh=mesh, manual_batch=manual_batch)
-    outside = {o: s for o, s in aligned.items() if o[:len(where)] != where}
-    before, constrain, bind = pins.constrainer(outside, entries(closed.jaxpr), frozenset({pipeline.axis}), mesh,
-                                               in_stage=False)
-    evaluate = interpret(closed, constrain, before, bind, replaced={where: run}, differentiable=True)
+    run = lambda operands: gpipe(
+      body,
+      n_carry,
+      operands[:n_const],
+      operands[n_const : n_const + n_carry],
+      operands[n_const + n_carry :],
+      stages=pipeline.stages,
+      microbatches=m_count,
+      axis=pipeline.axis,
+      batch_axes=rows,
+      mesh=mesh,
+      manual_batch=manual_batch,
+    )
+    outside = {o: s for o, s in aligned.items() if o[: len(where)] != where}
+    before, constrain, bind = pins.constrainer(
+      outside, entries(closed.jaxpr), frozenset({pipeline.axis}), mesh, in_stage=False
+    )
+    evaluate = interpret(
+      closed, constrain, before, bind, replaced={where: run}, differentiable=True
+    )
     outs = evaluate(*jax.tree_util.tree_leaves((params, batch)))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
   return loss
 
 
-def check_lowerable(pipeline: Pipeline, stack: LayerStack, mesh_axis_size: int, args: Sequence[Any]) -> None:
+def check_lowerable(
+  pipeline: Pipeline, stack: LayerStack, mesh_axis_size: int, args: Sequence[Any]
+) -> None:
   """Raises NotImplementedError (one line) for what the lowering does not run yet: the
   interleaved schedule, fewer stages than the stage axis's `mesh_axis_size` devices, an
   unrolled `stack`, a step whose `args` are not `(params, opt_state, batch)`."""
   if pipeline.chunks > 1:
-    raise NotImplementedError(f"the interleaved schedule is priced but not lowered yet ({pipeline}); GPipe and 1F1B are")
+    raise NotImplementedError(
+      f"the interleaved schedule is priced but not lowered yet ({pipeline}); GPipe and 1F1B are"
+    )
   if pipeline.stages != mesh_axis_size:
-    raise NotImplementedError(f"{pipeline.stages} stages on the {mesh_axis_size} devices of axis {pipeline.axis!r}: "
-                              "the lowering needs one stage per device of the stage axis")
+    raise NotImplementedError(
+      f"{pipeline.stages} stages on the {mesh_axis_size} devices of axis {pipeline.axis!r}: "
+      "the lowering needs one stage per device of the stage axis"
+    )
   if not stack.scanned:
-    raise NotImplementedError(f"pipeline lowering runs a scanned layer stack, not the {stack.describe()} yet")
+    raise NotImplementedError(
+      f"pipeline lowering runs a scanned layer stack, not the {stack.describe()} yet"
+    )
   if len(args) != 3:
-    raise NotImplementedError("pipeline lowering runs steps (params, opt_state, batch); model state is not lowered yet")
+    raise NotImplementedError(
+      "pipeline lowering runs steps (params, opt_state, batch); model state is not lowered yet"
+    )
 
 
-def staged_specs(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline, stack: LayerStack,
-                 values: Sequence[int]) -> list[PartitionSpec]:
+def staged_specs(
+  problem: Problem,
+  decisions: Sequence[Decision],
+  pipeline: Pipeline,
+  stack: LayerStack,
+  values: Sequence[int],
+) -> list[PartitionSpec]:
   """The plan's spec of each of `values`, the stage axis added (major) on the layer dim of
   every value stacked along the stack's layers (stacked weights, their optimizer state)."""
   program, classes = problem.program, set(stack.layer_classes)
@@ -344,9 +487,16 @@ def batch_axes(problem: Problem, decisions: Sequence[Decision]) -> tuple[str, ..
   return spec_axes(problem.partition_specs(decisions, inputs[:1])[0], 1)[0] if inputs else ()
 
 
-def jit_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline, loss_fn: Callable[..., Any],
-                  optimizer: optax.GradientTransformation, args: Sequence[Any], jax_mesh: jax.sharding.Mesh,
-                  donate_argnums: Sequence[int] = ()) -> tuple[Any, Any, Any]:
+def jit_pipelined(
+  problem: Problem,
+  decisions: Sequence[Decision],
+  pipeline: Pipeline,
+  loss_fn: Callable[..., Any],
+  optimizer: optax.GradientTransformation,
+  args: Sequence[Any],
+  jax_mesh: jax.sharding.Mesh,
+  donate_argnums: Sequence[int] = (),
+) -> tuple[Any, Any, Any]:
   """The pipelined training step (module docstring) under `jax.jit` on `jax_mesh`, with
   the plan's argument and output shardings (`staged_specs`): (jitted, in_shardings as a
   pytree like `args`, out_shardings as a pytree like the outputs).
@@ -376,16 +526,31 @@ def jit_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pip
   in_shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tuple(args)), named[:n])
   out_tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
   if out_tree.num_leaves != len(program.outputs):
-    raise ValueError(f"the loss function and optimizer make a step of {out_tree.num_leaves} outputs, the planned "
-                     f"step has {len(program.outputs)}: are they the ones the step is built from?")
+    raise ValueError(
+      f"the loss function and optimizer make a step of {out_tree.num_leaves} outputs, the planned "
+      f"step has {len(program.outputs)}: are they the ones the step is built from?"
+    )
   out_shardings = jax.tree_util.tree_unflatten(out_tree, named[n:])
-  jitted = jax.jit(step, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=tuple(donate_argnums))
+  jitted = jax.jit(
+    step,
+    in_shardings=in_shardings,
+    out_shardings=out_shardings,
+    donate_argnums=tuple(donate_argnums),
+  )
   return jitted, in_shardings, out_shardings
 
 
-def lower_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline,
-                    loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, args: Sequence[Any],
-                    jax_mesh: jax.sharding.Mesh, donate_argnums: Sequence[int] = (), isolated: bool = False) -> Lowered:
+def lower_pipelined(
+  problem: Problem,
+  decisions: Sequence[Decision],
+  pipeline: Pipeline,
+  loss_fn: Callable[..., Any],
+  optimizer: optax.GradientTransformation,
+  args: Sequence[Any],
+  jax_mesh: jax.sharding.Mesh,
+  donate_argnums: Sequence[int] = (),
+  isolated: bool = False,
+) -> Lowered:
   """Compiles `jit_pipelined`'s step for `args` (arrays or `jax.ShapeDtypeStruct`s): a
   `Lowered` with its collectives (the stage transfers are collective-permutes over the
   stage axis), flops and memory. Its `differences` are empty: the sharding check reads
@@ -400,13 +565,25 @@ def lower_pipelined(problem: Problem, decisions: Sequence[Decision], pipeline: P
     LoweringError: XLA raised, or (isolated) aborted or timed out, compiling the step.
     NotImplementedError: see `jit_pipelined`.
   """
-  jitted, in_shardings, out_shardings = jit_pipelined(problem, decisions, pipeline, loss_fn, optimizer, args, jax_mesh,
-                                                      donate_argnums)
+  jitted, in_shardings, out_shardings = jit_pipelined(
+    problem, decisions, pipeline, loss_fn, optimizer, args, jax_mesh, donate_argnums
+  )
   stage = jitted.lower(*args)
   with lowering_errors(problem, decisions):
     if isolated:
       compile_directly(stage, jax_mesh.devices)
-    compiled = stage.compile(compiler_options=quick_compile_options(jax_mesh.devices.flat[0].platform))
+    compiled = stage.compile(
+      compiler_options=quick_compile_options(jax_mesh.devices.flat[0].platform)
+    )
   stats = inspect_compiled(compiled, problem.mesh.axis_names, problem.mesh.axis_sizes)
-  return Lowered(jitted, compiled, in_shardings, out_shardings, stats, jax_mesh, (),
-                 program_depth(problem.program), compute_dtype(problem.program))
+  return Lowered(
+    jitted,
+    compiled,
+    in_shardings,
+    out_shardings,
+    stats,
+    jax_mesh,
+    (),
+    program_depth(problem.program),
+    compute_dtype(problem.program),
+  )

@@ -37,13 +37,22 @@ from automap_rl.mesh import spec_axes
 from automap_rl.xla import hlo
 from automap_rl.xla.isolated import compile_directly
 
-__all__ = ["Expected", "ShardingDifference", "partitioner_input", "format_spec", "normalize", "scope_name",
-           "sharding_differences"]
+__all__ = [
+  "Expected",
+  "ShardingDifference",
+  "partitioner_input",
+  "format_spec",
+  "normalize",
+  "scope_name",
+  "sharding_differences",
+]
 
 _SCOPE = "automap_value_"
 _CONSTRAINT_RE = re.compile(_SCOPE + r"(\d+)/sharding_constraint$")
 _OP_NAME_RE = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_CONSTRAINT_OPCODES = frozenset({"copy", "custom-call"})  # Shardy's copy; GSPMD's custom-call @Sharding.
+_CONSTRAINT_OPCODES = frozenset(
+  {"copy", "custom-call"}
+)  # Shardy's copy; GSPMD's custom-call @Sharding.
 
 
 def scope_name(value: int) -> str:
@@ -117,9 +126,14 @@ def _op_name(attrs: str) -> str:
   return "" if match is None else match.group(1).replace("\\'", "'").replace('\\"', '"')
 
 
-def sharding_differences(hlo_text: str, arguments: Mapping[str, Expected], constrained: Mapping[int, Expected],
-                         outputs: Sequence[Expected], axis_names: Sequence[str],
-                         axis_sizes: Sequence[int]) -> tuple[ShardingDifference, ...]:
+def sharding_differences(
+  hlo_text: str,
+  arguments: Mapping[str, Expected],
+  constrained: Mapping[int, Expected],
+  outputs: Sequence[Expected],
+  axis_names: Sequence[str],
+  axis_sizes: Sequence[int],
+) -> tuple[ShardingDifference, ...]:
   """Every value of the plan that the module (before SPMD partitioning) shards otherwise.
 
   Args:
@@ -142,10 +156,16 @@ def sharding_differences(hlo_text: str, arguments: Mapping[str, Expected], const
   entry, root = False, None
 
   def compare(expected: Expected, actual: str | None) -> None:
-    spec = None if actual is None else hlo.sharding_spec(actual, len(expected.spec), axis_names, axis_sizes)
+    spec = (
+      None
+      if actual is None
+      else hlo.sharding_spec(actual, len(expected.spec), axis_names, axis_sizes)
+    )
     if spec != expected.spec:
       shown = "unannotated" if actual is None else format_spec(spec) if spec is not None else actual
-      differences.append(ShardingDifference(expected.value, expected.where, format_spec(expected.spec), shown))
+      differences.append(
+        ShardingDifference(expected.value, expected.where, format_spec(expected.spec), shown)
+      )
 
   for line in hlo_text.splitlines():
     if line.startswith("ENTRY"):
@@ -170,7 +190,11 @@ def sharding_differences(hlo_text: str, arguments: Mapping[str, Expected], const
   if root is not None and outputs:
     is_tuple, whole = root.opcode == "tuple", shardings[root.name]
     elements = root.operands if is_tuple else (root.name,)
-    parts = hlo.split_tuple_sharding(whole) if is_tuple and whole is not None else (whole,) * len(elements)
+    parts = (
+      hlo.split_tuple_sharding(whole)
+      if is_tuple and whole is not None
+      else (whole,) * len(elements)
+    )
     for expected, part in zip(outputs, parts):
       compare(expected, part)
   return tuple(dict.fromkeys(differences))

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from automap_rl import ir, workloads, tactics
+from automap_rl import ir, tactics, workloads
 from automap_rl.mesh import Hardware, make_mesh, to_jax_mesh
 from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import PipelineProblem, Problem
@@ -31,13 +31,34 @@ from automap_rl.simulator.tables import dense_group_factors, program_flops
 from automap_rl.stages import EVERY_STAGE, Phase
 from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import LoweringError, lower
+from automap_rl.xla.numerics import (
+  NumericsError,
+  Reference,
+  compare_outputs,
+  compute_dtype,
+  reference_outputs,
+)
 from automap_rl.xla.pipeline_lower import check_lowerable, lower_pipelined
-from automap_rl.xla.numerics import NumericsError, Reference, compare_outputs, compute_dtype, reference_outputs
 
 __all__ = [
-    "PIPELINE_MESHES", "PIPELINE_MODELS", "SUITES", "Case", "RandomSuite", "Suite", "compiled_metrics",
-    "pipelined_flops", "plans_for", "random_pipeline", "random_pipelined_plan", "random_plan", "run_case",
-    "run_random", "run_suite", "simulated_flops", "simulated_metrics", "summarize_cases",
+  "PIPELINE_MESHES",
+  "PIPELINE_MODELS",
+  "SUITES",
+  "Case",
+  "RandomSuite",
+  "Suite",
+  "compiled_metrics",
+  "pipelined_flops",
+  "plans_for",
+  "random_pipeline",
+  "random_pipelined_plan",
+  "random_plan",
+  "run_case",
+  "run_random",
+  "run_suite",
+  "simulated_flops",
+  "simulated_metrics",
+  "summarize_cases",
 ]
 
 DONATE_ARGNUMS = (0, 1)  # params and optimizer state, as `experiments.inspect_cmd` traces them.
@@ -70,19 +91,22 @@ class Suite:
 
 
 SUITES: dict[str, Suite] = {
-    "quick": Suite(models=(
-        "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16",
-        "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8",
-        "moe:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8,experts=4",
-        "gnn:n_node=8,n_edge=16,node_dim=8,edge_dim=8,latent=32,steps=1,batch=8",
-        "resnet:stages=2,width=8,groups=4,image_size=8,classes=8,batch=8",
-        "unet:levels=1,base_channels=8,groups=4,image_size=8,batch=8",
-    ), random_plans=1,
-        # 50 cases, every model on both meshes. Skipped: the replicated plan on the 2-D
-        # mesh (the same program as on data=8), and on the 1-D mesh the tensor-parallel
-        # plans (the 2-D mesh runs them on its model axis).
-        skip=(("data=2,model=4", "replicated"), ("data=8", "megatron"), ("data=8", "data_megatron"))),
-    "full": Suite(models=("mlp", "gpt", "moe", "gnn", "resnet", "unet"), random_plans=6),
+  "quick": Suite(
+    models=(
+      "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16",
+      "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8",
+      "moe:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8,experts=4",
+      "gnn:n_node=8,n_edge=16,node_dim=8,edge_dim=8,latent=32,steps=1,batch=8",
+      "resnet:stages=2,width=8,groups=4,image_size=8,classes=8,batch=8",
+      "unet:levels=1,base_channels=8,groups=4,image_size=8,batch=8",
+    ),
+    random_plans=1,
+    # 50 cases, every model on both meshes. Skipped: the replicated plan on the 2-D
+    # mesh (the same program as on data=8), and on the 1-D mesh the tensor-parallel
+    # plans (the 2-D mesh runs them on its model axis).
+    skip=(("data=2,model=4", "replicated"), ("data=8", "megatron"), ("data=8", "data_megatron")),
+  ),
+  "full": Suite(models=("mlp", "gpt", "moe", "gnn", "resnet", "unet"), random_plans=6),
 }
 
 
@@ -114,8 +138,9 @@ class Case:
 # -- metrics ------------------------------------------------------------------------------
 
 
-def _op_device_flops(program: ir.Program, sigs: Any, mask_group: np.ndarray, hardware: Hardware,
-                     resolution: Any) -> np.ndarray:
+def _op_device_flops(
+  program: ir.Program, sigs: Any, mask_group: np.ndarray, hardware: Hardware, resolution: Any
+) -> np.ndarray:
   """Per-device flops of each op of `program` under a resolved plan, its repeat count
   included (see `simulated_flops`), float [num_ops]. `mask_group`: devices of each mesh
   axes mask of the mesh the plan resolves on."""
@@ -123,8 +148,10 @@ def _op_device_flops(program: ir.Program, sigs: Any, mask_group: np.ndarray, har
   op_shards = group[np.bitwise_or.reduce(np.asarray(resolution.op_mask), axis=1)]  # [Uo]
   value_masks = np.asarray(resolution.value_mask)  # [Uv, Rv]
   value_shards = group[np.bitwise_or.reduce(value_masks, axis=1)]  # [Uv]
-  shapes = [tuple(d // int(group[m]) for d, m in zip(v.shape, value_masks[sigs.value_sig[v.id]]))
-            for v in program.values]
+  shapes = [
+    tuple(d // int(group[m]) for d, m in zip(v.shape, value_masks[sigs.value_sig[v.id]]))
+    for v in program.values
+  ]
   flops = program_flops(program, shapes)
   dense = dense_group_factors(program, hardware)
 
@@ -139,7 +166,9 @@ def _op_device_flops(program: ir.Program, sigs: Any, mask_group: np.ndarray, har
     factor_mask = np.asarray(resolution.op_mask)[sigs.op_sig[op.id], dense[op.id]]
     return op.rule.factor_sizes[dense[op.id]] / group[factor_mask]
 
-  return np.array([op.repeat * flops[op.id] * local_groups(op) / shards(op) for op in program.ops], np.float64)
+  return np.array(
+    [op.repeat * flops[op.id] * local_groups(op) / shards(op) for op in program.ops], np.float64
+  )
 
 
 def simulated_flops(problem: Problem, resolution: Any) -> float:
@@ -151,8 +180,11 @@ def simulated_flops(problem: Problem, resolution: Any) -> float:
   it follows its values) is sharded like its first result. A batch-grouped convolution
   that the backend computes dense counts its device's groups times (see
   `simulator.tables.dense_group_factors`)."""
-  return float(_op_device_flops(problem.program, problem.sigs, problem.tables.mask_group, problem.mesh.hardware,
-                                resolution).sum())
+  return float(
+    _op_device_flops(
+      problem.program, problem.sigs, problem.tables.mask_group, problem.mesh.hardware, resolution
+    ).sum()
+  )
 
 
 def pipelined_flops(pipelined: PipelineProblem, resolution: Any) -> float:
@@ -163,16 +195,22 @@ def pipelined_flops(pipelined: PipelineProblem, resolution: Any) -> float:
   ops once; `simulated_flops`'s rules per op, on the stage mesh. `resolution`:
   `PipelineProblem.resolution`'s."""
   staged, pipeline = pipelined.staged, pipelined.pipeline
-  per_op = _op_device_flops(staged.program, pipelined.problem.sigs, pipelined.tables.tables.mask_group,
-                            staged.mesh.hardware, resolution)
+  per_op = _op_device_flops(
+    staged.program,
+    pipelined.problem.sigs,
+    pipelined.tables.tables.mask_group,
+    staged.mesh.hardware,
+    resolution,
+  )
   runs = pipeline.microbatches + staged.looped * (pipeline.stages - 1) / pipeline.chunks
   per_op = per_op * np.where(staged.op_phase == Phase.STEP, 1, runs)
   on = lambda s: (staged.op_stage == s) | (staged.op_stage == EVERY_STAGE)
   return float(max(per_op[on(s)].sum() for s in range(pipelined.pipeline.stages)))
 
 
-def simulated_metrics(problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None = None
-                      ) -> dict[str, Any]:
+def simulated_metrics(
+  problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None = None
+) -> dict[str, Any]:
   """The simulator's view of a plan (see `Case`); with a pipeline, of the pipelined step
   (`Problem.plan_cost`: comm per device of the pace-setting stage, peak of the largest
   stage; `pipelined_flops`), its stage transfers as `collective_permute_bytes` apart."""
@@ -180,16 +218,19 @@ def simulated_metrics(problem: Problem, decisions: Sequence[Decision], pipeline:
     cost, flops = problem.cost(decisions), simulated_flops(problem, problem.resolution(decisions))
   else:
     pipelined = problem.pipelined(pipeline)
-    cost, flops = pipelined.cost(decisions), pipelined_flops(pipelined, pipelined.resolution(decisions))
+    cost, flops = (
+      pipelined.cost(decisions),
+      pipelined_flops(pipelined, pipelined.resolution(decisions)),
+    )
   comm_bytes, comm_count = np.asarray(cost.comm_bytes), np.asarray(cost.comm_count)
   by_kind = {k: float(b) for k, b in zip(KINDS, comm_bytes)}
   return {
-      "comm_bytes": sum(by_kind.values()),
-      "comm_bytes_by_kind": by_kind,
-      "comm_count_by_kind": {k: float(c) for k, c in zip(KINDS, comm_count)},
-      "collective_permute_bytes": float(comm_bytes[len(KINDS):].sum()),
-      "flops": flops,
-      "peak_memory": float(cost.peak_memory),
+    "comm_bytes": sum(by_kind.values()),
+    "comm_bytes_by_kind": by_kind,
+    "comm_count_by_kind": {k: float(c) for k, c in zip(KINDS, comm_count)},
+    "collective_permute_bytes": float(comm_bytes[len(KINDS) :].sum()),
+    "flops": flops,
+    "peak_memory": float(cost.peak_memory),
   }
 
 
@@ -215,14 +256,14 @@ def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
       permute_bytes += moved
       permute_count += c.repeat
   return {
-      "comm_bytes": sum(by_kind.values()),
-      "comm_bytes_by_kind": by_kind,
-      "comm_count_by_kind": count,
-      "comm_bytes_by_axes": by_axes,
-      "collective_permute_bytes": permute_bytes,
-      "collective_permute_count": permute_count,
-      "flops": stats.flops,
-      "peak_memory": float(stats.peak_bytes),
+    "comm_bytes": sum(by_kind.values()),
+    "comm_bytes_by_kind": by_kind,
+    "comm_count_by_kind": count,
+    "comm_bytes_by_axes": by_axes,
+    "collective_permute_bytes": permute_bytes,
+    "collective_permute_count": permute_count,
+    "flops": stats.flops,
+    "peak_memory": float(stats.peak_bytes),
   }
 
 
@@ -233,8 +274,12 @@ def random_plan(problem: Problem, rng: np.random.Generator, max_decisions: int) 
   """1 to `max_decisions` random (named dimension, mesh axis) pairs; only pairs whose
   class size the axis divides, so that every decision can take effect somewhere."""
   mesh = problem.mesh
-  pairs = [(c.id, a) for c in problem.named.classes for a, n in zip(mesh.axis_names, mesh.axis_sizes)
-           if c.size % n == 0 and c.size > 1]
+  pairs = [
+    (c.id, a)
+    for c in problem.named.classes
+    for a, n in zip(mesh.axis_names, mesh.axis_sizes)
+    if c.size % n == 0 and c.size > 1
+  ]
   count = int(rng.integers(1, max_decisions + 1))
   chosen = rng.choice(len(pairs), size=min(count, len(pairs)), replace=False)
   return [Decision(pairs[i][0], pairs[i][1]) for i in chosen]
@@ -265,22 +310,29 @@ def random_pipeline(problem: Problem, args: Sequence[Any], rng: np.random.Genera
         options.append(pipeline)
   if not options:
     stacks = "; ".join(s.describe() for s in problem.layer_stacks) or "no layer stack"
-    raise ValueError(f"no lowerable GPipe pipeline (a scanned stack whose layers an axis of {mesh.axis_names} "
-                     f"{mesh.axis_sizes} divides, 4 or 8 microbatches of the batch of {batch}, a step of (params, "
-                     f"opt_state, batch)); the program has: {stacks}")
+    raise ValueError(
+      f"no lowerable GPipe pipeline (a scanned stack whose layers an axis of {mesh.axis_names} "
+      f"{mesh.axis_sizes} divides, 4 or 8 microbatches of the batch of {batch}, a step of (params, "
+      f"opt_state, batch)); the program has: {stacks}"
+    )
   return options[int(rng.integers(len(options)))]
 
 
-def random_pipelined_plan(problem: Problem, args: Sequence[Any], rng: np.random.Generator, max_decisions: int
-                          ) -> tuple[list[Decision], Pipeline]:
+def random_pipelined_plan(
+  problem: Problem, args: Sequence[Any], rng: np.random.Generator, max_decisions: int
+) -> tuple[list[Decision], Pipeline]:
   """`random_pipeline` with up to `max_decisions` random (named dimension, mesh axis)
   decisions inside its stages: pairs off the stage axis whose class size the axis
   divides, each kept only where the plan still divides at microbatch and stage size
   (`PipelineProblem.resolution`)."""
   pipeline = random_pipeline(problem, args, rng)
   pipelined, mesh = problem.pipelined(pipeline), problem.mesh
-  pairs = [(c.id, a) for c in problem.named.classes for a, n in zip(mesh.axis_names, mesh.axis_sizes)
-           if a != pipeline.axis and c.size % n == 0 and c.size > 1]
+  pairs = [
+    (c.id, a)
+    for c in problem.named.classes
+    for a, n in zip(mesh.axis_names, mesh.axis_sizes)
+    if a != pipeline.axis and c.size % n == 0 and c.size > 1
+  ]
   count = int(rng.integers(1, max_decisions + 1))
   decisions: list[Decision] = []
   for i in rng.permutation(len(pairs)):
@@ -307,39 +359,84 @@ def plans_for(problem: Problem, suite: Suite, seed: int) -> dict[str, list[Decis
 # -- running ------------------------------------------------------------------------------
 
 
-def run_case(problem: Problem, workload: workloads.Workload, mesh_spec: str, plan: str,
-             decisions: Sequence[Decision], reference: Reference, isolated: bool = True,
-             pipeline: Pipeline | None = None) -> Case:
+def run_case(
+  problem: Problem,
+  workload: workloads.Workload,
+  mesh_spec: str,
+  plan: str,
+  decisions: Sequence[Decision],
+  reference: Reference,
+  isolated: bool = True,
+  pipeline: Pipeline | None = None,
+) -> Case:
   """Lowers (`isolated`: compiling in a child process first, see `lower`), compiles and
   runs one plan; `reference` is `reference_outputs` of the step. A plan XLA cannot compile
   is a failed case with its `lowering_error`. With a `pipeline`, the pipelined step of
   the workload's loss function and optimizer (`pipeline_lower.lower_pipelined`)."""
   start = time.perf_counter()
-  common = dict(model=workload.name, mesh=mesh_spec, plan=plan, decisions=tuple(map(str, decisions)),
-                simulated=simulated_metrics(problem, decisions, pipeline), reference=reference.note,
-                pipeline=None if pipeline is None else pipeline.to_json())
+  common = dict(
+    model=workload.name,
+    mesh=mesh_spec,
+    plan=plan,
+    decisions=tuple(map(str, decisions)),
+    simulated=simulated_metrics(problem, decisions, pipeline),
+    reference=reference.note,
+    pipeline=None if pipeline is None else pipeline.to_json(),
+  )
   try:
     if pipeline is None:
-      lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS,
-                      isolated=isolated)
+      lowered = lower(
+        problem,
+        decisions,
+        workload.step,
+        workload.args,
+        donate_argnums=DONATE_ARGNUMS,
+        isolated=isolated,
+      )
     else:
-      lowered = lower_pipelined(problem, decisions, pipeline, workload.loss_fn, workload.optimizer, workload.args,
-                                to_jax_mesh(problem.mesh), DONATE_ARGNUMS, isolated)
+      lowered = lower_pipelined(
+        problem,
+        decisions,
+        pipeline,
+        workload.loss_fn,
+        workload.optimizer,
+        workload.args,
+        to_jax_mesh(problem.mesh),
+        DONATE_ARGNUMS,
+        isolated,
+      )
   except LoweringError as e:
-    return Case(**common, compiled={}, numerics_ok=False, numerics_error=None, seconds=time.perf_counter() - start,
-                lowering_error=str(e))
+    return Case(
+      **common,
+      compiled={},
+      numerics_ok=False,
+      numerics_error=None,
+      seconds=time.perf_counter() - start,
+      lowering_error=str(e),
+    )
   error = None
   try:
     compare_outputs(reference, lowered.run(workload.args), lowered.depth)
   except NumericsError as e:
     error = str(e)
-  return Case(**common, compiled=compiled_metrics(lowered.stats), numerics_ok=error is None, numerics_error=error,
-              seconds=time.perf_counter() - start, differences=tuple(dataclasses.asdict(d) for d in lowered.differences))
+  return Case(
+    **common,
+    compiled=compiled_metrics(lowered.stats),
+    numerics_ok=error is None,
+    numerics_error=error,
+    seconds=time.perf_counter() - start,
+    differences=tuple(dataclasses.asdict(d) for d in lowered.differences),
+  )
 
 
 def trace_workload(workload: workloads.Workload) -> ir.Program:
-  return ir.trace(workload.step, *workload.args, arg_names=workload.arg_names, arg_roles=workload.arg_roles,
-                  donate_argnums=DONATE_ARGNUMS)
+  return ir.trace(
+    workload.step,
+    *workload.args,
+    arg_names=workload.arg_names,
+    arg_roles=workload.arg_roles,
+    donate_argnums=DONATE_ARGNUMS,
+  )
 
 
 def trace_problem(workload: workloads.Workload, mesh_spec: str, hardware: str) -> Problem:
@@ -358,7 +455,9 @@ def run_suite(suite: Suite, report: Callable[[Case], None] = lambda case: None) 
       for plan, decisions in plans_for(problem, suite, seed=suite.seed * 1000 + m).items():
         if (mesh_spec, plan) in suite.skip:
           continue
-        cases.append(run_case(problem, workload, mesh_spec, plan, decisions, reference, suite.isolated))
+        cases.append(
+          run_case(problem, workload, mesh_spec, plan, decisions, reference, suite.isolated)
+        )
         report(cases[-1])
   return cases
 
@@ -367,9 +466,9 @@ def run_suite(suite: Suite, report: Callable[[Case], None] = lambda case: None) 
 # layers (GPT in linen, Llama in nnx, the Mamba SSM in Equinox), on meshes of 8 devices
 # with an axis of 2 and one of 4 to put stages on.
 PIPELINE_MODELS = (
-    "gpt:layers=4,d_model=32,heads=2,seq=16,vocab=64,batch=8,scan=true",
-    "llama:layers=4,d_model=32,heads=2,kv_heads=1,d_ff=64,seq=16,vocab=64,batch=8",
-    "ssm:layers=4,d_model=16,seq=16,vocab=64,batch=8",
+  "gpt:layers=4,d_model=32,heads=2,seq=16,vocab=64,batch=8,scan=true",
+  "llama:layers=4,d_model=32,heads=2,kv_heads=1,d_ff=64,seq=16,vocab=64,batch=8",
+  "ssm:layers=4,d_model=16,seq=16,vocab=64,batch=8",
 )
 PIPELINE_MESHES = ("stage=2,data=2,model=2", "stage=4,data=2")
 
@@ -404,9 +503,13 @@ class RandomSuite:
 
   def __post_init__(self):
     if self.models is None:
-      object.__setattr__(self, "models", PIPELINE_MODELS if self.pipelines else tuple(workloads.SMALL.values()))
+      object.__setattr__(
+        self, "models", PIPELINE_MODELS if self.pipelines else tuple(workloads.SMALL.values())
+      )
     if self.meshes is None:
-      object.__setattr__(self, "meshes", PIPELINE_MESHES if self.pipelines else ("data=8", "data=2,model=4"))
+      object.__setattr__(
+        self, "meshes", PIPELINE_MESHES if self.pipelines else ("data=8", "data=2,model=4")
+      )
 
 
 # One random plan: its mesh, decisions and pipeline (None: not pipelined).
@@ -414,8 +517,9 @@ RandomPlan = tuple[str, list[Decision], Pipeline | None]
 
 
 @functools.lru_cache(maxsize=1)
-def _random_model(suite: RandomSuite, m: int) -> tuple[workloads.Workload, Reference, dict[str, Problem],
-                                                         list[RandomPlan]]:
+def _random_model(
+  suite: RandomSuite, m: int
+) -> tuple[workloads.Workload, Reference, dict[str, Problem], list[RandomPlan]]:
   """Model `m` of `suite`: its workload, reference outputs, one problem per mesh (one
   trace) and its `suite.plans` random plans, the same in every process.
 
@@ -425,7 +529,9 @@ def _random_model(suite: RandomSuite, m: int) -> tuple[workloads.Workload, Refer
   workload = workloads.make_workload(suite.models[m], seed=suite.seed)
   program = trace_workload(workload)
   reference = reference_outputs(workload.step, workload.args, compute=compute_dtype(program))
-  problems = {mesh: Problem.build(program, make_mesh(mesh, suite.hardware)) for mesh in suite.meshes}
+  problems = {
+    mesh: Problem.build(program, make_mesh(mesh, suite.hardware)) for mesh in suite.meshes
+  }
   rng = np.random.default_rng(suite.seed * 1000 + m)
   plans: list[RandomPlan] = []
   for i in range(suite.plans):
@@ -434,7 +540,12 @@ def _random_model(suite: RandomSuite, m: int) -> tuple[workloads.Workload, Refer
       plans.append((mesh, random_plan(problems[mesh], rng, suite.max_random_decisions), None))
       continue
     try:
-      plans.append((mesh, *random_pipelined_plan(problems[mesh], workload.args, rng, suite.max_random_decisions)))
+      plans.append(
+        (
+          mesh,
+          *random_pipelined_plan(problems[mesh], workload.args, rng, suite.max_random_decisions),
+        )
+      )
     except ValueError as e:
       raise ValueError(f"{suite.models[m]} on {mesh}: {e}") from None
   return workload, reference, problems, plans
@@ -445,14 +556,18 @@ def _random_cases(suite: RandomSuite, m: int, start: int, stop: int) -> Iterator
   workload, reference, problems, plans = _random_model(suite, m)
   for i in range(start, stop):
     mesh, decisions, pipeline = plans[i]
-    yield run_case(problems[mesh], workload, mesh, f"random_{i}", decisions, reference, pipeline=pipeline)
+    yield run_case(
+      problems[mesh], workload, mesh, f"random_{i}", decisions, reference, pipeline=pipeline
+    )
 
 
 def _random_case_list(suite: RandomSuite, m: int, start: int, stop: int) -> list[Case]:
   return list(_random_cases(suite, m, start, stop))
 
 
-def run_random(suite: RandomSuite, report: Callable[[Case], None] = lambda case: None) -> list[Case]:
+def run_random(
+  suite: RandomSuite, report: Callable[[Case], None] = lambda case: None
+) -> list[Case]:
   """`suite.plans` random plans per model, each lowered (compiled in a child process first:
   an XLA abort is a failed case, never the end of this process), run and compared with the
   unpartitioned step; one trace per model and process. With `suite.workers` > 1, runs of
@@ -465,8 +580,11 @@ def run_random(suite: RandomSuite, report: Callable[[Case], None] = lambda case:
   if suite.workers < 1:
     raise ValueError(f"--workers {suite.workers}: give at least one process.")
   size = -(-suite.plans // 10)
-  runs = [(m, start, min(start + size, suite.plans))
-          for m in range(len(suite.models)) for start in range(0, suite.plans, size)]
+  runs = [
+    (m, start, min(start + size, suite.plans))
+    for m in range(len(suite.models))
+    for start in range(0, suite.plans, size)
+  ]
   if suite.workers == 1:
     cases = []
     for run in runs:
@@ -497,6 +615,7 @@ def relative_error(simulated: float, compiled: float) -> float:
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
   """Spearman's rank correlation; nan with fewer than 3 points or a constant side."""
   from scipy.stats import spearmanr  # Local: scipy is slow to import.
+
   if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
     return math.nan
   return float(spearmanr(a, b).statistic)
@@ -514,17 +633,23 @@ def summarize_cases(cases: Sequence[Case]) -> dict[str, float]:
   everything, cases = cases, [c for c in cases if c.lowering_error is None]
   column = lambda side, key: [getattr(c, side)[key] for c in cases]
   return {
-      "num_cases": len(everything),
-      "lowering_errors": len(everything) - len(cases),
-      "xla_aborts": sum("(aborted:" in (c.lowering_error or "") for c in everything),
-      "pipelined_cases": sum(c.pipeline is not None for c in everything),
-      "comm_bytes_median_rel_error": _median_error(cases, "comm_bytes"),
-      "comm_bytes_spearman": spearman(column("simulated", "comm_bytes"), column("compiled", "comm_bytes")),
-      "flops_median_rel_error": _median_error(cases, "flops"),
-      "memory_median_rel_error": _median_error(cases, "peak_memory"),
-      "memory_spearman": spearman(column("simulated", "peak_memory"), column("compiled", "peak_memory")),
-      "numerics_ok_fraction": float(np.mean([c.numerics_ok for c in everything])) if everything else math.nan,
-      "realized_fraction": float(np.mean([not c.differences for c in cases])) if cases else math.nan,
+    "num_cases": len(everything),
+    "lowering_errors": len(everything) - len(cases),
+    "xla_aborts": sum("(aborted:" in (c.lowering_error or "") for c in everything),
+    "pipelined_cases": sum(c.pipeline is not None for c in everything),
+    "comm_bytes_median_rel_error": _median_error(cases, "comm_bytes"),
+    "comm_bytes_spearman": spearman(
+      column("simulated", "comm_bytes"), column("compiled", "comm_bytes")
+    ),
+    "flops_median_rel_error": _median_error(cases, "flops"),
+    "memory_median_rel_error": _median_error(cases, "peak_memory"),
+    "memory_spearman": spearman(
+      column("simulated", "peak_memory"), column("compiled", "peak_memory")
+    ),
+    "numerics_ok_fraction": float(np.mean([c.numerics_ok for c in everything]))
+    if everything
+    else math.nan,
+    "realized_fraction": float(np.mean([not c.differences for c in cases])) if cases else math.nan,
   }
 
 
@@ -532,8 +657,8 @@ def to_json(cases: Sequence[Case], summary: dict[str, float]) -> dict[str, Any]:
   """The JSON document: `cases` and `summary` (nan and inf become null)."""
   clean = lambda x: None if isinstance(x, float) and not math.isfinite(x) else x
   return {
-      "cases": [dataclasses.asdict(c) for c in cases],
-      "summary": {k: clean(v) for k, v in summary.items()},
+    "cases": [dataclasses.asdict(c) for c in cases],
+    "summary": {k: clean(v) for k, v in summary.items()},
   }
 
 
@@ -543,25 +668,40 @@ def plot(cases: Sequence[Case], path: str) -> None:
   where both figures are zero (no communication) cannot sit on a log axis: each panel's
   title counts them instead."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  panels = (("comm_bytes", "communication / device", "bytes"), ("flops", "flops / device", "flops"),
-            ("peak_memory", "peak memory / device", "bytes"))
+  panels = (
+    ("comm_bytes", "communication / device", "bytes"),
+    ("flops", "flops / device", "flops"),
+    ("peak_memory", "peak memory / device", "bytes"),
+  )
   fig, axes = plt.subplots(1, len(panels), figsize=(16, 5))
   models = list(dict.fromkeys(c.model.split(":")[0] for c in cases))
   for ax, (key, title, unit) in zip(axes, panels):
     shown = [c for c in cases if c.compiled.get(key, 0) > 0 and c.simulated[key] > 0]
     for model in models:
       mine = [c for c in shown if c.model.split(":")[0] == model]
-      ax.scatter([c.compiled[key] for c in mine], [c.simulated[key] for c in mine], label=model, s=18, alpha=0.8)
+      ax.scatter(
+        [c.compiled[key] for c in mine],
+        [c.simulated[key] for c in mine],
+        label=model,
+        s=18,
+        alpha=0.8,
+      )
     values = [v for c in shown for v in (c.compiled[key], c.simulated[key])] or [1.0, 10.0]
     line = np.geomspace(min(values) / 1.5, max(values) * 1.5, 2)
     ax.plot(line, line, "k--", lw=0.8)
     ax.fill_between(line, line / 1.15, line * 1.15, color="k", alpha=0.06, lw=0)
     hidden = len(cases) - len(shown)
-    ax.set(xscale="log", yscale="log", xlabel=f"XLA (compiled), {unit}", ylabel=f"simulator, {unit}",
-           title=title + (f" (not shown: {hidden} cases with none)" if hidden else ""))
+    ax.set(
+      xscale="log",
+      yscale="log",
+      xlabel=f"XLA (compiled), {unit}",
+      ylabel=f"simulator, {unit}",
+      title=title + (f" (not shown: {hidden} cases with none)" if hidden else ""),
+    )
     ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

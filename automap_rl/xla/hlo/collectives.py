@@ -24,16 +24,30 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from automap_rl.xla.hlo.groups import (axes_for_groups, crossed_axes, device_groups, group_mode,
-                                       parse_replica_groups, parse_source_target_pairs, permute_groups)
-from automap_rl.xla.hlo.module import Instruction, Module, Shape, element_bytes, parse_module, parse_shapes
+from automap_rl.xla.hlo.groups import (
+  axes_for_groups,
+  crossed_axes,
+  device_groups,
+  group_mode,
+  parse_replica_groups,
+  parse_source_target_pairs,
+  permute_groups,
+)
+from automap_rl.xla.hlo.module import (
+  Instruction,
+  Module,
+  Shape,
+  element_bytes,
+  parse_module,
+  parse_shapes,
+)
 
 COLLECTIVE_KINDS = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
+  "all-reduce",
+  "all-gather",
+  "reduce-scatter",
+  "all-to-all",
+  "collective-permute",
 )
 
 
@@ -79,7 +93,7 @@ def _kind(opcode: str) -> str | None:
 
 
 def _buffer(
-    kind: str, inst: Instruction, types: Mapping[str, str], group_size: int
+  kind: str, inst: Instruction, types: Mapping[str, str], group_size: int
 ) -> tuple[tuple[str, Shape], ...]:
   """Arrays of the collective's larger buffer (see the byte convention)."""
   operands = inst.operands
@@ -89,7 +103,7 @@ def _buffer(
     shapes = [s for name in operands for s in parse_shapes(types[name])]
   except KeyError as e:
     raise ValueError(
-        f"Operand {e.args[0]!r} of {inst.name!r} is not defined in the module."
+      f"Operand {e.args[0]!r} of {inst.name!r} is not defined in the module."
     ) from None
   if kind == "all-gather":
     match = _DIMENSIONS_RE.search(inst.attrs)
@@ -97,19 +111,19 @@ def _buffer(
       raise ValueError(f"All-gather {inst.name!r} has no dimensions={{d}}.")
     dim = int(match.group(1))
     shapes = [
-        (dtype, shape[:dim] + (shape[dim] * group_size,) + shape[dim + 1 :])
-        for dtype, shape in shapes
+      (dtype, shape[:dim] + (shape[dim] * group_size,) + shape[dim + 1 :])
+      for dtype, shape in shapes
     ]
   return tuple(shapes)
 
 
 def _collective(
-    kind: str,
-    inst: Instruction,
-    types: Mapping[str, str],
-    counts: tuple[int, int],
-    axis_names: Sequence[str],
-    axis_sizes: Sequence[int],
+  kind: str,
+  inst: Instruction,
+  types: Mapping[str, str],
+  counts: tuple[int, int],
+  axis_names: Sequence[str],
+  axis_sizes: Sequence[int],
 ) -> Collective:
   """Builds the `Collective` record of one collective instruction."""
   mode = group_mode(inst.opcode, inst.attrs)
@@ -118,27 +132,25 @@ def _collective(
     groups = permute_groups(pairs)
     mesh_axes = crossed_axes(pairs, axis_names, axis_sizes)
   else:
-    groups = device_groups(
-        parse_replica_groups(inst.attrs) or (), mode, *counts
-    )
+    groups = device_groups(parse_replica_groups(inst.attrs) or (), mode, *counts)
     covers_mesh = sum(map(len, groups)) == math.prod(axis_sizes)
     mesh_axes = axes_for_groups(groups, axis_names, axis_sizes) if covers_mesh else None
   group_size = max(len(g) for g in groups)
   shapes = _buffer(kind, inst, types, group_size)
   dtypes = dict.fromkeys(dtype for dtype, _ in shapes)
   return Collective(
-      kind=kind,
-      bytes=sum(element_bytes(d) * math.prod(s) for d, s in shapes),
-      group_size=group_size,
-      num_groups=len(groups),
-      mesh_axes=mesh_axes,
-      dtype=",".join(dtypes),
-      shape=shapes[0][1] if len(shapes) == 1 else tuple(s for _, s in shapes),
+    kind=kind,
+    bytes=sum(element_bytes(d) * math.prod(s) for d, s in shapes),
+    group_size=group_size,
+    num_groups=len(groups),
+    mesh_axes=mesh_axes,
+    dtype=",".join(dtypes),
+    shape=shapes[0][1] if len(shapes) == 1 else tuple(s for _, s in shapes),
   )
 
 
 def collectives_from_hlo(
-    hlo_text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
+  hlo_text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]
 ) -> tuple[Collective, ...]:
   """All collectives of an HLO module's text, in text order, each with the
   number of times it runs per call of the module."""
@@ -146,17 +158,17 @@ def collectives_from_hlo(
 
 
 def module_collectives(
-    module: Module, axis_names: Sequence[str], axis_sizes: Sequence[int]
+  module: Module, axis_names: Sequence[str], axis_sizes: Sequence[int]
 ) -> tuple[Collective, ...]:
   """`collectives_from_hlo` of a parsed module."""
   return tuple(
-      dataclasses.replace(
-          _collective(kind, inst, module.types, module.counts, axis_names, axis_sizes),
-          repeat=module.repeats.get(name, 1),
-      )
-      for name, body in module.bodies.items()
-      for inst in body
-      if (kind := _kind(inst.opcode)) is not None
+    dataclasses.replace(
+      _collective(kind, inst, module.types, module.counts, axis_names, axis_sizes),
+      repeat=module.repeats.get(name, 1),
+    )
+    for name, body in module.bodies.items()
+    for inst in body
+    if (kind := _kind(inst.opcode)) is not None
   )
 
 

@@ -54,7 +54,7 @@ def _cost(cost_analysis: Any, key: str) -> float:
 
 
 def inspect_compiled(
-    compiled: Any, axis_names: Sequence[str], axis_sizes: Sequence[int]
+  compiled: Any, axis_names: Sequence[str], axis_sizes: Sequence[int]
 ) -> CompiledStats:
   """Collectives, flops and memory of a `jax.stages.Compiled`.
 
@@ -72,13 +72,13 @@ def inspect_compiled(
   temp = int(memory.temp_size_in_bytes)
   alias = int(memory.alias_size_in_bytes)
   return CompiledStats(
-      collectives=module_collectives(module, axis_names, axis_sizes),
-      flops=_cost(cost, "flops") + loop_flops,
-      bytes_accessed=_cost(cost, "bytes accessed") + loop_bytes,
-      kernels=kernel_costs(module),
-      argument_bytes=argument,
-      output_bytes=output,
-      temp_bytes=temp,
-      alias_bytes=alias,
-      peak_bytes=argument + output + temp - alias,
+    collectives=module_collectives(module, axis_names, axis_sizes),
+    flops=_cost(cost, "flops") + loop_flops,
+    bytes_accessed=_cost(cost, "bytes accessed") + loop_bytes,
+    kernels=kernel_costs(module),
+    argument_bytes=argument,
+    output_bytes=output,
+    temp_bytes=temp,
+    alias_bytes=alias,
+    peak_bytes=argument + output + temp - alias,
   )

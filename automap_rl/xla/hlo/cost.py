@@ -26,17 +26,41 @@ import re
 from collections.abc import Mapping, Sequence
 
 from automap_rl.xla.hlo.collectives import COLLECTIVE_KINDS
-from automap_rl.xla.hlo.module import Instruction, Module, called_computations, parse_shapes, shape_bytes
+from automap_rl.xla.hlo.module import (
+  Instruction,
+  Module,
+  called_computations,
+  parse_shapes,
+  shape_bytes,
+)
 
 _CONTRACTING_RE = re.compile(r"\blhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
 _DIM_LABELS_RE = re.compile(r"\bdim_labels=[^_]+_(?P<rhs>[^-]+)->")
 # Opcodes `HloCostAnalysis` charges one flop per result element (transcendentals
 # such as exp and tanh are counted apart, not as flops).
-_ELEMENTWISE_FLOPS = frozenset({
-    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
-    "compare", "select", "and", "or", "xor", "not", "sign", "floor", "ceil", "clamp",
+_ELEMENTWISE_FLOPS = frozenset(
+  {
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "maximum",
+    "minimum",
+    "negate",
+    "abs",
+    "compare",
+    "select",
+    "and",
+    "or",
+    "xor",
+    "not",
+    "sign",
+    "floor",
+    "ceil",
+    "clamp",
     "remainder",
-})
+  }
+)
 
 
 def instruction_flops(inst: Instruction, types: Mapping[str, str]) -> float:
@@ -64,10 +88,21 @@ def instruction_flops(inst: Instruction, types: Mapping[str, str]) -> float:
 
 
 # Instructions that move no data of their own (`HloCostAnalysis` charges them no bytes).
-_FREE_OPCODES = frozenset({
-    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "call",
-    "conditional", "after-all", "partition-id", "replica-id",
-})
+_FREE_OPCODES = frozenset(
+  {
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "while",
+    "call",
+    "conditional",
+    "after-all",
+    "partition-id",
+    "replica-id",
+  }
+)
 
 
 def _read_fraction(inst: Instruction, operand: int, types: Mapping[str, str]) -> float:
@@ -79,7 +114,9 @@ def _read_fraction(inst: Instruction, operand: int, types: Mapping[str, str]) ->
   return elements(inst.type) / max(elements(types[inst.operands[0]]), 1)
 
 
-def _parameter_utilization(body: Sequence[Instruction], types: Mapping[str, str]) -> dict[str, float]:
+def _parameter_utilization(
+  body: Sequence[Instruction], types: Mapping[str, str]
+) -> dict[str, float]:
   """The fraction of each parameter of a fused computation that it reads, propagated
   from the root as `HloCostAnalysis` does: a (dynamic-)slice reads the fraction of its
   operand that it keeps, any other instruction as much of its operands as is used of it
@@ -95,8 +132,9 @@ def _parameter_utilization(body: Sequence[Instruction], types: Mapping[str, str]
   return {i.name: used.get(i.name, 0.0) for i in body if i.opcode == "parameter"}
 
 
-def instruction_bytes(inst: Instruction, types: Mapping[str, str],
-                      bodies: Mapping[str, Sequence[Instruction]]) -> float:
+def instruction_bytes(
+  inst: Instruction, types: Mapping[str, str], bodies: Mapping[str, Sequence[Instruction]]
+) -> float:
   """Bytes an unfused instruction reads and writes, as `HloCostAnalysis` counts a
   fusion from its boundary: its operands and its result, except that a (dynamic) slice
   reads only what it keeps, a fusion operand counts only the fraction its computation
@@ -105,8 +143,10 @@ def instruction_bytes(inst: Instruction, types: Mapping[str, str],
   parameter in place, counts the update twice instead of the whole buffer in and out."""
   if inst.opcode in _FREE_OPCODES:
     return 0.0
-  operand_bytes = [shape_bytes(types[name]) * _read_fraction(inst, i, types) if name in types else 0
-                   for i, name in enumerate(inst.operands)]
+  operand_bytes = [
+    shape_bytes(types[name]) * _read_fraction(inst, i, types) if name in types else 0
+    for i, name in enumerate(inst.operands)
+  ]
   result_bytes = shape_bytes(inst.type)
   if inst.opcode == "dynamic-update-slice":  # In place: the update read and written.
     operand_bytes[0], result_bytes = 0, shape_bytes(types[inst.operands[1]])
@@ -126,8 +166,13 @@ def instruction_bytes(inst: Instruction, types: Mapping[str, str],
 
 def _fused_computations(bodies: Mapping[str, Sequence[Instruction]]) -> set[str]:
   """The computations that are a fusion's body."""
-  return {callee for body in bodies.values() for inst in body if inst.opcode == "fusion"
-          for callee, _ in called_computations(inst)}
+  return {
+    callee
+    for body in bodies.values()
+    for inst in body
+    if inst.opcode == "fusion"
+    for callee, _ in called_computations(inst)
+  }
 
 
 def _is_kernel(inst: Instruction) -> bool:
@@ -153,8 +198,11 @@ def kernel_costs(module: Module) -> tuple[tuple[float, float], ...]:
         continue
       flops = instruction_flops(inst, types)
       if inst.opcode == "fusion":
-        flops += sum(instruction_flops(i, types) for callee, _ in called_computations(inst)
-                     for i in bodies.get(callee, ()))
+        flops += sum(
+          instruction_flops(i, types)
+          for callee, _ in called_computations(inst)
+          for i in bodies.get(callee, ())
+        )
       kernels.append((runs * flops, runs * instruction_bytes(inst, types, bodies)))
   return tuple(kernels)
 

@@ -22,26 +22,23 @@ Groups = tuple[tuple[int, ...], ...]
 
 _EXPLICIT_RE = re.compile(r"\{\s*((?:\{[\d,\s]*\}\s*,?\s*)*)\}")
 _INNER_GROUP_RE = re.compile(r"\{([\d,\s]*)\}")
-_IOTA_RE = re.compile(
-    r"\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
-)
+_IOTA_RE = re.compile(r"\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
 _MESH_RE = re.compile(
-    r"mesh\[(?P<axes>[^\]]*)\]"
-    r"(?:,\s*device_ids=\((?P<ids>(?:[^()]|\([^()]*\))*)\))?"
-    r"\s*\{(?P<refs>[^}]*)\}"
+  r"mesh\[(?P<axes>[^\]]*)\]"
+  r"(?:,\s*device_ids=\((?P<ids>(?:[^()]|\([^()]*\))*)\))?"
+  r"\s*\{(?P<refs>[^}]*)\}"
 )
 _MESH_AXIS_RE = re.compile(r"'?(?P<name>[^'=,\s]+)'?=(?P<size>\d+)")
-_AXIS_REF_RE = re.compile(
-    r"'?(?P<name>[^',:\s]+)'?(?::\((?P<pre>\d+)\)(?P<size>\d+))?"
-)
+_AXIS_REF_RE = re.compile(r"'?(?P<name>[^',:\s]+)'?(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
 _DEVICE_IOTA_RE = re.compile(r"\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
 _REPLICA_GROUPS_RE = re.compile(
-    r"replica_groups=(?P<value>" + _MESH_RE.pattern + "|" + _IOTA_RE.pattern
-    + r"|\{\s*(?:\{[\d,\s]*\}\s*,?\s*)*\})"
+  r"replica_groups=(?P<value>"
+  + _MESH_RE.pattern
+  + "|"
+  + _IOTA_RE.pattern
+  + r"|\{\s*(?:\{[\d,\s]*\}\s*,?\s*)*\})"
 )
-_PAIRS_RE = re.compile(
-    r"source_target_pairs=(?P<value>\{\s*(?:\{[\d,\s]*\}\s*,?\s*)*\})"
-)
+_PAIRS_RE = re.compile(r"source_target_pairs=(?P<value>\{\s*(?:\{[\d,\s]*\}\s*,?\s*)*\})")
 
 
 def parse_ints(text: str) -> tuple[int, ...]:
@@ -86,16 +83,16 @@ def parse_iota_groups(text: str) -> Groups:
   ids = _iota(parse_ints(match["reshape"]), perm)
   if len(dims) != 2 or math.prod(dims) != ids.size:
     raise ValueError(
-        f"Iota replica groups {text!r}: group dims {dims} must be [groups, "
-        f"size] with product {ids.size}."
+      f"Iota replica groups {text!r}: group dims {dims} must be [groups, "
+      f"size] with product {ids.size}."
     )
   return tuple(tuple(int(i) for i in row) for row in ids.reshape(dims))
 
 
 def mesh_axes_groups(
-    axis_sizes: Sequence[int],
-    group_axes: Sequence[tuple[int, int | None, int | None]],
-    device_ids: Sequence[int] | None = None,
+  axis_sizes: Sequence[int],
+  group_axes: Sequence[tuple[int, int | None, int | None]],
+  device_ids: Sequence[int] | None = None,
 ) -> Groups:
   """Groups of devices varying along some (sub-)axes of a row-major mesh.
 
@@ -197,8 +194,9 @@ def permute_groups(pairs: Iterable[Sequence[int]]) -> Groups:
   return tuple(sorted(tuple(c) for c in components.values()))
 
 
-def crossed_axes(pairs: Iterable[Sequence[int]], axis_names: Sequence[str],
-                 axis_sizes: Sequence[int]) -> tuple[str, ...]:
+def crossed_axes(
+  pairs: Iterable[Sequence[int]], axis_names: Sequence[str], axis_sizes: Sequence[int]
+) -> tuple[str, ...]:
   """The mesh axes along which some source->target pair of a collective-permute moves
   (its devices' coordinates differ), in mesh order: the links its hops take. Device
   position `i` is the row-major index over `axis_sizes`."""
@@ -224,9 +222,7 @@ def group_mode(opcode: str, attrs: str) -> str:
   return "cross_replica_and_partition"
 
 
-def device_groups(
-    groups: Groups, mode: str, num_replicas: int, num_partitions: int
-) -> Groups:
+def device_groups(groups: Groups, mode: str, num_replicas: int, num_partitions: int) -> Groups:
   """Converts id groups in `mode` to groups of flattened device ids
   `replica * num_partitions + partition`. Empty `groups` means all ids."""
   r_all, p_all = range(num_replicas), range(num_partitions)
@@ -234,18 +230,12 @@ def device_groups(
     return groups or (tuple(range(num_replicas * num_partitions)),)
   if mode == "cross_partition":
     groups = groups or (tuple(p_all),)
-    return tuple(
-        tuple(r * num_partitions + p for p in g) for r in r_all for g in groups
-    )
+    return tuple(tuple(r * num_partitions + p for p in g) for r in r_all for g in groups)
   groups = groups or (tuple(r_all),)
   if mode == "cross_replica":
-    return tuple(
-        tuple(r * num_partitions + p for r in g) for p in p_all for g in groups
-    )
+    return tuple(tuple(r * num_partitions + p for r in g) for p in p_all for g in groups)
   if mode == "cross_replica_and_partition":
-    return tuple(
-        tuple(r * num_partitions + p for r in g for p in p_all) for g in groups
-    )
+    return tuple(tuple(r * num_partitions + p for r in g for p in p_all) for g in groups)
   raise ValueError(f"Unknown collective group mode {mode!r}.")
 
 
@@ -254,9 +244,9 @@ def _canonical(groups: Iterable[Iterable[int]]) -> frozenset[frozenset[int]]:
 
 
 def axes_for_groups(
-    groups: Iterable[Iterable[int]],
-    axis_names: Sequence[str],
-    axis_sizes: Sequence[int],
+  groups: Iterable[Iterable[int]],
+  axis_names: Sequence[str],
+  axis_sizes: Sequence[int],
 ) -> tuple[str, ...] | None:
   """Mesh axes whose combination produces exactly `groups`.
 

@@ -19,11 +19,21 @@ Shape = tuple[int, ...]
 # -- shapes -------------------------------------------------------------------
 
 _ELEMENT_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-    "c128": 16,
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
 }
 # An array type: element type then dimensions, e.g. `f32[8,128]` or
 # `f32[<=8]`; the layout suffix `{1,0}` is not part of the match.
@@ -37,8 +47,7 @@ def element_bytes(dtype: str) -> int:
   if dtype.startswith("f8"):  # f8e4m3fn, f8e5m2, ...
     return 1
   raise ValueError(
-      f"Unknown HLO element type {dtype!r}; known: {sorted(_ELEMENT_BYTES)} "
-      "and the f8* types."
+    f"Unknown HLO element type {dtype!r}; known: {sorted(_ELEMENT_BYTES)} and the f8* types."
   )
 
 
@@ -59,10 +68,7 @@ def parse_shapes(type_text: str) -> tuple[tuple[str, Shape], ...]:
 
 def shape_bytes(type_text: str) -> int:
   """Total bytes of all arrays in an HLO type (summed over tuple elements)."""
-  return sum(
-      element_bytes(dtype) * math.prod(shape)
-      for dtype, shape in parse_shapes(type_text)
-  )
+  return sum(element_bytes(dtype) * math.prod(shape) for dtype, shape in parse_shapes(type_text))
 
 
 # -- instructions -------------------------------------------------------------
@@ -79,8 +85,8 @@ class Instruction(NamedTuple):
 
 
 _INSTRUCTION_RE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*"
-    r"(?P<type>.*?)\s(?P<opcode>[a-z][a-z0-9\-]*)\("
+  r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*"
+  r"(?P<type>.*?)\s(?P<opcode>[a-z][a-z0-9\-]*)\("
 )
 _HEADER_INT_RE = re.compile(r"\b(num_partitions|replica_count)=(\d+)")
 # XLA prints `/*index=5*/` comments inside long operand lists.
@@ -123,19 +129,17 @@ def parse_instruction(line: str) -> Instruction | None:
     return None
   operands, attrs = _split_call(line[match.end() :])
   return Instruction(
-      name=match["name"],
-      type=match["type"],
-      opcode=match["opcode"],
-      operands=_operand_names(operands),
-      attrs=attrs,
+    name=match["name"],
+    type=match["type"],
+    opcode=match["opcode"],
+    operands=_operand_names(operands),
+    attrs=attrs,
   )
 
 
 def _module_counts(hlo_text: str) -> tuple[int, int]:
   """(replica_count, num_partitions) from the `HloModule` header line."""
-  header = next(
-      (l for l in hlo_text.splitlines() if l.startswith("HloModule")), ""
-  )
+  header = next((l for l in hlo_text.splitlines() if l.startswith("HloModule")), "")
   counts = dict(_HEADER_INT_RE.findall(header))
   return int(counts.get("replica_count", 1)), int(counts.get("num_partitions", 1))
 
@@ -144,7 +148,7 @@ def _module_counts(hlo_text: str) -> tuple[int, int]:
 
 _COMPUTATION_RE = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
 _CALLED_RE = re.compile(
-    r"\b(?P<key>body|condition|calls|true_computation|false_computation)=%?(?P<name>[\w.\-]+)"
+  r"\b(?P<key>body|condition|calls|true_computation|false_computation)=%?(?P<name>[\w.\-]+)"
 )
 _BRANCHES_RE = re.compile(r"\bbranch_computations=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT_RE = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -176,11 +180,15 @@ def called_computations(inst: Instruction) -> list[tuple[str, int]]:
     return []
   trip = _TRIP_COUNT_RE.search(inst.attrs)
   loop = int(trip.group(1)) if trip and inst.opcode == "while" else 1
-  called = [(m["name"], loop if m["key"] in ("body", "condition") else 1)
-            for m in _CALLED_RE.finditer(inst.attrs)]
+  called = [
+    (m["name"], loop if m["key"] in ("body", "condition") else 1)
+    for m in _CALLED_RE.finditer(inst.attrs)
+  ]
   branches = _BRANCHES_RE.search(inst.attrs)
   if branches is not None:
-    called += [(name.strip().lstrip("%"), 1) for name in branches["names"].split(",") if name.strip()]
+    called += [
+      (name.strip().lstrip("%"), 1) for name in branches["names"].split(",") if name.strip()
+    ]
   return called
 
 
@@ -221,5 +229,9 @@ class Module(NamedTuple):
 def parse_module(hlo_text: str) -> Module:
   """Parses an HLO module's text (see `Module`)."""
   bodies, entry = computations(hlo_text)
-  return Module(bodies, computation_repeats(bodies, entry),
-                {inst.name: inst.type for body in bodies.values() for inst in body}, _module_counts(hlo_text))
+  return Module(
+    bodies,
+    computation_repeats(bodies, entry),
+    {inst.name: inst.type for body in bodies.values() for inst in body},
+    _module_counts(hlo_text),
+  )

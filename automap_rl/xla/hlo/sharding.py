@@ -12,9 +12,7 @@ import numpy as np
 from automap_rl.xla.hlo.groups import iota_device_ids, parse_ints
 
 Spec = tuple[tuple[str, ...], ...]
-_TILED_RE = re.compile(
-    r"\{devices=\[(?P<dims>[\d,]+)\](?P<ids>[^\s}]+)(?P<rest>.*)\}"
-)
+_TILED_RE = re.compile(r"\{devices=\[(?P<dims>[\d,]+)\](?P<ids>[^\s}]+)(?P<rest>.*)\}")
 _LAST_TILE_DIMS_RE = re.compile(r"last_tile_dims=\{(?P<kinds>[^}]*)\}")
 
 
@@ -63,8 +61,11 @@ def _tile_assignment(dims: Sequence[int], ids: str) -> np.ndarray:
 
 
 def _dim_axes(
-    index: np.ndarray, count: int, coords: np.ndarray, sizes: Sequence[int],
-    free: Sequence[int],
+  index: np.ndarray,
+  count: int,
+  coords: np.ndarray,
+  sizes: Sequence[int],
+  free: Sequence[int],
 ) -> tuple[int, ...] | None:
   """The ordered mesh axes (major first, drawn from `free`) whose row-major
   coordinate gives each device's tile `index` [num_devices] along a dim
@@ -82,7 +83,7 @@ def _dim_axes(
 
 
 def sharding_spec(
-    text: str, rank: int, axis_names: Sequence[str], axis_sizes: Sequence[int]
+  text: str, rank: int, axis_names: Sequence[str], axis_sizes: Sequence[int]
 ) -> Spec | None:
   """The mesh axes each dim of an array is tiled over under the HLO sharding
   `text` (one array's, e.g. `{devices=[1,4,2]<=[2,4]T(1,0)
