@@ -88,7 +88,7 @@ COMMANDS: dict[str, Command] = {
   ),
   "iopddl evaluate": Command(
     "iopddl_cmd",
-    "EvaluateConfig",
+    "CheckSolutionConfig",
     "check an IOPDDL solution as the contest does",
     run="run_evaluate",
   ),

@@ -103,7 +103,7 @@ def run_solve(config: SolveConfig) -> dict[str, Any]:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateConfig:
+class CheckSolutionConfig:
   """Check a solution as the contest does: memory at every time, forbidden strategies,
   exact integer cost.
 
@@ -118,7 +118,7 @@ class EvaluateConfig:
   json: JsonPath = None
 
 
-def run_evaluate(config: EvaluateConfig) -> dict[str, Any]:
+def run_evaluate(config: CheckSolutionConfig) -> dict[str, Any]:
   graph = solver.load_problem(_existing(config.problem))
   verdict = solver.evaluate(graph, solver.read_solution(_existing(config.solution)))
   print(

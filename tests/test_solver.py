@@ -259,7 +259,7 @@ def test_an_allocation_that_would_pass_the_memory_ceiling_stops_before_it_is_mad
 
 
 def test_prices_of_a_segment_no_plan_fits_stay_finite():
-  from automap_rl.solver.solve import Role, next_prices
+  from automap_rl.solver.solve import WorkerRole, next_prices
 
   prices, capacity = np.zeros(3), np.array([10.0, 10.0, 10.0])
   excess = np.array([5.0, -5.0, 0.0])  # Over the limit, well under it, at it.
@@ -271,7 +271,7 @@ def test_prices_of_a_segment_no_plan_fits_stay_finite():
     3.2,
     4.0,
   ]
-  faster = Role(price_rise=2.0, price_fall=0.5)
+  faster = WorkerRole(price_rise=2.0, price_fall=0.5)
   assert next_prices(
     np.array([4.0, 4.0, 4.0]), excess, capacity, base=2.0, role=faster
   ).tolist() == [8.0, 2.0, 4.0]
@@ -434,7 +434,7 @@ def solver_views(graph: StrategyGraph):
 
 
 def test_repair_turns_a_plan_over_the_limit_into_one_within_it():
-  from automap_rl.solver.local import Plan
+  from automap_rl.solver.local import GroupPlan
 
   graph = binding_chain()
   reduced, layout = solver_views(graph)
@@ -444,7 +444,7 @@ def test_repair_turns_a_plan_over_the_limit_into_one_within_it():
       for g in range(reduced.num_groups)
     ]
   )  # the cheapest, heaviest strategies
-  plan = Plan(layout, greedy)
+  plan = GroupPlan(layout, greedy)
   assert np.any(plan.excess() > 0) and not is_feasible(graph, reduced.expand(greedy))
   assert plan.repair(max_switches=200)
   assert np.all(plan.excess() <= 0) and is_feasible(graph, reduced.expand(plan.choice))
@@ -453,7 +453,7 @@ def test_repair_turns_a_plan_over_the_limit_into_one_within_it():
 
 def test_a_two_group_move_finds_an_improvement_no_single_switch_can():
   """From (0, 0), cost 10: switching either node alone costs 3 + 20 = 23; both together 3 + 3 + 0 = 6."""
-  from automap_rl.solver.local import Plan
+  from automap_rl.solver.local import GroupPlan
 
   graph = StrategyGraph.from_lists(
     [[0, 3], [0, 3]],
@@ -464,20 +464,20 @@ def test_a_two_group_move_finds_an_improvement_no_single_switch_can():
     usage_limit=None,
   )
   reduced, layout = solver_views(graph)
-  plan = Plan(layout, np.zeros(2, np.int64))
+  plan = GroupPlan(layout, np.zeros(2, np.int64))
   assert plan.descend(np.arange(2)) == 0
   assert plan.descend_pairs() == 1 and plan.choice.tolist() == [1, 1]
   assert plan_cost(graph, reduced.expand(plan.choice)) == 6
 
 
 def test_a_two_group_move_that_would_break_the_limit_is_not_made():
-  from automap_rl.solver.local import Plan
+  from automap_rl.solver.local import GroupPlan
 
   graph = StrategyGraph.from_lists(
     [[0, 3], [0, 3]], [[1, 5], [1, 5]], [[0, 1], [0, 1]], [[0, 1]], [[10, 20, 20, 0]], usage_limit=9
   )
   _, layout = solver_views(graph)
-  plan = Plan(layout, np.zeros(2, np.int64))
+  plan = GroupPlan(layout, np.zeros(2, np.int64))
   assert plan.descend_pairs() == 0 and plan.choice.tolist() == [0, 0]
 
 
@@ -563,12 +563,12 @@ def test_usage_rows_have_no_power_of_two_scale_to_integers():
   """HiGHS's root mod-k separation works on rows it can scale to integers and checks no
   time limit; on dense usage rows it ran for minutes past a crossover's. The rows the
   crossover adds must have no power-of-two scale that makes them integral."""
-  from automap_rl.solver.local import Plan
+  from automap_rl.solver.local import GroupPlan
   from automap_rl.solver.mip import _Model
 
   graph = binding_chain()
   reduced, layout = solver_views(graph)
-  plan = Plan(layout, np.zeros(reduced.num_groups, dtype=np.int64))
+  plan = GroupPlan(layout, np.zeros(reduced.num_groups, dtype=np.int64))
   assert plan.repair(max_switches=200)
   model = _Model(reduced, layout.memory, plan.choice, np.ones(reduced.num_groups, dtype=bool), None)
   matrix, upper = model.usage_rows(np.arange(len(layout.memory.capacity)))

@@ -14,7 +14,7 @@ from automap_rl.xla import validate
 from automap_rl.xla.numerics import reference_outputs
 from experiments import validate_cmd
 
-TINY = validate.Suite(
+TINY = validate.ValidationSuite(
   models=("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8",),
   meshes=("data=8",),
   random_plans=1,

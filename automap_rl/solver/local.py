@@ -1,15 +1,15 @@
 """Local search over group plans: incremental costs, descent, budgeted plans.
 
-`Plan` keeps a group plan together with, for every group strategy, the cost
+`GroupPlan` keeps a group plan together with, for every group strategy, the cost
 of switching to it (its unary cost plus its pair costs against the current
 strategies of the neighbours), and the usage in every segment. A switch costs
 one small update per incident pair and one add over the switched group's time
 span, so coordinate descent over thousands of groups runs in Python. Moves of
-two joined groups at once (`Plan.descend_pairs`) are priced for every pair in
+two joined groups at once (`GroupPlan.descend_pairs`) are priced for every pair in
 one pass over the pair costs; they find what single switches cannot, where a
-pair's cost matrix favours changing both ends together. `Plan.repair` turns a
+pair's cost matrix favours changing both ends together. `GroupPlan.repair` turns a
 plan over the limit into one within it, switch by switch, each the cheapest
-per unit of usage it frees in the segment most over the limit. `Budget`
+per unit of usage it frees in the segment most over the limit. `GroupPlanBuilder`
 builds a plan group by group that stays within the limit by construction.
 
 Usage checks are per "piece": the cuts between a group's members' first and
@@ -25,7 +25,7 @@ import numpy as np
 from automap_rl.solver.memory import Memory
 from automap_rl.solver.reduce import Reduced
 
-__all__ = ["Budget", "Layout", "Plan"]
+__all__ = ["GroupPlanBuilder", "Layout", "GroupPlan"]
 
 # A group's switch that frees less than this share of the excess in the segment most over the
 # limit is priced as if it freed that much, so repairs prefer switches that clear the excess.
@@ -77,7 +77,7 @@ class Layout:
       self.lowest.append(np.cumsum(low[:-1]))
 
 
-class Plan:
+class GroupPlan:
   """A group plan with incremental switch costs and usage profile."""
 
   def __init__(self, layout: Layout, choice: np.ndarray):
@@ -298,7 +298,7 @@ def _segment_argmax(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
   return hits[np.searchsorted(hits, offsets[:-1])] - offsets[:-1]
 
 
-class Budget:
+class GroupPlanBuilder:
   """Builds a plan group by group within the usage limit.
 
   Groups not yet chosen are counted at their members' least usages (a lower

@@ -27,7 +27,7 @@ as above, with different price schedules (their plans differ, so the two
 lines explore different plans; a line adopts no other plan, since a crossover
 improves only plans of its own line), whose final neighbourhoods start from
 the best plan either has found (the supervisor publishes each new best).
-Until its decoded plans fit, the second line also repairs them (`Plan.repair`):
+Until its decoded plans fit, the second line also repairs them (`GroupPlan.repair`):
 plans within the limit in seconds where pricing has none yet, kept apart from
 its crossovers. The
 supervisor kills the workers still running at the timeout, so a HiGHS call
@@ -63,7 +63,7 @@ import numpy as np
 from automap_rl.solver.dual import Dual
 from automap_rl.solver.graph import StrategyGraph, is_feasible, plan_cost
 from automap_rl.solver.limits import LimitReached, Limits
-from automap_rl.solver.local import Budget, Layout, Plan
+from automap_rl.solver.local import GroupPlan, GroupPlanBuilder, Layout
 from automap_rl.solver.memory import Memory, build_memory
 from automap_rl.solver.mip import group_cost, reoptimize
 from automap_rl.solver.reduce import Reduced, reduce_graph
@@ -108,14 +108,14 @@ MAX_PAIR_ENTRIES = 20_000_000
 
 
 @dataclasses.dataclass(frozen=True)
-class Role:
+class WorkerRole:
   """What one search spends its time on.
 
   Attributes:
     price_rise: factor on a segment's price where the decoded plan breaks the limit.
     price_fall: factor on it where 1% of the segment's capacity is left.
     repair_until_fitted: until a decoded plan fits within the limit, repair every fourth
-      decoded plan over it that is cheaper than the best (`Plan.repair`, then descent) until
+      decoded plan over it that is cheaper than the best (`GroupPlan.repair`, then descent) until
       one repair succeeds: a plan within the limit in seconds when pricing has none yet
       (short timeouts, busy machines; a repair of M takes seconds, so one is enough), kept
       apart from the line's crossovers, which do not improve repaired plans.
@@ -127,11 +127,15 @@ class Role:
 
 
 # The searches' roles by worker number (then round robin); the in-process search takes the first.
-ROLES = (Role(), Role(price_rise=1.8, price_fall=0.75, repair_until_fitted=True))
+ROLES = (WorkerRole(), WorkerRole(price_rise=1.8, price_fall=0.75, repair_until_fitted=True))
 
 
 def next_prices(
-  prices: np.ndarray, excess: np.ndarray, capacity: np.ndarray, base: float, role: Role = Role()
+  prices: np.ndarray,
+  excess: np.ndarray,
+  capacity: np.ndarray,
+  base: float,
+  role: WorkerRole = WorkerRole(),
 ) -> np.ndarray:
   """The pricing round's update of the per-segment prices [S]: `role.price_rise` times (at
   least `base`) where the plan's usage `excess` [S] breaks the limit, up to
@@ -435,7 +439,7 @@ def _search_in_child(
   warm: np.ndarray | None,
   deadline: float,
   seed: int,
-  role: Role,
+  role: WorkerRole,
   limits: Limits,
   channel: multiprocessing.connection.Connection,
   shared: _SharedBest,
@@ -462,7 +466,7 @@ class _Search:
     deadline: float,
     seed: int,
     limits: Limits,
-    role: Role = ROLES[0],
+    role: WorkerRole = ROLES[0],
     progress: Progress | None = None,
     channel: multiprocessing.connection.Connection | None = None,
     shared: _SharedBest | None = None,
@@ -629,7 +633,7 @@ class _Search:
       elif pending is None or cost < pending[0]:
         pending = (cost, choice)
       if self.best is None or (budget_every and rounds % budget_every == 0):
-        self.polish(dual.decode(Budget(self.layout).pick), "pricing within budget")
+        self.polish(dual.decode(GroupPlanBuilder(self.layout).pick), "pricing within budget")
       if (
         rounds % 2 == 1
         and pending is not None
@@ -651,9 +655,9 @@ class _Search:
     )
 
   def polish(self, choice: np.ndarray, stage: str, line: bool = True) -> None:
-    """Repairs a plan over the limit (`Plan.repair`), then descends with single switches
+    """Repairs a plan over the limit (`GroupPlan.repair`), then descends with single switches
     and two-group moves until neither helps, and offers the result (to the line or not)."""
-    plan = Plan(self.layout, choice)
+    plan = GroupPlan(self.layout, choice)
     if np.any(plan.excess() > 0) and not plan.repair(max_switches=_REPAIR_SWITCHES):
       return
     order = self.rng.permutation(self.reduced.num_groups)

@@ -44,9 +44,9 @@ __all__ = [
   "PIPELINE_MESHES",
   "PIPELINE_MODELS",
   "SUITES",
-  "Case",
+  "ValidatedPlan",
   "RandomSuite",
-  "Suite",
+  "ValidationSuite",
   "compiled_metrics",
   "pipelined_flops",
   "plans_for",
@@ -65,7 +65,7 @@ DONATE_ARGNUMS = (0, 1)  # params and optimizer state, as `experiments.inspect_c
 
 
 @dataclasses.dataclass(frozen=True)
-class Suite:
+class ValidationSuite:
   """Which cases to run.
 
   Attributes:
@@ -90,8 +90,8 @@ class Suite:
   isolated: bool = True
 
 
-SUITES: dict[str, Suite] = {
-  "quick": Suite(
+SUITES: dict[str, ValidationSuite] = {
+  "quick": ValidationSuite(
     models=(
       "mlp:layers=2,width=64,in_dim=32,classes=8,batch=16",
       "gpt:layers=1,d_model=32,heads=4,seq=16,vocab=64,batch=8",
@@ -106,12 +106,12 @@ SUITES: dict[str, Suite] = {
     # plans (the 2-D mesh runs them on its model axis).
     skip=(("data=2,model=4", "replicated"), ("data=8", "megatron"), ("data=8", "data_megatron")),
   ),
-  "full": Suite(models=("mlp", "gpt", "moe", "gnn", "resnet", "unet"), random_plans=6),
+  "full": ValidationSuite(models=("mlp", "gpt", "moe", "gnn", "resnet", "unet"), random_plans=6),
 }
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class ValidatedPlan:
   """One validated plan: metrics are dicts of `comm_bytes` (total), `comm_bytes_by_kind`,
   `comm_count_by_kind`, `flops` and `peak_memory`, per device; `differences` are the
   values XLA shards otherwise than the plan (`Lowered.differences`, as dicts), empty when
@@ -211,7 +211,7 @@ def pipelined_flops(pipelined: PipelineProblem, resolution: Any) -> float:
 def simulated_metrics(
   problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None = None
 ) -> dict[str, Any]:
-  """The simulator's view of a plan (see `Case`); with a pipeline, of the pipelined step
+  """The simulator's view of a plan (see `ValidatedPlan`); with a pipeline, of the pipelined step
   (`Problem.plan_cost`: comm per device of the pace-setting stage, peak of the largest
   stage; `pipelined_flops`), its stage transfers as `collective_permute_bytes` apart."""
   if pipeline is None:
@@ -235,7 +235,7 @@ def simulated_metrics(
 
 
 def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
-  """XLA's view of a plan (see `Case`), loop iterations included (`Collective.repeat`).
+  """XLA's view of a plan (see `ValidatedPlan`), loop iterations included (`Collective.repeat`).
   Counts are collective instructions run: a combined collective (several buffers,
   tuple-shaped) counts once, as the simulator counts what XLA's combiners merge;
   `collective-permute` (which the simulator does not model) is reported apart.
@@ -347,7 +347,7 @@ def random_pipelined_plan(
   return decisions, pipeline
 
 
-def plans_for(problem: Problem, suite: Suite, seed: int) -> dict[str, list[Decision]]:
+def plans_for(problem: Problem, suite: ValidationSuite, seed: int) -> dict[str, list[Decision]]:
   """Expert plans then `suite.random_plans` random ones (`random_0`, ...)."""
   plans = tactics.applicable(problem)
   rng = np.random.default_rng(seed)
@@ -368,7 +368,7 @@ def run_case(
   reference: Reference,
   isolated: bool = True,
   pipeline: Pipeline | None = None,
-) -> Case:
+) -> ValidatedPlan:
   """Lowers (`isolated`: compiling in a child process first, see `lower`), compiles and
   runs one plan; `reference` is `reference_outputs` of the step. A plan XLA cannot compile
   is a failed case with its `lowering_error`. With a `pipeline`, the pipelined step of
@@ -406,7 +406,7 @@ def run_case(
         isolated,
       )
   except LoweringError as e:
-    return Case(
+    return ValidatedPlan(
       **common,
       compiled={},
       numerics_ok=False,
@@ -419,7 +419,7 @@ def run_case(
     compare_outputs(reference, lowered.run(workload.args), lowered.depth)
   except NumericsError as e:
     error = str(e)
-  return Case(
+  return ValidatedPlan(
     **common,
     compiled=compiled_metrics(lowered.stats),
     numerics_ok=error is None,
@@ -443,7 +443,9 @@ def trace_problem(workload: workloads.Workload, mesh_spec: str, hardware: str) -
   return Problem.build(trace_workload(workload), make_mesh(mesh_spec, hardware))
 
 
-def run_suite(suite: Suite, report: Callable[[Case], None] = lambda case: None) -> list[Case]:
+def run_suite(
+  suite: ValidationSuite, report: Callable[[ValidatedPlan], None] = lambda case: None
+) -> list[ValidatedPlan]:
   """Every (model, mesh, plan) of `suite`; `report` sees each case as it finishes."""
   cases = []
   for m, spec in enumerate(suite.models):
@@ -551,7 +553,7 @@ def _random_model(
   return workload, reference, problems, plans
 
 
-def _random_cases(suite: RandomSuite, m: int, start: int, stop: int) -> Iterator[Case]:
+def _random_cases(suite: RandomSuite, m: int, start: int, stop: int) -> Iterator[ValidatedPlan]:
   """Random plans `start` to `stop` of model `m`, each lowered, run and checked."""
   workload, reference, problems, plans = _random_model(suite, m)
   for i in range(start, stop):
@@ -561,13 +563,13 @@ def _random_cases(suite: RandomSuite, m: int, start: int, stop: int) -> Iterator
     )
 
 
-def _random_case_list(suite: RandomSuite, m: int, start: int, stop: int) -> list[Case]:
+def _random_case_list(suite: RandomSuite, m: int, start: int, stop: int) -> list[ValidatedPlan]:
   return list(_random_cases(suite, m, start, stop))
 
 
 def run_random(
-  suite: RandomSuite, report: Callable[[Case], None] = lambda case: None
-) -> list[Case]:
+  suite: RandomSuite, report: Callable[[ValidatedPlan], None] = lambda case: None
+) -> list[ValidatedPlan]:
   """`suite.plans` random plans per model, each lowered (compiled in a child process first:
   an XLA abort is a failed case, never the end of this process), run and compared with the
   unpartitioned step; one trace per model and process. With `suite.workers` > 1, runs of
@@ -621,12 +623,12 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
   return float(spearmanr(a, b).statistic)
 
 
-def _median_error(cases: Sequence[Case], key: str) -> float:
+def _median_error(cases: Sequence[ValidatedPlan], key: str) -> float:
   errors = [relative_error(c.simulated[key], c.compiled[key]) for c in cases]
   return float(np.median(errors)) if errors else math.nan
 
 
-def summarize_cases(cases: Sequence[Case]) -> dict[str, float]:
+def summarize_cases(cases: Sequence[ValidatedPlan]) -> dict[str, float]:
   """The headline figures: numerics over all cases (a plan that does not compile fails),
   the simulator's errors over the compiled ones; `xla_aborts` counts plans XLA aborted on
   (in the child process), `pipelined_cases` the pipelined plans."""
@@ -653,7 +655,7 @@ def summarize_cases(cases: Sequence[Case]) -> dict[str, float]:
   }
 
 
-def to_json(cases: Sequence[Case], summary: dict[str, float]) -> dict[str, Any]:
+def to_json(cases: Sequence[ValidatedPlan], summary: dict[str, float]) -> dict[str, Any]:
   """The JSON document: `cases` and `summary` (nan and inf become null)."""
   clean = lambda x: None if isinstance(x, float) and not math.isfinite(x) else x
   return {
@@ -662,7 +664,7 @@ def to_json(cases: Sequence[Case], summary: dict[str, float]) -> dict[str, Any]:
   }
 
 
-def plot(cases: Sequence[Case], path: str) -> None:
+def plot(cases: Sequence[ValidatedPlan], path: str) -> None:
   """Scatter plots, log-log, of simulated vs compiled comm bytes, flops and peak memory
   per device, one colour per model, with the line of agreement and a ±15% band. Cases
   where both figures are zero (no communication) cannot sit on a log axis: each panel's
