@@ -1,4 +1,5 @@
-"""Every Python snippet in the README runs as written, in a fresh interpreter."""
+"""Every Python snippet in the README and the command reference runs as written, in a fresh
+interpreter, and the command reference names every command and flag."""
 
 import re
 import subprocess
@@ -7,12 +8,20 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+CLI = ROOT / "docs" / "cli.md"
+
+
+def _snippets(path: Path) -> list[str]:
+  return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+SNIPPETS = _snippets(README) + _snippets(CLI)
 
 
 def test_the_readme_has_snippets():
-  assert len(SNIPPETS) >= 2
+  assert len(_snippets(README)) >= 2
 
 
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
@@ -31,7 +40,7 @@ def test_readme_snippet_runs_as_written(index, tmp_path):
 
 def _flags(config_cls) -> list[str]:
   """The command-line flags of a config dataclass (nested configs by their prefix;
-  positional arguments, which the README names in capitals, left out)."""
+  positional arguments, which docs/cli.md names in capitals, left out)."""
   import dataclasses
   import typing
 
@@ -42,16 +51,16 @@ def _flags(config_cls) -> list[str]:
   ]
 
 
-def test_every_command_and_flag_is_in_the_readme():
+def test_every_command_and_flag_is_in_the_command_reference():
   import importlib
 
   from experiments import cli
 
-  readme = README.read_text()
+  readme = CLI.read_text()
   missing = []
   for name, command in cli.COMMANDS.items():
     if f"automap-rl {name}" not in readme:
       missing.append(f"automap-rl {name}")
     config_cls = getattr(importlib.import_module(f"experiments.{command.module}"), command.config)
     missing += [f"{name} {flag}" for flag in _flags(config_cls) if flag not in readme]
-  assert not missing, f"not documented in README.md: {missing}"
+  assert not missing, f"not documented in docs/cli.md: {missing}"
