@@ -37,12 +37,10 @@ backward pass is its residuals, one set per microbatch in flight.
 Stages: the stack's own ops (`ir.stacks`) run on their layer's stage (a scanned stack's
 on every stage, each on its own layers). Other forward ops go by the nearest layers they
 depend on and that depend on them: an op between two layers of one stage runs there.
-Ops off the stack's span, with no layer before them (the embedding) or none after (the
-head and loss), run on every stage (`EVERY_STAGE`) for a scanned stack, as its
-pipelined step lowers them (`automap_rl.xla.pipeline_lower`): outside the stages' loop,
-on the whole batch, replicated over the stage axis; for an unrolled stack (each stage
-its own program, not lowered yet) the embedding on the first stage and the head and
-loss on the last. Ops between the last layer of one stage and the first
+Ops off the stack's span run per microbatch on the stage next to them, as Megatron-LM and
+MaxText run them: those with no layer before them (the embedding) on the first stage,
+those with no layer after them (the head and the loss) on the last; no op but the stack's
+own runs on every stage, and none at the whole batch. Ops between the last layer of one stage and the first
 of the next (a residual add, the next layer norm) are placed by a minimum cut of the
 bytes that cross the boundary: the cut falls on the residual stream of a transformer.
 The backward pass mirrors the forward (its layers run downwards); the forward-time ops
@@ -51,11 +49,9 @@ by the stage of the first microbatch op that reads it; its step ops (cast, optim
 update, the sum of its gradient's contributions) run there, other step ops with the
 first microbatch op they feed.
 
-The stages' loop (`StagedProgram.looped`): the microbatch ops placed on a stage or
-anchored to the stack's layers run in every iteration of the loop, M V + S - 1 of
-them, the S - 1 of the bubble included (GPipe lowered under SPMD computes and keeps
-residuals in its bubble iterations as in the others); the ops off the stack's span run
-once per microbatch's rows, M times.
+The stages' loop (`StagedProgram.looped`): every microbatch op runs in every iteration of
+the loop, M V + S - 1 of them, the S - 1 of the bubble included (a schedule lowered under
+SPMD computes in its bubble iterations as in the others).
 """
 
 from __future__ import annotations
@@ -130,8 +126,8 @@ class StagedProgram:
       pass's (a per-microbatch activation kept for the backward pass), the stages that
       keep it (its backward readers'), value id -> stages.
     transfers: the values stages send one another.
-    looped: whether each op runs in the stages' loop (module docstring): a microbatch
-      op placed on one stage or anchored to the stack's layers, bool [num_ops].
+    looped: whether each op runs in the stages' loop (module docstring): the microbatch
+      ops, bool [num_ops].
   """
 
   pipeline: Pipeline
@@ -184,7 +180,7 @@ class StagedProgram:
       value_stage,
       _residuals(program, graph, phase, forward_time, op_stage),
       _transfers(program, graph, stack, pipeline.stages, phase, forward_time, op_stage),
-      (phase != Phase.STEP) & ((op_stage != EVERY_STAGE) | (stack.op_layer != OUTSIDE)),
+      phase != Phase.STEP,
     )
 
 
@@ -336,10 +332,10 @@ def _place(
     if stage[op.id] == OUTSIDE:
       near = [c for c in graph.consumers(op) if stage[c] != OUTSIDE]
       stage[op.id] = stage[min(near)] if near else OUTSIDE
-  for op in program.ops:  # else with a placed producer, else on every stage (unrolled: the first).
+  for op in program.ops:  # else with a placed producer, else on the first stage.
     if stage[op.id] == OUTSIDE:
       near = [p for p in graph.producers(op) if stage[p] != OUTSIDE]
-      stage[op.id] = stage[max(near)] if near else EVERY_STAGE if stack.scanned else 0
+      stage[op.id] = stage[max(near)] if near else 0
   return stage
 
 
@@ -373,7 +369,7 @@ def _place_pass(
     if lower == -1 and not upward and upper > 0:
       lower = upper - 1  # A backward dead end (a bias's gradient) may run a stage lower.
     if lower == -1 or upper == num_layers:  # Off the stack's span (module docstring).
-      stage[o] = EVERY_STAGE if stack.scanned else stage_of(upper if lower == -1 else lower)
+      stage[o] = stage_of(upper if lower == -1 else lower)
     elif stage_of(lower) == stage_of(upper):
       stage[o] = stage_of(lower)
     else:  # Between two stages: on the side data comes from first, then cut.

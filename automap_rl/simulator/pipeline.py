@@ -13,9 +13,8 @@ microbatch size). From those terms:
   head and loss), without the reductions of accumulated partial sums and the reshards of
   loop-invariant operands (weights), which run once per step;
 * `loop`: per stage, the part of its microbatch time in the stages' loop
-  (`StagedProgram.looped`: its layers' compute and collectives), which the bubble's
-  iterations run too; the ops off the stack's span (embedding, head, loss: on every
-  stage, outside the loop) run M times only;
+  (`StagedProgram.looped`: every microbatch op's compute and collectives), which the
+  bubble's iterations run too;
 * `stacking`: per stage, per iteration of the loop: the stages' loop keeps every
   iteration's residuals for the backward pass in a buffer of all iterations' and slices
   them back out (a dynamic-update-slice and a dynamic slice, each reading and writing the
@@ -35,9 +34,7 @@ microbatch size). From those terms:
   forward and their gradients backward with a collective-permute on the stage axis's
   link (alpha-beta: one hop of each device's shard), the stages at once (the slowest
   boundary counts); values summed on another stage once per step (a tied weight's
-  gradient) once; and once per step the stack's output at the whole batch goes from the
-  last stage to every stage (a collective-permute to the first, an all-reduce over the
-  stage axis), as its input's gradient does from the first stage back (the same two);
+  gradient) once;
 * `gradient_reduction` and `update`: once per step after the last microbatch, on every
   stage at once (the stage whose sum is largest counts): the reduction of the
   accumulated gradients, and the step ops (optimizer update, weight casts, reshards of
@@ -51,15 +48,14 @@ step time = steady + bubble + transfer + gradient_reduction + update, exactly.
 
 Peak memory per stage: the largest live-bytes row of its values for one microbatch (its
 parameters, optimizer state and one microbatch's activations, as `simulator.total`
-counts them; a scanned stack's rows at L / S layers; the values of the ops off a scanned
-stack's span at the whole batch, M microbatches, as its lowered step makes them at once)
-plus its gathered operand copies, plus (in flight - 1) sets of the loop's residuals (the
-activations its layers' forward makes for their backward: with remat only the layer
-inputs; `Pipeline.in_flight`), plus M - 1 microbatches of the residuals of the other
-ops off the stack's span (an unrolled stack's embedding and head, run per microbatch),
-plus the accumulated gradients (as stored) where the loop runs more than one iteration
-(it sums the gradients over its iterations, the bubble's included). The step's peak is
-the largest stage's.
+counts them; a scanned stack's rows at L / S layers; the first stage's embedding and the
+last stage's head and loss at microbatch size) plus its gathered operand copies, plus
+(in flight - 1) sets of its residuals (the activations its forward makes for its
+backward: with remat only the layer inputs; `Pipeline.in_flight`: M under GPipe, S - s
+on stage s under 1F1B), plus the accumulated gradients (as stored) where the loop runs
+more than one iteration (it sums the gradients over its iterations, the bubble's
+included). The step's peak is the largest stage's. With S = 1 this is gradient
+accumulation: one microbatch's activations and the gradient sums.
 
 The terms are a pure function of arrays (`pipeline_cost` jits with the tables as
 arguments: one compile per table shape). Building the tables (placing the ops, the
@@ -77,7 +73,6 @@ import numpy as np
 from automap_rl import sharding
 from automap_rl.batching import next_power_of_two
 from automap_rl.ir import NamedDims
-from automap_rl.ir.program import Role
 from automap_rl.sharding import Resolution, Signatures
 from automap_rl.simulator.cost import KINDS, Cost, terms
 from automap_rl.simulator.tables import (
@@ -122,21 +117,12 @@ class PipelineTables:
       step (resharded once, before the microbatch loop), bool [E].
     live_rows: per stage, its values' live-bytes rows (other stages' columns zero; rows of
       zeros pad T to a power of two, at least 64), float32 [S, T, Uv].
-    value_whole_batch: per signature, whether its values are made on the whole batch
-      at once, not per microbatch: the per-microbatch values of the ops off a scanned
-      stack's span (`stages.EVERY_STAGE`), which the lowered step runs once, outside the
-      stages' loop, bool [Uv].
     residual_bytes: per stage, the global bytes of the residuals it keeps for one
-      microbatch, per signature: of the loop's ops, then of the others, float32 [2, S, Uv].
-    accumulator_bytes: per stage, the global bytes of its accumulated partial sums, per
-      signature: of the loop's ops (its layers' weight gradients), then of the others,
-      float32 [2, S, Uv].
+      microbatch, per signature, float32 [S, Uv].
+    accumulator_bytes: per stage, the global bytes of its accumulated partial sums (its
+      weights' gradients), per signature, float32 [S, Uv].
     transfer_bytes: per kind (forward per microbatch, backward per microbatch, once per
       step) and sending stage, the global bytes of the values sent, float32 [3, S, Uv].
-    boundary_bytes: per direction (forward, backward), the global bytes of the stack's
-      carries at the whole batch (the loop's output, its input's gradient), each sent
-      between the last and the first stage and all-reduced over the stage axis once a
-      step; zero for one stage, float32 [2, Uv].
     batch_signature: the full program's signature of the batch (the first batched input),
       whose dim 0 the plan's batch axes shard; -1 without one, int32 [].
     stacked_signatures: the full program's signatures of the stack's stacked weights
@@ -169,11 +155,9 @@ class PipelineTables:
   op_looped: np.ndarray
   edge_invariant: np.ndarray
   live_rows: np.ndarray
-  value_whole_batch: np.ndarray
   residual_bytes: np.ndarray
   accumulator_bytes: np.ndarray
   transfer_bytes: np.ndarray
-  boundary_bytes: np.ndarray
   batch_signature: np.ndarray
   stacked_signatures: np.ndarray
   reduction_once: np.ndarray
@@ -199,9 +183,7 @@ class PipelineTerms:
   `update_stage_s` (its step ops' compute and collectives), `live_bytes` (largest live
   row for one microbatch), `gathered_bytes` (gathered operand copies: those reads share,
   and the stage's largest one made for one read), `residual_bytes`
-  (one microbatch's residuals of the loop's ops), `in_flight` (sets of them held),
-  `outer_residual_bytes` (one microbatch's residuals of the ops off the stack's span, M
-  held), `accumulator_bytes` (accumulated gradients, 0 for M = 1), `peak_memory`.
+  (one microbatch's residuals), `in_flight` (sets of them held), `accumulator_bytes` (accumulated gradients, 0 for M = 1), `peak_memory`.
   Inside `pipeline_cost` these have the tables' padded stage count; `for_stages` cuts
   them to S.
   Scalars: `pace_s` (the pace-setting stage's microbatch time), `steady_s` (M x pace),
@@ -221,7 +203,6 @@ class PipelineTerms:
   gathered_bytes: jax.Array
   residual_bytes: jax.Array
   in_flight: jax.Array
-  outer_residual_bytes: jax.Array
   accumulator_bytes: jax.Array
   peak_memory: jax.Array
   pace_s: jax.Array
@@ -266,7 +247,6 @@ STAGE_TERMS = (
   "gathered_bytes",
   "residual_bytes",
   "in_flight",
-  "outer_residual_bytes",
   "accumulator_bytes",
   "peak_memory",
 )
@@ -318,56 +298,24 @@ def build_pipeline_tables(
   per_stage = lambda pairs: _by_stage(
     pairs, sigs.value_sig, nbytes, num_stages, len(sigs.value_keys)
   )
-  whole_batch = (
-    (staged.value_stage == EVERY_STAGE) & (value_phase == Phase.MICROBATCH) & ~looped_value
-  )  # [values]
-  residuals = [
-    per_stage(
-      (v, s)
-      for v, stages in staged.residual_stages.items()
-      for s in stages
-      if looped_value[v] == looped and not whole_batch[v]
-    )
-    for looped in (True, False)
-  ]
-  # The sums the loop carries: its ops' results that a step op reads (its layers' weight
-  # gradients, stacked by a scanned stack's loop); and the partial sums of the ops off it.
+  residuals = per_stage((v, s) for v, stages in staged.residual_stages.items() for s in stages)
+  # The sums the loop carries: its ops' results that a step op reads (the stage's weight
+  # gradients, stacked by a scanned stack's loop).
   read_per_step = {
     v for op in program.ops if staged.op_phase[op.id] == Phase.STEP for v in op.operands
   }
-  accumulated = [
-    per_stage(
-      (v, staged.op_stage[op.id])
-      for op in program.ops
-      if staged.looped[op.id]
-      for v in op.results
-      if v in read_per_step
-    ),
-    per_stage(
-      (v, staged.op_stage[op.id])
-      for op in program.ops
-      if staged.op_phase[op.id] == Phase.ACCUMULATED and not staged.looped[op.id]
-      for v in op.results
-      if program.values[v].role != Role.OUTPUT
-    ),
-  ]
+  accumulated = per_stage(
+    (v, staged.op_stage[op.id])
+    for op in program.ops
+    if staged.looped[op.id]
+    for v in op.results
+    if v in read_per_step
+  )
   sent = [
     per_stage((t.value, t.stage) for t in staged.transfers if (t.per_step, t.backward) == kind)
     for kind in ((False, False), (False, True))
   ]
   sent.append(per_stage((t.value, t.stage) for t in staged.transfers if t.per_step))
-  carries = [
-    t for t in staged.transfers if t.stage == EVERY_STAGE
-  ]  # Each direction's at the whole batch.
-  boundary = (
-    np.stack(
-      [
-        per_stage((t.value, 0) for t in carries if t.backward == backward)[0]
-        for backward in (False, True)
-      ]
-    )
-    * staged.pipeline.microbatches
-  )
   # With a loop of more than one iteration, its residual sets and gradient sums are terms
   # of their own (below), not the rows'; with one, the step is the unpipelined one.
   pipeline = staged.pipeline
@@ -420,11 +368,9 @@ def build_pipeline_tables(
     op_looped=_pad(staged.looped[op_rep], uo, False),
     edge_invariant=_pad(edge_invariant, next_power_of_two(len(edge_invariant), 16), False),
     live_rows=live_rows,
-    value_whole_batch=_pad(whole_batch[value_rep], uv, False),
-    residual_bytes=np.stack([zeros(x, capacity, uv) for x in residuals]),
-    accumulator_bytes=np.stack([zeros(x, capacity, uv) for x in accumulated]),
+    residual_bytes=zeros(residuals, capacity, uv),
+    accumulator_bytes=zeros(accumulated, capacity, uv),
     transfer_bytes=np.stack([zeros(x, capacity, uv) for x in sent]),
-    boundary_bytes=zeros(boundary.astype(np.float32), 2, uv),
     batch_signature=np.int32(full.value_sig[batched[0]] if batched else -1),
     stacked_signatures=full.value_sig[stacked].astype(np.int32),
     reduction_once=_pad(once, next_power_of_two(len(once), 16), 1.0),
@@ -591,16 +537,6 @@ def _permute(t: PipelineTables, nbytes: jax.Array) -> jax.Array:
   return jnp.where(nbytes > 0, nbytes * t.permute_seconds_per_byte + t.permute_latency, 0.0)
 
 
-def _stage_all_reduce(t: PipelineTables, nbytes: jax.Array) -> jax.Array:
-  """Seconds of a ring all-reduce of `nbytes` per device over the stage axis, 0 for none."""
-  hops = t.stages - 1.0
-  return jnp.where(
-    nbytes > 0,
-    2.0 * hops * (nbytes / t.stages * t.permute_seconds_per_byte + t.permute_latency),
-    0.0,
-  )
-
-
 def manual_axes(t: PipelineTables, value_mask: jax.Array) -> jax.Array:
   """The mesh axes (bit mask of the stage mesh's) the lowered loop is manual over besides
   the stage axis: the plan's batch axes (its mask of the batch's dim 0), where no stacked
@@ -653,8 +589,8 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   reshard = plan.gather.seconds + plan.all_to_all.seconds
   reduce = plan.reduce_scatter.seconds + plan.all_reduce.seconds
   inverse_shards = 1.0 / plan.value_shards
-  residual, outer_residual = t.residual_bytes @ inverse_shards  # [S] each.
-  looped_accumulator, outer_accumulator = t.accumulator_bytes @ inverse_shards  # [S] each.
+  residual = t.residual_bytes @ inverse_shards  # [S]
+  looped_accumulator = t.accumulator_bytes @ inverse_shards  # [S]
   iterations = m * v + num_stages - 1
   # [S] each, per iteration.
   stacking = jnp.where(
@@ -688,20 +624,17 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   pace = microbatch[pace_stage]
 
   sent = t.transfer_bytes @ inverse_shards  # [3, S]
-  boundary = t.boundary_bytes @ inverse_shards  # [2]
-  transfer = (
-    iterations * (jnp.max(_permute(t, sent[0])) + jnp.max(_permute(t, sent[1])))
-    + jnp.max(_permute(t, sent[2]))
-    + jnp.sum(_permute(t, boundary) + _stage_all_reduce(t, boundary))
+  transfer = iterations * (jnp.max(_permute(t, sent[0])) + jnp.max(_permute(t, sent[1]))) + jnp.max(
+    _permute(t, sent[2])
   )
   permute_bytes = iterations * (sent[0] + sent[1]) + sent[2]  # [S]
   permute_count = iterations * ((sent[0] > 0).astype(jnp.float32) + (sent[1] > 0)) + (sent[2] > 0)
 
-  live = jnp.max(t.live_rows @ (inverse_shards * jnp.where(t.value_whole_batch, m, 1.0)), axis=1)
+  live = jnp.max(t.live_rows @ inverse_shards, axis=1)
   largest_transient = jnp.max(plan.transient_bytes[:, None] * edge_stages, axis=0, initial=0.0)
   gathered = plan.gathered_bytes @ edge_stages + largest_transient
-  accumulator = jnp.where(iterations > 1, looped_accumulator + outer_accumulator, 0.0)
-  peak = live + gathered + (t.in_flight - 1.0) * residual + (m - 1.0) * outer_residual + accumulator
+  accumulator = jnp.where(iterations > 1, looped_accumulator, 0.0)
+  peak = live + gathered + (t.in_flight - 1.0) * residual + accumulator
 
   # Per step: a microbatch op off the loop runs M times, one in the loop every iteration
   # (M + (S - 1) / V microbatches' worth, the bubble's included), a step op once.
@@ -715,13 +648,12 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   kinds = (plan.all_reduce, plan.gather, plan.reduce_scatter, plan.all_to_all)  # In `KINDS` order.
   runs = (reduction_runs, edge_runs, reduction_runs, edge_runs)
   stages = (reduction_stages, edge_stages, reduction_stages, edge_stages)
-  at_boundary = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0])[:, None]  # An all-reduce and a permute each.
   comm_bytes = jnp.stack(
     [(k.bytes * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_bytes]
-  ) + at_boundary * jnp.sum(boundary)  # [5, S]
+  )  # [5, S]
   comm_count = jnp.stack(
     [(k.count * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_count]
-  ) + at_boundary * jnp.sum(boundary > 0)
+  )
 
   steady, bubble = m * pace, (num_stages - 1) / v * loop[pace_stage]
   pipeline_terms = PipelineTerms(
@@ -736,7 +668,6 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
     gathered_bytes=gathered,
     residual_bytes=residual,
     in_flight=t.in_flight,
-    outer_residual_bytes=outer_residual,
     accumulator_bytes=accumulator,
     peak_memory=peak,
     pace_s=pace,

@@ -267,7 +267,7 @@ def loop_spans(program: Program) -> list[tuple[int, int]]:
 def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.ndarray:
   """Global bytes of each value signature live after each op, [num_ops, Uv].
 
-  Value v is live from the op that makes it to its last use; arguments from the start,
+  Value v is live from the op that makes it to its last use (a dead op's results never); arguments from the start,
   and to the end unless donated; outputs to the end. Fused intermediates (see
   `fusion.unmaterialized_values`) take no memory, but their readers recompute them, so
   what they are computed from stays live to their last reader. A loop's body is inlined once
@@ -308,6 +308,8 @@ def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.nd
   diff = np.zeros((num_ops + 1, num_sigs), np.float64)
   nbytes = np.array([v.nbytes for v in program.values], np.float64)
   nbytes[list(fused)] = 0.0
+  for op_id in dead_ops(program):  # XLA's dead-code elimination: never allocated.
+    nbytes[list(program.ops[op_id].results)] = 0.0
   np.add.at(diff, (start, sigs.value_sig), nbytes)
   np.add.at(diff, (end + 1, sigs.value_sig), -nbytes)
   return np.cumsum(diff, axis=0)[:num_ops]
