@@ -6,6 +6,7 @@ interconnect that collectives along that axis travel over, and the `Hardware`
 profile of each device. Everything here is plain, immutable data plus a few
 small functions; `to_jax_mesh` is the only bridge to JAX.
 
+Which link each axis runs over, stated or inferred, is `automap_rl.topology`'s job.
 Hardware figures are peak, per device, from the vendor documents cited next to
 each number. Latencies are never in datasheets; they are marked as estimates.
 """
@@ -20,9 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from automap_rl.topology import AxisLink, Link, axis_links, device_grid
+
 __all__ = [
   "DEFAULT_HARDWARE",
   "HARDWARE",
+  "AxisLink",
   "Hardware",
   "Link",
   "Mesh",
@@ -31,23 +35,9 @@ __all__ = [
   "get_hardware",
   "make_mesh",
   "parse_mesh_spec",
+  "parse_mesh_split",
   "to_jax_mesh",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-  """An interconnect, seen from one device.
-
-  Attributes:
-    name: Human-readable name, e.g. "nvlink4".
-    bandwidth: Bytes per second per device, in one direction.
-    latency: Seconds of fixed cost per message (hop), an estimate.
-  """
-
-  name: str
-  bandwidth: float
-  latency: float
 
 
 # The ops `Hardware.matmul_flops` prices: contractions that run on matrix units.
@@ -78,9 +68,16 @@ class Hardware:
       convolutions; measured on one H100, see BENCHMARKS.md). Dtypes not in it take `flops`.
     hbm_bytes: Accelerator memory capacity per device, bytes.
     hbm_bandwidth: Accelerator memory bandwidth per device, bytes/s.
-    intra_node: Link between devices of the same node.
-    inter_node: Link between devices of different nodes.
-    devices_per_node: How many devices share the intra-node link.
+    intra_node: Link between devices of the same node (ICI); on a torus, one of a chip's
+      links in one direction.
+    inter_node: Link between devices of different nodes (DCN), per device.
+    devices_per_node: How many devices share the intra-node link: a GPU server, a TPU
+      pod (the largest ICI domain).
+    torus_dims: Dimensions of the torus the intra-node links form (0: a switched node,
+      NVSwitch, where every device reaches every other at `intra_node`'s rate). The
+      torus has `torus_extent` chips along each dimension.
+    torus_wrap: A torus slice wraps around (a ring along a dimension closes) when its
+      extent along every dimension is a multiple of this (`topology.torus_links`).
     combine_threshold: Collective kind -> the most bytes XLA's combiner for that
       kind merges into one collective (`inf`: no limit); kinds without a
       combiner on this backend are absent.
@@ -114,6 +111,13 @@ class Hardware:
   dense_batch_group_conv: bool = False
   multi_output_fusion: bool = True
   minor_concatenate_fusion: bool = True
+  torus_dims: int = 0
+  torus_wrap: int = 1
+
+  @property
+  def torus_extent(self) -> int:
+    """Chips along one dimension of the node's torus (`devices_per_node ** (1 / dims)`)."""
+    return round(self.devices_per_node ** (1 / self.torus_dims)) if self.torus_dims else 1
 
   def compiled_by(self, backend: Hardware) -> Hardware:
     """This device's peaks, memory and links with `backend`'s compiler (`COMPILER_FIELDS`):
@@ -235,8 +239,9 @@ HARDWARE: Mapping[str, Hardware] = {
     hbm_bandwidth=1200 * _GB,  # Cloud TPU v4 docs: 1200 GBps.
     intra_node=Link(
       name="ici",
-      # Jouppi et al., "TPU v4: An Optically Reconfigurable
-      # Supercomputer..." (ISCA 2023): ICI links of ~50 GB/s each way.
+      # Jouppi et al., "TPU v4: An Optically Reconfigurable Supercomputer for Machine
+      # Learning with Hardware Support for Embeddings" (ISCA 2023): six ICI links per
+      # chip (a 3-D torus), ~50 GB/s each way each.
       bandwidth=50 * _GB,
       latency=1e-6,  # Estimate (one ICI hop plus launch overhead).
     ),
@@ -248,6 +253,11 @@ HARDWARE: Mapping[str, Hardware] = {
       latency=10e-6,  # Estimate (datacenter network round trip / 2).
     ),
     devices_per_node=4096,  # Cloud TPU v4 docs: TPU Pod size 4096 chips.
+    # Jouppi et al. (ISCA 2023): a 3-D torus of 4x4x4 cubes joined by optical circuit
+    # switches, 16x16x16 in a pod. Cloud TPU v4 docs ("3D mesh and 3D torus"): a slice
+    # is a torus when each dimension is a multiple of 4 (whole cubes), else a 3-D mesh.
+    torus_dims=3,
+    torus_wrap=4,
     # Estimate, not a documented figure: libtpu's combine thresholds are not
     # published; taken to be XLA's GPU defaults.
     combine_threshold=_GPU_COMBINE,
@@ -281,6 +291,11 @@ HARDWARE: Mapping[str, Hardware] = {
       latency=10e-6,  # Estimate (datacenter network round trip / 2).
     ),
     devices_per_node=256,  # Cloud TPU v5e docs: up to 256 chips per Pod.
+    # Cloud TPU v5e docs: "Interconnect topology 2D Torus", 4 ICI ports per chip, slices
+    # 1x1 to 16x16. Taken to wrap around only along whole 16-chip rows (the full pod), as
+    # the JAX team's "How to Scale Your Model" (2025, "How to Think About TPUs") describes.
+    torus_dims=2,
+    torus_wrap=16,
     # Estimate, not a documented figure (see tpu-v4).
     combine_threshold=_GPU_COMBINE,
   ),
@@ -343,12 +358,14 @@ class Mesh:
 
   Device id `i` sits at the row-major position `i` of a grid with shape
   `axis_sizes` (the last axis is minor), matching `jax.sharding.Mesh` built
-  from `jax.devices()` in order.
+  from `jax.devices()` in order, unless the axes' splits over nodes are stated
+  (`topology.device_grid`).
 
   Attributes:
     axis_names: One unique name per axis.
     axis_sizes: Positive size of each axis.
-    links: The link collectives along each axis use.
+    links: The link collectives along each axis use (`make_mesh` gives each axis its
+      effective `topology.AxisLink`).
     hardware: Profile of every device.
   """
 
@@ -412,53 +429,90 @@ def _check_axes(names: Sequence[str], sizes: Sequence[int]) -> None:
       raise ValueError(f"Axis {name!r} has size {size!r}; sizes must be positive ints.")
 
 
-def parse_mesh_spec(spec: str) -> dict[str, int]:
-  """Parses "data=2,model=4" into {"data": 2, "model": 4}, keeping order."""
-  names, sizes = [], []
+_SIZE_RE = re.compile(r"([+-]?\d+)(?:x([+-]?\d+))?")
+
+
+def parse_mesh_split(spec: str) -> tuple[dict[str, int], dict[str, int]]:
+  """Parses a mesh spec into its shape and its stated DCN parts, keeping order.
+
+  `"data=16,model=8"` -> `({"data": 16, "model": 8}, {})`: the split of each axis over nodes
+  is inferred (`topology.infer_dcn`). `"data=2x8,model=8"` -> `({"data": 16, "model": 8},
+  {"data": 2})`: `NAME=DCNxICI` states the axis's DCN part (nodes, the major factor, as in
+  `mesh_utils.create_hybrid_device_mesh(mesh_shape=ICI, dcn_mesh_shape=DCN)` and MaxText's
+  `dcn_*` x `ici_*` parallelism) and its ICI part (devices per node); the size is their
+  product.
+  """
+  names, sizes, dcn = [], [], {}
   for fragment in spec.split(","):
     name, sep, size = (part.strip() for part in fragment.partition("="))
-    if not sep or not name or not re.fullmatch(r"[+-]?\d+", size):
+    match = _SIZE_RE.fullmatch(size)
+    if not sep or not name or not match:
       raise ValueError(
         f"Malformed mesh spec fragment {fragment.strip()!r} in {spec!r}; "
-        "expected comma-separated name=size, e.g. 'data=2,model=4'."
+        "expected comma-separated name=size or name=DCNxICI, e.g. 'data=2,model=4' or "
+        "'data=2x8,model=8'."
       )
     names.append(name)
-    sizes.append(int(size))
+    if match[2] is None:
+      sizes.append(int(match[1]))
+      continue
+    nodes, ici = int(match[1]), int(match[2])
+    if nodes <= 0 or ici <= 0:
+      raise ValueError(f"Axis {name!r} has split {size!r}; DCN and ICI parts must be positive.")
+    sizes.append(nodes * ici)
+    dcn[name] = nodes
   _check_axes(names, sizes)
-  return dict(zip(names, sizes))
+  return dict(zip(names, sizes)), dcn
 
 
-def axis_links(axis_sizes: Sequence[int], hardware: Hardware) -> tuple[Link, ...]:
-  """Chooses the link for each axis of a row-major mesh.
-
-  Along axis `i`, the devices of one group lie in an aligned block of
-  `prod(axis_sizes[i:])` consecutive device ids. When that block divides
-  `devices_per_node` (so it cannot straddle a node boundary) the axis stays
-  inside one node and gets `hardware.intra_node`; otherwise `inter_node`.
-  """
-  links = []
-  for i in range(len(axis_sizes)):
-    block = math.prod(axis_sizes[i:])
-    within_node = hardware.devices_per_node % block == 0
-    links.append(hardware.intra_node if within_node else hardware.inter_node)
-  return tuple(links)
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+  """Parses "data=2,model=4" into {"data": 2, "model": 4}, keeping order; a stated split
+  `NAME=DCNxICI` gives the axis their product (`parse_mesh_split`)."""
+  return parse_mesh_split(spec)[0]
 
 
-def make_mesh(spec: str | Mapping[str, int], hardware: str | Hardware) -> Mesh:
+def make_mesh(
+  spec: str | Mapping[str, int],
+  hardware: str | Hardware,
+  dcn: Mapping[str, int] | None = None,
+) -> Mesh:
   """Builds a `Mesh` from a spec like "data=2,model=4" (or a mapping).
 
   Args:
-    spec: Axis names and sizes, major to minor.
+    spec: Axis names and sizes, major to minor; a string may state axes' splits as
+      `NAME=DCNxICI` ("data=2x8,model=8", see `parse_mesh_split`).
     hardware: A `Hardware` profile or the name of one in `HARDWARE`.
+    dcn: Stated DCN parts (nodes) by axis name, the Python form of `NAME=DCNxICI`:
+      `make_mesh({"data": 16, "model": 8}, "h100", dcn={"data": 2})`.
+
+  Once any axis's split is stated, every axis without one is all ICI (DCN part 1), as in
+  `create_hybrid_device_mesh`; with none stated, all splits are inferred.
 
   Returns:
-    The mesh, with each axis assigned its link by `axis_links`.
+    The mesh, each axis with its effective link (`topology.axis_links`).
+
+  Raises:
+    ValueError: one line: a malformed spec, or a split that contradicts the axis or the
+      hardware (e.g. ICI parts that do not fit in a node), naming the numbers.
   """
-  shape = parse_mesh_spec(spec) if isinstance(spec, str) else dict(spec)
+  stated = dict(dcn or {})
+  if isinstance(spec, str):
+    shape, in_spec = parse_mesh_split(spec)
+    if set(in_spec) & set(stated):
+      raise ValueError(f"Axes {sorted(set(in_spec) & set(stated))} split in both spec and dcn.")
+    stated.update(in_spec)
+  else:
+    shape = dict(spec)
   hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
   names, sizes = tuple(shape), tuple(shape.values())
   _check_axes(names, sizes)
-  return Mesh(names, sizes, axis_links(sizes, hw), hw)
+  unknown = [name for name in stated if name not in shape]
+  if unknown:
+    raise ValueError(f"dcn names axes {unknown} that the mesh {names} lacks.")
+  if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in stated.values()):
+    raise ValueError(f"DCN parts must be positive ints; got {stated}.")
+  split = tuple(stated.get(name, 1) for name in names) if stated else None
+  return Mesh(names, sizes, axis_links(names, sizes, hw, split), hw)
 
 
 def spec_axes(spec: Sequence[Any], rank: int) -> list[tuple[str, ...]]:
@@ -477,8 +531,9 @@ def to_jax_mesh(mesh: Mesh, devices: Sequence[Any] | None = None):
 
   Args:
     mesh: The mesh to mirror.
-    devices: Devices to use, in row-major mesh order; defaults to the first
-      `mesh.num_devices` of `jax.devices()`.
+    devices: Devices to use, in row-major mesh order; defaults to `jax.devices()` laid
+      out as `topology.device_grid` places them (row-major where splits are inferred; node
+      k holding ids `[k N, (k + 1) N)` where they are stated).
   """
   import jax  # Imported lazily: the rest of this module is pure data.
 
@@ -490,9 +545,15 @@ def to_jax_mesh(mesh: Mesh, devices: Sequence[Any] | None = None):
       f"XLA_FLAGS=--xla_force_host_platform_device_count={mesh.num_devices}"
       " before importing jax."
     )
-  grid = np.array(available[: mesh.num_devices], dtype=object)
+  ids = device_grid(mesh) if devices is None else np.arange(mesh.num_devices)
+  if len(available) <= ids.max():
+    raise ValueError(
+      f"Mesh {mesh.shape} with its stated splits puts devices on ids up to {ids.max()} "
+      f"({mesh.hardware.devices_per_node} per node) but only {len(available)} are available."
+    )
+  grid = np.array(available, dtype=object)[ids.reshape(mesh.axis_sizes)]
   return jax.sharding.Mesh(
-    grid.reshape(mesh.axis_sizes),
+    grid,
     mesh.axis_names,
     axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names),
   )
@@ -519,7 +580,12 @@ def as_mesh(
       or (hardware if isinstance(hardware, str) else hardware.name) == mesh.hardware.name
     ):
       return mesh, None
-    return make_mesh(mesh.shape, hardware), None
+    stated = {
+      name: link.dcn
+      for name, link in zip(mesh.axis_names, mesh.links)
+      if isinstance(link, AxisLink) and link.stated
+    }
+    return make_mesh(mesh.shape, hardware, stated or None), None
   hardware = DEFAULT_HARDWARE if hardware is None else hardware
   if isinstance(mesh, (str, Mapping)):
     return make_mesh(mesh, hardware), None
