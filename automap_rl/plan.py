@@ -52,6 +52,7 @@ from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import KINDS, PIPELINE_KINDS, Cost, PipelineCost
+from automap_rl.topology import format_axis_links, links_json
 
 __all__ = [
   "Plan",
@@ -307,8 +308,9 @@ class Plan:
     return self.problem.plan_cost(self.decisions, self.pipeline)
 
   def to_json(self) -> dict[str, Any]:
-    """The plan's decisions and pipeline (`plan_to_json`)."""
-    return plan_to_json(self.decisions, self.pipeline)
+    """The plan's decisions and pipeline (`plan_to_json`), and the link of each mesh axis
+    (`topology.links_json`)."""
+    return {**plan_to_json(self.decisions, self.pipeline), "links": links_json(self.mesh)}
 
   def _pipelined(self) -> bool:
     """Whether the plan has pipeline stages to lower.
@@ -417,6 +419,7 @@ class Plan:
       names = s.actions
     else:
       names = [str(d) for d in self.decisions]
+    lines.append(format_axis_links(self.mesh))
     if self.pipeline is not None:
       lines.append(format_pipeline(self.pipeline, self.cost))
     lines.append(f"{len(self.decisions)} decisions" + (":" if names else " (replicated)"))

@@ -29,7 +29,13 @@ MeshSpec = Annotated[
   str,
   tyro.conf.arg(
     metavar="AXIS=SIZE,...",
-    help="mesh axes and sizes, e.g. data=2,model=4 (the last axis is the fastest link)",
+    help=(
+      "mesh axes, major to minor, e.g. data=16,model=8: each axis's split into devices inside "
+      "a node (ICI: NVLink, a TPU pod's torus) and nodes (DCN: the network) is inferred, the "
+      "minor axes filling a node first; AXIS=DCNxICI states it, e.g. data=2x4,model=1x2 "
+      "(then an axis without one is all ICI, as create_hybrid_device_mesh); the plan says "
+      "which link each axis uses"
+    ),
   ),
 ]
 JsonPath = Annotated[

@@ -51,6 +51,7 @@ from automap_rl.plan import (
   format_pipeline,
 )
 from automap_rl.problem import Problem
+from automap_rl.topology import format_axis_links, links_json
 from experiments.cli import CommandFailed, write_json
 from experiments.options import (
   WORKLOAD_HELP,
@@ -310,6 +311,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     result = cost_dict(plan.cost)
     result["baselines"] = baselines(problem)
   result["decisions"] = [str(d) for d in decisions]
+  result["links"] = links_json(problem.mesh)
   result["agent"] = config.agent
   if policy is not None:
     result["checkpoint"] = policy.checkpoint
@@ -332,6 +334,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
     + f": {len(decisions)} decisions"
   )
   if found is None:
+    print(format_axis_links(problem.mesh))
     if plan.pipeline is not None:
       print(format_pipeline(plan.pipeline, plan.cost))
     print(format_arguments(problem, decisions, config.max_args))
