@@ -1,4 +1,6 @@
-"""Tests for automap_rl.mesh."""
+"""Tests for automap_rl.mesh and automap_rl.topology."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -253,3 +255,25 @@ def test_to_jax_mesh_too_few_devices():
     ValueError, match="needs 32 devices but only 8.*xla_force_host_platform_device_count"
   ):
     mesh_lib.to_jax_mesh(m)
+
+
+def test_cli_turns_a_bad_split_into_exit_2(capsys):
+  from experiments import cli
+
+  argv = ["partition", "mlp", "--mesh", "data=1x16,model=2", "--hardware", "h100"]
+  assert cli.main([*argv, "--agent", "tactic"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == (
+    "automap-rl partition: error: ICI parts data 16 x model 2 put 32 devices in one node, "
+    "but a node of h100 has 8"
+  )
+
+
+def test_to_jax_mesh_lays_out_stated_splits_by_node():
+  # Nodes of 2: data = 2 nodes x 2 in a node, model = 2 nodes x 1; node k holds ids 2k, 2k+1.
+  two = dataclasses.replace(mesh_lib.HARDWARE["cpu"], devices_per_node=2)
+  m = mesh_lib.make_mesh("data=2x2,model=2x1", two)
+  jm = mesh_lib.to_jax_mesh(m)
+  assert [[d.id for d in row] for row in jm.devices] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+  # The model groups pair devices of different nodes, the data groups pairs inside one.
+  assert (m.link("model").ici, m.link("model").dcn) == (1, 2)
