@@ -94,6 +94,11 @@ class Hardware:
       results (an optimizer's new parameter and moments) into one kernel. Where not, each
       result that is written anyway is its own fusion, and the fusions that go on from it
       read it back from memory.
+    matmul_efficiency: The share of the peak matmul flop/s (`flops`, `matmul_flops`) that
+      the best-shaped large matmul reaches on this device, as measured (Bekman, "Machine
+      Learning Engineering", compute/accelerator: Maximum Achievable Matmul FLOPS, bf16);
+      dots and convolutions run at peak times this (`achievable_flops`). 1 where no
+      measurement is published.
     minor_concatenate_fusion: Whether XLA fuses a concatenate along its minor (last)
       dimension with its operands' producers and its readers. XLA:CPU does not (its
       instruction fusion: rows of at least 64 bytes and 2 KiB in all, or more than 8
@@ -114,6 +119,7 @@ class Hardware:
   dense_batch_group_conv: bool = False
   multi_output_fusion: bool = True
   minor_concatenate_fusion: bool = True
+  matmul_efficiency: float = 1.0
 
   def compiled_by(self, backend: Hardware) -> Hardware:
     """This device's peaks, memory and links with `backend`'s compiler (`COMPILER_FIELDS`):
@@ -128,6 +134,12 @@ class Hardware:
     if primitive in MATMUL_PRIMITIVES and dtype in self.matmul_flops:
       return self.matmul_flops[dtype]
     return self.flops.get(dtype, self.flops["float32"])
+
+  def achievable_flops(self, primitive: str, dtype: str) -> float:
+    """The flop/s an op of `primitive` whose result is `dtype` runs at: a matmul's peak
+    times `matmul_efficiency`, any other op's peak."""
+    efficiency = self.matmul_efficiency if primitive in MATMUL_PRIMITIVES else 1.0
+    return self.peak_flops(primitive, dtype) * efficiency
 
 
 _GB = 1e9
@@ -169,6 +181,8 @@ def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
     ),
     devices_per_node=8,  # NVIDIA DGX A100 user guide: 8 GPUs per system.
     combine_threshold=_GPU_COMBINE,
+    # Bekman's Maximum Achievable Matmul FLOPS table: A100 SXM bf16 271.2 of 312 TFLOPS.
+    matmul_efficiency=271.2 / 312,
   )
 
 
@@ -205,12 +219,18 @@ _H100 = Hardware(
   ),
   devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
   combine_threshold=_GPU_COMBINE,
+  # Bekman's Maximum Achievable Matmul FLOPS table: H100 SXM bf16 794.5 of 989 TFLOPS.
+  matmul_efficiency=794.5 / 989,
 )
 
 
 # H200 SXM: the H100 SXM5's compute and NVLink (H200 datasheet: same "BF16 Tensor Core",
 # "TF32 Tensor Core" and "NVLink 900GB/s"), with 141 GB of HBM3e at 4.8 TB/s.
-_H200 = dataclasses.replace(_H100, name="h200", hbm_bytes=141 * _GB, hbm_bandwidth=4.8e12)
+# Bekman's Maximum Achievable Matmul FLOPS table: GH200 (the H200's die and 141 GB of HBM3e)
+# bf16 828.6 of 989 TFLOPS.
+_H200 = dataclasses.replace(
+  _H100, name="h200", hbm_bytes=141 * _GB, hbm_bandwidth=4.8e12, matmul_efficiency=828.6 / 989
+)
 
 HARDWARE: Mapping[str, Hardware] = {
   "h100": _H100,

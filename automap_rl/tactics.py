@@ -35,7 +35,7 @@ import numpy as np
 
 from automap_rl import simulator
 from automap_rl.ir import FactorKind, Role
-from automap_rl.ir.stacks import LayerStack, what_is_looked_for
+from automap_rl.ir.stacks import OUTSIDE, LayerStack, what_is_looked_for
 from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
@@ -50,12 +50,17 @@ class Structure:
   Attributes:
     parameter_dims: class -> the `(path, dim)`s of parameters in it, in argument order.
     tensor_parallel: Megatron's classes, in argument order.
+    vocabulary: Megatron's vocabulary-parallel classes, in argument order: the output
+      features of a projection off the layer stack that a softmax or norm reduces and no
+      layer uses (a language model's head, column-parallel, with the loss's reductions
+      over the vocabulary all-reduced, as Megatron-LM's vocab-parallel cross entropy does).
     experts: expert classes, in argument order.
     sequence_dims: `(path, dim)` of the sequence dim of every token input.
   """
 
   parameter_dims: dict[int, tuple[tuple[str, int], ...]]
   tensor_parallel: tuple[int, ...]
+  vocabulary: tuple[int, ...]
   experts: tuple[int, ...]
   sequence_dims: tuple[tuple[str, int], ...]
 
@@ -78,6 +83,15 @@ def _uses(problem: Problem) -> tuple[set[int], set[int], set[int]]:
         in_every_operand = all(any(factor in dim for dim in dims) for dims in op.rule.operand_dims)
         (batch if in_every_operand else features).add(cls)
   return features, batch, reduced
+
+
+def _layer_classes(problem: Problem) -> set[int]:
+  """The classes of the factors of every op of the program's layer stacks."""
+  classes = set()
+  for stack in problem.layer_stacks:
+    for op in np.flatnonzero(stack.op_layer != OUTSIDE):
+      classes.update(int(c) for c in problem.named.op_factor_classes(int(op)) if c >= 0)
+  return classes
 
 
 _STRUCTURES: weakref.WeakKeyDictionary[Problem, Structure] = weakref.WeakKeyDictionary()
@@ -124,9 +138,22 @@ def _read_structure(problem: Problem) -> Structure:
     ):
       tensor_parallel.append(picked[0])
   experts = [c for c in parameter_dims if c in batch and c in reduced and c not in input_classes]
+  in_layers = _layer_classes(problem)
+  vocabulary = [
+    c
+    for c in parameter_dims
+    if in_layers
+    and c in features
+    and c in reduced
+    and c not in batch
+    and c not in input_classes
+    and c not in in_layers
+    and c not in tensor_parallel
+  ]
   return Structure(
     {c: tuple(dims) for c, dims in parameter_dims.items()},
     tuple(tensor_parallel),
+    tuple(vocabulary),
     tuple(experts),
     tuple(sequence_dims),
   )
@@ -163,8 +190,9 @@ def data_parallel(problem: Problem) -> list[Decision]:
 
 def megatron(problem: Problem) -> list[Decision]:
   """Megatron tensor parallelism on the model axis: heads and FFN hidden dims
-  (column-parallel into, row-parallel out of each block)."""
-  return _shard_classes(problem, structure(problem).tensor_parallel, model_axis(problem))
+  (column-parallel into, row-parallel out of each block), and the head's vocabulary."""
+  found = structure(problem)
+  return _shard_classes(problem, found.tensor_parallel + found.vocabulary, model_axis(problem))
 
 
 def data_axes(problem: Problem) -> tuple[str, ...]:

@@ -575,7 +575,7 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
     sig = sigs.op_sig[op.id]
     dtype = program.values[op.results[0]].dtype if op.results else "float32"
     groups = op.rule.factor_sizes[dense[op.id]] if dense[op.id] >= 0 and sig >= 0 else 1
-    flop_s = op.repeat * flops[op.id] * groups / hw.peak_flops(op.primitive, dtype)
+    flop_s = op.repeat * flops[op.id] * groups / hw.achievable_flops(op.primitive, dtype)
     if groups > 1:
       dense_factor[sig] = dense[op.id]
     reads, writes = traffic[op.id]
