@@ -35,7 +35,7 @@ import numpy as np
 
 from automap_rl import simulator
 from automap_rl.ir import FactorKind, Role
-from automap_rl.ir.stacks import OUTSIDE, LayerStack, what_is_looked_for
+from automap_rl.ir.stacks import LayerStack, what_is_looked_for
 from automap_rl.pipeline import Pipeline, batch_size
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision
@@ -50,9 +50,9 @@ class Structure:
   Attributes:
     parameter_dims: class -> the `(path, dim)`s of parameters in it, in argument order.
     tensor_parallel: Megatron's classes, in argument order.
-    vocabulary: Megatron's vocabulary-parallel classes, in argument order: the output
-      features of a projection off the layer stack that a softmax or norm reduces and no
-      layer uses (a language model's head, column-parallel, with the loss's reductions
+    vocabulary: Megatron's vocabulary-parallel classes, in argument order: output features
+      of a projection that a softmax or norm reduces and that no matmul of the forward
+      pass contracts (a language model's head, column-parallel, with the loss's reductions
       over the vocabulary all-reduced, as Megatron-LM's vocab-parallel cross entropy does).
     experts: expert classes, in argument order.
     sequence_dims: `(path, dim)` of the sequence dim of every token input.
@@ -85,12 +85,29 @@ def _uses(problem: Problem) -> tuple[set[int], set[int], set[int]]:
   return features, batch, reduced
 
 
-def _layer_classes(problem: Problem) -> set[int]:
-  """The classes of the factors of every op of the program's layer stacks."""
+def _forward_contractions(problem: Problem) -> set[int]:
+  """The classes that a matmul of the forward pass (an op a scalar output, the loss,
+  depends on) contracts."""
+  program, named = problem.program, problem.named
+  producer = {v: op for op in program.ops for v in op.results}
+  todo = [producer[v] for v in program.outputs if v in producer and not program.values[v].shape]
+  seen: set[int] = set()
+  while todo:
+    op = todo.pop()
+    if op.id not in seen:
+      seen.add(op.id)
+      todo.extend(producer[v] for v in op.operands if v in producer)
   classes = set()
-  for stack in problem.layer_stacks:
-    for op in np.flatnonzero(stack.op_layer != OUTSIDE):
-      classes.update(int(c) for c in problem.named.op_factor_classes(int(op)) if c >= 0)
+  for op_id in seen:
+    op = program.ops[op_id]
+    if op.primitive in MATMULS:
+      factors = named.op_factor_classes(op_id)
+      kinds = op.rule.factor_kinds
+      classes.update(
+        int(factors[f])
+        for f, k in enumerate(kinds)
+        if k == FactorKind.REDUCTION and factors[f] >= 0
+      )
   return classes
 
 
@@ -138,16 +155,15 @@ def _read_structure(problem: Problem) -> Structure:
     ):
       tensor_parallel.append(picked[0])
   experts = [c for c in parameter_dims if c in batch and c in reduced and c not in input_classes]
-  in_layers = _layer_classes(problem)
+  contracted = _forward_contractions(problem)
   vocabulary = [
     c
     for c in parameter_dims
-    if in_layers
-    and c in features
+    if c in features
     and c in reduced
     and c not in batch
     and c not in input_classes
-    and c not in in_layers
+    and c not in contracted
     and c not in tensor_parallel
   ]
   return Structure(
