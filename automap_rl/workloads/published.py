@@ -526,8 +526,8 @@ RUNS: tuple[PublishedRun, ...] = (
       "MBS 1, GBS 256, seq 4096) to v0.8: pairing them is an estimate",
       "the distributed optimizer (ZeRO-1) is not expressible: optimizer state replicated over "
       "data; no recomputation (the mapping lists none)",
-      "GELU experts of width 21504 (same flops and parameters) for SwiGLU experts of width "
-      "14336; multi-head for 8 KV groups; GShard dispatch (capacity factor 1) for dropless",
+      "GELU experts of width 21504 (same flops and parameters) simulated for SwiGLU experts of "
+      "width 14336; multi-head for 8 KV groups; GShard dispatch (capacity factor 1) for dropless",
     ),
   ),
 )
