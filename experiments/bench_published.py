@@ -144,15 +144,16 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
   fmt = lambda r, v: f"{v:.1f} TF/s" if r["kind"] == "tflops" else f"{100 * v:.1f}% MFU"
   lines = [
     f"{'row':<17} {'citation':<19} {'hardware':<8} {'devices':>7} {'model':<10} "
-    f"{'plan':<38} {'published':>11} {'simulated':>11} {'ratio':>6} {'peak/HBM GB':>12} "
+    f"{'plan':<50} {'published':>11} {'simulated':>11} {'ratio':>6} {'peak/HBM GB':>12} "
     f"{'fits':>4} {'comp%':>5} {'comm%':>5} {'bubl%':>5}"
   ]
   for r in rows:
     share = lambda key: f"{100 * r[key] / r['step_time_s']:.0f}"
-    model = f"{r['model'].split(':')[0]} {r['params_b']:.3g}B"
+    params = f"{r['params_b']:.3g}" if r["params_b"] < 1000 else f"{r['params_b']:.0f}"
+    model = f"{r['model'].split(':')[0]} {params}B"
     lines.append(
       f"{r['row']:<17} {r['short_citation']:<19} {r['hardware']:<8} {r['devices']:>7} "
-      f"{model:<10} {r['plan']:<38} {fmt(r, r['published']):>11} {fmt(r, r['simulated']):>11} "
+      f"{model:<10} {r['plan']:<50} {fmt(r, r['published']):>11} {fmt(r, r['simulated']):>11} "
       f"{r['ratio']:>6.2f} {r['peak_memory_gb']:>6.1f}/{r['hbm_gb']:<5.0f} "
       f"{'yes' if r['fits'] else 'no':>4} {share('compute_s'):>5} {share('comm_s'):>5} "
       f"{share('bubble_s'):>5}"

@@ -413,7 +413,8 @@ _LLAMA3 = Citation(
 _LLAMA3_NOTES = (
   "128 layers simulated for the paper's 126 (a scanned stack splits evenly over 16 stages; the "
   "paper gives the first and last stage one layer less)",
-  "1F1B with microbatch size 1 for the paper's tuned interleaved schedule (chunks not stated)",
+  "the paper's interleaved schedule with 2 chunks per stage and microbatch size 1: estimates "
+  "(neither is stated)",
   "ZeRO-3 storage over data for the paper's FSDP (which keeps parameters gathered between "
   "forward and backward); full recomputation is an estimate (not stated)",
   "flop formula not stated: Megatron-LM's assumed",
@@ -429,7 +430,7 @@ def _llama3_run(gpus: int, data: int, tflops: float) -> PublishedRun:
     "seq=8192,batch=2048,remat=true,dtype=bfloat16",
     shape=Shape(126, 16384, 128, 128, 8, 53248, 128256, gated=True),
     mesh=f"stage=16,data={data},model=8",
-    plan=Plan(tensor=8, pipeline=16, data=data, zero=True),
+    plan=Plan(tensor=8, pipeline=16, data=data, schedule="interleaved", chunks=2, zero=True),
     batch=2048,
     seq=8192,
     figure=tflops,
