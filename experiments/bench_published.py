@@ -162,7 +162,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
       lines.append(
         f"  {name:<15} fits {'yes' if plan['fits'] else 'no':<3} step x{plan['over_published']:.2f} "
         f"of the published plan's: {plan['why']}"
-        + (f"; {plan['pipeline']}" if plan["pipeline"] else "")
+        + f"; {plan['pipeline'] or 'no pipeline (an intra-op plan on the whole batch)'}"
       )
   return "\n".join(lines)
 
