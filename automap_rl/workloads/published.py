@@ -190,6 +190,7 @@ class Plan:
 
   @property
   def devices(self) -> int:
+    """Devices the plan runs on: the product of its degrees."""
     return self.tensor * self.pipeline * self.data * self.fsdp * self.expert
 
   @property
@@ -198,6 +199,9 @@ class Plan:
     return self.data * self.fsdp * self.expert
 
   def describe(self) -> str:
+    """The plan in a few words: each degree above 1 by its axis, the schedule, the
+    microbatch size and the storage and recomputation flags (`stage16 data64 model8 1f1b
+    mbs1 remat`)."""
     parts = [f"{k}{v}" for k, v in self.degrees.items() if v > 1]
     if self.pipeline > 1:
       parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 else ""))
@@ -327,9 +331,7 @@ def published_plan(problem: Problem, run: PublishedRun) -> tuple[list[Decision],
 
 def build(run: PublishedRun) -> tuple[Problem, list[Decision], Pipeline | None]:
   """The run's problem (its model traced abstractly on its mesh) and its published plan."""
-  from automap_rl import workloads
-
-  program = workloads.make_workload(run.model, abstract=True).trace()
+  program = spec_lib.make_workload(run.model, abstract=True).trace()
   problem = Problem.build(program, build_mesh(run))
   return (problem, *published_plan(problem, run))
 
