@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from automap_rl.topology import AxisLink, Link, axis_links, device_grid
+from automap_rl.topology import AxisLink, Link, axis_links, device_grid, stated_dcn
 
 __all__ = [
   "DEFAULT_HARDWARE",
@@ -91,6 +91,11 @@ class Hardware:
       results (an optimizer's new parameter and moments) into one kernel. Where not, each
       result that is written anyway is its own fusion, and the fusions that go on from it
       read it back from memory.
+    matmul_efficiency: The share of the peak matmul flop/s (`flops`, `matmul_flops`) that
+      the best-shaped large matmul reaches on this device, as measured (Bekman, "Machine
+      Learning Engineering", compute/accelerator: Maximum Achievable Matmul FLOPS, bf16);
+      dots and convolutions run at peak times this (`achievable_flops`). 1 where no
+      measurement is published.
     minor_concatenate_fusion: Whether XLA fuses a concatenate along its minor (last)
       dimension with its operands' producers and its readers. XLA:CPU does not (its
       instruction fusion: rows of at least 64 bytes and 2 KiB in all, or more than 8
@@ -111,6 +116,7 @@ class Hardware:
   dense_batch_group_conv: bool = False
   multi_output_fusion: bool = True
   minor_concatenate_fusion: bool = True
+  matmul_efficiency: float = 1.0
   torus_dims: int = 0
   torus_wrap: int = 1
 
@@ -132,6 +138,12 @@ class Hardware:
     if primitive in MATMUL_PRIMITIVES and dtype in self.matmul_flops:
       return self.matmul_flops[dtype]
     return self.flops.get(dtype, self.flops["float32"])
+
+  def achievable_flops(self, primitive: str, dtype: str) -> float:
+    """The flop/s an op of `primitive` whose result is `dtype` runs at: a matmul's peak
+    times `matmul_efficiency`, any other op's peak."""
+    efficiency = self.matmul_efficiency if primitive in MATMUL_PRIMITIVES else 1.0
+    return self.peak_flops(primitive, dtype) * efficiency
 
 
 _GB = 1e9
@@ -173,6 +185,8 @@ def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
     ),
     devices_per_node=8,  # NVIDIA DGX A100 user guide: 8 GPUs per system.
     combine_threshold=_GPU_COMBINE,
+    # Bekman's Maximum Achievable Matmul FLOPS table: A100 SXM bf16 271.2 of 312 TFLOPS.
+    matmul_efficiency=271.2 / 312,
   )
 
 
@@ -209,12 +223,18 @@ _H100 = Hardware(
   ),
   devices_per_node=8,  # NVIDIA DGX H100 user guide: 8 GPUs per system.
   combine_threshold=_GPU_COMBINE,
+  # Bekman's Maximum Achievable Matmul FLOPS table: H100 SXM bf16 794.5 of 989 TFLOPS.
+  matmul_efficiency=794.5 / 989,
 )
 
 
 # H200 SXM: the H100 SXM5's compute and NVLink (H200 datasheet: same "BF16 Tensor Core",
 # "TF32 Tensor Core" and "NVLink 900GB/s"), with 141 GB of HBM3e at 4.8 TB/s.
-_H200 = dataclasses.replace(_H100, name="h200", hbm_bytes=141 * _GB, hbm_bandwidth=4.8e12)
+# Bekman's Maximum Achievable Matmul FLOPS table: GH200 (the H200's die and 141 GB of HBM3e)
+# bf16 828.6 of 989 TFLOPS.
+_H200 = dataclasses.replace(
+  _H100, name="h200", hbm_bytes=141 * _GB, hbm_bandwidth=4.8e12, matmul_efficiency=828.6 / 989
+)
 
 HARDWARE: Mapping[str, Hardware] = {
   "h100": _H100,
@@ -453,14 +473,9 @@ def parse_mesh_split(spec: str) -> tuple[dict[str, int], dict[str, int]]:
         "'data=2x8,model=8'."
       )
     names.append(name)
-    if match[2] is None:
-      sizes.append(int(match[1]))
-      continue
-    nodes, ici = int(match[1]), int(match[2])
-    if nodes <= 0 or ici <= 0:
-      raise ValueError(f"Axis {name!r} has split {size!r}; DCN and ICI parts must be positive.")
-    sizes.append(nodes * ici)
-    dcn[name] = nodes
+    sizes.append(int(match[1]) * int(match[2] or 1))
+    if match[2] is not None:
+      dcn[name] = int(match[1])
   _check_axes(names, sizes)
   return dict(zip(names, sizes)), dcn
 
@@ -488,30 +503,15 @@ def make_mesh(
   Once any axis's split is stated, every axis without one is all ICI (DCN part 1), as in
   `create_hybrid_device_mesh`; with none stated, all splits are inferred.
 
-  Returns:
-    The mesh, each axis with its effective link (`topology.axis_links`).
-
-  Raises:
-    ValueError: one line: a malformed spec, or a split that contradicts the axis or the
-      hardware (e.g. ICI parts that do not fit in a node), naming the numbers.
+  Returns the mesh, each axis with its effective link (`topology.axis_links`); raises a
+  one-line ValueError for a malformed spec or a split that contradicts the axis or the
+  hardware (e.g. ICI parts that do not fit in a node), naming the numbers.
   """
-  stated = dict(dcn or {})
-  if isinstance(spec, str):
-    shape, in_spec = parse_mesh_split(spec)
-    if set(in_spec) & set(stated):
-      raise ValueError(f"Axes {sorted(set(in_spec) & set(stated))} split in both spec and dcn.")
-    stated.update(in_spec)
-  else:
-    shape = dict(spec)
+  shape, in_spec = parse_mesh_split(spec) if isinstance(spec, str) else (dict(spec), {})
   hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
   names, sizes = tuple(shape), tuple(shape.values())
   _check_axes(names, sizes)
-  unknown = [name for name in stated if name not in shape]
-  if unknown:
-    raise ValueError(f"dcn names axes {unknown} that the mesh {names} lacks.")
-  if any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in stated.values()):
-    raise ValueError(f"DCN parts must be positive ints; got {stated}.")
-  split = tuple(stated.get(name, 1) for name in names) if stated else None
+  split = stated_dcn(names, in_spec, dcn or {})
   return Mesh(names, sizes, axis_links(names, sizes, hw, split), hw)
 
 

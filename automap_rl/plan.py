@@ -397,12 +397,19 @@ class Plan:
     check_numerics(self.fn, args, lowered)
     return lowered
 
+  @functools.cached_property
+  def expert_costs(self) -> dict[str, dict[str, Any]]:
+    """JSON figures of every applicable expert tactic (`baselines`), priced once a plan."""
+    return baselines(self.problem)
+
   def costs(self) -> dict[str, dict[str, Any]]:
     """JSON figures of this plan and of every applicable expert tactic."""
-    return {self.agent: cost_dict(self.cost), **baselines(self.problem)}
+    return {self.agent: cost_dict(self.cost), **self.expert_costs}
 
   def report(self, max_args: int = 12) -> str:
-    """Decisions, per-argument shardings and the cost beside every expert tactic."""
+    """The search's figures (for a searched plan), the pipeline and its step time's terms
+    (for a pipelined plan), the decisions, per-argument shardings and the cost beside every
+    expert tactic, with the step time against the best expert's."""
     lines = [f"plan by {self.agent} on mesh {self.mesh_name} ({self.mesh.hardware.name})"]
     if self.search is not None:
       s = self.search

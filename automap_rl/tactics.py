@@ -50,12 +50,17 @@ class Structure:
   Attributes:
     parameter_dims: class -> the `(path, dim)`s of parameters in it, in argument order.
     tensor_parallel: Megatron's classes, in argument order.
+    vocabulary: Megatron's vocabulary-parallel classes, in argument order: output features
+      of a projection that a softmax or norm reduces and that no matmul of the forward
+      pass contracts (a language model's head, column-parallel, with the loss's reductions
+      over the vocabulary all-reduced, as Megatron-LM's vocab-parallel cross entropy does).
     experts: expert classes, in argument order.
     sequence_dims: `(path, dim)` of the sequence dim of every token input.
   """
 
   parameter_dims: dict[int, tuple[tuple[str, int], ...]]
   tensor_parallel: tuple[int, ...]
+  vocabulary: tuple[int, ...]
   experts: tuple[int, ...]
   sequence_dims: tuple[tuple[str, int], ...]
 
@@ -78,6 +83,32 @@ def _uses(problem: Problem) -> tuple[set[int], set[int], set[int]]:
         in_every_operand = all(any(factor in dim for dim in dims) for dims in op.rule.operand_dims)
         (batch if in_every_operand else features).add(cls)
   return features, batch, reduced
+
+
+def _forward_contractions(problem: Problem) -> set[int]:
+  """The classes that a matmul of the forward pass (an op a scalar output, the loss,
+  depends on) contracts."""
+  program, named = problem.program, problem.named
+  producer = {v: op for op in program.ops for v in op.results}
+  todo = [producer[v] for v in program.outputs if v in producer and not program.values[v].shape]
+  seen: set[int] = set()
+  while todo:
+    op = todo.pop()
+    if op.id not in seen:
+      seen.add(op.id)
+      todo.extend(producer[v] for v in op.operands if v in producer)
+  classes = set()
+  for op_id in seen:
+    op = program.ops[op_id]
+    if op.primitive in MATMULS:
+      factors = named.op_factor_classes(op_id)
+      kinds = op.rule.factor_kinds
+      classes.update(
+        int(factors[f])
+        for f, k in enumerate(kinds)
+        if k == FactorKind.REDUCTION and factors[f] >= 0
+      )
+  return classes
 
 
 _STRUCTURES: weakref.WeakKeyDictionary[Problem, Structure] = weakref.WeakKeyDictionary()
@@ -124,9 +155,21 @@ def _read_structure(problem: Problem) -> Structure:
     ):
       tensor_parallel.append(picked[0])
   experts = [c for c in parameter_dims if c in batch and c in reduced and c not in input_classes]
+  contracted = _forward_contractions(problem)
+  vocabulary = [
+    c
+    for c in parameter_dims
+    if c in features
+    and c in reduced
+    and c not in batch
+    and c not in input_classes
+    and c not in contracted
+    and c not in tensor_parallel
+  ]
   return Structure(
     {c: tuple(dims) for c, dims in parameter_dims.items()},
     tuple(tensor_parallel),
+    tuple(vocabulary),
     tuple(experts),
     tuple(sequence_dims),
   )
@@ -163,8 +206,9 @@ def data_parallel(problem: Problem) -> list[Decision]:
 
 def megatron(problem: Problem) -> list[Decision]:
   """Megatron tensor parallelism on the model axis: heads and FFN hidden dims
-  (column-parallel into, row-parallel out of each block)."""
-  return _shard_classes(problem, structure(problem).tensor_parallel, model_axis(problem))
+  (column-parallel into, row-parallel out of each block), and the head's vocabulary."""
+  found = structure(problem)
+  return _shard_classes(problem, found.tensor_parallel + found.vocabulary, model_axis(problem))
 
 
 def data_axes(problem: Problem) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +40,7 @@ __all__ = [
   "hierarchical_link",
   "infer_dcn",
   "links_json",
+  "stated_dcn",
   "torus_links",
 ]
 
@@ -138,6 +139,28 @@ def infer_dcn(names: Sequence[str], sizes: Sequence[int], hardware: Hardware) ->
       )
     dcn.append(size // ici)
   return tuple(dcn)
+
+
+def stated_dcn(
+  names: Sequence[str], in_spec: Mapping[str, int], given: Mapping[str, int]
+) -> tuple[int, ...] | None:
+  """The DCN part of each axis from those stated in the spec (`NAME=DCNxICI`) and given
+  by name (`make_mesh`'s `dcn`): 1 for an axis stated in neither; None when none is stated
+  (all inferred).
+
+  Raises:
+    ValueError: an axis stated twice, a name that is no axis, a part that is no positive int.
+  """
+  if set(in_spec) & set(given):
+    raise ValueError(f"axes {sorted(set(in_spec) & set(given))} split in both spec and dcn")
+  stated = {**in_spec, **given}
+  unknown = [name for name in stated if name not in names]
+  if unknown:
+    raise ValueError(f"dcn names axes {unknown} that the mesh {tuple(names)} lacks")
+  for name, d in stated.items():
+    if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+      raise ValueError(f"axis {name!r} has DCN part {d!r}; DCN parts must be positive ints")
+  return tuple(stated.get(name, 1) for name in names) if stated else None
 
 
 def _splits(n: int, k: int, low: int, high: int, step: int) -> bool:

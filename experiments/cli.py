@@ -97,6 +97,11 @@ COMMANDS: dict[str, Command] = {
     "PipelineBenchConfig",
     "pipelined expert and agent plans against intra-op plans on multi-node cases",
   ),
+  "bench published": Command(
+    "bench_published",
+    "PublishedBenchConfig",
+    "published training runs (papers' plans and measured TFLOP/s or MFU) against the simulator",
+  ),
   "bench search": Command(
     "bench_search", "SearchBenchConfig", "search agents against the best expert tactic on the zoo"
   ),

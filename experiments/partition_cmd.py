@@ -41,17 +41,9 @@ from agents import learned
 from agents.base import Budget
 from agents.registry import AGENTS
 from automap_rl import ir, workloads
-from automap_rl.plan import (
-  baselines,
-  compare_with_best_expert,
-  cost_dict,
-  fit_advice,
-  format_arguments,
-  format_costs,
-  format_pipeline,
-)
+from automap_rl.plan import cost_dict, fit_advice
 from automap_rl.problem import Problem
-from automap_rl.topology import format_axis_links, links_json
+from automap_rl.topology import links_json
 from experiments.cli import CommandFailed, write_json
 from experiments.options import (
   WORKLOAD_HELP,
@@ -309,7 +301,7 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   problem, decisions, found = plan.problem, plan.decisions, plan.search
   with phase("costing the plan and the expert plans", _clocks(config)):
     result = cost_dict(plan.cost)
-    result["baselines"] = baselines(problem)
+    result["baselines"] = plan.expert_costs  # Priced once: the report below reuses them.
   result["decisions"] = [str(d) for d in decisions]
   result["links"] = links_json(problem.mesh)
   result["agent"] = config.agent
@@ -328,25 +320,10 @@ def run(config: PartitionConfig) -> dict[str, Any]:
       stopped_by=found.stopped_by,
       lower_bound=found.lower_bound,
     )
-  print(
-    f"{name} on {config.mesh} ({config.hardware}), "
-    + (f"tactic {config.tactic}" if found is None else f"agent {config.agent}, seed {config.seed}")
-    + f": {len(decisions)} decisions"
-  )
-  if found is None:
-    print(format_axis_links(problem.mesh))
-    if plan.pipeline is not None:
-      print(format_pipeline(plan.pipeline, plan.cost))
-    print(format_arguments(problem, decisions, config.max_args))
-    print()
-    print(format_costs({config.tactic: result, **result["baselines"]}))
-    print(
-      "\n" + compare_with_best_expert(config.tactic, {config.tactic: result, **result["baselines"]})
-    )
-  else:
-    print(plan.report(config.max_args))
-    print()
-    print(plan.diagram())
+  print(f"{name}" + ("" if found is None else f", seed {config.seed}") + ":")
+  print(plan.report(config.max_args))
+  print()
+  print(plan.diagram())
   if config.check_numerics:
     result["numerics"] = lower_and_check(config, problem, decisions, fn, args)
   if config.plot:

@@ -149,7 +149,10 @@ def test_stated_splits():
     ("data=2x8,model=8", None, "put 64 devices in one node"),
     ("data=16,model=8", {"data": 3}, "axis 'data' of 16 devices cannot have a DCN part of 3"),
     ("data=16,model=8", {"batch": 2}, "dcn names axes \\['batch'\\]"),
-    ("data=0x4", None, "DCN and ICI parts must be positive"),
+    ("data=0x4", None, "'data' has size 0"),
+    ("data=-2x-4", None, "'data' has DCN part -2"),
+    ("data=8", {"data": 2.0}, "'data' has DCN part 2.0"),
+    ("data=2x4,model=2", {"data": 2}, "axes \\['data'\\] split in both spec and dcn"),
     ("data=2x", None, "'data=2x'"),
     (
       "data=4,model=3",

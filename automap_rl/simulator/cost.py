@@ -6,7 +6,7 @@ the op's shard count. Per edge (an op using or making a value):
 * operand stored on axes the op does not shard: all-gather over those axes; on an axis
   the op shards on another dim: all-to-all; sharded where stored replicated: a free slice.
   The reads of one value that need the same sharding share one such collective, as XLA
-  reshards a value once per sharding (`tables._operand_read_shares`, and
+  reshards a value once per sharding (`tables.edges.operand_read_shares`, and
   `_unshared_reads` where a plan resolves such reads apart).
 * result with sharded reduction factors: a partial sum, reduce-scattered over the axes its
   stored sharding uses, all-reduced over the rest (a linear combination of partial sums

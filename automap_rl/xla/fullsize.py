@@ -249,12 +249,13 @@ def _axes_mask(mesh: Mesh, axes: Sequence[str] | None) -> int:
 
 @functools.cache
 def _peak_flops(problem: Problem) -> float:
-  """The peak flop/s of the op with the most flops (a matmul, in the matmuls' dtype)."""
+  """The flop/s of the op with the most flops (a matmul, in the matmuls' dtype), as the
+  simulator prices it (`Hardware.achievable_flops`)."""
   program = problem.program
   flops = program_flops(program)
   heaviest = max(program.ops, key=lambda op: op.repeat * flops[op.id])
   dtype = program.values[heaviest.results[0]].dtype if heaviest.results else "float32"
-  return problem.mesh.hardware.peak_flops(heaviest.primitive, dtype)
+  return problem.mesh.hardware.achievable_flops(heaviest.primitive, dtype)
 
 
 def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, float]:

@@ -1,0 +1,545 @@
+"""Published training runs: what large models were measured to cost on accelerators.
+
+Each `PublishedRun` is one row of a paper's table (or a framework's published benchmark
+table): the model, the hardware, the plan practitioners ran (tensor, pipeline, data, FSDP
+and expert degrees, schedule, microbatches, activation recomputation), the global batch
+and sequence, and the figure they measured: TFLOP/s per device counted with the paper's
+own flop formula, or MFU as that paper defines it. `build` turns a row into the
+simulator's problem and the published plan (decisions and pipeline), so the simulated
+figure is computed with the same formula from the simulated step time.
+
+Where the zoo cannot express the paper's model exactly (a head width that differs from
+the residual width, a layer count a scanned stack cannot split evenly, SwiGLU experts), the
+row simulates the closest zoo model and says so in `notes`; the simulated figure then
+counts the flops of the simulated model (`simulated_shape`), the published one is the
+paper's number. Every number not stated by the source is marked as an estimate in `notes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from automap_rl import tactics
+from automap_rl.mesh import Mesh, get_hardware, make_mesh, parse_mesh_spec
+from automap_rl.pipeline import Pipeline
+from automap_rl.problem import Problem
+from automap_rl.sharding import Decision
+from automap_rl.workloads import spec as spec_lib
+
+# The mesh axes a plan's degrees map to, major to minor (the model axis last: the fastest
+# link, as `tactics.model_axis` expects).
+AXES = ("stage", "data", "fsdp", "expert", "model")
+KINDS = ("tflops", "mfu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """A decoder-only transformer as flop formulas read it.
+
+  Attributes:
+    layers: decoder layers L.
+    d_model: residual width h.
+    heads: query heads H.
+    head_dim: width of each head Q (H * Q may differ from h, as in PaLM and MaxText).
+    kv_heads: key/value heads (H: multi-head, 1: multi-query, between: grouped-query).
+    d_ff: feed-forward hidden width (of each expert).
+    vocab: vocabulary V.
+    gated: the feed-forward is gated (SwiGLU: three matrices, not two).
+    experts: experts per MoE layer (1: dense).
+    top_k: experts each token is routed to.
+    tied: the output projection is the input embedding.
+  """
+
+  layers: int
+  d_model: int
+  heads: int
+  head_dim: int
+  kv_heads: int
+  d_ff: int
+  vocab: int
+  gated: bool = False
+  experts: int = 1
+  top_k: int = 1
+  tied: bool = False
+
+  def params(self) -> float:
+    """Matmul and embedding parameters (norms and biases left out)."""
+    h, attn = self.d_model, self.heads * self.head_dim
+    attention = 2 * h * attn + 2 * h * self.kv_heads * self.head_dim
+    ffn = (3 if self.gated else 2) * h * self.d_ff * self.experts
+    router = h * self.experts if self.experts > 1 else 0
+    return self.layers * (attention + ffn + router) + self.vocab * h * (1 if self.tied else 2)
+
+
+def megatron_2021_flops(shape: Shape, batch: int, seq: int) -> float:
+  """Narayanan et al. (SC 2021), Sec. 5.1: F = 96 B s l h^2 (1 + s / 6h + V / 16 l h)
+  flops per step, with activation recomputation (a second forward pass) counted."""
+  l, h, v = shape.layers, shape.d_model, shape.vocab
+  return 96 * batch * seq * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
+
+
+def megatron_2021_params(shape: Shape, seq: int) -> float:
+  """Narayanan et al. (SC 2021), Sec. 5.1: P = 12 l h^2 (1 + 13 / 12h + (V + s) / 12 l h)."""
+  l, h = shape.layers, shape.d_model
+  return 12 * l * h * h * (1 + 13 / (12 * h) + (shape.vocab + seq) / (12 * l * h))
+
+
+def megatron_lm_flops(shape: Shape, batch: int, seq: int) -> float:
+  """Megatron-LM's `num_floating_point_operations` (megatron/training/training.py): 12 B s
+  L h^2 ((1 + K / H + s / h) H Q / h + (d_ff / h) top_k (3/2 if gated)) + 6 B s h V flops per
+  step; model flops, recomputation not counted."""
+  h = shape.d_model
+  attention = (1 + shape.kv_heads / shape.heads + seq / h) * shape.heads * shape.head_dim / h
+  ffn = shape.d_ff / h * shape.top_k * (1.5 if shape.gated else 1.0)
+  return (
+    12 * batch * seq * shape.layers * h * h * (attention + ffn) + 6 * batch * seq * h * shape.vocab
+  )
+
+
+def palm_flops(shape: Shape, batch: int, seq: int) -> float:
+  """Chowdhery et al. (PaLM, 2022), Appendix B: 6 N + 12 L H Q T model flops per token (N
+  the parameters, T the sequence), recomputation not counted."""
+  per_token = 6 * shape.params() + 12 * shape.layers * shape.heads * shape.head_dim * seq
+  return batch * seq * per_token
+
+
+def maxtext_flops(shape: Shape, batch: int, seq: int) -> float:
+  """MaxText's `calculate_tflops_training_per_device` (MaxText/maxtext_utils.py, 2024)
+  times the devices: 3 (forward and backward) x [L (FFN + QKV + output projection +
+  4 s H Q non-causal attention) + 2 h V embedding] per token."""
+  h, hq = shape.d_model, shape.heads * shape.head_dim
+  ffn = 2 * h * shape.d_ff * ((2 if shape.gated else 1) + 1) * shape.top_k
+  ffn += 2 * h * shape.experts if shape.experts > 1 else 0
+  qkv = 2 * h * (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+  layer = ffn + qkv + 2 * h * hq + 4 * seq * hq
+  return 3 * batch * seq * (shape.layers * layer + 2 * h * shape.vocab)
+
+
+FORMULAS: dict[str, Callable[[Shape, int, int], float]] = {
+  "megatron-2021": megatron_2021_flops,
+  "megatron-lm": megatron_lm_flops,
+  "palm": palm_flops,
+  "maxtext": maxtext_flops,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Citation:
+  """Where a row's numbers come from.
+
+  Attributes:
+    paper: authors and title (or the repository and file).
+    venue: venue and year.
+    where: the table or figure (and its row).
+    short: a few words for tables.
+  """
+
+  paper: str
+  venue: str
+  where: str
+  short: str
+
+  def __str__(self) -> str:
+    return f"{self.paper}, {self.venue}, {self.where}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The parallel plan a run used, as degrees.
+
+  Attributes:
+    tensor: tensor (Megatron) parallel degree, on the `model` axis.
+    pipeline: pipeline stages, on the `stage` axis.
+    data: data-parallel replicas, on the `data` axis (parameters replicated).
+    fsdp: fully sharded data-parallel degree, on the `fsdp` axis (batch and parameter,
+      gradient and optimizer storage sharded, gathered at use).
+    expert: expert-parallel degree, on the `expert` axis (batch and experts sharded).
+    schedule: pipeline schedule (`pipeline.SCHEDULES`).
+    chunks: layer chunks per stage (interleaved schedule).
+    microbatch_size: sequences per microbatch per replica; microbatches = batch /
+      (replicas x microbatch_size), run as a pipeline's microbatches or, with one stage,
+      as gradient accumulation.
+    recompute: full activation recomputation (the workload's `remat`).
+    zero: parameters, gradients and optimizer state also stored sharded over `data`
+      (ZeRO-3 / FSDP), gathered at use. Megatron's distributed optimizer (ZeRO-1: optimizer
+      state alone sharded) is not a decision list; rows that ran it say so in their notes.
+  """
+
+  tensor: int = 1
+  pipeline: int = 1
+  data: int = 1
+  fsdp: int = 1
+  expert: int = 1
+  schedule: str = "1f1b"
+  chunks: int = 1
+  microbatch_size: int = 1
+  recompute: bool = True
+  zero: bool = False
+
+  @property
+  def degrees(self) -> dict[str, int]:
+    """Mesh axis -> degree, in `AXES` order."""
+    return {
+      "stage": self.pipeline,
+      "data": self.data,
+      "fsdp": self.fsdp,
+      "expert": self.expert,
+      "model": self.tensor,
+    }
+
+  @property
+  def devices(self) -> int:
+    """Devices the plan runs on: the product of its degrees."""
+    return self.tensor * self.pipeline * self.data * self.fsdp * self.expert
+
+  @property
+  def replicas(self) -> int:
+    """Ways the batch is split across devices."""
+    return self.data * self.fsdp * self.expert
+
+  def describe(self) -> str:
+    """The plan in a few words: each degree above 1 by its axis, the schedule, the
+    microbatch size and the storage and recomputation flags (`stage16 data64 model8 1f1b
+    mbs1 remat`)."""
+    parts = [f"{k}{v}" for k, v in self.degrees.items() if v > 1]
+    if self.pipeline > 1:
+      parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 else ""))
+    parts.append(f"mbs{self.microbatch_size}")
+    flags = {"zero3": self.zero, "remat": self.recompute}
+    return " ".join(parts + [flag for flag, on in flags.items() if on])
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedRun:
+  """One published training run.
+
+  Attributes:
+    name: the row's short name (`--rows`).
+    citation: where its numbers come from.
+    hardware: the hardware profile (`automap_rl.mesh.HARDWARE`).
+    model: the workload spec simulated (scanned layers, abstract tracing).
+    shape: the paper's model as its flop formula reads it.
+    mesh: the mesh spec (axes in `AXES` order, one per degree above 1).
+    plan: the published plan.
+    batch: global batch in sequences.
+    seq: sequence length.
+    figure: the published figure.
+    kind: `tflops` (TFLOP/s per device) or `mfu` (model flops utilization, a fraction).
+    formula: the key in `FORMULAS` of the paper's flop count.
+    stated_params: the parameter count the paper states, or None.
+    links: per mesh axis, `intra` or `inter` node link, where the paper places an axis
+      differently from `mesh.axis_links`'s inference; None: inferred.
+    notes: approximations and estimates (what the source does not state).
+  """
+
+  name: str
+  citation: Citation
+  hardware: str
+  model: str
+  shape: Shape
+  mesh: str
+  plan: Plan
+  batch: int
+  seq: int
+  figure: float
+  kind: str
+  formula: str
+  stated_params: float | None = None
+  links: tuple[str, ...] | None = None
+  notes: tuple[str, ...] = ()
+
+  @property
+  def devices(self) -> int:
+    return self.plan.devices
+
+  def figure_of(self, flops_per_step: float, step_time: float) -> float:
+    """The row's figure (its `kind`) for a step of `flops_per_step` model flops taking
+    `step_time` seconds on every device."""
+    per_device = flops_per_step / step_time / self.devices
+    if self.kind == "tflops":
+      return per_device / 1e12
+    return per_device / get_hardware(self.hardware).flops["bfloat16"]
+
+  def published_flops(self) -> float:
+    """The paper's flops per step (its formula on its model)."""
+    return FORMULAS[self.formula](self.shape, self.batch, self.seq)
+
+  def simulated_flops(self) -> float:
+    """The same formula on the simulated model (`simulated_shape`)."""
+    return FORMULAS[self.formula](simulated_shape(self.model), self.batch, self.seq)
+
+  def format_figure(self, value: float) -> str:
+    return f"{value:.1f} TF/s" if self.kind == "tflops" else f"{100 * value:.1f}% MFU"
+
+
+def simulated_shape(model: str) -> Shape:
+  """The `Shape` of a gpt, moe or llama workload spec."""
+  family, c = spec_lib.make_config(model)
+  if family == "llama":
+    return Shape(
+      c.layers, c.d_model, c.heads, c.head_dim, c.kv_heads, c.d_ff, c.vocab, True,
+      tied=c.tie_embeddings,
+    )  # fmt: skip
+  if family in ("gpt", "moe"):
+    experts = (c.experts, c.top_k) if family == "moe" else (1, 1)
+    return Shape(
+      c.layers, c.d_model, c.heads, c.d_model // c.heads, c.heads, c.hidden, c.vocab, False,
+      *experts,
+    )  # fmt: skip
+  raise ValueError(f"no flop shape for model family {family!r} (gpt, moe or llama)")
+
+
+def build_mesh(run: PublishedRun) -> Mesh:
+  """The run's mesh; where `links` is given, each axis on the link the paper places it."""
+  mesh = make_mesh(run.mesh, run.hardware)
+  if run.links is None:
+    return mesh
+  hardware = mesh.hardware
+  links = tuple(hardware.intra_node if k == "intra" else hardware.inter_node for k in run.links)
+  return dataclasses.replace(mesh, links=links)
+
+
+def published_plan(problem: Problem, run: PublishedRun) -> tuple[list[Decision], Pipeline | None]:
+  """The run's plan on `problem`: the batch over the data, FSDP and expert axes, Megatron on
+  the model axis, experts over the expert axis, storage sharded over the FSDP axis (and the
+  data axis with ZeRO), and the pipeline (stages on the stage axis, or gradient
+  accumulation over the batch axis with one stage)."""
+  plan, axes = run.plan, problem.mesh.axis_names
+  batch_axes = tuple(a for a in ("data", "fsdp", "expert") if a in axes)
+  found = tactics.structure(problem)
+  decisions = tactics._batch_over(problem, batch_axes)
+  if plan.tensor > 1:
+    decisions += tactics.megatron(problem)
+  if plan.expert > 1:
+    decisions += tactics._shard_classes(problem, found.experts, "expert")
+  storage = tuple(a for a in ("fsdp",) + (("data",) if plan.zero else ()) if a in axes)
+  if storage:
+    decisions += tactics._store_sharded(problem, storage, found.tensor_parallel)
+  microbatches = run.batch // (plan.replicas * plan.microbatch_size)
+  if plan.pipeline > 1:
+    stack = tactics._largest_stack(problem)[0]
+    pipeline = Pipeline(
+      "stage", plan.pipeline, microbatches, plan.schedule, chunks=plan.chunks, stack=stack
+    )
+  elif microbatches > 1:
+    pipeline = Pipeline(batch_axes[0], stages=1, microbatches=microbatches)
+  else:
+    pipeline = None
+  return decisions, pipeline
+
+
+def build(run: PublishedRun) -> tuple[Problem, list[Decision], Pipeline | None]:
+  """The run's problem (its model traced abstractly on its mesh) and its published plan."""
+  program = spec_lib.make_workload(run.model, abstract=True).trace()
+  problem = Problem.build(program, build_mesh(run))
+  return (problem, *published_plan(problem, run))
+
+
+def check(run: PublishedRun) -> None:
+  """Raises ValueError naming what in a row is inconsistent: a mesh whose axes are not the
+  plan's degrees, a batch the replicas and microbatches do not split, an unknown kind or
+  formula, a model that is not the plan's recomputation or the row's batch and sequence."""
+  degrees = {a: d for a, d in run.plan.degrees.items() if d > 1}
+  if parse_mesh_spec(run.mesh) != degrees:
+    raise ValueError(f"{run.name}: mesh {run.mesh!r} is not the plan's degrees {degrees}")
+  if run.batch % (run.plan.replicas * run.plan.microbatch_size):
+    raise ValueError(
+      f"{run.name}: batch {run.batch} does not split into {run.plan.replicas} replicas x "
+      f"microbatches of {run.plan.microbatch_size}"
+    )
+  if run.kind not in KINDS or run.formula not in FORMULAS:
+    raise ValueError(f"{run.name}: kind {run.kind!r} or formula {run.formula!r} unknown")
+  _, config = spec_lib.make_config(run.model)
+  if (config.batch, config.seq, config.remat) != (run.batch, run.seq, run.plan.recompute):
+    raise ValueError(f"{run.name}: model {run.model!r} is not batch {run.batch}, seq {run.seq}")
+  if run.links is not None and len(run.links) != len(degrees):
+    raise ValueError(f"{run.name}: {len(run.links)} links for {len(degrees)} mesh axes")
+
+
+_MEGATRON = Citation(
+  "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
+  "Megatron-LM",
+  "SC 2021",
+  "Table 1",
+  "Narayanan+ SC21 T1",
+)
+# Table 1: (parameters in billions, heads, hidden size, layers, tensor, pipeline, GPUs,
+# batch, achieved TFLOP/s per GPU).
+_MEGATRON_ROWS = (
+  ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137),
+  ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138),
+  ("7.5", 32, 4096, 36, 4, 1, 128, 512, 142),
+  ("18.4", 48, 6144, 40, 8, 1, 256, 1024, 135),
+  ("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138),
+  ("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+  ("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148),
+  ("310.1", 128, 16384, 96, 8, 16, 1920, 2160, 155),
+  ("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163),
+  ("1008", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+
+def _megatron_run(row: tuple) -> PublishedRun:
+  size, heads, h, layers, tp, pp, gpus, batch, tflops = row
+  dp = gpus // (tp * pp)
+  plan = Plan(tensor=tp, pipeline=pp, data=dp)
+  return PublishedRun(
+    name=f"megatron-{size}b",
+    citation=_MEGATRON,
+    hardware="a100-80g",
+    model=f"gpt:layers={layers},d_model={h},heads={heads},seq=2048,vocab=51200,batch={batch},"
+    "scan=true,remat=true,dtype=bfloat16",
+    shape=Shape(layers, h, heads, h // heads, heads, 4 * h, 51200),
+    mesh=",".join(f"{a}={d}" for a, d in plan.degrees.items() if d > 1),
+    plan=plan,
+    batch=batch,
+    seq=2048,
+    figure=tflops,
+    kind="tflops",
+    formula="megatron-2021",
+    stated_params=float(size) * 1e9,
+    notes=(
+      "microbatch size 1 and the 1F1B schedule are estimates (Table 1 gives neither); "
+      "without pipeline stages the batch runs as gradient accumulation",
+    ),
+  )
+
+
+_LLAMA3 = Citation(
+  "Grattafiori et al., The Llama 3 Herd of Models",
+  "arXiv 2407.21783, 2024",
+  "Table 4",
+  "Llama 3 T4",
+)
+_LLAMA3_NOTES = (
+  "128 layers simulated for the paper's 126 (a scanned stack splits evenly over 16 stages; the "
+  "paper gives the first and last stage one layer less)",
+  "the paper's interleaved schedule with 2 chunks per stage and microbatch size 1: estimates "
+  "(neither is stated)",
+  "ZeRO-3 storage over data for the paper's FSDP (which keeps parameters gathered between "
+  "forward and backward); full recomputation is an estimate (not stated)",
+  "flop formula not stated: Megatron-LM's assumed",
+)
+
+
+def _llama3_run(gpus: int, data: int, tflops: float) -> PublishedRun:
+  return PublishedRun(
+    name=f"llama3-405b-{gpus // 1024}k",
+    citation=_LLAMA3,
+    hardware="h100",
+    model="llama:layers=128,d_model=16384,heads=128,kv_heads=8,d_ff=53248,vocab=128256,"
+    "seq=8192,batch=2048,remat=true,dtype=bfloat16",
+    shape=Shape(126, 16384, 128, 128, 8, 53248, 128256, gated=True),
+    mesh=f"stage=16,data={data},model=8",
+    plan=Plan(tensor=8, pipeline=16, data=data, schedule="interleaved", chunks=2, zero=True),
+    batch=2048,
+    seq=8192,
+    figure=tflops,
+    kind="tflops",
+    formula="megatron-lm",
+    stated_params=405e9,
+    notes=_LLAMA3_NOTES,
+  )
+
+
+RUNS: tuple[PublishedRun, ...] = (
+  *(_megatron_run(row) for row in _MEGATRON_ROWS),
+  _llama3_run(8192, 64, 430),
+  _llama3_run(16384, 128, 400),
+  PublishedRun(
+    name="palm-540b",
+    citation=Citation(
+      "Chowdhery et al., PaLM: Scaling Language Modeling with Pathways",
+      "JMLR 2023 (arXiv 2204.02311)",
+      "Sec. 4, Table 3 and Appendix B (238.3K tokens/s)",
+      "PaLM T3/App. B",
+    ),
+    hardware="tpu-v4",
+    model="llama:layers=118,d_model=18432,heads=48,kv_heads=1,d_ff=73728,vocab=256000,"
+    "tie_embeddings=true,seq=2048,batch=2048,remat=true,dtype=bfloat16",
+    shape=Shape(118, 18432, 48, 256, 1, 73728, 256000, gated=True, tied=True),
+    mesh="data=2,fsdp=256,model=12",
+    plan=Plan(tensor=12, data=2, fsdp=256, microbatch_size=4),
+    batch=2048,
+    seq=2048,
+    figure=0.462,
+    kind="mfu",
+    formula="palm",
+    stated_params=540.35e9,
+    links=("inter", "intra", "intra"),
+    notes=(
+      "heads of width 384 simulated for PaLM's 48 x 256 (the zoo's head width is d_model / "
+      "heads); serial blocks for PaLM's parallel attention and FFN; RMSNorm for LayerNorm",
+      "data axis across the two pods on DCN, FSDP and model axes within a pod on ICI",
+      "batch 2048 x 2048 tokens, the last phase of the batch schedule (the MFU's batch is an "
+      "estimate)",
+    ),
+  ),
+  *(
+    PublishedRun(
+      name=f"maxtext-{size}b-v5e",
+      citation=Citation(
+        "MaxText, High Performance Model Training Configs on TPU v5e",
+        "github.com/AI-Hypercomputer/maxtext, 2023-2024",
+        f"MaxText/configs/v5e/README.md, 1x v5e-256 row, {size}B; configs/v5e/{size}b.sh",
+        "MaxText v5e README",
+      ),
+      hardware="tpu-v5e",
+      model=f"llama:layers={layers},d_model=8192,heads=64,kv_heads=64,d_ff=28672,vocab=32000,"
+      f"seq=2048,batch={256 * per_device},remat=true,dtype=bfloat16",
+      shape=Shape(layers, 8192, 64, 128, 64, 28672, 32000, gated=True),
+      mesh="fsdp=256",
+      plan=Plan(fsdp=256, microbatch_size=per_device),
+      batch=256 * per_device,
+      seq=2048,
+      figure=tflops,
+      kind="tflops",
+      formula="maxtext",
+      notes=(
+        f"global_parameter_scale={size}: base.yml's 2048 / 16 heads / 7168 / 16 layers scaled "
+        f"to {8192} / 64 / 28672 / {layers}; per_device_batch_size={per_device}, remat full",
+        "MaxText's flop formula of 2024 (non-causal attention); the table's own version is "
+        "not recorded",
+      ),
+    )
+    for size, layers, per_device, tflops in ((32, 32, 4, 132), (64, 64, 2, 118))
+  ),
+  PublishedRun(
+    name="mixtral-8x7b",
+    citation=Citation(
+      "Megatron-Core MoE (NVIDIA/Megatron-LM)",
+      "megatron/core/transformer/moe/README.md, MCore v0.8-v0.9, 2024",
+      "468 TFLOPS (v0.9) and Reference Best Parallel Mapping, Mixtral 8x7B row",
+      "MCore MoE README",
+    ),
+    hardware="h100",
+    model="moe:layers=32,d_model=4096,heads=32,d_ff=21504,seq=4096,vocab=32000,batch=256,"
+    "experts=8,top_k=2,capacity_factor=1.0,scan=true,remat=false,dtype=bfloat16",
+    shape=Shape(32, 4096, 32, 128, 8, 14336, 32000, gated=True, experts=8, top_k=2),
+    mesh="stage=4,data=2,expert=8",
+    plan=Plan(pipeline=4, data=2, expert=8, schedule="interleaved", chunks=8, recompute=False),
+    batch=256,
+    seq=4096,
+    figure=468,
+    kind="tflops",
+    formula="megatron-lm",
+    notes=(
+      "the README ties 468 TFLOPS to MCore v0.9 and the mapping (64 GPUs, TP1 EP8 PP4 VP8, "
+      "MBS 1, GBS 256, seq 4096) to v0.8: pairing them is an estimate",
+      "the distributed optimizer (ZeRO-1) is not expressible: optimizer state replicated over "
+      "data; no recomputation (the mapping lists none)",
+      "GELU experts of width 21504 (same flops and parameters) simulated for SwiGLU experts of "
+      "width 14336; multi-head for 8 KV groups; GShard dispatch (capacity factor 1) for dropless",
+    ),
+  ),
+)
+_BY_NAME = {run.name: run for run in RUNS}
+
+
+def get(names: tuple[str, ...] | list[str]) -> list[PublishedRun]:
+  """The rows called `names` (all rows when empty); ValueError names an unknown row."""
+  unknown = [n for n in names if n not in _BY_NAME]
+  if unknown:
+    raise ValueError(f"unknown row(s) {unknown}; valid rows: {', '.join(_BY_NAME)}")
+  return [_BY_NAME[n] for n in names] if names else list(RUNS)
