@@ -228,8 +228,6 @@ class PublishedRun:
     kind: `tflops` (TFLOP/s per device) or `mfu` (model flops utilization, a fraction).
     formula: the key in `FORMULAS` of the paper's flop count.
     stated_params: the parameter count the paper states, or None.
-    links: per mesh axis, `intra` or `inter` node link, where the paper places an axis
-      differently from `mesh.axis_links`'s inference; None: inferred.
     notes: approximations and estimates (what the source does not state).
   """
 
@@ -246,7 +244,6 @@ class PublishedRun:
   kind: str
   formula: str
   stated_params: float | None = None
-  links: tuple[str, ...] | None = None
   notes: tuple[str, ...] = ()
 
   @property
@@ -291,13 +288,8 @@ def simulated_shape(model: str) -> Shape:
 
 
 def build_mesh(run: PublishedRun) -> Mesh:
-  """The run's mesh; where `links` is given, each axis on the link the paper places it."""
-  mesh = make_mesh(run.mesh, run.hardware)
-  if run.links is None:
-    return mesh
-  hardware = mesh.hardware
-  links = tuple(hardware.intra_node if k == "intra" else hardware.inter_node for k in run.links)
-  return dataclasses.replace(mesh, links=links)
+  """The run's mesh: each axis on the link its spec states (`NAME=DCNxICI`) or implies."""
+  return make_mesh(run.mesh, run.hardware)
 
 
 def published_plan(problem: Problem, run: PublishedRun) -> tuple[list[Decision], Pipeline | None]:
@@ -353,8 +345,6 @@ def check(run: PublishedRun) -> None:
   _, config = spec_lib.make_config(run.model)
   if (config.batch, config.seq, config.remat) != (run.batch, run.seq, run.plan.recompute):
     raise ValueError(f"{run.name}: model {run.model!r} is not batch {run.batch}, seq {run.seq}")
-  if run.links is not None and len(run.links) != len(degrees):
-    raise ValueError(f"{run.name}: {len(run.links)} links for {len(degrees)} mesh axes")
 
 
 _MEGATRON = Citation(
@@ -459,7 +449,7 @@ RUNS: tuple[PublishedRun, ...] = (
     model="llama:layers=118,d_model=18432,heads=48,kv_heads=1,d_ff=73728,vocab=256000,"
     "tie_embeddings=true,seq=2048,batch=2048,remat=true,dtype=bfloat16",
     shape=Shape(118, 18432, 48, 256, 1, 73728, 256000, gated=True, tied=True),
-    mesh="data=2,fsdp=256,model=12",
+    mesh="data=2x1,fsdp=256,model=12",
     plan=Plan(tensor=12, data=2, fsdp=256, microbatch_size=4),
     batch=2048,
     seq=2048,
@@ -467,7 +457,6 @@ RUNS: tuple[PublishedRun, ...] = (
     kind="mfu",
     formula="palm",
     stated_params=540.35e9,
-    links=("inter", "intra", "intra"),
     notes=(
       "heads of width 384 simulated for PaLM's 48 x 256 (the zoo's head width is d_model / "
       "heads); serial blocks for PaLM's parallel attention and FFN; RMSNorm for LayerNorm",
