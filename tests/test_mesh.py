@@ -260,13 +260,20 @@ def test_to_jax_mesh_too_few_devices():
     mesh_lib.to_jax_mesh(m)
 
 
-def test_cli_turns_a_bad_split_into_exit_2(capsys):
+def test_cli_reports_each_axis_link_and_turns_a_bad_split_into_exit_2(capsys, tmp_path):
+  import json
+
   from experiments import cli
 
-  argv = ["partition", "mlp", "--mesh", "data=1x16,model=2", "--hardware", "h100"]
-  assert cli.main([*argv, "--agent", "tactic"]) == 2
-  err = capsys.readouterr().err.strip()
-  assert err == (
+  out = tmp_path / "plan.json"
+  argv = ["partition", "mlp", "--hardware", "h100", "--agent", "tactic", "--json", str(out)]
+  assert cli.main([*argv, "--mesh", "data=2x2,model=2"]) == 0
+  assert "links: data nvlink4+infiniband-ndr 122.7 GB/s" in capsys.readouterr().out
+  links = json.loads(out.read_text())["links"]
+  assert (links["data"]["ici"], links["data"]["dcn"], links["data"]["stated"]) == (2, 2, True)
+  assert links["model"]["link"] == "nvlink4"
+  assert cli.main([*argv, "--mesh", "data=1x16,model=2"]) == 2
+  assert capsys.readouterr().err.strip() == (
     "automap-rl partition: error: ICI parts data 16 x model 2 put 32 devices in one node, "
     "but a node of h100 has 8"
   )
