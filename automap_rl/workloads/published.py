@@ -145,7 +145,7 @@ class Citation:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ParallelDegrees:
   """The parallel plan a run used, as degrees.
 
   Attributes:
@@ -237,7 +237,7 @@ class PublishedRun:
   model: str
   shape: Shape
   mesh: str
-  plan: Plan
+  plan: ParallelDegrees
   batch: int
   seq: int
   figure: float
@@ -373,7 +373,7 @@ _MEGATRON_ROWS = (
 def _megatron_run(row: tuple) -> PublishedRun:
   size, heads, h, layers, tp, pp, gpus, batch, tflops = row
   dp = gpus // (tp * pp)
-  plan = Plan(tensor=tp, pipeline=pp, data=dp)
+  plan = ParallelDegrees(tensor=tp, pipeline=pp, data=dp)
   return PublishedRun(
     name=f"megatron-{size}b",
     citation=_MEGATRON,
@@ -422,7 +422,9 @@ def _llama3_run(gpus: int, data: int, tflops: float) -> PublishedRun:
     "seq=8192,batch=2048,remat=true,dtype=bfloat16",
     shape=Shape(126, 16384, 128, 128, 8, 53248, 128256, gated=True),
     mesh=f"stage=16,data={data},model=8",
-    plan=Plan(tensor=8, pipeline=16, data=data, schedule="interleaved", chunks=2, zero=True),
+    plan=ParallelDegrees(
+      tensor=8, pipeline=16, data=data, schedule="interleaved", chunks=2, zero=True
+    ),
     batch=2048,
     seq=8192,
     figure=tflops,
@@ -450,7 +452,7 @@ RUNS: tuple[PublishedRun, ...] = (
     "tie_embeddings=true,seq=2048,batch=2048,remat=true,dtype=bfloat16",
     shape=Shape(118, 18432, 48, 256, 1, 73728, 256000, gated=True, tied=True),
     mesh="data=2x1,fsdp=256,model=12",
-    plan=Plan(tensor=12, data=2, fsdp=256, microbatch_size=4),
+    plan=ParallelDegrees(tensor=12, data=2, fsdp=256, microbatch_size=4),
     batch=2048,
     seq=2048,
     figure=0.462,
@@ -479,7 +481,7 @@ RUNS: tuple[PublishedRun, ...] = (
       f"seq=2048,batch={256 * per_device},remat=true,dtype=bfloat16",
       shape=Shape(layers, 8192, 64, 128, 64, 28672, 32000, gated=True),
       mesh="fsdp=256",
-      plan=Plan(fsdp=256, microbatch_size=per_device),
+      plan=ParallelDegrees(fsdp=256, microbatch_size=per_device),
       batch=256 * per_device,
       seq=2048,
       figure=tflops,
@@ -507,7 +509,9 @@ RUNS: tuple[PublishedRun, ...] = (
     "experts=8,top_k=2,capacity_factor=1.0,scan=true,remat=false,dtype=bfloat16",
     shape=Shape(32, 4096, 32, 128, 8, 14336, 32000, gated=True, experts=8, top_k=2),
     mesh="stage=4,data=2,expert=8",
-    plan=Plan(pipeline=4, data=2, expert=8, schedule="interleaved", chunks=8, recompute=False),
+    plan=ParallelDegrees(
+      pipeline=4, data=2, expert=8, schedule="interleaved", chunks=8, recompute=False
+    ),
     batch=256,
     seq=4096,
     figure=468,
