@@ -211,7 +211,8 @@ def usage() -> str:
     f"hardware profiles (--hardware): {', '.join(mesh.HARDWARE)}",
     f"workload families (WORKLOAD is FAMILY[:key=value,...]): {', '.join(workloads.FAMILIES)}; "
     f"external: {', '.join(workloads.EXTERNAL_FAMILIES)}",
-    "meshes (--mesh): axis=size,... e.g. data=2,model=4 (the last axis is the fastest link)",
+    "meshes (--mesh): AXIS=SIZE or AXIS=DCNxICI,... e.g. data=16,model=8 or data=2x4,model=1x2"
+    " (the plan says which link each axis uses)",
     f"{DEBUG_FLAG}: show Python tracebacks instead of one-line errors",
   ]
   return "\n".join(lines)
