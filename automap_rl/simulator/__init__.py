@@ -20,12 +20,11 @@ from automap_rl.simulator.cost import (
 from automap_rl.simulator.pipeline import (
   PIPELINE_KINDS,
   PipelineCost,
-  PipelineTables,
   PipelineTerms,
-  build_pipeline_tables,
   for_stages,
   pipeline_cost,
 )
+from automap_rl.simulator.pipeline_tables import PipelineTables, build_pipeline_tables
 from automap_rl.simulator.tables import CostTables, build_cost_tables
 
 __all__ = [
