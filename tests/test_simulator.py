@@ -185,16 +185,18 @@ def test_expected_order_of_expert_tactics_on_gpt():
 
 
 def test_row_sums_split_into_groups_a_gpu_can_tile_give_the_same_sums(monkeypatch):
-  from automap_rl.simulator import cost
+  from automap_rl.simulator import collectives
 
   terms = tuple(jax.random.normal(jax.random.key(i), (297, 128)) for i in range(30))
-  whole = cost._sum_rows(*terms)
-  monkeypatch.setattr(cost.jax, "default_backend", lambda: "gpu")
+  whole = collectives.sum_rows(*terms)
+  monkeypatch.setattr(collectives.jax, "default_backend", lambda: "gpu")
   reductions = [
-    e for e in jax.make_jaxpr(cost._sum_rows)(*terms).eqns if e.primitive.name.startswith("reduce")
+    e
+    for e in jax.make_jaxpr(collectives.sum_rows)(*terms).eqns
+    if e.primitive.name.startswith("reduce")
   ]
   assert [len(e.invars) // 2 for e in reductions] == [16, 14]
-  for grouped, one_pass in zip(cost._sum_rows(*terms), whole, strict=True):
+  for grouped, one_pass in zip(collectives.sum_rows(*terms), whole, strict=True):
     np.testing.assert_array_equal(grouped, one_pass)
 
 

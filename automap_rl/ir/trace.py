@@ -324,19 +324,7 @@ def trace(
   Returns:
     The program; unknown primitives got the conservative rule, with one warning each.
   """
-  names = tuple(arg_names) if arg_names is not None else tuple(f"arg{i}" for i in range(len(args)))
-  roles = tuple(
-    Role.parse(r) if isinstance(r, str) else r for r in (arg_roles or (Role.INPUT,) * len(args))
-  )
-  if len(names) != len(args) or len(roles) != len(args):
-    raise ValueError(
-      f"trace got {len(args)} arguments but {len(names)} names and {len(roles)} roles."
-    )
-  repeated = sorted({n for n in names if names.count(n) > 1})
-  if repeated:
-    raise ValueError(
-      f"arg_names repeat {repeated}: every argument needs its own name (its paths start with it)"
-    )
+  names, roles = _names_and_roles(len(args), arg_names, arg_roles)
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
   builder = _Builder()
   env: dict = {}
@@ -383,3 +371,25 @@ def trace(
     out_tree=jax.tree_util.tree_structure(out_shape),
     donate_argnums=tuple(sorted(set(donate_argnums))),
   )
+
+
+def _names_and_roles(
+  count: int, arg_names: Sequence[str] | None, arg_roles: Sequence[str | Role] | None
+) -> tuple[tuple[str, ...], tuple[Role, ...]]:
+  """`trace`'s argument names and roles, defaults filled in (`arg0`, ... and `input`).
+
+  Raises:
+    ValueError: not one name and one role per argument, or a name given twice.
+  """
+  names = tuple(arg_names) if arg_names is not None else tuple(f"arg{i}" for i in range(count))
+  roles = tuple(
+    Role.parse(r) if isinstance(r, str) else r for r in (arg_roles or (Role.INPUT,) * count)
+  )
+  if len(names) != count or len(roles) != count:
+    raise ValueError(f"trace got {count} arguments but {len(names)} names and {len(roles)} roles.")
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise ValueError(
+      f"arg_names repeat {repeated}: every argument needs its own name (its paths start with it)"
+    )
+  return names, roles

@@ -6,12 +6,10 @@ encoded decisions and simulates them in one call. `pipeline_cost` prices a plan 
 pipeline stages (`PipelineCost`, its typed `PipelineTerms`) from the same terms.
 """
 
+from automap_rl.simulator.collectives import KINDS, EdgeTerms, collective_seconds
 from automap_rl.simulator.cost import (
-  KINDS,
   Cost,
   CostTerms,
-  EdgeTerms,
-  collective_seconds,
   evaluate,
   simulate,
   terms,

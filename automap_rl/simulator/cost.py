@@ -22,7 +22,7 @@ the op's shard count. Per edge (an op using or making a value):
 XLA's combiners merge independent reductions of one kind over the same axes (the
 gradients of data parallelism) into few collectives, up to the hardware profile's
 `combine_threshold` bytes each: those reductions pay latency per combined collective
-(`_combined_count`), bandwidth per byte as before.
+(`collectives.combined_count`), bandwidth per byte as before.
 
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
 slowest link bounds the bandwidth).
@@ -49,9 +49,19 @@ import numpy as np
 
 from automap_rl import batching, packing, sharding
 from automap_rl.sharding import Resolution
+from automap_rl.simulator.collectives import (
+  KINDS,
+  EdgeTerms,
+  axes_of,
+  axis_count,
+  edge_terms,
+  group_size,
+  sum_rows,
+  with_second_factor,
+)
 from automap_rl.simulator.tables import CostTables
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+__all__ = ["KINDS", "Cost", "CostTerms", "evaluate", "simulate", "terms", "total"]
 
 
 @chex.dataclass(frozen=True)
@@ -75,213 +85,6 @@ class Cost:
   fits: jax.Array
   comm_bytes: jax.Array
   comm_count: jax.Array
-
-
-def _axes_of(t: CostTables, masks: jax.Array) -> list[jax.Array]:
-  """Whether each mesh axis is in bit masks [...], bool [...] per axis."""
-  num_axes = t.mask_group.shape[-1].bit_length() - 1
-  return [(masks & (1 << axis)) != 0 for axis in range(num_axes)]
-
-
-def _group_size(t: CostTables, on: list[jax.Array]) -> jax.Array:
-  """Devices in a group spanning the axes `on` (from `_axes_of`): a product over the (at
-  most a few) axes, elementwise, so it vectorises where a look-up in a table would not.
-  Selects rather than arithmetic on the bits: XLA folds a padded axis (size 1) away
-  when the tables are constants."""
-  n = jnp.float32(1.0)
-  for axis, bit in enumerate(on):
-    n = n * jnp.where(bit, t.mask_group[..., 1 << axis], 1.0)
-  return n
-
-
-def _collective(
-  t: CostTables, rounds: float | jax.Array, axes: jax.Array, divisor: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Cost terms of ring collectives over the axes of bit masks `axes` [...] moving
-  `nbytes / group(divisor)` bytes per device: each takes `nbytes * per_byte + fixed`
-  seconds and moves `nbytes * fraction` bytes, in `rounds` passes (2 for an all-reduce,
-  1 for an all-gather or a reduce-scatter) of `(n - 1)`
-  hops of `1/n` of the buffer at the slowest link's rate plus its latency per hop.
-  Three look-ups in per-mask tables [2**X]: the per-edge terms run inside the edge
-  reduction, a loop XLA on CPU does not vectorise, where a look-up is one load and the
-  same terms as products and maxima over the axes cost a dozen selects and two divisions
-  (twice the time). Returns `(per_byte, fixed, fraction)`, each [...]."""
-  n = jnp.asarray(t.mask_group)
-  per_byte = rounds * (1.0 - 1.0 / n) * jnp.asarray(t.mask_seconds_per_byte)
-  fixed = rounds * (n - 1.0) * jnp.asarray(t.mask_latency)
-  axes, divisor = (
-    axes.astype(jnp.uint8),
-    divisor.astype(jnp.uint8),
-  )  # Unsigned: no wrap of negative indices.
-  fraction = (1.0 / n)[divisor]
-  return per_byte[axes] * fraction, fixed[axes], fraction
-
-
-def collective_seconds(t: CostTables, kind: str, buffer_bytes: float, axes: int) -> float:
-  """Seconds of one collective of `kind` (`KINDS` or `collective-permute`) over the mesh
-  axes of bit mask `axes`, moving a group-level buffer of `buffer_bytes` per device (the
-  `automap_rl.xla.hlo` convention), in the model `_collective` charges plans; a
-  collective-permute is one hop of the whole buffer at the slowest link of its axes. For
-  costing what XLA compiled with the simulator's own alpha-beta model, in Python floats
-  (a buffer of 2 GiB or more would overflow a jax int32)."""
-  if kind == "collective-permute":
-    return (
-      float(buffer_bytes) * float(t.mask_seconds_per_byte[axes]) + float(t.mask_latency[axes])
-      if axes
-      else 0.0
-    )
-  if kind not in KINDS:
-    raise ValueError(
-      f"Unknown collective kind {kind!r}; expected one of {KINDS} or 'collective-permute'."
-    )
-  per_byte, fixed, _ = _collective(
-    t, 2.0 if kind == "all-reduce" else 1.0, jnp.asarray(axes), jnp.asarray(0)
-  )
-  return float(buffer_bytes) * float(per_byte) + float(fixed)
-
-
-class EdgeTerms(NamedTuple):
-  """One collective kind on a set of edges, each [N] (with a plan batch: [N, B] inside
-  the simulator, [B, N] from `terms`): seconds, bytes per device, count (collectives per
-  step: the runs of the edge's own collectives, or for a reduction that XLA combines,
-  its share by bytes of the combined collectives), and the per-device buffer moved per
-  byte of the value (0 where none runs)."""
-
-  seconds: jax.Array
-  bytes: jax.Array
-  count: jax.Array
-  buffer: jax.Array
-
-
-# XLA's combiners merge at most this many collectives into one (`combine_threshold_count`
-# of the all-reduce, all-gather and reduce-scatter combiners in xla/service/gpu/ and of
-# `CpuAllReduceCombiner` in xla/service/cpu/cpu_compiler.cc).
-COMBINE_COUNT = 256.0
-
-
-def _combined_count(
-  t: CostTables,
-  axes: jax.Array,
-  moved: jax.Array,
-  runs: jax.Array,
-  combines: jax.Array,
-  loop: jax.Array,
-  threshold: jax.Array,
-) -> jax.Array:
-  """Collectives per step of edges whose collectives XLA's combiner merges.
-
-  The combining edges (`combines` [N] > 0, see `CostTables.reduction_combines`, and
-  `threshold` > 0: the backend combines this kind) with collectives over the same axes
-  (`axes` [N, B]) in the same loop group (`loop` [N], `CostTables.reduction_loop`: one
-  group outside loops and one per loop repeat count, `CostTables.loop_repeats`) form one group,
-  counted per
-  iteration (each edge's `moved` [N, B], bytes per device a step, and `runs` [N, B],
-  collectives a step, divided by its loop's repeat count). A group of total bytes T and n
-  collectives (per iteration) runs `max(ceil(T / threshold), ceil(n / COMBINE_COUNT))`
-  combined collectives (per iteration), which its members share by bytes (a member's
-  share times its repeat count: per step). Other edges keep their `runs`. Returns [N, B]."""
-  member = (combines[:, None] > 0) & (axes != 0) & (threshold > 0)
-  repeat = jnp.maximum(combines, 1.0)[:, None]
-  moved_once, runs_once = moved / repeat, runs / repeat  # Per iteration (the step, outside loops).
-  masks = range(1, t.mask_group.shape[-1])
-  in_group = [(loop == k)[:, None] for k in range(t.loop_repeats.shape[0])]
-  sums = _sum_rows(
-    *[
-      jnp.where(member & (axes == m) & group, x, 0.0)
-      for group in in_group
-      for m in masks
-      for x in (moved_once, runs_once)
-    ]
-  )
-  share = runs
-  for k, group in enumerate(in_group):
-    for i, m in enumerate(masks):
-      total, count = sums[2 * (k * len(masks) + i) : 2 * (k * len(masks) + i) + 2]  # [B] each.
-      combined = jnp.where(
-        total > 0, jnp.maximum(jnp.ceil(total / threshold), jnp.ceil(count / COMBINE_COUNT)), 0.0
-      )
-      # Selects per (group, mask), not a look-up by the edge's axes: elementwise, they vectorise.
-      share = jnp.where(
-        group & (axes == m),
-        combined * moved / jnp.maximum(total, jnp.finfo(jnp.float32).tiny),
-        share,
-      )
-  return jnp.where(member, share, runs)
-
-
-def _edge_terms(
-  t: CostTables,
-  rounds: float | jax.Array,
-  axes: jax.Array,
-  divisor: jax.Array,
-  weight: jax.Array,
-  weighted_bytes: jax.Array,
-  buffer_bytes: jax.Array,
-  combine: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-) -> EdgeTerms:
-  """The terms of one collective kind over the axes `axes` [N, B] of edges run `weight`
-  [N, 1] or [N, B] times a step, moving values of `weighted_bytes / weight` bytes
-  (`weighted_bytes` of `weight`'s shape: weight times bytes; see `_collective`):
-  bandwidth per byte moved, latency per collective. Linear in `weight` and
-  `weighted_bytes`, so the terms of several edges with the same axes are those of one
-  edge with their sums. `buffer` is `buffer_bytes` [N] over the group. With
-  `combine = (combines [N], loop [N], threshold)`, the collectives of the combining edges
-  are merged as XLA's combiner does (`_combined_count`), so latency is charged per
-  combined collective."""
-  per_byte, fixed, fraction = _collective(t, rounds, axes, divisor)
-  runs = jnp.where(axes != 0, weight, 0.0)
-  runs_bytes = jnp.where(axes != 0, weighted_bytes, 0.0)
-  moved = runs_bytes * fraction
-  count = runs if combine is None else _combined_count(t, axes, moved, runs, *combine)
-  return EdgeTerms(
-    seconds=runs_bytes * per_byte + count * fixed,
-    bytes=moved,
-    count=count,
-    buffer=buffer_bytes[:, None] * fraction,
-  )
-
-
-def _with_second_factor(
-  t: CostTables, first: EdgeTerms, axes: jax.Array, divisor: jax.Array, weighted_bytes: jax.Array
-) -> EdgeTerms:
-  """`first`, the all-reduces of the reductions' first sharded factor [R, B], plus those
-  of their other factors, over `axes` [R, B]: the same buffers (`weighted_bytes` [R, B]),
-  combined as the first factor's are (their counts; uncombined, their runs, where the first
-  factor is reduce-scattered), without a second pass of the combiner over the edges."""
-  per_byte, fixed, fraction = _collective(t, 2.0, axes, divisor)
-  runs_bytes = jnp.where(axes != 0, weighted_bytes, 0.0)
-  count = jnp.where(
-    axes != 0, jnp.where(first.count > 0, first.count, t.reduction_weight[:, None]), 0.0
-  )
-  return EdgeTerms(
-    seconds=first.seconds + runs_bytes * per_byte + count * fixed,
-    bytes=first.bytes + runs_bytes * fraction,
-    count=first.count + count,
-    buffer=first.buffer,
-  )
-
-
-# XLA:GPU tiles a column reduction in shared memory, one tile per operand (8,320 bytes
-# for float32): 30 operands overrun an H100's 227 KiB and ptxas refuses the kernel.
-_GPU_VARIADIC_OPERANDS = 16
-
-
-def _sum_rows(*terms: jax.Array) -> list[jax.Array]:
-  """Sums of each of `terms` [N, B] over N, [B] each, in one variadic reduction: XLA fuses
-  the terms' elementwise producers into it (one pass over the edges), where it would
-  hand single sums to a library kernel that needs every input materialised. On a GPU
-  the reduction is split into groups of at most `_GPU_VARIADIC_OPERANDS` operands."""
-  group = _GPU_VARIADIC_OPERANDS if jax.default_backend() == "gpu" else len(terms)
-  sums = []
-  for start in range(0, len(terms), group):
-    chunk = terms[start : start + group]
-    sums += jax.lax.reduce(
-      chunk,
-      tuple(jnp.zeros((), x.dtype) for x in chunk),
-      lambda a, b: tuple(x + y for x, y in zip(a, b)),
-      (0,),
-    )
-  return sums
 
 
 @chex.dataclass(frozen=True)
@@ -330,7 +133,7 @@ def _dense_shards(t: CostTables, op_mask: jax.Array) -> jax.Array:
   op factor masks [Uo, Rf, B]; [Uo, B]."""
   factor = jnp.maximum(t.op_dense_factor, 0)[:, None, None]
   mask = jnp.take_along_axis(op_mask, factor, axis=1)[:, 0]
-  return jnp.where((t.op_dense_factor >= 0)[:, None], _group_size(t, _axes_of(t, mask)), 1.0)
+  return jnp.where((t.op_dense_factor >= 0)[:, None], group_size(t, axes_of(t, mask)), 1.0)
 
 
 def _unshared_reads(
@@ -381,7 +184,7 @@ def _split_over_idle_axes(
   op = t.edge_op[t.reduction_edge]
   idle = every & ~op_axes[op]
   scattered = reduced & stored
-  n_idle, n_scattered = (_group_size(t, _axes_of(t, mask)) for mask in (idle, scattered))
+  n_idle, n_scattered = (group_size(t, axes_of(t, mask)) for mask in (idle, scattered))
   split = t.reduction_dot[:, None] & (scattered != 0) & (jnp.mod(n_idle, n_scattered) == 0)
   shards = jnp.where(split, n_scattered, 1.0)
   return (
@@ -410,16 +213,82 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   # Masks are small bit sets: int8 keeps the per-edge arrays [E, B] at a byte an entry,
   # which keeps the whole computation's scratch memory small (see BENCHMARKS.md).
   value_mask, op_mask = (m.astype(jnp.int8) for m in masks)
-  value_shards = _group_size(t, _axes_of(t, value_mask.sum(axis=1, dtype=jnp.int8)))  # [Uv, B]
+  m = _edge_masks(t, value_mask, op_mask, per_edge)
+  edges = _edge_collectives(t, m, per_edge)
+  reduce_scatter, all_reduce, op_split = _reductions(t, m)
+  gathered = m.operand & (edges.gather_axes != 0)
+  return CostTerms(
+    value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / m.value_shards,
+    op_compute_s=jnp.maximum(
+      t.op_compute_s[:, None] / _dense_shards(t, op_mask) / op_split / m.op_shards,
+      m.op_memory_s,
+    ),
+    gather=edges.gather,
+    all_to_all=edges.all_to_all,
+    reduce_scatter=reduce_scatter,
+    all_reduce=all_reduce,
+    gathered_bytes=jnp.where(gathered, edges.buffers[:, None], 0.0) * edges.gather.buffer,
+    transient_bytes=jnp.where(gathered, edges.transient[:, None], 0.0) * edges.gather.buffer,
+    reduced_axes=m.r_reduced,
+    value_shards=m.value_shards,
+  )
+
+
+class _EdgeMasks(NamedTuple):
+  """What a batch of plans' masks give the edges (`_edge_masks`), batch last: E' edges
+  (every edge, or one per class of `CostTables.edge_unique`), R reductions.
+
+  Attributes:
+    value_shards: shards of each value signature, [Uv, B].
+    op_axes, op_shards: the axes (bit mask) of each op signature's factors and its shard
+      count, [Uo, B].
+    op_memory_s: each op signature's HBM time, its edges' shares of their values, [Uo, B].
+    edge: the edges the rows stand for, [E'].
+    operand: the row is an operand, bool [E', 1].
+    stored, required: the axes of each value dim as stored and as its op computes it,
+      int8 [E', Rv, B].
+    stored_all, required_all, overlap: their unions over dims and the axes on which
+      stored and required agree, [E', B].
+    reduced: the axes the edge's op reduces over where it is a pending partial sum's
+      reduction (0 for deferred ones), [E', B].
+    r_stored, r_required, r_reduced, r_first: `stored_all`, `required_all`, `reduced` and
+      the axes of the first sharded reduction factor, of the reductions, [R, B].
+  """
+
+  value_shards: jax.Array
+  op_axes: jax.Array
+  op_shards: jax.Array
+  op_memory_s: jax.Array
+  edge: np.ndarray
+  operand: np.ndarray
+  stored: jax.Array
+  required: jax.Array
+  stored_all: jax.Array
+  required_all: jax.Array
+  overlap: jax.Array
+  reduced: jax.Array
+  r_stored: jax.Array
+  r_required: jax.Array
+  r_reduced: jax.Array
+  r_first: jax.Array
+
+
+def _edge_masks(
+  t: CostTables, value_mask: jax.Array, op_mask: jax.Array, per_edge: bool
+) -> _EdgeMasks:
+  """The masks of the edges and reductions of plans with value dim masks [Uv, Rv, B] and
+  op factor masks [Uo, Rf, B] (int8), and the shards and HBM times they give; per edge
+  or per class of edges (`_terms`)."""
+  value_shards = group_size(t, axes_of(t, value_mask.sum(axis=1, dtype=jnp.int8)))  # [Uv, B]
   op_axes = op_mask.sum(axis=1, dtype=jnp.int8)  # [Uo, B]
-  op_shards = _group_size(t, _axes_of(t, op_axes))
+  op_shards = group_size(t, axes_of(t, op_axes))
 
   # Masks are disjoint bit sets across the dims of a value and the factors of an op, so
   # sums over dims are ORs.
   # The edges read the masks packed per value and op (one reduction each): a gather of a
   # few rows' words, where gathering every dim's mask would read them transposed when
   # the batch arrives first (the environment's states).
-  num_axes = t.mask_group.shape[-1].bit_length() - 1
+  num_axes = axis_count(t)
   edge = np.arange(t.edge_op.shape[0]) if per_edge else t.unique_edge
   edge_op = t.edge_op[edge]
   stored = packing.read(
@@ -434,7 +303,7 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E or Eu, B]
   required_all = required.sum(axis=1, dtype=jnp.int8)
   # Each op moves each operand and result as it computes on it: its share of the value.
-  edge_shards = _group_size(t, _axes_of(t, required_all))  # [E or Eu, B]
+  edge_shards = group_size(t, axes_of(t, required_all))  # [E or Eu, B]
   edge_shards = edge_shards if per_edge else edge_shards[t.edge_unique]  # [E, B]
   op_memory_s = jax.ops.segment_sum(
     t.edge_memory_s[:, None] / edge_shards, t.edge_op, t.op_compute_s.shape[0]
@@ -454,8 +323,44 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
     x[reduction]  # [R, B] each.
     for x in (stored_all, required_all, reduced, first)
   )
+  return _EdgeMasks(
+    value_shards=value_shards,
+    op_axes=op_axes,
+    op_shards=op_shards,
+    op_memory_s=op_memory_s,
+    edge=edge,
+    operand=~t.edge_result[edge][:, None],
+    stored=stored,
+    required=required,
+    stored_all=stored_all,
+    required_all=required_all,
+    overlap=overlap,
+    reduced=reduced,
+    r_stored=r_stored,
+    r_required=r_required,
+    r_reduced=r_reduced,
+    r_first=r_first,
+  )
 
-  operand = ~t.edge_result[edge][:, None]
+
+class _EdgeCollectives(NamedTuple):
+  """The all-gathers and all-to-alls of the edges (`_edge_collectives`), with what the
+  gathered copies add to the peak: `gather_axes` [E', B], `buffers` (copies several reads
+  share, or for classes their bytes) and `transient` (reads resharded alone, or for
+  classes the largest bytes) [E']."""
+
+  gather: EdgeTerms
+  all_to_all: EdgeTerms
+  gather_axes: jax.Array
+  buffers: jax.Array
+  transient: jax.Array
+
+
+def _edge_collectives(t: CostTables, m: _EdgeMasks, per_edge: bool) -> _EdgeCollectives:
+  """Every all-gather and all-to-all of the edges (or classes of edges) under the masks
+  `m`, with the runs that reads priced as sharing a resharding add where the plan
+  resolves them apart (`_unshared_reads`)."""
+  operand = m.operand
   if per_edge:
     nbytes = t.value_bytes[t.edge_value]
     weight, weighted_bytes, buffers, buffer_bytes = (
@@ -472,41 +377,50 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
       t.unique_buffer_bytes,
     )
     buffer_bytes, transient = jnp.ones_like(buffers), t.unique_transient_bytes
-  misplaced, placed_out = stored_all - overlap, required_all - overlap
-  gather_in = stored_all & ~required_all
+  misplaced, placed_out = m.stored_all - m.overlap, m.required_all - m.overlap
+  gather_in = m.stored_all & ~m.required_all
   # Every possible collective on every edge: its axes, and the axes dividing its bytes
   # (the per-device buffer it moves). An operand and a result edge can both all-gather or
   # all-to-all, so those share a row. Only the reduction edges [R] (results of ops that
-  # reduce) can reduce-scatter or all-reduce: those run over them alone.
-  gather_axes = jnp.where(operand, gather_in, required_all & ~stored_all)
-  gather_divisor = jnp.where(operand, stored_all & ~gather_in, stored_all)
-  to_all_axes = jnp.where(operand, misplaced & required_all, placed_out & stored_all & ~reduced)
+  # reduce) can reduce-scatter or all-reduce: those run over them alone (`_reductions`).
+  gather_axes = jnp.where(operand, gather_in, m.required_all & ~m.stored_all)
+  gather_divisor = jnp.where(operand, m.stored_all & ~gather_in, m.stored_all)
+  to_all_axes = jnp.where(
+    operand, misplaced & m.required_all, placed_out & m.stored_all & ~m.reduced
+  )
   # Reads priced as sharing a resharding that do not share it under this plan run more.
   extra, slot_row = _unshared_reads(
     t,
     None if per_edge else t.edge_unique,
     operand & ((gather_axes | to_all_axes) != 0),
-    required,
-    num_axes,
+    m.required,
+    axis_count(t),
   )
   extra_bytes = extra * t.value_bytes[t.edge_value[t.shared_slot_edge]][:, None]
-  weight = weight[:, None] + jax.ops.segment_sum(extra, slot_row, edge.shape[0])
+  weight = weight[:, None] + jax.ops.segment_sum(extra, slot_row, m.edge.shape[0])
   weighted_bytes = weighted_bytes[:, None] + jax.ops.segment_sum(
-    extra_bytes, slot_row, edge.shape[0]
+    extra_bytes, slot_row, m.edge.shape[0]
   )
-  gather = _edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
-  to_all = _edge_terms(t, 1.0, to_all_axes, stored_all, weight, weighted_bytes, buffer_bytes)
+  gather = edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
+  to_all = edge_terms(t, 1.0, to_all_axes, m.stored_all, weight, weighted_bytes, buffer_bytes)
+  return _EdgeCollectives(gather, to_all, gather_axes, buffers, transient)
 
+
+def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, jax.Array]:
+  """The reduce-scatters and all-reduces of the reductions [R, B] under the masks `m`
+  (the all-reduces with the collective-permutes of split dots' shares), and how many ways
+  each op signature's dot is split over idle axes, [Uo, B] (`_split_over_idle_axes`)."""
+  r_reduced = m.r_reduced
   split, op_split, crossed = _split_over_idle_axes(
-    t, op_axes, r_reduced, r_stored
+    t, m.op_axes, r_reduced, m.r_stored
   )  # [R, B], [Uo, B], [R, B]
-  scatter_axes = jnp.where(t.native_scatter & (split == 1.0), r_reduced & r_stored, 0).astype(
+  scatter_axes = jnp.where(t.native_scatter & (split == 1.0), r_reduced & m.r_stored, 0).astype(
     r_reduced.dtype
   )
   # The partial sums are sharded as their op computes less the axes they are pending over:
   # a linear combination of partial sums may compute on those too, but XLA reduces the
   # buffers its sources made.
-  partial_axes = r_required & ~r_reduced
+  partial_axes = m.r_required & ~r_reduced
   # A reduction may carry several partial sums' buffers in one collective. Partial sums of
   # several sharded reduction factors (a weight's gradient summed over the batch on `data`
   # and the sequence on `model`) XLA's partitioner all-reduces one factor at a time: the
@@ -521,53 +435,40 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
     + t.reduction_weight[:, None] * jnp.asarray(t.mask_latency)[sent],
     0.0,
   )
-  all_reduce = _with_second_factor(
+  all_reduce = with_second_factor(
     t,
-    _edge_terms(
+    edge_terms(
       t,
       2.0,
-      r_first & ~scatter_axes,
+      m.r_first & ~scatter_axes,
       partial_axes | scatter_axes,
       t.reduction_weight[:, None],
       r_weighted,
       r_nbytes,
       (t.reduction_combines, t.reduction_loop, t.combine_bytes[0]),
     ),
-    r_reduced & ~r_first & ~scatter_axes,
+    r_reduced & ~m.r_first & ~scatter_axes,
     partial_axes | scatter_axes,
     r_weighted,
   )
-  return CostTerms(
-    value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / value_shards,
-    op_compute_s=jnp.maximum(
-      t.op_compute_s[:, None] / _dense_shards(t, op_mask) / op_split / op_shards, op_memory_s
-    ),
-    gather=gather,
-    all_to_all=to_all,
-    reduce_scatter=_edge_terms(
-      t,
-      1.0,
-      scatter_axes,
-      partial_axes,
-      t.reduction_weight[:, None],
-      r_weighted,
-      r_nbytes,
-      (t.reduction_combines, t.reduction_loop, t.combine_bytes[1]),
-    ),
-    all_reduce=all_reduce._replace(seconds=all_reduce.seconds + permute_s),
-    gathered_bytes=jnp.where(operand & (gather_axes != 0), buffers[:, None], 0.0) * gather.buffer,
-    transient_bytes=jnp.where(operand & (gather_axes != 0), transient[:, None], 0.0)
-    * gather.buffer,
-    reduced_axes=r_reduced,
-    value_shards=value_shards,
+  reduce_scatter = edge_terms(
+    t,
+    1.0,
+    scatter_axes,
+    partial_axes,
+    t.reduction_weight[:, None],
+    r_weighted,
+    r_nbytes,
+    (t.reduction_combines, t.reduction_loop, t.combine_bytes[1]),
   )
+  return reduce_scatter, all_reduce._replace(seconds=all_reduce.seconds + permute_s), op_split
 
 
 def _total(t: CostTables, terms: CostTerms) -> Cost:
   """The cost of a batch of plans from their terms (batch-last), each field [B, ...]."""
   compute = jnp.sum(terms.op_compute_s, axis=0) + jnp.sum(terms.value_compute_s, axis=0)
   gather, to_all = terms.gather, terms.all_to_all
-  gather_time, shared_copies, gather_bytes, to_all_bytes, gather_count, to_all_count = _sum_rows(
+  gather_time, shared_copies, gather_bytes, to_all_bytes, gather_count, to_all_count = sum_rows(
     gather.seconds + to_all.seconds,
     terms.gathered_bytes,
     gather.bytes,
@@ -576,7 +477,7 @@ def _total(t: CostTables, terms: CostTerms) -> Cost:
     to_all.count,
   )
   scatter, reduce = terms.reduce_scatter, terms.all_reduce
-  reduce_time, scatter_bytes, reduce_bytes, scatter_count, reduce_count = _sum_rows(
+  reduce_time, scatter_bytes, reduce_bytes, scatter_count, reduce_count = sum_rows(
     scatter.seconds + reduce.seconds, scatter.bytes, reduce.bytes, scatter.count, reduce.count
   )
 

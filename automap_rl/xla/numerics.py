@@ -96,6 +96,22 @@ def _mantissa_bits(dtype: Any) -> int:
   return int(jnp.finfo(dtype).nmant)
 
 
+def _matched_exactly(path: str, plain: np.ndarray, actual: np.ndarray) -> bool:
+  """Whether leaf `path` is compared exactly (an integer, boolean or key leaf), and then
+  matched; raises `NumericsError` on a shape or dtype mismatch or differing elements."""
+  if plain.shape != actual.shape or plain.dtype != actual.dtype:
+    raise NumericsError(
+      f"Output {path}: expected {plain.dtype}{list(plain.shape)}, "
+      f"got {actual.dtype}{list(actual.shape)}."
+    )
+  if np.issubdtype(plain.dtype, np.inexact):
+    return False
+  bad = plain != actual
+  if bad.any():
+    raise NumericsError(f"Output {path}: {int(bad.sum())} of {bad.size} elements differ.")
+  return True
+
+
 def compare_leaf(
   path: str,
   reference: np.ndarray | None,
@@ -137,15 +153,7 @@ def compare_leaf(
 
   Integer, boolean and key leaves (compared by their key data) must match exactly.
   """
-  if plain.shape != actual.shape or plain.dtype != actual.dtype:
-    raise NumericsError(
-      f"Output {path}: expected {plain.dtype}{list(plain.shape)}, "
-      f"got {actual.dtype}{list(actual.shape)}."
-    )
-  if not np.issubdtype(plain.dtype, np.inexact):
-    bad = plain != actual
-    if bad.any():
-      raise NumericsError(f"Output {path}: {int(bad.sum())} of {bad.size} elements differ.")
+  if _matched_exactly(path, plain, actual):
     return
   rtol, atol = tolerances.get(str(plain.dtype), tolerances["float32"])
   narrower = _mantissa_bits(compute) < _mantissa_bits(plain.dtype)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import math
 import multiprocessing
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,14 +21,10 @@ from typing import Any
 import numpy as np
 
 from automap_rl import ir, tactics, workloads
-from automap_rl.mesh import Hardware, make_mesh, to_jax_mesh
+from automap_rl.mesh import make_mesh, to_jax_mesh
 from automap_rl.pipeline import Pipeline, batch_size
-from automap_rl.problem import PipelineProblem, Problem
+from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
-from automap_rl.simulator import KINDS
-from automap_rl.simulator.tables import dense_group_factors, program_flops
-from automap_rl.stages import EVERY_STAGE, Phase
-from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import LoweringError, lower
 from automap_rl.xla.numerics import (
   NumericsError,
@@ -39,6 +34,19 @@ from automap_rl.xla.numerics import (
   reference_outputs,
 )
 from automap_rl.xla.pipeline_lower import check_lowerable, lower_pipelined
+from automap_rl.xla.plan_metrics import (
+  compiled_metrics,
+  pipelined_flops,
+  simulated_flops,
+  simulated_metrics,
+)
+from automap_rl.xla.validation_summary import (
+  plot,
+  relative_error,
+  spearman,
+  summarize_cases,
+  to_json,
+)
 
 __all__ = [
   "PIPELINE_MESHES",
@@ -48,17 +56,21 @@ __all__ = [
   "RandomSuite",
   "ValidationSuite",
   "compiled_metrics",
+  "plot",
   "pipelined_flops",
   "plans_for",
   "random_pipeline",
   "random_pipelined_plan",
   "random_plan",
+  "relative_error",
   "run_case",
   "run_random",
   "run_suite",
   "simulated_flops",
   "simulated_metrics",
+  "spearman",
   "summarize_cases",
+  "to_json",
 ]
 
 DONATE_ARGNUMS = (0, 1)  # params and optimizer state, as `experiments.inspect_cmd` traces them.
@@ -133,138 +145,6 @@ class ValidatedPlan:
   reference: str = "float64"
   lowering_error: str | None = None
   pipeline: dict[str, Any] | None = None
-
-
-# -- metrics ------------------------------------------------------------------------------
-
-
-def _op_device_flops(
-  program: ir.Program, sigs: Any, mask_group: np.ndarray, hardware: Hardware, resolution: Any
-) -> np.ndarray:
-  """Per-device flops of each op of `program` under a resolved plan, its repeat count
-  included (see `simulated_flops`), float [num_ops]. `mask_group`: devices of each mesh
-  axes mask of the mesh the plan resolves on."""
-  group = np.asarray(mask_group)
-  op_shards = group[np.bitwise_or.reduce(np.asarray(resolution.op_mask), axis=1)]  # [Uo]
-  value_masks = np.asarray(resolution.value_mask)  # [Uv, Rv]
-  value_shards = group[np.bitwise_or.reduce(value_masks, axis=1)]  # [Uv]
-  shapes = [
-    tuple(d // int(group[m]) for d, m in zip(v.shape, value_masks[sigs.value_sig[v.id]]))
-    for v in program.values
-  ]
-  flops = program_flops(program, shapes)
-  dense = dense_group_factors(program, hardware)
-
-  def shards(op) -> float:
-    if sigs.op_sig[op.id] >= 0:
-      return op_shards[sigs.op_sig[op.id]]
-    return value_shards[sigs.value_sig[op.results[0]]] if op.results else 1.0
-
-  def local_groups(op) -> float:  # A dense batch-grouped conv's groups on one device.
-    if dense[op.id] < 0 or sigs.op_sig[op.id] < 0:
-      return 1.0
-    factor_mask = np.asarray(resolution.op_mask)[sigs.op_sig[op.id], dense[op.id]]
-    return op.rule.factor_sizes[dense[op.id]] / group[factor_mask]
-
-  return np.array(
-    [op.repeat * flops[op.id] * local_groups(op) / shards(op) for op in program.ops], np.float64
-  )
-
-
-def simulated_flops(problem: Problem, resolution: Any) -> float:
-  """Per-device flops of a resolved plan: `program_flops * repeat / shards` summed over
-  program ops, with XLA's fusion decisions taken on the plan's per-device value shapes
-  (which reductions are large enough for a library kernel depends on them; see
-  `simulator.fusion.fusion_copies`). An op's shard count is the product of the mesh
-  axes its factors are sharded on; an op without a signature of its own (`op_sig == -1`:
-  it follows its values) is sharded like its first result. A batch-grouped convolution
-  that the backend computes dense counts its device's groups times (see
-  `simulator.tables.dense_group_factors`)."""
-  return float(
-    _op_device_flops(
-      problem.program, problem.sigs, problem.tables.mask_group, problem.mesh.hardware, resolution
-    ).sum()
-  )
-
-
-def pipelined_flops(pipelined: PipelineProblem, resolution: Any) -> float:
-  """Per-device flops of a pipelined plan on its busiest stage, as the simulator places
-  the ops (`stages.StagedProgram`): its microbatch program's ops (at microbatch size, a
-  scanned stack's loops at L / S layers) M times, those of the stages' loop
-  (`StagedProgram.looped`) also in the (S - 1) / V stage-times of the bubble, its step
-  ops once; `simulated_flops`'s rules per op, on the stage mesh. `resolution`:
-  `PipelineProblem.resolution`'s."""
-  staged, pipeline = pipelined.staged, pipelined.pipeline
-  per_op = _op_device_flops(
-    staged.program,
-    pipelined.problem.sigs,
-    pipelined.tables.tables.mask_group,
-    staged.mesh.hardware,
-    resolution,
-  )
-  runs = pipeline.microbatches + staged.looped * (pipeline.stages - 1) / pipeline.chunks
-  per_op = per_op * np.where(staged.op_phase == Phase.STEP, 1, runs)
-  on = lambda s: (staged.op_stage == s) | (staged.op_stage == EVERY_STAGE)
-  return float(max(per_op[on(s)].sum() for s in range(pipelined.pipeline.stages)))
-
-
-def simulated_metrics(
-  problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None = None
-) -> dict[str, Any]:
-  """The simulator's view of a plan (see `ValidatedPlan`); with a pipeline, of the pipelined step
-  (`Problem.plan_cost`: comm per device of the pace-setting stage, peak of the largest
-  stage; `pipelined_flops`), its stage transfers as `collective_permute_bytes` apart."""
-  if pipeline is None:
-    cost, flops = problem.cost(decisions), simulated_flops(problem, problem.resolution(decisions))
-  else:
-    pipelined = problem.pipelined(pipeline)
-    cost, flops = (
-      pipelined.cost(decisions),
-      pipelined_flops(pipelined, pipelined.resolution(decisions)),
-    )
-  comm_bytes, comm_count = np.asarray(cost.comm_bytes), np.asarray(cost.comm_count)
-  by_kind = {k: float(b) for k, b in zip(KINDS, comm_bytes)}
-  return {
-    "comm_bytes": sum(by_kind.values()),
-    "comm_bytes_by_kind": by_kind,
-    "comm_count_by_kind": {k: float(c) for k, c in zip(KINDS, comm_count)},
-    "collective_permute_bytes": float(comm_bytes[len(KINDS) :].sum()),
-    "flops": flops,
-    "peak_memory": float(cost.peak_memory),
-  }
-
-
-def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
-  """XLA's view of a plan (see `ValidatedPlan`), loop iterations included (`Collective.repeat`).
-  Counts are collective instructions run: a combined collective (several buffers,
-  tuple-shaped) counts once, as the simulator counts what XLA's combiners merge;
-  `collective-permute` (which the simulator does not model) is reported apart.
-  `comm_bytes_by_axes` keys are the mesh axes a collective spans joined by `+`
-  (`?` where its groups match no set of axes)."""
-  by_kind = {k: 0.0 for k in KINDS}
-  count = {k: 0.0 for k in KINDS}
-  by_axes: dict[str, float] = {}
-  permute_bytes = permute_count = 0.0
-  for c in stats.collectives:
-    moved = float(c.repeat * c.bytes)
-    axes = "?" if c.mesh_axes is None else "+".join(c.mesh_axes)
-    by_axes[axes] = by_axes.get(axes, 0.0) + moved
-    if c.kind in by_kind:
-      by_kind[c.kind] += moved
-      count[c.kind] += c.repeat
-    else:
-      permute_bytes += moved
-      permute_count += c.repeat
-  return {
-    "comm_bytes": sum(by_kind.values()),
-    "comm_bytes_by_kind": by_kind,
-    "comm_count_by_kind": count,
-    "comm_bytes_by_axes": by_axes,
-    "collective_permute_bytes": permute_bytes,
-    "collective_permute_count": permute_count,
-    "flops": stats.flops,
-    "peak_memory": float(stats.peak_bytes),
-  }
 
 
 # -- plans --------------------------------------------------------------------------------
@@ -602,109 +482,3 @@ def run_random(
       for case in future.result():
         report(case)
     return [case for future in futures for case in future.result()]
-
-
-# -- summary ------------------------------------------------------------------------------
-
-
-def relative_error(simulated: float, compiled: float) -> float:
-  """`|sim - xla| / |xla|`; 0 when both are 0, inf when only XLA's is."""
-  if compiled == 0:
-    return 0.0 if simulated == 0 else math.inf
-  return abs(simulated - compiled) / abs(compiled)
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-  """Spearman's rank correlation; nan with fewer than 3 points or a constant side."""
-  from scipy.stats import spearmanr  # Local: scipy is slow to import.
-
-  if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
-    return math.nan
-  return float(spearmanr(a, b).statistic)
-
-
-def _median_error(cases: Sequence[ValidatedPlan], key: str) -> float:
-  errors = [relative_error(c.simulated[key], c.compiled[key]) for c in cases]
-  return float(np.median(errors)) if errors else math.nan
-
-
-def summarize_cases(cases: Sequence[ValidatedPlan]) -> dict[str, float]:
-  """The headline figures: numerics over all cases (a plan that does not compile fails),
-  the simulator's errors over the compiled ones; `xla_aborts` counts plans XLA aborted on
-  (in the child process), `pipelined_cases` the pipelined plans."""
-  everything, cases = cases, [c for c in cases if c.lowering_error is None]
-  column = lambda side, key: [getattr(c, side)[key] for c in cases]
-  return {
-    "num_cases": len(everything),
-    "lowering_errors": len(everything) - len(cases),
-    "xla_aborts": sum("(aborted:" in (c.lowering_error or "") for c in everything),
-    "pipelined_cases": sum(c.pipeline is not None for c in everything),
-    "comm_bytes_median_rel_error": _median_error(cases, "comm_bytes"),
-    "comm_bytes_spearman": spearman(
-      column("simulated", "comm_bytes"), column("compiled", "comm_bytes")
-    ),
-    "flops_median_rel_error": _median_error(cases, "flops"),
-    "memory_median_rel_error": _median_error(cases, "peak_memory"),
-    "memory_spearman": spearman(
-      column("simulated", "peak_memory"), column("compiled", "peak_memory")
-    ),
-    "numerics_ok_fraction": float(np.mean([c.numerics_ok for c in everything]))
-    if everything
-    else math.nan,
-    "realized_fraction": float(np.mean([not c.differences for c in cases])) if cases else math.nan,
-  }
-
-
-def to_json(cases: Sequence[ValidatedPlan], summary: dict[str, float]) -> dict[str, Any]:
-  """The JSON document: `cases` and `summary` (nan and inf become null)."""
-  clean = lambda x: None if isinstance(x, float) and not math.isfinite(x) else x
-  return {
-    "cases": [dataclasses.asdict(c) for c in cases],
-    "summary": {k: clean(v) for k, v in summary.items()},
-  }
-
-
-def plot(cases: Sequence[ValidatedPlan], path: str) -> None:
-  """Scatter plots, log-log, of simulated vs compiled comm bytes, flops and peak memory
-  per device, one colour per model, with the line of agreement and a ±15% band. Cases
-  where both figures are zero (no communication) cannot sit on a log axis: each panel's
-  title counts them instead."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  panels = (
-    ("comm_bytes", "communication / device", "bytes"),
-    ("flops", "flops / device", "flops"),
-    ("peak_memory", "peak memory / device", "bytes"),
-  )
-  fig, axes = plt.subplots(1, len(panels), figsize=(16, 5))
-  models = list(dict.fromkeys(c.model.split(":")[0] for c in cases))
-  for ax, (key, title, unit) in zip(axes, panels):
-    shown = [c for c in cases if c.compiled.get(key, 0) > 0 and c.simulated[key] > 0]
-    for model in models:
-      mine = [c for c in shown if c.model.split(":")[0] == model]
-      ax.scatter(
-        [c.compiled[key] for c in mine],
-        [c.simulated[key] for c in mine],
-        label=model,
-        s=18,
-        alpha=0.8,
-      )
-    values = [v for c in shown for v in (c.compiled[key], c.simulated[key])] or [1.0, 10.0]
-    line = np.geomspace(min(values) / 1.5, max(values) * 1.5, 2)
-    ax.plot(line, line, "k--", lw=0.8)
-    ax.fill_between(line, line / 1.15, line * 1.15, color="k", alpha=0.06, lw=0)
-    hidden = len(cases) - len(shown)
-    ax.set(
-      xscale="log",
-      yscale="log",
-      xlabel=f"XLA (compiled), {unit}",
-      ylabel=f"simulator, {unit}",
-      title=title + (f" (not shown: {hidden} cases with none)" if hidden else ""),
-    )
-    ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)

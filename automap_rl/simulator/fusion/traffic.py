@@ -1,0 +1,207 @@
+"""The memory an op moves and holds once XLA has fused loop-fusible chains: bytes read and
+written per operand and result (`memory_traffic`), and the intermediates that take no
+memory at the peak (`unmaterialized_values`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from automap_rl.ir.program import Op, Program
+from automap_rl.simulator.fusion.primitives import (
+  FUSED_REDUCTIONS,
+  KEPT_IN_FUSION,
+  LOOP_FUSIBLE,
+  MAX_FUSED_CONCATENATE_OPERANDS,
+  MIN_KERNEL_CONCATENATE_BYTES,
+  MIN_KERNEL_CONCATENATE_ROW_BYTES,
+  READS_INSIDE_FUSION,
+  RECOMPUTED_PER_READER,
+  SLICES,
+)
+
+
+def consumers(program: Program) -> dict[int, list[Op]]:
+  """Value id -> the ops that read it, in program order, each once."""
+  readers: dict[int, list[Op]] = {}
+  for op in program.ops:
+    for v in set(op.operands):
+      readers.setdefault(v, []).append(op)
+  return readers
+
+
+def kernel_concatenates(program: Program) -> set[int]:
+  """Ids of the concatenates XLA:CPU makes kernels of their own rather than fuse: more
+  than `MAX_FUSED_CONCATENATE_OPERANDS` operands, or along the minor (last) dim with rows
+  of at least `MIN_KERNEL_CONCATENATE_ROW_BYTES` and `MIN_KERNEL_CONCATENATE_BYTES` in all
+  (global shapes: a shard of a value that size is that size or near it)."""
+  kernels = set()
+  for op in program.ops:
+    if op.primitive != "concatenate":
+      continue
+    result, first = program.values[op.results[0]], program.values[op.operands[0]]
+    minor = (
+      len(result.shape) > 1
+      and result.shape[-1] != first.shape[-1]
+      and result.shape[-1] * result.itemsize >= MIN_KERNEL_CONCATENATE_ROW_BYTES
+      and result.nbytes >= MIN_KERNEL_CONCATENATE_BYTES
+    )
+    if minor or len(op.operands) > MAX_FUSED_CONCATENATE_OPERANDS:
+      kernels.add(op.id)
+  return kernels
+
+
+@dataclasses.dataclass
+class _LoopFusions:
+  """The loop fusions of a program (`memory_traffic`): which ops fuse, which values end a
+  fusion, and a union-find over the fused producer-consumer pairs.
+
+  Attributes:
+    producer: value id -> the op that makes it.
+    readers: value id -> the ops that read it (`consumers`).
+    outputs: the program's outputs.
+    kernels: the concatenates that fuse with nothing (`kernel_concatenates`).
+    materialized: values a reduction makes, or reads beside other readers.
+    ends: values that end their fusion (with `multi_output_fusion` off, also those
+      written anyway).
+    fusion: the union-find's parent of each op.
+  """
+
+  producer: dict[int, Op]
+  readers: dict[int, list[Op]]
+  outputs: set[int]
+  kernels: set[int]
+  materialized: set[int]
+  ends: set[int]
+  fusion: list[int]
+
+  @classmethod
+  def of(
+    cls, program: Program, multi_output_fusion: bool, minor_concatenate_fusion: bool
+  ) -> _LoopFusions:
+    producer = {v: op for op in program.ops for v in op.results}
+    readers = consumers(program)
+    outputs = set(program.outputs)
+    kernels = set() if minor_concatenate_fusion else kernel_concatenates(program)
+    reduction = lambda op: op is not None and op.primitive in FUSED_REDUCTIONS
+    materialized = {
+      v
+      for v, ops in readers.items()
+      if reduction(producer.get(v)) or (len(ops) > 1 and any(reduction(r) for r in ops))
+    }
+    loops = cls(producer, readers, outputs, kernels, materialized, materialized, [])
+    if not multi_output_fusion:
+      loops.ends = materialized | {
+        v for v in producer if v in outputs or any(not loops.fused(c) for c in readers.get(v, ()))
+      }
+    loops.fusion = list(range(program.num_ops))
+    for op in program.ops:
+      for v in op.operands:
+        if loops.inside(op, v):
+          loops.fusion[loops.root(op.id)] = loops.root(producer[v].id)
+    return loops
+
+  def fused(self, op: Op | None) -> bool:
+    """Whether `op` fuses into loops (a loop-fusible op, not a kernel concatenate)."""
+    return op is not None and op.primitive in LOOP_FUSIBLE and op.id not in self.kernels
+
+  def inside(self, op: Op, v: int) -> bool:
+    """Whether `op` reads value `v` inside its fusion."""
+    return self.fused(op) and self.fused(self.producer.get(v)) and v not in self.ends
+
+  def root(self, o: int) -> int:
+    """The fusion op `o` is in (its union-find root)."""
+    fusion = self.fusion
+    while fusion[o] != o:
+      fusion[o] = fusion[fusion[o]]
+      o = fusion[o]
+    return o
+
+
+def memory_traffic(
+  program: Program, multi_output_fusion: bool = True, minor_concatenate_fusion: bool = True
+) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+  """Bytes each op reads of each operand and writes of each result once XLA has fused
+  loop-fusible chains (elementwise ops, data movement, reductions): a loop-fusible op
+  reads an operand that a loop-fusible op produced from the fusion, not from memory, and
+  writes a result that only loop-fusible ops read (and the program does not return) into
+  it. A loop
+  iteration's `scan_slice` reads its slice of the stacked input, not the whole stack (a
+  dynamic-slice), and its `scan_stack` writes its slice of the stacked output in place (a
+  dynamic-update-slice). Likewise outside loops: a slice or dynamic slice reads the
+  elements it keeps, not its whole operand, and a dynamic-update-slice updates its
+  operand's buffer in place (it reads nothing of it and writes the update). A reduction
+  ends its fusion: its result goes through memory, and a value it reads that another op
+  reads too (a normalization's input, read for its statistics and to be normalized) is
+  written once and read by each. Dots, convolutions, and everything else read and write
+  their values whole; a fusion reads each of its inputs once (an argument that several of
+  its ops read, `x * x`). Without `multi_output_fusion` (XLA:CPU), a loop-fusible result
+  that is written anyway (returned, or read by an op that does not fuse) ends its fusion,
+  and the fusions that read it read it from memory. Without `minor_concatenate_fusion`
+  (XLA:CPU), a `kernel_concatenates` concatenate fuses with nothing: it reads its
+  operands from memory and writes its result. Per op, `(bytes read per operand, bytes
+  written per result)`."""
+  loops = _LoopFusions.of(program, multi_output_fusion, minor_concatenate_fusion)
+  fused, inside, root = loops.fused, loops.inside, loops.root
+  readers, outputs, materialized = loops.readers, loops.outputs, loops.materialized
+  read_by_fusion: set[tuple[int, int]] = set()
+  out = []
+  for op in program.ops:
+    read_bytes = [float(program.values[v].nbytes) for v in op.operands]
+    write_bytes = [float(program.values[v].nbytes) for v in op.results]
+    if op.primitive == "scan_slice":  # Reads its slice of the stack, writes the slice.
+      out.append(((write_bytes[0],) + (0.0,) * (len(read_bytes) - 1), tuple(write_bytes)))
+      continue
+    if op.primitive == "scan_stack":  # Reads the slice, writes it into the stack.
+      out.append(
+        (
+          (read_bytes[0],) + (0.0,) * (len(read_bytes) - 1),
+          (read_bytes[0],) + (0.0,) * (len(write_bytes) - 1),
+        )
+      )
+      continue
+    if op.primitive in SLICES:
+      read_bytes[0] = write_bytes[0]
+    elif op.primitive == "dynamic_update_slice":
+      read_bytes[0], write_bytes[0] = 0.0, read_bytes[1]
+    reads = []
+    for v, b in zip(op.operands, read_bytes):
+      once = (root(op.id) if fused(op) else -1 - op.id, v)  # A fusion reads each input once.
+      reads.append(0.0 if inside(op, v) or once in read_by_fusion else b)
+      read_by_fusion.add(once)
+    writes = tuple(
+      0.0
+      if (
+        fused(op)
+        and v not in outputs
+        and readers.get(v)
+        and v not in materialized
+        and all(fused(c) for c in readers[v])
+      )
+      else b
+      for v, b in zip(op.results, write_bytes)
+    )
+    out.append((tuple(reads), writes))
+  return out
+
+
+def unmaterialized_values(program: Program) -> set[int]:
+  """Intermediates XLA never materialises: results of `KEPT_IN_FUSION` ops outside loop
+  bodies read by one op that fuses them (`READS_INSIDE_FUSION`), or by several such ops
+  when each recomputes them (`RECOMPUTED_PER_READER`: broadcasts, reshapes, converts).
+  They live in registers inside a fusion, so they do not count towards peak memory."""
+  readers = consumers(program)
+  keep = set(program.outputs) | set(program.inputs)
+  fused = set()
+  for op in program.ops:
+    if op.primitive not in KEPT_IN_FUSION or op.scope:
+      continue
+    for v in op.results:
+      primitives = [c.primitive for c in readers.get(v, ())]
+      if (
+        v not in keep
+        and primitives
+        and set(primitives) <= READS_INSIDE_FUSION
+        and (len(primitives) == 1 or op.primitive in RECOMPUTED_PER_READER)
+      ):
+        fused.add(v)
+  return fused
