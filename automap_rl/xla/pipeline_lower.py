@@ -69,12 +69,12 @@ from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.workloads.training import make_train_step
-from automap_rl.xla.correspond import Flat, Origin, align, flatten
-from automap_rl.xla.hlo import inspect_compiled
-from automap_rl.xla.isolated import compile_directly
 from automap_rl.xla.constraints import _constrained, _constrainer, _pinned, result_pins
+from automap_rl.xla.correspond import Flat, Origin, align, flatten
 from automap_rl.xla.grouped_conv import grouped_conv_binder
+from automap_rl.xla.hlo import inspect_compiled
 from automap_rl.xla.interpret import interpret
+from automap_rl.xla.isolated import compile_directly
 from automap_rl.xla.lower import Lowered, lowering_errors
 from automap_rl.xla.numerics import compute_dtype, program_depth
 
