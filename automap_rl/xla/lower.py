@@ -103,6 +103,8 @@ class Lowered:
     depth: the program's op depth (`program_depth`), for numerics tolerances.
     compute_dtype: the narrowest float dtype the program computes in (`compute_dtype`),
       for numerics tolerances.
+    schedule: how a pipelined step ran: "gpipe", "1f1b", "interleaved" or "accumulation"
+      (one stage); "" for a step without a pipeline.
   """
 
   jitted: Any
@@ -114,6 +116,7 @@ class Lowered:
   differences: tuple[ShardingDifference, ...]
   depth: int
   compute_dtype: str
+  schedule: str = ""
 
   def run(self, args: Sequence[Any]) -> Any:
     """Copies `args` onto the mesh with `in_shardings` and runs the compiled program.

@@ -509,4 +509,5 @@ def lower_pipelined(
     (),
     program_depth(problem.program),
     compute_dtype(problem.program),
+    "accumulation" if pipeline.stages == 1 else pipeline.schedule,
   )
