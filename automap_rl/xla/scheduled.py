@@ -110,114 +110,123 @@ def _stage_loop(
 ) -> tuple[Any, list[Any], list[Any]]:
   """One stage's loop over the ticks (`run_schedule`, under `shard_map`): per stage, its
   chunks' weights [1, V, L / (S V), ...]."""
-  s_count, axis = pipeline.stages, pipeline.axis
-  stage = jax.lax.axis_index(axis)
-  local = [w[0] for w in staged]  # [V, L / (S V), ...]
-  one = jax.tree.map(lambda x: x[0], micro)
-  act_shape = jax.eval_shape(embed, others, one)
-  layer_weights = [w[0] for w in local]
-  pullback_tree = []
+  loop = _StageLoop(ticks, pipeline, embed, chunk, head, others, [w[0] for w in staged], consts)
+  loop.shapes(jax.tree.map(lambda x: x[0], micro))
+  buffers = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]
+  slots_act, slots_grad, slots_res = ticks.slots
+  start = (
+    buffers(loop.act_shape, slots_act),
+    buffers(loop.act_shape, slots_grad),
+    buffers(loop.res_shape, slots_res),
+    _zeros_like(loop.local),
+    _zeros_like(others),
+    jnp.zeros((), jnp.float32),
+    _zeros(loop.act_shape),
+    _zeros(loop.act_shape),
+  )
+  state, _ = jax.lax.scan(
+    lambda st, t: (loop.tick(st, t, micro), None), start, jnp.arange(ticks.ticks)
+  )
+  _, _, _, d_w, d_o, total = state[:6]
+  d_o = jax.tree.map(lambda g: jax.lax.psum(g, pipeline.axis), d_o)
+  return jax.lax.psum(total, pipeline.axis), d_o, [g[None] for g in d_w]
 
-  def forward(w, x, index):
-    y, pullback = jax.vjp(lambda w_, x_: chunk(consts, w_, x_, index), w, x)
+
+def _zeros_like(tree: Any) -> Any:
+  return jax.tree.map(jnp.zeros_like, tree)
+
+
+class _StageLoop:
+  """What one stage runs in a tick (`_stage_loop`): its chunks' weights `local`
+  [V, L / (S V), ...], the shapes of the activations and of a chunk's residuals."""
+
+  def __init__(self, ticks, pipeline, embed, chunk, head, others, local, consts):
+    self.pipeline, self.embed, self.chunk, self.head = pipeline, embed, chunk, head
+    self.others, self.local, self.consts = others, local, consts
+    self.stage = jax.lax.axis_index(pipeline.axis)
+    self.table = {
+      name: jnp.asarray(getattr(ticks, name))
+      for name in ticks.__dataclass_fields__
+      if name != "slots"
+    }
+    self.pullback_tree: list[Any] = []
+    self.act_shape: list[Any] = []
+    self.res_shape: list[Any] = []
+
+  def shapes(self, one: Any) -> None:
+    """The activations' and residuals' shapes, for a microbatch like `one`."""
+    self.act_shape = jax.eval_shape(self.embed, self.others, one)
+    weights = [w[0] for w in self.local]
+    self.res_shape = jax.eval_shape(self.forward, weights, self.act_shape, 0)[1]
+
+  def forward(self, w: list[Any], x: list[Any], index: Any) -> tuple[list[Any], list[Any]]:
+    """Global chunk `index` forward: its outputs and its pullback's leaves (residuals)."""
+    y, pullback = jax.vjp(lambda w_, x_: self.chunk(self.consts, w_, x_, index), w, x)
     leaves, tree = jax.tree_util.tree_flatten(pullback)
-    pullback_tree[:] = [tree]
+    self.pullback_tree[:] = [tree]
     return y, leaves
 
-  res_shape = jax.eval_shape(forward, layer_weights, act_shape, 0)[1]
-  slots_act, slots_grad, slots_res = ticks.slots
-  table = {
-    name: jnp.asarray(getattr(ticks, name))
-    for name in ticks.__dataclass_fields__
-    if name != "slots"
-  }
-  zeros_like = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-
-  def tick(state, t):
-    row = {name: value[t, stage] for name, value in table.items()}
-    acts, grads, saved, d_w, d_o, total, sent_act, sent_grad = state
-    acts = _put(acts, sent_act, row["store_act"])
-    grads = _put(grads, sent_grad, row["store_grad"])
-    w = [jax.lax.dynamic_index_in_dim(x, row["chunk"], keepdims=False) for x in local]
-    one = jax.tree.map(
-      lambda x: jax.lax.dynamic_index_in_dim(x, row["micro"], keepdims=False), micro
+  def embedded_grads(self, first: Any, one: Any, g_x: list[Any]) -> list[Any]:
+    """On global chunk 0 (`first`), the embedding's parameter gradients for `g_x`."""
+    return jax.lax.cond(
+      first,
+      lambda: jax.vjp(lambda o: self.embed(o, one), self.others)[1](g_x)[0],
+      lambda: _zeros_like(self.others),
     )
-    x_in = _at(acts, row["read_act"])
-    dy = _at(grads, row["read_grad"])
-    res = _at(saved, row["load"])
-    index = row["chunk"] * s_count + stage  # The global chunk.
+
+  def branches(self, row, one, w, x_in, dy, res, index) -> list[Callable[[], tuple]]:
+    """The tick's four operations (idle, forward, backward, forward-backward), each
+    `() -> (y, residuals, weight grads, input grads, other grads, loss)`."""
+    others = self.others
     nothing = (
-      _zeros(act_shape),
-      _zeros(res_shape),
-      zeros_like(w),
-      _zeros(act_shape),
-      zeros_like(others),
+      _zeros(self.act_shape),
+      _zeros(self.res_shape),
+      _zeros_like(w),
+      _zeros(self.act_shape),
+      _zeros_like(others),
       jnp.zeros((), jnp.float32),
     )
-
-    def idle():
-      return nothing
+    embedded = lambda: jax.lax.cond(row["first"], lambda: self.embed(others, one), lambda: x_in)
 
     def run_forward():
-      x = jax.lax.cond(row["first"], lambda: embed(others, one), lambda: x_in)
-      y, leaves = forward(w, x, index)
-      return (y, leaves, *nothing[2:])
+      return (*self.forward(w, embedded(), index), *nothing[2:])
 
     def run_backward():
-      pullback = jax.tree_util.tree_unflatten(pullback_tree[0], res)
-      g_w, g_x = pullback(dy)
-      g_o = jax.lax.cond(
-        row["first"],
-        lambda: jax.vjp(lambda o: embed(o, one), others)[1](g_x)[0],
-        lambda: zeros_like(others),
-      )
-      return (nothing[0], nothing[1], g_w, g_x, g_o, nothing[5])
+      g_w, g_x = jax.tree_util.tree_unflatten(self.pullback_tree[0], res)(dy)
+      return (*nothing[:2], g_w, g_x, self.embedded_grads(row["first"], one, g_x), nothing[5])
 
     def run_forward_backward():
       def loss_of(o, w_, x_):
-        return head(o, one, chunk(consts, w_, x_, index)).astype(jnp.float32)
+        return self.head(o, one, self.chunk(self.consts, w_, x_, index)).astype(jnp.float32)
 
-      x = jax.lax.cond(row["first"], lambda: embed(others, one), lambda: x_in)
-      loss, (g_o, g_w, g_x) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(others, w, x)
-      g_o = jax.tree.map(
-        jnp.add,
-        g_o,
-        jax.lax.cond(
-          row["first"],
-          lambda: jax.vjp(lambda o: embed(o, one), others)[1](g_x)[0],
-          lambda: zeros_like(others),
-        ),
-      )
-      return (nothing[0], nothing[1], g_w, g_x, g_o, loss)
+      loss, (g_o, g_w, g_x) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(others, w, embedded())
+      g_o = jax.tree.map(jnp.add, g_o, self.embedded_grads(row["first"], one, g_x))
+      return (*nothing[:2], g_w, g_x, g_o, loss)
 
+    return [lambda: nothing, run_forward, run_backward, run_forward_backward]
+
+  def tick(self, state: tuple, t: Any, micro: Any) -> tuple:
+    """The loop's state after tick `t`."""
+    s_count, axis = self.pipeline.stages, self.pipeline.axis
+    row = {name: value[t, self.stage] for name, value in self.table.items()}
+    acts, grads, saved, d_w, d_o, total, sent_act, sent_grad = state
+    acts = _put(acts, sent_act, row["store_act"])
+    grads = _put(grads, sent_grad, row["store_grad"])
+    pick = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+    w = [pick(x, row["chunk"]) for x in self.local]
+    one = jax.tree.map(lambda x: pick(x, row["micro"]), micro)
+    index = row["chunk"] * s_count + self.stage  # The global chunk.
+    operands = (_at(acts, row["read_act"]), _at(grads, row["read_grad"]), _at(saved, row["load"]))
     y, leaves, g_w, g_x, g_o, loss = jax.lax.switch(
-      row["kind"], [idle, run_forward, run_backward, run_forward_backward]
+      row["kind"], self.branches(row, one, w, *operands, index)
     )
     saved = _put(saved, leaves, row["save"])
     d_w = [
-      jax.lax.dynamic_update_index_in_dim(
-        s, jax.lax.dynamic_index_in_dim(s, row["chunk"], keepdims=False) + g, row["chunk"], 0
-      )
+      jax.lax.dynamic_update_index_in_dim(s, pick(s, row["chunk"]) + g, row["chunk"], 0)
       for s, g in zip(d_w, g_w)
     ]
     d_o = jax.tree.map(jnp.add, d_o, g_o)
     ring = lambda k: [(s, (s + k) % s_count) for s in range(s_count)]
     sent_act = [jax.lax.ppermute(v, axis, ring(1)) for v in y]
     sent_grad = [jax.lax.ppermute(v, axis, ring(-1)) for v in g_x]
-    return (acts, grads, saved, d_w, d_o, total + loss, sent_act, sent_grad), None
-
-  buffers = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]
-  start = (
-    buffers(act_shape, slots_act),
-    buffers(act_shape, slots_grad),
-    buffers(res_shape, slots_res),
-    zeros_like(local),
-    zeros_like(others),
-    jnp.zeros((), jnp.float32),
-    _zeros(act_shape),
-    _zeros(act_shape),
-  )
-  state, _ = jax.lax.scan(tick, start, jnp.arange(ticks.ticks))
-  _, _, _, d_w, d_o, total = state[:6]
-  d_o = jax.tree.map(lambda g: jax.lax.psum(g, axis), d_o)
-  return jax.lax.psum(total, axis), d_o, [g[None] for g in d_w]
+    return (acts, grads, saved, d_w, d_o, total + loss, sent_act, sent_grad)

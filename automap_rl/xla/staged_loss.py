@@ -32,7 +32,7 @@ from automap_rl.ir.trace import scan_counts
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.xla.accumulate import microbatched
-from automap_rl.xla.correspond import flatten
+from automap_rl.xla.correspond import Flat, flatten
 from automap_rl.xla.interpret import interpret
 from automap_rl.xla.scheduled import run_schedule
 from automap_rl.xla.step_pins import StepPins, loss_alignment
@@ -49,6 +49,99 @@ def _depends(closed: jax_core.ClosedJaxpr, inputs: set[int]) -> list[bool]:
   return [not isinstance(v, jax_core.Literal) and v in tainted for v in closed.jaxpr.outvars]
 
 
+def _stack_scan(closed: jax_core.ClosedJaxpr, stack: LayerStack, schedule: str) -> Flat:
+  """The stack's forward scan in `closed` (the first top-level scan of its L layers)."""
+  for e in flatten(closed.jaxpr):
+    params = e.eqn.params
+    if (
+      e.eqn.primitive.name == "scan"
+      and params["length"] == stack.layers
+      and scan_counts(params)[1] > 0
+      and not params["reverse"]
+    ):
+      return e
+  raise NotImplementedError(
+    f"the {schedule} lowering runs a scanned layer stack; the loss has no forward scan of the "
+    f"{stack.describe()}"
+  )
+
+
+class _Split:
+  """The loss on one microbatch, split at its stack's scan (module docstring).
+
+  Built from the loss's jaxpr `closed` on a microbatch, the scan `scan` in it, the plan's
+  pins aligned with the loss on the whole batch (`aligned`), and which parameter leaves
+  the stack stacks (`is_stacked`)."""
+
+  def __init__(self, closed, scan: Flat, aligned, pins: StepPins, mesh, axis: str, is_stacked):
+    self.closed, self.where, self.pins, self.mesh = closed, scan.origin, pins, mesh
+    self.target, self.is_stacked = scan.eqn, is_stacked
+    self.n_const, self.n_carry = scan_counts(scan.eqn.params)
+    self.outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in scan.eqn.outvars]
+    where, entries = self.where, {e.origin: e for e in flatten(closed.jaxpr, into_scans=True)}
+    under = lambda o: o[: len(where)] == where
+    self.entries = entries
+    self.outside = {o: s for o, s in aligned.items() if not under(o) and o in entries}
+    self.inside = {o[len(where) :]: s for o, s in aligned.items() if under(o)}
+    self.body_entries = {o[len(where) :]: e for o, e in entries.items() if under(o) and o != where}
+    self.manual = frozenset({axis})
+
+  def evaluator(self, in_stage: bool, replace: Callable[[list[Any]], list[Any]]):
+    """The loss on (parameter leaves, microbatch leaves), its scan computed by `replace`."""
+    before, constrain, bind = self.pins.constrainer(
+      self.outside, self.entries, self.manual, self.mesh, in_stage=in_stage
+    )
+    return interpret(
+      self.closed, constrain, before, bind, replaced={self.where: replace}, differentiable=True
+    )
+
+  def operands(self, leaves: list[Any], one_leaves: list[Any], in_stage: bool) -> list[Any]:
+    """The scan's operands (what runs after it left dead)."""
+    captured: list[Any] = []
+    zeros = [jnp.zeros(o.shape, o.dtype) for o in self.outs]
+    self.evaluator(in_stage, lambda ops: captured.extend(ops) or zeros)(*leaves, *one_leaves)
+    return captured
+
+  def full(self, others: list[Any], like: list[Any]) -> list[Any]:
+    """The parameters' leaves (`like`) with the stacked ones as (dead) zeros."""
+    it = iter(others)
+    return [jnp.zeros(x.shape, x.dtype) if s else next(it) for x, s in zip(like, self.is_stacked)]
+
+  def chunk_fn(self) -> Callable[..., list[Any]]:
+    """`chunk(consts, weights, acts, index)` for `run_schedule`: global chunk `index`'s
+    layers, the carries through them, their per-layer outputs written into the
+    activations' [L, ...] buffers."""
+    before, constrain, bind = self.pins.constrainer(
+      self.inside, self.body_entries, self.manual, self.mesh, in_stage=True
+    )
+    body = interpret(self.target.params["jaxpr"], constrain, before, bind, differentiable=True)
+    n_carry = self.n_carry
+
+    def chunk(c: list[Any], w: list[Any], acts: list[Any], index: Any) -> list[Any]:
+      def layer(carry, x):
+        out = body(*c, *carry, *x)
+        return list(out[:n_carry]), list(out[n_carry:])
+
+      carries, ys = jax.lax.scan(layer, list(acts[:n_carry]), list(w))
+      start = index * w[0].shape[0]
+      ys = [jax.lax.dynamic_update_slice_in_dim(a, y, start, 0) for a, y in zip(acts[n_carry:], ys)]
+      return [*carries, *ys]
+
+    return chunk
+
+  def check_consts(self, param_leaves: list[Any], first: list[Any], describe: str) -> None:
+    """NotImplementedError where the scan's constants depend on the batch or parameters."""
+    closed_ops = jax.make_jaxpr(lambda p, b: self.operands(p, b, False))(param_leaves, first)
+    n_p = len(param_leaves)
+    on_batch = _depends(closed_ops, set(range(n_p, n_p + len(first))))
+    on_params = _depends(closed_ops, set(range(n_p)))
+    if any(on_batch[: self.n_const]) or any(on_params[: self.n_const]):
+      raise NotImplementedError(
+        f"the loop of the {describe} has constants computed from the batch or the parameters; "
+        "the scheduled lowering pipelines loops whose constants are neither"
+      )
+
+
 def scheduled_value_and_grad(
   loss_fn: Callable[..., Any],
   pipeline: Pipeline,
@@ -62,104 +155,42 @@ def scheduled_value_and_grad(
   schedule (`scheduled.run_schedule`; module docstring for the split)."""
   program, m_count = problem.program, pipeline.microbatches
   stacked_ids = set(stack.stacked_inputs(program, problem.named))
+  leaves_of = jax.tree_util.tree_leaves
 
   def value_and_grad(params: Any, batch: Any) -> tuple[Any, Any]:
     micro = microbatched(batch, m_count, rows)
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
     closed = jax.make_jaxpr(loss_fn)(params, one)
-    scans = [
-      e
-      for e in flatten(closed.jaxpr)
-      if e.eqn.primitive.name == "scan"
-      and e.eqn.params["length"] == stack.layers
-      and scan_counts(e.eqn.params)[1] > 0
-      and not e.eqn.params["reverse"]
-    ]
-    if not scans:
-      raise NotImplementedError(
-        f"the {pipeline.schedule} lowering runs a scanned layer stack; the loss has no forward "
-        f"scan of the {stack.describe()}"
-      )
-    target, where = scans[0].eqn, scans[0].origin
-    n_const, n_carry = scan_counts(target.params)
     whole = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct((x.shape[0] * x.shape[1], *x.shape[2:]), x.dtype), micro
     )
     aligned = loss_alignment(jax.make_jaxpr(loss_fn)(params, whole), problem, params, whole)
-    entries = {e.origin: e for e in flatten(closed.jaxpr, into_scans=True)}
-    inside = {o[len(where) :]: s for o, s in aligned.items() if o[: len(where)] == where}
-    body_entries = {
-      o[len(where) :]: e for o, e in entries.items() if o[: len(where)] == where and o != where
-    }
-    outside = {o: s for o, s in aligned.items() if o[: len(where)] != where and o in entries}
-    manual = frozenset({pipeline.axis})
-
-    def evaluator(in_stage: bool, replace: Callable[[list[Any]], list[Any]]):
-      before, constrain, bind = pins.constrainer(outside, entries, manual, mesh, in_stage=in_stage)
-      return interpret(
-        closed, constrain, before, bind, replaced={where: replace}, differentiable=True
-      )
-
-    outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in target.outvars]
     param_leaves, tree = jax.tree_util.tree_flatten(params)
     is_stacked = [program.inputs[i] in stacked_ids for i in range(len(param_leaves))]
-
-    def operands(leaves: list[Any], one_leaves: list[Any], in_stage: bool) -> list[Any]:
-      captured: list[Any] = []
-      capture = lambda ops: captured.extend(ops) or [jnp.zeros(o.shape, o.dtype) for o in outs]
-      evaluator(in_stage, capture)(*leaves, *one_leaves)
-      return captured
-
-    first = jax.tree_util.tree_leaves(jax.tree.map(lambda x: x[0], micro))
-    closed_ops = jax.make_jaxpr(lambda p, b: operands(p, b, False))(param_leaves, first)
-    n_p = len(param_leaves)
-    on_batch = _depends(closed_ops, set(range(n_p, n_p + len(first))))
-    on_params = _depends(closed_ops, set(range(n_p)))
-    if any(on_batch[:n_const]) or any(on_params[:n_const]):
-      raise NotImplementedError(
-        f"the loop of the {stack.describe()} has constants computed from the batch or the "
-        f"parameters; the {pipeline.schedule} lowering pipelines loops whose constants are neither"
-      )
-    consts = operands(param_leaves, first, False)[:n_const]
-    xs, xs_back = jax.vjp(lambda p: operands(p, first, False)[n_const + n_carry :], param_leaves)
+    scan = _stack_scan(closed, stack, pipeline.schedule)
+    split = _Split(closed, scan, aligned, pins, mesh, pipeline.axis, is_stacked)
+    n_const, n_carry = split.n_const, split.n_carry
+    first = leaves_of(jax.tree.map(lambda x: x[0], micro))
+    split.check_consts(param_leaves, first, stack.describe())
+    consts = split.operands(param_leaves, first, False)[:n_const]
+    xs, xs_back = jax.vjp(
+      lambda p: split.operands(p, first, False)[n_const + n_carry :], param_leaves
+    )
     others = [x for x, s in zip(param_leaves, is_stacked) if not s]
-
-    def full(o: list[Any]) -> list[Any]:
-      """The parameters' leaves with the stacked ones as (dead) zeros."""
-      it = iter(o)
-      return [
-        jnp.zeros(x.shape, x.dtype) if s else next(it) for x, s in zip(param_leaves, is_stacked)
-      ]
-
-    leaves_of = jax.tree_util.tree_leaves
-    ys_zeros = lambda: [jnp.zeros(x.shape, x.dtype) for x in outs[n_carry:]]
+    ys_zeros = [jnp.zeros(x.shape, x.dtype) for x in split.outs[n_carry:]]
 
     def embed(o: list[Any], b: Any) -> list[Any]:
       """The stack's initial carries, then its per-layer outputs [L, ...] (zeros: each
       chunk writes its layers')."""
-      return [*operands(full(o), leaves_of(b), True)[n_const : n_const + n_carry], *ys_zeros()]
+      ops = split.operands(split.full(o, param_leaves), leaves_of(b), True)
+      return [*ops[n_const : n_const + n_carry], *ys_zeros]
 
     def head(o: list[Any], b: Any, acts: list[Any]) -> Any:
-      return evaluator(True, lambda ops: list(acts))(*full(o), *leaves_of(b))[0]
-
-    before, constrain, bind = pins.constrainer(inside, body_entries, manual, mesh, in_stage=True)
-    body = interpret(target.params["jaxpr"], constrain, before, bind, differentiable=True)
-
-    def chunk(c: list[Any], w: list[Any], acts: list[Any], index: Any) -> list[Any]:
-      """Global chunk `index`'s layers: the carries through them, their per-layer outputs
-      written into the activations' [L, ...] buffers."""
-
-      def layer(carry, x):
-        out = body(*c, *carry, *x)
-        return list(out[:n_carry]), list(out[n_carry:])
-
-      carries, ys = jax.lax.scan(layer, list(acts[:n_carry]), list(w))
-      start = index * w[0].shape[0]
-      ys = [jax.lax.dynamic_update_slice_in_dim(a, y, start, 0) for a, y in zip(acts[n_carry:], ys)]
-      return [*carries, *ys]
+      evaluate = split.evaluator(True, lambda ops: list(acts))
+      return evaluate(*split.full(o, param_leaves), *leaves_of(b))[0]
 
     loss, d_others, d_xs = run_schedule(
-      pipeline, mesh, embed, chunk, head, others, xs, consts, micro
+      pipeline, mesh, embed, split.chunk_fn(), head, others, xs, consts, micro
     )
     (d_params,) = xs_back(d_xs)
     it = iter(d_others)
