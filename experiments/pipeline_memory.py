@@ -2,8 +2,8 @@
 
 Compiles (CPU, abstract arguments, nothing allocated) the `megatron_3d` plan of a workload
 on a mesh with a `stage` axis, as GPipe and as 1F1B with M microbatches, and prints per
-schedule the compiled peak memory per device and the collective-permute bytes (loop trip
-counts included). Run it in its own process: it sets XLA's host device count.
+schedule the compiled peak memory per device (parameters and optimizer state donated, as
+`Plan.jit` donates them) and the collective-permute bytes (loop trip counts included). Run it in its own process: it sets XLA's host device count.
 
   python experiments/pipeline_memory.py --workload gpt:size=6.7b,batch=64,dtype=float32 \
     --mesh stage=4,data=4,model=4 --microbatches 16
@@ -40,7 +40,14 @@ def main(argv: list[str]) -> int:
     chosen = Pipeline(pipeline.axis, pipeline.stages, args.microbatches, schedule)
     start = time.perf_counter()
     lowered = lower_pipelined(
-      problem, decisions, chosen, w.loss_fn, w.optimizer, w.args, to_jax_mesh(problem.mesh)
+      problem,
+      decisions,
+      chosen,
+      w.loss_fn,
+      w.optimizer,
+      w.args,
+      to_jax_mesh(problem.mesh),
+      problem.program.donate_argnums,
     )
     permutes = sum(
       c.repeat * c.bytes for c in lowered.stats.collectives if c.kind == "collective-permute"

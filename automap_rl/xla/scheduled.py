@@ -22,12 +22,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jax_core
 from jax.sharding import NamedSharding, PartitionSpec
 
 from automap_rl.pipeline import Pipeline
 from automap_rl.xla.schedules import Ticks, tick_table
 
-__all__ = ["run_schedule"]
+__all__ = ["depends", "run_schedule"]
+
+
+def depends(closed: jax_core.ClosedJaxpr, inputs: set[int]) -> list[bool]:
+  """Whether each output of `closed` depends on its inputs at positions `inputs`."""
+  tainted = {v for i, v in enumerate(closed.jaxpr.invars) if i in inputs}
+  for eqn in closed.jaxpr.eqns:
+    if any(not isinstance(v, jax_core.Literal) and v in tainted for v in eqn.invars):
+      tainted.update(eqn.outvars)
+  return [not isinstance(v, jax_core.Literal) and v in tainted for v in closed.jaxpr.outvars]
 
 
 def _zeros(shapes: Sequence[Any]) -> list[Any]:
@@ -152,19 +163,49 @@ class _StageLoop:
     self.pullback_tree: list[Any] = []
     self.act_shape: list[Any] = []
     self.res_shape: list[Any] = []
+    self.keep: list[bool] = []
+    self.weight_residuals: Callable[[list[Any]], list[Any]] = lambda args: []
 
   def shapes(self, one: Any) -> None:
     """The activations' and residuals' shapes, for a microbatch like `one`."""
     self.act_shape = jax.eval_shape(self.embed, self.others, one)
     weights = [w[0] for w in self.local]
+    self.kept(weights, self.act_shape)
     self.res_shape = jax.eval_shape(self.forward, weights, self.act_shape, 0)[1]
 
-  def forward(self, w: list[Any], x: list[Any], index: Any) -> tuple[list[Any], list[Any]]:
+  def leaves(self, w: list[Any], x: list[Any], index: Any) -> tuple[list[Any], list[Any]]:
     """Global chunk `index` forward: its outputs and its pullback's leaves (residuals)."""
     y, pullback = jax.vjp(lambda w_, x_: self.chunk(self.consts, w_, x_, index), w, x)
     leaves, tree = jax.tree_util.tree_flatten(pullback)
     self.pullback_tree[:] = [tree]
     return y, leaves
+
+  def kept(self, w: list[Any], x: list[Any]) -> None:
+    """Which residuals the forward saves (`keep`): those that depend on the activations
+    (or the chunk index). The others are functions of the weights alone (the weights as
+    the layers read them), which the backward recomputes (`weight_residuals`) instead of
+    keeping a copy per microbatch in flight."""
+    closed = jax.make_jaxpr(lambda w_, x_, i: self.leaves(w_, x_, i)[1])(w, x, 0)
+    n_w, n_out = len(jax.tree_util.tree_leaves(w)), len(closed.jaxpr.outvars)
+    self.keep = [
+      any(pe.dce_jaxpr(closed.jaxpr, [j == k for j in range(n_out)])[1][n_w:]) for k in range(n_out)
+    ]
+    pruned, used = pe.dce_jaxpr(closed.jaxpr, [not k for k in self.keep])
+    self.weight_residuals = lambda args: jax.core.eval_jaxpr(
+      pruned, closed.consts, *(a for a, u in zip(args, used) if u)
+    )
+
+  def forward(self, w: list[Any], x: list[Any], index: Any) -> tuple[list[Any], list[Any]]:
+    """The forward's outputs and the residuals it saves (`kept`)."""
+    y, leaves = self.leaves(w, x, index)
+    return y, [leaf for leaf, k in zip(leaves, self.keep) if k]
+
+  def pullback(self, w: list[Any], saved: list[Any], index: Any) -> Callable[..., Any]:
+    """The forward's pullback from its saved residuals, the others recomputed from `w`."""
+    args = [*jax.tree_util.tree_leaves(w), *_zeros(self.act_shape), index]
+    again, kept = iter(self.weight_residuals(args)), iter(saved)
+    leaves = [next(kept) if k else next(again) for k in self.keep]
+    return jax.tree_util.tree_unflatten(self.pullback_tree[0], leaves)
 
   def embedded_grads(self, first: Any, one: Any, g_x: list[Any]) -> list[Any]:
     """On global chunk 0 (`first`), the embedding's parameter gradients for `g_x`."""
@@ -174,36 +215,44 @@ class _StageLoop:
       lambda: _zeros_like(self.others),
     )
 
-  def branches(self, row, one, w, x_in, dy, res, index) -> list[Callable[[], tuple]]:
+  def branches(self, row, one, w, operands, sums, index) -> list[Callable[[], tuple]]:
     """The tick's four operations (idle, forward, backward, forward-backward), each
-    `() -> (y, residuals, weight grads, input grads, other grads, loss)`."""
-    others = self.others
-    nothing = (
-      _zeros(self.act_shape),
-      _zeros(self.res_shape),
-      _zeros_like(w),
-      _zeros(self.act_shape),
-      _zeros_like(others),
-      jnp.zeros((), jnp.float32),
-    )
+    `() -> (y, residuals, weight gradient sums, input grads, other gradient sums, loss)`:
+    the sums (`sums`: the stage's chunks' weights', the other parameters') are added into
+    where the operation has gradients, and passed through where it has none."""
+    others, (x_in, dy, res), (d_w, d_o) = self.others, operands, sums
+    zero_act = _zeros(self.act_shape)
+    none = jnp.zeros((), jnp.float32)
     embedded = lambda: jax.lax.cond(row["first"], lambda: self.embed(others, one), lambda: x_in)
+    add = lambda total, g: jax.tree.map(jnp.add, total, g)
+
+    def add_w(g_w):
+      if self.pipeline.chunks == 1:
+        return [s + g[None] for s, g in zip(d_w, g_w)]
+      pick = lambda x: jax.lax.dynamic_index_in_dim(x, row["chunk"], keepdims=False)
+      return [
+        jax.lax.dynamic_update_index_in_dim(s, pick(s) + g, row["chunk"], 0)
+        for s, g in zip(d_w, g_w)
+      ]
 
     def run_forward():
-      return (*self.forward(w, embedded(), index), *nothing[2:])
+      return (*self.forward(w, embedded(), index), d_w, zero_act, d_o, none)
 
     def run_backward():
-      g_w, g_x = jax.tree_util.tree_unflatten(self.pullback_tree[0], res)(dy)
-      return (*nothing[:2], g_w, g_x, self.embedded_grads(row["first"], one, g_x), nothing[5])
+      g_w, g_x = self.pullback(w, res, index)(dy)
+      d_o_ = add(d_o, self.embedded_grads(row["first"], one, g_x))
+      return (zero_act, _zeros(self.res_shape), add_w(g_w), g_x, d_o_, none)
 
     def run_forward_backward():
       def loss_of(o, w_, x_):
         return self.head(o, one, self.chunk(self.consts, w_, x_, index)).astype(jnp.float32)
 
       loss, (g_o, g_w, g_x) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(others, w, embedded())
-      g_o = jax.tree.map(jnp.add, g_o, self.embedded_grads(row["first"], one, g_x))
-      return (*nothing[:2], g_w, g_x, g_o, loss)
+      d_o_ = add(add(d_o, g_o), self.embedded_grads(row["first"], one, g_x))
+      return (zero_act, _zeros(self.res_shape), add_w(g_w), g_x, d_o_, loss)
 
-    return [lambda: nothing, run_forward, run_backward, run_forward_backward]
+    idle = lambda: (zero_act, _zeros(self.res_shape), d_w, zero_act, d_o, none)
+    return [idle, run_forward, run_backward, run_forward_backward]
 
   def tick(self, state: tuple, t: Any, micro: Any) -> tuple:
     """The loop's state after tick `t`."""
@@ -213,19 +262,14 @@ class _StageLoop:
     acts = _put(acts, sent_act, row["store_act"])
     grads = _put(grads, sent_grad, row["store_grad"])
     pick = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
-    w = [pick(x, row["chunk"]) for x in self.local]
+    w = [x[0] if self.pipeline.chunks == 1 else pick(x, row["chunk"]) for x in self.local]
     one = jax.tree.map(lambda x: pick(x, row["micro"]), micro)
     index = row["chunk"] * s_count + self.stage  # The global chunk.
     operands = (_at(acts, row["read_act"]), _at(grads, row["read_grad"]), _at(saved, row["load"]))
-    y, leaves, g_w, g_x, g_o, loss = jax.lax.switch(
-      row["kind"], self.branches(row, one, w, *operands, index)
+    y, leaves, d_w, g_x, d_o, loss = jax.lax.switch(
+      row["kind"], self.branches(row, one, w, operands, (d_w, d_o), index)
     )
     saved = _put(saved, leaves, row["save"])
-    d_w = [
-      jax.lax.dynamic_update_index_in_dim(s, pick(s, row["chunk"]) + g, row["chunk"], 0)
-      for s, g in zip(d_w, g_w)
-    ]
-    d_o = jax.tree.map(jnp.add, d_o, g_o)
     ring = lambda k: [(s, (s + k) % s_count) for s in range(s_count)]
     sent_act = [jax.lax.ppermute(v, axis, ring(1)) for v in y]
     sent_grad = [jax.lax.ppermute(v, axis, ring(-1)) for v in g_x]

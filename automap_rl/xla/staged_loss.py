@@ -34,19 +34,10 @@ from automap_rl.problem import Problem
 from automap_rl.xla.accumulate import microbatched
 from automap_rl.xla.correspond import Flat, flatten
 from automap_rl.xla.interpret import interpret
-from automap_rl.xla.scheduled import run_schedule
+from automap_rl.xla.scheduled import depends, run_schedule
 from automap_rl.xla.step_pins import StepPins, loss_alignment
 
 __all__ = ["scheduled_value_and_grad"]
-
-
-def _depends(closed: jax_core.ClosedJaxpr, inputs: set[int]) -> list[bool]:
-  """Whether each output of `closed` depends on its inputs at positions `inputs`."""
-  tainted = {v for i, v in enumerate(closed.jaxpr.invars) if i in inputs}
-  for eqn in closed.jaxpr.eqns:
-    if any(not isinstance(v, jax_core.Literal) and v in tainted for v in eqn.invars):
-      tainted.update(eqn.outvars)
-  return [not isinstance(v, jax_core.Literal) and v in tainted for v in closed.jaxpr.outvars]
 
 
 def _stack_scan(closed: jax_core.ClosedJaxpr, stack: LayerStack, schedule: str) -> Flat:
@@ -122,6 +113,8 @@ class _Split:
         out = body(*c, *carry, *x)
         return list(out[:n_carry]), list(out[n_carry:])
 
+      # The weights are the loop's scanned inputs: the pullback keeps them as they are
+      # (`scheduled` does not save them per microbatch in flight).
       carries, ys = jax.lax.scan(layer, list(acts[:n_carry]), list(w))
       start = index * w[0].shape[0]
       ys = [jax.lax.dynamic_update_slice_in_dim(a, y, start, 0) for a, y in zip(acts[n_carry:], ys)]
@@ -133,8 +126,8 @@ class _Split:
     """NotImplementedError where the scan's constants depend on the batch or parameters."""
     closed_ops = jax.make_jaxpr(lambda p, b: self.operands(p, b, False))(param_leaves, first)
     n_p = len(param_leaves)
-    on_batch = _depends(closed_ops, set(range(n_p, n_p + len(first))))
-    on_params = _depends(closed_ops, set(range(n_p)))
+    on_batch = depends(closed_ops, set(range(n_p, n_p + len(first))))
+    on_params = depends(closed_ops, set(range(n_p)))
     if any(on_batch[: self.n_const]) or any(on_params[: self.n_const]):
       raise NotImplementedError(
         f"the loop of the {describe} has constants computed from the batch or the parameters; "
