@@ -1,7 +1,7 @@
 """Compiled peak memory and stage transfers of one model's GPipe and 1F1B plans.
 
 Compiles (CPU, abstract arguments, nothing allocated) the `megatron_3d` plan of a workload
-on a mesh with a `stage` axis, as GPipe and as 1F1B with M microbatches, and prints per
+on a mesh with a `stage` axis, as GPipe, 1F1B or interleaved (2 chunks) with M microbatches, and prints per
 schedule the compiled peak memory per device (parameters and optimizer state donated, as
 `Plan.jit` donates them) and the collective-permute bytes (loop trip counts included). Run it in its own process: it sets XLA's host device count.
 
@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
   problem = Problem.build(w.trace(), make_mesh(args.mesh, "h100"))
   decisions, pipeline = tactics.megatron_3d(problem)
   for schedule in args.schedules.split(","):
-    chosen = Pipeline(pipeline.axis, pipeline.stages, args.microbatches, schedule)
+    chunks = 2 if schedule == "interleaved" else 1
+    chosen = Pipeline(pipeline.axis, pipeline.stages, args.microbatches, schedule, chunks)
     start = time.perf_counter()
     lowered = lower_pipelined(
       problem,

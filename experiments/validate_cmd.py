@@ -1,6 +1,7 @@
 """`automap-rl validate --suite quick|full|fullsize`: the simulator against XLA compiles;
 `automap-rl validate --random N`: N random plans per model, numerics checked
-(`--pipelines`: pipelined plans, random decisions inside a random GPipe pipeline).
+(`--pipelines`: pipelined plans, random decisions inside a random pipeline: GPipe, 1F1B,
+interleaved or gradient accumulation).
 
 `quick` and `full` lower, run and check the numerics of expert and random plans on small
 zoo models; `fullsize` compiles (without running) expert and searched plans of models at
@@ -63,10 +64,11 @@ class ValidateConfig:
       depend on it; each process holds its own jax and compiling child).
     pipelines: with `fullsize`, the cases' pipelined expert plans too (in GPipe order, no
       searches), ranked with the intra-op ones, their stage transfers (collective-permute
-      bytes) set beside the simulator's; with `random`, every plan pipelined: a random GPipe
-      pipeline (a scanned
-      layer stack over a random mesh axis whose size divides its layers, one stage per
-      device of the axis, 4 or 8 microbatches) with random decisions inside, on
+      bytes) set beside the simulator's; with `random`, every plan pipelined: a random
+      pipeline (a layer stack over a random mesh axis whose size divides its layers, one
+      stage per device of the axis or one stage (gradient accumulation), 4 or 8
+      microbatches, a random schedule: GPipe, 1F1B, interleaved with 2 chunks) with random
+      decisions inside, on
       `validate.PIPELINE_MESHES`; the pipelined step of the workload's loss function and
       optimizer is compiled, run and checked.
   """
