@@ -342,9 +342,9 @@ def pipelined_loss(
 def check_lowerable(
   pipeline: Pipeline, stack: LayerStack, mesh_axis_size: int, args: Sequence[Any]
 ) -> None:
-  """Raises NotImplementedError (one line) for what the lowering does not run yet: the
-  interleaved schedule, fewer stages than the stage axis's `mesh_axis_size` devices, an
-  unrolled `stack`, a step whose `args` are not `(params, opt_state, batch)`."""
+  """Raises NotImplementedError (one line) for what the lowering does not run yet: fewer
+  stages (but one) than the stage axis's `mesh_axis_size` devices, GPipe over an unrolled
+  `stack`, uneven chunks, a step whose `args` are not `(params, opt_state, batch)`."""
   if pipeline.stages == 1:  # Gradient accumulation: any stack, the axis free for intra-op use.
     if len(args) != 3:
       raise NotImplementedError(
@@ -357,9 +357,15 @@ def check_lowerable(
       f"{pipeline.stages} stages on the {mesh_axis_size} devices of axis {pipeline.axis!r}: "
       "the lowering needs one stage per device of the stage axis"
     )
-  if not stack.scanned:
+  if not stack.scanned and pipeline.schedule == "gpipe":
     raise NotImplementedError(
-      f"pipeline lowering runs a scanned layer stack, not the {stack.describe()} yet"
+      f"the GPipe lowering runs a scanned layer stack, not the {stack.describe()} (1F1B and "
+      "interleaved run unrolled stacks)"
+    )
+  if pipeline.layers_per_chunk is not None and len(set(pipeline.layers_per_chunk)) > 1:
+    raise NotImplementedError(
+      f"the lowering splits a stack into equal chunks; layers_per_chunk="
+      f"{list(pipeline.layers_per_chunk)} is uneven"
     )
   if len(args) != 3:
     raise NotImplementedError(

@@ -36,6 +36,7 @@ from automap_rl.xla.correspond import Flat, flatten
 from automap_rl.xla.interpret import interpret
 from automap_rl.xla.scheduled import depends, run_schedule
 from automap_rl.xla.step_pins import StepPins, loss_alignment
+from automap_rl.xla.unrolled import UnrolledSplit
 
 __all__ = ["scheduled_value_and_grad"]
 
@@ -98,6 +99,30 @@ class _Split:
     it = iter(others)
     return [jnp.zeros(x.shape, x.dtype) if s else next(it) for x, s in zip(like, self.is_stacked)]
 
+  def prepare(self, param_leaves: list[Any], first: list[Any]) -> tuple[list[Any], list[Any], Any]:
+    """The scan's constants, its stacked weights [L, ...] and their pullback to the
+    parameters' leaves, from the parameters and a microbatch `first` (leaves)."""
+    n_const, n_carry = self.n_const, self.n_carry
+    self.param_leaves = param_leaves
+    consts = self.operands(param_leaves, first, False)[:n_const]
+    xs, xs_back = jax.vjp(
+      lambda p: self.operands(p, first, False)[n_const + n_carry :], param_leaves
+    )
+    return consts, xs, xs_back
+
+  def embed(self, others: list[Any], one: Any) -> list[Any]:
+    """The stack's initial carries, then its per-layer outputs [L, ...] (zeros: each chunk
+    writes its layers'), of microbatch `one`."""
+    leaves = jax.tree_util.tree_leaves(one)
+    ops = self.operands(self.full(others, self.param_leaves), leaves, True)
+    ys = [jnp.zeros(x.shape, x.dtype) for x in self.outs[self.n_carry :]]
+    return [*ops[self.n_const : self.n_const + self.n_carry], *ys]
+
+  def head(self, others: list[Any], one: Any, acts: list[Any]) -> Any:
+    """The loss of microbatch `one` given the scan's results `acts`."""
+    evaluate = self.evaluator(True, lambda ops: list(acts))
+    return evaluate(*self.full(others, self.param_leaves), *jax.tree_util.tree_leaves(one))[0]
+
   def chunk_fn(self) -> Callable[..., list[Any]]:
     """`chunk(consts, weights, acts, index)` for `run_schedule`: global chunk `index`'s
     layers, the carries through them, their per-layer outputs written into the
@@ -159,35 +184,22 @@ def scheduled_value_and_grad(
     )
     aligned = loss_alignment(jax.make_jaxpr(loss_fn)(params, whole), problem, params, whole)
     param_leaves, tree = jax.tree_util.tree_flatten(params)
-    is_stacked = [program.inputs[i] in stacked_ids for i in range(len(param_leaves))]
-    scan = _stack_scan(closed, stack, pipeline.schedule)
-    split = _Split(closed, scan, aligned, pins, mesh, pipeline.axis, is_stacked)
-    n_const, n_carry = split.n_const, split.n_carry
     first = leaves_of(jax.tree.map(lambda x: x[0], micro))
-    split.check_consts(param_leaves, first, stack.describe())
-    consts = split.operands(param_leaves, first, False)[:n_const]
-    xs, xs_back = jax.vjp(
-      lambda p: split.operands(p, first, False)[n_const + n_carry :], param_leaves
-    )
-    others = [x for x, s in zip(param_leaves, is_stacked) if not s]
-    ys_zeros = [jnp.zeros(x.shape, x.dtype) for x in split.outs[n_carry:]]
-
-    def embed(o: list[Any], b: Any) -> list[Any]:
-      """The stack's initial carries, then its per-layer outputs [L, ...] (zeros: each
-      chunk writes its layers')."""
-      ops = split.operands(split.full(o, param_leaves), leaves_of(b), True)
-      return [*ops[n_const : n_const + n_carry], *ys_zeros]
-
-    def head(o: list[Any], b: Any, acts: list[Any]) -> Any:
-      evaluate = split.evaluator(True, lambda ops: list(acts))
-      return evaluate(*split.full(o, param_leaves), *leaves_of(b))[0]
-
+    if stack.scanned:
+      is_stacked = [program.inputs[i] in stacked_ids for i in range(len(param_leaves))]
+      scan = _stack_scan(closed, stack, pipeline.schedule)
+      split = _Split(closed, scan, aligned, pins, mesh, pipeline.axis, is_stacked)
+      split.check_consts(param_leaves, first, stack.describe())
+    else:
+      split = UnrolledSplit(closed, stack, problem, aligned, pins, mesh, pipeline.axis)
+    consts, xs, xs_back = split.prepare(param_leaves, first)
+    others = [x for x, s in zip(param_leaves, split.is_stacked) if not s]
     loss, d_others, d_xs = run_schedule(
-      pipeline, mesh, embed, split.chunk_fn(), head, others, xs, consts, micro
+      pipeline, mesh, split.embed, split.chunk_fn(), split.head, others, xs, consts, micro
     )
     (d_params,) = xs_back(d_xs)
     it = iter(d_others)
-    grads = [g if s else g + next(it) for g, s in zip(d_params, is_stacked)]
+    grads = [g if s else g + next(it) for g, s in zip(d_params, split.is_stacked)]
     return loss, jax.tree_util.tree_unflatten(tree, grads)
 
   return value_and_grad
