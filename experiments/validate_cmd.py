@@ -59,7 +59,7 @@ class ValidateConfig:
       failed plan, not the end of the command), run and checked against the unpartitioned
       step; 0: run `suite`.
     models: with `random`, the workloads; default every family at small size (with
-      `pipelines`: `validate.PIPELINE_MODELS`, small models with scanned layer stacks).
+      `pipelines`: `validate.PIPELINE_MODELS`, small models with layer stacks).
     workers: with `random`, processes running plans side by side (the cases do not
       depend on it; each process holds its own jax and compiling child).
     pipelines: with `fullsize`, the cases' pipelined expert plans too (in GPipe order, no
@@ -96,16 +96,20 @@ def _mb(x: float) -> str:
   return f"{x / 1e6:9.3f}"
 
 
+def _schedule(pipeline: dict) -> str:
+  """A pipeline's JSON as a few words: its schedule (or accumulation), axis and counts."""
+  if pipeline["stages"] == 1:
+    return f"accumulation of {pipeline['microbatches']} microbatches"
+  chunks = f", {pipeline['chunks']} chunks" if pipeline.get("chunks", 1) > 1 else ""
+  return (
+    f"{pipeline['schedule']} over {pipeline['axis']!r}: {pipeline['stages']} stages{chunks}, "
+    f"{pipeline['microbatches']} microbatches"
+  )
+
+
 def _row(case) -> str:
   s, c = case.simulated, case.compiled
-  pipeline = (
-    ""
-    if case.pipeline is None
-    else (
-      f"  (GPipe over {case.pipeline['axis']!r}: {case.pipeline['stages']} stages, {case.pipeline['microbatches']} "
-      "microbatches)"
-    )
-  )
+  pipeline = "" if case.pipeline is None else f"  ({_schedule(case.pipeline)})"
   if case.lowering_error is not None:
     return (
       f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} LOWERING ERROR {case.seconds:6.1f}s"

@@ -20,6 +20,8 @@ FAMILIES = {
   "gpt": GPT,
   "llama": "llama:layers=4,d_model=64,heads=4,kv_heads=2,d_ff=128,seq=16,vocab=64,batch=8",
   "ssm": "ssm:layers=4,d_model=32,seq=16,vocab=64,batch=8",
+  # Its blocks unrolled: the loss's repeated segments are the stack.
+  "gpt-unrolled": GPT.replace(",scan=true", ""),
 }
 
 
@@ -69,7 +71,9 @@ CASES = {
 @pytest.mark.parametrize(
   "family,case",
   [
-    pytest.param(f, c, marks=[] if f == "gpt" else [pytest.mark.slow])
+    pytest.param(
+      f, c, marks=[] if (f, c) in {("gpt", c), ("gpt-unrolled", "1f1b")} else [pytest.mark.slow]
+    )
     for f in sorted(FAMILIES)
     for c in sorted(CASES)
   ],

@@ -478,6 +478,7 @@ PIPELINE_MODELS = (
   "gpt:layers=4,d_model=32,heads=2,seq=16,vocab=64,batch=8,scan=true",
   "llama:layers=4,d_model=32,heads=2,kv_heads=1,d_ff=64,seq=16,vocab=64,batch=8",
   "ssm:layers=4,d_model=16,seq=16,vocab=64,batch=8",
+  "gpt:layers=4,d_model=32,heads=2,seq=16,vocab=64,batch=8",  # Unrolled: 1F1B, interleaved.
 )
 PIPELINE_MESHES = ("stage=2,data=2,model=2", "stage=4,data=2")
 
