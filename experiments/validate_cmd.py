@@ -62,7 +62,7 @@ class ValidateConfig:
       `pipelines`: `validate.PIPELINE_MODELS`, small models with layer stacks).
     workers: with `random`, processes running plans side by side (the cases do not
       depend on it; each process holds its own jax and compiling child).
-    pipelines: with `fullsize`, the cases' pipelined expert plans too (in GPipe order, no
+    pipelines: with `fullsize`, the cases' pipelined expert plans too (run as their schedule, no
       searches), ranked with the intra-op ones, their stage transfers (collective-permute
       bytes) set beside the simulator's; with `random`, every plan pipelined: a random
       pipeline (a layer stack over a random mesh axis whose size divides its layers, one

@@ -1,4 +1,4 @@
-"""Lowering a pipelined plan: a GPipe circular pipeline of a scanned layer stack.
+"""Lowering a pipelined plan: the step for each schedule; GPipe of a scanned layer stack.
 
 A training step is already differentiated, so a pipeline is built from its forward:
 `lower_pipelined` takes the loss function `loss_fn(params, batch) -> loss []` and the optax
@@ -43,9 +43,13 @@ the backward leaves the loop. Over the axes it is auto over, XLA reduces the gra
 every iteration (`simulator.pipeline.manual_axes` prices both). A grouped convolution's
 kernel gradient is summed per device (`lower.grouped_conv_binder`).
 
-Every schedule runs in GPipe order (1F1B computes the same numbers with fewer
-microbatches in flight); the interleaved schedule, stages fewer than the stage axis's
-devices, unrolled stacks and steps with model state raise NotImplementedError.
+This GPipe lowering runs the `gpipe` schedule of a scanned stack. The others run as they
+are priced: one stage (S = 1) is gradient accumulation (`accumulate`); `1f1b` and
+`interleaved` run their tick tables (`schedules`, `scheduled`) with the first stage
+embedding and the last computing head and loss per microbatch, scanned stacks split at
+their scan (`staged_loss`) and unrolled ones at their repeated segments (`unrolled`).
+Stages fewer (but one) than the stage axis's devices, uneven chunks and steps with model
+state raise NotImplementedError (`check_lowerable`).
 """
 
 from __future__ import annotations
