@@ -389,7 +389,7 @@ class Plan:
     """Compiles the plan as written (`lower`; a pipelined plan's pipelined step), runs it on
     concrete `args` (default: the example arguments) and checks its outputs against the
     unpartitioned function `fn`; raises `automap_rl.xla.numerics.NumericsError` on a
-    mismatch. Returns the `Lowered`."""
+    mismatch. Returns the `Lowered` (its `schedule` says how a pipelined step ran)."""
     from automap_rl.xla.numerics import check_numerics
 
     args = self.args if args is None else tuple(args)

@@ -1,6 +1,7 @@
 """`automap-rl validate --suite quick|full|fullsize`: the simulator against XLA compiles;
 `automap-rl validate --random N`: N random plans per model, numerics checked
-(`--pipelines`: pipelined plans, random decisions inside a random GPipe pipeline).
+(`--pipelines`: pipelined plans, random decisions inside a random pipeline: GPipe, 1F1B,
+interleaved or gradient accumulation).
 
 `quick` and `full` lower, run and check the numerics of expert and random plans on small
 zoo models; `fullsize` compiles (without running) expert and searched plans of models at
@@ -58,15 +59,16 @@ class ValidateConfig:
       failed plan, not the end of the command), run and checked against the unpartitioned
       step; 0: run `suite`.
     models: with `random`, the workloads; default every family at small size (with
-      `pipelines`: `validate.PIPELINE_MODELS`, small models with scanned layer stacks).
+      `pipelines`: `validate.PIPELINE_MODELS`, small models with layer stacks).
     workers: with `random`, processes running plans side by side (the cases do not
       depend on it; each process holds its own jax and compiling child).
-    pipelines: with `fullsize`, the cases' pipelined expert plans too (in GPipe order, no
+    pipelines: with `fullsize`, the cases' pipelined expert plans too (run as their schedule, no
       searches), ranked with the intra-op ones, their stage transfers (collective-permute
-      bytes) set beside the simulator's; with `random`, every plan pipelined: a random GPipe
-      pipeline (a scanned
-      layer stack over a random mesh axis whose size divides its layers, one stage per
-      device of the axis, 4 or 8 microbatches) with random decisions inside, on
+      bytes) set beside the simulator's; with `random`, every plan pipelined: a random
+      pipeline (a layer stack over a random mesh axis whose size divides its layers, one
+      stage per device of the axis or one stage (gradient accumulation), 4 or 8
+      microbatches, a random schedule: GPipe, 1F1B, interleaved with 2 chunks) with random
+      decisions inside, on
       `validate.PIPELINE_MESHES`; the pipelined step of the workload's loss function and
       optimizer is compiled, run and checked.
   """
@@ -94,16 +96,20 @@ def _mb(x: float) -> str:
   return f"{x / 1e6:9.3f}"
 
 
+def _schedule(pipeline: dict) -> str:
+  """A pipeline's JSON as a few words: its schedule (or accumulation), axis and counts."""
+  if pipeline["stages"] == 1:
+    return f"accumulation of {pipeline['microbatches']} microbatches"
+  chunks = f", {pipeline['chunks']} chunks" if pipeline.get("chunks", 1) > 1 else ""
+  return (
+    f"{pipeline['schedule']} over {pipeline['axis']!r}: {pipeline['stages']} stages{chunks}, "
+    f"{pipeline['microbatches']} microbatches"
+  )
+
+
 def _row(case) -> str:
   s, c = case.simulated, case.compiled
-  pipeline = (
-    ""
-    if case.pipeline is None
-    else (
-      f"  (GPipe over {case.pipeline['axis']!r}: {case.pipeline['stages']} stages, {case.pipeline['microbatches']} "
-      "microbatches)"
-    )
-  )
+  pipeline = "" if case.pipeline is None else f"  ({_schedule(case.pipeline)})"
   if case.lowering_error is not None:
     return (
       f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} LOWERING ERROR {case.seconds:6.1f}s"

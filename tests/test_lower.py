@@ -364,10 +364,11 @@ def test_without_the_shard_map_xla_gets_the_kernel_gradient_wrong(monkeypatch):
   """The reproducer of the bug the lowering works around: XLA's own partitioning of the
   same plan gives a kernel gradient 2x too large (a failing check is what this shows)."""
   lower_module = importlib.import_module("automap_rl.xla.lower")
+  interpret_module = importlib.import_module("automap_rl.xla.interpret")
   monkeypatch.setattr(
     lower_module,
     "_conv_binder",
-    lambda pinned, mesh: lambda origin, eqn, invals: lower_module._bind(eqn, invals),
+    lambda pinned, mesh: lambda origin, eqn, invals: interpret_module._bind(eqn, invals),
   )
   step, args, problem = _grouped_conv_step(16)
   lowered = lower(problem, [Decision(ArgDim("x", 0), "model")], step, args)
@@ -411,7 +412,9 @@ def test_a_plan_xla_cannot_compile_is_a_one_line_error_naming_the_op_and_its_sha
   lower_module = importlib.import_module(
     "automap_rl.xla.lower"
   )  # The package exports `lower` the function.
-  monkeypatch.setattr(lower_module, "PINNED_PRIMITIVES", frozenset())
+  monkeypatch.setattr(
+    importlib.import_module("automap_rl.xla.constraints"), "PINNED_PRIMITIVES", frozenset()
+  )
   step, args, problem = _grouped_conv_step(2)
   plan = [Decision(ArgDim("x", 3), "model"), Decision(ArgDim("x", 3), "data")]
   with pytest.raises(lower_module.LoweringError) as error:

@@ -1,4 +1,4 @@
-"""Lowering a pipelined plan: a GPipe circular pipeline of a scanned layer stack.
+"""Lowering a pipelined plan: the step for each schedule; GPipe of a scanned layer stack.
 
 A training step is already differentiated, so a pipeline is built from its forward:
 `lower_pipelined` takes the loss function `loss_fn(params, batch) -> loss []` and the optax
@@ -43,16 +43,19 @@ the backward leaves the loop. Over the axes it is auto over, XLA reduces the gra
 every iteration (`simulator.pipeline.manual_axes` prices both). A grouped convolution's
 kernel gradient is summed per device (`lower.grouped_conv_binder`).
 
-Every schedule runs in GPipe order (1F1B computes the same numbers with fewer
-microbatches in flight); the interleaved schedule, stages fewer than the stage axis's
-devices, unrolled stacks and steps with model state raise NotImplementedError.
+This GPipe lowering runs the `gpipe` schedule of a scanned stack. The others run as they
+are priced: one stage (S = 1) is gradient accumulation (`accumulate`); `1f1b` and
+`interleaved` run their tick tables (`schedules`, `scheduled`) with the first stage
+embedding and the last computing head and loss per microbatch, scanned stacks split at
+their scan (`staged_loss`) and unrolled ones at their repeated segments (`unrolled`).
+Stages fewer (but one) than the stage axis's devices, uneven chunks and steps with model
+state raise NotImplementedError (`check_lowerable`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -69,20 +72,15 @@ from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.workloads.training import make_train_step
-from automap_rl.xla.correspond import Flat, Origin, align, flatten
+from automap_rl.xla.accumulate import accumulated, row_constrainer, train_step
+from automap_rl.xla.correspond import Flat, align, flatten
 from automap_rl.xla.hlo import inspect_compiled
+from automap_rl.xla.interpret import interpret
 from automap_rl.xla.isolated import compile_directly
-from automap_rl.xla.lower import (
-  Lowered,
-  _constrained,
-  _constrainer,
-  _pinned,
-  grouped_conv_binder,
-  interpret,
-  lowering_errors,
-  result_pins,
-)
+from automap_rl.xla.lower import Lowered, lowering_errors
 from automap_rl.xla.numerics import compute_dtype, program_depth
+from automap_rl.xla.staged_loss import scheduled_value_and_grad
+from automap_rl.xla.step_pins import StepPins, pinned_loss
 
 __all__ = [
   "batch_axes",
@@ -221,96 +219,6 @@ def _stack_scans(jaxpr: jax_core.Jaxpr, layers: int) -> list[Flat]:
   ]
 
 
-def _in_stage(
-  spec: PartitionSpec, shape: Sequence[int], manual: frozenset[str], mesh: jax.sharding.Mesh
-) -> PartitionSpec:
-  """`spec` for an array of `shape` in a stage: without the `manual` axes (the stage axis,
-  and the batch axes where the loop is manual over them), and a dim that does not divide
-  over its axes (a microbatch's share) left to XLA."""
-  dims = []
-  for size, axes in zip(shape, spec_axes(spec, len(shape))):
-    axes = tuple(a for a in axes if a not in manual)
-    dims.append(
-      PartitionSpec.UNCONSTRAINED if size % math.prod(mesh.shape[a] for a in axes) else axes or None
-    )
-  return PartitionSpec(*dims)
-
-
-@dataclasses.dataclass(frozen=True)
-class _StepPins:
-  """What `lower` pins in the planned step, by the step's origins.
-
-  Attributes:
-    results: origin -> the value id each result of its op is constrained as (None for scalars).
-    values: value id -> its planned spec.
-    ops: origin of a pinned op -> (operand specs, result specs) it computes on.
-  """
-
-  results: Mapping[Origin, tuple[int | None, ...]]
-  values: Mapping[int, PartitionSpec]
-  ops: Mapping[Origin, tuple[Sequence[PartitionSpec], Sequence[PartitionSpec]]]
-
-  @classmethod
-  def build(cls, problem: Problem, decisions: Sequence[Decision]) -> _StepPins:
-    """One resolution of the plan for every value and op `lower` pins."""
-    program, results, pinned = problem.program, _constrained(problem), _pinned(problem)
-    value_ids = list(dict.fromkeys(v for ids in results.values() for v in ids if v is not None))
-    value_specs, op_specs = problem.value_and_op_specs(decisions, value_ids, list(pinned.values()))
-    values = dict(zip(value_ids, value_specs))
-    ops = {
-      origin: (operands, result_pins(program, op, result_specs, values))
-      for (origin, op), (operands, result_specs) in zip(pinned.items(), op_specs)
-    }
-    return cls(results, values, ops)
-
-  def constrainer(
-    self,
-    aligned: Mapping[Origin, Origin],
-    entries: Mapping[Origin, Flat],
-    manual: frozenset[str],
-    mesh: jax.sharding.Mesh,
-    in_stage: bool,
-  ):
-    """`(before, constrain, bind)` for `interpret`: the equations at `entries`' origins
-    pinned as their counterparts in the step (`aligned`: origin -> the step's), at their
-    own shapes without the `manual` axes (`_in_stage`), on `mesh` or (`in_stage`) the
-    stage's, those axes manual; grouped convolutions bound by `grouped_conv_binder`."""
-    arrays = lambda vs: [v.aval for v in vs if not isinstance(v, jax_core.Literal)]
-    ranks = lambda specs, avals: (
-      len(specs) == len(avals)
-      and all(s is None or len(s) <= len(a.shape) for s, a in zip(specs, avals))
-    )
-    results, values, pinned = {}, {}, {}
-    for origin, at in aligned.items():
-      if origin not in entries:
-        continue
-      eqn = entries[origin].eqn
-      outs = arrays(eqn.outvars)
-      ids = self.results.get(at)
-      if ids is not None and ranks([None if v is None else self.values[v] for v in ids], outs):
-        results[origin] = ids
-        values.update(
-          (v, _in_stage(self.values[v], a.shape, manual, mesh))
-          for v, a in zip(ids, outs)
-          if v is not None
-        )
-      if (
-        at in self.ops
-        and ranks(self.ops[at][0], arrays(eqn.invars))
-        and ranks(self.ops[at][1], outs)
-      ):
-        operands, result_specs = self.ops[at]
-        pinned[origin] = (
-          [_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(operands, arrays(eqn.invars))],
-          [_in_stage(sp, a.shape, manual, mesh) for sp, a in zip(result_specs, outs)],
-        )
-    on = None if in_stage else mesh
-    return (
-      *_constrainer(results, values, pinned, on, differentiated=True),
-      grouped_conv_binder(pinned, on),
-    )
-
-
 def pipelined_loss(
   loss_fn: Callable[..., Any],
   pipeline: Pipeline,
@@ -339,7 +247,7 @@ def pipelined_loss(
     )
   step = problem.program.jaxpr.jaxpr
   rows = batch_axes(problem, decisions)
-  pins = _StepPins.build(problem, decisions)
+  pins = StepPins.build(problem, decisions)
   program, stacked = problem.program, stack.stacked_inputs(problem.program, problem.named)
   # A stacked weight split over the batch axes on its layer dim only is gathered over them
   # before the loop (`gpipe` takes the stage's layers whole); on another dim, it cannot be.
@@ -438,21 +346,30 @@ def pipelined_loss(
 def check_lowerable(
   pipeline: Pipeline, stack: LayerStack, mesh_axis_size: int, args: Sequence[Any]
 ) -> None:
-  """Raises NotImplementedError (one line) for what the lowering does not run yet: the
-  interleaved schedule, fewer stages than the stage axis's `mesh_axis_size` devices, an
-  unrolled `stack`, a step whose `args` are not `(params, opt_state, batch)`."""
-  if pipeline.chunks > 1:
-    raise NotImplementedError(
-      f"the interleaved schedule is priced but not lowered yet ({pipeline}); GPipe and 1F1B are"
-    )
+  """Raises NotImplementedError (one line) for what the lowering does not run yet: fewer
+  stages (but one) than the stage axis's `mesh_axis_size` devices, GPipe over an unrolled
+  `stack`, uneven chunks, a step whose `args` are not `(params, opt_state, batch)`."""
+  if pipeline.stages == 1:  # Gradient accumulation: any stack, the axis free for intra-op use.
+    if len(args) != 3:
+      raise NotImplementedError(
+        "gradient accumulation runs steps (params, opt_state, batch); model state is not "
+        "accumulated yet"
+      )
+    return
   if pipeline.stages != mesh_axis_size:
     raise NotImplementedError(
       f"{pipeline.stages} stages on the {mesh_axis_size} devices of axis {pipeline.axis!r}: "
       "the lowering needs one stage per device of the stage axis"
     )
-  if not stack.scanned:
+  if not stack.scanned and pipeline.schedule == "gpipe":
     raise NotImplementedError(
-      f"pipeline lowering runs a scanned layer stack, not the {stack.describe()} yet"
+      f"the GPipe lowering runs a scanned layer stack, not the {stack.describe()} (1F1B and "
+      "interleaved run unrolled stacks)"
+    )
+  if pipeline.layers_per_chunk is not None and len(set(pipeline.layers_per_chunk)) > 1:
+    raise NotImplementedError(
+      f"the lowering splits a stack into equal chunks; layers_per_chunk="
+      f"{list(pipeline.layers_per_chunk)} is uneven"
     )
   if len(args) != 3:
     raise NotImplementedError(
@@ -468,12 +385,13 @@ def staged_specs(
   values: Sequence[int],
 ) -> list[PartitionSpec]:
   """The plan's spec of each of `values`, the stage axis added (major) on the layer dim of
-  every value stacked along the stack's layers (stacked weights, their optimizer state)."""
+  every value stacked along the stack's layers (stacked weights, their optimizer state)
+  where there are stages (S > 1)."""
   program, classes = problem.program, set(stack.layer_classes)
   out = []
   for v, spec in zip(values, problem.partition_specs(decisions, values)):
     shape = program.values[v].shape
-    if shape and problem.named.class_of(v, 0) in classes:
+    if pipeline.stages > 1 and shape and problem.named.class_of(v, 0) in classes:
       axes = spec_axes(spec, len(shape))
       spec = PartitionSpec((pipeline.axis, *axes[0]), *(a or None for a in axes[1:]))
     out.append(spec)
@@ -518,12 +436,27 @@ def jit_pipelined(
   program, mesh = problem.program, problem.mesh
   stack = pipeline.check(program, problem.named, mesh)
   check_lowerable(pipeline, stack, mesh.axis_size(pipeline.axis), args)
-  loss = pipelined_loss(loss_fn, pipeline, stack, problem, decisions, jax_mesh)
-  step = make_train_step(loss, optimizer)
   specs = staged_specs(problem, decisions, pipeline, stack, [*program.inputs, *program.outputs])
   named = [NamedSharding(jax_mesh, s) for s in specs]
   n = len(program.inputs)
   in_shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tuple(args)), named[:n])
+  if pipeline.stages == 1:
+    rows = row_constrainer(jax_mesh, batch_axes(problem, decisions), pipeline.microbatches)
+    pins = StepPins.build(problem, decisions)
+    micro_loss = pinned_loss(loss_fn, problem, pins, jax_mesh, pipeline.microbatches)
+    value_and_grad = accumulated(micro_loss, pipeline.microbatches, in_shardings[0], rows)
+    step = train_step(value_and_grad, optimizer)
+  elif pipeline.schedule in ("1f1b", "interleaved"):
+    rows = row_constrainer(jax_mesh, batch_axes(problem, decisions), pipeline.microbatches)
+    pins = StepPins.build(problem, decisions)
+    value_and_grad = scheduled_value_and_grad(
+      loss_fn, pipeline, stack, problem, pins, jax_mesh, rows
+    )
+    step = train_step(value_and_grad, optimizer)
+  else:
+    step = make_train_step(
+      pipelined_loss(loss_fn, pipeline, stack, problem, decisions, jax_mesh), optimizer
+    )
   out_tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
   if out_tree.num_leaves != len(program.outputs):
     raise ValueError(
@@ -586,4 +519,5 @@ def lower_pipelined(
     (),
     program_depth(problem.program),
     compute_dtype(problem.program),
+    "accumulation" if pipeline.stages == 1 else pipeline.schedule,
   )

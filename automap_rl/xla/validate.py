@@ -166,9 +166,10 @@ def random_plan(problem: Problem, rng: np.random.Generator, max_decisions: int) 
 
 
 def random_pipeline(problem: Problem, args: Sequence[Any], rng: np.random.Generator) -> Pipeline:
-  """A random GPipe pipeline that `pipeline_lower` runs for the step's example `args`: a
-  random scanned layer stack and mesh axis whose size divides its layers, as many stages
-  as the axis has devices, and 4 or 8 microbatches (those that divide the batch).
+  """A random pipeline that `pipeline_lower` runs for the step's example `args`: a random
+  layer stack and mesh axis whose size divides its layers, as many stages as the axis has
+  devices (or one: gradient accumulation), 4 or 8 microbatches (those that divide the
+  batch), and a random schedule (GPipe, 1F1B, interleaved with 2 chunks where they divide).
 
   Raises:
     ValueError: the program and mesh have no such pipeline (one line saying why).
@@ -182,16 +183,22 @@ def random_pipeline(problem: Problem, args: Sequence[Any], rng: np.random.Genera
       if size < 2 or stack.layers % size:
         continue
       for m in counts:
-        pipeline = Pipeline(axis, stages=size, microbatches=m, schedule="gpipe", stack=index)
-        try:
-          check_lowerable(pipeline, stack, size, args)
-        except NotImplementedError:
-          continue
-        options.append(pipeline)
+        drawn = [
+          Pipeline(axis, stages=size, microbatches=m, schedule=schedule, stack=index)
+          for schedule in ("gpipe", "1f1b")
+        ] + [Pipeline(axis, stages=1, microbatches=m, stack=index)]  # Accumulation.
+        if stack.layers % (2 * size) == 0 and m % size == 0:
+          drawn.append(Pipeline(axis, size, m, "interleaved", chunks=2, stack=index))
+        for pipeline in drawn:
+          try:
+            check_lowerable(pipeline, stack, size, args)
+          except NotImplementedError:
+            continue
+          options.append(pipeline)
   if not options:
     stacks = "; ".join(s.describe() for s in problem.layer_stacks) or "no layer stack"
     raise ValueError(
-      f"no lowerable GPipe pipeline (a scanned stack whose layers an axis of {mesh.axis_names} "
+      f"no lowerable pipeline (a scanned stack whose layers an axis of {mesh.axis_names} "
       f"{mesh.axis_sizes} divides, 4 or 8 microbatches of the batch of {batch}, a step of (params, "
       f"opt_state, batch)); the program has: {stacks}"
     )
@@ -351,6 +358,7 @@ PIPELINE_MODELS = (
   "gpt:layers=4,d_model=32,heads=2,seq=16,vocab=64,batch=8,scan=true",
   "llama:layers=4,d_model=32,heads=2,kv_heads=1,d_ff=64,seq=16,vocab=64,batch=8",
   "ssm:layers=4,d_model=16,seq=16,vocab=64,batch=8",
+  "gpt:layers=4,d_model=32,heads=2,seq=16,vocab=64,batch=8",  # Unrolled: 1F1B, interleaved.
 )
 PIPELINE_MESHES = ("stage=2,data=2,model=2", "stage=4,data=2")
 

@@ -1,0 +1,276 @@
+"""A pipeline run as its schedule's tick table (`schedules.tick_table`), per microbatch.
+
+Under `jax.shard_map`, manual over the stage axis, one `jax.lax.scan` runs the table's
+ticks. In each tick a stage runs, by `jax.lax.switch`, one of: a forward of one of its
+chunks on one microbatch (`jax.vjp` of the chunk's layers, its residuals kept in a buffer
+slot; on global chunk 0 its input is the embedding of the microbatch, which runs there
+only), a backward (the residuals' pullback: the chunk's weight gradients added into their
+sums, the input's gradient sent back; on chunk 0 the embedding's parameter gradients),
+on the last chunk the forward, the head, the loss and the backward at once (the loss's
+parameter gradients), or nothing. Activations go to the next stage and gradients to the
+one before with one `jax.lax.ppermute` each per tick (a ring: interleaved chunks wrap
+from the last stage to the first); they wait in buffer slots until read. Nothing runs at
+the whole batch: the first stage embeds and the last computes the head and the loss, per
+microbatch. The stacked weights' gradients leave the loop split over the stages, the
+other parameters' are summed over the stage axis once; one optimizer update follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jax_core
+from jax.sharding import NamedSharding, PartitionSpec
+
+from automap_rl.pipeline import Pipeline
+from automap_rl.xla.schedules import Ticks, tick_table
+
+__all__ = ["depends", "run_schedule"]
+
+
+def depends(closed: jax_core.ClosedJaxpr, inputs: set[int]) -> list[bool]:
+  """Whether each output of `closed` depends on its inputs at positions `inputs`."""
+  tainted = {v for i, v in enumerate(closed.jaxpr.invars) if i in inputs}
+  for eqn in closed.jaxpr.eqns:
+    if any(not isinstance(v, jax_core.Literal) and v in tainted for v in eqn.invars):
+      tainted.update(eqn.outvars)
+  return [not isinstance(v, jax_core.Literal) and v in tainted for v in closed.jaxpr.outvars]
+
+
+def _zeros(shapes: Sequence[Any]) -> list[Any]:
+  return [jnp.zeros(s.shape, s.dtype) for s in shapes]
+
+
+def _at(buffers: Sequence[Any], slot: Any) -> list[Any]:
+  return [jax.lax.dynamic_index_in_dim(b, slot, keepdims=False) for b in buffers]
+
+
+def _put(buffers: Sequence[Any], values: Sequence[Any], slot: Any) -> list[Any]:
+  return [jax.lax.dynamic_update_index_in_dim(b, v, slot, 0) for b, v in zip(buffers, values)]
+
+
+def run_schedule(
+  pipeline: Pipeline,
+  mesh: jax.sharding.Mesh,
+  embed: Callable[[list[Any], Any], list[Any]],
+  chunk: Callable[[list[Any], list[Any], list[Any]], list[Any]],
+  head: Callable[[list[Any], Any, list[Any]], Any],
+  others: list[Any],
+  weights: list[Any],
+  consts: list[Any],
+  micro: Any,
+) -> tuple[Any, list[Any], list[Any]]:
+  """The loss and gradients of a pipelined loss, run as `pipeline`'s schedule.
+
+  Args:
+    pipeline: S stages, M microbatches, the schedule and V chunks.
+    mesh: the mesh; the stage axis is `pipeline.axis`.
+    embed: `embed(others, one) -> carries`: the stack's input activations of one
+      microbatch `one` (the batch pytree, leaves [B / M, ...]).
+    chunk: `chunk(consts, layers, carries, c) -> carries`: global chunk c's layers
+      (weights [L / (S V), ...]) on one microbatch's activations.
+    head: `head(others, one, carries) -> loss []`: the head and loss on the stack's output.
+    others: the parameters the stack does not stack (every stage gets them whole).
+    weights: the stacked weights, each [L, ...].
+    consts: the stack's constants (every stage gets them whole; no gradient).
+    micro: the batch as microbatches, leaves [M, B / M, ...].
+
+  Returns:
+    (loss [], gradients of `others`, of `weights` [L, ...]), the means over the M
+    microbatches.
+  """
+  s_count, v_count, axis = pipeline.stages, pipeline.chunks, pipeline.axis
+  m_count = pipeline.microbatches
+  layers = weights[0].shape[0]
+  per = layers // (s_count * v_count)
+  # [L, ...] -> [S, V, L / (S V), ...]: stage s's chunk v holds global chunk v S + s.
+  staged = [jnp.swapaxes(w.reshape(v_count, s_count, per, *w.shape[1:]), 0, 1) for w in weights]
+  staged = [
+    jax.lax.with_sharding_constraint(
+      w, NamedSharding(mesh, PartitionSpec(axis, *(PartitionSpec.UNCONSTRAINED,) * (w.ndim - 1)))
+    )
+    for w in staged
+  ]
+  ticks = tick_table(pipeline)
+  loss, d_others, d_staged = jax.shard_map(
+    lambda *a: _stage_loop(ticks, pipeline, embed, chunk, head, *a),
+    mesh=mesh,
+    in_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
+    out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(axis)),
+    axis_names={axis},
+    check_vma=False,
+  )(others, staged, consts, micro)
+  d_weights = [jnp.swapaxes(g, 0, 1).reshape(layers, *g.shape[3:]) / m_count for g in d_staged]
+  return loss / m_count, [g / m_count for g in d_others], d_weights
+
+
+def _stage_loop(
+  ticks: Ticks,
+  pipeline: Pipeline,
+  embed: Callable[..., Any],
+  chunk: Callable[..., Any],
+  head: Callable[..., Any],
+  others: list[Any],
+  staged: list[Any],
+  consts: list[Any],
+  micro: Any,
+) -> tuple[Any, list[Any], list[Any]]:
+  """One stage's loop over the ticks (`run_schedule`, under `shard_map`): per stage, its
+  chunks' weights [1, V, L / (S V), ...]."""
+  loop = _StageLoop(ticks, pipeline, embed, chunk, head, others, [w[0] for w in staged], consts)
+  loop.shapes(jax.tree.map(lambda x: x[0], micro))
+  buffers = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]
+  slots_act, slots_grad, slots_res = ticks.slots
+  start = (
+    buffers(loop.act_shape, slots_act),
+    buffers(loop.act_shape, slots_grad),
+    buffers(loop.res_shape, slots_res),
+    _zeros_like(loop.local),
+    _zeros_like(others),
+    jnp.zeros((), jnp.float32),
+    _zeros(loop.act_shape),
+    _zeros(loop.act_shape),
+  )
+  state, _ = jax.lax.scan(
+    lambda st, t: (loop.tick(st, t, micro), None), start, jnp.arange(ticks.ticks)
+  )
+  _, _, _, d_w, d_o, total = state[:6]
+  d_o = jax.tree.map(lambda g: jax.lax.psum(g, pipeline.axis), d_o)
+  return jax.lax.psum(total, pipeline.axis), d_o, [g[None] for g in d_w]
+
+
+def _zeros_like(tree: Any) -> Any:
+  return jax.tree.map(jnp.zeros_like, tree)
+
+
+class _StageLoop:
+  """What one stage runs in a tick (`_stage_loop`): its chunks' weights `local`
+  [V, L / (S V), ...], the shapes of the activations and of a chunk's residuals."""
+
+  def __init__(self, ticks, pipeline, embed, chunk, head, others, local, consts):
+    self.pipeline, self.embed, self.chunk, self.head = pipeline, embed, chunk, head
+    self.others, self.local, self.consts = others, local, consts
+    self.stage = jax.lax.axis_index(pipeline.axis)
+    self.table = {
+      name: jnp.asarray(getattr(ticks, name))
+      for name in ticks.__dataclass_fields__
+      if name != "slots"
+    }
+    self.pullback_tree: list[Any] = []
+    self.act_shape: list[Any] = []
+    self.res_shape: list[Any] = []
+    self.keep: list[bool] = []
+    self.weight_residuals: Callable[[list[Any]], list[Any]] = lambda args: []
+
+  def shapes(self, one: Any) -> None:
+    """The activations' and residuals' shapes, for a microbatch like `one`."""
+    self.act_shape = jax.eval_shape(self.embed, self.others, one)
+    weights = [w[0] for w in self.local]
+    self.kept(weights, self.act_shape)
+    self.res_shape = jax.eval_shape(self.forward, weights, self.act_shape, 0)[1]
+
+  def leaves(self, w: list[Any], x: list[Any], index: Any) -> tuple[list[Any], list[Any]]:
+    """Global chunk `index` forward: its outputs and its pullback's leaves (residuals)."""
+    y, pullback = jax.vjp(lambda w_, x_: self.chunk(self.consts, w_, x_, index), w, x)
+    leaves, tree = jax.tree_util.tree_flatten(pullback)
+    self.pullback_tree[:] = [tree]
+    return y, leaves
+
+  def kept(self, w: list[Any], x: list[Any]) -> None:
+    """Which residuals the forward saves (`keep`): those that depend on the activations
+    (or the chunk index). The others are functions of the weights alone (the weights as
+    the layers read them), which the backward recomputes (`weight_residuals`) instead of
+    keeping a copy per microbatch in flight."""
+    closed = jax.make_jaxpr(lambda w_, x_, i: self.leaves(w_, x_, i)[1])(w, x, 0)
+    n_w, n_out = len(jax.tree_util.tree_leaves(w)), len(closed.jaxpr.outvars)
+    self.keep = [
+      any(pe.dce_jaxpr(closed.jaxpr, [j == k for j in range(n_out)])[1][n_w:]) for k in range(n_out)
+    ]
+    pruned, used = pe.dce_jaxpr(closed.jaxpr, [not k for k in self.keep])
+    self.weight_residuals = lambda args: jax.core.eval_jaxpr(
+      pruned, closed.consts, *(a for a, u in zip(args, used) if u)
+    )
+
+  def forward(self, w: list[Any], x: list[Any], index: Any) -> tuple[list[Any], list[Any]]:
+    """The forward's outputs and the residuals it saves (`kept`)."""
+    y, leaves = self.leaves(w, x, index)
+    return y, [leaf for leaf, k in zip(leaves, self.keep) if k]
+
+  def pullback(self, w: list[Any], saved: list[Any], index: Any) -> Callable[..., Any]:
+    """The forward's pullback from its saved residuals, the others recomputed from `w`."""
+    args = [*jax.tree_util.tree_leaves(w), *_zeros(self.act_shape), index]
+    again, kept = iter(self.weight_residuals(args)), iter(saved)
+    leaves = [next(kept) if k else next(again) for k in self.keep]
+    return jax.tree_util.tree_unflatten(self.pullback_tree[0], leaves)
+
+  def embedded_grads(self, first: Any, one: Any, g_x: list[Any]) -> list[Any]:
+    """On global chunk 0 (`first`), the embedding's parameter gradients for `g_x`."""
+    return jax.lax.cond(
+      first,
+      lambda: jax.vjp(lambda o: self.embed(o, one), self.others)[1](g_x)[0],
+      lambda: _zeros_like(self.others),
+    )
+
+  def branches(self, row, one, w, operands, sums, index) -> list[Callable[[], tuple]]:
+    """The tick's four operations (idle, forward, backward, forward-backward), each
+    `() -> (y, residuals, weight gradient sums, input grads, other gradient sums, loss)`:
+    the sums (`sums`: the stage's chunks' weights', the other parameters') are added into
+    where the operation has gradients, and passed through where it has none."""
+    others, (x_in, dy, res), (d_w, d_o) = self.others, operands, sums
+    zero_act = _zeros(self.act_shape)
+    none = jnp.zeros((), jnp.float32)
+    embedded = lambda: jax.lax.cond(row["first"], lambda: self.embed(others, one), lambda: x_in)
+    add = lambda total, g: jax.tree.map(jnp.add, total, g)
+
+    def add_w(g_w):
+      if self.pipeline.chunks == 1:
+        return [s + g[None] for s, g in zip(d_w, g_w)]
+      pick = lambda x: jax.lax.dynamic_index_in_dim(x, row["chunk"], keepdims=False)
+      return [
+        jax.lax.dynamic_update_index_in_dim(s, pick(s) + g, row["chunk"], 0)
+        for s, g in zip(d_w, g_w)
+      ]
+
+    def run_forward():
+      return (*self.forward(w, embedded(), index), d_w, zero_act, d_o, none)
+
+    def run_backward():
+      g_w, g_x = self.pullback(w, res, index)(dy)
+      d_o_ = add(d_o, self.embedded_grads(row["first"], one, g_x))
+      return (zero_act, _zeros(self.res_shape), add_w(g_w), g_x, d_o_, none)
+
+    def run_forward_backward():
+      def loss_of(o, w_, x_):
+        return self.head(o, one, self.chunk(self.consts, w_, x_, index)).astype(jnp.float32)
+
+      loss, (g_o, g_w, g_x) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(others, w, embedded())
+      d_o_ = add(add(d_o, g_o), self.embedded_grads(row["first"], one, g_x))
+      return (zero_act, _zeros(self.res_shape), add_w(g_w), g_x, d_o_, loss)
+
+    idle = lambda: (zero_act, _zeros(self.res_shape), d_w, zero_act, d_o, none)
+    return [idle, run_forward, run_backward, run_forward_backward]
+
+  def tick(self, state: tuple, t: Any, micro: Any) -> tuple:
+    """The loop's state after tick `t`."""
+    s_count, axis = self.pipeline.stages, self.pipeline.axis
+    row = {name: value[t, self.stage] for name, value in self.table.items()}
+    acts, grads, saved, d_w, d_o, total, sent_act, sent_grad = state
+    acts = _put(acts, sent_act, row["store_act"])
+    grads = _put(grads, sent_grad, row["store_grad"])
+    pick = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+    w = [x[0] if self.pipeline.chunks == 1 else pick(x, row["chunk"]) for x in self.local]
+    one = jax.tree.map(lambda x: pick(x, row["micro"]), micro)
+    index = row["chunk"] * s_count + self.stage  # The global chunk.
+    operands = (_at(acts, row["read_act"]), _at(grads, row["read_grad"]), _at(saved, row["load"]))
+    y, leaves, d_w, g_x, d_o, loss = jax.lax.switch(
+      row["kind"], self.branches(row, one, w, operands, (d_w, d_o), index)
+    )
+    saved = _put(saved, leaves, row["save"])
+    ring = lambda k: [(s, (s + k) % s_count) for s in range(s_count)]
+    sent_act = [jax.lax.ppermute(v, axis, ring(1)) for v in y]
+    sent_grad = [jax.lax.ppermute(v, axis, ring(-1)) for v in g_x]
+    return (acts, grads, saved, d_w, d_o, total + loss, sent_act, sent_grad)

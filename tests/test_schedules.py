@@ -1,0 +1,94 @@
+"""Pipelines run as they are priced: gradient accumulation (one stage), 1F1B and the
+interleaved schedule compute the unpartitioned step's numbers, with the first stage
+embedding and the last computing head and loss per microbatch; their tick tables keep
+the microbatches in flight that Megatron-LM's schedules keep."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from automap_rl import tactics, workloads
+from automap_rl.mesh import make_mesh
+from automap_rl.pipeline import Pipeline
+from automap_rl.plan import Plan
+from automap_rl.problem import Problem
+from automap_rl.xla.schedules import BACKWARD, FORWARD, FORWARD_BACKWARD, tick_table
+
+GPT = "gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=true"
+FAMILIES = {
+  "gpt": GPT,
+  "llama": "llama:layers=4,d_model=64,heads=4,kv_heads=2,d_ff=128,seq=16,vocab=64,batch=8",
+  "ssm": "ssm:layers=4,d_model=32,seq=16,vocab=64,batch=8",
+  # Its blocks unrolled: the loss's repeated segments are the stack.
+  "gpt-unrolled": GPT.replace(",scan=true", ""),
+}
+
+
+def test_1f1b_keeps_s_minus_s_microbatches_in_flight_and_gpipe_all_of_them():
+  one_f = tick_table(Pipeline("stage", 4, 8, "1f1b"))
+  # The last stage runs forward, head, loss and backward of a microbatch in one tick.
+  assert one_f.in_flight().tolist() == [4, 3, 2, 0]
+  assert (one_f.kind[:, 3] != FORWARD).all() and (one_f.kind[:, 3] != BACKWARD).all()
+  assert (one_f.kind[:, 3] == FORWARD_BACKWARD).sum() == 8
+  assert tick_table(Pipeline("stage", 4, 8, "gpipe")).in_flight().tolist() == [8, 8, 8, 0]
+  # Every stage runs each microbatch's forward and backward once.
+  for s in range(3):
+    assert (one_f.kind[:, s] == FORWARD).sum() == (one_f.kind[:, s] == BACKWARD).sum() == 8
+
+
+def test_interleaved_keeps_megatrons_warm_up_count_in_flight():
+  pipeline = Pipeline("stage", 4, 8, "interleaved", chunks=2)
+  ticks = tick_table(pipeline)
+  # Chunk-microbatches; the pricing counts them in units of a stage's whole share (1 / V).
+  priced = pipeline.in_flight() * pipeline.chunks
+  assert ticks.in_flight()[:-1].tolist() == priced[:-1].tolist()
+  assert np.all(ticks.in_flight() <= priced)
+
+
+@functools.cache
+def _problem(spec: str, mesh: str) -> tuple[workloads.Workload, Problem]:
+  w = workloads.make_workload(spec)
+  return w, Problem.build(w.trace(), make_mesh(mesh, "h100"))
+
+
+def _check(spec: str, mesh: str, pipeline: Pipeline):
+  w, p = _problem(spec, mesh)
+  decisions = tactics.data_megatron(p) if pipeline.stages == 1 else tactics.pipeline(p)[0]
+  plan = Plan(
+    w.step, w.args, p, decisions, pipeline=pipeline, loss_fn=w.loss_fn, optimizer=w.optimizer
+  )
+  return plan, plan.check()  # Raises NumericsError on a mismatch with the unpartitioned step.
+
+
+CASES = {
+  "accumulation": ("data=2,model=4", Pipeline("data", 1, 4)),
+  "1f1b": ("stage=4,data=2", Pipeline("stage", 4, 4, "1f1b")),
+  "interleaved": ("stage=2,data=2,model=2", Pipeline("stage", 2, 4, "interleaved", chunks=2)),
+}
+
+
+@pytest.mark.parametrize(
+  "family,case",
+  [
+    pytest.param(
+      f, c, marks=[] if (f, c) in {("gpt", c), ("gpt-unrolled", "1f1b")} else [pytest.mark.slow]
+    )
+    for f in sorted(FAMILIES)
+    for c in sorted(CASES)
+  ],
+)
+def test_scheduled_step_matches_the_unpartitioned_step(family, case):
+  mesh, pipeline = CASES[case]
+  plan, lowered = _check(FAMILIES[family], mesh, pipeline)
+  assert lowered.schedule == ("accumulation" if pipeline.stages == 1 else pipeline.schedule)
+  if pipeline.stages > 1:
+    # Activations and gradients cross between stages once a tick each way, a microbatch's
+    # [8 / M rows, seq 16, width] at a time (its rows over `data` where they divide).
+    permutes = [
+      c
+      for c in lowered.stats.collectives
+      if c.kind == "collective-permute" and c.mesh_axes == ("stage",) and c.repeat > 1
+    ]
+    ticks = tick_table(pipeline).ticks
+    assert len(permutes) >= 2 and all(c.repeat == ticks for c in permutes)
