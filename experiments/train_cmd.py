@@ -12,7 +12,9 @@ kept in `wandb_run_id.txt`).
 
 Devices. The episodes and minibatches are sharded over every device of every process
 (`agents.train.data_mesh`; `--devices N` takes fewer), which must divide
-`--train.episodes` and `--train.batch-size`. Several processes (hosts) join through
+`--train.episodes` and `--train.batch-size`. A preset's own sizes fit any device count
+(`fit_devices`: it uses the devices that split them, or rounds them up, and says which);
+sizes given on the command line must split. Several processes (hosts) join through
 `--distributed.*` or the environment (`experiments.distributed`); each runs the same
 command on a run directory they share, and process 0 alone writes the metrics, wandb,
 the learning curve and the policy's `network.json`. A checkpoint restores onto any
@@ -68,6 +70,10 @@ class TrainRunConfig:
     progress: show progress bars.
     learning_curve: draw the learning curve into the run directory.
     devices: shard over this many devices, as many from each process (None: all of them).
+    fit_devices: when the devices do not split the episodes or the minibatch, fit them
+      (`fit_devices`): without `devices`, use the most devices that split both; with it,
+      round both up to a multiple of it; either way one line says which. Off when
+      `--train.episodes` or `--train.batch-size` is given: those must split.
     imitation_updates: optimizer steps on the best-known plans of the run's cases
       (`agents.imitation`) before the first iteration; 0: none.
     best_known: the best-known plans the imitation warm start learns from (None: the
@@ -92,6 +98,7 @@ class TrainRunConfig:
   progress: bool = True
   learning_curve: bool = True
   devices: int | None = None
+  fit_devices: bool = True
   imitation_updates: int = 0
   best_known: str | None = None
   imitation_climbs: bool = False
@@ -154,7 +161,47 @@ def preset_defaults(argv: Sequence[str]) -> TrainRunConfig:
       name = argv[i + 1]
     elif arg.startswith("--preset="):
       name = arg.partition("=")[2]
-  return PRESETS.get(name, PRESETS["small"])
+  preset = PRESETS.get(name, PRESETS["small"])
+  if any(arg.replace("_", "-").split("=")[0] in SPLIT_FLAGS for arg in argv):
+    return dataclasses.replace(preset, fit_devices=False)  # The user's sizes must split.
+  return preset
+
+
+SPLIT_FLAGS = ("--train.episodes", "--train.batch-size")  # What the data axis must divide.
+
+
+def fit_devices(config: TrainRunConfig) -> tuple[TrainRunConfig, str | None]:
+  """`config` fitted to this run's devices (`TrainRunConfig.fit_devices`), and the line
+  that says how (None: it fits as it is). Without `devices`: the most devices, as many
+  from each process, that split the episodes and the minibatch (the training is the
+  same as on all of them, up to the all-reduce's order); if no count does, all devices
+  with both rounded up. With `devices`: both rounded up to a multiple of it."""
+  t = config.train
+  if not config.fit_devices:
+    return config, None
+  processes, have = jax.process_count(), jax.device_count()
+  n = config.devices
+  if n is None:
+    fits = [
+      n
+      for n in range(processes, have + 1, processes)
+      if t.episodes % n == 0 and t.batch_size % n == 0
+    ]
+    if fits and fits[-1] < have:
+      return dataclasses.replace(config, devices=fits[-1]), (
+        f"--preset {config.preset}: {fits[-1]} of the {have} devices, the most that split its "
+        f"{t.episodes} episodes and minibatch of {t.batch_size} (--devices N rounds them up instead)"
+      )
+    n = have
+  episodes, batch = -(-t.episodes // n) * n, -(-t.batch_size // n) * n
+  if (episodes, batch) == (t.episodes, t.batch_size):
+    return config, None
+  return dataclasses.replace(
+    config, train=dataclasses.replace(t, episodes=episodes, batch_size=batch)
+  ), (
+    f"--preset {config.preset}: its {t.episodes} episodes and minibatch of {t.batch_size} "
+    f"rounded up to {episodes} and {batch} to split over {n} devices"
+  )
 
 
 def pick_cases(cases: Sequence[Case], limit: int | None) -> list[Case]:
@@ -407,11 +454,14 @@ def from_policy(state: TrainState, path: str) -> TrainState:
 
 def run(config: TrainRunConfig) -> TrainResult:
   initialize(config.distributed)
+  config, fitted = fit_devices(config)
   _check_config(config)
   mesh = train.data_mesh(config.devices)
   train.check_mesh(config.train, mesh)
   _prepare_dir(config)
   lead = is_lead()
+  if lead and fitted:
+    print(fitted)
   cases, suite = build_suite(dataclasses.replace(config, progress=config.progress and lead))
   if lead:
     print(

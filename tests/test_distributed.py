@@ -223,7 +223,10 @@ def test_self_play_needs_no_communication_and_the_update_all_reduces_gradients(f
 @pytest.mark.parametrize(
   "argv, message",
   [
-    (["--devices", "8"], "--train.episodes 4 does not split over the 8 devices"),
+    (
+      ["--devices", "8", "--train.episodes", "4"],
+      "--train.episodes 4 does not split over the 8 devices",
+    ),
     (
       ["--devices", "2", "--train.batch-size", "15"],
       "--train.batch-size 15 does not split over the 2 devices",
@@ -242,6 +245,25 @@ def test_work_the_devices_do_not_divide_is_refused(argv, message, capsys, tmp_pa
   assert cli.main(["train", "--preset", "smoke", "--run-dir", str(tmp_path), *argv]) == 2
   (line,) = capsys.readouterr().err.strip().splitlines()
   assert line.startswith("automap-rl train: error:") and message in line
+
+
+def test_a_preset_fits_the_devices_it_is_given(four_devices, tmp_path, capsys):
+  """`train --preset smoke` on 8 devices: its 4 episodes run on 4 of them (the same
+  training as `--devices 4`, bit for bit) and one line says so; with `--devices 8` its
+  sizes are rounded up instead."""
+  argv = flags(dataclasses.replace(SMOKE, run_dir=str(tmp_path)))
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "--preset smoke: 4 of the 8 devices, the most that split its 4 episodes" in out
+  assert "4 devices in 1 process(es)" in out
+  rows = [json.loads(line) for line in open(tmp_path / train_cmd.METRICS_FILE)]
+  strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+  assert strip(rows) == strip(four_devices.metrics)
+  rounded, line = train_cmd.fit_devices(dataclasses.replace(SMOKE, devices=8))
+  assert (rounded.train.episodes, rounded.train.batch_size, rounded.devices) == (8, 16, 8)
+  assert "its 4 episodes and minibatch of 16 rounded up to 8 and 16" in line
+  given = cli.parse("train", ["--preset", "smoke", "--train.episodes", "4"])
+  assert train_cmd.fit_devices(given) == (given, None) and not given.fit_devices
 
 
 def test_a_resumed_run_continues_its_wandb_run(tmp_path):
