@@ -34,16 +34,15 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from agents import checkpoint, imitation, selfplay, train
+from agents import checkpoint, imitation, preemption, selfplay, train
 from agents.gumbel import GumbelSettings
 from agents.network import NetworkConfig
 from agents.train import TrainConfig, TrainState
 from automap_rl.plan import plan_from_json
 from automap_rl.workloads.suite import Case, load_cases
-from experiments import suite_cmd
+from experiments import distributed, suite_cmd
 from experiments.distributed import DistributedConfig, initialize
 
 Preset = Literal["smoke", "small", "medium", "full"]
@@ -51,6 +50,7 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 CURVE_FILE = "learning_curve.png"
 WANDB_ID_FILE = "wandb_run_id.txt"
+WANDB_LOGGED_FILE = "wandb_logged.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,21 +266,6 @@ def is_lead() -> bool:
   return jax.process_index() == 0
 
 
-BARRIER_TIMEOUT_S = 3600  # Processes may reach a barrier this far apart (tracing a large suite).
-
-
-_barriers = itertools.count()  # Every process passes the same barriers in the same order.
-
-
-def _barrier(name: str) -> None:
-  """Waits until every process gets here (no-op with one process). A barrier of the
-  coordination service, not a collective: gloo gives processes only 30 s to meet at a
-  collective's first use."""
-  ocp.multihost.get_barrier_sync_fn()(
-    key=f"{name} #{next(_barriers)}", timeout_ms=BARRIER_TIMEOUT_S * 1000
-  )
-
-
 def _prepare_dir(config: TrainRunConfig) -> None:
   """Creates the run directory; refuses one holding a run of another training config.
   Every process checks before process 0 writes."""
@@ -299,7 +284,7 @@ def _prepare_dir(config: TrainRunConfig) -> None:
       raise ValueError(
         f"{config.run_dir} holds a run with another --train config; give a new --run-dir."
       )
-  _barrier("checked the run directory")
+  checkpoint.barrier("checked the run directory")
   if is_lead():
     with open(path, "w") as f:
       json.dump(document, f, indent=1)
@@ -317,8 +302,27 @@ def _read_metrics(run_dir: str, upto: int) -> list[dict[str, Any]]:
 
 
 def _write_metrics(run_dir: str, rows: list[dict[str, Any]]) -> None:
-  with open(os.path.join(run_dir, METRICS_FILE), "w") as f:
+  """Replaces the metrics file by `rows`, atomically (written beside it, then renamed)."""
+  path = os.path.join(run_dir, METRICS_FILE)
+  with open(path + ".partial", "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
+  os.replace(path + ".partial", path)
+
+
+def _log_wandb(logger, run_dir: str, rows: list[dict[str, Any]], upto: int) -> None:
+  """Logs to wandb the rows of iterations up to `upto` (a checkpointed one) that it has not
+  had (`WANDB_LOGGED_FILE` holds the last one it had): an iteration run again after a
+  resume is logged once, when it is checkpointed."""
+  if logger is None:
+    return
+  path = os.path.join(run_dir, WANDB_LOGGED_FILE)
+  logged = int(open(path).read()) if os.path.exists(path) else 0
+  for row in rows:
+    if logged < row["iteration"] <= upto:
+      logger.log({k: v for k, v in row.items() if k != "iteration"}, step=row["iteration"])
+  with open(path + ".partial", "w") as f:
+    f.write(str(max(logged, upto)))
+  os.replace(path + ".partial", path)
 
 
 def wandb_run(config: TrainRunConfig):
@@ -429,7 +433,7 @@ def warm_start(
   imitate = train.imitate.lower(
     state, suite, teacher, config.train, mesh, config.imitation_updates
   ).compile()
-  _barrier(
+  checkpoint.barrier(
     "compiled the warm start"
   )  # As for the iteration: compile times differ by more than gloo waits.
   state, metrics = imitate(state, suite, teacher)
@@ -453,7 +457,19 @@ def from_policy(state: TrainState, path: str) -> TrainState:
 
 
 def run(config: TrainRunConfig) -> TrainResult:
+  """Trains (see the module docstring); with several processes, one that fails in a
+  collective waits for the watch to name the process lost (`experiments.distributed`)."""
   initialize(config.distributed)
+  try:
+    result = _train(config)
+  except jax.errors.JaxRuntimeError as e:
+    distributed.await_lost_peer(e)
+    raise
+  distributed.finish()
+  return result
+
+
+def _train(config: TrainRunConfig) -> TrainResult:
   config, fitted = fit_devices(config)
   _check_config(config)
   mesh = train.data_mesh(config.devices)
@@ -475,11 +491,14 @@ def run(config: TrainRunConfig) -> TrainResult:
   suite = train.replicate(suite, mesh)
   # Orbax's checkpoint manager meets the other processes in a collective (30 s of gloo):
   # processes that traced the suite at different speeds meet at a barrier first.
-  _barrier("built the suite")
+  checkpoint.barrier("built the suite")
   checkpoints = checkpoint.TrainCheckpoints(config.run_dir)
-  done = checkpoints.latest() or 0
+  done, state = checkpoints.restore_latest(state)
+  policy = os.path.join(config.run_dir, checkpoint.POLICY_DIR)
   if done:
-    state = checkpoints.restore(done, state)
+    # The policy of the checkpoint resumed: a run killed after its last save may have
+    # left an older one.
+    checkpoint.save_policy(policy, state.params, config.train.network)
     if lead:
       print(f"resumed {config.run_dir} at iteration {done}")
   else:
@@ -491,6 +510,7 @@ def run(config: TrainRunConfig) -> TrainResult:
       state = warm_start(config, cases, host_suite, state, suite, mesh, lead)
   rows = _read_metrics(config.run_dir, done)
   logger = wandb_run(config) if lead else None
+  _log_wandb(logger, config.run_dir, rows, done)
   bar = tqdm(
     total=config.iterations,
     initial=done,
@@ -501,30 +521,37 @@ def run(config: TrainRunConfig) -> TrainResult:
   )
   # Compiled before the processes meet, as compile times differ by more than gloo waits.
   step = train.iteration.lower(state, suite, config.train, mesh).compile()
-  _barrier("compiled the iteration")
+  checkpoint.barrier("compiled the iteration")
   start = time.perf_counter()
   try:
-    for i in range(done, config.iterations):
-      state, metrics = step(state, suite)
-      values = {
-        k: float(v) for k, v in train.host_copy(metrics).items()
-      }  # Waits for the iteration.
-      row = {"iteration": i + 1, "seconds": time.perf_counter() - start, **values}
-      rows.append(row)
-      if lead:
-        _write_metrics(config.run_dir, rows)
-      if logger is not None:
-        logger.log({k: v for k, v in row.items() if k != "iteration"}, step=i + 1)
-      bar.update()
-      bar.set_postfix_str(
-        f"return {row['score']:+.3f} kl {row['policy_kl']:.3f} value {row['value_loss']:.4f}",
-        refresh=False,
-      )
-      if (i + 1) % config.checkpoint_every == 0 or i + 1 == config.iterations:
-        checkpoints.save(i + 1, state)
-        checkpoint.save_policy(
-          os.path.join(config.run_dir, checkpoint.POLICY_DIR), state.params, config.train.network
+    with preemption.Preemption() as preempt:
+      for i in range(done, config.iterations):
+        state, metrics = step(state, suite)
+        values = {
+          k: float(v) for k, v in train.host_copy(metrics).items()
+        }  # Waits for the iteration.
+        row = {"iteration": i + 1, "seconds": time.perf_counter() - start, **values}
+        rows.append(row)
+        if lead:
+          _write_metrics(config.run_dir, rows)
+        bar.update()
+        bar.set_postfix_str(
+          f"return {row['score']:+.3f} kl {row['policy_kl']:.3f} value {row['value_loss']:.4f}",
+          refresh=False,
         )
+        stop = preempt.reached(i + 1)
+        if stop or (i + 1) % config.checkpoint_every == 0 or i + 1 == config.iterations:
+          checkpoints.save(i + 1, state)
+          checkpoint.save_policy(policy, state.params, config.train.network, i + 1)
+          _log_wandb(logger, config.run_dir, rows, i + 1)
+        if stop:
+          bar.close()
+          print(
+            f"preempted: process {jax.process_index()} saved iteration {i + 1} in "
+            f"{os.path.join(config.run_dir, checkpoint.CHECKPOINTS_DIR, str(i + 1))}; "
+            "the same command resumes it"
+          )
+          break
   finally:
     bar.close()
     checkpoints.close()
