@@ -19,6 +19,16 @@ sizes given on the command line must split. Several processes (hosts) join throu
 command on a run directory they share, and process 0 alone writes the metrics, wandb,
 the learning curve and the policy's `network.json`. A checkpoint restores onto any
 device count: the run resumes exactly, up to the order of the gradient all-reduce's sums.
+
+Faults. Checkpoints are atomic (`agents.checkpoint`): a run killed at any point resumes
+from its last complete checkpoint, and one torn on disk is skipped with a warning. A
+SIGTERM (or the platform's preemption notice) makes every process save the same iteration,
+the next boundary (`agents.preemption`), print where, and exit 0. A lost process ends the
+others within `--distributed.peer-timeout` seconds (`experiments.distributed`). Rerunning
+the same command on every process resumes, and ends with the parameters of an
+uninterrupted run, bit for bit: the metrics file is rewritten atomically and keeps the
+iterations up to the checkpoint resumed, and wandb gets each iteration once, when it is
+checkpointed (`wandb_logged.txt` holds the last it got).
 """
 
 from __future__ import annotations
@@ -316,7 +326,10 @@ def _log_wandb(logger, run_dir: str, rows: list[dict[str, Any]], upto: int) -> N
   if logger is None:
     return
   path = os.path.join(run_dir, WANDB_LOGGED_FILE)
-  logged = int(open(path).read()) if os.path.exists(path) else 0
+  logged = 0
+  if os.path.exists(path):
+    with open(path) as f:
+      logged = int(f.read())
   for row in rows:
     if logged < row["iteration"] <= upto:
       logger.log({k: v for k, v in row.items() if k != "iteration"}, step=row["iteration"])
