@@ -275,16 +275,18 @@ def loss(
   mine = jax.tree.map(lambda x: x[batch.problem], encode_suite(params, suite, config, devices))
   logits, value = jax.vmap(network.head, in_axes=(None, 0, 0))(params, mine, batch.features)
   chex.assert_equal_shape([logits, batch.policy])
-  policy_loss = -(batch.policy * jax.nn.log_softmax(logits)).sum(axis=-1).mean()
-  entropy = (
-    -(batch.policy * jnp.log(jnp.where(batch.policy > 0, batch.policy, 1.0))).sum(axis=-1).mean()
-  )
+  log_q = jax.nn.log_softmax(logits)
+  log_p = jnp.log(jnp.where(batch.policy > 0, batch.policy, 1.0))
+  policy_loss = -(batch.policy * log_q).sum(axis=-1).mean()
+  # Summed term by term, not as the cross-entropy less the entropy (both about 4 where the
+  # KL is about 0.2): its float error then scales with the KL, not with the cross-entropy.
+  policy_kl = (batch.policy * (log_p - log_q)).sum(axis=-1).mean()
   value_loss = 0.5 * jnp.square(value - batch.value).mean()
   total = policy_loss + config.value_weight * value_loss
   return total, {
     "loss": total,
     "policy_loss": policy_loss,
-    "policy_kl": policy_loss - entropy,
+    "policy_kl": policy_kl,
     "value_loss": value_loss,
   }
 

@@ -7,14 +7,29 @@ else, with `auto`, from the cluster launcher as `jax.distributed.initialize()` f
 (Slurm's srun, Open MPI's mpirun, Kubernetes, Cloud TPU). CPU devices of different
 processes talk through gloo (jax's `jax_cpu_collectives_implementation`, set to gloo
 unless the environment chose another).
+
+A lost peer. A process that dies (killed, its host lost) leaves the others waiting in a
+collective or a barrier. Every process of a run watches the others (`PeerWatch`): each
+counts up a key of `jax.distributed`'s key-value store every second (or 1/20 of the
+timeout), and one whose count has not moved for `peer_timeout` seconds (less the two
+periods it takes to see it) (or, for process 0, whose coordination service
+no longer answers) is lost: the watcher prints one line naming it and exits with status
+1, whatever its main thread is blocked in. JAX's own heartbeat (a process that has sent
+none for twice `peer_timeout` is dead) is the backstop; it ends the process without a
+Python-visible error, so the watch, which reports first, is what the user sees.
+Restarting every process with the same run directory resumes from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import threading
+import time
 
 import jax
+from jax._src import distributed as jax_distributed  # Its client, as orbax reads it too.
 
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"  # Read by jax itself as well.
 NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
@@ -33,12 +48,15 @@ class DistributedConfig:
     process_id: this process's index, 0 to num_processes - 1 (default `$JAX_PROCESS_ID`).
     auto: take what is not given from the cluster launcher (Slurm, Open MPI, Kubernetes,
       Cloud TPU), as `jax.distributed.initialize()` does.
+    peer_timeout: seconds without a sign of life after which a process is lost; the
+      others then exit with an error naming it (`PeerWatch`).
   """
 
   coordinator_address: str | None = None
   num_processes: int | None = None
   process_id: int | None = None
   auto: bool = False
+  peer_timeout: float = 60.0
 
 
 def _env_int(name: str) -> int | None:
@@ -74,6 +92,8 @@ def initialize(config: DistributedConfig) -> None:
         f"a multi-process run needs {' and '.join(missing)} as well (or ${COORDINATOR_ENV}, "
         f"${NUM_PROCESSES_ENV}, ${PROCESS_ID_ENV}; or --distributed.auto under a cluster launcher)."
       )
+  if config.peer_timeout <= 0:
+    raise ValueError(f"--distributed.peer-timeout {config.peer_timeout}: give a positive number.")
   if CPU_COLLECTIVES_ENV not in os.environ:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
@@ -81,4 +101,81 @@ def initialize(config: DistributedConfig) -> None:
     num_processes=count,
     process_id=index,
     cluster_detection_method=None if config.auto else "deactivate",
+    heartbeat_timeout_seconds=int(2 * config.peer_timeout) + 1,
   )
+  PeerWatch(config.peer_timeout).start()
+
+
+ALIVE_KEY = "automap_rl/alive"  # ALIVE_KEY/<process>: its count of seconds alive, or DONE.
+DONE = "done"
+
+
+class PeerWatch(threading.Thread):
+  """Watches the other processes of the run (see the module docstring); a daemon thread,
+  one per process, started by `initialize`. `finish` tells the others this process ended
+  on purpose."""
+
+  current: PeerWatch | None = None
+
+  def __init__(self, timeout: float):
+    super().__init__(name="peer-watch", daemon=True)
+    self.timeout = timeout
+    self.client = jax_distributed.global_state.client
+    self.me, self.count = jax.process_index(), jax.process_count()
+    self.stopped = threading.Event()
+    PeerWatch.current = self
+
+  def run(self) -> None:
+    seen = {p: (None, time.monotonic()) for p in range(self.count) if p != self.me}
+    beats, period = 0, min(1.0, self.timeout / 20)
+    while not self.stopped.wait(period):
+      beats += 1
+      try:
+        self.client.key_value_set(f"{ALIVE_KEY}/{self.me}", str(beats), allow_overwrite=True)
+      except Exception:  # The coordination service (process 0) is gone: it stops counting.
+        pass
+      now = time.monotonic()
+      for p, (last, since) in list(seen.items()):
+        try:
+          value = self.client.key_value_try_get(f"{ALIVE_KEY}/{p}")
+        except Exception:  # Not written yet, or the service is gone.
+          value = last
+        if value == DONE:
+          del seen[p]
+        elif value != last:
+          seen[p] = (value, now)
+        elif now - since > self.timeout - 2 * period and not self.stopped.is_set():
+          self.lost(p)
+
+  def lost(self, process: int) -> None:
+    """Reports `process` lost and ends this one."""
+    what = " (the coordinator)" if process == 0 else ""
+    print(
+      f"automap-rl: error: lost process {process}{what} of {self.count}: no sign of life for "
+      f"{self.timeout:g} s; restart every process with the same run directory to resume",
+      file=sys.stderr,
+      flush=True,
+    )
+    os._exit(1)
+
+  def finish(self) -> None:
+    """Stops watching and tells the others that this process ends on purpose."""
+    self.stopped.set()
+    try:
+      self.client.key_value_set(f"{ALIVE_KEY}/{self.me}", DONE, allow_overwrite=True)
+    except Exception:
+      pass
+
+
+def finish() -> None:
+  """Tells the run's other processes that this one ends on purpose (no-op with one)."""
+  if PeerWatch.current is not None:
+    PeerWatch.current.finish()
+
+
+def await_lost_peer(error: Exception) -> None:
+  """After a collective failed with `error` in a multi-process run: waits for the watch
+  to name the lost process (it ends this one), up to its timeout; then returns, and the
+  caller re-raises `error`."""
+  if PeerWatch.current is not None and not PeerWatch.current.stopped.is_set():
+    PeerWatch.current.stopped.wait(PeerWatch.current.timeout + 5.0)

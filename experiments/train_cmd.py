@@ -12,11 +12,23 @@ kept in `wandb_run_id.txt`).
 
 Devices. The episodes and minibatches are sharded over every device of every process
 (`agents.train.data_mesh`; `--devices N` takes fewer), which must divide
-`--train.episodes` and `--train.batch-size`. Several processes (hosts) join through
+`--train.episodes` and `--train.batch-size`. A preset's own sizes fit any device count
+(`fit_devices`: it uses the devices that split them, or rounds them up, and says which);
+sizes given on the command line must split. Several processes (hosts) join through
 `--distributed.*` or the environment (`experiments.distributed`); each runs the same
 command on a run directory they share, and process 0 alone writes the metrics, wandb,
 the learning curve and the policy's `network.json`. A checkpoint restores onto any
 device count: the run resumes exactly, up to the order of the gradient all-reduce's sums.
+
+Faults. Checkpoints are atomic (`agents.checkpoint`): a run killed at any point resumes
+from its last complete checkpoint, and one torn on disk is skipped with a warning. A
+SIGTERM (or the platform's preemption notice) makes every process save the same iteration,
+the next boundary (`agents.preemption`), print where, and exit 0. A lost process ends the
+others within `--distributed.peer-timeout` seconds (`experiments.distributed`). Rerunning
+the same command on every process resumes, and ends with the parameters of an
+uninterrupted run, bit for bit: the metrics file is rewritten atomically and keeps the
+iterations up to the checkpoint resumed, and wandb gets each iteration once, when it is
+checkpointed (`wandb_logged.txt` holds the last it got).
 """
 
 from __future__ import annotations
@@ -32,16 +44,15 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
-from agents import checkpoint, imitation, selfplay, train
+from agents import checkpoint, imitation, preemption, selfplay, train
 from agents.gumbel import GumbelSettings
 from agents.network import NetworkConfig
 from agents.train import TrainConfig, TrainState
 from automap_rl.plan import plan_from_json
 from automap_rl.workloads.suite import Case, load_cases
-from experiments import suite_cmd
+from experiments import distributed, suite_cmd
 from experiments.distributed import DistributedConfig, initialize
 
 Preset = Literal["smoke", "small", "medium", "full"]
@@ -49,6 +60,7 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 CURVE_FILE = "learning_curve.png"
 WANDB_ID_FILE = "wandb_run_id.txt"
+WANDB_LOGGED_FILE = "wandb_logged.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +80,10 @@ class TrainRunConfig:
     progress: show progress bars.
     learning_curve: draw the learning curve into the run directory.
     devices: shard over this many devices, as many from each process (None: all of them).
+    fit_devices: when the devices do not split the episodes or the minibatch, fit them
+      (`fit_devices`): without `devices`, use the most devices that split both; with it,
+      round both up to a multiple of it; either way one line says which. Off when
+      `--train.episodes` or `--train.batch-size` is given: those must split.
     imitation_updates: optimizer steps on the best-known plans of the run's cases
       (`agents.imitation`) before the first iteration; 0: none.
     best_known: the best-known plans the imitation warm start learns from (None: the
@@ -92,6 +108,7 @@ class TrainRunConfig:
   progress: bool = True
   learning_curve: bool = True
   devices: int | None = None
+  fit_devices: bool = True
   imitation_updates: int = 0
   best_known: str | None = None
   imitation_climbs: bool = False
@@ -154,7 +171,47 @@ def preset_defaults(argv: Sequence[str]) -> TrainRunConfig:
       name = argv[i + 1]
     elif arg.startswith("--preset="):
       name = arg.partition("=")[2]
-  return PRESETS.get(name, PRESETS["small"])
+  preset = PRESETS.get(name, PRESETS["small"])
+  if any(arg.replace("_", "-").split("=")[0] in SPLIT_FLAGS for arg in argv):
+    return dataclasses.replace(preset, fit_devices=False)  # The user's sizes must split.
+  return preset
+
+
+SPLIT_FLAGS = ("--train.episodes", "--train.batch-size")  # What the data axis must divide.
+
+
+def fit_devices(config: TrainRunConfig) -> tuple[TrainRunConfig, str | None]:
+  """`config` fitted to this run's devices (`TrainRunConfig.fit_devices`), and the line
+  that says how (None: it fits as it is). Without `devices`: the most devices, as many
+  from each process, that split the episodes and the minibatch (the training is the
+  same as on all of them, up to the all-reduce's order); if no count does, all devices
+  with both rounded up. With `devices`: both rounded up to a multiple of it."""
+  t = config.train
+  if not config.fit_devices:
+    return config, None
+  processes, have = jax.process_count(), jax.device_count()
+  n = config.devices
+  if n is None:
+    fits = [
+      n
+      for n in range(processes, have + 1, processes)
+      if t.episodes % n == 0 and t.batch_size % n == 0
+    ]
+    if fits and fits[-1] < have:
+      return dataclasses.replace(config, devices=fits[-1]), (
+        f"--preset {config.preset}: {fits[-1]} of the {have} devices, the most that split its "
+        f"{t.episodes} episodes and minibatch of {t.batch_size} (--devices N rounds them up instead)"
+      )
+    n = have
+  episodes, batch = -(-t.episodes // n) * n, -(-t.batch_size // n) * n
+  if (episodes, batch) == (t.episodes, t.batch_size):
+    return config, None
+  return dataclasses.replace(
+    config, train=dataclasses.replace(t, episodes=episodes, batch_size=batch)
+  ), (
+    f"--preset {config.preset}: its {t.episodes} episodes and minibatch of {t.batch_size} "
+    f"rounded up to {episodes} and {batch} to split over {n} devices"
+  )
 
 
 def pick_cases(cases: Sequence[Case], limit: int | None) -> list[Case]:
@@ -219,21 +276,6 @@ def is_lead() -> bool:
   return jax.process_index() == 0
 
 
-BARRIER_TIMEOUT_S = 3600  # Processes may reach a barrier this far apart (tracing a large suite).
-
-
-_barriers = itertools.count()  # Every process passes the same barriers in the same order.
-
-
-def _barrier(name: str) -> None:
-  """Waits until every process gets here (no-op with one process). A barrier of the
-  coordination service, not a collective: gloo gives processes only 30 s to meet at a
-  collective's first use."""
-  ocp.multihost.get_barrier_sync_fn()(
-    key=f"{name} #{next(_barriers)}", timeout_ms=BARRIER_TIMEOUT_S * 1000
-  )
-
-
 def _prepare_dir(config: TrainRunConfig) -> None:
   """Creates the run directory; refuses one holding a run of another training config.
   Every process checks before process 0 writes."""
@@ -252,7 +294,7 @@ def _prepare_dir(config: TrainRunConfig) -> None:
       raise ValueError(
         f"{config.run_dir} holds a run with another --train config; give a new --run-dir."
       )
-  _barrier("checked the run directory")
+  checkpoint.barrier("checked the run directory")
   if is_lead():
     with open(path, "w") as f:
       json.dump(document, f, indent=1)
@@ -270,8 +312,30 @@ def _read_metrics(run_dir: str, upto: int) -> list[dict[str, Any]]:
 
 
 def _write_metrics(run_dir: str, rows: list[dict[str, Any]]) -> None:
-  with open(os.path.join(run_dir, METRICS_FILE), "w") as f:
+  """Replaces the metrics file by `rows`, atomically (written beside it, then renamed)."""
+  path = os.path.join(run_dir, METRICS_FILE)
+  with open(path + ".partial", "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
+  os.replace(path + ".partial", path)
+
+
+def _log_wandb(logger, run_dir: str, rows: list[dict[str, Any]], upto: int) -> None:
+  """Logs to wandb the rows of iterations up to `upto` (a checkpointed one) that it has not
+  had (`WANDB_LOGGED_FILE` holds the last one it had): an iteration run again after a
+  resume is logged once, when it is checkpointed."""
+  if logger is None:
+    return
+  path = os.path.join(run_dir, WANDB_LOGGED_FILE)
+  logged = 0
+  if os.path.exists(path):
+    with open(path) as f:
+      logged = int(f.read())
+  for row in rows:
+    if logged < row["iteration"] <= upto:
+      logger.log({k: v for k, v in row.items() if k != "iteration"}, step=row["iteration"])
+  with open(path + ".partial", "w") as f:
+    f.write(str(max(logged, upto)))
+  os.replace(path + ".partial", path)
 
 
 def wandb_run(config: TrainRunConfig):
@@ -382,7 +446,7 @@ def warm_start(
   imitate = train.imitate.lower(
     state, suite, teacher, config.train, mesh, config.imitation_updates
   ).compile()
-  _barrier(
+  checkpoint.barrier(
     "compiled the warm start"
   )  # As for the iteration: compile times differ by more than gloo waits.
   state, metrics = imitate(state, suite, teacher)
@@ -406,12 +470,27 @@ def from_policy(state: TrainState, path: str) -> TrainState:
 
 
 def run(config: TrainRunConfig) -> TrainResult:
+  """Trains (see the module docstring); with several processes, one that fails in a
+  collective waits for the watch to name the process lost (`experiments.distributed`)."""
   initialize(config.distributed)
+  try:
+    result = _train(config)
+  except jax.errors.JaxRuntimeError as e:
+    distributed.await_lost_peer(e)
+    raise
+  distributed.finish()
+  return result
+
+
+def _train(config: TrainRunConfig) -> TrainResult:
+  config, fitted = fit_devices(config)
   _check_config(config)
   mesh = train.data_mesh(config.devices)
   train.check_mesh(config.train, mesh)
   _prepare_dir(config)
   lead = is_lead()
+  if lead and fitted:
+    print(fitted)
   cases, suite = build_suite(dataclasses.replace(config, progress=config.progress and lead))
   if lead:
     print(
@@ -425,11 +504,14 @@ def run(config: TrainRunConfig) -> TrainResult:
   suite = train.replicate(suite, mesh)
   # Orbax's checkpoint manager meets the other processes in a collective (30 s of gloo):
   # processes that traced the suite at different speeds meet at a barrier first.
-  _barrier("built the suite")
+  checkpoint.barrier("built the suite")
   checkpoints = checkpoint.TrainCheckpoints(config.run_dir)
-  done = checkpoints.latest() or 0
+  done, state = checkpoints.restore_latest(state)
+  policy = os.path.join(config.run_dir, checkpoint.POLICY_DIR)
   if done:
-    state = checkpoints.restore(done, state)
+    # The policy of the checkpoint resumed: a run killed after its last save may have
+    # left an older one.
+    checkpoint.save_policy(policy, state.params, config.train.network)
     if lead:
       print(f"resumed {config.run_dir} at iteration {done}")
   else:
@@ -441,6 +523,7 @@ def run(config: TrainRunConfig) -> TrainResult:
       state = warm_start(config, cases, host_suite, state, suite, mesh, lead)
   rows = _read_metrics(config.run_dir, done)
   logger = wandb_run(config) if lead else None
+  _log_wandb(logger, config.run_dir, rows, done)
   bar = tqdm(
     total=config.iterations,
     initial=done,
@@ -451,30 +534,37 @@ def run(config: TrainRunConfig) -> TrainResult:
   )
   # Compiled before the processes meet, as compile times differ by more than gloo waits.
   step = train.iteration.lower(state, suite, config.train, mesh).compile()
-  _barrier("compiled the iteration")
+  checkpoint.barrier("compiled the iteration")
   start = time.perf_counter()
   try:
-    for i in range(done, config.iterations):
-      state, metrics = step(state, suite)
-      values = {
-        k: float(v) for k, v in train.host_copy(metrics).items()
-      }  # Waits for the iteration.
-      row = {"iteration": i + 1, "seconds": time.perf_counter() - start, **values}
-      rows.append(row)
-      if lead:
-        _write_metrics(config.run_dir, rows)
-      if logger is not None:
-        logger.log({k: v for k, v in row.items() if k != "iteration"}, step=i + 1)
-      bar.update()
-      bar.set_postfix_str(
-        f"return {row['score']:+.3f} kl {row['policy_kl']:.3f} value {row['value_loss']:.4f}",
-        refresh=False,
-      )
-      if (i + 1) % config.checkpoint_every == 0 or i + 1 == config.iterations:
-        checkpoints.save(i + 1, state)
-        checkpoint.save_policy(
-          os.path.join(config.run_dir, checkpoint.POLICY_DIR), state.params, config.train.network
+    with preemption.Preemption() as preempt:
+      for i in range(done, config.iterations):
+        state, metrics = step(state, suite)
+        values = {
+          k: float(v) for k, v in train.host_copy(metrics).items()
+        }  # Waits for the iteration.
+        row = {"iteration": i + 1, "seconds": time.perf_counter() - start, **values}
+        rows.append(row)
+        if lead:
+          _write_metrics(config.run_dir, rows)
+        bar.update()
+        bar.set_postfix_str(
+          f"return {row['score']:+.3f} kl {row['policy_kl']:.3f} value {row['value_loss']:.4f}",
+          refresh=False,
         )
+        stop = preempt.reached(i + 1)
+        if stop or (i + 1) % config.checkpoint_every == 0 or i + 1 == config.iterations:
+          checkpoints.save(i + 1, state)
+          checkpoint.save_policy(policy, state.params, config.train.network, i + 1)
+          _log_wandb(logger, config.run_dir, rows, i + 1)
+        if stop:
+          bar.close()
+          print(
+            f"preempted: process {jax.process_index()} saved iteration {i + 1} in "
+            f"{os.path.join(config.run_dir, checkpoint.CHECKPOINTS_DIR, str(i + 1))}; "
+            "the same command resumes it"
+          )
+          break
   finally:
     bar.close()
     checkpoints.close()
