@@ -144,7 +144,8 @@ def policy(
   if batched:  # A mixed batch of programs: vmapped.
     evaluate = jax.vmap(functools.partial(_evaluate, network, params))
     step = jax.vmap(functools.partial(core.step, env_config))
-  else:  # One program's few episodes, one at a time: less than half a vmap's tracing, as fast to run.
+  else:
+    # One program's few episodes, one at a time: less than half a vmap's tracing, as fast to run.
     evaluate = lambda e, t, s: jax.lax.map(functools.partial(_evaluate, network, params, e, t), s)
     step = lambda t, s, a: jax.lax.map(lambda x: core.step(env_config, t, *x), (s, a))
 

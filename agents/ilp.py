@@ -228,7 +228,8 @@ def search(
     run.stopped(e.limit, str(e))
   if run.stopped_by is not None:
     warnings.warn(
-      f"ilp: stopped by its {_LIMIT_NAMES[run.stopped_by]} ({run.message}); returning its best plan "
+      f"ilp: stopped by its {_LIMIT_NAMES[run.stopped_by]} ({run.message}); returning its best "
+      "plan "
       "so far.",
       stacklevel=2,
     )

@@ -203,6 +203,7 @@ def climb_samples(
       rows.append(jax.tree.map(lambda x, going=going: np.asarray(x)[going], sample))
   if not rows:
     raise ValueError(
-      "no expert plan of the suite's problems fits and is held by the environment: nothing to climb from"
+      "no expert plan of the suite's problems fits and is held by the environment: nothing to "
+      "climb from"
     )
   return jax.tree.map(lambda *x: np.concatenate(x), *rows), climbs

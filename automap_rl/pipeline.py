@@ -216,7 +216,8 @@ class Pipeline:
         )
       if batch % self.microbatches:
         raise ValueError(
-          f"microbatches={self.microbatches} does not divide the batch of {batch} ({value.path} dim 0)"
+          f"microbatches={self.microbatches} does not divide the batch of {batch} ({value.path} "
+          "dim 0)"
         )
 
   def check_decisions(self, decisions: Sequence[Decision], mesh: Mesh) -> None:
@@ -249,6 +250,7 @@ class Pipeline:
   def __str__(self) -> str:
     chunks = f", {self.chunks} chunks" if self.chunks > 1 else ""
     return (
-      f"pipeline of stack {self.stack} over {self.axis!r}: {self.stages} stages, {self.microbatches} "
+      f"pipeline of stack {self.stack} over {self.axis!r}: {self.stages} stages, "
+      f"{self.microbatches} "
       f"microbatches, {self.schedule}{chunks}"
     )

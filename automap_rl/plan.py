@@ -140,7 +140,8 @@ def fit_advice(problem: Problem, cost: Cost) -> str:
   larger = sorted((h.hbm_bytes, name) for name, h in HARDWARE.items() if h.hbm_bytes >= peak)
   devices = problem.mesh.num_devices * int(np.ceil(peak / capacity))
   return (
-    f"peak {peak / 2**30:.1f} GiB per device > {capacity / 2**30:.1f} GiB of {problem.mesh.hardware.name}; "
+    f"peak {peak / 2**30:.1f} GiB per device > {capacity / 2**30:.1f} GiB of "
+    f"{problem.mesh.hardware.name}; "
     f"would fit: about {devices} devices (memory sharded as this plan shards it)"
     + (f", a profile with more memory ({', '.join(name for _, name in larger)})" if larger else "")
     + ", or a smaller batch, or rematerialization (remat=true) where the family has it"
@@ -218,7 +219,8 @@ def compare_with_best_expert(agent: str, costs: dict[str, dict[str, Any]]) -> st
   best = tactics.best_expert(experts)
   if experts[best].fits:
     note = "" if plan["fits"] else " (this plan does NOT fit in memory)"
-    return f"{agent} step time / best expert ({best}): {plan['step_time_s'] / experts[best].step_time:.3f}{note}"
+    ratio = plan["step_time_s"] / experts[best].step_time
+    return f"{agent} step time / best expert ({best}): {ratio:.3f}{note}"
   if plan["fits"]:
     return f"no expert fits in memory; {agent}'s plan fits, the only one here that does"
   return (

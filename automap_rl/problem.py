@@ -90,7 +90,8 @@ class Problem:
     )
 
   def encode_padded(self, decisions: Sequence[sharding.Decision]) -> tuple[np.ndarray, np.ndarray]:
-    """`encode` padded with -1 to `plan_length` entries (or the power of two above a longer plan)."""
+    """`encode` padded with -1 to `plan_length` entries (or the power of two above a longer
+    plan)."""
     encoded = self.encode(decisions)
     return _padded(encoded, next_power_of_two(len(encoded[0]), self.plan_length))
 

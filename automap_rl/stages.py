@@ -40,7 +40,8 @@ depend on and that depend on them: an op between two layers of one stage runs th
 Ops off the stack's span run per microbatch on the stage next to them, as Megatron-LM and
 MaxText run them: those with no layer before them (the embedding) on the first stage,
 those with no layer after them (the head and the loss) on the last; no op but the stack's
-own runs on every stage, and none at the whole batch. Ops between the last layer of one stage and the first
+own runs on every stage, and none at the whole batch. Ops between the last layer of one stage and
+the first
 of the next (a residual add, the next layer norm) are placed by a minimum cut of the
 bytes that cross the boundary: the cut falls on the residual stream of a transformer.
 The backward pass mirrors the forward (its layers run downwards); the forward-time ops

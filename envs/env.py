@@ -96,7 +96,8 @@ class Env:
     return self.pipelines[option] if option > 0 else None
 
   def pipeline_of(self, action_ids: Sequence[int]) -> Pipeline | None:
-    """The pipeline an action sequence from the start chooses (its pipeline action), None for none."""
+    """The pipeline an action sequence from the start chooses (its pipeline action), None for
+    none."""
     options = [
       int(a) - self.tables.num_moves
       for a in action_ids

@@ -178,7 +178,8 @@ def table(rows: list[dict[str, Any]], unit: str) -> str:
   ]
   for r in rows:
     lines.append(
-      f"| {r['workload']} | {r['mesh']} | {r['ops']} | {r['devices']} | {r['per_second_batched']:,.0f} "
+      f"| {r['workload']} | {r['mesh']} | {r['ops']} | {r['devices']} | "
+      f"{r['per_second_batched']:,.0f} "
       f"| {r['us_per_eval']:.2f} | {r['ns_per_op']:.2f} |"
     )
   return "\n".join(lines)

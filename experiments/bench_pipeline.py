@@ -263,8 +263,10 @@ def run(config: PipelineBenchConfig) -> list[dict[str, Any]]:
     release()
   print(format_rows(rows))
   print(
-    "ratio: best pipelined plan / best intra-op plan (both fitting); comm%: the intra-op plan's share of "
-    "step time in collectives; bubble%: the pipelined plan's share in its bubble; balance: its stages' mean "
+    "ratio: best pipelined plan / best intra-op plan (both fitting); comm%: the intra-op plan's "
+    "share of "
+    "step time in collectives; bubble%: the pipelined plan's share in its bubble; balance: its "
+    "stages' mean "
     "microbatch time over the slowest's"
   )
   if config.plot:

@@ -160,7 +160,8 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     )
     for name, plan in r.get("searched", {}).items():
       lines.append(
-        f"  {name:<15} fits {'yes' if plan['fits'] else 'no':<3} step x{plan['over_published']:.2f} "
+        f"  {name:<15} fits {'yes' if plan['fits'] else 'no':<3} step "
+        f"x{plan['over_published']:.2f} "
         f"of the published plan's: {plan['why']}"
         + f"; {plan['pipeline'] or 'no pipeline (an intra-op plan on the whole batch)'}"
       )

@@ -149,7 +149,8 @@ def run(config: SearchBenchConfig) -> list[dict[str, Any]]:
   cases = bench_search(config)
   print(format_cases(cases))
   print(
-    f"{len(cases)} cases in {time.perf_counter() - start:.1f}s (budget {config.budget} simulations, "
+    f"{len(cases)} cases in {time.perf_counter() - start:.1f}s (budget {config.budget} "
+    "simulations, "
     f"seed {config.seed})"
   )
   write_json(config.json, cases)

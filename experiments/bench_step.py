@@ -160,7 +160,8 @@ def _cell(row: dict[str, Any], key: str, form: str) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
   """The rows as a Markdown table."""
   lines = [
-    "| workload | measured ms (fastest-slowest) | simulated ms | measured / simulated | TFLOP/s (of bf16 peak) "
+    "| workload | measured ms (fastest-slowest) | simulated ms | measured / simulated | TFLOP/s "
+    "(of bf16 peak) "
     "| compiled / simulated flops | compiled / simulated peak GiB |",
     "|---" * 7 + "|",
   ]

@@ -106,7 +106,8 @@ def table(rows: list[dict[str, Any]]) -> str:
   ]
   for r in rows:
     lines.append(
-      f"| {r['devices']} | {r['processes']} | {r['samples_per_second']:,.1f} | {r['samples_efficiency']:.2f} "
+      f"| {r['devices']} | {r['processes']} | {r['samples_per_second']:,.1f} | "
+      f"{r['samples_efficiency']:.2f} "
       f"| {r['iterations_per_second']:.3f} | {r['iterations_efficiency']:.2f} |"
     )
   return "\n".join(lines)
@@ -150,7 +151,8 @@ def run(config: TrainBenchConfig) -> list[dict[str, Any]]:
   for n in config.devices:  # Refuses what the devices cannot split before anything is built.
     if config.episodes % n:
       raise ValueError(
-        f"--episodes {config.episodes} does not split over {n} devices; give a multiple of each count."
+        f"--episodes {config.episodes} does not split over {n} devices; give a multiple of each "
+        "count."
       )
     train.check_mesh(run_config.train, train.data_mesh(n))
   _, suite = train_cmd.build_suite(run_config)
@@ -161,7 +163,8 @@ def run(config: TrainBenchConfig) -> list[dict[str, Any]]:
     if lead:
       r = rows[-1]
       print(
-        f"{n} devices: {r['samples_per_second']:,.1f} self-play samples/s, {r['iterations_per_second']:.3f} "
+        f"{n} devices: {r['samples_per_second']:,.1f} self-play samples/s, "
+        f"{r['iterations_per_second']:.3f} "
         f"iterations/s",
         flush=True,
       )

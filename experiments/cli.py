@@ -199,7 +199,8 @@ def usage() -> str:
 
   width = max(len(name) for name in COMMANDS)
   lines = [
-    "usage: automap-rl COMMAND [OPTIONS]   (automap-rl COMMAND --help lists every option and its default)",
+    "usage: automap-rl COMMAND [OPTIONS]   (automap-rl COMMAND --help lists every option and its "
+    "default)",
     "",
     __doc__.splitlines()[0],
     "",
@@ -284,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if group:
       problem = f"{argv[0]} needs one of: {', '.join(group)}"
     else:
-      problem = f"unknown command {argv[0]!r}; commands: {', '.join(dict.fromkeys(n.split()[0] for n in COMMANDS))}"
+      commands = ", ".join(dict.fromkeys(n.split()[0] for n in COMMANDS))
+      problem = f"unknown command {argv[0]!r}; commands: {commands}"
     print(f"automap-rl: error: {problem} (see automap-rl --help)", file=sys.stderr)
     return 2
   if COMMANDS[name].devices > 1:

@@ -59,7 +59,8 @@ def run(config: EnvEpisodeConfig) -> dict[str, Any]:
   gym = GymEnv(env)
   _, info = gym.reset(seed=config.seed)
   print(
-    f"{config.workload} on {config.mesh} ({config.hardware}): {len(env.targets)} {config.action_space} "
+    f"{config.workload} on {config.mesh} ({config.hardware}): {len(env.targets)} "
+    f"{config.action_space} "
     f"targets, {env.num_actions} actions, replicated step {info['step_time'] * 1e3:.3f} ms, "
     f"peak {info['peak_memory'] / 2**30:.3f} GiB"
   )
@@ -78,7 +79,8 @@ def run(config: EnvEpisodeConfig) -> dict[str, Any]:
       }
     )
     print(
-      f"{len(steps):>3} {env.action_name(action):<60} reward {reward:+.4f}  objective {info['objective']:.4f}  "
+      f"{len(steps):>3} {env.action_name(action):<60} reward {reward:+.4f}  objective "
+      f"{info['objective']:.4f}  "
       f"step {info['step_time'] * 1e3:.3f} ms  peak {info['peak_memory'] / 2**30:.3f} GiB"
     )
   print(f"return {total:+.4f} over {len(steps)} steps ({info['num_decisions']} class decisions)")

@@ -1,4 +1,5 @@
-"""`automap-rl evaluate --checkpoint PATH --split test`: a trained policy against the baselines, per case.
+"""`automap-rl evaluate --checkpoint PATH --split test`: a trained policy against the baselines, per
+case.
 
 For every case of the split (or one user model, `--workload module:function --mesh ...`):
 the cost of the plan each method finds over the best expert's (`automap_rl.tactics.best_expert`;
@@ -385,7 +386,8 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
   compiled = summary[reference(config)].get("median_compiled_seconds") if config.baselines else None
   if compiled is not None:
     print(
-      f"{reference(config)}: median {summary[reference(config)]['median_seconds']:.1f} s on a first call, "
+      f"{reference(config)}: median {summary[reference(config)]['median_seconds']:.1f} s on a "
+      "first call, "
       f"{compiled:.1f} s compiled"
     )
   for method, share in equal_time_wins(cases, reference(config)).items():
@@ -393,7 +395,8 @@ def run(config: EvaluateConfig) -> dict[str, Any]:
   for method, figures in summary.items():
     if figures["from_expert"]:
       print(
-        f"{method}: its plan refines an expert's on {round(figures['from_expert'] * len(cases))} of "
+        f"{method}: its plan refines an expert's on {round(figures['from_expert'] * len(cases))} "
+        "of "
         f"{len(cases)} cases"
       )
   write_json(config.json, document())

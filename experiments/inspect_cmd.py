@@ -64,7 +64,8 @@ def render(summary: dict[str, Any], max_rows: int) -> str:
     group = f"{d['group']}(x{group_sizes[d['group']]})"
     flag = " [conflict]" if d["id"] in conflicted else ""
     lines.append(
-      f"{d['id']:>5} {d['size']:>7} {d['num_members']:>8} {group:>9}  {', '.join(d['examples'])}{flag}"
+      f"{d['id']:>5} {d['size']:>7} {d['num_members']:>8} {group:>9}  "
+      f"{', '.join(d['examples'])}{flag}"
     )
   if len(summary["named_dims"]) > max_rows:
     lines.append(f"... {len(summary['named_dims']) - max_rows} more named dims (see --json)")

@@ -122,8 +122,8 @@ def run_evaluate(config: CheckSolutionConfig) -> dict[str, Any]:
   graph = solver.load_problem(_existing(config.problem))
   verdict = solver.evaluate(graph, solver.read_solution(_existing(config.solution)))
   print(
-    f"cost {verdict.cost}  feasible {verdict.feasible}  peak usage {verdict.peak_usage} of {graph.usage_limit}"
-    + (f"  rejected: {verdict.reason}" if verdict.reason else "")
+    f"cost {verdict.cost}  feasible {verdict.feasible}  peak usage {verdict.peak_usage} of "
+    f"{graph.usage_limit}" + (f"  rejected: {verdict.reason}" if verdict.reason else "")
   )
   document = dataclasses.asdict(verdict)
   write_json(config.json, document)
@@ -182,7 +182,8 @@ def run_bench(config: IopddlBenchConfig) -> dict[str, Any]:
       copies=config.copies,
     )
   print(
-    f"{'instance':<9} {'cost':>17} {'best known':>17} {'ratio':>8} {'seconds':>8} feasible stopped by"
+    f"{'instance':<9} {'cost':>17} {'best known':>17} {'ratio':>8} {'seconds':>8} feasible stopped "
+    "by"
   )
   for r in rows:
     ratio = "-" if r.ratio is None else f"{r.ratio:.4f}"
@@ -192,7 +193,8 @@ def run_bench(config: IopddlBenchConfig) -> dict[str, Any]:
     )
   mean, points = solver.geometric_mean(rows), solver.contest_points(rows)
   print(
-    f"geometric mean of cost / best known: {'-' if mean is None else f'{mean:.4f}'}; contest points "
+    f"geometric mean of cost / best known: {'-' if mean is None else f'{mean:.4f}'}; contest "
+    "points "
     f"(sum of best known / cost): {points:.3f} of {len(rows)} ({len(rows)} instances, timeout "
     f"{config.timeout:g}s, seed {config.seed}, {config.workers} workers, {config.copies} copies)"
   )

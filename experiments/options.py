@@ -17,7 +17,8 @@ Hardware = Literal[tuple(mesh.HARDWARE)]  # type: ignore[valid-type]
 Tactic = Literal[(*tactics.TACTICS, *tactics.PIPELINE_TACTICS)]  # type: ignore[valid-type]
 AgentName = Literal[tuple(AGENTS)]  # type: ignore[valid-type]
 WORKLOAD_HELP = (
-  f"FAMILY[:key=value,...], e.g. gpt:layers=8,d_model=1024; families: {', '.join(workloads.FAMILIES)}; "
+  "FAMILY[:key=value,...], e.g. gpt:layers=8,d_model=1024; families: "
+  f"{', '.join(workloads.FAMILIES)}; "
   f"external: {', '.join(workloads.EXTERNAL_FAMILIES)}"
 )
 Workload = Annotated[str, tyro.conf.arg(metavar="WORKLOAD", help=WORKLOAD_HELP)]

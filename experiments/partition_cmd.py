@@ -1,4 +1,5 @@
-"""`automap-rl partition WORKLOAD --mesh ... --hardware ... [--agent mcts --budget N --seed S | --tactic NAME |
+"""`automap-rl partition WORKLOAD --mesh ... --hardware ... [--agent mcts --budget N --seed S |
+--tactic NAME |
 --agent learned --checkpoint POLICY]`: a plan (found by a search agent, a trained policy's
 included, or written by an expert tactic) and its cost beside every expert tactic. The
 command is `agents.partition` (the Python facade) with a terminal around it: the same
@@ -213,7 +214,8 @@ def lower_and_check(
   spec = config.check_workload or config.workload
   if spec != config.workload:
     print(
-      f"\nlowering on {spec} with real arrays, a smaller copy of {config.workload} (the full model is too "
+      f"\nlowering on {spec} with real arrays, a smaller copy of {config.workload} (the full model "
+      "is too "
       "slow to compile and run on this machine's CPU cores)",
       flush=True,
     )
@@ -331,7 +333,8 @@ def run(config: PartitionConfig) -> dict[str, Any]:
   write_json(config.json, result)
   if not decisions:
     print(
-      f"WARNING: the plan shards nothing: {plan.agent} found nothing better than replicating {name}",
+      f"WARNING: the plan shards nothing: {plan.agent} found nothing better than replicating "
+      f"{name}",
       file=sys.stderr,
     )
   if not result["fits"]:

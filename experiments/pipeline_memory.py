@@ -1,9 +1,11 @@
 """Compiled peak memory and stage transfers of one model's GPipe and 1F1B plans.
 
 Compiles (CPU, abstract arguments, nothing allocated) the `megatron_3d` plan of a workload
-on a mesh with a `stage` axis, as GPipe, 1F1B or interleaved (2 chunks) with M microbatches, and prints per
+on a mesh with a `stage` axis, as GPipe, 1F1B or interleaved (2 chunks) with M microbatches, and
+prints per
 schedule the compiled peak memory per device (parameters and optimizer state donated, as
-`Plan.jit` donates them) and the collective-permute bytes (loop trip counts included). Run it in its own process: it sets XLA's host device count.
+`Plan.jit` donates them) and the collective-permute bytes (loop trip counts included). Run it in its
+own process: it sets XLA's host device count.
 
   python experiments/pipeline_memory.py --workload gpt:size=6.7b,batch=64,dtype=float32 \
     --mesh stage=4,data=4,model=4 --microbatches 16

@@ -145,7 +145,8 @@ def bench_case(
   )
   expert_fits = experts[best_name]["fits"]
   searched = {}
-  pipelines = {}  # A plan's pipeline stages, where it has some: its cost and its stored form need them.
+  # A plan's pipeline stages, where it has some: its cost and its stored form need them.
+  pipelines = {}
   for agent in config.agents:
     result = agents.run_agent(agent, problem, seed=config.seed, budget=config.budget)
     searched[agent] = _score(result.cost)

@@ -1,4 +1,5 @@
-"""`automap-rl train --preset smoke|small|medium|full [--FIELD VALUE ...]`: self-play training on the task suite.
+"""`automap-rl train --preset smoke|small|medium|full [--FIELD VALUE ...]`: self-play training on
+the task suite.
 
 A preset gives every field a default (`PRESETS`); any flag overrides it, the training
 fields as `--train.FIELD` (`--train.network.width 32`). The run directory gets
@@ -200,7 +201,8 @@ def fit_devices(config: TrainRunConfig) -> tuple[TrainRunConfig, str | None]:
     if fits and fits[-1] < have:
       return dataclasses.replace(config, devices=fits[-1]), (
         f"--preset {config.preset}: {fits[-1]} of the {have} devices, the most that split its "
-        f"{t.episodes} episodes and minibatch of {t.batch_size} (--devices N rounds them up instead)"
+        f"{t.episodes} episodes and minibatch of {t.batch_size} (--devices N rounds them up "
+        "instead)"
       )
     n = have
   episodes, batch = -(-t.episodes // n) * n, -(-t.batch_size // n) * n
@@ -215,7 +217,8 @@ def fit_devices(config: TrainRunConfig) -> tuple[TrainRunConfig, str | None]:
 
 
 def pick_cases(cases: Sequence[Case], limit: int | None) -> list[Case]:
-  """At most `limit` cases (None: all), one from each family in turn (file order within a family)."""
+  """At most `limit` cases (None: all), one from each family in turn (file order within a
+  family)."""
   by_family: dict[str, list[Case]] = {}
   for case in cases:
     by_family.setdefault(case.family, []).append(case)
@@ -248,7 +251,8 @@ def _check_config(config: TrainRunConfig) -> None:
     )  # Raises for a directory without a policy.
     if network != t.network:
       raise ValueError(
-        f"--init-policy {config.init_policy}: its network {network} is not --train.network {t.network}"
+        f"--init-policy {config.init_policy}: its network {network} is not --train.network "
+        f"{t.network}"
       )
   if config.imitation_updates < 0:
     raise ValueError(f"--imitation-updates {config.imitation_updates}: give 0 (none) or more.")
@@ -454,8 +458,10 @@ def warm_start(
     values = {k: float(v) for k, v in train.host_copy(metrics).items()}
     actions = sum(len(a) for _, a in plans)
     print(
-      f"imitation: {replayed} samples ({replayed / actions:.0%} of the teachers' actions; the rest illegal there or "
-      f"past the step limit) from the best-known plans of {len(plans)} of {len(cases)} cases{climbed}, "
+      f"imitation: {replayed} samples ({replayed / actions:.0%} of the teachers' actions; the rest "
+      "illegal there or "
+      f"past the step limit) from the best-known plans of {len(plans)} of {len(cases)} "
+      f"cases{climbed}, "
       f"{config.imitation_updates} updates: policy KL {values['policy_kl']:.4f}, "
       f"value loss {values['value_loss']:.5f}"
     )
@@ -576,7 +582,8 @@ def _train(config: TrainRunConfig) -> TrainResult:
     last = rows[-1]
     print(
       f"iteration {last['iteration']}: mean return {last['score']:+.4f} (plan / best expert "
-      f"{last['ratio']:.4f}), policy KL {last['policy_kl']:.4f}, value loss {last['value_loss']:.5f}; "
+      f"{last['ratio']:.4f}), policy KL {last['policy_kl']:.4f}, value loss "
+      f"{last['value_loss']:.5f}; "
       f"run in {config.run_dir}"
     )
   return TrainResult(run_dir=config.run_dir, state=state, metrics=rows)

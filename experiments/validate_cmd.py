@@ -112,7 +112,8 @@ def _row(case) -> str:
   pipeline = "" if case.pipeline is None else f"  ({_schedule(case.pipeline)})"
   if case.lowering_error is not None:
     return (
-      f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} LOWERING ERROR {case.seconds:6.1f}s"
+      f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} LOWERING ERROR "
+      f"{case.seconds:6.1f}s"
       f"{pipeline}"
     )
   flag = (
@@ -121,8 +122,10 @@ def _row(case) -> str:
     + ("" if case.reference == "float64" else "  (float32 reference)")
   )
   return (
-    f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} {_mb(s['comm_bytes'])} {_mb(c['comm_bytes'])} "
-    f"{s['flops'] / 1e6:10.2f} {c['flops'] / 1e6:10.2f} {_mb(s['peak_memory'])} {_mb(c['peak_memory'])} "
+    f"{case.model.split(':')[0]:<7} {case.mesh:<15} {case.plan:<14} {_mb(s['comm_bytes'])} "
+    f"{_mb(c['comm_bytes'])} "
+    f"{s['flops'] / 1e6:10.2f} {c['flops'] / 1e6:10.2f} {_mb(s['peak_memory'])} "
+    f"{_mb(c['peak_memory'])} "
     f"{case.seconds:6.1f}s{flag}{pipeline}"
   )
 
@@ -196,7 +199,8 @@ def run(config: ValidateConfig) -> dict[str, Any]:
 
 
 FULLSIZE_HEADER = (
-  f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {'xla':>9} {'perm sim':>8} {'xla':>7} "
+  f"{'case':<31} {'plan':<18} {'diff':>4} {'comm MB sim':>11} {'xla':>9} {'perm sim':>8} "
+  f"{'xla':>7} "
   f"{'count sim':>9} {'xla':>5} {'TFlop sim':>9} {'xla':>7} {'mem GB sim':>10} {'xla':>6} "
   f"{'ms sim':>8} {'implied':>8} {'s':>5}"
 )
@@ -214,9 +218,11 @@ def _fullsize_row(check) -> str:
   )  # A pipeline's: its transfers.
   return (
     f"{check.case:<31} {check.plan:<18} {check.differences:>4} {s['comm_bytes'] / 1e6:11.1f} "
-    f"{c['comm_bytes'] / 1e6:9.1f} {s[permute] / 1e6:8.1f} {c[permute] / 1e6:7.1f} {count(s):9.0f} {count(c):5.0f} "
+    f"{c['comm_bytes'] / 1e6:9.1f} {s[permute] / 1e6:8.1f} {c[permute] / 1e6:7.1f} {count(s):9.0f} "
+    f"{count(c):5.0f} "
     f"{s['flops'] / 1e12:9.2f} {c['flops'] / 1e12:7.2f} {s['peak_memory'] / 1e9:10.2f} "
-    f"{c['peak_memory'] / 1e9:6.2f} {s['step_time'] * 1e3:8.2f} {c['step_time'] * 1e3:8.2f} {check.seconds:5.0f}"
+    f"{c['peak_memory'] / 1e9:6.2f} {s['step_time'] * 1e3:8.2f} {c['step_time'] * 1e3:8.2f} "
+    f"{check.seconds:5.0f}"
   )
 
 
@@ -272,7 +278,8 @@ def _fullsize_document(checks: list, families: list[dict[str, Any]]) -> dict[str
 
 FAMILY_HEADER = (
   f"{'family':<8} {'cases':>5} {'plans':>5} {'realized':>8} {'comm':>6} {'flops':>6} {'memory':>6} "
-  f"{'step':>6} {'rank':>5} {'|gap|':>6} {'max gap':>7}  worst plan (step error; largest term error)"
+  f"{'step':>6} {'rank':>5} {'|gap|':>6} {'max gap':>7}  worst plan (step error; largest term "
+  "error)"
 )
 
 
@@ -284,14 +291,17 @@ def _family_row(row: dict[str, Any]) -> str:
   term_error = row.get("worst_term_rel_error")
   term = "absent from the simulation" if term_error == math.inf else fmt(term_error, ".1%")
   worst = (
-    f"{row['worst_plan']} ({fmt(row['worst_step_time_rel_error'], '.1%')}; {row['worst_term']} {term})"
+    f"{row['worst_plan']} ({fmt(row['worst_step_time_rel_error'], '.1%')}; {row['worst_term']} "
+    f"{term})"
     if "worst_plan" in row
     else "none compiled"
   )
   return (
     f"{row['family']:<8} {row['cases']:>5} {row['plans']:>5} {realized:>8} "
-    f"{fmt(row['comm_bytes_median_rel_error'], '6.1%')} {fmt(row['flops_median_rel_error'], '6.1%')} "
-    f"{fmt(row['memory_median_rel_error'], '6.1%')} {fmt(row['step_time_median_rel_error'], '6.1%')} "
+    f"{fmt(row['comm_bytes_median_rel_error'], '6.1%')} "
+    f"{fmt(row['flops_median_rel_error'], '6.1%')} "
+    f"{fmt(row['memory_median_rel_error'], '6.1%')} "
+    f"{fmt(row['step_time_median_rel_error'], '6.1%')} "
     f"{fmt(row['pairwise_rank_agreement'], '5.3f')} {fmt(row['exploit_gap_median_abs'], '6.3f')} "
     f"{fmt(row['exploit_gap_max'], '+7.3f')}  {worst}"
   )
@@ -307,7 +317,8 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
     raise ValueError("--resimulate needs --merge, the checks to price again.")
   if config.recompile and (not config.merge or config.resimulate):
     raise ValueError(
-      "--recompile needs --merge, the checks to compile again (and re-simulates them: no --resimulate)."
+      "--recompile needs --merge, the checks to compile again (and re-simulates them: no "
+      "--resimulate)."
     )
   if config.resume and not config.json:
     raise ValueError("--resume needs --json, the file of the run to resume.")
@@ -380,7 +391,8 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   print(f"\n{len(checks)} plans of {len(names)} cases in {time.perf_counter() - start:.0f}s")
   for g in document["exploit"]:
     print(
-      f"  exploit {g['case']:<31} {g['plan']:<12} vs {g['best_expert']:<16} simulated {g['simulated_ratio']:.3f}"
+      f"  exploit {g['case']:<31} {g['plan']:<12} vs {g['best_expert']:<16} simulated "
+      f"{g['simulated_ratio']:.3f}"
       f"  compiled-implied {g['compiled_ratio']:.3f}  gap {g['gap']:+.3f}"
     )
   print(_summary_text(document["summary"]))
@@ -392,7 +404,8 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   unrealized = [c for c in checks if c.differences]
   if unrealized:
     print(
-      f"NOT REALIZED AS WRITTEN: {', '.join(f'{c.case}/{c.plan} ({c.differences} values)' for c in unrealized)}"
+      "NOT REALIZED AS WRITTEN: "
+      f"{', '.join(f'{c.case}/{c.plan} ({c.differences} values)' for c in unrealized)}"
     )
   for c in checks:
     if c.error is not None:

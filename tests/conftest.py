@@ -33,5 +33,6 @@ compilation_cache()
 def pytest_configure(config):
   config.addinivalue_line(
     "markers",
-    "slow: the same property on more models than `make test` has time for (`make test-all` runs them)",
+    "slow: the same property on more models than `make test` has time for (`make test-all` runs "
+    "them)",
   )

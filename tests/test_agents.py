@@ -1,4 +1,5 @@
-"""Search agents: seeded, within budget, consistent with the simulator, and MCTS finds expert plans."""
+"""Search agents: seeded, within budget, consistent with the simulator, and MCTS finds expert
+plans."""
 
 import functools
 

@@ -300,7 +300,9 @@ def test_a_seconds_budget_bounds_the_whole_call_tracing_included(monkeypatch):
   assert [b.simulations for b in given] == [None] and given[0].seconds <= 5 - TRACING_S
   if plan.search.stopped_by is None:
     assert plan.search.simulations > 0
-  else:  # A loaded worker built the random agent's environment past the deadline: said, and the best expert.
+  else:
+    # A loaded worker built the random agent's environment past the deadline: said, and the best
+    # expert.
     assert plan.search.stopped_by == "seconds" and any(
       "whole time budget of 5 s" in str(c.message) for c in caught
     )

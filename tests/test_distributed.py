@@ -57,7 +57,10 @@ SMOKE = dataclasses.replace(
 RTOL, ATOL = 1e-5, 1e-6
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A worker process: runs `automap-rl train` once per argument (a JSON list of flags).
-WORKER = "import json, sys\nfrom experiments import cli\nfor a in sys.argv[1:]:\n  assert cli.main(json.loads(a)) == 0\n"
+WORKER = (
+  "import json, sys\nfrom experiments import cli\n"
+  "for a in sys.argv[1:]:\n  assert cli.main(json.loads(a)) == 0\n"
+)
 
 
 def flags(config: train_cmd.TrainRunConfig) -> list[str]:

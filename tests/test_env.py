@@ -169,7 +169,8 @@ def test_mask_is_exact_and_resolution_incremental(model, space):
 
 @pytest.mark.parametrize("model,space", [("mlp", "groups"), ("gpt:layers=2", "named_dims")])
 def test_a_plan_made_elsewhere_is_the_state_its_decisions_reach(model, space):
-  """`from_plan` of a state's decisions, their resolution and their cost gives that state, at every step
+  """`from_plan` of a state's decisions, their resolution and their cost gives that state, at every
+  step
   of random episodes: a search from an expert's plan starts where its actions would."""
   prob = problem(model)
   env = Env.build(prob, EnvConfig(action_space=space, max_decisions=24))

@@ -70,7 +70,10 @@ def test_sharding_spec_maps_tiles_to_mesh_axes():
   assert (
     spec("{devices=[2,1,4]0,4,1,5,2,6,3,7 last_tile_dim_replicate}") is None
   )  # Not a mesh axis.
-  text = ', sharding={{replicated}, {devices=[2,1,4]<=[8] last_tile_dim_replicate}}, metadata={op_name="x"}'
+  text = (
+    ", sharding={{replicated}, {devices=[2,1,4]<=[8] last_tile_dim_replicate}}, "
+    'metadata={op_name="x"}'
+  )
   assert hlo.split_tuple_sharding(hlo.sharding_attr(text)) == (
     "{replicated}",
     "{devices=[2,1,4]<=[8] last_tile_dim_replicate}",
@@ -383,7 +386,8 @@ def test_data_parallel_step_all_reduces_every_gradient(mesh):
 
 def test_parse_instruction_drops_index_comments():
   line = (
-    "%tuple.9 = (f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}) tuple(%a, %b, %c, "
+    "%tuple.9 = (f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}) tuple(%a, %b, "
+    "%c, "
     '%d, %e, /*index=5*/%f), metadata={op_name="x"}'
   )
   inst = hlo.parse_instruction(line)

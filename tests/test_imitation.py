@@ -87,7 +87,8 @@ def test_the_warm_start_learns_the_teachers_actions(teacher, tmp_path):
     jax.tree.map(lambda x: x[0], suite.roots),
   )
 
-  @jax.jit  # One compile for both parameter sets (op by op, the forward compiles each of its primitives).
+  # One compile for both parameter sets (op by op, the forward compiles each of its primitives).
+  @jax.jit
   def argmax_actions(params):
     embeddings = network.encode(params, static_graph(tables, root))
     return jax.vmap(network.head, in_axes=(None, None, 0))(params, embeddings, samples.features)[

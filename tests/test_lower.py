@@ -1,4 +1,5 @@
-"""Tests for automap_rl.xla.lower and .numerics: plans compiled by XLA, their collectives and numerics."""
+"""Tests for automap_rl.xla.lower and .numerics: plans compiled by XLA, their collectives and
+numerics."""
 
 import dataclasses
 import functools

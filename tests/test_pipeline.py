@@ -78,7 +78,7 @@ def priced(p: Problem, decisions, pipeline: Pipeline) -> PipelineCost:
   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 @given(pipelined_plans())
-def test_pipelined_cost_is_the_sum_of_its_typed_terms_and_memory_stays_within_the_in_flight_activations(
+def test_pipelined_cost_is_the_sum_of_its_terms_and_memory_within_the_in_flight_activations(
   case,
 ):
   p, decisions, pipeline = case

@@ -452,7 +452,8 @@ def test_repair_turns_a_plan_over_the_limit_into_one_within_it():
 
 
 def test_a_two_group_move_finds_an_improvement_no_single_switch_can():
-  """From (0, 0), cost 10: switching either node alone costs 3 + 20 = 23; both together 3 + 3 + 0 = 6."""
+  """From (0, 0), cost 10: switching either node alone costs 3 + 20 = 23; both together 3 + 3 + 0 =
+  6."""
   from automap_rl.solver.local import GroupPlan
 
   graph = StrategyGraph.from_lists(

@@ -490,7 +490,7 @@ def test_a_greedy_path_goes_on_past_the_networks_stop(monkeypatch):
     LearnedConfig(past_stop=-1)
 
 
-def test_greedy_paths_that_begin_with_the_networks_next_likeliest_decisions_reach_plans_its_own_misses():
+def test_greedy_paths_from_the_networks_next_likeliest_decisions_reach_plans_its_own_misses():
   """On this U-Net the network's own greedy paths end at `data_parallel`'s plan; the paths
   that begin with its 2nd to 4th most likely decision (`first_moves`, outside the budget
   as every greedy path) go on from there to a plan 0.73x as costly."""
@@ -701,7 +701,8 @@ def test_a_run_directory_is_resumed_only_with_its_training_config(tmp_path):
 
 
 def test_a_run_from_a_policy_starts_from_its_parameters(smoke_run):
-  """Fine-tuning: the policy's parameters, bit for bit; the fresh state's optimizer, buffer and key."""
+  """Fine-tuning: the policy's parameters, bit for bit; the fresh state's optimizer, buffer and
+  key."""
   fresh = train.replicate(train.init(SMOKE.train, smoke_suite()), train.data_mesh(1))
   tuned = train_cmd.from_policy(fresh, smoke_run.run_dir)
   assert_trees_equal(tuned.params, smoke_run.state.params)

@@ -94,7 +94,8 @@ class PipelineTerms:
   `update_stage_s` (its step ops' compute and collectives), `live_bytes` (largest live
   row for one microbatch), `gathered_bytes` (gathered operand copies: those reads share,
   and the stage's largest one made for one read), `residual_bytes`
-  (one microbatch's residuals), `in_flight` (sets of them held), `accumulator_bytes` (accumulated gradients, 0 for M = 1), `peak_memory`.
+  (one microbatch's residuals), `in_flight` (sets of them held), `accumulator_bytes` (accumulated
+  gradients, 0 for M = 1), `peak_memory`.
   Inside `pipeline_cost` these have the tables' padded stage count; `for_stages` cuts
   them to S.
   Scalars: `pace_s` (the pace-setting stage's microbatch time), `steady_s` (M x pace),

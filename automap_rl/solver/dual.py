@@ -225,7 +225,8 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _segment_argmin(values: np.ndarray, offsets: np.ndarray, groups: np.ndarray) -> np.ndarray:
-  """[len(groups)] argmin (first on ties) of values within [offsets[g], offsets[g + 1]) per group."""
+  """[len(groups)] argmin (first on ties) of values within [offsets[g], offsets[g + 1]) per
+  group."""
   lengths = offsets[groups + 1] - offsets[groups]
   index = _ranges(offsets[groups], lengths)
   starts = offsets_from_counts(lengths)[:-1]

@@ -289,7 +289,8 @@ class GroupPlan:
 
 
 def _segment_argmax(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-  """[len(offsets) - 1] index within each segment [offsets[i], offsets[i + 1]) of its largest value (first on ties;
+  """[len(offsets) - 1] index within each segment [offsets[i], offsets[i + 1]) of its largest value
+  (first on ties;
   NaN, an undefined gain such as inf - inf, counts as -inf)."""
   values = np.where(np.isnan(values), -np.inf, values)
   lengths = np.diff(offsets)

@@ -231,7 +231,8 @@ def solve(
   problem = _Problem(graph, reduced, memory, layout, started)
   warm = None if warm_start is None else reduced.node_choice_to_group(warm_start.astype(np.int64))
   setup = (
-    f"{time.monotonic() - started:6.2f}s reduce: {graph.num_nodes} nodes, {graph.num_edges} edges -> "
+    f"{time.monotonic() - started:6.2f}s reduce: {graph.num_nodes} nodes, {graph.num_edges} edges "
+    "-> "
     f"{reduced.num_groups} groups, {len(reduced.pairs)} pairs, {memory.num_segments} time segments"
   )
   if workers == 0:
@@ -277,7 +278,8 @@ def solve(
 
 
 def _worker_seed(seed: int, worker: int) -> int:
-  """Worker 0 searches with `seed` itself (as the in-process search does); the others with seeds derived from it."""
+  """Worker 0 searches with `seed` itself (as the in-process search does); the others with seeds
+  derived from it."""
   return seed if worker == 0 else int(np.random.SeedSequence([seed, worker]).generate_state(1)[0])
 
 
@@ -421,7 +423,8 @@ class _SharedBest:
       self.version.value += 1
 
   def newer(self, version: int, worker: int) -> tuple[int, np.ndarray, float] | None:
-    """(version, [G] plan, cost) if a plan newer than `version` came from another worker, else None."""
+    """(version, [G] plan, cost) if a plan newer than `version` came from another worker, else
+    None."""
     if self.version.value == version:
       return None
     with self.lock:
@@ -445,7 +448,8 @@ def _search_in_child(
   shared: _SharedBest,
   worker: int,
 ) -> None:
-  """A worker process: one search that reports each better plan and its outcome through `channel`."""
+  """A worker process: one search that reports each better plan and its outcome through
+  `channel`."""
   search = _Search(
     problem, deadline, seed, limits, role=role, channel=channel, shared=shared, worker=worker
   )

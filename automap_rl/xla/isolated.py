@@ -119,8 +119,8 @@ def _child_env(num_devices: int, platform: str) -> dict[str, str]:
   if platform == "cpu":
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = (
-      f"{flags} --xla_force_host_platform_device_count={max(num_devices, jax.device_count())}".strip()
-    )
+      f"{flags} --xla_force_host_platform_device_count={max(num_devices, jax.device_count())}"
+    ).strip()
   env["JAX_PLATFORMS"] = platform
   return env
 

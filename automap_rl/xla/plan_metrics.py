@@ -93,7 +93,8 @@ def pipelined_flops(pipelined: PipelineProblem, resolution: Any) -> float:
 def simulated_metrics(
   problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None = None
 ) -> dict[str, Any]:
-  """The simulator's view of a plan (see `validate.ValidatedPlan`); with a pipeline, of the pipelined step
+  """The simulator's view of a plan (see `validate.ValidatedPlan`); with a pipeline, of the
+  pipelined step
   (`Problem.plan_cost`: comm per device of the pace-setting stage, peak of the largest
   stage; `pipelined_flops`), its stage transfers as `collective_permute_bytes` apart."""
   if pipeline is None:
@@ -117,7 +118,8 @@ def simulated_metrics(
 
 
 def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
-  """XLA's view of a plan (see `validate.ValidatedPlan`), loop iterations included (`Collective.repeat`).
+  """XLA's view of a plan (see `validate.ValidatedPlan`), loop iterations included
+  (`Collective.repeat`).
   Counts are collective instructions run: a combined collective (several buffers,
   tuple-shaped) counts once, as the simulator counts what XLA's combiners merge;
   `collective-permute` (which the simulator does not model) is reported apart.

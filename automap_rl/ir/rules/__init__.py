@@ -117,7 +117,8 @@ ELEMENTWISE = (
   # Unary.
   "neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan "
   "asin acos atan sinh cosh asinh acosh atanh lgamma digamma erf erfc erf_inv abs sqrt rsqrt "
-  "cbrt not integer_pow square one_minus_square population_count clz real imag conj reduce_precision "
+  "cbrt not integer_pow square one_minus_square population_count clz real imag conj "
+  "reduce_precision "
   "convert_element_type copy copy_p stop_gradient name sharding_constraint "
   # Binary, compare, select.
   "add sub mul div rem pow max min atan2 nextafter and or xor add_any shift_left "

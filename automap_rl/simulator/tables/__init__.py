@@ -150,7 +150,8 @@ class CostTables:
       of its group resharded as it is. Padding slots have runs 0.
     shared_pairs: every ordered pair of slots of one pattern (a slot with itself
       included), int32 [2, Q]; padding pairs are -1.
-    live_bytes: global bytes of each value signature live at each probe point (`memory.probe_rows`), [T,
+    live_bytes: global bytes of each value signature live at each probe point (`memory.probe_rows`),
+    [T,
     Uv].
     mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
       group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency

@@ -46,7 +46,8 @@ def loop_spans(program: Program) -> list[tuple[int, int]]:
 def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.ndarray:
   """Global bytes of each value signature live after each op, [num_ops, Uv].
 
-  Value v is live from the op that makes it to its last use (a dead op's results never); arguments from the start,
+  Value v is live from the op that makes it to its last use (a dead op's results never); arguments
+  from the start,
   and to the end unless donated; outputs to the end. Fused intermediates (see
   `fusion.unmaterialized_values`) take no memory, but their readers recompute them, so
   what they are computed from stays live to their last reader. A loop's body is inlined once
