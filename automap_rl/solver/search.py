@@ -80,12 +80,12 @@ class WorkerRole:
 
 
 # The searches' roles by worker number (then round robin); the in-process search takes the first.
-# The first moves prices gently: its decoded plans fit later but cost less (the best plan
-# within the limit decoded in 250 rounds of pricing alone, over the contest's best: K 1.20 at
-# 1.15/0.95 against 1.71 at 1.5/0.8, R 1.58 against 4.0, U 1.78 against 2.87), and crossovers
-# start from better plans. The second moves them fast and repairs, for a first plan early.
+# A gentler schedule (1.15 / 0.95) decodes cheaper plans within the limit (pricing alone, 250
+# rounds: K 1.20 of the contest's best against 1.71, R 1.58 against 3.59) but they fit later,
+# and the crossovers that improve M start late: as the first search it left M at 1.35 where
+# this one reached 1.005 (60 s, same loaded machine; docs/experiments/iopddl-price-schedule.md).
 ROLES = (
-  WorkerRole(price_rise=1.15, price_fall=0.95),
+  WorkerRole(),
   WorkerRole(price_rise=1.8, price_fall=0.75, repair_until_fitted=True),
 )
 
