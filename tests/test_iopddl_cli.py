@@ -34,6 +34,6 @@ def test_evaluate_rejects_a_plan_over_the_memory_limit(tmp_path, capsys):
 
 
 def test_bench_refuses_fewer_than_one_copy(capsys):
-  assert cli.main(["bench", "iopddl", "--directory", str(EXAMPLE.parent), "--copies", "0"]) == 2
+  assert cli.main(["bench", "iopddl", "--directories", str(EXAMPLE.parent), "--copies", "0"]) == 2
   err = capsys.readouterr().err.strip()
   assert "--copies must be at least 1" in err and len(err.splitlines()) == 1

@@ -259,7 +259,7 @@ def test_an_allocation_that_would_pass_the_memory_ceiling_stops_before_it_is_mad
 
 
 def test_prices_of_a_segment_no_plan_fits_stay_finite():
-  from automap_rl.solver.solve import WorkerRole, next_prices
+  from automap_rl.solver.search import WorkerRole, next_prices
 
   prices, capacity = np.zeros(3), np.array([10.0, 10.0, 10.0])
   excess = np.array([5.0, -5.0, 0.0])  # Over the limit, well under it, at it.
@@ -384,15 +384,15 @@ def binding_chain(n: int = 40, k: int = 3, seed: int = 0) -> StrategyGraph:
 def test_every_highs_call_gets_a_time_limit_within_the_shared_deadline(monkeypatch):
   """The solve's own timeout is long; a `Limits` deadline 3 s away is the earlier one, and every
   HiGHS call (crossover, whole MIP, neighbourhood) must end by it."""
-  solve_module = importlib.import_module("automap_rl.solver.solve")
+  search_module = importlib.import_module("automap_rl.solver.search")
   calls = []
 
   def spy(*args, time_limit, **kwargs):
     calls.append(time.monotonic() + time_limit)
     return reoptimize(*args, time_limit=time_limit, **kwargs)
 
-  reoptimize = solve_module.reoptimize
-  monkeypatch.setattr(solve_module, "reoptimize", spy)
+  reoptimize = search_module.reoptimize
+  monkeypatch.setattr(search_module, "reoptimize", spy)
   limits = Limits.starting_now(3.0, None)
   result = solve(binding_chain(), timeout_s=600, seed=0, limits=limits)
   assert result.feasible and calls
@@ -403,8 +403,8 @@ def test_a_worker_that_hangs_is_stopped_at_the_timeout_with_its_best_plan(monkey
   """A stage that never returns (as a HiGHS call past its time limit can) is killed at the
   timeout; the plan and the lower bound the worker reported before it are returned, marked
   as stopped."""
-  solve_module = importlib.import_module("automap_rl.solver.solve")
-  monkeypatch.setattr(solve_module._Search, "whole_mip", lambda self, time_limit: time.sleep(3600))
+  search_module = importlib.import_module("automap_rl.solver.search")
+  monkeypatch.setattr(search_module.Search, "whole_mip", lambda self, time_limit: time.sleep(3600))
   graph = binding_chain()
   result = solve(graph, timeout_s=4, seed=0, workers=1)
   assert result.stopped_by == "seconds" and is_feasible(graph, result.choice)
@@ -415,8 +415,8 @@ def test_a_worker_that_hangs_is_stopped_at_the_timeout_with_its_best_plan(monkey
 def test_a_worker_killed_before_its_first_plan_names_the_time_limit(monkeypatch):
   """Killed at the timeout before it found a plan, the search says the time limit
   stopped it (not that no plan is within the usage limit)."""
-  solve_module = importlib.import_module("automap_rl.solver.solve")
-  monkeypatch.setattr(solve_module._Search, "price", lambda self, **kwargs: time.sleep(3600))
+  search_module = importlib.import_module("automap_rl.solver.search")
+  monkeypatch.setattr(search_module.Search, "price", lambda self, **kwargs: time.sleep(3600))
   with pytest.raises(
     LimitReached, match="the time limit came before the solver found a plan"
   ) as error:
@@ -508,7 +508,7 @@ def test_tiled_copies_cost_and_fit_as_the_original_times_the_copies():
 def test_the_shared_best_plan_reaches_the_other_workers_only():
   import multiprocessing
 
-  shared = importlib.import_module("automap_rl.solver.solve")._SharedBest(
+  shared = importlib.import_module("automap_rl.solver.supervise").SharedBest(
     multiprocessing.get_context("fork"), 3
   )
   assert shared.newer(0, worker=1) is None

@@ -4,10 +4,20 @@
 costs, a memory limit over live intervals); `iopddl` reads and scores the
 ASPLOS/EuroSys 2025 IOPDDL contest format; `solve` finds a low-cost plan
 within the limit (and a lower bound) under a deadline and memory ceiling (`Limits`);
-`bench_iopddl` runs the solver on the contest instances, or on `tile`d copies of them.
+`bench_iopddl` runs the solver on the contest instances, or on `tile`d copies of them, and
+`contest` scores costs as the contest did.
 """
 
-from automap_rl.solver.bench import bench_iopddl, contest_points, geometric_mean
+from automap_rl.solver.bench import (
+  RESULTS_FILE,
+  BenchRow,
+  bench_iopddl,
+  find_instances,
+  geometric_mean,
+  is_instance_file,
+  read_results,
+)
+from automap_rl.solver.contest import CONTEST_TIMEOUTS, PUBLIC, ContestResults, load_results
 from automap_rl.solver.graph import (
   FORBIDDEN,
   StrategyGraph,
@@ -31,6 +41,15 @@ from automap_rl.solver.reduce import GraphTooLarge
 from automap_rl.solver.solve import SolveResult, solve
 
 __all__ = [
+  "CONTEST_TIMEOUTS",
+  "PUBLIC",
+  "RESULTS_FILE",
+  "BenchRow",
+  "ContestResults",
+  "find_instances",
+  "is_instance_file",
+  "load_results",
+  "read_results",
   "FORBIDDEN",
   "Evaluation",
   "GraphTooLarge",
@@ -39,7 +58,6 @@ __all__ = [
   "SolveResult",
   "StrategyGraph",
   "bench_iopddl",
-  "contest_points",
   "evaluate",
   "geometric_mean",
   "is_feasible",

@@ -61,17 +61,22 @@ class Dual:
     self._steps = {}
     by_column = np.argsort(slot[1], kind="stable")
     row_major = np.arange(len(entry_pair))
+    # Each entry's colours on both sides, in both orders, gathered once (not per colour).
+    color_type = np.min_scalar_type(max(self.num_colors, 1))
+    pair_color = self.color[pairs].astype(color_type)  # [P, 2]
+    orders = {}
+    for side, order in ((0, by_column), (1, row_major)):
+      of_pair = entry_pair[order]
+      orders[side] = (order, pair_color[of_pair, side], pair_color[of_pair, 1 - side])
+    del by_column, row_major
     for forward in (True, False):
       for c in range(self.num_colors):
         steps = []
         # The colour-c group is on `side`; its message goes to the other side,
         # minimising over its own strategies, so entries are grouped by the
         # receiving slot.
-        for side, order in ((0, by_column), (1, row_major)):
-          mine, theirs = (
-            self.color[pairs[entry_pair[order], side]],
-            self.color[pairs[entry_pair[order], 1 - side]],
-          )
+        for side in (0, 1):
+          order, mine, theirs = orders[side]
           entries = order[(mine == c) & ((theirs > c) if forward else (theirs < c))]
           if len(entries):
             receiving = slot[1 - side][entries]
