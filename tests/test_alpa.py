@@ -17,7 +17,7 @@ SCANNED = GPT + ",scan=true"
 HEAD_HEAVY = (
   "gpt:layers=8,d_model=128,heads=4,seq=128,vocab=8192,batch=32"  # The head costs about 5 layers.
 )
-MESH = "data=8,model=4"  # Four nodes: the data axis crosses them, and pipeline stages pay.
+MESH = "data=8x1,model=4"  # The data axis across 8 nodes (DCN): pipeline stages pay.
 CONFIG = AlpaConfig(microbatches=(4, 8))  # Fewer pipelines to build: the tests stay quick.
 CONFIGS = {HEAD_HEAVY: AlpaConfig(microbatches=(8,), schedules=("1f1b",))}
 

@@ -212,22 +212,18 @@ HloModule m, is_scheduled=true, num_partitions=8
 
 %rs_body (p: bf16[64,32]) -> bf16[16,32] {
   %p = bf16[64,32]{1,0} parameter(0)
-  ROOT %rs = bf16[16,32]{1,0} reduce-scatter(%p), channel_id=4, replica_groups=[2,4]<=[8],
-  use_global_device_ids=true, dimensions={0}, to_apply=%add
+  ROOT %rs = bf16[16,32]{1,0} reduce-scatter(%p), channel_id=4, replica_groups=[2,4]<=[8], use_global_device_ids=true, dimensions={0}, to_apply=%add
 }
 
 ENTRY %main (a: f32[16,8], b: f32[4], c: bf16[64,32]) -> f32[64,8] {
   %a = f32[16,8]{1,0} parameter(0)
   %b = f32[4]{0} parameter(1)
   %c = bf16[64,32]{1,0} parameter(2)
-  %ags = (f32[16,8]{1,0}, f32[64,8]{1,0}) all-gather-start(%a), channel_id=1,
-  replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %ags = (f32[16,8]{1,0}, f32[64,8]{1,0}) all-gather-start(%a), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
   %agd = f32[64,8]{1,0} all-gather-done(%ags)
-  %ars = (f32[16,8]{1,0}, f32[4]{0}) all-reduce-start(%a, %b), channel_id=2,
-  replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
+  %ars = (f32[16,8]{1,0}, f32[4]{0}) all-reduce-start(%a, %b), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
   %ard = (f32[16,8]{1,0}, f32[4]{0}) all-reduce-done(%ars)
-  %cps = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%b), channel_id=3,
-  source_target_pairs={{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}
+  %cps = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%b), channel_id=3, source_target_pairs={{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}
   %cpd = f32[4]{0} collective-permute-done(%cps)
   %rss = ((bf16[64,32]{1,0}), bf16[16,32]{1,0}, s32[]) async-start(%c), calls=%rs_body
   %rsd = bf16[16,32]{1,0} async-done(%rss), calls=%rs_body
@@ -463,8 +459,7 @@ ENTRY %main (a: f32[8,16], b: f32[16,4], c: f32[8,4]) -> f32[8,4] {
   %b = f32[16,4]{1,0} parameter(1)
   %c = f32[8,4]{1,0} parameter(2)
   %init = (f32[8,16]{1,0}, f32[16,4]{1,0}, f32[8,4]{1,0}) tuple(%a, %b, %c)
-  %loop = (f32[8,16]{1,0}, f32[16,4]{1,0}, f32[8,4]{1,0}) while(%init), condition=%cond, body=%body,
-  backend_config={"known_trip_count":{"n":"3"}}
+  %loop = (f32[8,16]{1,0}, f32[16,4]{1,0}, f32[8,4]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   %out = f32[8,4]{1,0} get-tuple-element(%loop), index=2
   ROOT %copy = f32[8,4]{1,0} copy(%out)
 }

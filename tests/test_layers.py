@@ -57,6 +57,12 @@ def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path, modu
   assert "BROKEN" in result.stdout and module.replace("/", ".").removesuffix(".py") in result.stdout
 
 
+# The one private module the project reads: the coordination service's key-value store,
+# which `jax.distributed` starts but exposes no public handle to (orbax reads it the same
+# way); the lost-peer watch of multi-process training counts in it.
+JAX_INTERNALS_READ = {"experiments/distributed.py": "from jax._src import distributed"}
+
+
 def test_no_jax_internals():
   hits = [
     f"{path.relative_to(ROOT)}:{n}"
@@ -64,5 +70,6 @@ def test_no_jax_internals():
     for path in (ROOT / package).rglob("*.py")
     for n, line in enumerate(path.read_text().splitlines(), 1)
     if "jax._src" in line
+    and not line.startswith(JAX_INTERNALS_READ.get(str(path.relative_to(ROOT)), "\0"))
   ]
   assert hits == []

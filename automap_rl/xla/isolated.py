@@ -86,8 +86,7 @@ for header in requests:
   os.close(log)
   try:
     backend_compile(text, request["platform"], request["shardy"], request["ids"],
-    request["dump_to"],
-                    request["options"])
+                    request["dump_to"], request["options"])
     replies.write(b"ok\\n")
   except Exception:
     replies.write(b"error\\n")
@@ -214,11 +213,10 @@ def compile_directly(
   timeout_s: float = 600.0,
 ) -> None:
   """Compiles `stage` (a `jax.stages.Lowered`) over `devices` (the mesh's devices, in mesh
-  order) with `backend_compile` and `quick_compile_options`: in a child process when `isolated`,
-  raising
-  `CompileAborted` if XLA aborts the child (a fatal check or a signal) or it times out (a
-  compile that raises an ordinary error there is left to the caller's own compile to
-  raise); in this process otherwise (XLA's errors raise here). `dump_to`: see
+  order) with `backend_compile` and `quick_compile_options`: in a child process when
+  `isolated`, raising `CompileAborted` if XLA aborts the child (a fatal check or a signal)
+  or it times out (a compile that raises an ordinary error there is left to the caller's
+  own compile to raise); in this process otherwise (XLA's errors raise here). `dump_to`: see
   `backend_compile`.
 
   Isolated, it costs one compile in the child, which stays up for the next (its first

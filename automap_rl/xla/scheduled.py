@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src.interpreters import partial_eval as pe
+from jax.interpreters import partial_eval as pe
 from jax.extend import core as jax_core
 from jax.sharding import NamedSharding, PartitionSpec
 
