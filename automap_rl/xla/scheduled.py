@@ -22,8 +22,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.interpreters import partial_eval as pe
 from jax.extend import core as jax_core
+from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding, PartitionSpec
 
 from automap_rl.pipeline import Pipeline
