@@ -115,9 +115,9 @@ def test_a_solver_step_past_its_time_limit_does_not_hold_the_agent_past_its_dead
   import importlib
   import time
 
-  solve_module = importlib.import_module("automap_rl.solver.solve")
+  search_module = importlib.import_module("automap_rl.solver.search")
   # The search's first stage stuck: whatever the machine's load, the deadline finds it there.
-  monkeypatch.setattr(solve_module._Search, "price", lambda *args, **kwargs: time.sleep(60))
+  monkeypatch.setattr(search_module.Search, "price", lambda *args, **kwargs: time.sleep(60))
   problem = _small_problem()
   with pytest.warns(UserWarning, match="time budget"):
     result = ilp.search(problem, ilp.ILPConfig(max_resident_gib=64), budget=Seconds(10))
