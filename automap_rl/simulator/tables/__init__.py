@@ -203,20 +203,6 @@ class CostTables:
 
 
 def _mask_tables(mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  num = 1 << len(mesh.axis_sizes)
-  group = np.ones(num, np.float32)
-  bandwidth = np.full(num, np.inf, np.float64)
-  latency = np.zeros(num, np.float32)
-  for mask in range(num):
-    for axis, (size, link) in enumerate(zip(mesh.axis_sizes, mesh.links)):
-      if mask >> axis & 1:
-        group[mask] *= size
-        bandwidth[mask] = min(bandwidth[mask], link.bandwidth)
-        latency[mask] = max(latency[mask], link.latency)
-  return group, (1.0 / bandwidth).astype(np.float32), latency
-
-
-def _mask_tables(mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Per set of mesh axes (a bit mask, [2**num_axes]): the group size, the inverse
   bottleneck bandwidth (0 for no axes) and the largest latency of a collective over them."""
   num = 1 << len(mesh.axis_sizes)
