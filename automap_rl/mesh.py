@@ -51,6 +51,8 @@ COMPILER_FIELDS = (
   "dense_batch_group_conv",
   "multi_output_fusion",
   "minor_concatenate_fusion",
+  "fused_kernels",
+  "async_collectives",
 )
 
 
@@ -101,6 +103,15 @@ class Hardware:
       instruction fusion: rows of at least 64 bytes and 2 KiB in all, or more than 8
       operands): the concatenate is a data-movement kernel of its own, its operands are
       written to memory and read back, and its result is written.
+    fused_kernels: Whether the compiler runs the fused kernels a step marks
+      (`automap_rl.ir.kernels`: flash attention, as cuDNN's fused attention on GPUs and
+      Pallas' flash attention on TPUs) as one kernel each, their intermediates on chip.
+      XLA:CPU runs their ops as written.
+    async_collectives: Whether the compiler runs collectives asynchronously and schedules
+      them against compute that does not depend on them (XLA's latency-hiding scheduler on
+      GPUs and TPUs): the reshards of parameters and the reductions of weight gradients
+      hide behind compute (`simulator.tables.overlap`). XLA:CPU runs each collective in
+      program order, the devices waiting for it.
   """
 
   name: str
@@ -119,6 +130,8 @@ class Hardware:
   matmul_efficiency: float = 1.0
   torus_dims: int = 0
   torus_wrap: int = 1
+  fused_kernels: bool = False
+  async_collectives: bool = True
 
   @property
   def torus_extent(self) -> int:
@@ -187,6 +200,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
     combine_threshold=_GPU_COMBINE,
     # Bekman's Maximum Achievable Matmul FLOPS table: A100 SXM bf16 271.2 of 312 TFLOPS.
     matmul_efficiency=271.2 / 312,
+    fused_kernels=True,  # cuDNN's fused (flash) attention runs on Ampere.
   )
 
 
@@ -225,6 +239,7 @@ _H100 = Hardware(
   combine_threshold=_GPU_COMBINE,
   # Bekman's Maximum Achievable Matmul FLOPS table: H100 SXM bf16 794.5 of 989 TFLOPS.
   matmul_efficiency=794.5 / 989,
+  fused_kernels=True,  # cuDNN's fused (flash) attention.
 )
 
 
@@ -278,6 +293,7 @@ HARDWARE: Mapping[str, Hardware] = {
     # is a torus when each dimension is a multiple of 4 (whole cubes), else a 3-D mesh.
     torus_dims=3,
     torus_wrap=4,
+    fused_kernels=True,  # Pallas' flash attention.
     # Estimate, not a documented figure: libtpu's combine thresholds are not
     # published; taken to be XLA's GPU defaults.
     combine_threshold=_GPU_COMBINE,
@@ -316,6 +332,7 @@ HARDWARE: Mapping[str, Hardware] = {
     # the JAX team's "How to Scale Your Model" (2025, "How to Think About TPUs") describes.
     torus_dims=2,
     torus_wrap=16,
+    fused_kernels=True,  # Pallas' flash attention.
     # Estimate, not a documented figure (see tpu-v4).
     combine_threshold=_GPU_COMBINE,
   ),
@@ -360,6 +377,8 @@ HARDWARE: Mapping[str, Hardware] = {
     # A concatenate along the minor dim is its own kernel: "LLVM tends to do a better
     # job with pure data movement loops" (xla/service/cpu/cpu_instruction_fusion.cc).
     minor_concatenate_fusion=False,
+    # XLA:CPU's collectives are synchronous: each runs where the program puts it.
+    async_collectives=False,
   ),
 }
 

@@ -291,9 +291,7 @@ def fsdp_megatron_sp(problem: Problem) -> list[Decision]:
   input also over the model axis, so activations between the tensor-parallel blocks
   (normalization, residual) are stored split by sequence, gathered before the
   column-parallel matmuls and reduce-scattered after the row-parallel ones."""
-  sequence = [
-    Decision(ArgDim(*dim), model_axis(problem)) for dim in structure(problem).sequence_dims
-  ]
+  sequence = sequence_split(problem, model_axis(problem))
   axes = data_axes(problem)
   found = structure(problem)
   return (
@@ -311,13 +309,16 @@ def expert_parallel(problem: Problem) -> list[Decision]:
   return data_parallel(problem) + experts + megatron(problem)
 
 
+def sequence_split(problem: Problem, axis: str) -> list[Decision]:
+  """The sequence of every token input over `axis` (with Megatron on that axis: Megatron-LM's
+  sequence parallelism; alone: context parallelism)."""
+  return [Decision(ArgDim(*dim), axis) for dim in structure(problem).sequence_dims]
+
+
 def sequence_parallel(problem: Problem) -> list[Decision]:
   """Context parallelism: data parallel, and the sequence of every token input over the
   model axis (attention gathers keys and values across it)."""
-  axis = model_axis(problem)
-  return data_parallel(problem) + [
-    Decision(ArgDim(*dim), axis) for dim in structure(problem).sequence_dims
-  ]
+  return data_parallel(problem) + sequence_split(problem, model_axis(problem))
 
 
 def stage_axis(problem: Problem) -> str:

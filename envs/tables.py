@@ -103,6 +103,7 @@ COST_DIMS: Mapping[str, tuple[str, ...]] = {
   "hbm_bytes": (),
   "combine_bytes": ("2",),
   "native_scatter": (),
+  "async_collectives": (),
   "loop_repeats": ("K",),
   "shared_slot_edge": ("Ss",),
   "shared_slot_runs": ("Ss",),

@@ -118,6 +118,7 @@ class Op:
     flops: flops of one call, in XLA's `cost_analysis()` convention (see
       `automap_rl.ir.flops`), set by `trace`; None for hand-built ops (the simulator then
       falls back to `simulator.tables.op_flops`).
+    kernel: the fused kernel the op belongs to (`automap_rl.ir.kernels`), '' for none.
   """
 
   id: int
@@ -129,6 +130,7 @@ class Op:
   scope: str = ""
   origin: tuple[int, ...] = ()
   flops: float | None = None
+  kernel: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from jax.extend import core as jax_core
 
 from automap_rl.ir import rules
 from automap_rl.ir.flops import primitive_flops
+from automap_rl.ir.kernels import kernel_of
 from automap_rl.ir.program import Op, Program, Role, Rule, Value, itemsize_of
 
 # `eval_jaxpr` is jax 0.11's plain call, e.g. around the known half of a scan split by
@@ -87,6 +88,9 @@ class _Builder:
     self.ops: list[Op] = []
     self.ties: list[tuple[int, int]] = []
     self.unknown: dict[str, None] = {}
+    # The name stacks of the equations whose bodies are being inlined, outermost first:
+    # an inner equation's name stack is relative to its caller's.
+    self.name_stacks: list[str] = []
 
   def new_value(self, aval, role: Role = Role.INTERMEDIATE, path: str | None = None) -> int:
     dtype = str(aval.dtype)
@@ -106,6 +110,7 @@ class _Builder:
     scope: str,
     origin: tuple[int, ...] = (),
     flops: float = 0.0,
+    kernel: str = "",
   ) -> None:
     self.ops.append(
       Op(
@@ -118,8 +123,13 @@ class _Builder:
         scope,
         origin,
         float(flops),
+        kernel,
       )
     )
+
+  def kernel(self, eqn) -> str:
+    """The fused kernel an equation belongs to, from its and its callers' name stacks."""
+    return kernel_of("/".join([*self.name_stacks, str(eqn.source_info.name_stack)]))
 
   def read(self, env: dict, var) -> int | None:
     """The value id of a jaxpr atom; None for literals (scalars folded into the op)."""
@@ -162,16 +172,19 @@ class _Builder:
     for index, eqn in enumerate(jaxpr.eqns):
       name = eqn.primitive.name
       origin = None if prefix is None else (*prefix, index)
+      if name not in CALL_PRIMITIVES and name not in ("scan", "while", "cond"):
+        self.add_eqn(eqn, env, repeat, scope, origin)
+        continue
+      self.name_stacks.append(str(eqn.source_info.name_stack))
       if name in CALL_PRIMITIVES:
         self.inline_call(eqn, env, repeat, scope, origin)
       elif name == "scan":
         self.inline_scan(eqn, env, repeat, scope, origin)
       elif name == "while":
         self.inline_while(eqn, env, repeat, scope)
-      elif name == "cond":
-        self.inline_cond(eqn, env, repeat, scope)
       else:
-        self.add_eqn(eqn, env, repeat, scope, origin)
+        self.inline_cond(eqn, env, repeat, scope)
+      self.name_stacks.pop()
 
   def add_eqn(self, eqn, env: dict, repeat: int, scope: str, origin) -> None:
     name = eqn.primitive.name
@@ -200,7 +213,15 @@ class _Builder:
         env[var] = results[-1]
     flops = primitive_flops(name, operand_shapes, result_shapes, eqn.params)
     self.add_op(
-      name, [operand_ids[i] for i in kept], results, rule, repeat, scope, origin or (), flops
+      name,
+      [operand_ids[i] for i in kept],
+      results,
+      rule,
+      repeat,
+      scope,
+      origin or (),
+      flops,
+      self.kernel(eqn),
     )
 
   def inline(

@@ -26,6 +26,11 @@ gradients of data parallelism) into few collectives, up to the hardware profile'
 
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
 slowest link bounds the bandwidth).
+Where the backend runs collectives asynchronously (`Hardware.async_collectives`: XLA's
+latency-hiding scheduler on GPUs and TPUs), the reshards of values no batch input reaches
+(parameters: an FSDP layer's all-gather) and the reductions of values that reach no dot
+(weight gradients) run behind compute (`tables.overlap`): they add to the step only what
+exceeds the compute, and at least one run of the longest of them (`_hidden_comm`).
 Bytes follow `automap_rl.xla.hlo`'s convention: the larger, group-level buffer per device.
 Peak memory is the largest live-bytes row of the program (see `tables.probe_rows`) with
 every value divided by its shard count, plus the gathered copies of operands that several
@@ -69,9 +74,11 @@ class Cost:
   """What a plan costs per training step, per device.
 
   Attributes:
-    step_time: compute plus communication time, seconds (no overlap assumed).
+    step_time: compute plus communication time, seconds.
     compute_time: seconds of compute.
-    comm_time: seconds of collectives.
+    comm_time: seconds of collectives the compute does not hide (`Hardware.async_collectives`:
+      parameter reshards and weight-gradient reductions run behind compute; on XLA:CPU
+      every collective counts).
     peak_memory: bytes per device at the peak.
     fits: whether `peak_memory` fits in the device's memory.
     comm_bytes: bytes per device by kind, in `KINDS` order, [4].
@@ -464,8 +471,33 @@ def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, jax
   return reduce_scatter, all_reduce._replace(seconds=all_reduce.seconds + permute_s), op_split
 
 
-def _total(t: CostTables, terms: CostTerms) -> Cost:
-  """The cost of a batch of plans from their terms (batch-last), each field [B, ...]."""
+def _hidden_comm(
+  t: CostTables, terms: CostTerms, per_edge: bool, compute: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Seconds of collectives an asynchronous runtime can hide (`CostTables.edge_hideable`,
+  `reduction_hideable`) and of those it cannot hide behind `compute` [B], [B] each: the
+  hideable ones run behind compute up to its length, but one run of the longest (the
+  first prefetch, the last reduction) has nothing to run behind. Without
+  `Hardware.async_collectives` none is hidden."""
+  reshard = terms.gather.seconds + terms.all_to_all.seconds  # [E', B]
+  reduce = terms.reduce_scatter.seconds + terms.all_reduce.seconds  # [R, B]
+  rows, weight = (
+    (t.edge_hideable, t.edge_weight) if per_edge else (t.unique_hideable, t.unique_weight)
+  )
+  hideable_reshard = jnp.where(rows[:, None], reshard, 0.0)
+  hideable_reduce = jnp.where(t.reduction_hideable[:, None], reduce, 0.0)
+  hideable = jnp.sum(hideable_reshard, axis=0) + jnp.sum(hideable_reduce, axis=0)
+  one_run = jnp.maximum(
+    jnp.max(hideable_reshard / jnp.maximum(weight, 1.0)[:, None], axis=0, initial=0.0),
+    jnp.max(hideable_reduce / jnp.maximum(t.reduction_weight, 1.0)[:, None], axis=0, initial=0.0),
+  )
+  unhidden = jnp.where(t.async_collectives, jnp.maximum(one_run, hideable - compute), hideable)
+  return hideable, unhidden
+
+
+def _total(t: CostTables, terms: CostTerms, per_edge: bool) -> Cost:
+  """The cost of a batch of plans from their terms (batch-last), each field [B, ...]; the
+  terms are per edge or per class of edges (`_terms`)."""
   compute = jnp.sum(terms.op_compute_s, axis=0) + jnp.sum(terms.value_compute_s, axis=0)
   gather, to_all = terms.gather, terms.all_to_all
   gather_time, shared_copies, gather_bytes, to_all_bytes, gather_count, to_all_count = sum_rows(
@@ -481,7 +513,8 @@ def _total(t: CostTables, terms: CostTerms) -> Cost:
     scatter.seconds + reduce.seconds, scatter.bytes, reduce.bytes, scatter.count, reduce.count
   )
 
-  comm_time = gather_time + reduce_time
+  hideable, unhidden = _hidden_comm(t, terms, per_edge, compute)
+  comm_time = gather_time + reduce_time - hideable + unhidden
   comm_bytes = [reduce_bytes, gather_bytes, scatter_bytes, to_all_bytes]  # In `KINDS` order.
   comm_count = [reduce_count, gather_count, scatter_count, to_all_count]
   copies = shared_copies + jnp.max(terms.transient_bytes, axis=0, initial=0.0)
@@ -499,7 +532,7 @@ def _total(t: CostTables, terms: CostTerms) -> Cost:
 
 def _simulate(t: CostTables, masks: tuple[jax.Array, jax.Array]) -> Cost:
   """`simulate` for a batch of plans laid out batch-last: the sum of `_terms`."""
-  return _total(t, _terms(t, masks, per_edge=False))
+  return _total(t, _terms(t, masks, per_edge=False), per_edge=False)
 
 
 def _tile(t: CostTables) -> int:
@@ -550,7 +583,8 @@ def terms(tables: CostTables, resolution: Resolution) -> CostTerms:
 
 def total(tables: CostTables, plan_terms: CostTerms) -> Cost:
   """The cost of one plan from its terms: compute is the sum of the compute terms,
-  communication the sum of every collective term, peak memory the largest live-bytes row
-  with each value divided by its shards plus the gathered copies."""
+  communication the sum of every collective term less what compute hides, peak memory
+  the largest live-bytes row with each value divided by its shards plus the gathered
+  copies."""
   batch_last = jax.tree.map(lambda x: x[..., None], plan_terms)
-  return jax.tree.map(lambda x: x[0], _total(tables, batch_last))
+  return jax.tree.map(lambda x: x[0], _total(tables, batch_last, per_edge=True))

@@ -34,7 +34,9 @@ microbatch size). From those terms:
   forward and their gradients backward with a collective-permute on the stage axis's
   link (alpha-beta: one hop of each device's shard), the stages at once (the slowest
   boundary counts); values summed on another stage once per step (a tied weight's
-  gradient) once;
+  gradient) once. With `Hardware.async_collectives` an iteration's sends run behind the
+  next iteration's compute (they add what exceeds a chunk's loop compute), except the
+  S - 1 of the pipeline's fill and drain;
 * `gradient_reduction` and `update`: once per step after the last microbatch, on every
   stage at once (the stage whose sum is largest counts): the reduction of the
   accumulated gradients, and the step ops (optimizer update, weight casts, reshards of
@@ -236,16 +238,63 @@ def _compute(t: PipelineTables, plan: CostTerms, step: bool, looped: bool = Fals
   )
 
 
+class _Comm(NamedTuple):
+  """Per stage [S], seconds of a set of collectives: those on the path of the ops that read
+  them (`exposed`), those an asynchronous runtime can hide behind compute (`hideable`:
+  `CostTables.edge_hideable`, `reduction_hideable`), and one run of the longest hideable
+  one (`one_run`), which has nothing to run behind."""
+
+  exposed: jax.Array
+  hideable: jax.Array
+  one_run: jax.Array
+
+
+def _comm(
+  t: PipelineTables, plan: CostTerms, where: _Placement, edge_in: jax.Array, reduction_in: jax.Array
+) -> _Comm:
+  """The collectives of the edges `edge_in` [E] and the reductions `reduction_in` [R]
+  (float: their share of a step, 1 for all of it) by stage."""
+  tables = t.tables
+  reshard = (plan.gather.seconds + plan.all_to_all.seconds) * edge_in  # [E]
+  reduce = (plan.reduce_scatter.seconds + plan.all_reduce.seconds) * reduction_in  # [R]
+  edge_hide, reduction_hide = tables.edge_hideable, tables.reduction_hideable
+  by_edge = lambda mask: _by_stage(reshard, mask, where.edge_stages)
+  by_reduction = lambda mask: _by_stage(reduce, mask, where.reduction_stages)
+  longest = lambda x, runs, stages: jnp.max(
+    x[:, None] / jnp.maximum(runs, 1.0)[:, None] * stages, axis=0, initial=0.0
+  )
+  return _Comm(
+    exposed=by_edge(~edge_hide) + by_reduction(~reduction_hide),
+    hideable=by_edge(edge_hide) + by_reduction(reduction_hide),
+    one_run=jnp.maximum(
+      longest(jnp.where(edge_hide, reshard, 0.0), tables.edge_weight, where.edge_stages),
+      longest(
+        jnp.where(reduction_hide, reduce, 0.0), tables.reduction_weight, where.reduction_stages
+      ),
+    ),
+  )
+
+
+def _unhidden(t: PipelineTables, hideable: jax.Array, compute: jax.Array, one_run: jax.Array):
+  """Seconds of `hideable` collectives that `compute` does not hide, [S]: what exceeds it,
+  and at least `one_run`; all of them without `Hardware.async_collectives` (see
+  `simulator.cost`, which prices a step alike)."""
+  return jnp.where(t.tables.async_collectives, jnp.maximum(one_run, hideable - compute), hideable)
+
+
 def _stage_seconds(
   t: PipelineTables, plan: CostTerms, where: _Placement, residual: jax.Array, sums: jax.Array
 ) -> dict[str, jax.Array]:
   """Per stage [S]: the typed times of `PipelineTerms` (`microbatch_compute_s`,
   `microbatch_comm_s`, `stacking_s`, `accumulation_s`, `loop_s`,
   `gradient_reduction_stage_s`, `update_stage_s`) and the loop's compute (`loop_compute`),
-  from one microbatch's `residual` and gradient `sums` bytes per device [S]."""
+  from one microbatch's `residual` and gradient `sums` bytes per device [S].
+
+  A microbatch's hideable collectives run behind its compute. The last microbatch's
+  compute and the step ops' compute also hide the hideable collectives of the step (the
+  accumulated gradients' reduction, the step ops' reshards): what they leave unhidden
+  counts in `gradient_reduction_stage_s`."""
   edge_op, reduction_op = t.tables.edge_op, t.tables.edge_op[t.tables.reduction_edge]
-  reshard = plan.gather.seconds + plan.all_to_all.seconds
-  reduce = plan.reduce_scatter.seconds + plan.all_reduce.seconds
   iterations = t.microbatches * t.chunks + t.stages - 1
   stacking = jnp.where(
     iterations > 1, (4.0 + t.inner_loop) * residual * t.hbm_seconds_per_byte, 0.0
@@ -253,26 +302,45 @@ def _stage_seconds(
   accumulation = jnp.where(
     iterations > 1, (3.0 + t.inner_loop) * sums * t.hbm_seconds_per_byte, 0.0
   )
-  edges = lambda x, mask: _by_stage(x, mask, where.edge_stages)
-  reductions = lambda x, mask: _by_stage(x, mask, where.reduction_stages)
   microbatch_reduction = where.reduction_phase == Phase.MICROBATCH
+  ones = lambda mask: mask.astype(jnp.float32)
+  microbatch_compute = _compute(t, plan, False) + stacking + accumulation
   loop_compute = _compute(t, plan, False, looped=True) + stacking + accumulation
+  update_compute = _compute(t, plan, True)
+  microbatch = _comm(t, plan, where, ones(where.per_microbatch), ones(microbatch_reduction))
+  loop = _comm(
+    t,
+    plan,
+    where,
+    ones(where.per_microbatch & t.op_looped[edge_op]),
+    ones(microbatch_reduction & t.op_looped[reduction_op]),
+  )
+  reduction = _comm(
+    t,
+    plan,
+    where,
+    jnp.zeros_like(t.tables.edge_weight),
+    jnp.where(where.reduction_phase == Phase.ACCUMULATED, t.reduction_once, 0.0),
+  )
+  update = _comm(
+    t, plan, where, ones(~where.per_microbatch), ones(where.reduction_phase == Phase.STEP)
+  )
+  microbatch_unhidden = _unhidden(t, microbatch.hideable, microbatch_compute, microbatch.one_run)
+  step_unhidden = _unhidden(
+    t,
+    microbatch.hideable + reduction.hideable + update.hideable,
+    microbatch_compute + update_compute,
+    jnp.maximum(jnp.maximum(microbatch.one_run, reduction.one_run), update.one_run),
+  )
   return {
-    "microbatch_compute_s": _compute(t, plan, False) + stacking + accumulation,
-    "microbatch_comm_s": edges(reshard, where.per_microbatch)
-    + reductions(reduce, microbatch_reduction),
+    "microbatch_compute_s": microbatch_compute,
+    "microbatch_comm_s": microbatch.exposed + microbatch_unhidden,
     "stacking_s": stacking,
     "accumulation_s": accumulation,
     "loop_compute": loop_compute,
-    "loop_s": loop_compute
-    + edges(reshard, where.per_microbatch & t.op_looped[edge_op])
-    + reductions(reduce, microbatch_reduction & t.op_looped[reduction_op]),
-    "gradient_reduction_stage_s": reductions(
-      reduce * t.reduction_once, where.reduction_phase == Phase.ACCUMULATED
-    ),
-    "update_stage_s": _compute(t, plan, True)
-    + edges(reshard, ~where.per_microbatch)
-    + reductions(reduce, where.reduction_phase == Phase.STEP),
+    "loop_s": loop_compute + loop.exposed + _unhidden(t, loop.hideable, loop_compute, loop.one_run),
+    "gradient_reduction_stage_s": reduction.exposed + step_unhidden - microbatch_unhidden,
+    "update_stage_s": update_compute + update.exposed,
   }
 
 
@@ -327,9 +395,16 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   flush_stage = jnp.argmax(flush)
 
   sent = t.transfer_bytes @ inverse_shards  # [3, S]
-  transfer = iterations * (jnp.max(_permute(t, sent[0])) + jnp.max(_permute(t, sent[1]))) + jnp.max(
-    _permute(t, sent[2])
+  hop = jnp.max(_permute(t, sent[0])) + jnp.max(_permute(t, sent[1]))
+  # Asynchronous sends run behind the next iteration's compute, but the pipeline's fill
+  # and drain wait for theirs.
+  behind = jnp.maximum(hop - stage["loop_compute"][pace_stage] / v, 0.0)
+  sends = jnp.where(
+    t.tables.async_collectives,
+    (num_stages - 1) * hop + (iterations - num_stages + 1) * behind,
+    iterations * hop,
   )
+  transfer = sends + jnp.max(_permute(t, sent[2]))
   comm_bytes, comm_count = _collectives(t, plan, where, sent)
 
   live = jnp.max(t.live_rows @ inverse_shards, axis=1)

@@ -247,7 +247,9 @@ def _live_rows(
   unpipelined one."""
   pipeline = staged.pipeline
   iterations = pipeline.microbatches * pipeline.chunks + pipeline.stages - 1
-  live = live_matrix(staged.program, sigs, loops=iterations == 1)
+  live = live_matrix(
+    staged.program, sigs, loops=iterations == 1, fused_kernels=staged.mesh.hardware.fused_kernels
+  )
   rows = [probe_rows(live * value_stages[:, s], kinds=kinds) for s in range(pipeline.stages)]
   out = np.zeros((capacity, next_power_of_two(max(len(r) for r in rows), 64), uv), np.float32)
   for stage, r in enumerate(rows):
@@ -328,6 +330,9 @@ def _padded(t: CostTables, uv: int, uo: int) -> CostTables:
     reduction_combines=_pad(t.reduction_combines, reductions, 0.0),
     reduction_loop=_pad(t.reduction_loop, reductions, 0),
     loop_repeats=_pad(t.loop_repeats, MAX_LOOP_GROUPS, 1.0),
+    edge_hideable=_pad(t.edge_hideable, edges, False),
+    unique_hideable=_pad(t.unique_hideable, unique, False),
+    reduction_hideable=_pad(t.reduction_hideable, reductions, False),
     live_bytes=np.zeros((1, uv), np.float32),
   )
 

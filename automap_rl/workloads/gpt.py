@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from automap_rl.workloads import training
+from automap_rl.workloads import attention, training
 
 # Builds a feed-forward sub-module; called as ``ffn(name=...)``. The module
 # maps x [batch, seq, d_model] to (y [batch, seq, d_model], aux_loss []).
@@ -45,6 +45,8 @@ class GPTConfig:
     scan: stack the blocks with ``nn.scan`` instead of unrolling them.
     remat: rematerialize each block in the backward pass (``nn.remat``).
     dtype: compute dtype (float32 parameters are cast to it in the step).
+    fused_attention: attention as a fused kernel
+      (`workloads.attention.fused_causal_attention`: flash attention's memory and flops).
   """
 
   layers: int = 2
@@ -57,6 +59,7 @@ class GPTConfig:
   scan: bool = False
   remat: bool = False
   dtype: str = "float32"
+  fused_attention: bool = False
 
   def __post_init__(self):
     training.check_dtype(self.dtype)
@@ -86,9 +89,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 class CausalSelfAttention(nn.Module):
-  """Multi-head causal self-attention: [batch, seq, d] -> [batch, seq, d]."""
+  """Multi-head causal self-attention: [batch, seq, d] -> [batch, seq, d], as a fused kernel
+  with `fused`."""
 
   heads: int
+  fused: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -98,6 +103,9 @@ class CausalSelfAttention(nn.Module):
       nn.DenseGeneral((self.heads, head_dim), name=name)(x) for name in ("query", "key", "value")
     ]  # each [b, s, h, hd]
     q, k, v = qkv
+    if self.fused:
+      out = attention.fused_causal_attention(q[:, :, :, None], k, v)[:, :, :, 0]
+      return nn.DenseGeneral(d_model, axis=(-2, -1), name="out")(out)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
@@ -126,10 +134,13 @@ class Block(nn.Module):
 
   heads: int
   ffn: FeedForwardFactory
+  fused_attention: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array, _: Any = None):
-    x = x + CausalSelfAttention(self.heads, name="attn")(nn.LayerNorm(name="ln1")(x))
+    x = x + CausalSelfAttention(self.heads, self.fused_attention, name="attn")(
+      nn.LayerNorm(name="ln1")(x)
+    )
     y, aux_loss = self.ffn(name="mlp")(nn.LayerNorm(name="ln2")(x))
     return x + y, aux_loss
 
@@ -151,12 +162,12 @@ class Transformer(nn.Module):
       blocks = nn.scan(
         block_cls, variable_axes={"params": 0}, split_rngs={"params": True}, length=cfg.layers
       )
-      x, aux_losses = blocks(cfg.heads, self.ffn, name="blocks")(x, None)
+      x, aux_losses = blocks(cfg.heads, self.ffn, cfg.fused_attention, name="blocks")(x, None)
       aux_loss = aux_losses.sum()
     else:
       aux_loss = jnp.zeros((), x.dtype)
       for i in range(cfg.layers):
-        x, aux = block_cls(cfg.heads, self.ffn, name=f"block_{i}")(x)
+        x, aux = block_cls(cfg.heads, self.ffn, cfg.fused_attention, name=f"block_{i}")(x)
         aux_loss = aux_loss + aux
     x = nn.LayerNorm(name="ln_f")(x)
     return nn.Dense(cfg.vocab, use_bias=False, name="lm_head")(x), aux_loss

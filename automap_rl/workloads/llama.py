@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from automap_rl.workloads import training
+from automap_rl.workloads import attention, training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,8 @@ class LlamaConfig:
     tie_embeddings: the output projection is the embedding (no ``lm_head``).
     remat: rematerialize each layer in the backward pass (``nnx.remat``).
     dtype: compute dtype (float32 parameters are cast to it in the step).
+    fused_attention: attention as a fused kernel
+      (`workloads.attention.fused_causal_attention`: flash attention's memory and flops).
   """
 
   layers: int = 2
@@ -60,6 +62,7 @@ class LlamaConfig:
   tie_embeddings: bool = False
   remat: bool = False
   dtype: str = "float32"
+  fused_attention: bool = False
 
   def __post_init__(self):
     training.check_dtype(self.dtype)
@@ -108,6 +111,7 @@ class Attention(nnx.Module):
     d, hd = config.d_model, config.head_dim
     self.heads, self.kv_heads, self.head_dim = config.heads, config.kv_heads, hd
     self.rope_theta = config.rope_theta
+    self.fused = config.fused_attention
     self.q_proj = nnx.Linear(d, config.heads * hd, use_bias=False, rngs=rngs)
     self.k_proj = nnx.Linear(d, config.kv_heads * hd, use_bias=False, rngs=rngs)
     self.v_proj = nnx.Linear(d, config.kv_heads * hd, use_bias=False, rngs=rngs)
@@ -121,6 +125,9 @@ class Attention(nnx.Module):
     v = self.v_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
     q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
     q = q.reshape(b, s, self.kv_heads, groups, self.head_dim)
+    if self.fused:
+      out = attention.fused_causal_attention(q, k, v)
+      return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
     logits = jnp.einsum("bskgd,btkd->bkgst", q, k) / jnp.sqrt(self.head_dim).astype(x.dtype)
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))
     logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)

@@ -161,6 +161,8 @@ class ParallelDegrees:
       (replicas x microbatch_size), run as a pipeline's microbatches or, with one stage,
       as gradient accumulation.
     recompute: full activation recomputation (the workload's `remat`).
+    sequence_parallel: Megatron-LM's sequence parallelism on the `model` axis: the
+      activations between the tensor-parallel blocks stored split by sequence.
     zero: parameters, gradients and optimizer state also stored sharded over `data`
       (ZeRO-3 / FSDP), gathered at use. Megatron's distributed optimizer (ZeRO-1: optimizer
       state alone sharded) is not a decision list; rows that ran it say so in their notes.
@@ -175,6 +177,7 @@ class ParallelDegrees:
   chunks: int = 1
   microbatch_size: int = 1
   recompute: bool = True
+  sequence_parallel: bool = False
   zero: bool = False
 
   @property
@@ -206,7 +209,7 @@ class ParallelDegrees:
     if self.pipeline > 1:
       parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 else ""))
     parts.append(f"mbs{self.microbatch_size}")
-    flags = {"zero3": self.zero, "remat": self.recompute}
+    flags = {"sp": self.sequence_parallel, "zero3": self.zero, "remat": self.recompute}
     return " ".join(parts + [flag for flag, on in flags.items() if on])
 
 
@@ -228,6 +231,10 @@ class PublishedRun:
     kind: `tflops` (TFLOP/s per device) or `mfu` (model flops utilization, a fraction).
     formula: the key in `FORMULAS` of the paper's flop count.
     stated_params: the parameter count the paper states, or None.
+    overlap: whether the run's software overlapped collectives with compute
+      (`Hardware.async_collectives`): XLA's latency-hiding scheduler, PyTorch FSDP and
+      Megatron-Core's overlapped gradient reduction do; Megatron-LM of 2021 reduced the
+      gradients after the backward pass and exchanged pipeline activations blocking.
     notes: approximations and estimates (what the source does not state).
   """
 
@@ -244,6 +251,7 @@ class PublishedRun:
   kind: str
   formula: str
   stated_params: float | None = None
+  overlap: bool = True
   notes: tuple[str, ...] = ()
 
   @property
@@ -288,8 +296,10 @@ def simulated_shape(model: str) -> Shape:
 
 
 def build_mesh(run: PublishedRun) -> Mesh:
-  """The run's mesh: each axis on the link its spec states (`NAME=DCNxICI`) or implies."""
-  return make_mesh(run.mesh, run.hardware)
+  """The run's mesh: each axis on the link its spec states (`NAME=DCNxICI`) or implies, on
+  the row's hardware with its software's overlap (`PublishedRun.overlap`)."""
+  hardware = dataclasses.replace(get_hardware(run.hardware), async_collectives=run.overlap)
+  return make_mesh(run.mesh, hardware)
 
 
 def published_plan(problem: Problem, run: PublishedRun) -> tuple[list[Decision], Pipeline | None]:
@@ -303,6 +313,8 @@ def published_plan(problem: Problem, run: PublishedRun) -> tuple[list[Decision],
   decisions = tactics._batch_over(problem, batch_axes)
   if plan.tensor > 1:
     decisions += tactics.megatron(problem)
+  if plan.sequence_parallel:
+    decisions += tactics.sequence_split(problem, "model")
   if plan.expert > 1:
     decisions += tactics._shard_classes(problem, found.experts, "expert")
   storage = tuple(a for a in ("fsdp",) + (("data",) if plan.zero else ()) if a in axes)
@@ -339,6 +351,10 @@ def check(run: PublishedRun) -> None:
     raise ValueError(
       f"{run.name}: batch {run.batch} does not split into {run.plan.replicas} replicas x "
       f"microbatches of {run.plan.microbatch_size}"
+    )
+  if run.plan.sequence_parallel and run.seq % run.plan.tensor:
+    raise ValueError(
+      f"{run.name}: sequence {run.seq} does not split over tensor parallelism {run.plan.tensor}"
     )
   if run.kind not in KINDS or run.formula not in FORMULAS:
     raise ValueError(f"{run.name}: kind {run.kind!r} or formula {run.formula!r} unknown")
@@ -389,6 +405,7 @@ def _megatron_run(row: tuple) -> PublishedRun:
     kind="tflops",
     formula="megatron-2021",
     stated_params=float(size) * 1e9,
+    overlap=False,
     notes=(
       "microbatch size 1 and the 1F1B schedule are estimates (Table 1 gives neither); "
       "without pipeline stages the batch runs as gradient accumulation",
@@ -419,7 +436,7 @@ def _llama3_run(gpus: int, data: int, tflops: float) -> PublishedRun:
     citation=_LLAMA3,
     hardware="h100",
     model="llama:layers=128,d_model=16384,heads=128,kv_heads=8,d_ff=53248,vocab=128256,"
-    "seq=8192,batch=2048,remat=true,dtype=bfloat16",
+    "seq=8192,batch=2048,remat=true,dtype=bfloat16,fused_attention=true",
     shape=Shape(126, 16384, 128, 128, 8, 53248, 128256, gated=True),
     mesh=f"stage=16,data={data},model=8",
     plan=ParallelDegrees(
@@ -448,7 +465,7 @@ RUNS: tuple[PublishedRun, ...] = (
       "PaLM T3/App. B",
     ),
     hardware="tpu-v4",
-    model="llama:layers=118,d_model=18432,heads=48,kv_heads=1,d_ff=73728,vocab=256000,"
+    model="llama:layers=118,d_model=18432,heads=48,kv_heads=1,d_ff=73728,vocab=256008,"
     "tie_embeddings=true,seq=2048,batch=2048,remat=true,dtype=bfloat16",
     shape=Shape(118, 18432, 48, 256, 1, 73728, 256000, gated=True, tied=True),
     mesh="data=2x1,fsdp=256,model=12",
@@ -462,7 +479,11 @@ RUNS: tuple[PublishedRun, ...] = (
     notes=(
       "heads of width 384 simulated for PaLM's 48 x 256 (the zoo's head width is d_model / "
       "heads); serial blocks for PaLM's parallel attention and FFN; RMSNorm for LayerNorm",
+      "vocabulary padded to 256,008 so that the model axis's 12 shards split it (XLA pads "
+      "uneven shards alike)",
       "data axis across the two pods on DCN, FSDP and model axes within a pod on ICI",
+      "activations between layers replicated over the model axis (PaLM's 2-D layout splits "
+      "them on the embedding dim; sequence parallelism cannot: 2,048 does not split 12 ways)",
       "batch 2048 x 2048 tokens, the last phase of the batch schedule (the MFU's batch is an "
       "estimate)",
     ),
@@ -478,7 +499,7 @@ RUNS: tuple[PublishedRun, ...] = (
       ),
       hardware="tpu-v5e",
       model=f"llama:layers={layers},d_model=8192,heads=64,kv_heads=64,d_ff=28672,vocab=32000,"
-      f"seq=2048,batch={256 * per_device},remat=true,dtype=bfloat16",
+      f"seq=2048,batch={256 * per_device},remat=true,dtype=bfloat16,fused_attention=true",
       shape=Shape(layers, 8192, 64, 128, 64, 28672, 32000, gated=True),
       mesh="fsdp=256",
       plan=ParallelDegrees(fsdp=256, microbatch_size=per_device),
@@ -506,7 +527,8 @@ RUNS: tuple[PublishedRun, ...] = (
     ),
     hardware="h100",
     model="moe:layers=32,d_model=4096,heads=32,d_ff=21504,seq=4096,vocab=32000,batch=256,"
-    "experts=8,top_k=2,capacity_factor=1.0,scan=true,remat=false,dtype=bfloat16",
+    "experts=8,top_k=2,capacity_factor=1.0,scan=true,remat=false,dtype=bfloat16,"
+    "fused_attention=true",
     shape=Shape(32, 4096, 32, 128, 8, 14336, 32000, gated=True, experts=8, top_k=2),
     mesh="stage=4,data=2,expert=8",
     plan=ParallelDegrees(

@@ -5,6 +5,7 @@ memory at the peak (`unmaterialized_values`)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Set as AbstractSet
 
 from automap_rl.ir.program import Op, Program
 from automap_rl.simulator.fusion.primitives import (
@@ -118,7 +119,10 @@ class _LoopFusions:
 
 
 def memory_traffic(
-  program: Program, multi_output_fusion: bool = True, minor_concatenate_fusion: bool = True
+  program: Program,
+  multi_output_fusion: bool = True,
+  minor_concatenate_fusion: bool = True,
+  on_chip: AbstractSet[int] = frozenset(),
 ) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
   """Bytes each op reads of each operand and writes of each result once XLA has fused
   loop-fusible chains (elementwise ops, data movement, reductions): a loop-fusible op
@@ -138,16 +142,17 @@ def memory_traffic(
   that is written anyway (returned, or read by an op that does not fuse) ends its fusion,
   and the fusions that read it read it from memory. Without `minor_concatenate_fusion`
   (XLA:CPU), a `kernel_concatenates` concatenate fuses with nothing: it reads its
-  operands from memory and writes its result. Per op, `(bytes read per operand, bytes
-  written per result)`."""
+  operands from memory and writes its result. Values in `on_chip` (a fused kernel's
+  intermediates, `fusion.kernel_intermediates`) are neither written nor read. Per op,
+  `(bytes read per operand, bytes written per result)`."""
   loops = _LoopFusions.of(program, multi_output_fusion, minor_concatenate_fusion)
   fused, inside, root = loops.fused, loops.inside, loops.root
   readers, outputs, materialized = loops.readers, loops.outputs, loops.materialized
   read_by_fusion: set[tuple[int, int]] = set()
   out = []
   for op in program.ops:
-    read_bytes = [float(program.values[v].nbytes) for v in op.operands]
-    write_bytes = [float(program.values[v].nbytes) for v in op.results]
+    read_bytes = [0.0 if v in on_chip else float(program.values[v].nbytes) for v in op.operands]
+    write_bytes = [0.0 if v in on_chip else float(program.values[v].nbytes) for v in op.results]
     if op.primitive == "scan_slice":  # Reads its slice of the stack, writes the slice.
       out.append(((write_bytes[0],) + (0.0,) * (len(read_bytes) - 1), tuple(write_bytes)))
       continue

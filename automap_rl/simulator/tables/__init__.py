@@ -3,7 +3,8 @@
 `build_cost_tables` fills `CostTables` from sub-tables, each built by its own module:
 `ops` (flops and HBM time summed onto signatures), `edges` (operand and result uses, their
 weights, classes and shared reads), `reductions` (partial sums and how their collectives
-combine) and `memory` (live bytes at the candidate peaks); the collective tables per set of
+combine), `overlap` (the collectives an asynchronous runtime can hide behind compute) and
+`memory` (live bytes at the candidate peaks); the collective tables per set of
 mesh axes are built here.
 """
 
@@ -35,6 +36,7 @@ from automap_rl.simulator.tables.ops import (
   sum_ops,
   times_made,
 )
+from automap_rl.simulator.tables.overlap import overlap_tables
 from automap_rl.simulator.tables.reductions import (
   MAX_LOOP_GROUPS,
   op_reductions,
@@ -150,12 +152,16 @@ class CostTables:
       of its group resharded as it is. Padding slots have runs 0.
     shared_pairs: every ordered pair of slots of one pattern (a slot with itself
       included), int32 [2, Q]; padding pairs are -1.
-    live_bytes: global bytes of each value signature live at each probe point (`memory.probe_rows`),
-    [T,
-    Uv].
+    live_bytes: global bytes of each value signature live at each probe point
+      (`memory.probe_rows`), [T, Uv].
     mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
       group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency
       of a collective over those axes.
+    edge_hideable, unique_hideable, reduction_hideable: the reshards of each edge [E] and
+      class [Eu] and the reductions [R] an asynchronous runtime can hide behind compute
+      (`overlap.overlap_tables`).
+    async_collectives: whether the backend runs collectives asynchronously
+      (`Hardware.async_collectives`), bool [].
     hbm_bytes: memory per device.
   """
 
@@ -199,6 +205,10 @@ class CostTables:
   mask_group: np.ndarray
   mask_seconds_per_byte: np.ndarray
   mask_latency: np.ndarray
+  edge_hideable: np.ndarray
+  unique_hideable: np.ndarray
+  reduction_hideable: np.ndarray
+  async_collectives: np.ndarray
   hbm_bytes: float
 
 
@@ -239,6 +249,15 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
     program, sigs, reductions, sums.dots, edges.edge_op, edges.edge_result, edges.edge_weight
   )
   group, seconds_per_byte, latency = _mask_tables(mesh)
+  overlap = overlap_tables(
+    program,
+    sigs,
+    operand_edge,
+    len(edges.edge_op),
+    unique.edge_unique,
+    len(unique.unique_edge),
+    reduced.reduction_edge,
+  )
   return CostTables(
     value_bytes=value_bytes,
     value_compute_s=sums.value_compute.astype(np.float32),
@@ -256,9 +275,11 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
       [hw.combine_threshold.get(k, 0.0) for k in ("all-reduce", "reduce-scatter")], np.float32
     ),
     native_scatter=np.array(hw.reduce_scatter),
-    live_bytes=probe_rows(live_matrix(program, sigs)),
+    live_bytes=probe_rows(live_matrix(program, sigs, fused_kernels=hw.fused_kernels)),
     mask_group=group,
     mask_seconds_per_byte=seconds_per_byte,
     mask_latency=latency,
+    **overlap._asdict(),
+    async_collectives=np.array(hw.async_collectives),
     hbm_bytes=float(hw.hbm_bytes),
   )

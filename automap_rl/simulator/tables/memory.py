@@ -9,7 +9,7 @@ import numpy as np
 
 from automap_rl.ir import Program
 from automap_rl.sharding import Signatures
-from automap_rl.simulator.fusion import dead_ops, unmaterialized_values
+from automap_rl.simulator.fusion import dead_ops, kernel_intermediates, unmaterialized_values
 
 _MEMORY_PROBES = 256
 
@@ -43,7 +43,9 @@ def loop_spans(program: Program) -> list[tuple[int, int]]:
   return spans
 
 
-def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.ndarray:
+def live_matrix(
+  program: Program, sigs: Signatures, loops: bool = True, fused_kernels: bool = False
+) -> np.ndarray:
   """Global bytes of each value signature live after each op, [num_ops, Uv].
 
   Value v is live from the op that makes it to its last use (a dead op's results never); arguments
@@ -56,7 +58,9 @@ def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.nd
   loop's last op, and a stacked output (`scan_stack`) is one buffer from the loop's first
   op, as XLA's while loop holds them. `loops=False`: liveness ends at the last read in
   program order (a pipelined stage's rows, whose loop's residual sets and gradient sums
-  are pipeline terms of their own).
+  are pipeline terms of their own). `fused_kernels`: the backend runs fused kernels as one
+  (`Hardware.fused_kernels`): their intermediates (`fusion.kernel_intermediates`) stay on
+  chip and take no memory.
   """
   num_ops = max(program.num_ops, 1)
   num_sigs = len(sigs.value_keys)
@@ -88,6 +92,8 @@ def live_matrix(program: Program, sigs: Signatures, loops: bool = True) -> np.nd
   diff = np.zeros((num_ops + 1, num_sigs), np.float64)
   nbytes = np.array([v.nbytes for v in program.values], np.float64)
   nbytes[list(fused)] = 0.0
+  if fused_kernels:
+    nbytes[list(kernel_intermediates(program))] = 0.0
   for op_id in dead_ops(program):  # XLA's dead-code elimination: never allocated.
     nbytes[list(program.ops[op_id].results)] = 0.0
   np.add.at(diff, (start, sigs.value_sig), nbytes)

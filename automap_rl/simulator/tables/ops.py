@@ -15,7 +15,7 @@ from automap_rl.ir import Op, Program
 from automap_rl.ir.rules import conv_batch_group_factor
 from automap_rl.mesh import Hardware
 from automap_rl.sharding import Signatures
-from automap_rl.simulator.fusion import fusion_copies, memory_traffic
+from automap_rl.simulator.fusion import fusion_copies, kernel_intermediates, memory_traffic
 
 
 def op_flops(program: Program, op: Op) -> float:
@@ -139,7 +139,8 @@ def sum_ops(
   flops = program_flops(program)
   dense = dense_group_factors(program, hw)
   dense_factor = np.full(num_ops, -1, np.int32)
-  traffic = memory_traffic(program, hw.multi_output_fusion, hw.minor_concatenate_fusion)
+  on_chip = kernel_intermediates(program) if hw.fused_kernels else frozenset()
+  traffic = memory_traffic(program, hw.multi_output_fusion, hw.minor_concatenate_fusion, on_chip)
   dots = np.zeros(num_ops, bool)
   for op in program.ops:
     if op.id in dead:
