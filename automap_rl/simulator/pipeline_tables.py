@@ -329,6 +329,8 @@ def _padded(t: CostTables, uv: int, uo: int) -> CostTables:
     reduction_loop=_pad(t.reduction_loop, reductions, 0),
     loop_repeats=_pad(t.loop_repeats, MAX_LOOP_GROUPS, 1.0),
     live_bytes=np.zeros((1, uv), np.float32),
+    value_dim_class=_pad(t.value_dim_class, uv, -1),
+    value_count=_pad(t.value_count, uv, 0.0),
   )
 
 
