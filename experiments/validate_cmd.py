@@ -35,7 +35,7 @@ class ValidateConfig:
       (`fullsize.SAMPLED_CASES`: two suite cases of each suite family and the zoo families
       the suite leaves out) instead of `cases`.
     draw: for `fullsize`, instead of `cases`, this many suite cases no full-size check
-      covers, drawn at random one family at a time with `seed` (`fullsize.drawn_cases`;
+      covers, drawn at random one family at a time with `seed` (`fullsize_draw.drawn_cases`;
       the command prints them first).
     agents: for `fullsize`, the search agents whose plans are checked beside the experts,
       each `NAME` or `NAME@BUDGET` (a searched pipeline is checked in GPipe order).
@@ -324,12 +324,12 @@ def _family_row(row: dict[str, Any]) -> str:
 
 def _case_names(config: ValidateConfig) -> tuple[str, ...]:
   """The cases a `fullsize` run checks: `--cases`, `--sampled` or `--draw` (printed)."""
-  from automap_rl.xla import fullsize
+  from automap_rl.xla import fullsize, fullsize_draw
 
   if config.draw and (config.cases or config.sampled):
     raise ValueError("--draw picks the cases itself: give no --cases or --sampled with it.")
   if config.draw:
-    names = fullsize.drawn_cases(config.draw, config.seed)
+    names = fullsize_draw.drawn_cases(config.draw, config.seed)
     print(f"drawn with seed {config.seed}: {' '.join(names)}", flush=True)
     return names
   return fullsize.SAMPLED_CASES if config.sampled else config.cases or fullsize.FULLSIZE_CASES

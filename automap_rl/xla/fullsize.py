@@ -92,7 +92,6 @@ __all__ = [
   "summarize",
   "term_errors",
   "underpriced_term",
-  "drawn_cases",
   "validation_case",
   "validation_mesh",
 ]
@@ -163,42 +162,6 @@ SAMPLED_CASES = (
   "ssm-1.4b-4x8-a100-80g",
   *ZOO_CASES,
 )
-
-# The seed of the one shuffle of the families that `drawn_cases` walks.
-FAMILY_ORDER_SEED = 20261206
-
-
-def drawn_cases(n: int, seed: int) -> tuple[str, ...]:
-  """`n` task-suite cases that no full-size check covers (none of `FULLSIZE_CASES` and
-  `SAMPLED_CASES`), drawn one family at a time: the families in one fixed shuffled order
-  (`FAMILY_ORDER_SEED`), from the `(seed * n)`-th on and wrapping around, so draws of
-  consecutive seeds meet every family before one meets a family twice; in each family a
-  case drawn at random with `seed` (a family met again gives another of its cases). The
-  same `n` and `seed` draw the same cases."""
-  if n < 1:
-    raise ValueError(f"--draw {n}: draw at least one case.")
-  covered = {*FULLSIZE_CASES, *SAMPLED_CASES}
-  by_family: dict[str, list[str]] = {}
-  for case in workloads.load_cases():
-    if case.name not in covered:
-      by_family.setdefault(case.family, []).append(case.name)
-  if n > sum(map(len, by_family.values())):
-    raise ValueError(
-      f"--draw {n}: only {sum(map(len, by_family.values()))} suite cases are not covered."
-    )
-  families = sorted(by_family)
-  np.random.default_rng(FAMILY_ORDER_SEED).shuffle(families)
-  rng = np.random.default_rng(seed)
-  pools = {f: list(rng.permutation(by_family[f])) for f in sorted(by_family)}
-  drawn: list[str] = []
-  position = seed * n
-  while len(drawn) < n:
-    pool = pools[families[position % len(families)]]
-    if pool:
-      drawn.append(str(pool.pop(0)))
-    position += 1
-  return tuple(drawn)
-
 
 # A search: (problem, seed) -> {plan name: (decisions, pipeline or None)}, e.g. UCT and
 # random at 2000.
