@@ -51,7 +51,7 @@ from automap_rl.mesh import HARDWARE, Mesh, to_jax_mesh
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
-from automap_rl.simulator import KINDS, PIPELINE_KINDS, Cost, PipelineCost
+from automap_rl.simulator import COMM_KINDS, KINDS, Cost, PipelineCost
 from automap_rl.topology import format_axis_links, links_json
 
 __all__ = [
@@ -76,9 +76,9 @@ PIPELINE_TERMS = ("steady_s", "bubble_s", "transfer_s", "gradient_reduction_s", 
 
 
 def cost_dict(cost: Cost | PipelineCost) -> dict[str, Any]:
-  """The JSON figures of a cost (of a pipelined plan: with a collective-permute entry and
-  its step time's terms under `pipeline`)."""
-  kinds = PIPELINE_KINDS[: len(np.asarray(cost.comm_bytes))]  # `KINDS`, then permutes.
+  """The JSON figures of a cost: comm by kind (`COMM_KINDS`), and of a pipelined plan its
+  step time's terms under `pipeline`."""
+  kinds = COMM_KINDS
   out = {
     "step_time_s": float(cost.step_time),
     "peak_memory_bytes": float(cost.peak_memory),
@@ -150,9 +150,9 @@ def fit_advice(problem: Problem, cost: Cost) -> str:
 
 def format_costs(rows: dict[str, dict[str, Any]]) -> str:
   """A table of plans: step time, memory and collectives (collective-permutes when a
-  pipelined plan has them)."""
+  plan has them)."""
   kinds = KINDS + tuple(
-    k for k in PIPELINE_KINDS[len(KINDS) :] if any(k in r["comm_bytes"] for r in rows.values())
+    k for k in COMM_KINDS[len(KINDS) :] if any(r["comm_bytes"].get(k) for r in rows.values())
   )
   lines = [
     f"{'plan':<16} {'step ms':>9} {'mem/dev MiB':>12} {'fits':>5}  "

@@ -109,6 +109,7 @@ COST_DIMS: Mapping[str, tuple[str, ...]] = {
   "shared_slot_runs": ("Ss",),
   "shared_slot_share": ("Ss",),
   "shared_pairs": ("2", "Sp"),
+  "value_dim_class": ("Uv", "Rv"),
 }
 _PREFIX_DIM = {
   "value": "Uv",
@@ -143,6 +144,7 @@ _FILL = {
   "chunk_class": NO_RANK,
   "slot_divisible": 1,
   "edge_dim_factors": -1,
+  "value_dim_class": -1,  # -1: a dim of no named dimension.
   "op_dense_factor": -1,  # -1: the simulator's never-sharded factor.
   "shared_pairs": -1,  # -1: a pair that counts for no slot.
   "value_rank": sharding.NO_SLOT_RANK,

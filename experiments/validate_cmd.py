@@ -34,6 +34,9 @@ class ValidateConfig:
     sampled: for `fullsize`, the sampled run over every model family
       (`fullsize.SAMPLED_CASES`: two suite cases of each suite family and the zoo families
       the suite leaves out) instead of `cases`.
+    draw: for `fullsize`, instead of `cases`, this many suite cases no full-size check
+      covers, drawn at random one family at a time with `seed` (`fullsize_draw.drawn_cases`;
+      the command prints them first).
     agents: for `fullsize`, the search agents whose plans are checked beside the experts,
       each `NAME` or `NAME@BUDGET` (a searched pipeline is checked in GPipe order).
     experts: for `fullsize`, check the cases' expert plans; `--no-experts`: the searched
@@ -78,6 +81,7 @@ class ValidateConfig:
   plot: PlotPath = None
   cases: tuple[str, ...] = ()
   sampled: bool = False
+  draw: int = 0
   agents: tuple[str, ...] = ("mcts", "random")
   experts: bool = True
   budget: int = 2000
@@ -226,6 +230,17 @@ def _fullsize_row(check) -> str:
   )
 
 
+def _underpriced(gap: dict[str, Any]) -> str:
+  """A flattered plan's most underpriced term and op (`fullsize.underpriced_term`), or ""."""
+  if "term" not in gap:
+    return ""
+  op = f" at {gap['op']}" if gap["op"] else ""
+  return (
+    f"\n      underpriced: {gap['term']}{op}: {gap['compiled_s'] * 1e3:.2f} ms compiled, "
+    f"{gap['simulated_s'] * 1e3:.2f} ms simulated"
+  )
+
+
 def _search_agents(config: ValidateConfig) -> dict[str, int]:
   """`--agents` as {agent: budget}; an unknown agent or a bad budget fails before any work."""
   from agents.registry import AGENTS
@@ -307,6 +322,19 @@ def _family_row(row: dict[str, Any]) -> str:
   )
 
 
+def _case_names(config: ValidateConfig) -> tuple[str, ...]:
+  """The cases a `fullsize` run checks: `--cases`, `--sampled` or `--draw` (printed)."""
+  from automap_rl.xla import fullsize, fullsize_draw
+
+  if config.draw and (config.cases or config.sampled):
+    raise ValueError("--draw picks the cases itself: give no --cases or --sampled with it.")
+  if config.draw:
+    names = fullsize_draw.drawn_cases(config.draw, config.seed)
+    print(f"drawn with seed {config.seed}: {' '.join(names)}", flush=True)
+    return names
+  return fullsize.SAMPLED_CASES if config.sampled else config.cases or fullsize.FULLSIZE_CASES
+
+
 def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
   """Compile-only validation at published sizes; see `automap_rl.xla.fullsize`."""
   from agents.registry import run_agent
@@ -349,7 +377,7 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
         report=lambda case: print(f"{case}: tracing, then pricing its plans again", flush=True),
       )
   else:
-    names = fullsize.SAMPLED_CASES if config.sampled else config.cases or fullsize.FULLSIZE_CASES
+    names = _case_names(config)
     for name in names:
       fullsize.validation_case(name)  # Unknown names fail before any work.
     agents = _search_agents(config)
@@ -393,7 +421,7 @@ def run_fullsize(config: ValidateConfig) -> dict[str, Any]:
     print(
       f"  exploit {g['case']:<31} {g['plan']:<12} vs {g['best_expert']:<16} simulated "
       f"{g['simulated_ratio']:.3f}"
-      f"  compiled-implied {g['compiled_ratio']:.3f}  gap {g['gap']:+.3f}"
+      f"  compiled-implied {g['compiled_ratio']:.3f}  gap {g['gap']:+.3f}" + _underpriced(g)
     )
   print(_summary_text(document["summary"]))
   for case, agreement in document["agreement_by_case"].items():

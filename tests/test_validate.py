@@ -702,3 +702,17 @@ def test_the_sampled_run_covers_every_family_on_8_to_64_devices():
   devices = [c.make_mesh().num_devices for c in cases]
   assert min(devices) == 8 and max(devices) == 64
   assert {c.hardware.split("-")[0] for c in cases} == {"a100", "h100", "tpu"}
+
+
+def test_draws_of_consecutive_seeds_meet_every_uncovered_family_and_repeat_for_a_seed():
+  from automap_rl import workloads
+  from automap_rl.xla.fullsize import FULLSIZE_CASES, SAMPLED_CASES
+  from automap_rl.xla.fullsize_draw import drawn_cases
+
+  family = {c.name: c.family for c in workloads.load_cases()}
+  uncovered = {f for n, f in family.items() if n not in {*FULLSIZE_CASES, *SAMPLED_CASES}}
+  draws = [drawn_cases(8, seed) for seed in range(3)]
+  assert draws[0] == drawn_cases(8, 0)
+  assert all(len({family[n] for n in d}) == 8 for d in draws)  # One family at a time.
+  assert {family[n] for d in draws for n in d} == uncovered
+  assert not {n for d in draws for n in d} & {*FULLSIZE_CASES, *SAMPLED_CASES}

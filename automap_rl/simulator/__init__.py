@@ -6,7 +6,7 @@ encoded decisions and simulates them in one call. `pipeline_cost` prices a plan 
 pipeline stages (`PipelineCost`, its typed `PipelineTerms`) from the same terms.
 """
 
-from automap_rl.simulator.collectives import KINDS, EdgeTerms, collective_seconds
+from automap_rl.simulator.collectives import COMM_KINDS, KINDS, EdgeTerms, collective_seconds
 from automap_rl.simulator.cost import (
   Cost,
   CostTerms,
@@ -16,7 +16,6 @@ from automap_rl.simulator.cost import (
   total,
 )
 from automap_rl.simulator.pipeline import (
-  PIPELINE_KINDS,
   PipelineCost,
   PipelineTerms,
   for_stages,
@@ -26,8 +25,8 @@ from automap_rl.simulator.pipeline_tables import PipelineTables, build_pipeline_
 from automap_rl.simulator.tables import CostTables, build_cost_tables
 
 __all__ = [
+  "COMM_KINDS",
   "KINDS",
-  "PIPELINE_KINDS",
   "Cost",
   "CostTables",
   "CostTerms",

@@ -14,6 +14,9 @@ import jax.numpy as jnp
 from automap_rl.simulator.tables import CostTables
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+# A plan's comm bytes and counts by kind (`Cost.comm_bytes`): `KINDS`, then collective-permutes
+# (reshardings' and split dots' in an intra-op plan; a pipeline's stage transfers besides).
+COMM_KINDS = (*KINDS, "collective-permute")
 
 
 def axes_of(t: CostTables, masks: jax.Array) -> list[jax.Array]:

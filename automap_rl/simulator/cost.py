@@ -55,6 +55,7 @@ import numpy as np
 from automap_rl import batching, packing, sharding
 from automap_rl.sharding import Resolution
 from automap_rl.simulator.collectives import (
+  COMM_KINDS,
   KINDS,
   EdgeTerms,
   axes_of,
@@ -64,9 +65,10 @@ from automap_rl.simulator.collectives import (
   sum_rows,
   with_second_factor,
 )
+from automap_rl.simulator.permutes import axis_precedence, permute_terms, reshard_permutes
 from automap_rl.simulator.tables import CostTables
 
-__all__ = ["KINDS", "Cost", "CostTerms", "evaluate", "simulate", "terms", "total"]
+__all__ = ["COMM_KINDS", "KINDS", "Cost", "CostTerms", "evaluate", "simulate", "terms", "total"]
 
 
 @chex.dataclass(frozen=True)
@@ -81,8 +83,9 @@ class Cost:
       every collective counts).
     peak_memory: bytes per device at the peak.
     fits: whether `peak_memory` fits in the device's memory.
-    comm_bytes: bytes per device by kind, in `KINDS` order, [4].
-    comm_count: collectives per step by kind, [4].
+    comm_bytes: bytes per device by kind, in `COMM_KINDS` order (`KINDS`, then
+      collective-permutes), [5].
+    comm_count: collectives per step by kind, [5].
   """
 
   step_time: jax.Array
@@ -115,6 +118,10 @@ class CostTerms:
     reduce_scatter, all_reduce: the reduction of each result whose op's reduction factors
       are sharded: reduce-scattered over the axes its stored sharding uses, all-reduced
       over the rest, [R].
+    permute: collective-permutes on each edge: a resharding that leaves shards on the wrong
+      devices (`permutes.reshard_permutes`), [E].
+    dot_permute: collective-permutes of each reduction: a split dot's shares sent to their
+      owners (`_split_over_idle_axes`), [R].
     gathered_bytes: bytes per device of gathered operand copies each edge adds to the
       peak: those several reads share, [E].
     transient_bytes: bytes per device of the largest gathered operand copy each edge makes
@@ -129,6 +136,8 @@ class CostTerms:
   all_to_all: EdgeTerms
   reduce_scatter: EdgeTerms
   all_reduce: EdgeTerms
+  permute: EdgeTerms
+  dot_permute: EdgeTerms
   gathered_bytes: jax.Array
   transient_bytes: jax.Array
   reduced_axes: jax.Array
@@ -221,8 +230,8 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   # which keeps the whole computation's scratch memory small (see BENCHMARKS.md).
   value_mask, op_mask = (m.astype(jnp.int8) for m in masks)
   m = _edge_masks(t, value_mask, op_mask, per_edge)
-  edges = _edge_collectives(t, m, per_edge)
-  reduce_scatter, all_reduce, op_split = _reductions(t, m)
+  edges = _edge_collectives(t, m, per_edge, axis_precedence(t, value_mask))
+  reduce_scatter, all_reduce, dot_permute, op_split = _reductions(t, m)
   gathered = m.operand & (edges.gather_axes != 0)
   return CostTerms(
     value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / m.value_shards,
@@ -234,6 +243,8 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
     all_to_all=edges.all_to_all,
     reduce_scatter=reduce_scatter,
     all_reduce=all_reduce,
+    permute=edges.permute,
+    dot_permute=dot_permute,
     gathered_bytes=jnp.where(gathered, edges.buffers[:, None], 0.0) * edges.gather.buffer,
     transient_bytes=jnp.where(gathered, edges.transient[:, None], 0.0) * edges.gather.buffer,
     reduced_axes=m.r_reduced,
@@ -358,15 +369,19 @@ class _EdgeCollectives(NamedTuple):
 
   gather: EdgeTerms
   all_to_all: EdgeTerms
+  permute: EdgeTerms
   gather_axes: jax.Array
   buffers: jax.Array
   transient: jax.Array
 
 
-def _edge_collectives(t: CostTables, m: _EdgeMasks, per_edge: bool) -> _EdgeCollectives:
-  """Every all-gather and all-to-all of the edges (or classes of edges) under the masks
-  `m`, with the runs that reads priced as sharing a resharding add where the plan
-  resolves them apart (`_unshared_reads`)."""
+def _edge_collectives(
+  t: CostTables, m: _EdgeMasks, per_edge: bool, precedence: jax.Array
+) -> _EdgeCollectives:
+  """Every all-gather, all-to-all and collective-permute of the edges (or classes of
+  edges) under the masks `m` (`precedence`: `permutes.axis_precedence`), with the runs
+  that reads priced as sharing a resharding add where the plan resolves them apart
+  (`_unshared_reads`)."""
   operand = m.operand
   if per_edge:
     nbytes = t.value_bytes[t.edge_value]
@@ -410,13 +425,24 @@ def _edge_collectives(t: CostTables, m: _EdgeMasks, per_edge: bool) -> _EdgeColl
   )
   gather = edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
   to_all = edge_terms(t, 1.0, to_all_axes, m.stored_all, weight, weighted_bytes, buffer_bytes)
-  return _EdgeCollectives(gather, to_all, gather_axes, buffers, transient)
+  # A result's reduced axes are its reduction's (`_reductions`), not a resharding's.
+  target = jnp.where(operand[:, :, None], m.required, m.stored & ~m.reduced[:, None])
+  permute = reshard_permutes(
+    t,
+    precedence[t.edge_value[m.edge]],
+    jnp.where(operand[:, :, None], m.stored, m.required),
+    target,
+    weight,
+    weighted_bytes,
+    buffer_bytes,
+  )
+  return _EdgeCollectives(gather, to_all, permute, gather_axes, buffers, transient)
 
 
-def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, jax.Array]:
-  """The reduce-scatters and all-reduces of the reductions [R, B] under the masks `m`
-  (the all-reduces with the collective-permutes of split dots' shares), and how many ways
-  each op signature's dot is split over idle axes, [Uo, B] (`_split_over_idle_axes`)."""
+def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, EdgeTerms, jax.Array]:
+  """The reduce-scatters, all-reduces and collective-permutes of split dots' shares of the
+  reductions [R, B] under the masks `m`, and how many ways each op signature's dot is split
+  over idle axes, [Uo, B] (`_split_over_idle_axes`)."""
   r_reduced = m.r_reduced
   split, op_split, crossed = _split_over_idle_axes(
     t, m.op_axes, r_reduced, m.r_stored
@@ -435,12 +461,13 @@ def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, jax
   r_nbytes = t.value_bytes[t.edge_value[t.reduction_edge]] * t.reduction_partial_sums
   r_weighted = (t.reduction_weight * r_nbytes)[:, None] / split  # [R, B]
   # A split dot's share goes to its owner: one hop over the axes its pairs cross.
-  sent = crossed.astype(jnp.uint8)
-  permute_s = jnp.where(
-    split > 1.0,
-    r_weighted * jnp.asarray(t.mask_seconds_per_byte)[sent]
-    + t.reduction_weight[:, None] * jnp.asarray(t.mask_latency)[sent],
-    0.0,
+  dot_permute = permute_terms(
+    t,
+    jnp.where(split > 1.0, crossed, 0),
+    1.0 / split,
+    jnp.broadcast_to(t.reduction_weight[:, None], split.shape),
+    r_weighted * split,
+    r_nbytes,
   )
   all_reduce = with_second_factor(
     t,
@@ -468,7 +495,20 @@ def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, jax
     r_nbytes,
     (t.reduction_combines, t.reduction_loop, t.combine_bytes[1]),
   )
-  return reduce_scatter, all_reduce._replace(seconds=all_reduce.seconds + permute_s), op_split
+  return reduce_scatter, all_reduce, dot_permute, op_split
+
+
+def _permute_sums(terms: CostTerms) -> list[jax.Array]:
+  """Seconds, bytes and count of a batch of plans' collective-permutes (reshardings' and
+  split dots'), [B] each."""
+  edges, dots = terms.permute, terms.dot_permute
+  return [
+    a + b
+    for a, b in zip(
+      sum_rows(edges.seconds, edges.bytes, edges.count),
+      sum_rows(dots.seconds, dots.bytes, dots.count),
+    )
+  ]
 
 
 def _hidden_comm(
@@ -479,8 +519,10 @@ def _hidden_comm(
   hideable ones run behind compute up to its length, but one run of the longest (the
   first prefetch, the last reduction) has nothing to run behind. Without
   `Hardware.async_collectives` none is hidden."""
-  reshard = terms.gather.seconds + terms.all_to_all.seconds  # [E', B]
-  reduce = terms.reduce_scatter.seconds + terms.all_reduce.seconds  # [R, B]
+  reshard = terms.gather.seconds + terms.all_to_all.seconds + terms.permute.seconds  # [E', B]
+  reduce = (
+    terms.reduce_scatter.seconds + terms.all_reduce.seconds + terms.dot_permute.seconds
+  )  # [R, B]
   rows, weight = (
     (t.edge_hideable, t.edge_weight) if per_edge else (t.unique_hideable, t.unique_weight)
   )
@@ -512,11 +554,12 @@ def _total(t: CostTables, terms: CostTerms, per_edge: bool) -> Cost:
   reduce_time, scatter_bytes, reduce_bytes, scatter_count, reduce_count = sum_rows(
     scatter.seconds + reduce.seconds, scatter.bytes, reduce.bytes, scatter.count, reduce.count
   )
+  permute_time, permute_bytes, permute_count = _permute_sums(terms)
 
   hideable, unhidden = _hidden_comm(t, terms, per_edge, compute)
-  comm_time = gather_time + reduce_time - hideable + unhidden
-  comm_bytes = [reduce_bytes, gather_bytes, scatter_bytes, to_all_bytes]  # In `KINDS` order.
-  comm_count = [reduce_count, gather_count, scatter_count, to_all_count]
+  comm_time = gather_time + reduce_time + permute_time - hideable + unhidden
+  comm_bytes = [reduce_bytes, gather_bytes, scatter_bytes, to_all_bytes, permute_bytes]
+  comm_count = [reduce_count, gather_count, scatter_count, to_all_count, permute_count]
   copies = shared_copies + jnp.max(terms.transient_bytes, axis=0, initial=0.0)
   peak = jnp.max(t.live_bytes @ (1.0 / terms.value_shards), axis=0) + copies
   return Cost(

@@ -74,14 +74,9 @@ import jax
 import jax.numpy as jnp
 
 from automap_rl.sharding import Resolution
-from automap_rl.simulator.cost import KINDS, Cost, CostTerms, terms
+from automap_rl.simulator.cost import Cost, CostTerms, terms
 from automap_rl.simulator.pipeline_tables import PipelineTables
 from automap_rl.stages import Phase
-
-PIPELINE_KINDS = (
-  *KINDS,
-  "collective-permute",
-)  # `PipelineCost.comm_bytes` order: `KINDS`, then permutes.
 
 
 @chex.dataclass(frozen=True)
@@ -103,7 +98,8 @@ class PipelineTerms:
   Scalars: `pace_s` (the pace-setting stage's microbatch time), `steady_s` (M x pace),
   `bubble_s` ((S - 1) / V x its `loop_s`), `transfer_s`, `gradient_reduction_s` and `update_s` (of
   the stage whose
-  sum of the two is largest), `permute_bytes` (collective-permute bytes per device).
+  sum of the two is largest), `permute_bytes` (the stage transfers' collective-permute bytes
+  per device of the pace-setting stage).
   """
 
   microbatch_compute_s: jax.Array
@@ -142,7 +138,8 @@ class PipelineCost(Cost):
     peak_memory: the largest stage's peak.
     fits: whether every stage fits in the device's memory.
     comm_bytes, comm_count: per device of the pace-setting stage, per step, in
-      `PIPELINE_KINDS` order (a collective-permute entry after `KINDS`), [5].
+      `COMM_KINDS` order (collective-permutes last: stage transfers and the
+      stages' own), [5].
     terms: the breakdown.
   """
 
@@ -255,8 +252,10 @@ def _comm(
   """The collectives of the edges `edge_in` [E] and the reductions `reduction_in` [R]
   (float: their share of a step, 1 for all of it) by stage."""
   tables = t.tables
-  reshard = (plan.gather.seconds + plan.all_to_all.seconds) * edge_in  # [E]
-  reduce = (plan.reduce_scatter.seconds + plan.all_reduce.seconds) * reduction_in  # [R]
+  reshard = (plan.gather.seconds + plan.all_to_all.seconds + plan.permute.seconds) * edge_in
+  reduce = (
+    plan.reduce_scatter.seconds + plan.all_reduce.seconds + plan.dot_permute.seconds
+  ) * reduction_in
   edge_hide, reduction_hide = tables.edge_hideable, tables.reduction_hideable
   by_edge = lambda mask: _by_stage(reshard, mask, where.edge_stages)
   by_reduction = lambda mask: _by_stage(reduce, mask, where.reduction_stages)
@@ -344,10 +343,16 @@ def _stage_seconds(
   }
 
 
+def _transfer_bytes(t: PipelineTables, sent: jax.Array) -> jax.Array:
+  """Each stage's bytes of stage transfers a step, from its sends `sent` [3, S] (forward and
+  backward per iteration, once per step), [S]."""
+  return (t.microbatches * t.chunks + t.stages - 1) * (sent[0] + sent[1]) + sent[2]
+
+
 def _collectives(
   t: PipelineTables, plan: CostTerms, where: _Placement, sent: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-  """Bytes and counts per device a step, per kind (`PIPELINE_KINDS`) and stage, [5, S]
+  """Bytes and counts per device a step, per kind (`COMM_KINDS`) and stage, [5, S]
   each. A microbatch op runs in every iteration of the loop (M + (S - 1) / V microbatches'
   worth, the bubble's included), M times off it; a step op once; `sent` [3, S] is each
   stage's sends (forward and backward per iteration, once per step)."""
@@ -364,8 +369,17 @@ def _collectives(
   kinds = (plan.all_reduce, plan.gather, plan.reduce_scatter, plan.all_to_all)  # `KINDS` order.
   runs = (reduction_runs, edge_runs, reduction_runs, edge_runs)
   stages = (where.reduction_stages, where.edge_stages, where.reduction_stages, where.edge_stages)
-  permute_bytes = iterations * (sent[0] + sent[1]) + sent[2]  # [S]
-  permute_count = iterations * ((sent[0] > 0).astype(jnp.float32) + (sent[1] > 0)) + (sent[2] > 0)
+  permute_bytes = (
+    _transfer_bytes(t, sent)
+    + (plan.permute.bytes * edge_runs) @ where.edge_stages
+    + (plan.dot_permute.bytes * reduction_runs) @ where.reduction_stages
+  )  # [S]
+  permute_count = (
+    iterations * ((sent[0] > 0).astype(jnp.float32) + (sent[1] > 0))
+    + (sent[2] > 0)
+    + (plan.permute.count * edge_runs) @ where.edge_stages
+    + (plan.dot_permute.count * reduction_runs) @ where.reduction_stages
+  )
   comm_bytes = jnp.stack(
     [(k.bytes * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_bytes]
   )
@@ -431,7 +445,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
     transfer_s=transfer,
     gradient_reduction_s=stage["gradient_reduction_stage_s"][flush_stage],
     update_s=stage["update_stage_s"][flush_stage],
-    permute_bytes=comm_bytes[-1, pace_stage],
+    permute_bytes=_transfer_bytes(t, sent)[pace_stage],
   )
   step_time = (
     steady

@@ -334,6 +334,8 @@ def _padded(t: CostTables, uv: int, uo: int) -> CostTables:
     unique_hideable=_pad(t.unique_hideable, unique, False),
     reduction_hideable=_pad(t.reduction_hideable, reductions, False),
     live_bytes=np.zeros((1, uv), np.float32),
+    value_dim_class=_pad(t.value_dim_class, uv, -1),
+    value_count=_pad(t.value_count, uv, 0.0),
   )
 
 

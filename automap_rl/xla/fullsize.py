@@ -40,12 +40,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from automap_rl import tactics, workloads
 from automap_rl.mesh import HARDWARE, Mesh, make_mesh, to_jax_mesh
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
-from automap_rl.simulator import collective_seconds
+from automap_rl.simulator import COMM_KINDS, CostTerms, collective_seconds
 from automap_rl.simulator.tables import program_flops
 from automap_rl.xla.fullsize_summary import (
   agreement_by_case,
@@ -56,6 +58,7 @@ from automap_rl.xla.fullsize_summary import (
   plot,
   summarize,
   term_errors,
+  underpriced_term,
 )
 from automap_rl.xla.hlo import CompiledStats
 from automap_rl.xla.lower import lower
@@ -88,6 +91,7 @@ __all__ = [
   "stage_permute_bytes",
   "summarize",
   "term_errors",
+  "underpriced_term",
   "validation_case",
   "validation_mesh",
 ]
@@ -264,20 +268,34 @@ def _peak_flops(problem: Problem) -> float:
   return problem.mesh.hardware.achievable_flops(heaviest.primitive, dtype)
 
 
-def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, float]:
+def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, Any]:
   """The compiled module priced with the simulator's model (see the module docstring):
-  `step_time = compute_time + comm_time`, seconds per step per device."""
+  `step_time = compute_time + comm_time`, seconds per step per device; `comm_time_by_kind`
+  (`COMM_KINDS`) and, per kind, `op_by_kind`: the jax op whose collectives of that kind
+  take the most time."""
   hardware = problem.mesh.hardware
-  comm = sum(
-    c.repeat
-    * collective_seconds(problem.tables, c.kind, c.bytes, _axes_mask(problem.mesh, c.mesh_axes))
-    for c in stats.collectives
-  )
+  by_kind = {k: 0.0 for k in COMM_KINDS}
+  by_op: dict[tuple[str, str], float] = {}
+  for c in stats.collectives:
+    mask = _axes_mask(problem.mesh, c.mesh_axes)
+    seconds = c.repeat * collective_seconds(problem.tables, c.kind, c.bytes, mask)
+    by_kind[c.kind] += seconds
+    by_op[c.kind, c.op_name] = by_op.get((c.kind, c.op_name), 0.0) + seconds
   peak = _peak_flops(problem)
   compute = sum(
     max(flops / peak, nbytes / hardware.hbm_bandwidth) for flops, nbytes in stats.kernels
   )
-  return {"step_time": compute + comm, "compute_time": compute, "comm_time": comm}
+  comm = sum(by_kind.values())
+  return {
+    "step_time": compute + comm,
+    "compute_time": compute,
+    "comm_time": comm,
+    "comm_time_by_kind": by_kind,
+    "op_by_kind": {
+      kind: max((s, op) for (k, op), s in by_op.items() if k == kind)[1]
+      for kind in {k for k, _ in by_op}
+    },
+  }
 
 
 def _simulated(
@@ -293,7 +311,24 @@ def _simulated(
   }
   if pipeline is not None:
     simulated["stage_permute_bytes"] = float(cost.terms.permute_bytes)
+  else:
+    simulated["compute_time"] = float(cost.compute_time)
+    simulated["comm_time_by_kind"] = comm_time_by_kind(problem.cost_terms(decisions))
   return simulated
+
+
+def comm_time_by_kind(terms: CostTerms) -> dict[str, float]:
+  """Seconds of one plan's collectives by kind (`COMM_KINDS`), from its cost terms."""
+  kinds = (
+    (terms.all_reduce,),
+    (terms.gather,),
+    (terms.reduce_scatter,),
+    (terms.all_to_all,),
+    (terms.permute, terms.dot_permute),
+  )
+  return {
+    k: float(sum(np.sum(t.seconds) for t in of_kind)) for k, of_kind in zip(COMM_KINDS, kinds)
+  }
 
 
 def check_plan(

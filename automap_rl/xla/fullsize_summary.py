@@ -91,9 +91,31 @@ def exploit_gaps(checks: Sequence[PlanCheck]) -> list[dict[str, Any]]:
           "simulated_ratio": simulated,
           "compiled_ratio": compiled,
           "gap": compiled - simulated,
+          **(underpriced_term(found) if compiled > simulated else {}),
         }
       )
   return gaps
+
+
+def underpriced_term(check: PlanCheck) -> dict[str, Any]:
+  """The term the simulator underprices most in a compiled plan: `term` (`compute` or a
+  collective kind), `op` (for a kind, the jax op whose compiled collectives of that kind
+  take the most time), `compiled_s` and `simulated_s`; empty where the check has no
+  per-term times (a pipelined plan, or one checked before they were recorded)."""
+  s, c = check.simulated, check.compiled
+  if "comm_time_by_kind" not in s or "comm_time_by_kind" not in c:
+    return {}
+  times = {
+    "compute": (c["compute_time"], s["compute_time"]),
+    **{k: (c["comm_time_by_kind"][k], s["comm_time_by_kind"][k]) for k in s["comm_time_by_kind"]},
+  }
+  term = max(times, key=lambda k: times[k][0] - times[k][1])
+  return {
+    "term": term,
+    "op": c.get("op_by_kind", {}).get(term, ""),
+    "compiled_s": times[term][0],
+    "simulated_s": times[term][1],
+  }
 
 
 def summarize(checks: Sequence[PlanCheck]) -> dict[str, float]:

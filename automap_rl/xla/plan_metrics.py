@@ -96,7 +96,8 @@ def simulated_metrics(
   """The simulator's view of a plan (see `validate.ValidatedPlan`); with a pipeline, of the
   pipelined step
   (`Problem.plan_cost`: comm per device of the pace-setting stage, peak of the largest
-  stage; `pipelined_flops`), its stage transfers as `collective_permute_bytes` apart."""
+  stage; `pipelined_flops`); collective-permutes (reshardings', split dots' and a
+  pipeline's stage transfers) apart, as `collective_permute_bytes` and `_count`."""
   if pipeline is None:
     cost, flops = problem.cost(decisions), simulated_flops(problem, problem.resolution(decisions))
   else:
@@ -112,6 +113,7 @@ def simulated_metrics(
     "comm_bytes_by_kind": by_kind,
     "comm_count_by_kind": {k: float(c) for k, c in zip(KINDS, comm_count)},
     "collective_permute_bytes": float(comm_bytes[len(KINDS) :].sum()),
+    "collective_permute_count": float(comm_count[len(KINDS) :].sum()),
     "flops": flops,
     "peak_memory": float(cost.peak_memory),
   }
@@ -122,7 +124,7 @@ def compiled_metrics(stats: CompiledStats) -> dict[str, Any]:
   (`Collective.repeat`).
   Counts are collective instructions run: a combined collective (several buffers,
   tuple-shaped) counts once, as the simulator counts what XLA's combiners merge;
-  `collective-permute` (which the simulator does not model) is reported apart.
+  collective-permutes are reported apart.
   `comm_bytes_by_axes` keys are the mesh axes a collective spans joined by `+`
   (`?` where its groups match no set of axes)."""
   by_kind = {k: 0.0 for k in KINDS}

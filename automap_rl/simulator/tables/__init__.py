@@ -154,6 +154,11 @@ class CostTables:
       included), int32 [2, Q]; padding pairs are -1.
     live_bytes: global bytes of each value signature live at each probe point
       (`memory.probe_rows`), [T, Uv].
+    value_dim_class: the named dimension of each value-signature dim, numbered densely over
+      those of value dims (-1 for none), int32 [Uv, Rv]; with `value_count`, how many values
+      share each signature, [Uv], the simulator finds the order in which the lowering lays out
+      a dim's mesh axes (`sharding.specs.dim_axes`: the axis more of the class's values are
+      split over first).
     mask_group, mask_seconds_per_byte, mask_latency: per axis bit mask (2**num_axes), the
       group size, the inverse bottleneck bandwidth (0 for no axes) and the largest latency
       of a collective over those axes.
@@ -202,6 +207,8 @@ class CostTables:
   combine_bytes: np.ndarray
   native_scatter: np.ndarray
   live_bytes: np.ndarray
+  value_dim_class: np.ndarray
+  value_count: np.ndarray
   mask_group: np.ndarray
   mask_seconds_per_byte: np.ndarray
   mask_latency: np.ndarray
@@ -226,6 +233,14 @@ def _mask_tables(mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         bandwidth[mask] = min(bandwidth[mask], link.bandwidth)
         latency[mask] = max(latency[mask], link.latency)
   return group, (1.0 / bandwidth).astype(np.float32), latency
+
+
+def _dense_classes(value_class: np.ndarray) -> np.ndarray:
+  """`value_class` [Uv, Rv] renumbered 0 .. C - 1 over the classes it holds (-1 kept),
+  int32: fewer than Uv * Rv, so a per-class sum fits a table of the value dims' size."""
+  held, dense = np.unique(value_class, return_inverse=True)
+  dense = dense.reshape(value_class.shape) - int(held[0] < 0)
+  return np.where(value_class < 0, -1, dense).astype(np.int32)
 
 
 def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTables:
@@ -276,6 +291,8 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
     ),
     native_scatter=np.array(hw.reduce_scatter),
     live_bytes=probe_rows(live_matrix(program, sigs, fused_kernels=hw.fused_kernels)),
+    value_dim_class=_dense_classes(sigs.value_class),
+    value_count=np.bincount(sigs.value_sig, minlength=len(sigs.value_keys)).astype(np.float32),
     mask_group=group,
     mask_seconds_per_byte=seconds_per_byte,
     mask_latency=latency,

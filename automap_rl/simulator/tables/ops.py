@@ -106,10 +106,15 @@ class OpSums(NamedTuple):
 
 def times_made(program: Program) -> np.ndarray:
   """How often each value is made a step (its op's repeat count; 1 for arguments),
-  float64 [num_values]."""
+  float64 [num_values]. A loop carry inside the body (the first of a `Program.ties`
+  pair) is made as often as the body's value it is tied to: each iteration's carry is
+  the last iteration's result, so a resharding of it runs in every iteration (XLA cannot
+  hoist it out of the loop), however often the carry's initial value is made."""
   made = np.ones(program.num_values, np.float64)
   for op in program.ops:
     made[list(op.results)] = op.repeat
+  for carry, result in program.ties:
+    made[carry] = max(made[carry], made[result])
   return made
 
 

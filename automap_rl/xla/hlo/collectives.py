@@ -71,6 +71,8 @@ class Collective:
       one shape per element.
     repeat: How many times it runs per call of the module (the trip counts of
       the while loops around it).
+    op_name: the jax op it partitions (its `metadata={op_name=...}` less the outer
+      `jit(...)/`), "" where XLA wrote none.
   """
 
   kind: str
@@ -81,8 +83,10 @@ class Collective:
   dtype: str
   shape: tuple
   repeat: int = 1
+  op_name: str = ""
 
 
+_OP_NAME_RE = re.compile(r'op_name="(?:jit\([^)]*\)/)?(?P<name>[^"]*)"')
 _DIMENSIONS_RE = re.compile(r"\bdimensions=\{(\d+)\}")
 
 
@@ -146,6 +150,7 @@ def _collective(
     mesh_axes=mesh_axes,
     dtype=",".join(dtypes),
     shape=shapes[0][1] if len(shapes) == 1 else tuple(s for _, s in shapes),
+    op_name=match["name"] if (match := _OP_NAME_RE.search(inst.attrs)) else "",
   )
 
 

@@ -1,0 +1,60 @@
+"""Collective-permutes: the bytes the simulator prices against those XLA's partitioner emits
+(`automap_rl.simulator.permutes`)."""
+
+import pytest
+
+from automap_rl import tactics
+from automap_rl.sharding import Decision, Group
+from automap_rl.workloads.spec import make_workload
+from automap_rl.xla.lower import lower
+from automap_rl.xla.plan_metrics import compiled_metrics, simulated_metrics
+from automap_rl.xla.validate import DONATE_ARGNUMS, trace_problem
+
+LSTM = "lstm:layers=1,batch=16,seq=8,cells=64,d_model=32,vocab=256"
+# A plan a search found on the full-size LSTM: the sequence split over `data` and `model`
+# where the logits keep `data` on the vocabulary, so the loss's reads of the logits move
+# `data` onto the sequence by an all-to-all (minor, where the sequence lays it out major)
+# and the loss's gradient moves it back: two whole-shard permutes, besides the recurrence's
+# split dots sending their shares in every time step.
+SPLIT_SEQUENCE = [
+  Decision(Group(2), "data"),
+  Decision(Group(4), "data"),
+  Decision(Group(6), "data"),
+  Decision(Group(1), "model"),
+  Decision(Group(6), "model"),
+  Decision(Group(0), "data"),
+  Decision(Group(5), "model"),
+]
+
+
+@pytest.fixture(scope="module")
+def lstm():
+  workload = make_workload(LSTM, abstract=True)
+  return workload, trace_problem(workload, "data=4,model=2", "cpu")
+
+
+def _permutes(workload, problem, decisions):
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS, isolated=False
+  )
+  assert lowered.differences == ()
+  simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
+  return (
+    (simulated["collective_permute_bytes"], compiled["collective_permute_bytes"]),
+    (simulated["collective_permute_count"], compiled["collective_permute_count"]),
+  )
+
+
+def test_the_permutes_of_misordered_reshardings_are_priced_as_xla_emits_them(lstm):
+  (simulated, compiled), (simulated_count, compiled_count) = _permutes(*lstm, SPLIT_SEQUENCE)
+  assert compiled > 0
+  # XLA also permutes two scalars' worth of the loss's reductions (64 bytes each).
+  assert simulated == pytest.approx(compiled, rel=0.01)
+  assert compiled_count - 2 <= simulated_count <= compiled_count
+
+
+@pytest.mark.parametrize("plan", ["fsdp_megatron_sp", "data_megatron"])
+def test_plans_whose_reshardings_keep_shards_in_place_have_no_permutes(lstm, plan):
+  workload, problem = lstm
+  (simulated, compiled), _ = _permutes(workload, problem, tactics.applicable(problem)[plan])
+  assert simulated == compiled == 0.0
