@@ -1,6 +1,7 @@
 """The published runs: every row's numbers agree with each other and with its source's,
 and `bench published` prices the smallest row end to end."""
 
+import dataclasses
 import math
 
 import pytest
@@ -103,3 +104,32 @@ def test_smallest_row_priced_end_to_end():
   assert row["fits"] and 0 < row["peak_memory_gb"] < 80
   assert row["step_time_s"] >= max(row["compute_s"], row["bubble_s"])
   assert "Narayanan" in bench_published.format_rows([row])
+
+
+def test_a_row_runs_on_its_softwares_overlap_and_overlap_only_hides_communication():
+  run = RUNS["megatron-3.6b"]
+  assert not published.build_mesh(run).hardware.async_collectives
+  assert published.build_mesh(RUNS["llama3-405b-8k"]).hardware.async_collectives
+  costs = {}
+  for overlap in (False, True):
+    problem, decisions, pipeline = published.build(dataclasses.replace(run, overlap=overlap))
+    costs[overlap] = problem.plan_cost(decisions, pipeline)
+  assert float(costs[True].compute_time) == pytest.approx(float(costs[False].compute_time))
+  assert float(costs[True].comm_time) < float(costs[False].comm_time)
+  assert float(costs[True].peak_memory) == float(costs[False].peak_memory)
+
+
+def test_sequence_parallelism_splits_the_activations_and_needs_a_sequence_that_splits():
+  run = RUNS["megatron-3.6b"]
+  with_sp = dataclasses.replace(run, plan=dataclasses.replace(run.plan, sequence_parallel=True))
+  published.check(with_sp)
+  peaks = [
+    float(problem.plan_cost(decisions, pipeline).peak_memory)
+    for problem, decisions, pipeline in map(published.build, (run, with_sp))
+  ]
+  assert peaks[1] < peaks[0]
+  odd = dataclasses.replace(
+    with_sp, plan=dataclasses.replace(with_sp.plan, tensor=3), mesh="data=32,model=3"
+  )
+  with pytest.raises(ValueError, match="sequence 2048 does not split over tensor parallelism 3"):
+    published.check(odd)
