@@ -315,6 +315,21 @@ def sequence_split(problem: Problem, axis: str) -> list[Decision]:
   return [Decision(ArgDim(*dim), axis) for dim in structure(problem).sequence_dims]
 
 
+def embedding_split(problem: Problem, axis: str) -> list[Decision]:
+  """The model width (the embedding table's feature dim, the residual stream's) over `axis`:
+  with Megatron on that axis, activations between the tensor-parallel blocks are stored
+  split on their feature dim, gathered before the column-parallel matmuls and
+  reduce-scattered after the row-parallel ones (T5X's 2-D activation partitioning, as
+  GSPMD lays out PaLM); parameters keep Megatron's split."""
+  vocabulary = set(structure(problem).vocabulary)
+  found = structure(problem).parameter_dims
+  tables = {path for c in vocabulary for path, _ in found[c]}
+  width = {
+    c for c, dims in found.items() if c not in vocabulary and any(p in tables for p, _ in dims)
+  }
+  return [Decision(ArgDim(*found[c][0]), axis) for c in sorted(width)]
+
+
 def sequence_parallel(problem: Problem) -> list[Decision]:
   """Context parallelism: data parallel, and the sequence of every token input over the
   model axis (attention gathers keys and values across it)."""

@@ -119,17 +119,19 @@ def test_a_row_runs_on_its_softwares_overlap_and_overlap_only_hides_communicatio
   assert float(costs[True].peak_memory) == float(costs[False].peak_memory)
 
 
-def test_sequence_parallelism_splits_the_activations_and_needs_a_sequence_that_splits():
+@pytest.mark.parametrize("split", ["sequence", "embedding"])
+def test_split_activations_take_less_memory_and_need_a_size_that_splits(split):
   run = RUNS["megatron-3.6b"]
-  with_sp = dataclasses.replace(run, plan=dataclasses.replace(run.plan, sequence_parallel=True))
-  published.check(with_sp)
+  with_split = dataclasses.replace(run, plan=dataclasses.replace(run.plan, activation_split=split))
+  published.check(with_split)
   peaks = [
     float(problem.plan_cost(decisions, pipeline).peak_memory)
-    for problem, decisions, pipeline in map(published.build, (run, with_sp))
+    for problem, decisions, pipeline in map(published.build, (run, with_split))
   ]
   assert peaks[1] < peaks[0]
   odd = dataclasses.replace(
-    with_sp, plan=dataclasses.replace(with_sp.plan, tensor=3), mesh="data=32,model=3"
+    with_split, plan=dataclasses.replace(with_split.plan, tensor=7), mesh="data=32,model=7"
   )
-  with pytest.raises(ValueError, match="sequence 2048 does not split over tensor parallelism 3"):
+  size = {"sequence": 2048, "embedding": 3072}[split]
+  with pytest.raises(ValueError, match=f"{split} {size} does not split over tensor parallelism 7"):
     published.check(odd)

@@ -161,8 +161,10 @@ class ParallelDegrees:
       (replicas x microbatch_size), run as a pipeline's microbatches or, with one stage,
       as gradient accumulation.
     recompute: full activation recomputation (the workload's `remat`).
-    sequence_parallel: Megatron-LM's sequence parallelism on the `model` axis: the
-      activations between the tensor-parallel blocks stored split by sequence.
+    activation_split: how activations between the tensor-parallel blocks are stored over
+      the `model` axis: whole (''), split by sequence ('sequence': Megatron-LM's sequence
+      parallelism) or on the model width ('embedding': T5X's 2-D activation partitioning,
+      GSPMD's layout of PaLM).
     zero: parameters, gradients and optimizer state also stored sharded over `data`
       (ZeRO-3 / FSDP), gathered at use. Megatron's distributed optimizer (ZeRO-1: optimizer
       state alone sharded) is not a decision list; rows that ran it say so in their notes.
@@ -177,7 +179,7 @@ class ParallelDegrees:
   chunks: int = 1
   microbatch_size: int = 1
   recompute: bool = True
-  sequence_parallel: bool = False
+  activation_split: str = ""
   zero: bool = False
 
   @property
@@ -209,7 +211,12 @@ class ParallelDegrees:
     if self.pipeline > 1:
       parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 else ""))
     parts.append(f"mbs{self.microbatch_size}")
-    flags = {"sp": self.sequence_parallel, "zero3": self.zero, "remat": self.recompute}
+    flags = {
+      "sp": self.activation_split == "sequence",
+      "2d-act": self.activation_split == "embedding",
+      "zero3": self.zero,
+      "remat": self.recompute,
+    }
     return " ".join(parts + [flag for flag, on in flags.items() if on])
 
 
@@ -313,8 +320,9 @@ def published_plan(problem: Problem, run: PublishedRun) -> tuple[list[Decision],
   decisions = tactics._batch_over(problem, batch_axes)
   if plan.tensor > 1:
     decisions += tactics.megatron(problem)
-  if plan.sequence_parallel:
-    decisions += tactics.sequence_split(problem, "model")
+  split = {"sequence": tactics.sequence_split, "embedding": tactics.embedding_split}
+  if plan.activation_split:
+    decisions += split[plan.activation_split](problem, "model")
   if plan.expert > 1:
     decisions += tactics._shard_classes(problem, found.experts, "expert")
   storage = tuple(a for a in ("fsdp",) + (("data",) if plan.zero else ()) if a in axes)
@@ -352,9 +360,15 @@ def check(run: PublishedRun) -> None:
       f"{run.name}: batch {run.batch} does not split into {run.plan.replicas} replicas x "
       f"microbatches of {run.plan.microbatch_size}"
     )
-  if run.plan.sequence_parallel and run.seq % run.plan.tensor:
+  width = {"sequence": run.seq, "embedding": run.shape.d_model, "": run.plan.tensor}
+  if run.plan.activation_split not in width:
     raise ValueError(
-      f"{run.name}: sequence {run.seq} does not split over tensor parallelism {run.plan.tensor}"
+      f"{run.name}: activation split {run.plan.activation_split!r} unknown (sequence, embedding)"
+    )
+  if width[run.plan.activation_split] % run.plan.tensor:
+    raise ValueError(
+      f"{run.name}: {run.plan.activation_split} {width[run.plan.activation_split]} does not "
+      f"split over tensor parallelism {run.plan.tensor}"
     )
   if run.kind not in KINDS or run.formula not in FORMULAS:
     raise ValueError(f"{run.name}: kind {run.kind!r} or formula {run.formula!r} unknown")
@@ -469,7 +483,9 @@ RUNS: tuple[PublishedRun, ...] = (
     "tie_embeddings=true,seq=2048,batch=2048,remat=true,dtype=bfloat16",
     shape=Shape(118, 18432, 48, 256, 1, 73728, 256000, gated=True, tied=True),
     mesh="data=2x1,fsdp=256,model=12",
-    plan=ParallelDegrees(tensor=12, data=2, fsdp=256, microbatch_size=4),
+    plan=ParallelDegrees(
+      tensor=12, data=2, fsdp=256, microbatch_size=4, activation_split="embedding"
+    ),
     batch=2048,
     seq=2048,
     figure=0.462,
@@ -482,8 +498,8 @@ RUNS: tuple[PublishedRun, ...] = (
       "vocabulary padded to 256,008 so that the model axis's 12 shards split it (XLA pads "
       "uneven shards alike)",
       "data axis across the two pods on DCN, FSDP and model axes within a pod on ICI",
-      "activations between layers replicated over the model axis (PaLM's 2-D layout splits "
-      "them on the embedding dim; sequence parallelism cannot: 2,048 does not split 12 ways)",
+      "activations between layers split 12 ways on the model width, T5X's 2-D activation "
+      "partitioning (the PaLM paper does not state its activation layout)",
       "batch 2048 x 2048 tokens, the last phase of the batch schedule (the MFU's batch is an "
       "estimate)",
     ),
