@@ -302,6 +302,7 @@ def test_contracting_dim_sharding_gives_one_all_reduce(mesh):
       mesh_axes=("model",),
       dtype="f32",
       shape=(64, 64),
+      op_name="dot_general",  # The jaxpr op XLA's metadata names.
     ),
   )
   assert stats.flops > 0

@@ -1,6 +1,7 @@
 """The policy/value network and the Gumbel MuZero agent: shapes, masks, the encode/head split,
 padding invariance, and seeded, budgeted searches that match data parallel."""
 
+import dataclasses
 import functools
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from agents import base as agents_base
 from agents import gumbel, network
 from automap_rl import tactics, workloads
-from automap_rl.mesh import make_mesh
+from automap_rl.mesh import get_hardware, make_mesh
 from automap_rl.problem import Problem
 from envs import Env, EnvConfig, core
 from envs.programs import batch_tables
@@ -266,9 +267,15 @@ def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
   and its search can end in a pipelined plan priced as the simulator prices it."""
   from agents import checkpoint, learned
 
-  # Four nodes: `data` crosses them, and pipeline stages pay.
-  p = problem(
-    "gpt:layers=4,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true", "data=4,fsdp=2,model=4"
+  # Four nodes: `data` crosses them, and pipeline stages pay where collectives do not run
+  # behind compute (`Hardware.async_collectives` off).
+  p = Problem.build(
+    workloads.make_workload(
+      "gpt:layers=4,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true", abstract=True
+    ).trace(),
+    make_mesh(
+      "data=4,fsdp=2,model=4", dataclasses.replace(get_hardware("h100"), async_collectives=False)
+    ),
   )
   config = network.NetworkConfig(pipelines=6)
   e = Env.build(p, EnvConfig(max_axes=3, pipelines=6))

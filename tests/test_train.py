@@ -24,11 +24,16 @@ from agents.gumbel import GumbelSettings
 from agents.learned import LearnedConfig
 from agents.network import state_features
 from automap_rl import tactics, workloads
-from automap_rl.mesh import make_mesh
+from automap_rl.mesh import get_hardware, make_mesh
 from automap_rl.problem import Problem
 from automap_rl.workloads.suite import load_cases
 from envs import core
 from experiments import cli, evaluate_cmd, train_cmd
+
+# An H100 whose collectives run where the program puts them (`Hardware.async_collectives`
+# off): the tests that use it are set up on its costs, where data parallelism is the best
+# expert of their small models (with overlap, FSDP's weight gathers hide and FSDP is).
+SYNCHRONOUS_H100 = dataclasses.replace(get_hardware("h100"), async_collectives=False)
 
 SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], wandb="disabled", progress=False, devices=1)
 # Logits closer than this are a tie: the jitted path and the step-by-step head round differently.
@@ -154,12 +159,11 @@ def test_returns_are_log_best_expert_over_plan():
 
 @functools.cache
 def suite_with_an_expert_start() -> selfplay.Suite:
-  """The smoke cases, whose best expert is the replicated plan, and a 2-layer GPT, whose
-  best expert is data parallelism (two class decisions), in one suite (tables padded to
-  the largest program)."""
+  """The smoke cases and a 2-layer GPT, whose best experts are data parallelism (two class
+  decisions), in one suite (tables padded to the largest program)."""
   gpt = Problem.build(
     workloads.make_workload("gpt:layers=2", abstract=True).trace(),
-    make_mesh("data=2,model=2", "h100"),
+    make_mesh("data=2,model=2", SYNCHRONOUS_H100),
   )
   assert tactics.best_expert_plan(gpt).name == "data_parallel"
   smoke = [
@@ -174,7 +178,7 @@ def test_expert_starts_are_the_best_expert_plans_and_every_other_sweep_plays_fro
   np.testing.assert_allclose(
     np.asarray(suite.expert_roots.objective), np.asarray(suite.best), rtol=1e-6
   )
-  np.testing.assert_array_equal(suite.expert_roots.num_decisions, [0] * (suite.size - 1) + [2])
+  np.testing.assert_array_equal(suite.expert_roots.num_decisions, [2] * suite.size)
   assert float(suite.best[-1]) < 0.9 and not np.asarray(suite.expert_roots.terminated).any()
   assert_trees_equal(
     smoke_suite().expert_roots, smoke_suite().roots
@@ -496,7 +500,7 @@ def test_greedy_paths_from_the_networks_next_likeliest_decisions_reach_plans_its
   as every greedy path) go on from there to a plan 0.73x as costly."""
   problem = Problem.build(
     workloads.make_workload("unet:size=ddpm-cifar10", abstract=True).trace(),
-    make_mesh("data=2,model=4", "h100"),
+    make_mesh("data=2,model=4", SYNCHRONOUS_H100),
   )
   own = learned.search(problem, LearnedConfig(search=False, first_moves=1), seed=0, budget=1)
   more = learned.search(problem, LearnedConfig(search=False), seed=0, budget=1)
@@ -515,7 +519,7 @@ def test_the_learned_agent_refines_the_best_experts_plan():
   decisions and is priced as the simulator prices the whole plan."""
   problem = Problem.build(
     workloads.make_workload("unet:size=ddpm-cifar10", abstract=True).trace(),
-    make_mesh("data=2,model=4", "h100"),
+    make_mesh("data=2,model=4", SYNCHRONOUS_H100),
   )
   expert = tactics.best_expert_plan(problem)
   assert expert.fits

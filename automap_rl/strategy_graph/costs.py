@@ -52,6 +52,8 @@ def _private_tables(
     value_compute_s=np.zeros(num_edges, np.float32),
     value_memory_s=np.zeros(num_edges, np.float32),
     edge_value=np.arange(num_edges, dtype=np.int32),
+    value_dim_class=tables.value_dim_class[tables.edge_value],
+    value_count=tables.value_count[tables.edge_value],
     live_bytes=np.zeros((1, num_edges), np.float32),
     op_compute_s=np.concatenate([tables.op_compute_s, np.zeros(len(combos), np.float32)]),
     op_reduction=np.concatenate([tables.op_reduction, tables.op_reduction[sources]]),
@@ -96,8 +98,10 @@ def _op_site_terms(
 
   batch = max([site.num_strategies for site, _ in op_sites] + [1])
   for rows, terms in _terms_batches(private, op_masks, batch, limits):
-    edge_seconds = terms.gather.seconds + terms.all_to_all.seconds  # [B, E]
-    reduction_seconds = terms.reduce_scatter.seconds + terms.all_reduce.seconds  # [B, R]
+    edge_seconds = terms.gather.seconds + terms.all_to_all.seconds + terms.permute.seconds  # [B, E]
+    reduction_seconds = (
+      terms.reduce_scatter.seconds + terms.all_reduce.seconds + terms.dot_permute.seconds
+    )  # [B, R]
     per_op = terms.op_compute_s[:, :num_ops].astype(np.float64)
     np.add.at(per_op.T, tables.edge_op, edge_seconds.T)
     np.add.at(per_op.T, tables.edge_op[tables.reduction_edge], reduction_seconds.T)
@@ -174,14 +178,19 @@ def live_pieces(profile: np.ndarray) -> list[tuple[int, int, float]]:
 def local_costs(problem: Problem) -> Problem:
   """`problem` with every cost local to a node or an edge of a graph, whose costs are
   sums of per-node and per-edge terms, so the graph is built on it; the plan cost the
-  graph gives is exactly this problem's. Two costs of `problem` are not local:
+  graph gives is exactly this problem's. Four costs of `problem` are not local:
   reductions combined by XLA's combiners (`CostTables.reduction_combines`), here each
   paying its own latency (an upper bound: combining only merges latencies); and reads
   of one value priced as sharing one resharding that resolve apart under a plan
   (`CostTables.shared_slot_edge`), here each paying its static share (a lower bound:
-  those only add)."""
+  those only add); and collectives hidden behind compute (`CostTables.async_collectives`),
+  here none hidden (an upper bound); and the order the lowering lays a dim's mesh axes out
+  in, which counts the values of its named dimension split over each axis
+  (`CostTables.value_count`), here mesh order."""
   tables = dataclasses.replace(
     problem.tables,
+    async_collectives=np.array(False),
+    value_count=np.zeros_like(problem.tables.value_count),
     reduction_combines=np.zeros_like(problem.tables.reduction_combines),
     shared_slot_runs=np.zeros_like(problem.tables.shared_slot_runs),
   )
