@@ -92,3 +92,40 @@ def test_scheduled_step_matches_the_unpartitioned_step(family, case):
     ]
     ticks = tick_table(pipeline).ticks
     assert len(permutes) >= 2 and all(c.repeat == ticks for c in permutes)
+
+
+@pytest.mark.parametrize(
+  "spec,mesh,pipeline,why",
+  [
+    # Batch norm: each microbatch normalized by its own statistics is not the step.
+    (
+      "wresnet:width=4,image_size=16",
+      "stage=2,data=4",
+      Pipeline("stage", 2, 4, "1f1b"),
+      r"model state \(batch norm\) are not pipelined: each microbatch would be normalized",
+    ),
+    (
+      "wresnet:width=4,image_size=16",
+      "stage=2,data=4",
+      Pipeline("data", 1, 4),
+      r"model state \(batch norm\) are not accumulated",
+    ),
+    (GPT, "stage=4,data=2", Pipeline("stage", 2, 4, "1f1b"), "2 stages on the 4 devices"),
+  ],
+)
+def test_what_is_not_lowered_says_why_in_one_line(spec, mesh, pipeline, why):
+  w, p = _problem(spec, mesh)
+  plan = Plan(w.step, w.args, p, [], pipeline=pipeline, loss_fn=w.loss_fn, optimizer=w.optimizer)
+  with pytest.raises(NotImplementedError, match=why) as e:
+    plan.jit()
+  assert "\n" not in str(e.value)
+
+
+def test_the_priced_tick_count_is_the_tick_tables():
+  for stages in (2, 3, 4, 8):
+    for microbatches in (1, 2, 3, 4, 8, 16):
+      pipelines = [Pipeline("stage", stages, microbatches, s) for s in ("gpipe", "1f1b")]
+      if microbatches % stages == 0:
+        pipelines += [Pipeline("stage", stages, microbatches, "interleaved", chunks=2)]
+      for pipeline in pipelines:
+        assert pipeline.ticks() == tick_table(pipeline).ticks, pipeline

@@ -13,6 +13,12 @@ from the last stage to the first); they wait in buffer slots until read. Nothing
 the whole batch: the first stage embeds and the last computes the head and the loss, per
 microbatch. The stacked weights' gradients leave the loop split over the stages, the
 other parameters' are summed over the stage axis once; one optimizer update follows.
+
+Where the plan's batch axes allow (`rows`: no stacked weight split over them but on its
+layer dim, every microbatch's rows dividing over them), the loop is manual over them too:
+each device runs its rows of every microbatch (the loss traced at that size), and the
+loss and gradients are averaged over those axes once, after the loop, instead of XLA
+reducing the gradients over them in every tick.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ def run_schedule(
   weights: list[Any],
   consts: list[Any],
   micro: Any,
+  rows: tuple[str, ...] = (),
 ) -> tuple[Any, list[Any], list[Any]]:
   """The loss and gradients of a pipelined loss, run as `pipeline`'s schedule.
 
@@ -78,6 +85,9 @@ def run_schedule(
     weights: the stacked weights, each [L, ...].
     consts: the stack's constants (every stage gets them whole; no gradient).
     micro: the batch as microbatches, leaves [M, B / M, ...].
+    rows: the batch axes the loop is manual over besides the stage axis (module
+      docstring): `embed`, `chunk` and `head` then run on a device's rows
+      [B / (M R), ...] (R devices over `rows`), the loss a mean over them.
 
   Returns:
     (loss [], gradients of `others`, of `weights` [L, ...]), the means over the M
@@ -96,12 +106,13 @@ def run_schedule(
     for w in staged
   ]
   ticks = tick_table(pipeline)
+  by_rows = PartitionSpec(None, rows) if rows else PartitionSpec()
   loss, d_others, d_staged = jax.shard_map(
-    lambda *a: _stage_loop(ticks, pipeline, embed, chunk, head, *a),
+    lambda *a: _stage_loop(ticks, pipeline, embed, chunk, head, rows, *a),
     mesh=mesh,
-    in_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
+    in_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec(), by_rows),
     out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(axis)),
-    axis_names={axis},
+    axis_names={axis, *rows},
     check_vma=False,
   )(others, staged, consts, micro)
   d_weights = [jnp.swapaxes(g, 0, 1).reshape(layers, *g.shape[3:]) / m_count for g in d_staged]
@@ -114,13 +125,14 @@ def _stage_loop(
   embed: Callable[..., Any],
   chunk: Callable[..., Any],
   head: Callable[..., Any],
+  rows: tuple[str, ...],
   others: list[Any],
   staged: list[Any],
   consts: list[Any],
   micro: Any,
 ) -> tuple[Any, list[Any], list[Any]]:
   """One stage's loop over the ticks (`run_schedule`, under `shard_map`): per stage, its
-  chunks' weights [1, V, L / (S V), ...]."""
+  chunks' weights [1, V, L / (S V), ...]; the sums averaged over the `rows` axes."""
   loop = _StageLoop(ticks, pipeline, embed, chunk, head, others, [w[0] for w in staged], consts)
   loop.shapes(jax.tree.map(lambda x: x[0], micro))
   buffers = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]
@@ -139,8 +151,10 @@ def _stage_loop(
     lambda st, t: (loop.tick(st, t, micro), None), start, jnp.arange(ticks.ticks)
   )
   _, _, _, d_w, d_o, total = state[:6]
-  d_o = jax.tree.map(lambda g: jax.lax.psum(g, pipeline.axis), d_o)
-  return jax.lax.psum(total, pipeline.axis), d_o, [g[None] for g in d_w]
+  rows_mean = (lambda x: jax.lax.pmean(x, rows)) if rows else (lambda x: x)
+  d_o = jax.tree.map(lambda g: rows_mean(jax.lax.psum(g, pipeline.axis)), d_o)
+  total = rows_mean(jax.lax.psum(total, pipeline.axis))
+  return total, d_o, [rows_mean(g)[None] for g in d_w]
 
 
 def _zeros_like(tree: Any) -> Any:
