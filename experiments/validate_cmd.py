@@ -35,7 +35,7 @@ class ValidateConfig:
       (`fullsize.SAMPLED_CASES`: two suite cases of each suite family and the zoo families
       the suite leaves out) instead of `cases`.
     agents: for `fullsize`, the search agents whose plans are checked beside the experts,
-      each `NAME` or `NAME@BUDGET` (a searched pipeline is checked in GPipe order).
+      each `NAME` or `NAME@BUDGET` (a searched pipeline is checked as its schedule).
     experts: for `fullsize`, check the cases' expert plans; `--no-experts`: the searched
       plans alone (their exploit gaps and rankings come from `--merge` with a run of the
       experts of the same cases).

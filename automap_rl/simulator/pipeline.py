@@ -307,6 +307,16 @@ def _collectives(
   return comm_bytes, comm_count
 
 
+def _stage_sum(t: PipelineTables, inverse_shards: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Bytes per device and seconds of the sum over the stage axis of the gradients of the
+  parameters outside the stack (`PipelineTables.stage_summed_bytes`): a ring all-reduce
+  over the S stages on the stage axis's link, [] each."""
+  nbytes = t.stage_summed_bytes @ inverse_shards
+  hops = 2.0 * (t.stages - 1.0)
+  seconds = hops / t.stages * nbytes * t.permute_seconds_per_byte + hops * t.permute_latency
+  return nbytes, jnp.where(nbytes > 0, seconds, 0.0)
+
+
 def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) -> PipelineCost:
   """The cost of a pipelined plan from the full program's resolution (`value_mask`
   [Uv_full, Rv], `op_mask` [Uo_full, Rf] on the stage mesh, as `sharding.resolve` gives
@@ -321,13 +331,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   sums = t.accumulator_bytes @ inverse_shards  # [S]
   iterations = m * v + num_stages - 1
   stage = _stage_seconds(t, plan, where, residual, sums)
-  stage_summed = t.stage_summed_bytes @ inverse_shards  # []
-  ring = 2.0 * (num_stages - 1.0)  # Hops of a ring all-reduce over the stages.
-  stage_sum_s = jnp.where(
-    stage_summed > 0,
-    ring / num_stages * stage_summed * t.permute_seconds_per_byte + ring * t.permute_latency,
-    0.0,
-  )
+  stage_summed, stage_sum_s = _stage_sum(t, inverse_shards)
   stage["gradient_reduction_stage_s"] = stage["gradient_reduction_stage_s"] + stage_sum_s
   microbatch = stage["microbatch_compute_s"] + stage["microbatch_comm_s"]
   flush = stage["gradient_reduction_stage_s"] + stage["update_stage_s"]

@@ -26,12 +26,15 @@ pinned as `lower` pins its counterpart in the planned step (`step_pins`), the st
 manual axes left out. A grouped convolution's kernel gradient is summed per device
 (`lower.grouped_conv_binder`).
 
-Stages fewer (but one) than the stage axis's devices, uneven chunks and steps with model
-state raise NotImplementedError (`check_lowerable`).
+Fewer stages (but one) than the stage axis's devices run on the mesh with that axis split
+in two, the stages over one part and the plan's decisions using the other
+(`split_stage_axis`). Uneven chunks and steps with model state raise NotImplementedError
+(`check_lowerable`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,8 +49,10 @@ from automap_rl.mesh import spec_axes
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
+from automap_rl.xla import hlo
 from automap_rl.xla.accumulate import accumulated, row_constrainer, train_step
 from automap_rl.xla.hlo import inspect_compiled
+from automap_rl.xla.hlo.module import called_computations
 from automap_rl.xla.isolated import compile_directly
 from automap_rl.xla.lower import Lowered, lowering_errors
 from automap_rl.xla.numerics import compute_dtype, program_depth
@@ -60,6 +65,7 @@ __all__ = [
   "jit_pipelined",
   "lower_pipelined",
   "manual_rows",
+  "permutes_in_branches",
   "staged_specs",
 ]
 
@@ -99,22 +105,38 @@ _MODEL_STATE = (
 )
 
 
-def check_lowerable(
-  pipeline: Pipeline, stack: LayerStack, mesh_axis_size: int, args: Sequence[Any]
-) -> None:
-  """Raises NotImplementedError (one line) for what the lowering does not run yet: fewer
-  stages (but one) than the stage axis's `mesh_axis_size` devices, uneven chunks, a step
-  whose `args` are not `(params, opt_state, batch)`."""
+def permutes_in_branches(hlo_text: str) -> bool:
+  """Whether a compiled module has a collective-permute inside a branch of a conditional
+  (through the computations the branch calls): on CPU, where each waits for every device,
+  stages running different branches of a tick deadlock there (`scheduled`)."""
+  module = hlo.parse_module(hlo_text)
+  pending = [
+    name
+    for body in module.bodies.values()
+    for inst in body
+    if inst.opcode == "conditional"
+    for name, _ in called_computations(inst)
+  ]
+  seen: set[str] = set()
+  while pending:
+    name = pending.pop()
+    if name in seen or name not in module.bodies:
+      continue
+    seen.add(name)
+    for inst in module.bodies[name]:
+      if inst.opcode.startswith("collective-permute"):
+        return True
+      pending += [n for n, _ in called_computations(inst)]
+  return False
+
+
+def check_lowerable(pipeline: Pipeline, stack: LayerStack, args: Sequence[Any]) -> None:
+  """Raises NotImplementedError (one line) for what the lowering does not run: uneven
+  chunks of a `stack`, a step whose `args` are not `(params, opt_state, batch)`."""
   if pipeline.stages == 1:  # Gradient accumulation: any stack, the axis free for intra-op use.
     if len(args) != 3:
       raise NotImplementedError(_MODEL_STATE.format(what="accumulated"))
     return
-  if pipeline.stages != mesh_axis_size:
-    raise NotImplementedError(
-      f"{pipeline.stages} stages on the {mesh_axis_size} devices of axis {pipeline.axis!r}: "
-      "the lowering runs one stage per device of the stage axis (the rest of the axis inside "
-      "each stage would need the axis split in two on the device mesh)"
-    )
   if pipeline.layers_per_chunk is not None and len(set(pipeline.layers_per_chunk)) > 1:
     raise NotImplementedError(
       f"the lowering splits a stack into equal chunks; layers_per_chunk="
@@ -152,6 +174,25 @@ def batch_axes(problem: Problem, decisions: Sequence[Decision]) -> tuple[str, ..
   return spec_axes(problem.partition_specs(decisions, inputs[:1])[0], 1)[0] if inputs else ()
 
 
+def split_stage_axis(
+  jax_mesh: jax.sharding.Mesh, pipeline: Pipeline
+) -> tuple[jax.sharding.Mesh, Pipeline]:
+  """Where there are fewer stages (but one) than the stage axis's A devices: the mesh with
+  that axis split in two, `{axis}_stages` of S devices (stage s on devices s A / S to
+  (s + 1) A / S - 1 of the axis) and the axis itself keeping A / S, as the plan's
+  decisions use it inside every stage (`Pipeline.stage_mesh`); and the pipeline over
+  `{axis}_stages`. Otherwise both as they are."""
+  names, sizes = list(jax_mesh.axis_names), list(jax_mesh.devices.shape)
+  at = names.index(pipeline.axis)
+  if pipeline.stages in (1, sizes[at]):
+    return jax_mesh, pipeline
+  outer = f"{pipeline.axis}_stages"
+  sizes[at : at + 1] = [pipeline.stages, sizes[at] // pipeline.stages]
+  names.insert(at, outer)
+  mesh = jax.sharding.Mesh(jax_mesh.devices.reshape(sizes), tuple(names))
+  return mesh, dataclasses.replace(pipeline, axis=outer)
+
+
 def jit_pipelined(
   problem: Problem,
   decisions: Sequence[Decision],
@@ -161,6 +202,7 @@ def jit_pipelined(
   args: Sequence[Any],
   jax_mesh: jax.sharding.Mesh,
   donate_argnums: Sequence[int] = (),
+  uniform: bool = False,
 ) -> tuple[Any, Any, Any]:
   """The pipelined training step (module docstring) under `jax.jit` on `jax_mesh`, with
   the plan's argument and output shardings (`staged_specs`): (jitted, in_shardings as a
@@ -175,6 +217,7 @@ def jit_pipelined(
     args: example `(params, opt_state, batch)`.
     jax_mesh: the mesh to run on.
     donate_argnums: positional arguments whose buffers the step may reuse.
+    uniform: every stage runs every operation of a tick (`scheduled.run_schedule`).
 
   Raises:
     NotImplementedError: (one line) a schedule, stage count, stack or step that is not
@@ -182,7 +225,8 @@ def jit_pipelined(
   """
   program, mesh = problem.program, problem.mesh
   stack = pipeline.check(program, problem.named, mesh)
-  check_lowerable(pipeline, stack, mesh.axis_size(pipeline.axis), args)
+  check_lowerable(pipeline, stack, args)
+  jax_mesh, pipeline = split_stage_axis(jax_mesh, pipeline)
   specs = staged_specs(problem, decisions, pipeline, stack, [*program.inputs, *program.outputs])
   named = [NamedSharding(jax_mesh, s) for s in specs]
   n = len(program.inputs)
@@ -198,7 +242,7 @@ def jit_pipelined(
     pins = StepPins.build(problem, decisions)
     manual = manual_rows(problem, decisions, stack, args[2], pipeline.microbatches, jax_mesh)
     value_and_grad = scheduled_value_and_grad(
-      loss_fn, pipeline, stack, problem, pins, jax_mesh, rows, manual
+      loss_fn, pipeline, stack, problem, pins, jax_mesh, rows, manual, uniform
     )
     step = train_step(value_and_grad, optimizer)
   out_tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
@@ -242,17 +286,20 @@ def lower_pipelined(
     LoweringError: XLA raised, or (isolated) aborted or timed out, compiling the step.
     NotImplementedError: see `jit_pipelined`.
   """
-  jitted, in_shardings, out_shardings = jit_pipelined(
-    problem, decisions, pipeline, loss_fn, optimizer, args, jax_mesh, donate_argnums
-  )
-  stage = jitted.lower(*args)
-  with lowering_errors(problem, decisions):
-    if isolated:
-      compile_directly(stage, jax_mesh.devices)
-    compiled = stage.compile(
-      compiler_options=quick_compile_options(jax_mesh.devices.flat[0].platform)
+  platform = jax_mesh.devices.flat[0].platform
+  for uniform in (False, True):
+    jitted, in_shardings, out_shardings = jit_pipelined(
+      problem, decisions, pipeline, loss_fn, optimizer, args, jax_mesh, donate_argnums, uniform
     )
-  stats = inspect_compiled(compiled, problem.mesh.axis_names, problem.mesh.axis_sizes)
+    stage = jitted.lower(*args)
+    with lowering_errors(problem, decisions):
+      if isolated:
+        compile_directly(stage, jax_mesh.devices)
+      compiled = stage.compile(compiler_options=quick_compile_options(platform))
+    if uniform or platform != "cpu" or not permutes_in_branches(compiled.as_text()):
+      break
+  jax_mesh = jax.tree_util.tree_leaves(in_shardings)[0].mesh  # The stage axis split, if it is.
+  stats = inspect_compiled(compiled, jax_mesh.axis_names, tuple(jax_mesh.devices.shape))
   return Lowered(
     jitted,
     compiled,

@@ -170,11 +170,12 @@ def scheduled_value_and_grad(
   mesh: jax.sharding.Mesh,
   rows: Callable[[Any], Any],
   manual_rows: tuple[str, ...] = (),
+  uniform: bool = False,
 ) -> Callable[[Any, Any], tuple[Any, Any]]:
   """`value_and_grad(params, batch) -> (loss [], grads)` of `loss_fn` run as `pipeline`'s
   schedule (`scheduled.run_schedule`; module docstring for the split), the loop manual
   over the batch axes `manual_rows` too (each device's rows of a microbatch, the loss
-  traced at that size)."""
+  traced at that size); `uniform`: see `scheduled.run_schedule`."""
   program, m_count = problem.program, pipeline.microbatches
   stacked_ids = set(stack.stacked_inputs(program, problem.named))
   leaves_of = jax.tree_util.tree_leaves
@@ -213,6 +214,7 @@ def scheduled_value_and_grad(
       consts,
       micro,
       manual_rows,
+      uniform,
     )
     (d_params,) = xs_back(d_xs)
     it = iter(d_others)
