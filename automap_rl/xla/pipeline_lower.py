@@ -26,6 +26,11 @@ pinned as `lower` pins its counterpart in the planned step (`step_pins`), the st
 manual axes left out. A grouped convolution's kernel gradient is summed per device
 (`lower.grouped_conv_binder`).
 
+On CPU, where XLA put a collective-permute inside an operation of a tick,
+`lower_pipelined` compiles the uniform schedule instead (`scheduled`: every operation run
+on every stage and the table's selected; `jit_pipelined(uniform=True)`), since the CPU
+runtime's permutes wait for every device.
+
 Fewer stages (but one) than the stage axis's devices run on the mesh with that axis split
 in two, the stages over one part and the plan's decisions using the other
 (`split_stage_axis`). Uneven chunks and steps with model state raise NotImplementedError
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -152,17 +157,21 @@ def staged_specs(
   pipeline: Pipeline,
   stack: LayerStack,
   values: Sequence[int],
+  sizes: Mapping[str, int],
 ) -> list[PartitionSpec]:
   """The plan's spec of each of `values`, the stage axis added (major) on the layer dim of
-  every value stacked along the stack's layers (stacked weights, their optimizer state)
-  where there are stages (S > 1)."""
+  every value stacked along the stack's layers (stacked weights, their optimizer state;
+  an unrolled stack's per-layer ones on their dim 0 where it divides over the mesh axes'
+  `sizes`) where there are stages (S > 1)."""
   program, classes = problem.program, set(stack.layer_classes)
   out = []
   for v, spec in zip(values, problem.partition_specs(decisions, values)):
     shape = program.values[v].shape
     if pipeline.stages > 1 and shape and problem.named.class_of(v, 0) in classes:
       axes = spec_axes(spec, len(shape))
-      spec = PartitionSpec((pipeline.axis, *axes[0]), *(a or None for a in axes[1:]))
+      stacked = (pipeline.axis, *axes[0])
+      if shape[0] % math.prod(sizes[a] for a in stacked) == 0:
+        spec = PartitionSpec(stacked, *(a or None for a in axes[1:]))
     out.append(spec)
   return out
 
@@ -227,7 +236,8 @@ def jit_pipelined(
   stack = pipeline.check(program, problem.named, mesh)
   check_lowerable(pipeline, stack, args)
   jax_mesh, pipeline = split_stage_axis(jax_mesh, pipeline)
-  specs = staged_specs(problem, decisions, pipeline, stack, [*program.inputs, *program.outputs])
+  values = [*program.inputs, *program.outputs]
+  specs = staged_specs(problem, decisions, pipeline, stack, values, dict(jax_mesh.shape))
   named = [NamedSharding(jax_mesh, s) for s in specs]
   n = len(program.inputs)
   in_shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tuple(args)), named[:n])

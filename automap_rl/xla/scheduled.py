@@ -163,8 +163,8 @@ def _stage_loop(
     lambda st, t: (loop.tick(st, t, micro), None), start, jnp.arange(ticks.ticks)
   )
   _, _, _, d_w, d_o, total = state[:6]
-  # One collective per step over each axis, the second reading the first's results: XLA's
-  # CPU runtime may start independent collectives in different orders on different devices.
+  # One collective per step over each axis, the second reading the first's results: one
+  # order on every device.
   total, d_o = jax.lax.psum((total, d_o), pipeline.axis)
   if rows:
     total, d_o, d_w = jax.lax.pmean((total, d_o, d_w), rows)
@@ -174,9 +174,8 @@ def _stage_loop(
 def _in_order(values: Sequence[Any], perms: Sequence[Any], axis: str) -> list[Any]:
   """`jax.lax.ppermute` of each of `values` by its permutation of `perms` over `axis`, each
   after the one before has arrived (`jax.lax.optimization_barrier` ties its input to the
-  result before): every device runs them in one order. Independent, XLA's CPU runtime may
-  start them in different orders on different devices, each waiting for a peer that
-  waits in the other (a deadlock)."""
+  result before): every device runs them in one order, as XLA's CPU runtime, which waits
+  at each collective-permute for every device, needs."""
   out: list[Any] = []
   for value, perm in zip(values, perms):
     if out:
