@@ -10,9 +10,7 @@ shard over the A / S devices of the axis that each stage keeps.
 
 Schedules (the bubble is the share of the step that stages wait):
 
-* `gpipe`: every microbatch's forward, then every backward; M microbatches in flight (M + S
-  sets of residuals as lowered: its bubble iterations keep theirs too, and the backward
-  of an iteration slices its set out of the loop's stack).
+* `gpipe`: every microbatch's forward, then every backward; M microbatches in flight.
 * `1f1b`: one forward, one backward in the steady state (PipeDream-Flush, Megatron-LM);
   the same bubble as GPipe, (S - 1) / (M + S - 1), and S - s microbatches in flight on
   stage s.
@@ -122,19 +120,31 @@ class Pipeline:
     chunk = np.repeat(np.arange(self.stages * self.chunks), self.chunk_layers(layers))
     return chunk % self.stages
 
+  def ticks(self) -> int:
+    """T, the iterations of the lowered schedule's loop (`xla.schedules.tick_table`): each
+    stage runs at most one forward or backward of a chunk on a microbatch a tick, the last
+    chunk's forward and backward as one. GPipe (and any schedule of one microbatch):
+    2 (M V + S - 1) - 1; 1F1B and interleaved, whose backwards start before the last
+    forward: 2 (M V + S - 2). One stage: the M iterations of gradient accumulation."""
+    m, s, v = self.microbatches, self.stages, self.chunks
+    if s == 1:
+      return m
+    if self.schedule == "gpipe" or m * v == 1:
+      return 2 * (m * v + s - 1) - 1
+    return 2 * (m * v + s - 2)
+
   def in_flight(self) -> np.ndarray:
     """Microbatches whose activations a stage holds at once, in units of one microbatch of
-    its whole share of the stack, float [S]: under GPipe M + S, one per iteration of its
-    loop (the S - 1 of the bubble run on garbage and keep what they make for the
-    backward pass as the others do, as `xla.pipeline_lower` runs it) and one more, the
-    iteration whose backward runs, its set sliced out of the loop's stack; S - s on stage s
-    under 1F1B (its warm-up forwards); interleaved, Megatron-LM's warm-up count of
+    its whole share of the stack, float [S]: under GPipe M (every forward before the first
+    backward), but 1 on the last stage, which runs each microbatch's forward, head, loss
+    and backward at once (`xla.schedules`); S - s on stage s under 1F1B (its warm-up
+    forwards); interleaved, Megatron-LM's warm-up count of
     chunk-microbatches (2 (S - s - 1) + (V - 1) S, plus the one in flight, at most M V),
     each 1 / V of the stage's layers."""
     m, s, v = self.microbatches, self.stages, self.chunks
     stage = np.arange(s)
     if self.schedule == "gpipe":
-      return np.full(s, float(m + s))
+      return np.where(stage == s - 1, 1.0, float(m))
     if self.schedule == "1f1b":
       return np.minimum(m, s - stage).astype(float)
     return np.minimum(2 * (s - stage - 1) + (v - 1) * s + 1, m * v) / v

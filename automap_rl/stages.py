@@ -50,9 +50,9 @@ by the stage of the first microbatch op that reads it; its step ops (cast, optim
 update, the sum of its gradient's contributions) run there, other step ops with the
 first microbatch op they feed.
 
-The stages' loop (`StagedProgram.looped`): every microbatch op runs in every iteration of
-the loop, M V + S - 1 of them, the S - 1 of the bubble included (a schedule lowered under
-SPMD computes in its bubble iterations as in the others).
+The stages' loop (`StagedProgram.looped`): the microbatch ops that run in the schedule's
+loop (`xla.scheduled`: a tick table of forwards and backwards), whose time the bubble's
+S - 1 stage-times (over V) wait for as the M microbatches' do.
 """
 
 from __future__ import annotations

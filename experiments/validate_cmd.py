@@ -38,7 +38,7 @@ class ValidateConfig:
       covers, drawn at random one family at a time with `seed` (`fullsize_draw.drawn_cases`;
       the command prints them first).
     agents: for `fullsize`, the search agents whose plans are checked beside the experts,
-      each `NAME` or `NAME@BUDGET` (a searched pipeline is checked in GPipe order).
+      each `NAME` or `NAME@BUDGET` (a searched pipeline is checked as its schedule).
     experts: for `fullsize`, check the cases' expert plans; `--no-experts`: the searched
       plans alone (their exploit gaps and rankings come from `--merge` with a run of the
       experts of the same cases).

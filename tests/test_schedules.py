@@ -92,3 +92,64 @@ def test_scheduled_step_matches_the_unpartitioned_step(family, case):
     ]
     ticks = tick_table(pipeline).ticks
     assert len(permutes) >= 2 and all(c.repeat == ticks for c in permutes)
+
+
+@pytest.mark.parametrize(
+  "spec,mesh,pipeline,why",
+  [
+    # Batch norm: each microbatch normalized by its own statistics is not the step.
+    (
+      "wresnet:width=4,image_size=16",
+      "stage=2,data=4",
+      Pipeline("stage", 2, 4, "1f1b"),
+      r"model state \(batch norm\) are not pipelined: each microbatch would be normalized",
+    ),
+    (
+      "wresnet:width=4,image_size=16",
+      "stage=2,data=4",
+      Pipeline("data", 1, 4),
+      r"model state \(batch norm\) are not accumulated",
+    ),
+  ],
+)
+def test_what_is_not_lowered_says_why_in_one_line(spec, mesh, pipeline, why):
+  w, p = _problem(spec, mesh)
+  plan = Plan(w.step, w.args, p, [], pipeline=pipeline, loss_fn=w.loss_fn, optimizer=w.optimizer)
+  with pytest.raises(NotImplementedError, match=why) as e:
+    plan.jit()
+  assert "\n" not in str(e.value)
+
+
+def test_the_priced_tick_count_is_the_tick_tables():
+  for stages in (2, 3, 4, 8):
+    for microbatches in (1, 2, 3, 4, 8, 16):
+      pipelines = [Pipeline("stage", stages, microbatches, s) for s in ("gpipe", "1f1b")]
+      if microbatches % stages == 0:
+        pipelines += [Pipeline("stage", stages, microbatches, "interleaved", chunks=2)]
+      for pipeline in pipelines:
+        assert pipeline.ticks() == tick_table(pipeline).ticks, pipeline
+
+
+def test_fewer_stages_than_the_axis_has_devices_run_with_the_rest_inside_the_stages():
+  """Two stages on the four devices of `stage`: the mesh's stage axis is split in two, the
+  stages over one part (`stage_stages`), the plan's decisions over the other, here the
+  batch's rows (over the rest of `stage` and over `data`)."""
+  from automap_rl.sharding import ArgDim, Decision
+
+  w, p = _problem(GPT, "stage=4,data=2")
+  pipeline = Pipeline("stage", 2, 2, "1f1b")
+  decisions = [Decision(ArgDim("batch/inputs", 0), a) for a in ("stage", "data")]
+  plan = Plan(
+    w.step, w.args, p, decisions, pipeline=pipeline, loss_fn=w.loss_fn, optimizer=w.optimizer
+  )
+  lowered = plan.check()  # Raises NumericsError on a mismatch with the unpartitioned step.
+  assert lowered.schedule == "1f1b"
+  permutes = [
+    c
+    for c in lowered.stats.collectives
+    if c.kind == "collective-permute" and c.mesh_axes == ("stage_stages",) and c.repeat > 1
+  ]
+  # A microbatch's [4 rows over 4 devices, seq 16, d_model 64] each way, once a tick (GPT's
+  # per-layer auxiliary losses travel with the activations).
+  assert all(c.repeat == pipeline.ticks() for c in permutes)
+  assert sum(c.bytes == 1 * 16 * 64 * 4 for c in permutes) >= 2

@@ -15,36 +15,39 @@ microbatch size). From those terms:
 * `loop`: per stage, the part of its microbatch time in the stages' loop
   (`StagedProgram.looped`: every microbatch op's compute and collectives), which the
   bubble's iterations run too;
-* `stacking`: per stage, per iteration of the loop: the stages' loop keeps every
-  iteration's residuals for the backward pass in a buffer of all iterations' and slices
-  them back out (a dynamic-update-slice and a dynamic slice, each reading and writing the
-  residuals: four passes over one microbatch's residuals of the loop's ops at HBM
-  bandwidth), in the loop's time;
-* `accumulation`: per stage, per iteration of the loop: the backward pass adds the
-  iteration's gradients of the stage's weights into their sums (three passes over the
-  loop's accumulated gradients: the sum and the gradient read, the sum written), in the
-  loop's time. Where a stage runs its layers in a loop of its own (a scanned stack with
-  more than one layer per stage), every iteration first fills that loop's stacked outputs
-  with zeros: one more pass over the gradients here, and one over the residuals in
-  `stacking`;
+* `stacking`: per stage, per tick of the lowered loop (T ticks, `Pipeline.ticks`,
+  spread over the loop's M + (S - 1) / V microbatch times): each tick writes the
+  residuals its forward saves into a slot of the stage's residual buffer and reads those
+  its backward needs out of another (a dynamic-update-slice and a dynamic slice, each
+  reading and writing the residuals: four passes over one chunk's share, 1 / V, of a
+  microbatch's residuals of the loop's ops at HBM bandwidth), in the loop's time;
+* `accumulation`: per stage, per tick: the tick adds its gradients of the stage's
+  weights into their sums (three passes over one chunk's accumulated gradients: the sum
+  and the gradient read, the sum written), in the loop's time. Where a stage runs its
+  layers in a loop of its own (a scanned stack with more than one layer per stage),
+  every tick first fills that loop's stacked outputs with zeros: one more pass over the
+  gradients here, and one over the residuals in `stacking`;
 * the pace-setting stage: the one whose M microbatches plus (S - 1) / V bubble loop
   times are longest; `pace` its microbatch time; `steady` = M x pace; `bubble` =
   (S - 1) / V x its loop time (interleaved: Megatron-LM's (S - 1) / V stage-times);
-* `transfer`: the loop's M V + S - 1 iterations each send the boundary activations
-  forward and their gradients backward with a collective-permute on the stage axis's
-  link (alpha-beta: one hop of each device's shard), the stages at once (the slowest
-  boundary counts); values summed on another stage once per step (a tied weight's
-  gradient) once. With `Hardware.async_collectives` an iteration's sends run behind the
-  next iteration's compute (they add what exceeds a chunk's loop compute), except the
-  S - 1 of the pipeline's fill and drain;
+* `transfer`: each of the T ticks of the lowered schedule's loop (`Pipeline.ticks`)
+  sends the boundary activations forward and their gradients backward with a
+  collective-permute on the stage axis's link (alpha-beta: one hop of each device's
+  shard), every stage at once, a ring whose idle ticks send zeros (the largest boundary
+  counts); values summed on another stage once per step (a tied weight's gradient) once.
+  With `Hardware.async_collectives` a tick's sends run behind the next tick's compute
+  (they add what exceeds a tick's share of the loop's compute), except the S - 1 of the
+  pipeline's fill and drain;
 * `gradient_reduction` and `update`: once per step after the last microbatch, on every
   stage at once (the stage whose sum is largest counts): the reduction of the
-  accumulated gradients, and the step ops (optimizer update, weight casts, reshards of
-  loop invariants). The lowered loop defers a reduction of its layers' gradients only
-  over the axes it is manual over (`manual_axes`): the stage axis, and the batch axes
-  where no stacked weight is split over them other than on its layer dim. A reduction
-  over any other axis XLA runs in every iteration, where the gradient is made: it is a
-  microbatch collective of the loop.
+  accumulated gradients (with the sum over the stage axis of the gradients of the
+  parameters outside the stack, which every stage of the lowered loop keeps whole: a
+  ring all-reduce on the stage axis's link), and the step ops (optimizer update, weight
+  casts, reshards of loop invariants). The lowered loop defers a reduction of its layers'
+  gradients only over the axes it is manual over (`manual_axes`): the stage axis, and the
+  batch axes where no stacked weight is split over them other than on its layer dim. A
+  reduction over any other axis XLA runs in every tick, where the gradient is made: it
+  is a microbatch collective of the loop.
 
 step time = steady + bubble + transfer + gradient_reduction + update, exactly.
 
@@ -294,13 +297,11 @@ def _stage_seconds(
   accumulated gradients' reduction, the step ops' reshards): what they leave unhidden
   counts in `gradient_reduction_stage_s`."""
   edge_op, reduction_op = t.tables.edge_op, t.tables.edge_op[t.tables.reduction_edge]
-  iterations = t.microbatches * t.chunks + t.stages - 1
-  stacking = jnp.where(
-    iterations > 1, (4.0 + t.inner_loop) * residual * t.hbm_seconds_per_byte, 0.0
-  )
-  accumulation = jnp.where(
-    iterations > 1, (3.0 + t.inner_loop) * sums * t.hbm_seconds_per_byte, 0.0
-  )
+  # Per microbatch time of the loop (M + (S - 1) / V of them), its share of the T ticks,
+  # each of which passes over one chunk's residuals and gradient sums (1 / V of a stage's).
+  per_tick = t.ticks / (t.microbatches * t.chunks + t.stages - 1.0) * t.hbm_seconds_per_byte
+  stacking = jnp.where(t.ticks > 1, (4.0 + t.inner_loop) * residual * per_tick, 0.0)
+  accumulation = jnp.where(t.ticks > 1, (3.0 + t.inner_loop) * sums * per_tick, 0.0)
   microbatch_reduction = where.reduction_phase == Phase.MICROBATCH
   ones = lambda mask: mask.astype(jnp.float32)
   microbatch_compute = _compute(t, plan, False) + stacking + accumulation
@@ -344,9 +345,11 @@ def _stage_seconds(
 
 
 def _transfer_bytes(t: PipelineTables, sent: jax.Array) -> jax.Array:
-  """Each stage's bytes of stage transfers a step, from its sends `sent` [3, S] (forward and
-  backward per iteration, once per step), [S]."""
-  return (t.microbatches * t.chunks + t.stages - 1) * (sent[0] + sent[1]) + sent[2]
+  """Each stage's bytes of stage transfers a step, from the stages' sends `sent` [3, S]
+  (forward and backward per tick, once per step): every stage sends the largest boundary's
+  shapes each tick (`transfer` in the module docstring), [S]."""
+  ring = jnp.max(sent[:2], axis=1)  # [2]
+  return t.ticks * (ring[0] + ring[1]) + sent[2]
 
 
 def _collectives(
@@ -355,10 +358,9 @@ def _collectives(
   """Bytes and counts per device a step, per kind (`COMM_KINDS`) and stage, [5, S]
   each. A microbatch op runs in every iteration of the loop (M + (S - 1) / V microbatches'
   worth, the bubble's included), M times off it; a step op once; `sent` [3, S] is each
-  stage's sends (forward and backward per iteration, once per step)."""
+  stage's sends (forward and backward per tick, once per step)."""
   m, edge_op = t.microbatches, t.tables.edge_op
   reduction_op = edge_op[t.tables.reduction_edge]
-  iterations = m * t.chunks + t.stages - 1
   loop_runs = m + (t.stages - 1) / t.chunks
   edge_runs = jnp.where(where.per_microbatch, jnp.where(t.op_looped[edge_op], loop_runs, m), 1.0)
   reduction_runs = jnp.where(
@@ -369,13 +371,14 @@ def _collectives(
   kinds = (plan.all_reduce, plan.gather, plan.reduce_scatter, plan.all_to_all)  # `KINDS` order.
   runs = (reduction_runs, edge_runs, reduction_runs, edge_runs)
   stages = (where.reduction_stages, where.edge_stages, where.reduction_stages, where.edge_stages)
+  ring = jnp.max(sent[:2], axis=1)  # [2]
   permute_bytes = (
     _transfer_bytes(t, sent)
     + (plan.permute.bytes * edge_runs) @ where.edge_stages
     + (plan.dot_permute.bytes * reduction_runs) @ where.reduction_stages
   )  # [S]
   permute_count = (
-    iterations * ((sent[0] > 0).astype(jnp.float32) + (sent[1] > 0))
+    t.ticks * ((ring[0] > 0).astype(jnp.float32) + (ring[1] > 0))
     + (sent[2] > 0)
     + (plan.permute.count * edge_runs) @ where.edge_stages
     + (plan.dot_permute.count * reduction_runs) @ where.reduction_stages
@@ -387,6 +390,16 @@ def _collectives(
     [(k.count * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_count]
   )
   return comm_bytes, comm_count
+
+
+def _stage_sum(t: PipelineTables, inverse_shards: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Bytes per device and seconds of the sum over the stage axis of the gradients of the
+  parameters outside the stack (`PipelineTables.stage_summed_bytes`): a ring all-reduce
+  over the S stages on the stage axis's link, [] each."""
+  nbytes = t.stage_summed_bytes @ inverse_shards
+  hops = 2.0 * (t.stages - 1.0)
+  seconds = hops / t.stages * nbytes * t.permute_seconds_per_byte + hops * t.permute_latency
+  return nbytes, jnp.where(nbytes > 0, seconds, 0.0)
 
 
 def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) -> PipelineCost:
@@ -403,6 +416,8 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   sums = t.accumulator_bytes @ inverse_shards  # [S]
   iterations = m * v + num_stages - 1
   stage = _stage_seconds(t, plan, where, residual, sums)
+  stage_summed, stage_sum_s = _stage_sum(t, inverse_shards)
+  stage["gradient_reduction_stage_s"] = stage["gradient_reduction_stage_s"] + stage_sum_s
   microbatch = stage["microbatch_compute_s"] + stage["microbatch_comm_s"]
   flush = stage["gradient_reduction_stage_s"] + stage["update_stage_s"]
   pace_stage = jnp.argmax(m * microbatch + (num_stages - 1) / v * stage["loop_s"])
@@ -410,16 +425,19 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
 
   sent = t.transfer_bytes @ inverse_shards  # [3, S]
   hop = jnp.max(_permute(t, sent[0])) + jnp.max(_permute(t, sent[1]))
-  # Asynchronous sends run behind the next iteration's compute, but the pipeline's fill
-  # and drain wait for theirs.
-  behind = jnp.maximum(hop - stage["loop_compute"][pace_stage] / v, 0.0)
+  # Asynchronous sends run behind the next tick's compute, but the pipeline's fill and
+  # drain wait for theirs.
+  tick_compute = stage["loop_compute"][pace_stage] * (m + (num_stages - 1) / v) / t.ticks
+  behind = jnp.maximum(hop - tick_compute, 0.0)
   sends = jnp.where(
     t.tables.async_collectives,
-    (num_stages - 1) * hop + (iterations - num_stages + 1) * behind,
-    iterations * hop,
+    (num_stages - 1) * hop + (t.ticks - num_stages + 1) * behind,
+    t.ticks * hop,
   )
   transfer = sends + jnp.max(_permute(t, sent[2]))
   comm_bytes, comm_count = _collectives(t, plan, where, sent)
+  comm_bytes = comm_bytes.at[0].add(stage_summed)  # `COMM_KINDS`: all-reduce first.
+  comm_count = comm_count.at[0].add((stage_summed > 0).astype(jnp.float32))
 
   live = jnp.max(t.live_rows @ inverse_shards, axis=1)
   largest_transient = jnp.max(

@@ -11,6 +11,7 @@ import numpy as np
 from automap_rl import sharding
 from automap_rl.batching import next_power_of_two
 from automap_rl.ir import NamedDims
+from automap_rl.ir.stacks import OUTSIDE
 from automap_rl.sharding import Signatures
 from automap_rl.simulator.tables import (
   MAX_LOOP_GROUPS,
@@ -55,6 +56,8 @@ class PipelineTables:
       weights' gradients), per signature, float32 [S, Uv].
     transfer_bytes: per kind (forward per microbatch, backward per microbatch, once per
       step) and sending stage, the global bytes of the values sent, float32 [3, S, Uv].
+    stage_summed_bytes: the global bytes of the gradient sums of the parameters outside
+      the stack, summed over the stage axis once per step, per signature, float32 [Uv].
     batch_signature: the full program's signature of the batch (the first batched input),
       whose dim 0 the plan's batch axes shard; -1 without one, int32 [].
     stacked_signatures: the full program's signatures of the stack's stacked weights
@@ -68,6 +71,7 @@ class PipelineTables:
     inner_loop: 1 where each stage runs its layers in a loop of its own (a scanned stack
       with more than one layer per stage and chunk), else 0, float32 [].
     stages, microbatches, chunks: S, M and V, float32 [].
+    ticks: the iterations of the lowered schedule's loop (`Pipeline.ticks`), float32 [].
     permute_seconds_per_byte, permute_latency: the stage axis's link, float32 [].
     hbm_seconds_per_byte: the device's memory, float32 [].
   """
@@ -90,6 +94,7 @@ class PipelineTables:
   residual_bytes: np.ndarray
   accumulator_bytes: np.ndarray
   transfer_bytes: np.ndarray
+  stage_summed_bytes: np.ndarray
   batch_signature: np.ndarray
   stacked_signatures: np.ndarray
   reduction_once: np.ndarray
@@ -98,6 +103,7 @@ class PipelineTables:
   stages: np.ndarray
   microbatches: np.ndarray
   chunks: np.ndarray
+  ticks: np.ndarray
   permute_seconds_per_byte: np.ndarray
   permute_latency: np.ndarray
   hbm_seconds_per_byte: np.ndarray
@@ -150,6 +156,7 @@ def build_pipeline_tables(
     residual_bytes=zeros(residuals, capacity, uv),
     accumulator_bytes=zeros(accumulated, capacity, uv),
     transfer_bytes=np.stack([zeros(x, capacity, uv) for x in sent]),
+    stage_summed_bytes=zeros(_stage_summed(staged, sigs), uv),
     batch_signature=np.int32(full.value_sig[batched[0]] if batched else -1),
     stacked_signatures=full.value_sig[stacked].astype(np.int32),
     reduction_once=_pad(once, next_power_of_two(len(once), 16), 1.0),
@@ -160,6 +167,7 @@ def build_pipeline_tables(
     stages=np.float32(num_stages),
     microbatches=np.float32(pipeline.microbatches),
     chunks=np.float32(pipeline.chunks),
+    ticks=np.float32(pipeline.ticks()),
     permute_seconds_per_byte=np.float32(1.0 / link.bandwidth),
     permute_latency=np.float32(link.latency),
     hbm_seconds_per_byte=np.float32(1.0 / staged.mesh.hardware.hbm_bandwidth),
@@ -230,6 +238,29 @@ def _stage_bytes(
   ]
   sent.append(per_stage((t.value, t.stage) for t in staged.transfers if t.per_step))
   return residuals, accumulated, sent
+
+
+def _stage_summed(staged: StagedProgram, sigs: Signatures) -> np.ndarray:
+  """Per value signature, the global bytes of the gradient sums of the parameters outside
+  the stack (the embedding's, the head's): the lowered loop keeps them whole on every
+  stage and sums them over the stage axis once per step, float32 [Uv] (zeros for one
+  stage)."""
+  program, stack = staged.program, staged.stack
+  read_per_step = {
+    v for op in program.ops if staged.op_phase[op.id] == Phase.STEP for v in op.operands
+  }
+  out = np.zeros(len(sigs.value_keys), np.float64)
+  if staged.pipeline.stages == 1:
+    return out.astype(np.float32)
+  for op in program.ops:
+    if not staged.looped[op.id] or staged.op_stage[op.id] == EVERY_STAGE:
+      continue
+    if stack.op_layer[op.id] != OUTSIDE:
+      continue
+    for v in op.results:
+      if v in read_per_step:
+        out[sigs.value_sig[v]] += program.values[v].nbytes
+  return out.astype(np.float32)
 
 
 def _live_rows(

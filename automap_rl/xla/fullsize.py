@@ -16,12 +16,12 @@ hardware's matmul peak and its bytes accessed at HBM bandwidth, as the simulator
 its ops.
 
 Pipelined plans (`check_case(..., pipelines=True)`): the case's pipelined expert plans
-(`tactics.applicable_pipelines`), run in GPipe order as `automap_rl.xla.pipeline_lower`
-lowers them (and so priced as GPipe), each compiled and set beside the simulator's
-pipelined cost, with the case's intra-op expert plans beside them so that the two kinds
-are ranked together (`pairwise_agreement`, per case: `agreement_by_case`); besides the
-figures above, the stage transfers: the compiled collective-permutes over the stage axis
-inside the microbatch loop against the simulator's `PipelineTerms.permute_bytes`.
+(`tactics.applicable_pipelines`), each run as the schedule it is priced with
+(`automap_rl.xla.pipeline_lower`), compiled and set beside the simulator's pipelined cost,
+with the case's intra-op expert plans beside them so that the two kinds are ranked
+together (`pairwise_agreement`, per case: `agreement_by_case`); besides the figures above,
+the stage transfers: the compiled collective-permutes over the stage axis inside the
+schedule's loop against the simulator's `PipelineTerms.permute_bytes`.
 
 Two adjustments make the simulator and the CPU compile describe the same program: the
 cases compile in float32 (the CPU backend carries bfloat16 collectives in float32, which
@@ -359,12 +359,15 @@ def check_plan(
 
 def stage_permute_bytes(stats: CompiledStats, pipeline: Pipeline) -> float:
   """Per-device bytes of the compiled stage transfers: the collective-permutes over the
-  pipeline's axis inside the microbatch loop (`repeat` > 1), times their trip counts."""
+  pipeline's axis (its `{axis}_stages` part where the stages are fewer than its devices,
+  `pipeline_lower.split_stage_axis`) inside the schedule's loop (`repeat` > 1), times
+  their trip counts."""
+  axes = ((pipeline.axis,), (f"{pipeline.axis}_stages",))
   return float(
     sum(
       c.repeat * c.bytes
       for c in stats.collectives
-      if c.kind == "collective-permute" and c.mesh_axes == (pipeline.axis,) and c.repeat > 1
+      if c.kind == "collective-permute" and c.mesh_axes in axes and c.repeat > 1
     )
   )
 
@@ -448,8 +451,8 @@ def check_case(
 ) -> list[PlanCheck]:
   """Every applicable expert plan of case `name` (none without `experts`: a run of the
   searched plans alone, merged later with one of the experts) and the plans `search` finds
-  (a searched pipeline run in GPipe order, as it is lowered); with `pipelines`, also every
-  applicable pipelined expert plan, in GPipe order (those of one plan and pipeline once). A
+  (a searched pipeline run as its schedule); with `pipelines`, also every applicable
+  pipelined expert plan (those of one plan and pipeline once). A
   plan that fails to lower or compile is a check with its `error`, and the case goes on."""
   case = validation_case(name)
   workload = case.make_workload(abstract=True)
@@ -480,12 +483,11 @@ def _check_plans(
   report: Callable[[PlanCheck], None],
 ) -> list[PlanCheck]:
   """A check of each of `plans`, `(name, decisions, pipeline or None, searched)`, of one
-  case (a pipeline run in GPipe order; an expert's pipelined plan met before, once)."""
+  case (a pipeline run as its schedule; an expert's pipelined plan met before, once)."""
   name = case.name
   checks, seen = [], []
   for plan, decisions, pipeline, searched in plans:
     if pipeline is not None:
-      pipeline = dataclasses.replace(pipeline, schedule="gpipe")
       if not searched and (decisions, pipeline) in seen:
         continue
       seen.append((decisions, pipeline))

@@ -13,6 +13,19 @@ from the last stage to the first); they wait in buffer slots until read. Nothing
 the whole batch: the first stage embeds and the last computes the head and the loss, per
 microbatch. The stacked weights' gradients leave the loop split over the stages, the
 other parameters' are summed over the stage axis once; one optimizer update follows.
+
+Where the plan's batch axes allow (`rows`: no stacked weight split over them but on its
+layer dim, every microbatch's rows dividing over them), the loop is manual over them too:
+each device runs its rows of every microbatch (the loss traced at that size), and the
+loss and gradients are averaged over those axes once, after the loop, instead of XLA
+reducing the gradients over them in every tick.
+
+Stages run different operations in one tick. Where XLA puts a collective-permute inside
+an operation (a reshard it chose), XLA's CPU runtime waits at it for every device, and
+the devices of the stages running another operation never come: `uniform` runs every
+operation on every stage and selects the one the table names (the same numbers, each
+tick's compute of all of them), which `pipeline_lower` compiles instead where it finds
+such a permute on CPU.
 """
 
 from __future__ import annotations
@@ -63,6 +76,8 @@ def run_schedule(
   weights: list[Any],
   consts: list[Any],
   micro: Any,
+  rows: tuple[str, ...] = (),
+  uniform: bool = False,
 ) -> tuple[Any, list[Any], list[Any]]:
   """The loss and gradients of a pipelined loss, run as `pipeline`'s schedule.
 
@@ -78,6 +93,11 @@ def run_schedule(
     weights: the stacked weights, each [L, ...].
     consts: the stack's constants (every stage gets them whole; no gradient).
     micro: the batch as microbatches, leaves [M, B / M, ...].
+    rows: the batch axes the loop is manual over besides the stage axis (module
+      docstring): `embed`, `chunk` and `head` then run on a device's rows
+      [B / (M R), ...] (R devices over `rows`), the loss a mean over them.
+    uniform: every stage runs every operation of the tick (and the embedding), the one
+      the table names selected: the same collectives on every device (module docstring).
 
   Returns:
     (loss [], gradients of `others`, of `weights` [L, ...]), the means over the M
@@ -96,12 +116,13 @@ def run_schedule(
     for w in staged
   ]
   ticks = tick_table(pipeline)
+  by_rows = PartitionSpec(None, rows) if rows else PartitionSpec()
   loss, d_others, d_staged = jax.shard_map(
-    lambda *a: _stage_loop(ticks, pipeline, embed, chunk, head, *a),
+    lambda *a: _stage_loop(ticks, pipeline, embed, chunk, head, rows, uniform, *a),
     mesh=mesh,
-    in_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec(), PartitionSpec()),
+    in_specs=(PartitionSpec(), PartitionSpec(axis), PartitionSpec(), by_rows),
     out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(axis)),
-    axis_names={axis},
+    axis_names={axis, *rows},
     check_vma=False,
   )(others, staged, consts, micro)
   d_weights = [jnp.swapaxes(g, 0, 1).reshape(layers, *g.shape[3:]) / m_count for g in d_staged]
@@ -114,14 +135,17 @@ def _stage_loop(
   embed: Callable[..., Any],
   chunk: Callable[..., Any],
   head: Callable[..., Any],
+  rows: tuple[str, ...],
+  uniform: bool,
   others: list[Any],
   staged: list[Any],
   consts: list[Any],
   micro: Any,
 ) -> tuple[Any, list[Any], list[Any]]:
   """One stage's loop over the ticks (`run_schedule`, under `shard_map`): per stage, its
-  chunks' weights [1, V, L / (S V), ...]."""
-  loop = _StageLoop(ticks, pipeline, embed, chunk, head, others, [w[0] for w in staged], consts)
+  chunks' weights [1, V, L / (S V), ...]; the sums averaged over the `rows` axes."""
+  local = [w[0] for w in staged]
+  loop = _StageLoop(ticks, pipeline, embed, chunk, head, others, local, consts, uniform)
   loop.shapes(jax.tree.map(lambda x: x[0], micro))
   buffers = lambda shapes, n: [jnp.zeros((n, *s.shape), s.dtype) for s in shapes]
   slots_act, slots_grad, slots_res = ticks.slots
@@ -139,8 +163,25 @@ def _stage_loop(
     lambda st, t: (loop.tick(st, t, micro), None), start, jnp.arange(ticks.ticks)
   )
   _, _, _, d_w, d_o, total = state[:6]
-  d_o = jax.tree.map(lambda g: jax.lax.psum(g, pipeline.axis), d_o)
-  return jax.lax.psum(total, pipeline.axis), d_o, [g[None] for g in d_w]
+  # One collective per step over each axis, the second reading the first's results: one
+  # order on every device.
+  total, d_o = jax.lax.psum((total, d_o), pipeline.axis)
+  if rows:
+    total, d_o, d_w = jax.lax.pmean((total, d_o, d_w), rows)
+  return total, d_o, [g[None] for g in d_w]
+
+
+def _in_order(values: Sequence[Any], perms: Sequence[Any], axis: str) -> list[Any]:
+  """`jax.lax.ppermute` of each of `values` by its permutation of `perms` over `axis`, each
+  after the one before has arrived (`jax.lax.optimization_barrier` ties its input to the
+  result before): every device runs them in one order, as XLA's CPU runtime, which waits
+  at each collective-permute for every device, needs."""
+  out: list[Any] = []
+  for value, perm in zip(values, perms):
+    if out:
+      value, _ = jax.lax.optimization_barrier((value, out[-1]))
+    out.append(jax.lax.ppermute(value, axis, perm))
+  return out
 
 
 def _zeros_like(tree: Any) -> Any:
@@ -151,8 +192,9 @@ class _StageLoop:
   """What one stage runs in a tick (`_stage_loop`): its chunks' weights `local`
   [V, L / (S V), ...], the shapes of the activations and of a chunk's residuals."""
 
-  def __init__(self, ticks, pipeline, embed, chunk, head, others, local, consts):
+  def __init__(self, ticks, pipeline, embed, chunk, head, others, local, consts, uniform):
     self.pipeline, self.embed, self.chunk, self.head = pipeline, embed, chunk, head
+    self.uniform = uniform
     self.others, self.local, self.consts = others, local, consts
     self.stage = jax.lax.axis_index(pipeline.axis)
     self.table = {
@@ -207,9 +249,20 @@ class _StageLoop:
     leaves = [next(kept) if k else next(again) for k in self.keep]
     return jax.tree_util.tree_unflatten(self.pullback_tree[0], leaves)
 
+  def switch(self, index: Any, branches: Sequence[Callable[[], Any]]) -> Any:
+    """`jax.lax.switch(index, branches)`; `uniform`: every branch run, the result selected."""
+    if not self.uniform:
+      return jax.lax.switch(index, branches)
+    outs = [branch() for branch in branches]
+    return jax.tree.map(lambda *cases: jax.lax.select_n(index, *cases), *outs)
+
+  def cond(self, pred: Any, true: Callable[[], Any], false: Callable[[], Any]) -> Any:
+    """`jax.lax.cond(pred, true, false)`, or (`uniform`) both run and one selected."""
+    return self.switch(pred.astype(jnp.int32), [false, true])
+
   def embedded_grads(self, first: Any, one: Any, g_x: list[Any]) -> list[Any]:
     """On global chunk 0 (`first`), the embedding's parameter gradients for `g_x`."""
-    return jax.lax.cond(
+    return self.cond(
       first,
       lambda: jax.vjp(lambda o: self.embed(o, one), self.others)[1](g_x)[0],
       lambda: _zeros_like(self.others),
@@ -223,7 +276,7 @@ class _StageLoop:
     others, (x_in, dy, res), (d_w, d_o) = self.others, operands, sums
     zero_act = _zeros(self.act_shape)
     none = jnp.zeros((), jnp.float32)
-    embedded = lambda: jax.lax.cond(row["first"], lambda: self.embed(others, one), lambda: x_in)
+    embedded = lambda: self.cond(row["first"], lambda: self.embed(others, one), lambda: x_in)
     add = lambda total, g: jax.tree.map(jnp.add, total, g)
 
     def add_w(g_w):
@@ -266,11 +319,11 @@ class _StageLoop:
     one = jax.tree.map(lambda x: pick(x, row["micro"]), micro)
     index = row["chunk"] * s_count + self.stage  # The global chunk.
     operands = (_at(acts, row["read_act"]), _at(grads, row["read_grad"]), _at(saved, row["load"]))
-    y, leaves, d_w, g_x, d_o, loss = jax.lax.switch(
+    y, leaves, d_w, g_x, d_o, loss = self.switch(
       row["kind"], self.branches(row, one, w, operands, (d_w, d_o), index)
     )
     saved = _put(saved, leaves, row["save"])
     ring = lambda k: [(s, (s + k) % s_count) for s in range(s_count)]
-    sent_act = [jax.lax.ppermute(v, axis, ring(1)) for v in y]
-    sent_grad = [jax.lax.ppermute(v, axis, ring(-1)) for v in g_x]
+    sent = _in_order([*y, *g_x], [ring(1)] * len(y) + [ring(-1)] * len(g_x), axis)
+    sent_act, sent_grad = sent[: len(y)], sent[len(y) :]
     return (acts, grads, saved, d_w, d_o, total + loss, sent_act, sent_grad)

@@ -20,6 +20,7 @@ replaced:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +66,7 @@ class _Split:
   pins aligned with the loss on the whole batch (`aligned`), and which parameter leaves
   the stack stacks (`is_stacked`)."""
 
-  def __init__(self, closed, scan: Flat, aligned, pins: StepPins, mesh, axis: str, is_stacked):
+  def __init__(self, closed, scan: Flat, aligned, pins: StepPins, mesh, manual, is_stacked):
     self.closed, self.where, self.pins, self.mesh = closed, scan.origin, pins, mesh
     self.target, self.is_stacked = scan.eqn, is_stacked
     self.n_const, self.n_carry = scan_counts(scan.eqn.params)
@@ -76,7 +77,7 @@ class _Split:
     self.outside = {o: s for o, s in aligned.items() if not under(o) and o in entries}
     self.inside = {o[len(where) :]: s for o, s in aligned.items() if under(o)}
     self.body_entries = {o[len(where) :]: e for o, e in entries.items() if under(o) and o != where}
-    self.manual = frozenset({axis})
+    self.manual = manual
 
   def evaluator(self, in_stage: bool, replace: Callable[[list[Any]], list[Any]]):
     """The loss on (parameter leaves, microbatch leaves), its scan computed by `replace`."""
@@ -168,34 +169,52 @@ def scheduled_value_and_grad(
   pins: StepPins,
   mesh: jax.sharding.Mesh,
   rows: Callable[[Any], Any],
+  manual_rows: tuple[str, ...] = (),
+  uniform: bool = False,
 ) -> Callable[[Any, Any], tuple[Any, Any]]:
   """`value_and_grad(params, batch) -> (loss [], grads)` of `loss_fn` run as `pipeline`'s
-  schedule (`scheduled.run_schedule`; module docstring for the split)."""
+  schedule (`scheduled.run_schedule`; module docstring for the split), the loop manual
+  over the batch axes `manual_rows` too (each device's rows of a microbatch, the loss
+  traced at that size); `uniform`: see `scheduled.run_schedule`."""
   program, m_count = problem.program, pipeline.microbatches
   stacked_ids = set(stack.stacked_inputs(program, problem.named))
   leaves_of = jax.tree_util.tree_leaves
+  manual = frozenset({pipeline.axis, *manual_rows})
+  splits = math.prod(mesh.shape[a] for a in manual_rows)
 
   def value_and_grad(params: Any, batch: Any) -> tuple[Any, Any]:
     micro = microbatched(batch, m_count, rows)
-    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
+    one = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((x.shape[1] // splits, *x.shape[2:]), x.dtype), micro
+    )
     closed = jax.make_jaxpr(loss_fn)(params, one)
     whole = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct((x.shape[0] * x.shape[1], *x.shape[2:]), x.dtype), micro
     )
     aligned = loss_alignment(jax.make_jaxpr(loss_fn)(params, whole), problem, params, whole)
     param_leaves, tree = jax.tree_util.tree_flatten(params)
-    first = leaves_of(jax.tree.map(lambda x: x[0], micro))
+    first = leaves_of(jax.tree.map(lambda x: x[0, : x.shape[1] // splits], micro))
     if stack.scanned:
       is_stacked = [program.inputs[i] in stacked_ids for i in range(len(param_leaves))]
       scan = _stack_scan(closed, stack, pipeline.schedule)
-      split = _Split(closed, scan, aligned, pins, mesh, pipeline.axis, is_stacked)
+      split = _Split(closed, scan, aligned, pins, mesh, manual, is_stacked)
       split.check_consts(param_leaves, first, stack.describe())
     else:
-      split = UnrolledSplit(closed, stack, problem, aligned, pins, mesh, pipeline.axis)
+      split = UnrolledSplit(closed, stack, problem, aligned, pins, mesh, manual)
     consts, xs, xs_back = split.prepare(param_leaves, first)
     others = [x for x, s in zip(param_leaves, split.is_stacked) if not s]
     loss, d_others, d_xs = run_schedule(
-      pipeline, mesh, split.embed, split.chunk_fn(), split.head, others, xs, consts, micro
+      pipeline,
+      mesh,
+      split.embed,
+      split.chunk_fn(),
+      split.head,
+      others,
+      xs,
+      consts,
+      micro,
+      manual_rows,
+      uniform,
     )
     (d_params,) = xs_back(d_xs)
     it = iter(d_others)

@@ -88,9 +88,9 @@ class UnrolledSplit:
     aligned: Mapping[Origin, Origin],
     pins: StepPins,
     mesh: jax.sharding.Mesh,
-    axis: str,
+    manual: frozenset[str],
   ):
-    self.closed, self.pins, self.mesh, self.manual = closed, pins, mesh, frozenset({axis})
+    self.closed, self.pins, self.mesh, self.manual = closed, pins, mesh, manual
     self.alias: dict = {}
     self.flat = flatten(closed.jaxpr, alias=self.alias)
     op_of = {op.origin: op.id for op in problem.program.ops if op.origin}

@@ -4,8 +4,9 @@ the compiled comm bytes, collective counts, flops and peak memory, and the numer
 One trace and one `Problem` per (model, mesh); plans are the expert tactics of
 `automap_rl.tactics` plus seeded random decision lists. Each plan is lowered
 (`automap_rl.xla.lower`), compiled, run and compared with the unpartitioned step.
-Random pipelined plans (`RandomSuite.pipelines`) put random decisions inside a random GPipe
-pipeline of a scanned layer stack and lower it with `automap_rl.xla.pipeline_lower`.
+Random pipelined plans (`RandomSuite.pipelines`) put random decisions inside a random
+pipeline of a layer stack (GPipe, 1F1B, interleaved or gradient accumulation) and lower it
+as its schedule with `automap_rl.xla.pipeline_lower`.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def random_pipeline(problem: Problem, args: Sequence[Any], rng: np.random.Genera
           drawn.append(Pipeline(axis, size, m, "interleaved", chunks=2, stack=index))
         for pipeline in drawn:
           try:
-            check_lowerable(pipeline, stack, size, args)
+            check_lowerable(pipeline, stack, args)
           except NotImplementedError:
             continue
           options.append(pipeline)
@@ -378,7 +379,7 @@ class RandomSuite:
     hardware: the simulator's hardware profile.
     workers: processes running plans side by side (each with its own jax and compiling
       child); the cases and their order do not depend on it.
-    pipelines: every plan is pipelined: random decisions inside a random GPipe pipeline
+    pipelines: every plan is pipelined: random decisions inside a random pipeline
       (`random_pipelined_plan`).
   """
 
