@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from automap_rl import compilation_cache
 from experiments.progress import phase
 
 
@@ -141,6 +142,7 @@ COMMANDS: dict[str, Command] = {
   ),
 }
 DEBUG_FLAG = "--debug"
+CACHE_FLAG = "--compilation-cache"
 
 
 class CommandFailed(RuntimeError):
@@ -154,18 +156,6 @@ def virtual_devices(count: int = 8) -> None:
     os.environ["XLA_FLAGS"] = (
       f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
     )
-
-
-def compilation_cache() -> None:
-  """Keeps XLA's compiled programs between runs (JAX's persistent compilation cache), in
-  `$XDG_CACHE_HOME/automap_rl/xla` (default `~/.cache/automap_rl/xla`) unless the user
-  set `JAX_COMPILATION_CACHE_DIR` (empty: no cache). Set in the environment before jax
-  imports, so that child processes (isolated lowering) share it: a second run of the same
-  command compiles almost nothing."""
-  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(base, "automap_rl", "xla")
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
 def write_json(path: str | None, document: Any) -> None:
@@ -215,8 +205,38 @@ def usage() -> str:
     "meshes (--mesh): AXIS=SIZE or AXIS=DCNxICI,... e.g. data=16,model=8 or data=2x4,model=1x2"
     " (the plan says which link each axis uses)",
     f"{DEBUG_FLAG}: show Python tracebacks instead of one-line errors",
+    cache_help(),
   ]
   return "\n".join(lines)
+
+
+class UsageError(ValueError):
+  """Flags that do not parse: the one-line message to print, for exit status 2."""
+
+
+def cache_help() -> str:
+  """The line of `--help` on the compilation cache: its flag, variable and directory."""
+  return (
+    f"{CACHE_FLAG} DIR|off: where compiled programs are kept between runs, or no cache "
+    f"(also {compilation_cache.ENV}=DIR|0); now {compilation_cache.directory() or 'off'}"
+  )
+
+
+def take_option(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+  """The value of a global option (`FLAG VALUE` or `FLAG=VALUE`) anywhere in `argv`, and
+  `argv` without it; `UsageError` when the value is missing."""
+  rest, value = [], None
+  words = iter(argv)
+  for word in words:
+    if word == flag:
+      value = next(words, None)
+      if value is None:
+        raise UsageError(f"{flag} needs a directory or off")
+    elif word.startswith(flag + "="):
+      value = word[len(flag) + 1 :]
+    else:
+      rest.append(word)
+  return value, rest
 
 
 def _one_line(text: str) -> str:
@@ -230,10 +250,6 @@ def _one_line(text: str) -> str:
       break
     message.append(row)
   return re.sub(r"\s+", " ", " ".join(message or rows[:1])).strip()
-
-
-class UsageError(ValueError):
-  """Flags that do not parse: the one-line message to print, for exit status 2."""
 
 
 def parse(name: str, argv: Sequence[str]):
@@ -251,7 +267,7 @@ def parse(name: str, argv: Sequence[str]):
         cls,
         args=list(argv),
         prog=f"automap-rl {name}",
-        description=command.summary,
+        description=f"{command.summary}\n\n{cache_help()}",
         default=default,
       )
   except SystemExit as e:
@@ -276,6 +292,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   debug = DEBUG_FLAG in argv
   argv = [a for a in argv if a != DEBUG_FLAG]
+  try:
+    cache, argv = take_option(argv, CACHE_FLAG)
+    compilation_cache.configure(cache)
+  except ValueError as e:  # A flag without its value, a directory that cannot be made.
+    print(f"automap-rl: error: {e} (see automap-rl --help)", file=sys.stderr)
+    return 2
   name = _command_name(argv)
   if name is None:
     if not argv or argv[0] in ("-h", "--help"):
@@ -291,7 +313,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   if COMMANDS[name].devices > 1:
     virtual_devices(COMMANDS[name].devices)
-  compilation_cache()
   command = COMMANDS[name]
   try:
     helping = bool({"-h", "--help"} & set(argv))
