@@ -26,21 +26,17 @@ gradients of data parallelism) into few collectives, up to the hardware profile'
 
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
 slowest link bounds the bandwidth).
-Where the backend runs collectives asynchronously (`Hardware.async_collectives`: XLA's
-latency-hiding scheduler on GPUs and TPUs), the reshards of values no batch input reaches
-(parameters: an FSDP layer's all-gather) and the reductions of values that reach no dot
-(weight gradients) run behind compute (`tables.overlap`): they add to the step only what
-exceeds the compute, and at least one run of the longest of them (`_hidden_comm`).
+Where the backend runs collectives asynchronously, weight reshards and weight-gradient
+reductions run behind compute (`tables.overlap`, `overlap.step_hidden`).
 Bytes follow `automap_rl.xla.hlo`'s convention: the larger, group-level buffer per device.
 Peak memory is the largest live-bytes row of the program (see `tables.probe_rows`) with
 every value divided by its shard count, plus the gathered copies of operands that several
 reads share (once per value and sharding, as XLA reuses them), all taken to be live at the
 peak, as FSDP's gathered parameters live from the forward to the backward pass, plus the
 largest copy gathered for one read alone (an activation gathered for one op lives only
-while that op runs). (Full-size partial sums
-before a reduce-scatter are not added: on the validation suite that over-estimates FSDP
-plans.) It is compared with XLA's `memory_analysis()` figure `argument + output + temp -
-alias`.
+while that op runs). (Full-size partial sums before a reduce-scatter are not added: on the
+validation suite that over-estimates FSDP plans.) It is compared with XLA's
+`memory_analysis()` figure `argument + output + temp - alias`.
 """
 
 from __future__ import annotations
@@ -65,7 +61,13 @@ from automap_rl.simulator.collectives import (
   sum_rows,
   with_second_factor,
 )
-from automap_rl.simulator.permutes import axis_precedence, permute_terms, reshard_permutes
+from automap_rl.simulator.overlap import step_hidden
+from automap_rl.simulator.permutes import (
+  axis_precedence,
+  permute_sums,
+  permute_terms,
+  reshard_permutes,
+)
 from automap_rl.simulator.tables import CostTables
 
 __all__ = ["COMM_KINDS", "KINDS", "Cost", "CostTerms", "evaluate", "simulate", "terms", "total"]
@@ -78,9 +80,7 @@ class Cost:
   Attributes:
     step_time: compute plus communication time, seconds.
     compute_time: seconds of compute.
-    comm_time: seconds of collectives the compute does not hide (`Hardware.async_collectives`:
-      parameter reshards and weight-gradient reductions run behind compute; on XLA:CPU
-      every collective counts).
+    comm_time: seconds of collectives the compute does not hide (`overlap.step_hidden`).
     peak_memory: bytes per device at the peak.
     fits: whether `peak_memory` fits in the device's memory.
     comm_bytes: bytes per device by kind, in `COMM_KINDS` order (`KINDS`, then
@@ -498,45 +498,6 @@ def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, Edg
   return reduce_scatter, all_reduce, dot_permute, op_split
 
 
-def _permute_sums(terms: CostTerms) -> list[jax.Array]:
-  """Seconds, bytes and count of a batch of plans' collective-permutes (reshardings' and
-  split dots'), [B] each."""
-  edges, dots = terms.permute, terms.dot_permute
-  return [
-    a + b
-    for a, b in zip(
-      sum_rows(edges.seconds, edges.bytes, edges.count),
-      sum_rows(dots.seconds, dots.bytes, dots.count),
-    )
-  ]
-
-
-def _hidden_comm(
-  t: CostTables, terms: CostTerms, per_edge: bool, compute: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-  """Seconds of collectives an asynchronous runtime can hide (`CostTables.edge_hideable`,
-  `reduction_hideable`) and of those it cannot hide behind `compute` [B], [B] each: the
-  hideable ones run behind compute up to its length, but one run of the longest (the
-  first prefetch, the last reduction) has nothing to run behind. Without
-  `Hardware.async_collectives` none is hidden."""
-  reshard = terms.gather.seconds + terms.all_to_all.seconds + terms.permute.seconds  # [E', B]
-  reduce = (
-    terms.reduce_scatter.seconds + terms.all_reduce.seconds + terms.dot_permute.seconds
-  )  # [R, B]
-  rows, weight = (
-    (t.edge_hideable, t.edge_weight) if per_edge else (t.unique_hideable, t.unique_weight)
-  )
-  hideable_reshard = jnp.where(rows[:, None], reshard, 0.0)
-  hideable_reduce = jnp.where(t.reduction_hideable[:, None], reduce, 0.0)
-  hideable = jnp.sum(hideable_reshard, axis=0) + jnp.sum(hideable_reduce, axis=0)
-  one_run = jnp.maximum(
-    jnp.max(hideable_reshard / jnp.maximum(weight, 1.0)[:, None], axis=0, initial=0.0),
-    jnp.max(hideable_reduce / jnp.maximum(t.reduction_weight, 1.0)[:, None], axis=0, initial=0.0),
-  )
-  unhidden = jnp.where(t.async_collectives, jnp.maximum(one_run, hideable - compute), hideable)
-  return hideable, unhidden
-
-
 def _total(t: CostTables, terms: CostTerms, per_edge: bool) -> Cost:
   """The cost of a batch of plans from their terms (batch-last), each field [B, ...]; the
   terms are per edge or per class of edges (`_terms`)."""
@@ -554,9 +515,15 @@ def _total(t: CostTables, terms: CostTerms, per_edge: bool) -> Cost:
   reduce_time, scatter_bytes, reduce_bytes, scatter_count, reduce_count = sum_rows(
     scatter.seconds + reduce.seconds, scatter.bytes, reduce.bytes, scatter.count, reduce.count
   )
-  permute_time, permute_bytes, permute_count = _permute_sums(terms)
+  permute_time, permute_bytes, permute_count = permute_sums(terms.permute, terms.dot_permute)
 
-  hideable, unhidden = _hidden_comm(t, terms, per_edge, compute)
+  hideable, unhidden = step_hidden(
+    t,
+    gather.seconds + to_all.seconds + terms.permute.seconds,
+    scatter.seconds + reduce.seconds + terms.dot_permute.seconds,
+    per_edge,
+    compute,
+  )
   comm_time = gather_time + reduce_time + permute_time - hideable + unhidden
   comm_bytes = [reduce_bytes, gather_bytes, scatter_bytes, to_all_bytes, permute_bytes]
   comm_count = [reduce_count, gather_count, scatter_count, to_all_count, permute_count]

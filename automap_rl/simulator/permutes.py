@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from automap_rl.simulator.collectives import EdgeTerms, axis_count
+from automap_rl.simulator.collectives import EdgeTerms, axis_count, sum_rows
 from automap_rl.simulator.tables import CostTables
 
 
@@ -135,3 +135,15 @@ def reshard_permutes(
   shards = lambda masks: group[masks.sum(axis=1, dtype=jnp.int8).astype(jnp.uint8)]
   fraction = jnp.where(to_target != 0, 1.0 / shards(target), 1.0 / shards(source))
   return permute_terms(t, to_target | from_source, fraction, weight, weighted_bytes, buffer_bytes)
+
+
+def permute_sums(reshards: EdgeTerms, dots: EdgeTerms) -> list[jax.Array]:
+  """Seconds, bytes and count of a batch of plans' collective-permutes, those of reshardings
+  [E', B] and of split dots [R, B] (`CostTerms.permute`, `dot_permute`), [B] each."""
+  return [
+    a + b
+    for a, b in zip(
+      sum_rows(reshards.seconds, reshards.bytes, reshards.count),
+      sum_rows(dots.seconds, dots.bytes, dots.count),
+    )
+  ]

@@ -78,6 +78,7 @@ import jax.numpy as jnp
 
 from automap_rl.sharding import Resolution
 from automap_rl.simulator.cost import Cost, CostTerms, terms
+from automap_rl.simulator.overlap import unhidden
 from automap_rl.simulator.pipeline_tables import PipelineTables
 from automap_rl.stages import Phase
 
@@ -278,10 +279,8 @@ def _comm(
 
 
 def _unhidden(t: PipelineTables, hideable: jax.Array, compute: jax.Array, one_run: jax.Array):
-  """Seconds of `hideable` collectives that `compute` does not hide, [S]: what exceeds it,
-  and at least `one_run`; all of them without `Hardware.async_collectives` (see
-  `simulator.cost`, which prices a step alike)."""
-  return jnp.where(t.tables.async_collectives, jnp.maximum(one_run, hideable - compute), hideable)
+  """`overlap.unhidden` on the tables' backend, [S]."""
+  return unhidden(t.tables.async_collectives, hideable, compute, one_run)
 
 
 def _stage_seconds(
@@ -402,6 +401,22 @@ def _stage_sum(t: PipelineTables, inverse_shards: jax.Array) -> tuple[jax.Array,
   return nbytes, jnp.where(nbytes > 0, seconds, 0.0)
 
 
+def _transfer_seconds(t: PipelineTables, sent: jax.Array, loop_compute: jax.Array) -> jax.Array:
+  """Seconds of the step's stage transfers from the stages' sends `sent` [3, S] and the
+  pace-setting stage's loop compute per microbatch []: a tick's sends run behind the next
+  tick's compute where collectives are asynchronous, but the pipeline's fill and drain
+  wait for theirs."""
+  hop = jnp.max(_permute(t, sent[0])) + jnp.max(_permute(t, sent[1]))
+  tick_compute = loop_compute * (t.microbatches + (t.stages - 1) / t.chunks) / t.ticks
+  behind = jnp.maximum(hop - tick_compute, 0.0)
+  sends = jnp.where(
+    t.tables.async_collectives,
+    (t.stages - 1) * hop + (t.ticks - t.stages + 1) * behind,
+    t.ticks * hop,
+  )
+  return sends + jnp.max(_permute(t, sent[2]))
+
+
 def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) -> PipelineCost:
   """The cost of a pipelined plan from the full program's resolution (`value_mask`
   [Uv_full, Rv], `op_mask` [Uo_full, Rf] on the stage mesh, as `sharding.resolve` gives
@@ -424,17 +439,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   flush_stage = jnp.argmax(flush)
 
   sent = t.transfer_bytes @ inverse_shards  # [3, S]
-  hop = jnp.max(_permute(t, sent[0])) + jnp.max(_permute(t, sent[1]))
-  # Asynchronous sends run behind the next tick's compute, but the pipeline's fill and
-  # drain wait for theirs.
-  tick_compute = stage["loop_compute"][pace_stage] * (m + (num_stages - 1) / v) / t.ticks
-  behind = jnp.maximum(hop - tick_compute, 0.0)
-  sends = jnp.where(
-    t.tables.async_collectives,
-    (num_stages - 1) * hop + (t.ticks - num_stages + 1) * behind,
-    t.ticks * hop,
-  )
-  transfer = sends + jnp.max(_permute(t, sent[2]))
+  transfer = _transfer_seconds(t, sent, stage["loop_compute"][pace_stage])
   comm_bytes, comm_count = _collectives(t, plan, where, sent)
   comm_bytes = comm_bytes.at[0].add(stage_summed)  # `COMM_KINDS`: all-reduce first.
   comm_count = comm_count.at[0].add((stage_summed > 0).astype(jnp.float32))
