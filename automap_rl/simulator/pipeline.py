@@ -343,12 +343,14 @@ def _stage_seconds(
   }
 
 
-def _transfer_bytes(t: PipelineTables, sent: jax.Array) -> jax.Array:
-  """Each stage's bytes of stage transfers a step, from the stages' sends `sent` [3, S]
-  (forward and backward per tick, once per step): every stage sends the largest boundary's
-  shapes each tick (`transfer` in the module docstring), [S]."""
+def _transfers(t: PipelineTables, sent: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each stage's bytes and count of stage transfers a step, from the stages' sends `sent`
+  [3, S] (forward and backward per tick, once per step): every stage sends the largest
+  boundary's shapes each tick (`transfer` in the module docstring), [S] each."""
   ring = jnp.max(sent[:2], axis=1)  # [2]
-  return t.ticks * (ring[0] + ring[1]) + sent[2]
+  nbytes = t.ticks * (ring[0] + ring[1]) + sent[2]
+  count = t.ticks * ((ring[0] > 0).astype(jnp.float32) + (ring[1] > 0)) + (sent[2] > 0)
+  return nbytes, count
 
 
 def _collectives(
@@ -370,15 +372,14 @@ def _collectives(
   kinds = (plan.all_reduce, plan.gather, plan.reduce_scatter, plan.all_to_all)  # `KINDS` order.
   runs = (reduction_runs, edge_runs, reduction_runs, edge_runs)
   stages = (where.reduction_stages, where.edge_stages, where.reduction_stages, where.edge_stages)
-  ring = jnp.max(sent[:2], axis=1)  # [2]
+  transfer_bytes, transfer_count = _transfers(t, sent)
   permute_bytes = (
-    _transfer_bytes(t, sent)
+    transfer_bytes
     + (plan.permute.bytes * edge_runs) @ where.edge_stages
     + (plan.dot_permute.bytes * reduction_runs) @ where.reduction_stages
   )  # [S]
   permute_count = (
-    t.ticks * ((ring[0] > 0).astype(jnp.float32) + (ring[1] > 0))
-    + (sent[2] > 0)
+    transfer_count
     + (plan.permute.count * edge_runs) @ where.edge_stages
     + (plan.dot_permute.count * reduction_runs) @ where.reduction_stages
   )
@@ -468,7 +469,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
     transfer_s=transfer,
     gradient_reduction_s=stage["gradient_reduction_stage_s"][flush_stage],
     update_s=stage["update_stage_s"][flush_stage],
-    permute_bytes=_transfer_bytes(t, sent)[pace_stage],
+    permute_bytes=_transfers(t, sent)[0][pace_stage],
   )
   step_time = (
     steady
