@@ -399,9 +399,13 @@ def fsdp_megatron_3d(problem: Problem) -> tuple[list[Decision], Pipeline]:
   """`megatron_3d` with each stage's parameters, gradients and optimizer state stored
   sharded over its data-parallel axes (ZeRO-3 inside the stages, as Megatron-LM's
   distributed optimizer and MaxText's FSDP-within-stage configurations do for the largest
-  models)."""
+  models). A stacked weight is never stored split on its layer dim, which the stages
+  split."""
   axes = tuple(a for a in data_axes(problem) if a != stage_axis(problem))
-  storage = _store_sharded(problem, axes, structure(problem).tensor_parallel) if axes else []
+  _, stack = _largest_stack(problem)
+  layers = stack.layer_classes if stack.scanned else ()
+  avoid = structure(problem).tensor_parallel + tuple(layers)
+  storage = _store_sharded(problem, axes, avoid) if axes else []
   return _pipelined(problem, data_axes(problem), megatron(problem) + storage)
 
 

@@ -402,6 +402,24 @@ def test_stages_that_leave_devices_of_the_stage_axis_shard_the_batch_over_them()
   assert bool(problem.plan_cost(decisions, pipeline).fits)
 
 
+def test_fsdp_inside_stages_never_splits_a_stacked_weight_on_its_layer_dim():
+  """12 layers, 4 stages of 3 over `data`: sharding the layer dim over `fsdp` (4 divides 12)
+  would leave each stage's 3 layers to split 4 ways."""
+  problem = _gpt(
+    "gpt:layers=12,d_model=256,heads=8,seq=64,vocab=512,batch=32,scan=true", "data=4,fsdp=4,model=2"
+  )
+  decisions, pipeline = tactics.fsdp_megatron_3d(problem)
+  assert (pipeline.axis, pipeline.stages) == ("data", 4)
+  layer_classes = set(problem.layer_stacks[pipeline.stack].layer_classes)
+  stored = [d for d in decisions if d.axis == "fsdp" and "blocks" in str(d.target)]
+  assert stored and not any(
+    problem.named.class_of(problem.program.input_by_path(d.target.path).id, d.target.dim)
+    in layer_classes
+    for d in stored
+  )
+  assert float(problem.plan_cost(decisions, pipeline).step_time) > 0
+
+
 def test_pipeline_tactics_need_a_layer_stack_and_a_second_axis():
   assert (
     tactics.applicable_pipelines(

@@ -707,7 +707,7 @@ def test_the_sampled_run_covers_every_family_on_8_to_64_devices():
 def test_draws_of_consecutive_seeds_meet_every_uncovered_family_and_repeat_for_a_seed():
   from automap_rl import workloads
   from automap_rl.xla.fullsize import FULLSIZE_CASES, SAMPLED_CASES
-  from automap_rl.xla.fullsize_draw import drawn_cases
+  from automap_rl.xla.fullsize_draw import MAX_DRAWN_DEVICES, drawn_cases
 
   family = {c.name: c.family for c in workloads.load_cases()}
   uncovered = {f for n, f in family.items() if n not in {*FULLSIZE_CASES, *SAMPLED_CASES}}
@@ -716,3 +716,8 @@ def test_draws_of_consecutive_seeds_meet_every_uncovered_family_and_repeat_for_a
   assert all(len({family[n] for n in d}) == 8 for d in draws)  # One family at a time.
   assert {family[n] for d in draws for n in d} == uncovered
   assert not {n for d in draws for n in d} & {*FULLSIZE_CASES, *SAMPLED_CASES}
+  # Cases past what a CPU compiles (the published-scale ones, up to 1,024 devices) are
+  # never drawn.
+  devices = {c.name: c.make_mesh().num_devices for c in workloads.load_cases()}
+  assert max(devices.values()) > MAX_DRAWN_DEVICES
+  assert max(devices[n] for d in draws for n in d) <= MAX_DRAWN_DEVICES

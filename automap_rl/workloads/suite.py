@@ -1,8 +1,14 @@
 """The task suite: partitioning cases stored as data in ``suite.json``.
 
 A case is a workload spec (a family at a published size, see
-:mod:`automap_rl.workloads.spec`), a mesh spec of 8 to 128 devices with 2 or 3
-axes, and a hardware profile (:func:`automap_rl.mesh.get_hardware`).
+:mod:`automap_rl.workloads.spec`), a mesh spec of 8 to 1,024 devices with 2 or 3
+axes, and a hardware profile (:func:`automap_rl.mesh.get_hardware`). Each of
+GPT, Llama, T5 and the SSM also has a case at the scale its published runs
+trained: GPT-175B at 1,536 sequences of 2,048 on 1,024 H100s (GPT-3's batch),
+Llama-70B at 1,024 x 4,096 on 512 A100s (Llama 2's 4M tokens), T5-XXL at 2,048 x
+512 on 1,024 TPU v4 chips (T5's pre-training batch) and Mamba-2.8B at 512 x
+2,048 on 256 A100s (Mamba's 1M tokens), where pipelines and gradient
+accumulation matter.
 ``make_mesh`` gives every axis its link from the hardware's node size
 (:func:`automap_rl.mesh.axis_links`): on GPUs (8 per node) the minor axes
 that fit in a node run over NVLink and the major ones over InfiniBand, so
@@ -43,7 +49,7 @@ from automap_rl.workloads import spec as spec_lib
 from automap_rl.workloads import training
 
 SPLITS: tuple[str, ...] = ("smoke", "train", "test", "external")
-MAX_DEVICES = 128  # A GPT-175B-class case spans 16 nodes of 8 GPUs; every case traces abstractly.
+MAX_DEVICES = 1024  # GPT-175B at GPT-3's batch: 128 nodes of 8 GPUs, traced abstractly.
 
 
 @dataclasses.dataclass(frozen=True)
