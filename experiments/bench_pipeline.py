@@ -52,6 +52,10 @@ MULTI_NODE_CASES = (
   "t5-xxl-8x8-h100",
   "t5-xxl-4x2x8-a100-80g-remat",
   "gpt-175b-8x2x8-h100-remat",
+  "gpt-175b-16x8x8-h100-remat",
+  "llama-70b-8x8x8-a100-80g-remat",
+  "t5-xxl-16x8x8-tpu-v4-remat",
+  "ssm-2.8b-8x4x8-a100-80g",
 )
 
 
@@ -61,7 +65,7 @@ class PipelineBenchConfig:
 
   Attributes:
     cases: task-suite case names (default: the multi-node cases, GPT-175B on 128 H100s
-      among them).
+      and, at GPT-3's batch of 1,536 x 2,048, on 1,024 among them).
     agents: search agents run on each case at `budget` (their plans are intra-op unless
       the agent plans pipelines).
     budget: simulations per search.

@@ -111,7 +111,10 @@ TRANSCENDENTAL = frozenset(
     "bessel_i1e",
   }
 )
-ELEMENTWISE_FLOPS = {"logistic": 3.0, "one_minus_square": 3.0}
+# Flops per result element: threefry2x32's 20 rounds (add, rotate, xor on each pair of
+# words), key injections and counters, as XLA's cost analysis counts JAX's lowering of
+# `random_bits` (45 a 32-bit word).
+ELEMENTWISE_FLOPS = {"logistic": 3.0, "one_minus_square": 3.0, "random_bits": 45.0}
 REDUCTIONS = {
   "reduce_sum": 1.0,
   "reduce_max": 1.0,

@@ -47,6 +47,11 @@ class GPTConfig:
     dtype: compute dtype (float32 parameters are cast to it in the step).
     fused_attention: attention as a fused kernel
       (`workloads.attention.fused_causal_attention`: flash attention's memory and flops).
+    dropout: Megatron-LM's dropout rate (its default 0.1; 0: none) on the attention
+      probabilities (b x heads x seq x seq: the one that costs, as an unfused kernel over
+      the scores), the embedding and each block's two residual branches. The masks come
+      from the batch's `dropout_seeds` (uint32 [batch], one per sequence, drawn by the
+      data loader), so a sequence's masks are the same on any partitioning.
   """
 
   layers: int = 2
@@ -60,9 +65,14 @@ class GPTConfig:
   remat: bool = False
   dtype: str = "float32"
   fused_attention: bool = False
+  dropout: float = 0.0
 
   def __post_init__(self):
     training.check_dtype(self.dtype)
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+    if self.dropout and self.fused_attention:
+      raise ValueError("dropout on fused attention is not modelled: set one of them")
     if self.d_model % self.heads:
       raise ValueError(f"d_model={self.d_model} is not divisible by heads={self.heads}")
 
@@ -88,15 +98,28 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def dropout(x: jax.Array, rate: float, keys: jax.Array | None, site: int) -> jax.Array:
+  """Inverted dropout of `x` [b, ...] at `rate`, sequence b's mask from `keys[b]` (typed
+  PRNG keys [b]) folded with `site` (where in the model it applies); `x` where `keys` is
+  None or the rate 0."""
+  if keys is None or not rate:
+    return x
+  keep = jax.vmap(
+    lambda k: jax.random.bernoulli(jax.random.fold_in(k, site), 1.0 - rate, x.shape[1:])
+  )(keys)
+  return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
 class CausalSelfAttention(nn.Module):
   """Multi-head causal self-attention: [batch, seq, d] -> [batch, seq, d], as a fused kernel
   with `fused`."""
 
   heads: int
   fused: bool = False
+  dropout: float = 0.0
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, keys: jax.Array | None = None) -> jax.Array:
     seq, d_model = x.shape[-2:]
     head_dim = d_model // self.heads
     qkv = [
@@ -109,7 +132,7 @@ class CausalSelfAttention(nn.Module):
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-    weights = jax.nn.softmax(logits, axis=-1)
+    weights = dropout(jax.nn.softmax(logits, axis=-1), self.dropout, keys, 0)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
     return nn.DenseGeneral(d_model, axis=(-2, -1), name="out")(out)
 
@@ -128,21 +151,24 @@ class MLP(nn.Module):
 class Block(nn.Module):
   """Pre-LayerNorm transformer block.
 
-  ``__call__(x, _)`` has the ``nn.scan`` carry signature and returns
+  ``__call__(x, layer, keys)`` has the ``nn.scan`` carry signature (``layer`` [], this
+  block's index, scanned; ``keys`` [b] the sequences' dropout keys, or None) and returns
   ``(x [b, s, d], aux_loss [])``.
   """
 
   heads: int
   ffn: FeedForwardFactory
   fused_attention: bool = False
+  dropout: float = 0.0
 
   @nn.compact
-  def __call__(self, x: jax.Array, _: Any = None):
-    x = x + CausalSelfAttention(self.heads, self.fused_attention, name="attn")(
-      nn.LayerNorm(name="ln1")(x)
-    )
+  def __call__(self, x: jax.Array, layer: Any = None, keys: jax.Array | None = None):
+    if keys is not None:
+      keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, layer)
+    attn = CausalSelfAttention(self.heads, self.fused_attention, self.dropout, name="attn")
+    x = x + dropout(attn(nn.LayerNorm(name="ln1")(x), keys), self.dropout, keys, 1)
     y, aux_loss = self.ffn(name="mlp")(nn.LayerNorm(name="ln2")(x))
-    return x + y, aux_loss
+    return x + dropout(y, self.dropout, keys, 2), aux_loss
 
 
 class Transformer(nn.Module):
@@ -152,22 +178,32 @@ class Transformer(nn.Module):
   ffn: FeedForwardFactory
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def __call__(
+    self, tokens: jax.Array, dropout_seeds: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array]:
+    """tokens int32 [b, s], dropout_seeds uint32 [b] (with `GPTConfig.dropout`)."""
     cfg = self.config
+    keys = None if dropout_seeds is None else jax.vmap(jax.random.key)(dropout_seeds)
     x = nn.Embed(cfg.vocab, cfg.d_model, name="embed")(tokens)
     pos = self.param("pos_embed", nn.initializers.normal(0.02), (cfg.seq, cfg.d_model))
-    x = x + pos[: tokens.shape[-1]]
+    x = dropout(x + pos[: tokens.shape[-1]], cfg.dropout, keys, cfg.layers)
     block_cls = nn.remat(Block) if cfg.remat else Block
+    block_args = (cfg.heads, self.ffn, cfg.fused_attention, cfg.dropout)
     if cfg.scan:
       blocks = nn.scan(
-        block_cls, variable_axes={"params": 0}, split_rngs={"params": True}, length=cfg.layers
+        block_cls,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast),
+        length=cfg.layers,
       )
-      x, aux_losses = blocks(cfg.heads, self.ffn, cfg.fused_attention, name="blocks")(x, None)
+      layers = None if keys is None else jnp.arange(cfg.layers)
+      x, aux_losses = blocks(*block_args, name="blocks")(x, layers, keys)
       aux_loss = aux_losses.sum()
     else:
       aux_loss = jnp.zeros((), x.dtype)
       for i in range(cfg.layers):
-        x, aux = block_cls(cfg.heads, self.ffn, cfg.fused_attention, name=f"block_{i}")(x)
+        x, aux = block_cls(*block_args, name=f"block_{i}")(x, i, keys)
         aux_loss = aux_loss + aux
     x = nn.LayerNorm(name="ln_f")(x)
     return nn.Dense(cfg.vocab, use_bias=False, name="lm_head")(x), aux_loss
@@ -178,25 +214,29 @@ def make_lm_workload(
 ) -> training.Workload:
   """Next-token LM workload for a :class:`Transformer` with the given ffn.
 
-  Batch: ``inputs`` and ``targets`` int32 [batch, seq]; ``targets`` is
-  ``inputs`` shifted left by one token. Loss is the mean cross-entropy plus
-  ``aux_loss_weight`` times the summed auxiliary loss of the blocks.
+  Batch: ``inputs`` and ``targets`` int32 [batch, seq]; ``targets`` is ``inputs`` shifted
+  left by one token; with dropout, ``dropout_seeds`` uint32 [batch]. Loss is the mean
+  cross-entropy plus ``aux_loss_weight`` times the summed auxiliary loss of the blocks.
   """
   model = Transformer(config, ffn)
   params_key, data_key = training.split_seed(seed)
   tokens = jax.random.randint(data_key, (config.batch, config.seq + 1), 0, config.vocab, jnp.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  if config.dropout:
+    batch["dropout_seeds"] = jax.random.bits(data_key, (config.batch,), jnp.uint32)
 
   def loss_fn(params, batch):
     logits, aux_loss = model.apply(
-      {"params": training.cast_floating(params, config.dtype)}, batch["inputs"]
+      {"params": training.cast_floating(params, config.dtype)},
+      batch["inputs"],
+      batch.get("dropout_seeds"),
     )
     xent = optax.softmax_cross_entropy_with_integer_labels(
       training.widen(logits), batch["targets"]
     ).mean()
     return xent + aux_loss_weight * training.widen(aux_loss)
 
-  params = jax.jit(model.init)(params_key, batch["inputs"])["params"]
+  params = jax.jit(model.init)(params_key, batch["inputs"], batch.get("dropout_seeds"))["params"]
   return training.build_workload(name, loss_fn, params, batch)
 
 

@@ -48,6 +48,7 @@ CHEAP_ELEMENTWISE = frozenset(
     "shift_right_arithmetic",
     "population_count",
     "clz",
+    "bitcast_convert_type",  # Elementwise between types of one bit width, as JAX emits it.
     "reduce_precision",
     "one_minus_square",  # jax 0.11's `1 - x**2`, lowered as `(1 + x) * (1 - x)`.
   }
@@ -134,7 +135,10 @@ LIBRARY_PRODUCERS = frozenset(
 )
 LIBRARY_MIN_ELEMENTS = 4096
 MAX_FUSED_REDUCTIONS = 5
-ELEMENTWISE = CHEAP_ELEMENTWISE | DIVISIONS | EXPENSIVE_ELEMENTWISE
+# Random bits: counter-based threefry, elementwise integer ops on an iota of counters that
+# a consumer's fusion computes in place (never worth duplicating into several).
+GENERATORS = frozenset({"random_bits"})
+ELEMENTWISE = CHEAP_ELEMENTWISE | DIVISIONS | EXPENSIVE_ELEMENTWISE | GENERATORS
 LOOP_FUSIBLE = ELEMENTWISE | MOVEMENT | FUSED_REDUCTIONS  # XLA's `CanBeLoopFused`.
 # XLA:CPU's bounds on a fused concatenate (cpu_instruction_fusion.cc): at most this many
 # operands, and along the minor dim, rows under 64 bytes or under 2 KiB in all.
