@@ -59,6 +59,7 @@ class SuiteBenchConfig:
   Attributes:
     split: the cases to score.
     families: only the split's cases of these families (empty: all of them).
+    cases: only the split's cases of these names (empty: all of them).
     agents: search agents, each run for `budget` simulations.
     budget: simulations per search.
     seed: search seed.
@@ -71,6 +72,7 @@ class SuiteBenchConfig:
 
   split: Split = "smoke"
   families: tuple[str, ...] = ()
+  cases: tuple[str, ...] = ()
   agents: tuple[AgentName, ...] = ("random", "mcts")
   budget: int = 2000
   seed: int = 0
@@ -293,10 +295,11 @@ def update_best_known(rows: list[dict[str, Any]], path: str | None, command: str
 
 
 def bench_cases(config: SuiteBenchConfig) -> list[Case]:
-  """The split's cases of `config.families` (every case when none is named).
+  """The split's cases of `config.families` and named `config.cases` (every case when none
+  is named).
 
   Raises:
-    ValueError: a named family has no case in the split.
+    ValueError: a named family or case is not in the split.
   """
   cases = load_cases(config.split)
   present = list(dict.fromkeys(c.family for c in cases))
@@ -306,7 +309,15 @@ def bench_cases(config: SuiteBenchConfig) -> list[Case]:
       f"--families {' '.join(missing)}: no such family in the {config.split} split "
       f"(its families: {', '.join(present)})"
     )
-  return [c for c in cases if not config.families or c.family in config.families]
+  unknown = [n for n in config.cases if n not in {c.name for c in cases}]
+  if unknown:
+    raise ValueError(f"--cases {' '.join(unknown)}: no such case in the {config.split} split")
+  return [
+    c
+    for c in cases
+    if (not config.families or c.family in config.families)
+    and (not config.cases or c.name in config.cases)
+  ]
 
 
 def run_bench(config: SuiteBenchConfig) -> dict[str, Any]:

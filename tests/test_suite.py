@@ -116,6 +116,10 @@ def test_bench_suite_families_picks_their_cases_in_suite_order():
     picked == [c for c in load_cases("train") if c.family in ("mlp", "dit")] and len(picked) >= 2
   )
   assert suite_cmd.bench_cases(suite_cmd.SuiteBenchConfig(split="test")) == load_cases("test")
+  named = suite_cmd.SuiteBenchConfig(split="test", cases=("ssm-2.8b-8x4x8-a100-80g",))
+  assert [c.name for c in suite_cmd.bench_cases(named)] == ["ssm-2.8b-8x4x8-a100-80g"]
+  with pytest.raises(ValueError, match=r"^--cases nope: no such case in the test split$"):
+    suite_cmd.bench_cases(suite_cmd.SuiteBenchConfig(split="test", cases=("nope",)))
 
 
 def test_bench_suite_scores_experts_agents_and_best_known(tmp_path):
