@@ -42,6 +42,20 @@ def test_cases_are_well_formed():
   )  # GPT-175B on 16 nodes.
 
 
+def test_train_and_test_hold_cases_at_the_scale_published_runs_trained():
+  """Each split has cases on hundreds of devices at a million tokens a batch or more (GPT-3's
+  1,536 x 2,048; T5's 2,048 x 512), where pipelines and accumulation matter."""
+  from automap_rl.workloads import spec as spec_lib
+
+  for split in ("train", "test"):
+    large = []
+    for case in load_cases(split):
+      _, config = spec_lib.make_config(case.workload)
+      if case.make_mesh().num_devices >= 256 and config.batch * config.seq >= 1 << 20:
+        large.append(case.name)
+    assert len(large) >= 2, (split, large)
+
+
 def test_gpu_meshes_have_a_fast_inner_and_a_slow_outer_axis():
   case = next(c for c in load_cases("train") if c.mesh == "data=8,model=8" and c.hardware == "h100")
   mesh = case.make_mesh()
