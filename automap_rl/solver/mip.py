@@ -32,10 +32,12 @@ import scipy.sparse
 from automap_rl.solver.memory import Memory
 from automap_rl.solver.reduce import Reduced
 
-__all__ = ["SubResult", "group_cost", "reoptimize"]
+__all__ = ["SubResult", "group_cost", "recombine", "reoptimize"]
 
 # Divides the usage rows (see `_Model.usage_rows`): 1 + 1/pi.
 _NON_INTEGRAL_FACTOR = 1.3183098861837907
+# How a HiGHS run that stopped on the clock ends: at its time limit or by `_interrupt_at`.
+_STOPPED = (highspy.HighsModelStatus.kTimeLimit, highspy.HighsModelStatus.kInterrupt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,18 +87,7 @@ def reoptimize(
   model = _Model(reduced, memory, choice, free, allowed)
   cost = group_cost(reduced, choice)
   scale = model.cost_scale()
-  highs = highspy.Highs()
-  # Presolve stays off: with dense usage rows, HiGHS's root probing after it
-  # can run for tens of seconds without looking at the time limit.
-  for name, value in (
-    ("output_flag", False),
-    ("random_seed", int(seed) % 2**31),
-    ("threads", 1),
-    ("mip_rel_gap", gap),
-    ("mip_abs_gap", 0.0),
-    ("presolve", "off"),
-  ):
-    highs.setOptionValue(name, value)
+  highs = _new_highs(seed, gap, deadline)
   highs.passModel(model.lp(scale))
   rows = model.initial_segments()
   _add_usage_rows(highs, model, rows)
@@ -118,7 +109,7 @@ def reoptimize(
     excess = memory.excess(candidate)
     if np.any(excess > 0):
       new = np.setdiff1d(np.flatnonzero(excess > 0), rows)
-      if not len(new) or highs.getModelStatus() == highspy.HighsModelStatus.kTimeLimit:
+      if not len(new) or highs.getModelStatus() in _STOPPED:
         break
       rows = np.union1d(rows, new)
       _add_usage_rows(highs, model, new)
@@ -131,6 +122,97 @@ def reoptimize(
       bound = constant + info.mip_dual_bound * scale
     break
   return SubResult(choice=best, cost=best_cost, bound=bound, optimal=optimal)
+
+
+def recombine(
+  reduced: Reduced,
+  memory: Memory,
+  choice: np.ndarray,
+  other: np.ndarray,
+  *,
+  time_limit: float,
+  seed: int,
+) -> SubResult:
+  """Re-chooses each group where `other` ([G]) differs from `choice` ([G], within the limit)
+  between the two plans' strategies: the LP relaxation (with the usage rows its rounded
+  plans break), rounded, then the groups it leaves fractional re-chosen exactly
+  (`reoptimize`) when the rounded plan fits, else every differing group by the MIP.
+  Never returns worse than `choice`.
+
+  On these merges the relaxation is nearly integral (R's first: 13 fractional groups of
+  4,458) and its rounding as cheap as the MIP's best, while the MIP's cut separation at the
+  root, which HiGHS does not interrupt, ran for 11-25 s past a 4 s limit.
+  """
+  deadline = time.monotonic() + time_limit
+  free = other != choice
+  allowed = np.zeros(len(reduced.unary), bool)
+  allowed[reduced.offsets[:-1] + choice] = True
+  allowed[reduced.offsets[:-1] + other] = True
+  cost = group_cost(reduced, choice)
+  unchanged = SubResult(choice=choice, cost=cost, bound=-np.inf, optimal=False)
+  if not free.any():
+    return unchanged
+  model = _Model(reduced, memory, choice, free, allowed)
+  highs = _new_highs(seed, 0.0, deadline)
+  relaxation = model.lp(model.cost_scale())
+  relaxation.integrality_ = []
+  highs.passModel(relaxation)
+  rows = model.initial_segments()
+  _add_usage_rows(highs, model, rows)
+  while time.monotonic() < deadline:
+    highs.setOptionValue("time_limit", max(deadline - time.monotonic(), 0.01))
+    highs.run()
+    if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+      return unchanged
+    x = np.asarray(highs.getSolution().col_value)[: model.num_x]
+    rounded = model.decode(x)
+    new = np.setdiff1d(np.flatnonzero(memory.excess(rounded) > 0), rows)
+    if len(new):
+      rows = np.union1d(rows, new)
+      _add_usage_rows(highs, model, new)
+      continue
+    fractional = np.zeros(reduced.num_groups, bool)
+    fractional[model.x_group[(x > 1e-6) & (x < 1 - 1e-6)]] = True
+    fits = not np.any(memory.excess(rounded) > 0)
+    result = reoptimize(
+      reduced,
+      memory,
+      rounded if fits else choice,
+      fractional & free if fits else free,
+      time_limit=max(deadline - time.monotonic(), 0.01),
+      seed=seed,
+      allowed=allowed,
+    )
+    return result if result.cost < cost else unchanged
+  return unchanged
+
+
+def _new_highs(seed: int, gap: float, deadline: float) -> highspy.Highs:
+  """A quiet one-thread HiGHS that stops at `deadline` (monotonic seconds) wherever its simplex
+  or branch and bound asks for interrupts (its own time limit is set per run)."""
+  highs = highspy.Highs()
+  # Presolve stays off: with dense usage rows, HiGHS's root probing after it
+  # can run for tens of seconds without looking at the time limit. Every model starts
+  # from a plan within the limit, so the feasibility jump (2 s on R's merges) is skipped.
+  for name, value in (
+    ("output_flag", False),
+    ("random_seed", int(seed) % 2**31),
+    ("threads", 1),
+    ("mip_rel_gap", gap),
+    ("mip_abs_gap", 0.0),
+    ("presolve", "off"),
+    ("mip_detect_symmetry", False),
+    ("mip_heuristic_run_feasibility_jump", False),
+  ):
+    highs.setOptionValue(name, value)
+
+  def stop(event: highspy.highs.HighsCallbackEvent) -> None:
+    if time.monotonic() > deadline:
+      event.interrupt()
+
+  highs.cbMipInterrupt.subscribe(stop)
+  highs.cbSimplexInterrupt.subscribe(stop)
+  return highs
 
 
 def _add_usage_rows(highs: highspy.Highs, model: _Model, segments: np.ndarray) -> None:

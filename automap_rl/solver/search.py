@@ -20,7 +20,7 @@ from automap_rl.solver.graph import StrategyGraph
 from automap_rl.solver.limits import LimitReached, Limits
 from automap_rl.solver.local import GroupPlan, GroupPlanBuilder, Layout
 from automap_rl.solver.memory import Memory
-from automap_rl.solver.mip import group_cost, reoptimize
+from automap_rl.solver.mip import group_cost, recombine, reoptimize
 from automap_rl.solver.reduce import Reduced
 
 if TYPE_CHECKING:
@@ -363,22 +363,14 @@ class Search:
 
   def crossover(self, other: np.ndarray, time_limit: float) -> bool:
     """Re-chooses the groups where `other` differs from the best plan, each
-    between the two plans' strategies; True if that improved the best."""
-    reduced = self.reduced
-    free = other != self.best
-    if not free.any():
-      return False
-    allowed = np.zeros(len(reduced.unary), bool)
-    allowed[reduced.offsets[:-1] + self.best] = True
-    allowed[reduced.offsets[:-1] + other] = True
-    result = reoptimize(
-      reduced,
+    between the two plans' strategies (`recombine`); True if that improved the best."""
+    result = recombine(
+      self.reduced,
       self.memory,
       self.best,
-      free,
+      other,
       time_limit=time_limit,
       seed=self.seed + len(self.log),
-      allowed=allowed,
     )
     return self.offer(result.choice, "crossover")
 
