@@ -135,9 +135,10 @@ def recombine(
 ) -> SubResult:
   """Re-chooses each group where `other` ([G]) differs from `choice` ([G], within the limit)
   between the two plans' strategies: the LP relaxation (with the usage rows its rounded
-  plans break), rounded, then the groups it leaves fractional re-chosen exactly
-  (`reoptimize`) when the rounded plan fits, else every differing group by the MIP.
-  Never returns worse than `choice`.
+  plans break), rounded (to the larger share, or where that breaks the limit, each group it
+  leaves fractional to its lightest strategy in use, which keeps every row of the LP), then
+  the fractional groups re-chosen exactly (`reoptimize`) when the rounded plan fits, else
+  every differing group by the MIP. Never returns worse than `choice`.
 
   On these merges the relaxation is nearly integral (R's first: 13 fractional groups of
   4,458) and its rounding as cheap as the MIP's best, while the MIP's cut separation at the
@@ -159,6 +160,7 @@ def recombine(
   highs.passModel(relaxation)
   rows = model.initial_segments()
   _add_usage_rows(highs, model, rows)
+  weight = _usage_weight(reduced, memory)
   while time.monotonic() < deadline:
     highs.setOptionValue("time_limit", max(deadline - time.monotonic(), 0.01))
     highs.run()
@@ -166,6 +168,8 @@ def recombine(
       return unchanged
     x = np.asarray(highs.getSolution().col_value)[: model.num_x]
     rounded = model.decode(x)
+    if np.any(memory.excess(rounded) > 0):
+      rounded = model.decode(_lightest_used(model, x, weight))
     new = np.setdiff1d(np.flatnonzero(memory.excess(rounded) > 0), rows)
     if len(new):
       rows = np.union1d(rows, new)
@@ -185,6 +189,30 @@ def recombine(
     )
     return result if result.cost < cost else unchanged
   return unchanged
+
+
+def _usage_weight(reduced: Reduced, memory: Memory) -> np.ndarray:
+  """[V] each group strategy's usage summed over its members and the segments each spans."""
+  member = np.repeat(np.arange(len(memory.member_group)), np.diff(memory.member_offsets))
+  var = (
+    reduced.offsets[memory.member_group[member]]
+    + np.arange(len(member))
+    - memory.member_offsets[member]
+  )
+  span = (memory.member_last - memory.member_first)[member]
+  return np.bincount(var, weights=memory.member_usage * span, minlength=len(reduced.unary))
+
+
+def _lightest_used(model: _Model, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+  """[num_x] one-hot x: each free group at the strategy of least `weight` ([V]) among those
+  with a positive share in the LP solution `x` ([num_x])."""
+  key = np.where(x > 1e-6, weight[model.x_var], np.inf)
+  starts = np.flatnonzero(np.r_[True, model.x_group[1:] != model.x_group[:-1]])
+  lengths = np.diff(np.r_[starts, len(key)])
+  hits = np.flatnonzero(key == np.repeat(np.minimum.reduceat(key, starts), lengths))
+  rounded = np.zeros(len(x))
+  rounded[hits[np.searchsorted(hits, starts)]] = 1.0
+  return rounded
 
 
 def _new_highs(seed: int, gap: float, deadline: float) -> highspy.Highs:
