@@ -8,6 +8,9 @@ tied to x by marginal rows (sum_t y[s, t] = x[g, s], sum_s y[s, t] = x[h, t]),
 costs towards fixed groups folded into x's costs, and one usage row per
 segment of time. Segment rows are added lazily: a solution that breaks the
 limit somewhere brings that segment's row in and the model is solved again.
+`recombine` merges two plans with the same model's LP relaxation, rounded, and the MIP
+only over the groups the relaxation leaves fractional. Every HiGHS call stops at its
+deadline through interrupt callbacks as well as its time limit.
 
 Why HiGHS (highspy) and not OR-tools CP-SAT: the sub-problems are one-hot
 choices whose LP relaxation (the local polytope plus usage rows) is nearly

@@ -12,9 +12,10 @@
    greedily within a usage budget every few rounds.
 3. Crossover (`mip.py`), every other round once a decoded plan has fitted: the
    best plan and the cheapest plan decoded since the last crossover (usually
-   over the limit somewhere) are merged optimally: the groups where they differ
-   are re-chosen among the two plans' strategies by a MIP (HiGHS) with the
-   usage rows. This is where most of the improvement comes from.
+   over the limit somewhere) are merged: the groups where they differ are
+   re-chosen among the two plans' strategies by the LP relaxation of their MIP
+   (HiGHS) with the usage rows, rounded, and the few groups it leaves fractional
+   re-chosen exactly. This is where most of the improvement comes from.
 4. Polish: small problems (up to 150k pair-cost entries) first try the whole
    MIP from the best plan for 60% of the time left, which proves
    optimality on some; then (large ones for their last 5%)
