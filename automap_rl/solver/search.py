@@ -20,7 +20,7 @@ from automap_rl.solver.graph import StrategyGraph
 from automap_rl.solver.limits import LimitReached, Limits
 from automap_rl.solver.local import GroupPlan, GroupPlanBuilder, Layout
 from automap_rl.solver.memory import Memory
-from automap_rl.solver.mip import group_cost, reoptimize
+from automap_rl.solver.mip import group_cost, recombine, reoptimize
 from automap_rl.solver.reduce import Reduced
 
 if TYPE_CHECKING:
@@ -42,9 +42,14 @@ _WHOLE_MIP_SHARE = 0.6
 _SMALL_PATIENCE = 150
 # Small problems also build a plan within a usage budget every this many rounds.
 _SMALL_BUDGET_EVERY = 16
+# The first crossover's time limit, doubled (up to a third of the time left) after each one
+# the limit stopped: the LP relaxation of T's first merge (9,448 groups) takes 4-5 s on a
+# loaded machine, and stopped early a merge gains nothing.
+_CROSSOVER_SECONDS = 4.0
 # Crossovers wait until a decoded plan has fitted within the limit, or for this many rounds:
-# the first plans of a problem whose limit binds hard (K: 12x over it unpriced) are too far
-# from it for a crossover to help, and each one can take seconds.
+# the first plans of a problem whose limit binds hard (K: 12x over it unpriced; R's first
+# budgeted plan at 7.8x the contest's best) are too far from it for a crossover to help, and
+# each one takes seconds of the rounds that find a plan that fits.
 _CROSSOVER_AFTER = 24
 # Switches a repair of a plan over the limit may take before it gives up.
 _REPAIR_SWITCHES = 400
@@ -180,6 +185,7 @@ class Search:
     )
     self.spare_cost = np.inf
     self.lower_bound: float | None = None
+    self.crossover_seconds = _CROSSOVER_SECONDS
     self.small = len(self.reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
 
   def elapsed(self) -> float:
@@ -326,9 +332,8 @@ class Search:
         and self.best is not None
         and (fitted or rounds >= _CROSSOVER_AFTER)
       ):
-        left = until - time.monotonic()
-        if left > 0.3:
-          merges += self.crossover(pending[1], time_limit=min(left, 4.0))
+        if until - time.monotonic() > 0.3:
+          merges += self.crossover(pending[1], until)
           crossings += 1
         pending = None
       if self.best_cost < best_before:
@@ -361,25 +366,23 @@ class Search:
         break
     self.offer(plan.choice, stage, line)
 
-  def crossover(self, other: np.ndarray, time_limit: float) -> bool:
-    """Re-chooses the groups where `other` differs from the best plan, each
-    between the two plans' strategies; True if that improved the best."""
-    reduced = self.reduced
-    free = other != self.best
-    if not free.any():
-      return False
-    allowed = np.zeros(len(reduced.unary), bool)
-    allowed[reduced.offsets[:-1] + self.best] = True
-    allowed[reduced.offsets[:-1] + other] = True
-    result = reoptimize(
-      reduced,
+  def crossover(self, other: np.ndarray, until: float) -> bool:
+    """Re-chooses the groups where `other` differs from the best plan, each between the two
+    plans' strategies (`recombine`), by `until` at the latest; True if that improved the best.
+    A merge its time limit stopped doubles the next one's (up to a third of the time left)."""
+    started = time.monotonic()
+    left = until - started
+    time_limit = min(left, self.crossover_seconds)
+    result = recombine(
+      self.reduced,
       self.memory,
       self.best,
-      free,
+      other,
       time_limit=time_limit,
       seed=self.seed + len(self.log),
-      allowed=allowed,
     )
+    if time.monotonic() - started >= 0.9 * time_limit:
+      self.crossover_seconds = min(2 * self.crossover_seconds, max(left / 3, _CROSSOVER_SECONDS))
     return self.offer(result.choice, "crossover")
 
   def whole_mip(self, time_limit: float) -> bool:
