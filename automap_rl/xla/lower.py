@@ -69,6 +69,7 @@ from automap_rl.xla.realized import (
   Expected,
   ShardingDifference,
   normalize,
+  partitioned_compile,
   partitioner_input,
   sharding_differences,
 )
@@ -92,7 +93,8 @@ class Lowered:
   Attributes:
     jitted: the `jax.jit` of the interpreted function.
     compiled: the compiled executable for the example arguments, for checks (with
-      `quick_compile_options`; calls of `jitted` compile with XLA's defaults).
+      `quick_compile_options`; calls of `jitted` compile with XLA's defaults), or of a
+      compile-only check its `isolated.CompiledModule`.
     in_shardings: a `NamedSharding` per argument, as pytrees like `args`.
     out_shardings: a `NamedSharding` per output leaf, as a pytree like the outputs.
     stats: collectives, flops and memory of the compiled module.
@@ -290,6 +292,7 @@ def lower(
   jax_mesh: jax.sharding.Mesh | None = None,
   donate_argnums: Sequence[int] = (),
   isolated: bool = True,
+  executable: bool = True,
 ) -> Lowered:
   """Compiles `fn(*args)` partitioned by `decisions`.
 
@@ -304,6 +307,9 @@ def lower(
       a couple of seconds more), so that an XLA abort raises `LoweringError` here instead
       of killing this process. Either way the module is compiled once through the backend
       itself for the sharding check (`realized.partitioner_input`), then by `jax.jit`.
+    executable: compile it by `jax.jit` too, for an executable to run (`Lowered.compiled`);
+      without, the module is compiled once, for the check and its statistics, and
+      `Lowered.compiled` is its `isolated.CompiledModule` (a compile-only check).
 
   Returns:
     The compiled plan, its statistics and its differences from the plan.
@@ -335,8 +341,13 @@ def lower(
   )
   stage = jitted.lower(*args)
   with lowering_errors(problem, decisions):
-    partitioned = partitioner_input(stage, mesh.devices, isolated)
-    compiled = stage.compile(compiler_options=quick_compile_options(mesh.devices.flat[0].platform))
+    if executable:
+      partitioned = partitioner_input(stage, mesh.devices, isolated)
+      compiled = stage.compile(
+        compiler_options=quick_compile_options(mesh.devices.flat[0].platform)
+      )
+    else:
+      partitioned, compiled = partitioned_compile(stage, mesh.devices, isolated)
   if partitioned is None and mesh.devices.size > 1:
     raise RuntimeError(
       f"The sharding check of a {mesh.devices.size}-device plan got no module from XLA's "
