@@ -400,6 +400,7 @@ def check_pipelined_plan(
     to_jax_mesh(problem.mesh),
     DONATE_ARGNUMS,
     isolated=True,
+    executable=False,
   )
   simulated = _simulated(problem, decisions, pipeline)
   compiled = {
