@@ -939,6 +939,31 @@ def test_a_split_along_a_sharded_dim_gathers_its_operand_once():
   )
 
 
+def test_a_concatenate_stored_split_along_its_dim_is_concatenated_whole_and_sliced():
+  """The backward time step of an LSTM concatenates its four gate gradients, [batch,
+  cells] each, into [batch, 4 x cells], stored split over `data` along the gates (a plan
+  UCT found on the full-size LSTM). The concatenate's rule reads its operands whole and
+  keeps each device's slice, no collective; pinned to it, XLA does the same. Unpinned,
+  XLA concatenated the operands split over the batch and moved the result onto the gates
+  by an all-to-all in every time step (4,096 bytes a device, 8 steps), which the
+  simulator did not price."""
+  from automap_rl.xla.validate import compiled_metrics, simulated_metrics
+
+  workload, problem = _setup(
+    "lstm:layers=1,batch=16,seq=8,cells=64,d_model=32,vocab=256", "data=4,model=2"
+  )
+  decisions = [Decision(Group(2), "data"), Decision(Group(6), "data"), Decision(Group(6), "model")]
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
+  assert lowered.differences == ()
+  assert not [c for c in lowered.stats.collectives if c.op_name.endswith("/concatenate")]
+  simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
+  assert simulated["comm_bytes"] == compiled["comm_bytes"]
+  for kind in ("all-gather", "all-reduce", "all-to-all"):
+    assert simulated["comm_count_by_kind"][kind] == compiled["comm_count_by_kind"][kind]
+
+
 def test_partial_sums_over_two_reduction_factors_are_all_reduced_one_factor_at_a_time():
   """Sequence parallelism: the batch over `data`, the sequence over `model`. A weight's
   gradient sums over both, and XLA's partitioner all-reduces the partial sums over
