@@ -283,6 +283,23 @@ def _traced(
   return closed, out_tree
 
 
+def _compiled(stage: Any, devices: Any, isolated: bool, executable: bool) -> tuple[str | None, Any]:
+  """`lower`'s compiles of `stage` over `devices`: the module entering XLA's SPMD
+  partitioner (None on one device) and the compiled executable, or without `executable`
+  the `isolated.CompiledModule` of the sharding check's one compile."""
+  if executable:
+    partitioned = partitioner_input(stage, devices, isolated)
+    compiled = stage.compile(compiler_options=quick_compile_options(devices.flat[0].platform))
+  else:
+    partitioned, compiled = partitioned_compile(stage, devices, isolated)
+  if partitioned is None and devices.size > 1:
+    raise RuntimeError(
+      f"The sharding check of a {devices.size}-device plan got no module from XLA's "
+      "partitioner dump (the direct compile failed where jax's compile did not)."
+    )
+  return partitioned, compiled
+
+
 def lower(
   problem: Problem,
   decisions: Sequence[Decision],
@@ -339,20 +356,8 @@ def lower(
     out_shardings=out_shardings,
     donate_argnums=tuple(donate_argnums),
   )
-  stage = jitted.lower(*args)
   with lowering_errors(problem, decisions):
-    if executable:
-      partitioned = partitioner_input(stage, mesh.devices, isolated)
-      compiled = stage.compile(
-        compiler_options=quick_compile_options(mesh.devices.flat[0].platform)
-      )
-    else:
-      partitioned, compiled = partitioned_compile(stage, mesh.devices, isolated)
-  if partitioned is None and mesh.devices.size > 1:
-    raise RuntimeError(
-      f"The sharding check of a {mesh.devices.size}-device plan got no module from XLA's "
-      "partitioner dump (the direct compile failed where jax's compile did not)."
-    )
+    partitioned, compiled = _compiled(jitted.lower(*args), mesh.devices, isolated, executable)
   axis_names, axis_sizes = problem.mesh.axis_names, problem.mesh.axis_sizes
   stats = inspect_compiled(compiled, axis_names, axis_sizes)
   expected = _expectations(problem, specs, args, constrained, computed)
