@@ -119,6 +119,19 @@ def test_quick_compile_options_leave_what_the_checks_read_unchanged():
   assert stats == lowered.stats  # ...yet XLA compiled the same module.
 
 
+def test_a_compile_only_check_compiles_once_and_reads_the_module_jax_compiles():
+  """Without an executable, the one compile in the child (the sharding check's) hands back
+  the compiled module: its collectives (with their ops), flops, kernels and memory are
+  those of the `jax.jit` compile, and the same values differ from the plan."""
+  workload, problem = _setup(GPT, "data=2,model=4")
+  decisions = tactics.fsdp_megatron(problem)
+  run = lower(problem, decisions, workload.step, workload.args, isolated=False)
+  checked = lower(problem, decisions, workload.step, workload.args, executable=False)
+  assert checked.stats == run.stats
+  assert checked.stats.collectives and checked.stats.peak_bytes > 0
+  assert checked.differences == run.differences
+
+
 def test_gpt_megatron_all_reduce_bytes_match_the_simulator():
   """Per layer XLA all-reduces 6 activations in 4 collectives: the query, key and value
   input gradients are three buffers of one combined all-reduce. The vocabulary-parallel
@@ -410,9 +423,13 @@ def test_an_xla_abort_kills_only_the_child_compile():
   compile_directly(healthy, mesh.devices)
 
 
-def test_a_plan_xla_cannot_compile_is_a_one_line_error_naming_the_op_and_its_sharding(monkeypatch):
+@pytest.mark.parametrize("executable", [True, False])
+def test_a_plan_xla_cannot_compile_is_a_one_line_error_naming_the_op_and_its_sharding(
+  monkeypatch, executable
+):
   """Without the pins that split grouped convolutions by whole groups, 2 groups with their
-  channels over all 8 devices make XLA reject the partitioned convolution."""
+  channels over all 8 devices make XLA reject the partitioned convolution, whether the
+  plan is compiled to run or only in the child, for a check."""
   lower_module = importlib.import_module(
     "automap_rl.xla.lower"
   )  # The package exports `lower` the function.
@@ -422,7 +439,7 @@ def test_a_plan_xla_cannot_compile_is_a_one_line_error_naming_the_op_and_its_sha
   step, args, problem = _grouped_conv_step(2)
   plan = [Decision(ArgDim("x", 3), "model"), Decision(ArgDim("x", 3), "data")]
   with pytest.raises(lower_module.LoweringError) as error:
-    lower(problem, plan, step, args)
+    lower(problem, plan, step, args, executable=executable)
   message = str(error.value)
   assert "\n" not in message
   assert message.startswith(
@@ -920,6 +937,31 @@ def test_a_split_along_a_sharded_dim_gathers_its_operand_once():
   assert (
     compiled["comm_count_by_kind"]["all-gather"] == simulated["comm_count_by_kind"]["all-gather"]
   )
+
+
+def test_a_concatenate_stored_split_along_its_dim_is_concatenated_whole_and_sliced():
+  """The backward time step of an LSTM concatenates its four gate gradients, [batch,
+  cells] each, into [batch, 4 x cells], stored split over `data` along the gates (a plan
+  UCT found on the full-size LSTM). The concatenate's rule reads its operands whole and
+  keeps each device's slice, no collective; pinned to it, XLA does the same. Unpinned,
+  XLA concatenated the operands split over the batch and moved the result onto the gates
+  by an all-to-all in every time step (4,096 bytes a device, 8 steps), which the
+  simulator did not price."""
+  from automap_rl.xla.validate import compiled_metrics, simulated_metrics
+
+  workload, problem = _setup(
+    "lstm:layers=1,batch=16,seq=8,cells=64,d_model=32,vocab=256", "data=4,model=2"
+  )
+  decisions = [Decision(Group(2), "data"), Decision(Group(6), "data"), Decision(Group(6), "model")]
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+  )
+  assert lowered.differences == ()
+  assert not [c for c in lowered.stats.collectives if c.op_name.endswith("/concatenate")]
+  simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
+  assert simulated["comm_bytes"] == compiled["comm_bytes"]
+  for kind in ("all-gather", "all-reduce", "all-to-all"):
+    assert simulated["comm_count_by_kind"][kind] == compiled["comm_count_by_kind"][kind]
 
 
 def test_partial_sums_over_two_reduction_factors_are_all_reduced_one_factor_at_a_time():

@@ -47,8 +47,11 @@ def _constrained(problem: Problem) -> dict[tuple[int, ...], tuple[int | None, ..
 # split where their pieces are stored over the feature dim), where XLA moves the operand
 # to the results' sharding and exchanges each piece's unaligned edges by collective-permute
 # between device pairs, while the rule splits the operand where it is and moves the pieces
-# by one all-to-all each. `lower` pins their operands and results to the shardings their
-# rule computes on.
+# by one all-to-all each; or, for a concatenate whose result is stored split along the
+# concatenated dim (an LSTM's gate gradients), where XLA concatenates the operands split
+# over another dim and moves the result onto the concatenated dim by an all-to-all, while
+# the rule concatenates them whole and keeps each device's slice. `lower` pins their
+# operands and results to the shardings their rule computes on.
 PINNED_PRIMITIVES = frozenset(
   {
     "conv_general_dilated",
@@ -61,6 +64,7 @@ PINNED_PRIMITIVES = frozenset(
     "gather",
     "scatter-add",
     "split",
+    "concatenate",
   }
 )
 

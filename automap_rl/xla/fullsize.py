@@ -341,7 +341,14 @@ def check_plan(
 ) -> PlanCheck:
   """Lowers and compiles one plan (abstract arguments) and measures both sides."""
   start = time.perf_counter()
-  lowered = lower(problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS)
+  lowered = lower(
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=DONATE_ARGNUMS,
+    executable=False,
+  )
   simulated = _simulated(problem, decisions, None)
   compiled = {**compiled_metrics(lowered.stats), **implied_cost(problem, lowered.stats)}
   return PlanCheck(
@@ -393,6 +400,7 @@ def check_pipelined_plan(
     to_jax_mesh(problem.mesh),
     DONATE_ARGNUMS,
     isolated=True,
+    executable=False,
   )
   simulated = _simulated(problem, decisions, pipeline)
   compiled = {

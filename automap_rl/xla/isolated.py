@@ -10,12 +10,15 @@ message; one that succeeds means the caller's compile of the same module will to
 
 The child stays up between compiles (a Python start and an import of jax cost about two
 seconds; a small model's plan compiles in one to three): it reads modules from its stdin
-and answers a line for each. One that dies is replaced at the next compile.
+and answers a line for each. One that dies is replaced at the next compile. Asked for
+them, it hands back the compiled module's analyses (`CompiledModule`: its text, cost and
+memory analyses), so that a caller who only inspects the module compiles it once.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import inspect
 import json
 import os
@@ -25,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import types
 from typing import Any
 
 import jax
@@ -32,7 +36,7 @@ import numpy as np
 
 from automap_rl.compile_options import quick_compile_options
 
-__all__ = ["CompileAborted", "backend_compile", "compile_directly"]
+__all__ = ["CompileAborted", "CompiledModule", "backend_compile", "compile_directly"]
 
 
 def backend_compile(
@@ -41,37 +45,82 @@ def backend_compile(
   shardy: bool,
   ids: list[int],
   dump_to: str = "",
-  debug_options: dict[str, Any] | None = None,
+  options: dict[str, Any] | None = None,
+  analyses_to: str = "",
 ) -> None:
   """Compiles the StableHLO `text` with SPMD partitioning over the devices `ids` (in mesh
   order) through the backend itself (`jax.extend.backend`, not jax's persistent
-  compilation cache, whose hits run no pass), with the XLA `debug_options`; with
-  `dump_to`, XLA writes the module entering its SPMD partitioner there. Self-contained:
-  the child process runs its source."""
+  compilation cache, whose hits run no pass), with the XLA `options` (as `jax.jit`'s
+  `compiler_options` pass them); with `dump_to`, XLA writes the module entering its SPMD
+  partitioner there; with `analyses_to`, the compiled module's text, cost analysis and
+  memory sizes go to that file as JSON (`CompiledModule`). Self-contained: the child
+  process runs its source."""
+  import json
+
   import jax
   import jax.extend.backend as backend
   import numpy as np
 
   by_id = {d.id: d for d in jax.devices(platform)}
   options = backend.get_compile_options(
-    num_replicas=1, num_partitions=len(ids), device_assignment=np.array(ids).reshape(1, len(ids))
+    num_replicas=1,
+    num_partitions=len(ids),
+    device_assignment=np.array(ids).reshape(1, len(ids)),
+    env_options_overrides=options,
   )
   build = options.executable_build_options
   build.use_spmd_partitioning = True
   build.use_shardy_partitioner = shardy
-  for name, value in (debug_options or {}).items():
-    setattr(build.debug_options, name, value)
   if dump_to:
     build.debug_options.xla_dump_to = dump_to
     build.debug_options.xla_dump_hlo_pass_re = "spmd-partitioning"
-  backend.get_backend(platform).compile_and_load(text, [by_id[i] for i in ids], options)
+  executable = backend.get_backend(platform).compile_and_load(
+    text, [by_id[i] for i in ids], options
+  )
+  if analyses_to:
+    memory = executable.get_compiled_memory_stats()
+    sizes = ("argument", "output", "temp", "alias")
+    analyses = {
+      "text": "\n\n".join(m.to_string() for m in executable.hlo_modules()),
+      "cost": executable.cost_analysis(),
+      "memory": {f"{k}_size_in_bytes": int(getattr(memory, f"{k}_size_in_bytes")) for k in sizes},
+    }
+    with open(analyses_to, "w") as f:
+      json.dump(analyses, f)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledModule:
+  """What a compile in `compile_directly` hands back of the compiled module: the analyses
+  of a `jax.stages.Compiled` that `hlo.inspect_compiled` reads, without an executable.
+
+  Attributes:
+    text: the compiled (partitioned, optimized) module's HLO text.
+    cost: XLA's cost analysis (`flops`, `bytes accessed`, ...).
+    memory: `argument_size_in_bytes`, `output_size_in_bytes`, `temp_size_in_bytes` and
+      `alias_size_in_bytes` of its buffer assignment.
+  """
+
+  text: str
+  cost: dict[str, float]
+  memory: dict[str, int]
+
+  def as_text(self) -> str:
+    return self.text
+
+  def cost_analysis(self) -> dict[str, float]:
+    return self.cost
+
+  def memory_analysis(self) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**self.memory)
 
 
 # The child: for each request on stdin (a JSON header line with `backend_compile`'s
 # arguments, the module's size in bytes and a log file, then the module's text), sends its
 # stderr to the log file, compiles (`backend_compile`) and answers `ok` or `error` (an
-# ordinary XLA error, left to the caller's own compile to raise) on stdout; an XLA CHECK
-# aborts it. It exits when the caller closes its stdin.
+# ordinary XLA error, left to the caller's own compile to raise, or written to the
+# analyses file where the request names one) on stdout; an XLA CHECK aborts it. It exits
+# when the caller closes its stdin.
 _CHILD = (
   "from __future__ import annotations\n"
   + inspect.getsource(backend_compile)
@@ -86,9 +135,12 @@ for header in requests:
   os.close(log)
   try:
     backend_compile(text, request["platform"], request["shardy"], request["ids"],
-                    request["dump_to"], request["options"])
+                    request["dump_to"], request["options"], request["analyses_to"])
     replies.write(b"ok\\n")
-  except Exception:
+  except Exception as error:
+    if request["analyses_to"]:
+      with open(request["analyses_to"], "w") as f:
+        json.dump({"error": str(error)}, f)
     replies.write(b"error\\n")
   replies.flush()
 """
@@ -211,13 +263,17 @@ def compile_directly(
   isolated: bool = True,
   dump_to: str = "",
   timeout_s: float = 600.0,
-) -> None:
+  analyses: bool = False,
+) -> CompiledModule | None:
   """Compiles `stage` (a `jax.stages.Lowered`) over `devices` (the mesh's devices, in mesh
   order) with `backend_compile` and `quick_compile_options`: in a child process when
   `isolated`, raising `CompileAborted` if XLA aborts the child (a fatal check or a signal)
   or it times out (a compile that raises an ordinary error there is left to the caller's
-  own compile to raise); in this process otherwise (XLA's errors raise here). `dump_to`: see
-  `backend_compile`.
+  own compile to raise, except with `analyses`, where it raises here as
+  `jax.errors.JaxRuntimeError`); in this process otherwise (XLA's errors raise here). `dump_to`: see
+  `backend_compile`. With `analyses`, returns the compiled module's `CompiledModule`, the
+  same module `stage.compile(compiler_options=quick_compile_options(...))` makes; None
+  otherwise.
 
   Isolated, it costs one compile in the child, which stays up for the next (its first
   compile also starts it: a Python start and an import of jax, about two seconds).
@@ -226,20 +282,26 @@ def compile_directly(
   platform = flat[0].platform
   shardy = bool(jax.config.jax_use_shardy_partitioner)
   ids = [d.id for d in flat]
-  # Fusion emitters are a code generation choice: the partitioner's module does not depend
-  # on them, and `DebugOptions` has no field for them (XLA_FLAGS then decides).
-  options = {
-    k: v for k, v in quick_compile_options(platform).items() if k != "xla_cpu_use_fusion_emitters"
-  }
+  options = quick_compile_options(platform)
   text = stage.as_text(debug_info=True)
-  if not isolated:
-    backend_compile(text, platform, shardy, ids, dump_to, options)
-    return
-  request = {
-    "platform": platform,
-    "shardy": shardy,
-    "ids": ids,
-    "dump_to": dump_to,
-    "options": options,
-  }
-  _compile_in_child(text, request, _child_env(len(flat), platform), timeout_s)
+  with tempfile.TemporaryDirectory(prefix="automap_analyses_") as folder:
+    analyses_to = os.path.join(folder, "analyses.json") if analyses else ""
+    if not isolated:
+      backend_compile(text, platform, shardy, ids, dump_to, options, analyses_to)
+    else:
+      request = {
+        "platform": platform,
+        "shardy": shardy,
+        "ids": ids,
+        "dump_to": dump_to,
+        "options": options,
+        "analyses_to": analyses_to,
+      }
+      _compile_in_child(text, request, _child_env(len(flat), platform), timeout_s)
+    if not analyses:
+      return None
+    with open(analyses_to) as f:
+      found = json.load(f)
+  if "error" in found:
+    raise jax.errors.JaxRuntimeError(found["error"])
+  return CompiledModule(**found)

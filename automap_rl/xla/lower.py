@@ -69,6 +69,7 @@ from automap_rl.xla.realized import (
   Expected,
   ShardingDifference,
   normalize,
+  partitioned_compile,
   partitioner_input,
   sharding_differences,
 )
@@ -92,7 +93,8 @@ class Lowered:
   Attributes:
     jitted: the `jax.jit` of the interpreted function.
     compiled: the compiled executable for the example arguments, for checks (with
-      `quick_compile_options`; calls of `jitted` compile with XLA's defaults).
+      `quick_compile_options`; calls of `jitted` compile with XLA's defaults), or of a
+      compile-only check its `isolated.CompiledModule`.
     in_shardings: a `NamedSharding` per argument, as pytrees like `args`.
     out_shardings: a `NamedSharding` per output leaf, as a pytree like the outputs.
     stats: collectives, flops and memory of the compiled module.
@@ -281,6 +283,23 @@ def _traced(
   return closed, out_tree
 
 
+def _compiled(stage: Any, devices: Any, isolated: bool, executable: bool) -> tuple[str | None, Any]:
+  """`lower`'s compiles of `stage` over `devices`: the module entering XLA's SPMD
+  partitioner (None on one device) and the compiled executable, or without `executable`
+  the `isolated.CompiledModule` of the sharding check's one compile."""
+  if executable:
+    partitioned = partitioner_input(stage, devices, isolated)
+    compiled = stage.compile(compiler_options=quick_compile_options(devices.flat[0].platform))
+  else:
+    partitioned, compiled = partitioned_compile(stage, devices, isolated)
+  if partitioned is None and devices.size > 1:
+    raise RuntimeError(
+      f"The sharding check of a {devices.size}-device plan got no module from XLA's "
+      "partitioner dump (the direct compile failed where jax's compile did not)."
+    )
+  return partitioned, compiled
+
+
 def lower(
   problem: Problem,
   decisions: Sequence[Decision],
@@ -290,6 +309,7 @@ def lower(
   jax_mesh: jax.sharding.Mesh | None = None,
   donate_argnums: Sequence[int] = (),
   isolated: bool = True,
+  executable: bool = True,
 ) -> Lowered:
   """Compiles `fn(*args)` partitioned by `decisions`.
 
@@ -304,6 +324,9 @@ def lower(
       a couple of seconds more), so that an XLA abort raises `LoweringError` here instead
       of killing this process. Either way the module is compiled once through the backend
       itself for the sharding check (`realized.partitioner_input`), then by `jax.jit`.
+    executable: compile it by `jax.jit` too, for an executable to run (`Lowered.compiled`);
+      without, the module is compiled once, for the check and its statistics, and
+      `Lowered.compiled` is its `isolated.CompiledModule` (a compile-only check).
 
   Returns:
     The compiled plan, its statistics and its differences from the plan.
@@ -333,15 +356,8 @@ def lower(
     out_shardings=out_shardings,
     donate_argnums=tuple(donate_argnums),
   )
-  stage = jitted.lower(*args)
   with lowering_errors(problem, decisions):
-    partitioned = partitioner_input(stage, mesh.devices, isolated)
-    compiled = stage.compile(compiler_options=quick_compile_options(mesh.devices.flat[0].platform))
-  if partitioned is None and mesh.devices.size > 1:
-    raise RuntimeError(
-      f"The sharding check of a {mesh.devices.size}-device plan got no module from XLA's "
-      "partitioner dump (the direct compile failed where jax's compile did not)."
-    )
+    partitioned, compiled = _compiled(jitted.lower(*args), mesh.devices, isolated, executable)
   axis_names, axis_sizes = problem.mesh.axis_names, problem.mesh.axis_sizes
   stats = inspect_compiled(compiled, axis_names, axis_sizes)
   expected = _expectations(problem, specs, args, constrained, computed)

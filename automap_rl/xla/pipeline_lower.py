@@ -281,6 +281,7 @@ def lower_pipelined(
   jax_mesh: jax.sharding.Mesh,
   donate_argnums: Sequence[int] = (),
   isolated: bool = False,
+  executable: bool = True,
 ) -> Lowered:
   """Compiles `jit_pipelined`'s step for `args` (arrays or `jax.ShapeDtypeStruct`s): a
   `Lowered` with its collectives (the stage transfers are collective-permutes over the
@@ -291,6 +292,8 @@ def lower_pipelined(
   `isolated`: first compile the module in a child process (`isolated.compile_directly`,
   one more compile), so that an XLA abort raises `LoweringError` here instead of killing
   this process (`validate` runs random plans so; `Plan.check` runs expert ones without).
+  Without `executable`, that compile is the only one and `Lowered.compiled` is its
+  `isolated.CompiledModule` (a compile-only check).
 
   Raises:
     LoweringError: XLA raised, or (isolated) aborted or timed out, compiling the step.
@@ -303,9 +306,12 @@ def lower_pipelined(
     )
     stage = jitted.lower(*args)
     with lowering_errors(problem, decisions):
-      if isolated:
-        compile_directly(stage, jax_mesh.devices)
-      compiled = stage.compile(compiler_options=quick_compile_options(platform))
+      if not executable:
+        compiled = compile_directly(stage, jax_mesh.devices, isolated, analyses=True)
+      else:
+        if isolated:
+          compile_directly(stage, jax_mesh.devices)
+        compiled = stage.compile(compiler_options=quick_compile_options(platform))
     if uniform or platform != "cpu" or not permutes_in_branches(compiled.as_text()):
       break
   jax_mesh = jax.tree_util.tree_leaves(in_shardings)[0].mesh  # The stage axis split, if it is.

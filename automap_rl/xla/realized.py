@@ -35,11 +35,12 @@ from jax.sharding import PartitionSpec
 
 from automap_rl.mesh import spec_axes
 from automap_rl.xla import hlo
-from automap_rl.xla.isolated import compile_directly
+from automap_rl.xla.isolated import CompiledModule, compile_directly
 
 __all__ = [
   "Expected",
   "ShardingDifference",
+  "partitioned_compile",
   "partitioner_input",
   "format_spec",
   "normalize",
@@ -112,13 +113,29 @@ def partitioner_input(stage: Any, devices: np.ndarray, isolated: bool = False) -
   (`isolated.compile_directly`, in a child process when `isolated`), since a hit of jax's
   persistent compilation cache runs no pass and dumps nothing. None when the partitioner
   did not run (a single device)."""
+  return _dumped_compile(stage, devices, isolated, analyses=False)[0]
+
+
+def partitioned_compile(
+  stage: Any, devices: np.ndarray, isolated: bool = False
+) -> tuple[str | None, CompiledModule]:
+  """`partitioner_input` and the compiled module's analyses (`isolated.CompiledModule`)
+  from the same one compile."""
+  text, compiled = _dumped_compile(stage, devices, isolated, analyses=True)
+  assert compiled is not None
+  return text, compiled
+
+
+def _dumped_compile(
+  stage: Any, devices: np.ndarray, isolated: bool, analyses: bool
+) -> tuple[str | None, CompiledModule | None]:
   with tempfile.TemporaryDirectory(prefix="automap_hlo_") as dump:
-    compile_directly(stage, devices, isolated=isolated, dump_to=dump)
+    compiled = compile_directly(stage, devices, isolated=isolated, dump_to=dump, analyses=analyses)
     paths = sorted(glob.glob(os.path.join(dump, "*before_spmd-partitioning.txt")))
     if not paths:
-      return None
+      return None, compiled
     with open(paths[-1]) as f:
-      return f.read()
+      return f.read(), compiled
 
 
 def _op_name(attrs: str) -> str:
