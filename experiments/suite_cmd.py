@@ -334,6 +334,7 @@ def run_bench(config: SuiteBenchConfig) -> dict[str, Any]:
   print(json.dumps(summary, indent=1))
   if config.update_best_known:
     families = f" --families {' '.join(config.families)}" if config.families else ""
+    families += f" --cases {' '.join(config.cases)}" if config.cases else ""
     command = (
       f"automap-rl bench suite --split {config.split}{families} --agents {' '.join(config.agents)} "
       f"--budget {config.budget} --seed {config.seed} --update-best-known"
