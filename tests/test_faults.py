@@ -256,9 +256,10 @@ def test_sigterm_to_a_two_process_run_saves_one_step_in_both(
 def test_a_lost_process_ends_the_other_and_a_restart_resumes(
   lost, uninterrupted, uninterrupted_two, tmp_path
 ):
-  """Process 1 lost: the watch of process 0 names it within the timeout, in one line.
-  Process 0 lost: its coordination service with it, JAX's client in process 1 ends it at
-  once (SIGABRT), its fatal log naming the leader task."""
+  """Process 1 lost: the watch of process 0 names it at the timeout. Process 0 lost, its
+  coordination service with it: JAX's client in process 1 aborts at once, and the watch's
+  abort handler names process 0. Either way the survivor's last line is the one error line,
+  and it exits with status 1."""
   run_dir = str(tmp_path / "run")
   procs = start(run_dir, processes=2)
   wait_for_iteration(run_dir, 1, procs)
@@ -269,13 +270,12 @@ def test_a_lost_process_ends_the_other_and_a_restart_resumes(
   waited = time.monotonic() - killed
   procs[lost].wait()
   assert waited < PEER_TIMEOUT + 5  # The watch's timeout, and the process's exit.
-  if lost == 1:
-    assert survivor.returncode == 1, out[-3000:]
-    (line,) = [line for line in out.splitlines() if "error:" in line]
-    assert line.startswith("automap-rl: error: lost process 1 of 2: no sign of life for 10 s")
-  else:
-    assert survivor.returncode == -signal.SIGABRT, out[-3000:]
-    assert "Either the leader task was preempted/died" in out
+  assert survivor.returncode == 1, out[-3000:]
+  errors = [line for line in out.splitlines() if line.startswith("automap-rl: error:")]
+  assert errors == out.splitlines()[-1:], out[-3000:]
+  why = "no sign of life for 10 s" if lost == 1 else "its coordination service at localhost:"
+  what = " (the coordinator)" if lost == 0 else ""
+  assert errors[0].startswith(f"automap-rl: error: lost process {lost}{what} of 2: {why}")
   for code, out in outputs(start(run_dir, processes=2)):
     assert code == 0, out[-3000:]
   assert_resumed_as_uninterrupted(run_dir, two_process_reference(uninterrupted_two, uninterrupted))
