@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from agents import checkpoint, train
-from experiments import train_cmd
+from experiments import distributed, train_cmd
 from experiments.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
 _PRESET = train_cmd.PRESETS["smoke"]
@@ -279,6 +279,39 @@ def test_a_lost_process_ends_the_other_and_a_restart_resumes(
   for code, out in outputs(start(run_dir, processes=2)):
     assert code == 0, out[-3000:]
   assert_resumed_as_uninterrupted(run_dir, two_process_reference(uninterrupted_two, uninterrupted))
+
+
+ABORTING = """import os, sys
+from experiments import distributed
+def callback():
+  if sys.argv[1] == "end":
+    os.write(2, b"ended by the handler\\n")
+    os._exit(3)
+handler = distributed.on_abort(callback)
+os.abort()
+"""
+
+
+@pytest.mark.parametrize("how", ["end", "go-on"])
+def test_the_abort_handler_runs_before_an_abort_and_may_end_the_process(how):
+  """`on_abort`'s callback runs when C's `abort()` is called (as JAX's client calls it):
+  one that exits ends the process with its status; one that returns lets the abort end it."""
+  done = subprocess.run(
+    [sys.executable, "-c", ABORTING, how], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
+  if how == "end":
+    assert (done.returncode, done.stderr.splitlines()[-1]) == (3, "ended by the handler")
+  else:
+    assert done.returncode == -signal.SIGABRT, done.stderr[-3000:]
+
+
+def test_reachable_tells_a_listening_port_from_a_closed_one():
+  with socket.socket() as listening:
+    listening.bind(("localhost", 0))
+    listening.listen()
+    address = f"localhost:{listening.getsockname()[1]}"
+    assert distributed.reachable(address, 5.0)
+  assert not distributed.reachable(address, 5.0)
 
 
 def test_wandb_gets_each_iteration_once_across_a_resume(tmp_path):
