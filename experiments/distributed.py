@@ -12,21 +12,28 @@ A lost peer. A process that dies (killed, its host lost) leaves the others waiti
 collective or a barrier. Every process of a run watches the others (`PeerWatch`): each
 counts up a key of `jax.distributed`'s key-value store every second (or 1/20 of the
 timeout), and one whose count has not moved for `peer_timeout` seconds (less the two
-periods it takes to see it) (or, for process 0, whose coordination service
-no longer answers) is lost: the watcher prints one line naming it and exits with status
-1, whatever its main thread is blocked in. JAX's own heartbeat (a process that has sent
-none for twice `peer_timeout` is dead) is the backstop; it ends the process without a
-Python-visible error, so the watch, which reports first, is what the user sees.
+periods it takes to see it) is lost: the watcher prints one line naming it to stderr and
+exits with status 1, whatever its main thread is blocked in. Process 0 serves the
+coordination service; when it is lost, JAX's client in every other process sees the
+service gone at once and aborts the process (C's `abort()`, after its own fatal log; it
+gives Python no other hook). The watch catches that abort with a C-level SIGABRT handler:
+if the coordinator no longer takes connections, it prints the same one line naming
+process 0 and exits with status 1; any other abort goes on. JAX's own heartbeat (a process
+that has sent none for twice `peer_timeout` is dead) is the backstop; it ends the process
+without a Python-visible error, so the watch, which reports first, is what the user sees.
 Restarting every process with the same run directory resumes from the last checkpoint.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
-import sys
+import signal
+import socket
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 from jax._src import distributed as jax_distributed  # Its client, as orbax reads it too.
@@ -108,6 +115,31 @@ def initialize(config: DistributedConfig) -> None:
 
 ALIVE_KEY = "automap_rl/alive"  # ALIVE_KEY/<process>: its count of seconds alive, or DONE.
 DONE = "done"
+_ABORT_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int)
+
+
+def on_abort(callback: Callable[[], None]) -> Callable[[int], None]:
+  """Installs a C-level SIGABRT handler that calls `callback` in the thread that aborts,
+  before the abort goes on (the process ends by SIGABRT when `callback` returns). Python's
+  `signal.signal` cannot do it: its handlers run later, in the main thread, and `abort()`
+  ends the process first. Returns the handler, which must be kept alive."""
+  libc = ctypes.CDLL(None)
+  libc.signal.restype = ctypes.c_void_p
+  libc.signal.argtypes = [ctypes.c_int, _ABORT_HANDLER]
+  handler = _ABORT_HANDLER(lambda signum: callback())
+  libc.signal(signal.SIGABRT, handler)
+  return handler
+
+
+def reachable(address: str, timeout: float) -> bool:
+  """Whether `address` (host:port, the host maybe in brackets) takes a TCP connection
+  within `timeout` seconds."""
+  host, port = address.rsplit(":", 1)
+  try:
+    socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+  except OSError:
+    return False
+  return True
 
 
 class PeerWatch(threading.Thread):
@@ -121,8 +153,10 @@ class PeerWatch(threading.Thread):
     super().__init__(name="peer-watch", daemon=True)
     self.timeout = timeout
     self.client = jax_distributed.global_state.client
+    self.coordinator = jax_distributed.global_state.coordinator_address
     self.me, self.count = jax.process_index(), jax.process_count()
     self.stopped = threading.Event()
+    self.abort_handler = None if self.me == 0 else on_abort(self.aborted)
     PeerWatch.current = self
 
   def run(self) -> None:
@@ -145,17 +179,24 @@ class PeerWatch(threading.Thread):
         elif value != last:
           seen[p] = (value, now)
         elif now - since > self.timeout - 2 * period and not self.stopped.is_set():
-          self.lost(p)
+          self.lost(p, f"no sign of life for {self.timeout:g} s")
 
-  def lost(self, process: int) -> None:
-    """Reports `process` lost and ends this one."""
+  def aborted(self) -> None:
+    """This process aborts (C's SIGABRT): when the coordinator (process 0) takes no
+    connection, JAX's client lost its service, and process 0 is reported lost; else the
+    abort goes on."""
+    if not self.stopped.is_set() and not reachable(self.coordinator, min(5.0, self.timeout)):
+      self.lost(0, f"its coordination service at {self.coordinator} is gone")
+
+  def lost(self, process: int, why: str) -> None:
+    """Reports `process` lost (`why`: the evidence) on stderr and ends this one with
+    status 1 (a direct write: the caller may be a signal handler)."""
     what = " (the coordinator)" if process == 0 else ""
-    print(
-      f"automap-rl: error: lost process {process}{what} of {self.count}: no sign of life for "
-      f"{self.timeout:g} s; restart every process with the same run directory to resume",
-      file=sys.stderr,
-      flush=True,
+    line = (
+      f"automap-rl: error: lost process {process}{what} of {self.count}: {why}; "
+      "restart every process with the same run directory to resume\n"
     )
+    os.write(2, line.encode())
     os._exit(1)
 
   def finish(self) -> None:

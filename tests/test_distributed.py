@@ -10,12 +10,12 @@ bit. The parameters and the optimizer state match to `RTOL`/`ATOL`: the gradient
 over the minibatch, which one device adds in one order and n devices add as n partial
 sums (all-reduced in the collective's order), so they differ by float reassociation;
 so do the second iteration's search policies, searched with those parameters. Measured
-after two iterations of SMOKE on 1 and 4 devices (2-core CPU): parameters at most 6.0e-8
-apart (largest 1.5), optimizer state 1.3e-8, search policies 2.2e-7 (on 2.7% of their
-entries), value targets and features equal: `ATOL` is 1e-6, 4x the largest. The metrics
-are means of these, within `RTOL`; the policy KL is summed term by term
-(`agents.train.loss`), as the cross-entropy less the entropy it was 2.7e-6 apart, the
-reassociation error of a cross-entropy of 3.9 on a KL of 0.19.
+after two iterations of SMOKE on 1 and 4 devices (2-core CPU): parameters at most 1.2e-7
+apart (largest 1.5), optimizer state 1.4e-8, search policies 2.7e-7 (on 2.0% of their
+entries), value targets and features equal: `ATOL` is 1e-6, 3.7x the largest. The metrics
+are means of these, within `RTOL` (the policy KL 1.8e-7 apart on 0.29); the policy KL is
+summed term by term (`agents.train.loss`): as the cross-entropy less the entropy, it
+carries the reassociation error of a cross-entropy of 3.9 (2.7e-6 on a KL of 0.19).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from agents import checkpoint, train
-from experiments import train_cmd
+from experiments import distributed, train_cmd
 from experiments.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
 _PRESET = train_cmd.PRESETS["smoke"]
@@ -256,9 +256,10 @@ def test_sigterm_to_a_two_process_run_saves_one_step_in_both(
 def test_a_lost_process_ends_the_other_and_a_restart_resumes(
   lost, uninterrupted, uninterrupted_two, tmp_path
 ):
-  """Process 1 lost: the watch of process 0 names it within the timeout, in one line.
-  Process 0 lost: its coordination service with it, JAX's client in process 1 ends it at
-  once (SIGABRT), its fatal log naming the leader task."""
+  """Process 1 lost: the watch of process 0 names it at the timeout. Process 0 lost, its
+  coordination service with it: JAX's client in process 1 aborts at once, and the watch's
+  abort handler names process 0. Either way the survivor's last line is the one error line,
+  and it exits with status 1."""
   run_dir = str(tmp_path / "run")
   procs = start(run_dir, processes=2)
   wait_for_iteration(run_dir, 1, procs)
@@ -269,16 +270,48 @@ def test_a_lost_process_ends_the_other_and_a_restart_resumes(
   waited = time.monotonic() - killed
   procs[lost].wait()
   assert waited < PEER_TIMEOUT + 5  # The watch's timeout, and the process's exit.
-  if lost == 1:
-    assert survivor.returncode == 1, out[-3000:]
-    (line,) = [line for line in out.splitlines() if "error:" in line]
-    assert line.startswith("automap-rl: error: lost process 1 of 2: no sign of life for 10 s")
-  else:
-    assert survivor.returncode == -signal.SIGABRT, out[-3000:]
-    assert "Either the leader task was preempted/died" in out
+  assert survivor.returncode == 1, out[-3000:]
+  errors = [line for line in out.splitlines() if line.startswith("automap-rl: error:")]
+  assert errors == out.splitlines()[-1:], out[-3000:]
+  why = "no sign of life for 10 s" if lost == 1 else "its coordination service at localhost:"
+  what = " (the coordinator)" if lost == 0 else ""
+  assert errors[0].startswith(f"automap-rl: error: lost process {lost}{what} of 2: {why}")
   for code, out in outputs(start(run_dir, processes=2)):
     assert code == 0, out[-3000:]
   assert_resumed_as_uninterrupted(run_dir, two_process_reference(uninterrupted_two, uninterrupted))
+
+
+ABORTING = """import os, sys
+from experiments import distributed
+def callback():
+  if sys.argv[1] == "end":
+    os.write(2, b"ended by the handler\\n")
+    os._exit(3)
+handler = distributed.on_abort(callback)
+os.abort()
+"""
+
+
+@pytest.mark.parametrize("how", ["end", "go-on"])
+def test_the_abort_handler_runs_before_an_abort_and_may_end_the_process(how):
+  """`on_abort`'s callback runs when C's `abort()` is called (as JAX's client calls it):
+  one that exits ends the process with its status; one that returns lets the abort end it."""
+  done = subprocess.run(
+    [sys.executable, "-c", ABORTING, how], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
+  if how == "end":
+    assert (done.returncode, done.stderr.splitlines()[-1]) == (3, "ended by the handler")
+  else:
+    assert done.returncode == -signal.SIGABRT, done.stderr[-3000:]
+
+
+def test_reachable_tells_a_listening_port_from_a_closed_one():
+  with socket.socket() as listening:
+    listening.bind(("localhost", 0))
+    listening.listen()
+    address = f"localhost:{listening.getsockname()[1]}"
+    assert distributed.reachable(address, 5.0)
+  assert not distributed.reachable(address, 5.0)
 
 
 def test_wandb_gets_each_iteration_once_across_a_resume(tmp_path):
