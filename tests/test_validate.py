@@ -354,10 +354,11 @@ def test_random_pipelined_plans_are_lowered_run_and_counted(tmp_path):
     assert pipeline["stages"] in (1, int(sizes[pipeline["axis"]]))
     assert pipeline["microbatches"] in (4, 8)
     assert case["numerics_ok"] and case["lowering_error"] is None and case["reference"] == "float64"
-    assert (
-      case["compiled"]["collective_permute_bytes"] > 0
-      and case["simulated"]["collective_permute_bytes"] > 0
-    )
+    if pipeline["stages"] > 1:  # Gradient accumulation (one stage) sends nothing.
+      assert (
+        case["compiled"]["collective_permute_bytes"] > 0
+        and case["simulated"]["collective_permute_bytes"] > 0
+      )
     assert pipeline["stages"] == 1 or not any(
       f"axis='{pipeline['axis']}'" in d for d in case["decisions"]
     )
