@@ -98,7 +98,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def dropout(x: jax.Array, rate: float, keys: jax.Array | None, site: int) -> jax.Array:
+def apply_dropout(x: jax.Array, rate: float, keys: jax.Array | None, site: int) -> jax.Array:
   """Inverted dropout of `x` [b, ...] at `rate`, sequence b's mask from `keys[b]` (typed
   PRNG keys [b]) folded with `site` (where in the model it applies); `x` where `keys` is
   None or the rate 0."""
@@ -132,7 +132,7 @@ class CausalSelfAttention(nn.Module):
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-    weights = dropout(jax.nn.softmax(logits, axis=-1), self.dropout, keys, 0)
+    weights = apply_dropout(jax.nn.softmax(logits, axis=-1), self.dropout, keys, 0)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
     return nn.DenseGeneral(d_model, axis=(-2, -1), name="out")(out)
 
@@ -166,9 +166,9 @@ class Block(nn.Module):
     if keys is not None:
       keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, layer)
     attn = CausalSelfAttention(self.heads, self.fused_attention, self.dropout, name="attn")
-    x = x + dropout(attn(nn.LayerNorm(name="ln1")(x), keys), self.dropout, keys, 1)
+    x = x + apply_dropout(attn(nn.LayerNorm(name="ln1")(x), keys), self.dropout, keys, 1)
     y, aux_loss = self.ffn(name="mlp")(nn.LayerNorm(name="ln2")(x))
-    return x + dropout(y, self.dropout, keys, 2), aux_loss
+    return x + apply_dropout(y, self.dropout, keys, 2), aux_loss
 
 
 class Transformer(nn.Module):
@@ -186,7 +186,7 @@ class Transformer(nn.Module):
     keys = None if dropout_seeds is None else jax.vmap(jax.random.key)(dropout_seeds)
     x = nn.Embed(cfg.vocab, cfg.d_model, name="embed")(tokens)
     pos = self.param("pos_embed", nn.initializers.normal(0.02), (cfg.seq, cfg.d_model))
-    x = dropout(x + pos[: tokens.shape[-1]], cfg.dropout, keys, cfg.layers)
+    x = apply_dropout(x + pos[: tokens.shape[-1]], cfg.dropout, keys, cfg.layers)
     block_cls = nn.remat(Block) if cfg.remat else Block
     block_args = (cfg.heads, self.ffn, cfg.fused_attention, cfg.dropout)
     if cfg.scan:
@@ -223,7 +223,8 @@ def make_lm_workload(
   tokens = jax.random.randint(data_key, (config.batch, config.seq + 1), 0, config.vocab, jnp.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
   if config.dropout:
-    batch["dropout_seeds"] = jax.random.bits(data_key, (config.batch,), jnp.uint32)
+    seeds_key = jax.random.fold_in(data_key, 1)  # Not the tokens' key.
+    batch["dropout_seeds"] = jax.random.bits(seeds_key, (config.batch,), jnp.uint32)
 
   def loss_fn(params, batch):
     logits, aux_loss = model.apply(
