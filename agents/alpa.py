@@ -11,7 +11,9 @@ consecutive layers laid along one mesh axis, each on an equal slice of it):
   intra-op plans of the pipelined experts, `tactics.applicable_pipelines`, which are also
   candidates as they are) inside the stages, without its decisions on the stage axis
   where the stages take that axis whole (with S a proper divisor of the axis, both with
-  and without them).
+  and without them); a plan that stores weights split over its batch axes (ZeRO, FSDP)
+  both with them gathered in every microbatch and once a step
+  (`Pipeline.gather_weights_once`).
 * Alpa's stage-slicing dynamic program, for an unrolled stack: the best balanced
   pipelines are priced once more with one layer moved from the last stage to the first,
   which gives each stage's microbatch time and peak memory as a line in its layer count
@@ -171,9 +173,10 @@ def search(
   stacks = problem.layer_stacks
   for pipeline in _pipelines(problem, stacks, config):
     for plan in _inside(experts, pipeline, problem):
-      if state.done():
-        break
-      state.price(plan, pipeline)
+      for variant in _storage_variants(problem, plan, pipeline):
+        if state.done():
+          break
+        state.price(plan, variant)
     if state.done():
       break
   balanced = sorted(
@@ -229,6 +232,16 @@ def _pipelines(
               continue
             if not pipeline.trivial:
               yield pipeline
+
+
+def _storage_variants(
+  problem: Problem, plan: Sequence[Decision], pipeline: Pipeline
+) -> tuple[Pipeline, ...]:
+  """`pipeline`, and where `plan` stores weights split over its batch axes (ZeRO, FSDP)
+  also with them gathered once a step (`Pipeline.gather_weights_once`)."""
+  if not problem.weights_split_over_batch(plan):
+    return (pipeline,)
+  return pipeline, dataclasses.replace(pipeline, gather_weights_once=True)
 
 
 def _even_split(layers: int, stages: int) -> tuple[int, ...]:

@@ -19,6 +19,13 @@ Schedules (the bubble is the share of the step that stages wait):
   to (S - 1) / V stage-times.
 
 With S = 1 and M = 1 a plan is exactly the plan without a pipeline.
+
+Weights stored split over the batch axes (ZeRO, FSDP) are gathered where they are used,
+in every microbatch; with `gather_weights_once` the loop instead receives them gathered
+over the batch axes once a step and reduces their gradients once after it, as Megatron-LM's
+distributed optimizer, MaxText's `pipeline_fsdp_ag_once` and Llama 3's FSDP without
+resharding after the forward pass run: the optimizer state stays split, the stage holds
+its weights and their gradient sums whole over those axes for the step.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ class Pipeline:
     stack: which of the program's layer stacks (`ir.stacks.layer_stacks`, in their order).
     layers_per_chunk: layers of each of the S * V chunks, in layer order (chunk c runs
       on stage c mod S); None: L / (S * V) each. A scanned stack splits evenly only.
+    gather_weights_once: weights split over the batch axes are gathered once a step
+      before the microbatch loop and their gradients reduced once after it (module
+      docstring), not gathered and reduced in every microbatch.
   """
 
   axis: str
@@ -67,8 +77,11 @@ class Pipeline:
   chunks: int = 1
   stack: int = 0
   layers_per_chunk: tuple[int, ...] | None = None
+  gather_weights_once: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.gather_weights_once, (bool, np.bool_)):
+      raise ValueError(f"pipeline gather_weights_once={self.gather_weights_once!r} must be a bool")
     for name in ("stages", "microbatches", "chunks"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -263,4 +276,5 @@ class Pipeline:
       f"pipeline of stack {self.stack} over {self.axis!r}: {self.stages} stages, "
       f"{self.microbatches} "
       f"microbatches, {self.schedule}{chunks}"
+      + (", weights gathered once a step" if self.gather_weights_once else "")
     )

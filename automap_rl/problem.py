@@ -14,7 +14,7 @@ from automap_rl import ir, sharding, simulator
 from automap_rl.batching import next_power_of_two
 from automap_rl.compile_options import SearchJit
 from automap_rl.ir.stacks import LayerStack, layer_stacks
-from automap_rl.mesh import Mesh
+from automap_rl.mesh import Mesh, spec_axes
 from automap_rl.pipeline import Pipeline
 from automap_rl.stages import StagedProgram
 
@@ -146,6 +146,22 @@ class Problem:
   def partition_specs(self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int]):
     """`PartitionSpec`s of the given values under `decisions`."""
     return self.value_and_op_specs(decisions, value_ids, ())[0]
+
+  def batch_axes(self, decisions: Sequence[sharding.Decision]) -> tuple[str, ...]:
+    """The mesh axes `decisions` split the batch dim (dim 0 of the batch inputs) over."""
+    inputs = self.program.batch_inputs
+    return spec_axes(self.partition_specs(decisions, inputs[:1])[0], 1)[0] if inputs else ()
+
+  def weights_split_over_batch(self, decisions: Sequence[sharding.Decision]) -> bool:
+    """Whether `decisions` store a parameter split over an axis they split the batch over
+    (ZeRO, FSDP): what `Pipeline.gather_weights_once` can gather once a step."""
+    rows = set(self.batch_axes(decisions))
+    program = self.program
+    params = [v for v in program.inputs if program.values[v].role == ir.Role.PARAMETER]
+    return any(
+      rows & {a for axes in spec_axes(spec, len(program.values[v].shape)) for a in axes}
+      for v, spec in zip(params, self.partition_specs(decisions, params))
+    )
 
   def value_and_op_specs(
     self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int], op_ids: Sequence[int]

@@ -121,6 +121,9 @@ class StagedProgram:
     loop_invariant: per op, per operand, whether the read is of a value made once per
       step (an argument, a step op's result) by an op that runs per microbatch: XLA
       hoists its resharding out of the loop, bool tuples.
+    weight_reads: per op, per operand, whether a microbatch op reads a value the batch
+      does not reach (a weight, a slice of a stacked weight, what is made of them): what
+      `Pipeline.gather_weights_once` gathers before the loop, bool tuples.
     value_stage: stage of each value: its producer's; an argument's first reader's (0
       when unread), int [num_values].
     residual_stages: per value made in the forward pass's time and read in the backward
@@ -139,6 +142,7 @@ class StagedProgram:
   op_phase: np.ndarray
   forward: np.ndarray
   loop_invariant: tuple[tuple[bool, ...], ...]
+  weight_reads: tuple[tuple[bool, ...], ...]
   value_stage: np.ndarray
   residual_stages: dict[int, frozenset[int]]
   transfers: tuple[Transfer, ...]
@@ -178,6 +182,7 @@ class StagedProgram:
       phase,
       forward_time,
       _loop_invariant_reads(program, phase),
+      _weight_reads(program, phase),
       value_stage,
       _residuals(program, graph, phase, forward_time, op_stage),
       _transfers(program, graph, stack, pipeline.stages, phase, forward_time, op_stage),
@@ -221,6 +226,19 @@ def _loop_invariant_reads(program: Program, phase: np.ndarray) -> tuple[tuple[bo
     made_per_step[list(op.results)] = phase[op.id] == Phase.STEP
   return tuple(
     tuple(bool(phase[op.id] != Phase.STEP and made_per_step[v]) for v in op.operands)
+    for op in program.ops
+  )
+
+
+def _weight_reads(program: Program, phase: np.ndarray) -> tuple[tuple[bool, ...], ...]:
+  """Per op, per operand: a microbatch op reading a value the batch (the inputs of role
+  `input`) does not reach."""
+  on_batch = np.array([v.role == Role.INPUT for v in program.values])
+  for op in program.ops:
+    if any(on_batch[v] for v in op.operands):
+      on_batch[list(op.results)] = True
+  return tuple(
+    tuple(bool(phase[op.id] != Phase.STEP and not on_batch[v]) for v in op.operands)
     for op in program.ops
   )
 

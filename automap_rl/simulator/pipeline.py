@@ -47,7 +47,9 @@ microbatch size). From those terms:
   gradients only over the axes it is manual over (`manual_axes`): the stage axis, and the
   batch axes where no stacked weight is split over them other than on its layer dim. A
   reduction over any other axis XLA runs in every tick, where the gradient is made: it
-  is a microbatch collective of the loop.
+  is a microbatch collective of the loop. With `Pipeline.gather_weights_once` the loop is
+  manual over the batch axes whatever the weights' storage, and the reads of weights
+  (`StagedProgram.weight_reads`) reshard once a step, before the loop.
 
 step time = steady + bubble + transfer + gradient_reduction + update, exactly.
 
@@ -57,9 +59,11 @@ counts them; a scanned stack's rows at L / S layers; the first stage's embedding
 last stage's head and loss at microbatch size) plus its gathered operand copies, plus
 (in flight - 1) sets of its residuals (the activations its forward makes for its
 backward: with remat only the layer inputs; `Pipeline.in_flight`: M under GPipe, S - s
-on stage s under 1F1B), plus the accumulated gradients (as stored) where the loop runs
-more than one iteration (it sums the gradients over its iterations, the bubble's
-included). The step's peak is the largest stage's. With S = 1 this is gradient
+on stage s under 1F1B), plus the accumulated gradients where the loop runs more than one
+iteration (it sums the gradients over its iterations, the bubble's included). The loop
+receives its weights whole over the axes it is manual over and sums their gradients so:
+a stage whose weights are stored split over those axes holds a gathered copy of them and
+its sums at that size. The step's peak is the largest stage's. With S = 1 this is gradient
 accumulation: one microbatch's activations and the gradient sums.
 
 The terms are a pure function of arrays (`pipeline_cost` jits with the tables as
@@ -70,6 +74,7 @@ per-stage live rows) is numpy, once per program, mesh and pipeline.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import chex
@@ -77,6 +82,7 @@ import jax
 import jax.numpy as jnp
 
 from automap_rl.sharding import Resolution
+from automap_rl.simulator.collectives import axes_of, group_size
 from automap_rl.simulator.cost import Cost, CostTerms, terms
 from automap_rl.simulator.overlap import unhidden
 from automap_rl.simulator.pipeline_tables import PipelineTables
@@ -182,8 +188,9 @@ def _permute(t: PipelineTables, nbytes: jax.Array) -> jax.Array:
 def manual_axes(t: PipelineTables, value_mask: jax.Array) -> jax.Array:
   """The mesh axes (bit mask of the stage mesh's) the lowered loop is manual over besides
   the stage axis: the plan's batch axes (its mask of the batch's dim 0), where no stacked
-  weight is split over them other than on its layer dim; else none. `value_mask` is the
-  full program's [Uv_full, Rv]; int8 []."""
+  weight is split over them other than on its layer dim or the weights are gathered once
+  a step (`Pipeline.gather_weights_once`); else none. `value_mask` is the full program's
+  [Uv_full, Rv]; int8 []."""
   value_mask = value_mask.astype(jnp.int8)
   rows = jnp.where(
     t.batch_signature >= 0, value_mask[jnp.maximum(t.batch_signature, 0), 0], 0
@@ -191,7 +198,51 @@ def manual_axes(t: PipelineTables, value_mask: jax.Array) -> jax.Array:
   weights = jnp.where(
     (t.stacked_signatures >= 0)[:, None], value_mask[jnp.maximum(t.stacked_signatures, 0), 1:], 0
   )
-  return jnp.where(jnp.any((weights & rows) != 0), jnp.int8(0), rows)
+  split = jnp.any((weights & rows) != 0) & ~t.gather_weights_once
+  return jnp.where(split, jnp.int8(0), rows)
+
+
+def _gathered_weight_bytes(
+  t: PipelineTables, value_mask: jax.Array, inverse_shards: jax.Array
+) -> jax.Array:
+  """Per stage, the bytes per device of its accumulated gradients' sums (as many as its
+  weights') held whole over the axes the loop is manual over, as the loop holds them, and
+  its weights gathered once a step (`Pipeline.gather_weights_once`), [S]. `value_mask`:
+  the full program's [Uv_full, Rv]; `inverse_shards`: 1 / each split value signature's
+  shards, [Uv]."""
+  masks = value_mask.astype(jnp.int8)[t.value_source]  # [Uv, Rv]
+  axes = functools.reduce(jnp.bitwise_or, [masks[:, d] for d in range(masks.shape[1])])
+  over_manual = group_size(t.tables, axes_of(t.tables, axes & manual_axes(t, value_mask)))
+  return t.accumulator_bytes @ (inverse_shards * over_manual)
+
+
+def _without_weight_gathers(plan: CostTerms, edges: jax.Array) -> CostTerms:
+  """`plan` without the all-gathers of the `edges` [E] and their gathered copies: the
+  reads of weights a loop receives gathered once a step (`_weight_gather` prices that)."""
+  keep = (~edges).astype(jnp.float32)
+  gather = plan.gather
+  return plan.replace(
+    gather=type(gather)(*(field * keep for field in gather)),
+    gathered_bytes=plan.gathered_bytes * keep,
+    transient_bytes=plan.transient_bytes * keep,
+  )
+
+
+def _weight_gather(
+  t: PipelineTables, value_mask: jax.Array, received: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Bytes per device and seconds, per stage [S] each, of gathering a stage's weights over
+  the axes the loop is manual over once a step, before it (`Pipeline.gather_weights_once`):
+  a ring all-gather over n devices in which each receives `received` [S] bytes (its
+  weights whole less its own shard). Its bytes are the gathered buffer's, received n /
+  (n - 1) (the convention of `xla.hlo.collectives`). Zero without `gather_weights_once`."""
+  manual = manual_axes(t, value_mask).astype(jnp.uint8)
+  devices = jnp.asarray(t.tables.mask_group)[manual]
+  per_byte = jnp.asarray(t.tables.mask_seconds_per_byte)[manual]
+  latency = (devices - 1.0) * jnp.asarray(t.tables.mask_latency)[manual]
+  received = jnp.where(t.gather_weights_once & (devices > 1), received, 0.0)
+  gathered = received * devices / jnp.maximum(devices - 1.0, 1.0)
+  return gathered, jnp.where(received > 0, received * per_byte + latency, 0.0)
 
 
 class _Placement(NamedTuple):
@@ -425,13 +476,17 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   plan = terms(
     t.tables, Resolution(value_mask=value_mask[t.value_source], op_mask=op_mask[t.op_source])
   )
+  plan = _without_weight_gathers(plan, t.gather_weights_once & t.edge_weight_read)
   num_stages, m, v = t.stages, t.microbatches, t.chunks
   where = _placement(t, plan, value_mask)
   inverse_shards = 1.0 / plan.value_shards
   residual = t.residual_bytes @ inverse_shards  # [S]
-  sums = t.accumulator_bytes @ inverse_shards  # [S]
+  stored_sums = t.accumulator_bytes @ inverse_shards  # [S]
+  sums = _gathered_weight_bytes(t, value_mask, inverse_shards)  # As the loop sums them.
   iterations = m * v + num_stages - 1
   stage = _stage_seconds(t, plan, where, residual, sums)
+  weight_gather_bytes, weight_gather_s = _weight_gather(t, value_mask, sums - stored_sums)
+  stage["update_stage_s"] = stage["update_stage_s"] + weight_gather_s
   stage_summed, stage_sum_s = _stage_sum(t, inverse_shards)
   stage["gradient_reduction_stage_s"] = stage["gradient_reduction_stage_s"] + stage_sum_s
   microbatch = stage["microbatch_compute_s"] + stage["microbatch_comm_s"]
@@ -444,12 +499,16 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   comm_bytes, comm_count = _collectives(t, plan, where, sent)
   comm_bytes = comm_bytes.at[0].add(stage_summed)  # `COMM_KINDS`: all-reduce first.
   comm_count = comm_count.at[0].add((stage_summed > 0).astype(jnp.float32))
+  comm_bytes = comm_bytes.at[1].add(weight_gather_bytes)  # Then the all-gathers.
+  comm_count = comm_count.at[1].add((weight_gather_bytes > 0).astype(jnp.float32))
 
   live = jnp.max(t.live_rows @ inverse_shards, axis=1)
+  # The loop's weights enter it whole over its manual axes and their gradients are summed
+  # whole: a stage whose weights are stored split over those axes holds a gathered copy.
   largest_transient = jnp.max(
     plan.transient_bytes[:, None] * where.edge_stages, axis=0, initial=0.0
   )
-  gathered = plan.gathered_bytes @ where.edge_stages + largest_transient
+  gathered = plan.gathered_bytes @ where.edge_stages + largest_transient + sums - stored_sums
   accumulator = jnp.where(iterations > 1, sums, 0.0)
   peak = live + gathered + (t.in_flight - 1.0) * residual + accumulator
 

@@ -48,6 +48,9 @@ class PipelineTables:
       (`StagedProgram.looped`; a value: its producer), bool [Uv], [Uo].
     edge_invariant: operand edges of microbatch ops that read a value made once per
       step (resharded once, before the microbatch loop), bool [E].
+    edge_weight_read: operand edges of microbatch ops that read a value the batch does
+      not reach (`StagedProgram.weight_reads`), bool [E].
+    gather_weights_once: `Pipeline.gather_weights_once`, bool [].
     live_rows: per stage, its values' live-bytes rows (other stages' columns zero; rows of
       zeros pad T to a power of two, at least 64), float32 [S, T, Uv].
     residual_bytes: per stage, the global bytes of the residuals it keeps for one
@@ -90,6 +93,8 @@ class PipelineTables:
   value_looped: np.ndarray
   op_looped: np.ndarray
   edge_invariant: np.ndarray
+  edge_weight_read: np.ndarray
+  gather_weights_once: np.ndarray
   live_rows: np.ndarray
   residual_bytes: np.ndarray
   accumulator_bytes: np.ndarray
@@ -121,7 +126,8 @@ def build_pipeline_tables(
   tables = build_cost_tables(program, sigs, staged.mesh)
   value_stages = _stages_of(staged.value_stage[value_rep], num_stages)
   op_stages = _stages_of(staged.op_stage[op_rep], num_stages)
-  edge_invariant = _edge_invariant(staged, sigs)
+  edge_invariant = _operand_edges(staged, sigs, staged.loop_invariant)
+  edge_weight_read = _operand_edges(staged, sigs, staged.weight_reads)
   residuals, accumulated, sent = _stage_bytes(staged, sigs)
   # Padded to the largest mesh axis and to power-of-two sizes, with rows that add nothing:
   # every pipeline of a program on a mesh has tables of a few shapes (one compile each).
@@ -152,6 +158,8 @@ def build_pipeline_tables(
     value_looped=_pad(looped_value[value_rep], uv, False),
     op_looped=_pad(staged.looped[op_rep], uo, False),
     edge_invariant=_pad(edge_invariant, next_power_of_two(len(edge_invariant), 16), False),
+    edge_weight_read=_pad(edge_weight_read, next_power_of_two(len(edge_weight_read), 16), False),
+    gather_weights_once=np.bool_(pipeline.gather_weights_once),
     live_rows=_live_rows(staged, sigs, value_stages, kinds, capacity, uv),
     residual_bytes=zeros(residuals, capacity, uv),
     accumulator_bytes=zeros(accumulated, capacity, uv),
@@ -193,16 +201,19 @@ def _stages_of(stage: np.ndarray, num_stages: int) -> np.ndarray:
   )
 
 
-def _edge_invariant(staged: StagedProgram, sigs: Signatures) -> np.ndarray:
-  """Per operand edge of the split signatures, whether it reads a loop-invariant value
-  (results' edges: False), bool [E]."""
-  invariant = np.zeros(len(sigs.op_keys), object)
+def _operand_edges(
+  staged: StagedProgram, sigs: Signatures, reads: tuple[tuple[bool, ...], ...]
+) -> np.ndarray:
+  """Per edge of the split signatures, the flag `reads` gives its op's operand (a
+  `StagedProgram` per-op, per-operand table, by which the signatures are split; results'
+  edges: False), bool [E]."""
+  flags = np.zeros(len(sigs.op_keys), object)
   for op in staged.program.ops:
     if sigs.op_sig[op.id] >= 0:
-      invariant[sigs.op_sig[op.id]] = staged.loop_invariant[op.id]
+      flags[sigs.op_sig[op.id]] = reads[op.id]
   return np.concatenate(
     [
-      np.array([*invariant[sig], *[False] * len(results)], bool)
+      np.array([*flags[sig], *[False] * len(results)], bool)
       for sig, (_, _, _, results, _) in enumerate(sigs.op_keys)
     ]
     or [np.zeros(0, bool)]
@@ -386,7 +397,8 @@ def _split_signatures(
 ) -> tuple[Signatures, np.ndarray, np.ndarray]:
   """The microbatch program's signatures (`sharding.signatures`) split by stage, phase and
   whether they run in the stages' loop (`value_phase`, `looped_value`: of each value,
-  [num_values]), and op signatures also by which operand reads are loop-invariant; with
+  [num_values]), and op signatures also by which operand reads are loop-invariant and which
+  read weights; with
   one value and one op of each (value and op ids, int [Uv], [Uo])."""
   program = staged.program
   base = sharding.signatures(program, named)
@@ -433,6 +445,7 @@ def _split_signatures(
       int(staged.op_phase[op.id]),
       bool(staged.looped[op.id]),
       staged.loop_invariant[op.id],
+      staged.weight_reads[op.id],
     )
     if split not in op_index:
       op_index[split] = len(op_keys)

@@ -166,8 +166,11 @@ class ParallelDegrees:
       parallelism) or on the model width ('embedding': T5X's 2-D activation partitioning,
       GSPMD's layout of PaLM).
     zero: parameters, gradients and optimizer state also stored sharded over `data`
-      (ZeRO-3 / FSDP), gathered at use. Megatron's distributed optimizer (ZeRO-1: optimizer
-      state alone sharded) is not a decision list; rows that ran it say so in their notes.
+      (ZeRO-3 / FSDP), gathered at use.
+    gather_weights_once: with microbatches, the weights stored sharded over the batch
+      axes are gathered once a step and their gradients reduced once
+      (`Pipeline.gather_weights_once`): with `zero`, Megatron-LM's distributed optimizer
+      and FSDP without resharding after the forward pass.
   """
 
   tensor: int = 1
@@ -181,6 +184,7 @@ class ParallelDegrees:
   recompute: bool = True
   activation_split: str = ""
   zero: bool = False
+  gather_weights_once: bool = False
 
   @property
   def degrees(self) -> dict[str, int]:
@@ -214,7 +218,8 @@ class ParallelDegrees:
     flags = {
       "sp": self.activation_split == "sequence",
       "2d-act": self.activation_split == "embedding",
-      "zero3": self.zero,
+      "zero3": self.zero and not self.gather_weights_once,
+      "zero-gathered-once": self.zero and self.gather_weights_once,
       "remat": self.recompute,
     }
     return " ".join(parts + [flag for flag, on in flags.items() if on])
@@ -332,10 +337,21 @@ def published_plan(problem: Problem, run: PublishedRun) -> tuple[list[Decision],
   if plan.pipeline > 1:
     stack = tactics._largest_stack(problem)[0]
     pipeline = Pipeline(
-      "stage", plan.pipeline, microbatches, plan.schedule, chunks=plan.chunks, stack=stack
+      "stage",
+      plan.pipeline,
+      microbatches,
+      plan.schedule,
+      chunks=plan.chunks,
+      stack=stack,
+      gather_weights_once=plan.gather_weights_once,
     )
   elif microbatches > 1:
-    pipeline = Pipeline(batch_axes[0], stages=1, microbatches=microbatches)
+    pipeline = Pipeline(
+      batch_axes[0],
+      stages=1,
+      microbatches=microbatches,
+      gather_weights_once=plan.gather_weights_once,
+    )
   else:
     pipeline = None
   return decisions, pipeline
@@ -439,8 +455,9 @@ _LLAMA3_NOTES = (
   "paper gives the first and last stage one layer less)",
   "the paper's interleaved schedule with 2 chunks per stage and microbatch size 1: estimates "
   "(neither is stated)",
-  "ZeRO-3 storage over data for the paper's FSDP (which keeps parameters gathered between "
-  "forward and backward); full recomputation is an estimate (not stated)",
+  "the paper's FSDP as Sec. 3.3.2 describes it: parameters, gradients and optimizer state "
+  "stored sharded over data, the weights not resharded after the forward pass (gathered once "
+  "a step); full recomputation is an estimate (not stated)",
   "flop formula not stated: Megatron-LM's assumed",
 )
 
@@ -455,7 +472,13 @@ def _llama3_run(gpus: int, data: int, tflops: float) -> PublishedRun:
     shape=Shape(126, 16384, 128, 128, 8, 53248, 128256, gated=True),
     mesh=f"stage=16,data={data},model=8",
     plan=ParallelDegrees(
-      tensor=8, pipeline=16, data=data, schedule="interleaved", chunks=2, zero=True
+      tensor=8,
+      pipeline=16,
+      data=data,
+      schedule="interleaved",
+      chunks=2,
+      zero=True,
+      gather_weights_once=True,
     ),
     batch=2048,
     seq=8192,
@@ -559,8 +582,9 @@ RUNS: tuple[PublishedRun, ...] = (
     notes=(
       "the README ties 468 TFLOPS to MCore v0.9 and the mapping (64 GPUs, TP1 EP8 PP4 VP8, "
       "MBS 1, GBS 256, seq 4096) to v0.8: pairing them is an estimate",
-      "the distributed optimizer (ZeRO-1) is not expressible: optimizer state replicated over "
-      "data; no recomputation (the mapping lists none)",
+      "optimizer state replicated over data: the distributed optimizer, as ZeRO storage with the "
+      "weights gathered once a step, would gather over the expert axis too (the loop's batch "
+      "axes); no recomputation (the mapping lists none)",
       "GELU experts of width 21504 (same flops and parameters) simulated for SwiGLU experts of "
       "width 14336; multi-head for 8 KV groups; GShard dispatch (capacity factor 1) for dropless",
     ),

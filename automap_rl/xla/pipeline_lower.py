@@ -65,7 +65,6 @@ from automap_rl.xla.staged_loss import scheduled_value_and_grad
 from automap_rl.xla.step_pins import StepPins, pinned_loss
 
 __all__ = [
-  "batch_axes",
   "check_lowerable",
   "jit_pipelined",
   "lower_pipelined",
@@ -82,12 +81,14 @@ def manual_rows(
   batch: Any,
   microbatches: int,
   mesh: jax.sharding.Mesh,
+  gather_weights_once: bool = False,
 ) -> tuple[str, ...]:
   """The batch axes a pipeline's loop runs manual over besides the stage axis (as
   `simulator.pipeline.manual_axes` prices it): the plan's batch axes where no stacked
-  weight is split over them other than on its layer dim and every leaf of `batch` [B, ...]
-  has microbatches [B / M, ...] whose rows divide over them; else none."""
-  rows = batch_axes(problem, decisions)
+  weight is split over them other than on its layer dim (or `gather_weights_once`
+  gathers the weights before the loop) and every leaf of `batch` [B, ...] has
+  microbatches [B / M, ...] whose rows divide over them; else none."""
+  rows = problem.batch_axes(decisions)
   program = problem.program
   stacked = stack.stacked_inputs(program, problem.named)
   weights_on_rows = any(
@@ -98,7 +99,7 @@ def manual_rows(
   divides = all(
     (x.shape[0] // microbatches) % splits == 0 for x in jax.tree_util.tree_leaves(batch)
   )
-  return rows if rows and divides and not weights_on_rows else ()
+  return rows if rows and divides and (gather_weights_once or not weights_on_rows) else ()
 
 
 # A step with model state (batch norm's statistics) normalizes each microbatch by its own
@@ -176,13 +177,6 @@ def staged_specs(
   return out
 
 
-def batch_axes(problem: Problem, decisions: Sequence[Decision]) -> tuple[str, ...]:
-  """The mesh axes the plan splits the batch dim (dim 0 of the batch inputs) over."""
-  program = problem.program
-  inputs = program.batch_inputs
-  return spec_axes(problem.partition_specs(decisions, inputs[:1])[0], 1)[0] if inputs else ()
-
-
 def split_stage_axis(
   jax_mesh: jax.sharding.Mesh, pipeline: Pipeline
 ) -> tuple[jax.sharding.Mesh, Pipeline]:
@@ -241,16 +235,24 @@ def jit_pipelined(
   named = [NamedSharding(jax_mesh, s) for s in specs]
   n = len(program.inputs)
   in_shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tuple(args)), named[:n])
+  rows = row_constrainer(jax_mesh, problem.batch_axes(decisions), pipeline.microbatches)
+  pins = StepPins.build(problem, decisions)
+  manual = manual_rows(
+    problem,
+    decisions,
+    stack,
+    args[2],
+    pipeline.microbatches,
+    jax_mesh,
+    pipeline.gather_weights_once,
+  )
   if pipeline.stages == 1:
-    rows = row_constrainer(jax_mesh, batch_axes(problem, decisions), pipeline.microbatches)
-    pins = StepPins.build(problem, decisions)
-    micro_loss = pinned_loss(loss_fn, problem, pins, jax_mesh, pipeline.microbatches)
-    value_and_grad = accumulated(micro_loss, pipeline.microbatches, in_shardings[0], rows)
+    micro_loss = pinned_loss(
+      loss_fn, problem, pins, jax_mesh, pipeline.microbatches, frozenset(manual)
+    )
+    value_and_grad = accumulated(micro_loss, pipeline.microbatches, in_shardings[0], rows, manual)
     step = train_step(value_and_grad, optimizer)
   else:
-    rows = row_constrainer(jax_mesh, batch_axes(problem, decisions), pipeline.microbatches)
-    pins = StepPins.build(problem, decisions)
-    manual = manual_rows(problem, decisions, stack, args[2], pipeline.microbatches, jax_mesh)
     value_and_grad = scheduled_value_and_grad(
       loss_fn, pipeline, stack, problem, pins, jax_mesh, rows, manual, uniform
     )

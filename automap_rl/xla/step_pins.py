@@ -134,21 +134,24 @@ def pinned_loss(
   pins: StepPins,
   mesh: jax.sharding.Mesh,
   microbatches: int,
+  manual: frozenset[str] = frozenset(),
 ) -> Callable[[Any, Any], Any]:
-  """`loss(params, micro)`: `loss_fn` on a microbatch (every batch leaf [B / M, ...]),
+  """`loss(params, micro)`: `loss_fn` on a microbatch (every batch leaf [B / M, ...], or a
+  device's rows of it [B / (M R), ...] under a `shard_map` `manual` over R devices),
   evaluated equation by equation (rematerialization and custom derivative rules kept: it
   is differentiated after), each equation pinned as its counterpart in the planned step
   (the whole batch's loss aligned with the step, the microbatch's equations taking the
-  pins of those at the same origins with the same primitive)."""
+  pins of those at the same origins with the same primitive), without the `manual` axes."""
   if problem.program.jaxpr is None:
     raise ValueError(
       "lowering pins the plan through the traced step's jaxpr; this program has none "
       "(build it with automap_rl.ir.trace)"
     )
+  ratio = microbatches * math.prod(mesh.shape[a] for a in manual)
 
   def loss(params: Any, micro: Any) -> Any:
     whole = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct((x.shape[0] * microbatches, *x.shape[1:]), x.dtype), micro
+      lambda x: jax.ShapeDtypeStruct((x.shape[0] * ratio, *x.shape[1:]), x.dtype), micro
     )
     closed_whole = jax.make_jaxpr(loss_fn)(params, whole)
     aligned = loss_alignment(closed_whole, problem, params, whole)
@@ -160,7 +163,7 @@ def pinned_loss(
       for o, s in aligned.items()
       if o in at_micro and at_micro[o].eqn.primitive == at_whole[o].eqn.primitive
     }
-    before, constrain, bind = pins.constrainer(same, at_micro, frozenset(), mesh, in_stage=False)
+    before, constrain, bind = pins.constrainer(same, at_micro, manual, mesh, in_stage=bool(manual))
     evaluate = interpret(closed, constrain, before, bind, differentiable=True)
     outs = evaluate(*jax.tree_util.tree_leaves((params, micro)))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
