@@ -234,7 +234,7 @@ def computation_repeats(
         if any(taken[t].get(path, 0) >= len(names) for t in ticks):
           raise ValueError(
             f"Conditional {inst.name!r} (path {path}) has {len(names)} branches; the taken"
-            f" branches name {max(taken[t][path] for t in ticks)}."
+            f" branches name {max(taken[t].get(path, 0) for t in ticks)}."
           )
         for index, callee in enumerate(names):
           runs_it = tuple(t for t in ticks if taken[t].get(path, index) == index)
