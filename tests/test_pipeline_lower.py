@@ -26,17 +26,6 @@ FAMILIES = {
   "ssm": ("ssm:layers=4,d_model=32,seq=16,vocab=64,batch=8", 32),
 }
 
-# The tick table's operations run as the branches of one `jax.lax.switch` a tick: the
-# compiled module's flops and collectives (`xla.hlo`) count every branch in every tick,
-# where a device runs one; and XLA's peak memory holds the switch's branch buffers beside
-# the slot buffers, above what the simulator prices. The compiled flops, memory and
-# in-layer collectives of a pipelined step are compared once the module's figures count a
-# tick's branch by the tick table.
-_PRICED_OTHERWISE = pytest.mark.xfail(
-  strict=True,
-  reason="compiled flops and collectives count every branch of the tick's switch in every tick",
-)
-
 
 @functools.cache
 def workload(spec: str = GPT) -> workloads.Workload:
@@ -283,66 +272,227 @@ def test_no_tick_copies_a_whole_buffer_of_activations_or_gradients():
     assert inner[-1].opcode == "dynamic-update-slice", inst.name
 
 
+@functools.cache
+def branch_weighted(mesh: str, tactic, spec: str = GPT) -> tuple[dict, dict, dict]:
+  """Both sides of the tactic's plan of `spec` on `mesh` as GPipe with 4 microbatches,
+  compiled (compile only): the simulator's figures (`plan_metrics.simulated_metrics`, and
+  the stage transfers' bytes) and the compiled module's, each branch of the tick's switch
+  counted in the ticks its stage runs it (`scheduled.branches_taken`, the busiest stage's
+  figures: `hlo.inspect_compiled`), and what XLA reserves for the switch besides
+  (`switch_reservations`)."""
+  from automap_rl.mesh import to_jax_mesh
+  from automap_rl.xla import fullsize, hlo
+  from automap_rl.xla.pipeline_lower import lower_pipelined
+  from automap_rl.xla.plan_metrics import compiled_metrics, simulated_metrics
+  from automap_rl.xla.scheduled import branches_taken
+  from automap_rl.xla.validate import DONATE_ARGNUMS
+
+  plan, w = pipelined_plan(mesh, tactic, 4, spec=spec), workload(spec)
+  lowered = lower_pipelined(
+    plan.problem,
+    plan.decisions,
+    plan.pipeline,
+    w.loss_fn,
+    w.optimizer,
+    w.args,
+    to_jax_mesh(plan.problem.mesh),
+    DONATE_ARGNUMS,
+    executable=False,
+  )
+  ticks = tick_table(plan.pipeline)
+  mesh_shape = (lowered.mesh.axis_names, tuple(lowered.mesh.devices.shape))
+  stats = hlo.inspect_compiled(lowered.compiled, *mesh_shape, branches_taken(ticks))
+  simulated = {
+    **simulated_metrics(plan.problem, plan.decisions, plan.pipeline),
+    "stage_permute_bytes": float(
+      plan.problem.plan_cost(plan.decisions, plan.pipeline).terms.permute_bytes
+    ),
+  }
+  compiled = {
+    **compiled_metrics(stats),
+    "stage_permute_bytes": fullsize.stage_permute_bytes(stats, plan.pipeline),
+  }
+  return simulated, compiled, switch_reservations(lowered.compiled.as_text(), ticks)
+
+
+def switch_reservations(hlo_text: str, ticks) -> dict[str, int]:
+  """Bytes XLA reserves in a pipelined module because a tick's operations run as the
+  branches of one switch, which the simulator (pricing the live values of what a stage
+  runs, updated in place) does not: `scratch`, slot 0 of each slot buffer of the tick
+  loop's state (arrays whose leading dim is a slot count of `ticks`), which idle ticks
+  write; `result`, the switch's result (the operation's outputs: its activations, one
+  microbatch's residuals, the gradient sums, before the tick stores them into the loop's
+  buffers)."""
+  import math
+  import re
+
+  from automap_rl.xla import hlo
+  from automap_rl.xla.hlo.module import branches
+
+  module = hlo.parse_module(hlo_text)
+  (loop,) = [
+    inst
+    for body in module.bodies.values()
+    for inst in body
+    if inst.opcode == "while" and f'"n":"{ticks.ticks}"' in inst.attrs
+  ]
+  scratch = sum(
+    hlo.element_bytes(dtype) * math.prod(shape[1:])
+    for dtype, shape in hlo.parse_shapes(loop.type)
+    if len(shape) > 1 and shape[0] in ticks.slots
+  )
+  body = re.search(r"\bbody=%?([\w.\-]+)", loop.attrs)[1]
+  (switch,) = [
+    i for i in module.bodies[body] if i.opcode == "conditional" and len(branches(i)) == 4
+  ]
+  return {"scratch": scratch, "result": hlo.shape_bytes(switch.type)}
+
+
 # A head of 4096 classes: its logits (and the softmax's) at the whole batch are most of the
 # stage's memory.
 WIDE_HEAD = GPT.replace("vocab=64", "vocab=4096")
-
-
-@_PRICED_OTHERWISE
-@pytest.mark.parametrize(
-  "spec,tactic",
-  [
-    (GPT, tactics.megatron_3d),
-    (GPT, tactics.pipeline),
-    (WIDE_HEAD, tactics.pipeline),
-    (GPT + ",remat=true", tactics.megatron_3d),
-  ],
+# The simulator prices a stage's loop of M microbatches as M + (S - 1) / V = 7 runs of its
+# microbatch ops (`plan_metrics.pipelined_flops`, `simulator.pipeline`'s collectives): the
+# bubble's ticks too, where each stage of the lowered schedule runs the switch's idle
+# branch (nothing). Its flops and in-layer collectives are then 7/4 of those the stages run.
+_BUBBLE_FLOPS = pytest.mark.xfail(
+  strict=True,
+  reason="the simulator runs the microbatch ops in the bubble too: 1.63 to 1.74 times the"
+  " compiled flops",
 )
-def test_compiled_flops_memory_and_transfers_are_the_simulators(spec, tactic):
+_BUBBLE_COLLECTIVES = pytest.mark.xfail(
+  strict=True,
+  reason="the simulator runs the in-layer all-reduces in the bubble too: 1.67 times the"
+  " compiled all-reduce bytes",
+)
+CASES = {
+  "megatron": (GPT, tactics.megatron_3d),
+  "pipeline": (GPT, tactics.pipeline),
+  "wide_head": (WIDE_HEAD, tactics.pipeline),
+  "remat": (GPT + ",remat=true", tactics.megatron_3d),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_BUBBLE_FLOPS) for c in CASES])
+def test_compiled_flops_are_the_simulators(case):
   """The simulator prices the step as its tick table runs it: each stage runs its
   layers' forward and backward once per microbatch, the first stage embeds and the last
-  computes head and loss per microbatch, the stages send one microbatch's activations
-  forward and gradients back every tick. A rematerialized stack recomputes its layers'
-  forward in the backward pass, in the lowering as in the program the simulator prices
-  (its memory is over-predicted: not checked here)."""
-  from automap_rl.xla import fullsize
+  computes head and loss per microbatch; a rematerialized stack recomputes its layers'
+  forward in the backward pass, in the lowering as in the program the simulator prices.
+  The compiled flops are the busiest stage's, of the branches it takes."""
+  simulated, compiled, _ = branch_weighted("stage=4,data=2", CASES[case][1], CASES[case][0])
+  assert simulated["flops"] == pytest.approx(compiled["flops"], rel=0.05)
 
-  plan = pipelined_plan("stage=4,data=2", tactic, 4, spec=spec)
-  check = fullsize.check_pipelined_plan(
-    "gpt", plan.problem, workload(spec), "plan", plan.decisions, plan.pipeline
-  )
-  simulated, compiled = check.simulated, check.compiled
-  # GPT's per-layer auxiliary losses [L] travel with the activations (16 bytes a tick).
+
+_OUTSIDE_THE_LOOP = pytest.mark.xfail(
+  strict=True,
+  reason="every stage reduces the gradients of all parameters outside the stack (the"
+  " embedding's and the head's) over `data` after the loop, where the simulator reduces a"
+  " stage's own: 1.31 times the all-reduce bytes priced",
+)
+
+
+@pytest.mark.parametrize(
+  "case",
+  [
+    pytest.param("megatron", marks=_BUBBLE_COLLECTIVES),
+    "pipeline",
+    pytest.param("wide_head", marks=_OUTSIDE_THE_LOOP),
+    pytest.param("remat", marks=_BUBBLE_COLLECTIVES),
+  ],
+)
+def test_compiled_transfers_and_all_reduces_are_the_simulators(case):
+  """The stages send one microbatch's activations forward and gradients back every tick
+  (GPT's per-layer auxiliary losses [L] travel with them, 16 bytes a tick). The
+  all-reduces, as the simulator counts them: PP x DP's gradient reduction over `data`
+  runs once, after the loop (the loop is manual over the data axis); Megatron's in the
+  layers once per microbatch, in the ticks whose operation holds them; over the stage
+  axis, the sum of the gradients of the parameters outside the stack once a step."""
+  simulated, compiled, _ = branch_weighted("stage=4,data=2", CASES[case][1], CASES[case][0])
   assert simulated["stage_permute_bytes"] == pytest.approx(
     compiled["stage_permute_bytes"], rel=0.01
   )
-  assert simulated["flops"] == pytest.approx(compiled["flops"], rel=0.05)
-  if "remat" not in spec:
-    assert simulated["peak_memory"] == pytest.approx(compiled["peak_memory"], rel=0.15)
-  # The all-reduces, as the simulator counts them: PP x DP's gradient reduction over `data`
-  # runs once, after the loop (the loop is manual over the data axis); Megatron's in the
-  # layers run in every tick that runs a layer; over the stage axis, the sum of the
-  # gradients of the parameters outside the stack once a step.
   assert compiled["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(
     simulated["comm_bytes_by_kind"]["all-reduce"], rel=0.1
   )
 
 
-@_PRICED_OTHERWISE
+@pytest.mark.parametrize(
+  "case",
+  [
+    "megatron",
+    "pipeline",
+    pytest.param(
+      "wide_head",
+      marks=pytest.mark.xfail(
+        strict=True,
+        reason="every stage holds the parameters outside the stack whole (the embedding's"
+        " and the head's, their optimizer state and gradient sums), where the simulator"
+        " places the embedding on the first stage and the head on the last: 1.56 times the"
+        " peak priced",
+      ),
+    ),
+  ],
+)
+def test_compiled_peak_memory_less_the_switchs_reservations_is_the_simulators(case):
+  """XLA's peak (arguments, outputs and temporaries, one figure for every device of the
+  SPMD module) holds what the simulator prices for the largest stage (its parameters and
+  optimizer state, the microbatches' residuals in flight, the gradient sums, one
+  microbatch's live values) and what XLA reserves for the tick's switch
+  (`switch_reservations`: the slot buffers' scratch slots, the switch's result): less
+  the latter, it is the simulator's. (A rematerialized stack's memory is over-predicted:
+  not checked here.)"""
+  simulated, compiled, reserved = branch_weighted("stage=4,data=2", CASES[case][1], CASES[case][0])
+  assert 0 < reserved["scratch"] and 0 < reserved["result"]
+  held = compiled["peak_memory"] - reserved["scratch"] - reserved["result"]
+  assert simulated["peak_memory"] == pytest.approx(held, rel=0.15)
+
+
+def test_a_stage_runs_each_in_layer_collective_once_per_microbatch():
+  """Each stage takes its operations' branches of the tick's switch (`branches_taken`):
+  Megatron's collectives in the layers run once per microbatch (M = 4) on the stages
+  whose operation holds them (the last stage's forward-backward, the others' forward and
+  backward) and never on the others, not in every one of the T = 13 ticks; the stage
+  transfers run every tick."""
+  from automap_rl.xla import hlo
+  from automap_rl.xla.hlo.module import computation_repeats
+  from automap_rl.xla.scheduled import branches_taken
+
+  plan, module = compiled_module(tactics.megatron_3d)
+  ticks = tick_table(plan.pipeline)
+  runs = []
+  for taken in branches_taken(ticks):
+    stage = module._replace(repeats=computation_repeats(module.bodies, module.entry, taken))
+    collectives = hlo.module_collectives(stage, ("stage", "data"), (4, 2))
+    in_layers = [
+      c for c in collectives if c.mesh_axes == ("data",) and c.kind != "collective-permute"
+    ]
+    assert {c.repeat for c in in_layers} == {0, 4}
+    assert all(
+      c.repeat == ticks.ticks
+      for c in collectives
+      if c.mesh_axes == ("stage",) and c.kind == "collective-permute"
+    )
+    runs.append([c.repeat for c in in_layers])
+  assert runs[0] == runs[1] == runs[2] != runs[3]
+  assert all(a == 0 or b == 0 for a, b in zip(runs[0], runs[3]))
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="the simulator runs the in-layer reductions in the bubble too (M + S - 1 = 5 runs,"
+  " the switch's idle branch runs none): 1.25 times the compiled reduction bytes",
+)
 def test_gradient_reductions_over_an_axis_the_loop_is_auto_over_run_in_every_tick():
   """FSDP inside the stages stores the stage weights split over the data axis the batch
   is split over, so the loop cannot be manual over it: XLA reduces the layers' gradients
   over `data` in every tick that runs a backward, not once after the loop, as the
   simulator prices them."""
-  from automap_rl.xla import fullsize
-
-  plan = pipelined_plan("stage=2,data=2,model=2", tactics.fsdp_megatron_3d, 4)
-  check = fullsize.check_pipelined_plan(
-    "gpt", plan.problem, workload(), "plan", plan.decisions, plan.pipeline
-  )
-  simulated, compiled = check.simulated["comm_bytes_by_kind"], check.compiled["comm_bytes_by_kind"]
+  simulated, compiled, _ = branch_weighted("stage=2,data=2,model=2", tactics.fsdp_megatron_3d)
   reductions = lambda by_kind: by_kind["all-reduce"] + by_kind["reduce-scatter"]
-  assert reductions(simulated) == pytest.approx(reductions(compiled), rel=0.2)
+  assert reductions(simulated["comm_bytes_by_kind"]) == pytest.approx(
+    reductions(compiled["comm_bytes_by_kind"]), rel=0.2
+  )
 
 
 def test_a_stacked_weight_split_over_the_batch_axis_on_its_layer_dim_keeps_the_loop_manual():

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from automap_rl.pipeline import Pipeline
 from automap_rl.xla.schedules import Ticks, tick_table
 
-__all__ = ["depends", "run_schedule"]
+__all__ = ["branches_taken", "depends", "run_schedule"]
 
 
 def depends(closed: jax_core.ClosedJaxpr, inputs: set[int]) -> list[bool]:
@@ -52,6 +52,20 @@ def depends(closed: jax_core.ClosedJaxpr, inputs: set[int]) -> list[bool]:
     if any(not isinstance(v, jax_core.Literal) and v in tainted for v in eqn.invars):
       tainted.update(eqn.outvars)
   return [not isinstance(v, jax_core.Literal) and v in tainted for v in closed.jaxpr.outvars]
+
+
+def branches_taken(ticks: Ticks) -> list[list[dict[tuple[int, ...], int]]]:
+  """Per stage, per tick, the branch each conditional of the tick takes where the
+  operations run as branches (not `uniform`), as `hlo.Taken`: the tick's switch the
+  operation's kind (IDLE, FORWARD, BACKWARD, FORWARD_BACKWARD, the order of
+  `_StageLoop.branches`), and the conds inside the operation (`embedded`,
+  `embedded_grads`) whether its chunk is global chunk 0. For the compiled module's
+  figures of what a stage runs (`hlo.inspect_compiled`), [S][T]."""
+  kind, first = ticks.kind, ticks.first
+  return [
+    [{(): int(kind[t, s]), (int(kind[t, s]),): int(first[t, s])} for t in range(ticks.ticks)]
+    for s in range(kind.shape[1])
+  ]
 
 
 def _zeros(shapes: Sequence[Any]) -> list[Any]:

@@ -10,8 +10,8 @@ that each piece can be tested on hand-written HLO:
 * `sharding`: `sharding=` attributes as the mesh axes of each array dim;
 * `collectives`: the collectives of a module and their bytes (the byte convention
   shared with the simulator);
-* `cost`: the flops and bytes of each kernel, and of the loop iterations
-  `cost_analysis()` leaves out;
+* `cost`: the flops and bytes of each kernel, and of what `cost_analysis()` counts
+  otherwise than the module runs (loop iterations, the branches of conditionals);
 * `compiled`: all of it for a `jax.stages.Compiled`.
 """
 
@@ -27,7 +27,7 @@ from automap_rl.xla.hlo.cost import (
   instruction_bytes,
   instruction_flops,
   kernel_costs,
-  uncounted_loop_cost,
+  uncounted_cost,
 )
 from automap_rl.xla.hlo.groups import (
   axes_for_groups,
@@ -44,6 +44,7 @@ from automap_rl.xla.hlo.groups import (
 from automap_rl.xla.hlo.module import (
   Instruction,
   Module,
+  Taken,
   computation_repeats,
   computations,
   element_bytes,
@@ -61,6 +62,7 @@ __all__ = [
   "Instruction",
   "Module",
   "Spec",
+  "Taken",
   "axes_for_groups",
   "collectives_from_hlo",
   "computation_repeats",
@@ -88,5 +90,5 @@ __all__ = [
   "sharding_spec",
   "split_tuple_sharding",
   "summarize",
-  "uncounted_loop_cost",
+  "uncounted_cost",
 ]

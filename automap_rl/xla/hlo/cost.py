@@ -1,5 +1,5 @@
-"""Flops and bytes accessed of a compiled module's kernels and of the loop iterations
-`cost_analysis()` leaves out.
+"""Flops and bytes accessed of a compiled module's kernels and of what `cost_analysis()`
+counts otherwise than the module runs (loop iterations, conditional branches).
 
 `kernel_costs` lists the `(flops, bytes)` of every kernel the module runs per step: each
 instruction of a computation that is not a fusion's body (the entry, loop bodies and
@@ -8,8 +8,10 @@ its flops those of its fused computation; collectives and control flow are not k
 A roofline prices each kernel at the larger of its flop time and its memory time, as the
 simulator prices its ops.
 
-`cost_analysis()` counts a while body once. `uncounted_loop_cost` adds `(repeat - 1)`
-times the flops and bytes of each looped computation, counted from the HLO text for the
+`cost_analysis()` counts a while body once and of a conditional its largest branch.
+`uncounted_cost` adds, for each computation, (its runs - the times `cost_analysis()`
+counts it) times its flops and bytes (a loop's other iterations; a conditional's other
+branches where they run, less the largest where it does not), counted from the HLO text for the
 instructions that carry nearly all of them (flops: dots, convolutions, reductions and
 elementwise arithmetic, not transcendentals, which XLA counts apart; bytes: operands and
 result of every unfused instruction) with `HloCostAnalysis`'s conventions, except for
@@ -29,6 +31,7 @@ from automap_rl.xla.hlo.collectives import COLLECTIVE_KINDS
 from automap_rl.xla.hlo.module import (
   Instruction,
   Module,
+  branches,
   called_computations,
   parse_shapes,
   shape_bytes,
@@ -207,17 +210,66 @@ def kernel_costs(module: Module) -> tuple[tuple[float, float], ...]:
   return tuple(kernels)
 
 
-def uncounted_loop_cost(module: Module) -> tuple[float, float]:
-  """`(flops, bytes accessed)` of the loop iterations `cost_analysis()` leaves out:
-  for every computation that runs `r > 1` times, `(r - 1)` times its instructions'
-  flops, and for the unfused ones among them (not the body of a fusion), their bytes."""
+def _own_costs(module: Module) -> dict[str, tuple[float, float]]:
+  """Per computation, `(flops, bytes)` of its own instructions as counted from the text
+  (bytes only of a computation that is not a fusion's body)."""
   bodies, types = module.bodies, module.types
   fused = _fused_computations(bodies)
-  flops = nbytes = 0.0
-  for name, body in bodies.items():
-    extra = module.repeats.get(name, 1) - 1
-    if extra > 0:
-      flops += extra * sum(instruction_flops(inst, types) for inst in body)
-      if name not in fused:
-        nbytes += extra * sum(instruction_bytes(inst, types, bodies) for inst in body)
-  return flops, nbytes
+  return {
+    name: (
+      sum(instruction_flops(inst, types) for inst in body),
+      0.0 if name in fused else sum(instruction_bytes(inst, types, bodies) for inst in body),
+    )
+    for name, body in bodies.items()
+  }
+
+
+def analysis_counts(module: Module, own: Mapping[str, float]) -> dict[str, int]:
+  """How many times `cost_analysis()` counts each computation's cost `own` (one of its
+  properties): the entry once, every computation its instructions call once per count
+  of its caller (a while body once, not per iteration), and of a conditional only the
+  branch whose cost, with what it calls, is largest (`HloCostAnalysis` takes the
+  largest branch's, property by property)."""
+  bodies, totals = module.bodies, {}
+
+  def total(name: str) -> float:
+    if name not in totals:
+      totals[name] = own.get(name, 0.0) + sum(
+        max(map(total, branches(inst)), default=0.0)
+        if inst.opcode == "conditional"
+        else sum(total(callee) for callee, _ in called_computations(inst))
+        for inst in bodies.get(name, ())
+      )
+    return totals[name]
+
+  counts = dict.fromkeys(bodies, 0)
+
+  def count(name: str) -> None:
+    counts[name] = counts.get(name, 0) + 1
+    for inst in bodies.get(name, ()):
+      if inst.opcode == "conditional" and (names := branches(inst)):
+        count(max(names, key=total))
+      else:
+        for callee, _ in called_computations(inst):
+          count(callee)
+
+  count(module.entry)
+  return counts
+
+
+def uncounted_cost(module: Module) -> tuple[float, float]:
+  """`(flops, bytes accessed)` that `cost_analysis()` leaves out of the runs of
+  `module.repeats`, less what it counts that does not run: for every computation,
+  (its runs - the times `cost_analysis()` counts it, `analysis_counts`) times its
+  instructions' flops, and for the unfused ones their bytes. A loop's iterations after
+  the first add; of a conditional, the branches that run add, and the branch
+  `cost_analysis()` counted but a device does not run (`Taken`) subtracts."""
+  own = _own_costs(module)
+  totals = []
+  for prop in (0, 1):
+    cost = {name: costs[prop] for name, costs in own.items()}
+    counted = analysis_counts(module, cost)
+    totals.append(
+      sum((module.repeats.get(name, 0) - counted.get(name, 0)) * c for name, c in cost.items())
+    )
+  return totals[0], totals[1]

@@ -3,7 +3,9 @@
 Pure functions over strings, so each piece can be tested on hand-written HLO. A
 computation inside a while-loop body runs once per iteration: `computation_repeats`
 multiplies the `known_trip_count`s of the loops around it (1 where XLA did not
-annotate one).
+annotate one). A conditional's branch runs as often as its caller, unless the branch
+each conditional of a loop takes in each iteration is given (`Taken`): a pipeline's
+tick loop, whose switch runs one operation a tick on each device.
 """
 
 from __future__ import annotations
@@ -175,7 +177,8 @@ def computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
 def called_computations(inst: Instruction) -> list[tuple[str, int]]:
   """(computation, runs per run of `inst`) for the computations `inst` calls;
   reducers (`to_apply`) are part of the instruction and are not listed, nor is
-  the computation an `async-done` names (its `async-start` ran it)."""
+  the computation an `async-done` names (its `async-start` ran it). A conditional's
+  branches are listed in branch order (`branches`), each as if taken."""
   if inst.opcode.endswith("-done"):
     return []
   trip = _TRIP_COUNT_RE.search(inst.attrs)
@@ -183,55 +186,87 @@ def called_computations(inst: Instruction) -> list[tuple[str, int]]:
   called = [
     (m["name"], loop if m["key"] in ("body", "condition") else 1)
     for m in _CALLED_RE.finditer(inst.attrs)
+    if m["key"] not in ("true_computation", "false_computation")
   ]
-  branches = _BRANCHES_RE.search(inst.attrs)
-  if branches is not None:
-    called += [
-      (name.strip().lstrip("%"), 1) for name in branches["names"].split(",") if name.strip()
-    ]
-  return called
+  return called + [(name, 1) for name in branches(inst)]
 
 
-def computation_repeats(bodies: Mapping[str, Sequence[Instruction]], entry: str) -> dict[str, int]:
+def branches(inst: Instruction) -> list[str]:
+  """A conditional's branch computations by branch index: its `branch_computations`,
+  or of the predicated form `false_computation` (index 0) then `true_computation` (1),
+  as a predicate converts to an index; [] for any other instruction."""
+  listed = _BRANCHES_RE.search(inst.attrs)
+  if listed is not None:
+    return [name.strip().lstrip("%") for name in listed["names"].split(",") if name.strip()]
+  called = {m["key"]: m["name"] for m in _CALLED_RE.finditer(inst.attrs)}
+  return [called[k] for k in ("false_computation", "true_computation") if k in called]
+
+
+# The branch each conditional takes in one iteration of a loop: the conditional's path
+# (the branch indices of the conditionals around it inside the loop, outermost first)
+# -> the index of the branch it runs. A conditional whose path is not listed is counted
+# as if every branch ran.
+Taken = Mapping[tuple[int, ...], int]
+
+
+def computation_repeats(
+  bodies: Mapping[str, Sequence[Instruction]], entry: str, taken: Sequence[Taken] = ()
+) -> dict[str, int]:
   """How many times each computation runs per call of the module: the entry
   once; a while loop's body and condition their caller's count times the
-  loop's `known_trip_count` (1 where XLA did not annotate one); fusions, calls
-  and branches their caller's count (a branch as if always taken)."""
-  callers: dict[str, list[tuple[str, int]]] = {}
-  for name, body in bodies.items():
-    for inst in body:
-      for callee, times in called_computations(inst):
-        callers.setdefault(callee, []).append((name, times))
-  repeats: dict[str, int] = {entry: 1}
+  loop's `known_trip_count` (1 where XLA did not annotate one); fusions and calls
+  their caller's count; a conditional's branches their caller's count each (as if
+  always taken), but inside the outermost loop of `len(taken)` iterations, where
+  iteration `t` runs the branches `taken[t]` names (`Taken`): a branch there runs in
+  the iterations that reach its conditional and take it."""
+  repeats = dict.fromkeys(bodies, 0)
+  everything = tuple(range(len(taken)))
 
-  def count(name: str) -> int:
-    if name not in repeats:
-      repeats[name] = 0  # Guards against a cycle; HLO call graphs have none.
-      repeats[name] = sum(count(caller) * times for caller, times in callers.get(name, ()))
-    return repeats[name]
+  def visit(name: str, runs: int, ticks: tuple[int, ...] | None, path: tuple[int, ...]) -> None:
+    repeats[name] = repeats.get(name, 0) + runs * (1 if ticks is None else len(ticks))
+    for inst in bodies.get(name, ()):
+      called = called_computations(inst)
+      if ticks is None and inst.opcode == "while" and taken and called[0][1] == len(taken):
+        for callee, _ in called:  # The loop the iterations of `taken` are of.
+          visit(callee, runs, everything, ())
+      elif ticks is not None and inst.opcode == "conditional":
+        names = branches(inst)
+        if any(taken[t].get(path, 0) >= len(names) for t in ticks):
+          raise ValueError(
+            f"Conditional {inst.name!r} (path {path}) has {len(names)} branches; the taken"
+            f" branches name {max(taken[t].get(path, 0) for t in ticks)}."
+          )
+        for index, callee in enumerate(names):
+          runs_it = tuple(t for t in ticks if taken[t].get(path, index) == index)
+          visit(callee, runs, runs_it, (*path, index))
+      else:
+        for callee, times in called:
+          visit(callee, runs * times, ticks, path)
 
-  for name in bodies:
-    count(name)
+  visit(entry, 1, None, ())
   return repeats
 
 
 class Module(NamedTuple):
   """An HLO module's text parsed once: its computations (name -> instructions), how
   many times each runs per call (`computation_repeats`), every instruction's type by
-  name, and `(replica_count, num_partitions)`."""
+  name, `(replica_count, num_partitions)` and the entry computation's name."""
 
   bodies: dict[str, list[Instruction]]
   repeats: dict[str, int]
   types: dict[str, str]
   counts: tuple[int, int]
+  entry: str = ""
 
 
-def parse_module(hlo_text: str) -> Module:
-  """Parses an HLO module's text (see `Module`)."""
+def parse_module(hlo_text: str, taken: Sequence[Taken] = ()) -> Module:
+  """Parses an HLO module's text (see `Module`); `taken`: the branches one device's
+  conditionals take in each iteration of a loop (`computation_repeats`)."""
   bodies, entry = computations(hlo_text)
   return Module(
     bodies,
-    computation_repeats(bodies, entry),
+    computation_repeats(bodies, entry, taken),
     {inst.name: inst.type for body in bodies.values() for inst in body},
     _module_counts(hlo_text),
+    entry,
   )
