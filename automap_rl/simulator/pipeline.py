@@ -408,16 +408,14 @@ def _collectives(
   t: PipelineTables, plan: CostTerms, where: _Placement, sent: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
   """Bytes and counts per device a step, per kind (`COMM_KINDS`) and stage, [5, S]
-  each. A microbatch op runs in every iteration of the loop (M + (S - 1) / V microbatches'
-  worth, the bubble's included), M times off it; a step op once; `sent` [3, S] is each
-  stage's sends (forward and backward per tick, once per step)."""
-  m, edge_op = t.microbatches, t.tables.edge_op
-  reduction_op = edge_op[t.tables.reduction_edge]
-  loop_runs = m + (t.stages - 1) / t.chunks
-  edge_runs = jnp.where(where.per_microbatch, jnp.where(t.op_looped[edge_op], loop_runs, m), 1.0)
+  each. A microbatch op runs M times (the bubble's ticks wait: they run none); a step op
+  once; `sent` [3, S] is each stage's sends (forward and backward per tick, once per
+  step)."""
+  m = t.microbatches
+  edge_runs = jnp.where(where.per_microbatch, m, 1.0)
   reduction_runs = jnp.where(
     where.reduction_phase == Phase.MICROBATCH,
-    jnp.where(t.op_looped[reduction_op], loop_runs, m),
+    m,
     jnp.where(where.reduction_phase == Phase.ACCUMULATED, t.reduction_once, 1.0),
   )
   kinds = (plan.all_reduce, plan.gather, plan.reduce_scatter, plan.all_to_all)  # `KINDS` order.

@@ -61,6 +61,8 @@ from automap_rl.xla.hlo.module import called_computations
 from automap_rl.xla.isolated import compile_directly
 from automap_rl.xla.lower import Lowered, lowering_errors
 from automap_rl.xla.numerics import compute_dtype, program_depth
+from automap_rl.xla.scheduled import branches_taken
+from automap_rl.xla.schedules import tick_table
 from automap_rl.xla.staged_loss import scheduled_value_and_grad
 from automap_rl.xla.step_pins import StepPins, pinned_loss
 
@@ -317,7 +319,9 @@ def lower_pipelined(
     if uniform or platform != "cpu" or not permutes_in_branches(compiled.as_text()):
       break
   jax_mesh = jax.tree_util.tree_leaves(in_shardings)[0].mesh  # The stage axis split, if it is.
-  stats = inspect_compiled(compiled, jax_mesh.axis_names, tuple(jax_mesh.devices.shape))
+  # Each stage's figures count a tick's switch branch in the ticks that run it.
+  taken = () if uniform or pipeline.stages == 1 else branches_taken(tick_table(pipeline))
+  stats = inspect_compiled(compiled, jax_mesh.axis_names, tuple(jax_mesh.devices.shape), taken)
   return Lowered(
     jitted,
     compiled,

@@ -72,8 +72,7 @@ def simulated_flops(problem: Problem, resolution: Any) -> float:
 def pipelined_flops(pipelined: PipelineProblem, resolution: Any) -> float:
   """Per-device flops of a pipelined plan on its busiest stage, as the simulator places
   the ops (`stages.StagedProgram`): its microbatch program's ops (at microbatch size, a
-  scanned stack's loops at L / S layers) M times, those of the stages' loop
-  (`StagedProgram.looped`) also in the (S - 1) / V stage-times of the bubble, its step
+  scanned stack's loops at L / S layers) M times (the bubble's ticks run none), its step
   ops once; `simulated_flops`'s rules per op, on the stage mesh. `resolution`:
   `PipelineProblem.resolution`'s."""
   staged, pipeline = pipelined.staged, pipelined.pipeline
@@ -84,8 +83,7 @@ def pipelined_flops(pipelined: PipelineProblem, resolution: Any) -> float:
     staged.mesh.hardware,
     resolution,
   )
-  runs = pipeline.microbatches + staged.looped * (pipeline.stages - 1) / pipeline.chunks
-  per_op = per_op * np.where(staged.op_phase == Phase.STEP, 1, runs)
+  per_op = per_op * np.where(staged.op_phase == Phase.STEP, 1, pipeline.microbatches)
   on = lambda s: (staged.op_stage == s) | (staged.op_stage == EVERY_STAGE)
   return float(max(per_op[on(s)].sum() for s in range(pipelined.pipeline.stages)))
 
