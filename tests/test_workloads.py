@@ -294,3 +294,20 @@ def test_dit_presets_have_the_published_parameter_counts():
 
   assert count("b-2") == pytest.approx(130e6, rel=0.01)
   assert count("xl-2") == pytest.approx(675e6, rel=0.01)
+
+
+def test_gated_moe_experts_are_swiglu_with_a_gate_projection_each():
+  """`gated` experts hold a gate projection beside the up projection and compute
+  silu(x wg) * (x wi + bi): with the biases zero, each expert's output on one token is
+  (silu(x wg) * (x wi)) wo."""
+  layer = moe.MoEFeedForward(experts=2, hidden=8, top_k=1, capacity=4, gated=True)
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, 4, 6))
+  params = layer.init(jax.random.PRNGKey(1), x)["params"]
+  assert params["wg"].shape == params["wi"].shape == (2, 6, 8)
+  y, _ = layer.apply({"params": params}, x)
+  probs = jax.nn.softmax(x @ params["router"]["kernel"], axis=-1)
+  chosen = jnp.argmax(probs, axis=-1)[0]  # [4]: every token has a free slot (capacity 4).
+  for t in range(4):
+    e = int(chosen[t])
+    h = jax.nn.silu(x[0, t] @ params["wg"][e]) * (x[0, t] @ params["wi"][e])
+    np.testing.assert_allclose(y[0, t], h @ params["wo"][e], rtol=1e-4, atol=1e-5)

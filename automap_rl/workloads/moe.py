@@ -38,12 +38,15 @@ class MoEConfig(gpt.GPTConfig):
     capacity_factor: expert capacity is
       ``ceil(top_k * seq * capacity_factor / experts)`` tokens per group.
     aux_loss_weight: weight of the load-balancing loss.
+    gated: SwiGLU experts (Mixtral's: silu of a gate projection times an up
+      projection, both [d_model, d_ff]) instead of GELU ones.
   """
 
   experts: int = 8
   top_k: int = 2
   capacity_factor: float = 2.0
   aux_loss_weight: float = 0.01
+  gated: bool = False
 
   def __post_init__(self):
     super().__post_init__()
@@ -112,13 +115,15 @@ class MoEFeedForward(nn.Module):
   """Routed expert MLP: x [b, s, d] -> (y [b, s, d], aux_loss []).
 
   Parameters: ``router/kernel`` [d, experts], ``wi`` [experts, d, hidden],
-  ``bi`` [experts, hidden], ``wo`` [experts, hidden, d], ``bo`` [experts, d].
+  ``bi`` [experts, hidden], ``wo`` [experts, hidden, d], ``bo`` [experts, d]; `gated`:
+  also ``wg`` [experts, d, hidden], the experts SwiGLU (silu(x wg) * (x wi + bi)).
   """
 
   experts: int
   hidden: int
   top_k: int
   capacity: int
+  gated: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -135,7 +140,12 @@ class MoEFeedForward(nn.Module):
     )
     dispatch, combine = dispatch.astype(x.dtype), combine.astype(x.dtype)
     expert_in = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
-    h = nn.gelu(jnp.einsum("ebcd,edf->ebcf", expert_in, wi) + bi[:, None, None])
+    h = jnp.einsum("ebcd,edf->ebcf", expert_in, wi) + bi[:, None, None]
+    if self.gated:
+      wg = self.param("wg", init, (self.experts, d_model, self.hidden))
+      h = nn.silu(jnp.einsum("ebcd,edf->ebcf", expert_in, wg)) * h
+    else:
+      h = nn.gelu(h)
     expert_out = jnp.einsum("ebcf,efd->ebcd", h, wo) + bo[:, None, None]
     return jnp.einsum("bsec,ebcd->bsd", combine, expert_out), aux_loss
 
@@ -143,7 +153,7 @@ class MoEFeedForward(nn.Module):
 def make(config: MoEConfig, seed: int = 0) -> training.Workload:
   """Builds the MoE LM training step (batch as in :mod:`gpt`)."""
   ffn = functools.partial(
-    MoEFeedForward, config.experts, config.hidden, config.top_k, config.capacity
+    MoEFeedForward, config.experts, config.hidden, config.top_k, config.capacity, config.gated
   )
   return gpt.make_lm_workload(
     training.spec_string("moe", config, PRESETS), config, ffn, seed, config.aux_loss_weight

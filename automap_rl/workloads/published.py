@@ -300,8 +300,9 @@ def simulated_shape(model: str) -> Shape:
     )  # fmt: skip
   if family in ("gpt", "moe"):
     experts = (c.experts, c.top_k) if family == "moe" else (1, 1)
+    gated = family == "moe" and c.gated
     return Shape(
-      c.layers, c.d_model, c.heads, c.d_model // c.heads, c.heads, c.hidden, c.vocab, False,
+      c.layers, c.d_model, c.heads, c.d_model // c.heads, c.heads, c.hidden, c.vocab, gated,
       *experts,
     )  # fmt: skip
   raise ValueError(f"no flop shape for model family {family!r} (gpt, moe or llama)")
@@ -566,8 +567,8 @@ RUNS: tuple[PublishedRun, ...] = (
       "MCore MoE README",
     ),
     hardware="h100",
-    model="moe:layers=32,d_model=4096,heads=32,d_ff=21504,seq=4096,vocab=32000,batch=256,"
-    "experts=8,top_k=2,capacity_factor=1.0,scan=true,remat=false,dtype=bfloat16,"
+    model="moe:layers=32,d_model=4096,heads=32,d_ff=14336,seq=4096,vocab=32000,batch=256,"
+    "experts=8,top_k=2,capacity_factor=1.0,gated=true,scan=true,remat=false,dtype=bfloat16,"
     "fused_attention=true",
     shape=Shape(32, 4096, 32, 128, 8, 14336, 32000, gated=True, experts=8, top_k=2),
     mesh="stage=4,data=2,expert=8",
@@ -585,8 +586,9 @@ RUNS: tuple[PublishedRun, ...] = (
       "optimizer state replicated over data: the distributed optimizer, as ZeRO storage with the "
       "weights gathered once a step, would gather over the expert axis too (the loop's batch "
       "axes); no recomputation (the mapping lists none)",
-      "GELU experts of width 21504 (same flops and parameters) simulated for SwiGLU experts of "
-      "width 14336; multi-head for 8 KV groups; GShard dispatch (capacity factor 1) for dropless",
+      "multi-head attention for 8 KV groups; GShard's one-hot dispatch (capacity factor 1) for "
+      "dropless routing, and SwiGLU experts as JAX differentiates them (six expert-width "
+      "residuals a layer, where Megatron-Core's fused kernels keep two)",
     ),
   ),
 )
