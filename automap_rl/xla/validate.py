@@ -170,7 +170,9 @@ def random_pipeline(problem: Problem, args: Sequence[Any], rng: np.random.Genera
   """A random pipeline that `pipeline_lower` runs for the step's example `args`: a random
   layer stack and mesh axis whose size divides its layers, as many stages as the axis has
   devices (or one: gradient accumulation), 4 or 8 microbatches (those that divide the
-  batch), and a random schedule (GPipe, 1F1B, interleaved with 2 chunks where they divide).
+  batch), a random schedule (GPipe, 1F1B, interleaved with 2 chunks where they divide), and
+  weights split over the batch axes gathered in every microbatch or once a step
+  (`Pipeline.gather_weights_once`), at random.
 
   Raises:
     ValueError: the program and mesh have no such pipeline (one line saying why).
@@ -203,7 +205,8 @@ def random_pipeline(problem: Problem, args: Sequence[Any], rng: np.random.Genera
       f"{mesh.axis_sizes} divides, 4 or 8 microbatches of the batch of {batch}, a step of (params, "
       f"opt_state, batch)); the program has: {stacks}"
     )
-  return options[int(rng.integers(len(options)))]
+  pipeline = options[int(rng.integers(len(options)))]
+  return dataclasses.replace(pipeline, gather_weights_once=bool(rng.integers(2)))
 
 
 def random_pipelined_plan(
