@@ -100,9 +100,10 @@ class PipelineTerms:
   `gradient_reduction_stage_s` (its accumulated gradients' reduction, once per step),
   `update_stage_s` (its step ops' compute and collectives), `live_bytes` (largest live
   row for one microbatch), `gathered_bytes` (gathered operand copies: those reads share,
-  and the stage's largest one made for one read), `residual_bytes`
-  (one microbatch's residuals), `in_flight` (sets of them held), `accumulator_bytes` (accumulated
-  gradients, 0 for M = 1), `peak_memory`.
+  the stage's largest one made for one read, and the weights the loop receives gathered),
+  `residual_bytes` (one microbatch's residuals), `in_flight` (sets of them held),
+  `accumulator_bytes` (accumulated gradients as the loop sums them, 0 for M = 1),
+  `peak_memory`.
   Inside `pipeline_cost` these have the tables' padded stage count; `for_stages` cuts
   them to S.
   Scalars: `pace_s` (the pace-setting stage's microbatch time), `steady_s` (M x pace),
