@@ -40,10 +40,13 @@ depend on and that depend on them: an op between two layers of one stage runs th
 Ops off the stack's span run per microbatch on the stage next to them, as Megatron-LM and
 MaxText run them: those with no layer before them (the embedding) on the first stage,
 those with no layer after them (the head and the loss) on the last; no op but the stack's
-own runs on every stage, and none at the whole batch. Ops between the last layer of one stage and
-the first
-of the next (a residual add, the next layer norm) are placed by a minimum cut of the
-bytes that cross the boundary: the cut falls on the residual stream of a transformer.
+own runs on every stage, and none at the whole batch. A weight's gradient with no layer on
+either side (the head's gradient of an embedding the first stage also reads) runs where what
+it reads is made: the lowered loop sums the gradients of the weights outside the stack over
+the stage axis once a step, and sends none of their operands. Ops between the last layer
+of one stage and the first of the next (a residual add, the next layer norm) are placed by
+a minimum cut of the bytes that cross the boundary: the cut falls on the residual stream
+of a transformer.
 The backward pass mirrors the forward (its layers run downwards); the forward-time ops
 of the backward pass go with the forward op they read from last. A parameter is owned
 by the stage of the first microbatch op that reads it; its step ops (cast, optimizer
@@ -87,7 +90,7 @@ class Phase(enum.IntEnum):
 @dataclasses.dataclass(frozen=True)
 class Transfer:
   """A value one stage sends another: per microbatch (an activation forward, its gradient
-  backward) or once per step (a gradient summed on another stage).
+  backward) or once per step (a layer's gradient summed on another stage).
 
   Attributes:
     value: the value id.
@@ -345,6 +348,11 @@ def _place(
       stage[o] = stage[max(near)]
   _place_step_ops(program, graph, phase, stage)
   _place_pass(program, graph, stack, layer_stage, phase, backward & ~helper, False, stage)
+  for op in program.ops:  # A weight's gradient off the stack: where what it reads is made.
+    if stage[op.id] == OUTSIDE and phase[op.id] == Phase.ACCUMULATED:
+      near = [p for p in graph.producers(op) if stage[p] not in (OUTSIDE, EVERY_STAGE)]
+      if near:
+        stage[op.id] = stage[max(near)]
   for op in reversed(
     program.ops
   ):  # What is left (constants, ops off the stack): with a placed reader,
@@ -553,7 +561,9 @@ def _transfers(
   stage: np.ndarray,
 ) -> tuple[Transfer, ...]:
   """A scanned stack's carries (each stage sends its successor the carry of its last
-  layer, when there are stages); values made on one stage and read on another."""
+  layer, when there are stages); values made on one stage and read on another, but for the
+  gradient sums of ops outside the stack that step ops read (the lowered loop sums them over
+  the stage axis, `simulator.pipeline_tables`' stage sums)."""
   out = [
     Transfer(v, EVERY_STAGE, not forward[graph.producer[v]], False)
     for v in stack.carries
@@ -563,8 +573,7 @@ def _transfers(
     if phase[p] == Phase.STEP or stage[p] == EVERY_STAGE:
       continue
     readers = [r for r in graph.readers.get(v, ()) if stage[r] not in (stage[p], EVERY_STAGE)]
-    if readers:
-      out.append(
-        Transfer(v, int(stage[p]), not forward[p], all(phase[r] == Phase.STEP for r in readers))
-      )
+    per_step = all(phase[r] == Phase.STEP for r in readers)
+    if readers and not (per_step and stack.op_layer[p] == OUTSIDE):
+      out.append(Transfer(v, int(stage[p]), not forward[p], per_step))
   return tuple(out)
