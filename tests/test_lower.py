@@ -19,8 +19,8 @@ from automap_rl.compile_options import quick_compile_options
 from automap_rl.mesh import make_mesh, spec_axes, to_jax_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
-from automap_rl.xla.fullsize import implied_cost
 from automap_rl.xla.hlo import inspect_compiled, summarize
+from automap_rl.xla.implied import implied_cost
 from automap_rl.xla.isolated import CompileAborted, compile_directly
 from automap_rl.xla.lower import lower, staged_spec
 from automap_rl.xla.numerics import (
@@ -777,7 +777,7 @@ def test_the_implied_compute_is_a_roofline_over_the_compiled_kernels():
   charged in full."""
   import dataclasses
 
-  from automap_rl.xla.fullsize import _peak_flops
+  from automap_rl.xla.implied import peak_flops
 
   workload, problem = _setup(MLP, "data=8")
   lowered = lower(
@@ -788,7 +788,7 @@ def test_the_implied_compute_is_a_roofline_over_the_compiled_kernels():
     donate_argnums=(0, 1),
     isolated=False,
   )
-  peak, bandwidth = _peak_flops(problem), problem.mesh.hardware.hbm_bandwidth
+  peak, bandwidth = peak_flops(problem), problem.mesh.hardware.hbm_bandwidth
   dot, elementwise = (peak, 1.0), (1.0, 2 * bandwidth)  # One second each at the roofline.
   stats = dataclasses.replace(
     lowered.stats, kernels=(dot, elementwise), flops=peak + 1.0, bytes_accessed=2 * bandwidth + 1.0
@@ -1195,3 +1195,15 @@ def test_a_gnns_megatron_expert_is_realized_where_the_propagation_reshards_a_sum
   ]
   specs = problem.partition_specs(decisions, [op.results[0] for op in scatters])
   assert P("data", "model") in specs  # A sum stored otherwise than it is computed is checked.
+
+
+def test_a_pipelined_plans_implied_step_waits_the_bubble_at_the_compiled_pace():
+  """A compile holds the busiest stage's kernels, not the fill and drain's waits: the
+  implied step adds the simulator's bubble share of its step, at the compiled pace."""
+  from automap_rl.xla.implied import with_bubble
+
+  implied = {"step_time": 2.0, "compute_time": 1.5, "comm_time": 0.5}
+  out = with_bubble(implied, {"step_time": 10.0, "bubble_time": 2.0})
+  assert out["step_time"] == pytest.approx(2.5)
+  assert out["bubble_time"] == pytest.approx(0.5)
+  assert out["compute_time"] == 1.5 and out["comm_time"] == 0.5

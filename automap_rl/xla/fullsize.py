@@ -7,13 +7,8 @@ nothing run), compiled for the case's mesh on virtual CPU devices, and compared 
 simulator: comm bytes by kind and mesh axes, collective counts, flops, peak memory, and
 whether the compiled module shards every value as the plan says (`Lowered.differences`).
 
-The compiled-implied cost prices what XLA compiled with the simulator's own model:
-every compiled collective (collective-permutes included) in the alpha-beta model of
-`simulator.collective_seconds`, times the loop trip counts around it, plus compute as a
-roofline over the compiled kernels (`hlo.kernel_costs`: each fusion or unfused
-instruction, times its loop trip counts), each at the larger of its flops at the
-hardware's matmul peak and its bytes accessed at HBM bandwidth, as the simulator prices
-its ops.
+The compiled-implied cost (`xla.implied`) prices what XLA compiled with the simulator's own
+model.
 
 Pipelined plans (`check_case(..., pipelines=True)`): the case's pipelined expert plans
 (`tactics.applicable_pipelines`), each run as the schedule it is priced with
@@ -34,7 +29,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import functools
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,8 +41,7 @@ from automap_rl.mesh import HARDWARE, Mesh, make_mesh, to_jax_mesh
 from automap_rl.pipeline import Pipeline
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
-from automap_rl.simulator import COMM_KINDS, CostTerms, collective_seconds
-from automap_rl.simulator.tables import program_flops
+from automap_rl.simulator import COMM_KINDS, CostTerms
 from automap_rl.xla.fullsize_summary import (
   agreement_by_case,
   compiled_checks,
@@ -61,6 +54,7 @@ from automap_rl.xla.fullsize_summary import (
   underpriced_term,
 )
 from automap_rl.xla.hlo import CompiledStats
+from automap_rl.xla.implied import implied_cost, with_bubble
 from automap_rl.xla.lower import lower
 from automap_rl.xla.pipeline_lower import lower_pipelined
 from automap_rl.xla.validate import (
@@ -83,7 +77,6 @@ __all__ = [
   "decision_from_text",
   "exploit_gaps",
   "family_table",
-  "implied_cost",
   "pairwise_agreement",
   "plot",
   "recompiled",
@@ -251,58 +244,12 @@ def validation_mesh(case: workloads.Case) -> Mesh:
   return make_mesh(case.mesh, HARDWARE[case.hardware].compiled_by(HARDWARE["cpu"]))
 
 
-def _axes_mask(mesh: Mesh, axes: Sequence[str] | None) -> int:
-  """Bit mask of mesh axes; every axis where XLA's groups match no set of axes."""
-  names = mesh.axis_names if axes is None else axes
-  return sum(1 << mesh.axis_names.index(a) for a in names)
-
-
-@functools.cache
-def _peak_flops(problem: Problem) -> float:
-  """The flop/s of the op with the most flops (a matmul, in the matmuls' dtype), as the
-  simulator prices it (`Hardware.achievable_flops`)."""
-  program = problem.program
-  flops = program_flops(program)
-  heaviest = max(program.ops, key=lambda op: op.repeat * flops[op.id])
-  dtype = program.values[heaviest.results[0]].dtype if heaviest.results else "float32"
-  return problem.mesh.hardware.achievable_flops(heaviest.primitive, dtype)
-
-
-def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, Any]:
-  """The compiled module priced with the simulator's model (see the module docstring):
-  `step_time = compute_time + comm_time`, seconds per step per device; `comm_time_by_kind`
-  (`COMM_KINDS`) and, per kind, `op_by_kind`: the jax op whose collectives of that kind
-  take the most time."""
-  hardware = problem.mesh.hardware
-  by_kind = {k: 0.0 for k in COMM_KINDS}
-  by_op: dict[tuple[str, str], float] = {}
-  for c in stats.collectives:
-    mask = _axes_mask(problem.mesh, c.mesh_axes)
-    seconds = c.repeat * collective_seconds(problem.tables, c.kind, c.bytes, mask)
-    by_kind[c.kind] += seconds
-    by_op[c.kind, c.op_name] = by_op.get((c.kind, c.op_name), 0.0) + seconds
-  peak = _peak_flops(problem)
-  compute = sum(
-    max(flops / peak, nbytes / hardware.hbm_bandwidth) for flops, nbytes in stats.kernels
-  )
-  comm = sum(by_kind.values())
-  return {
-    "step_time": compute + comm,
-    "compute_time": compute,
-    "comm_time": comm,
-    "comm_time_by_kind": by_kind,
-    "op_by_kind": {
-      kind: max((s, op) for (k, op), s in by_op.items() if k == kind)[1]
-      for kind in {k for k, _ in by_op}
-    },
-  }
-
-
 def _simulated(
   problem: Problem, decisions: Sequence[Decision], pipeline: Pipeline | None
 ) -> dict[str, Any]:
   """The simulator's side of a check: `simulated_metrics`, `step_time` (seconds), `fits`,
-  and of a pipelined plan `stage_permute_bytes` (`PipelineTerms.permute_bytes`)."""
+  and of a pipelined plan `stage_permute_bytes` (`PipelineTerms.permute_bytes`) and
+  `bubble_time` (`PipelineTerms.bubble_s`)."""
   cost = problem.cost(decisions) if pipeline is None else problem.plan_cost(decisions, pipeline)
   simulated = {
     **simulated_metrics(problem, decisions, pipeline),
@@ -311,6 +258,7 @@ def _simulated(
   }
   if pipeline is not None:
     simulated["stage_permute_bytes"] = float(cost.terms.permute_bytes)
+    simulated["bubble_time"] = float(cost.terms.bubble_s)
   else:
     simulated["compute_time"] = float(cost.compute_time)
     simulated["comm_time_by_kind"] = comm_time_by_kind(problem.cost_terms(decisions))
@@ -405,7 +353,7 @@ def check_pipelined_plan(
   simulated = _simulated(problem, decisions, pipeline)
   compiled = {
     **compiled_metrics(lowered.stats),
-    **implied_cost(problem, lowered.stats),
+    **with_bubble(implied_cost(problem, lowered.stats), simulated),
     "stage_permute_bytes": stage_permute_bytes(lowered.stats, pipeline),
   }
   return PlanCheck(
