@@ -101,13 +101,15 @@ def _mb(x: float) -> str:
 
 
 def _schedule(pipeline: dict) -> str:
-  """A pipeline's JSON as a few words: its schedule (or accumulation), axis and counts."""
+  """A pipeline's JSON as a few words: its schedule (or accumulation), axis and counts, and
+  whether its weights are gathered once a step."""
+  once = ", weights gathered once" if pipeline.get("gather_weights_once") else ""
   if pipeline["stages"] == 1:
-    return f"accumulation of {pipeline['microbatches']} microbatches"
+    return f"accumulation of {pipeline['microbatches']} microbatches{once}"
   chunks = f", {pipeline['chunks']} chunks" if pipeline.get("chunks", 1) > 1 else ""
   return (
     f"{pipeline['schedule']} over {pipeline['axis']!r}: {pipeline['stages']} stages{chunks}, "
-    f"{pipeline['microbatches']} microbatches"
+    f"{pipeline['microbatches']} microbatches{once}"
   )
 
 
