@@ -139,7 +139,9 @@ def test_gpt_megatron_all_reduce_bytes_match_the_simulator():
   its input gradient (one activation)."""
   workload, problem = _setup(GPT, "data=2,model=4")
   decisions = tactics.megatron(problem)
-  lowered = lower(problem, decisions, workload.step, workload.args, isolated=False)
+  lowered = lower(
+    problem, decisions, workload.step, workload.args, isolated=False, executable=False
+  )
   activation = 8 * 16 * 32 * 4  # [batch, seq, d_model] f32
   head = activation + 2 * 8 * 16 * 4
   assert summarize(lowered.stats.collectives)["all-reduce"] == (7, 6 * activation + head)
@@ -631,7 +633,13 @@ def test_fsdp_gathers_each_parameter_once_as_xla_does():
   workload, problem = _setup(MLP, "data=8")
   decisions = tactics.fsdp(problem)
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   assert lowered.differences == ()
   gathers = [c for c in lowered.stats.collectives if c.kind == "all-gather"]
@@ -652,7 +660,13 @@ def test_a_gnn_gathers_its_node_features_for_the_edges_and_not_its_zero_accumula
   )
   decisions = tactics.data_parallel(problem)
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   gathered = sum(c.repeat * c.bytes for c in lowered.stats.collectives if c.kind == "all-gather")
   # Four all-gathers of the node latents [256, 64] f32 and two small ones. Gathering the
@@ -683,7 +697,13 @@ def test_a_scatter_adds_zeros_are_made_in_the_sharding_it_reads_them_on():
     )
   ]
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   assert lowered.differences == ()
   simulated = _simulated(problem, decisions)["comm_bytes_by_kind"]
@@ -714,7 +734,13 @@ def test_peak_memory_within_tolerance_of_memory_analysis(spec, mesh, plan, toler
   workload, problem = _setup(spec, mesh)
   decisions = tactics.TACTICS[plan](problem)
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   assert lowered.differences == ()
   stats = lowered.stats
@@ -737,7 +763,13 @@ def test_flops_match_cost_analysis_on_the_mlp_and_gpt():
     workload, problem = _setup(spec, "data=8")
     decisions = tactics.TACTICS[plan](problem)
     stats = lower(
-      problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+      problem,
+      decisions,
+      workload.step,
+      workload.args,
+      donate_argnums=(0, 1),
+      isolated=False,
+      executable=False,
     ).stats
     resolution = problem.resolve(*problem.encode(decisions))
     assert simulated_flops(problem, resolution) == pytest.approx(stats.flops, rel=0.02)
@@ -752,7 +784,7 @@ def test_a_reduce_scatter_costs_the_all_reduce_xla_on_cpu_runs():
   program = ir.trace(fn, *args)
   decisions = [Decision(ArgDim("arg0", 1), "model"), Decision(ArgDim("arg0", 0), "model")]
   cpu = Problem.build(program, make_mesh("data=2,model=4", "cpu"))
-  lowered = lower(cpu, decisions, fn, args, isolated=False)
+  lowered = lower(cpu, decisions, fn, args, isolated=False, executable=False)
   assert lowered.differences == ()
   (compiled,) = lowered.stats.collectives
   assert (compiled.kind, compiled.mesh_axes, compiled.bytes) == (
@@ -787,6 +819,7 @@ def test_the_implied_compute_is_a_roofline_over_the_compiled_kernels():
     workload.args,
     donate_argnums=(0, 1),
     isolated=False,
+    executable=False,
   )
   peak, bandwidth = peak_flops(problem), problem.mesh.hardware.hbm_bandwidth
   dot, elementwise = (peak, 1.0), (1.0, 2 * bandwidth)  # One second each at the roofline.
@@ -811,7 +844,7 @@ def test_a_linear_combination_of_partial_sums_reduces_the_buffers_its_sources_ma
     Decision(ArgDim("arg0", 1), "model"),
     Decision(ArgDim("arg0", 0), "model"),
   ]
-  lowered = lower(problem, decisions, fn, args, isolated=False)
+  lowered = lower(problem, decisions, fn, args, isolated=False, executable=False)
   assert lowered.differences == ()
   (compiled,) = lowered.stats.collectives
   assert (compiled.kind, compiled.mesh_axes, compiled.bytes) == (
@@ -861,7 +894,13 @@ def test_a_dim_over_two_axes_lays_out_the_axis_its_class_uses_most_as_major():
   ]
   decisions = [Decision(Group(residual), "model"), *batch]
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   assert lowered.in_shardings[2]["inputs"].spec == P(("data", "model"), None)
   resolution = problem.resolve(*problem.encode(decisions))
@@ -881,7 +920,13 @@ def test_an_fsdp_stored_bias_gathers_into_the_megatron_shard_its_readers_use():
   )
   decisions = tactics.applicable(problem)["fsdp_megatron"]
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   assert lowered.in_shardings[0]["mlp/~/linear_0"]["b"].spec == P(("model", "data"))
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
@@ -911,7 +956,13 @@ def test_a_normalizations_input_and_statistics_go_through_memory():
   problem = Problem.build(program, make_mesh("data=8", hardware))
   decisions = tactics.data_parallel(problem)
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   implied = implied_cost(problem, lowered.stats)["compute_time"]
   assert implied / 2 < float(problem.cost(decisions).compute_time) <= implied
@@ -929,7 +980,13 @@ def test_a_split_along_a_sharded_dim_gathers_its_operand_once():
   )
   decisions = [Decision(ArgDim("params/layers/w_recurrent", 2), "model")]
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   compiled = compiled_metrics(lowered.stats)
   assert compiled["collective_permute_count"] == 0
@@ -954,7 +1011,13 @@ def test_a_concatenate_stored_split_along_its_dim_is_concatenated_whole_and_slic
   )
   decisions = [Decision(Group(2), "data"), Decision(Group(6), "data"), Decision(Group(6), "model")]
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   assert lowered.differences == ()
   assert not [c for c in lowered.stats.collectives if c.op_name.endswith("/concatenate")]
@@ -975,7 +1038,13 @@ def test_partial_sums_over_two_reduction_factors_are_all_reduced_one_factor_at_a
   workload, problem = _setup(spec, "data=2,model=4")
   decisions = tactics.sequence_parallel(problem)
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   assert simulated["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(
@@ -997,7 +1066,13 @@ def test_reads_of_one_value_on_different_shardings_each_pay_their_own_collective
   )
   decisions = tactics.sequence_parallel(problem)
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   for kind in ("all-gather", "all-to-all"):
@@ -1021,7 +1096,13 @@ def test_a_weight_gradient_stored_split_is_computed_split_over_the_idle_axis(mes
   workload, problem = _setup("mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", mesh)
   decisions = tactics.fsdp(problem)
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   weights = sum(
@@ -1044,7 +1125,13 @@ def test_a_dot_that_splits_its_batch_still_reads_its_weight_whole():
   )
   decisions = tactics.data_parallel(problem)
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   compiled = implied_cost(problem, lowered.stats)["compute_time"]
   assert float(problem.cost(decisions).compute_time) == pytest.approx(compiled, rel=0.1)
@@ -1063,7 +1150,7 @@ def test_an_op_whose_result_is_never_used_costs_nothing():
   args = (jnp.ones((64, 32)), jnp.ones((512, 32)), jnp.zeros((512,), jnp.int32))
   problem = Problem.build(ir.trace(aggregate, *args), make_mesh("data=4", "cpu"))
   decisions = [Decision(ArgDim("arg1", 0), "data"), Decision(ArgDim("arg2", 0), "data")]
-  lowered = lower(problem, decisions, aggregate, args, isolated=False)
+  lowered = lower(problem, decisions, aggregate, args, isolated=False, executable=False)
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   assert compiled["comm_bytes_by_kind"]["all-reduce"] == 64 * 32 * 4
   assert (
@@ -1164,7 +1251,13 @@ def test_a_gnn_splits_its_edge_features_where_they_are_and_moves_the_pieces_as_p
     ]
   ]
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   compiled, simulated = compiled_metrics(lowered.stats), simulated_metrics(problem, decisions)
   assert lowered.differences == ()
@@ -1185,7 +1278,13 @@ def test_a_gnns_megatron_expert_is_realized_where_the_propagation_reshards_a_sum
   )
   decisions = tactics.data_megatron(problem)
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=(0, 1), isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
   )
   assert lowered.differences == ()
   scatters = [

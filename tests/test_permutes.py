@@ -35,7 +35,13 @@ def lstm():
 
 def _permutes(workload, problem, decisions):
   lowered = lower(
-    problem, decisions, workload.step, workload.args, donate_argnums=DONATE_ARGNUMS, isolated=False
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=DONATE_ARGNUMS,
+    isolated=False,
+    executable=False,
   )
   assert lowered.differences == ()
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)

@@ -40,6 +40,17 @@ SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], wandb="disabled", progre
 LOGIT_TIE = 1e-4
 
 
+@functools.cache
+def built(spec: str, hardware: str = "h100") -> Problem:
+  """The problem of an abstract workload on the mesh `data=2,model=4` (`hardware`: a
+  profile's name, or "synchronous" for `SYNCHRONOUS_H100`), built once per process: the
+  tests that search the same problem share its searchers and their compiles."""
+  profile = SYNCHRONOUS_H100 if hardware == "synchronous" else hardware
+  return Problem.build(
+    workloads.make_workload(spec, abstract=True).trace(), make_mesh("data=2,model=4", profile)
+  )
+
+
 def assert_trees_equal(a, b):
   leaves_a, tree_a = jax.tree.flatten(a)
   leaves_b, tree_b = jax.tree.flatten(b)
@@ -98,6 +109,60 @@ def test_smoke_preset_end_to_end(smoke_run):
     os.path.join(run_dir, checkpoint.POLICY_DIR, checkpoint.PARAMS_DIR, checkpoint.COMMIT_FILE)
   ) as f:
     assert f.read() == checkpoint.COMMIT_TEXT
+
+
+def test_partition_command_searches_with_the_policy_it_is_given(smoke_run, tmp_path):
+  out = tmp_path / "plan.json"
+  assert (
+    cli.main(
+      [
+        "partition",
+        "gpt:layers=1",
+        "--mesh",
+        "data=2,model=4",
+        "--agent",
+        "learned",
+        "--checkpoint",
+        smoke_run.run_dir,
+        "--budget",
+        "16",
+        "--seed",
+        "1",
+        "--no-progress",
+        "--json",
+        str(out),
+      ]
+    )
+    == 0
+  )
+  result = json.load(open(out))
+  assert result["checkpoint"] == checkpoint.policy_dir(smoke_run.run_dir)
+  w = workloads.make_workload("gpt:layers=1", abstract=True)
+  plan = partition(
+    w.step,
+    *w.args,
+    mesh="data=2,model=4",
+    hardware="h100",
+    agent="learned",
+    budget=16,
+    seed=1,
+    arg_names=w.arg_names,
+    arg_roles=w.arg_roles,
+    config=LearnedConfig(checkpoint=smoke_run.run_dir),
+  )
+  assert result["decisions"] == [str(d) for d in plan.decisions]
+  assert result["step_time_s"] == pytest.approx(float(plan.cost.step_time), rel=1e-6)
+
+
+def test_a_run_from_a_policy_starts_from_its_parameters(smoke_run):
+  """Fine-tuning: the policy's parameters, bit for bit; the fresh state's optimizer, buffer and
+  key."""
+  fresh = train.replicate(train.init(SMOKE.train, smoke_suite()), train.data_mesh(1))
+  tuned = train_cmd.from_policy(fresh, smoke_run.run_dir)
+  assert_trees_equal(tuned.params, smoke_run.state.params)
+  assert_trees_equal(
+    (tuned.opt_state, tuned.buffer, tuned.key), (fresh.opt_state, fresh.buffer, fresh.key)
+  )
 
 
 def smoke_suite() -> selfplay.Suite:
@@ -338,56 +403,10 @@ def test_learned_agent_partitions_a_workload(smoke_run):
   assert plan.search.objective <= greedy.search.objective + 1e-6
 
 
-def test_partition_command_searches_with_the_policy_it_is_given(smoke_run, tmp_path):
-  out = tmp_path / "plan.json"
-  assert (
-    cli.main(
-      [
-        "partition",
-        "gpt:layers=1",
-        "--mesh",
-        "data=2,model=4",
-        "--agent",
-        "learned",
-        "--checkpoint",
-        smoke_run.run_dir,
-        "--budget",
-        "16",
-        "--seed",
-        "1",
-        "--no-progress",
-        "--json",
-        str(out),
-      ]
-    )
-    == 0
-  )
-  result = json.load(open(out))
-  assert result["checkpoint"] == checkpoint.policy_dir(smoke_run.run_dir)
-  w = workloads.make_workload("gpt:layers=1", abstract=True)
-  plan = partition(
-    w.step,
-    *w.args,
-    mesh="data=2,model=4",
-    hardware="h100",
-    agent="learned",
-    budget=16,
-    seed=1,
-    arg_names=w.arg_names,
-    arg_roles=w.arg_roles,
-    config=LearnedConfig(checkpoint=smoke_run.run_dir),
-  )
-  assert result["decisions"] == [str(d) for d in plan.decisions]
-  assert result["step_time_s"] == pytest.approx(float(plan.cost.step_time), rel=1e-6)
-
-
 def test_no_budget_gives_a_worse_plan_than_the_greedy_path():
   """The shipped policy's greedy path always completes, outside the budget: even a budget
   of one simulation ends at least as well, and the search never spends more than its budget."""
-  problem = Problem.build(
-    workloads.make_workload("gpt:layers=2", abstract=True).trace(),
-    make_mesh("data=2,model=4", "h100"),
-  )
+  problem = built("gpt:layers=2")
   greedy = learned.search(problem, LearnedConfig(search=False), seed=0, budget=1)
   assert (
     greedy.simulations == 0
@@ -408,10 +427,7 @@ def test_a_greedy_path_is_the_networks_most_likely_action_step_by_step():
   replicated plan with pipeline options, its first action forced or the network's, and its
   second the network's third most likely (`rank`) (on this GPT the network stops only
   where the episode ends; T5-small's paths below go on)."""
-  problem = Problem.build(
-    workloads.make_workload("gpt:layers=4,scan=true", abstract=True).trace(),
-    make_mesh("data=2,model=4", "h100"),
-  )
+  problem = built("gpt:layers=4,scan=true")
   network = learned.load_network(None)
   search, _, _ = agents_base.start(problem, "groups", 256, 1, None, network.config.pipelines)
   env = search.env
@@ -477,10 +493,7 @@ def test_a_greedy_path_goes_on_past_the_networks_stop(monkeypatch):
   the greedy paths that go on past the network's stop (the default) take more steps and
   end at a better plan than those that stop there; a search starts where the paths found
   their best plans before going on, so with a budget the going on only adds candidates."""
-  problem = Problem.build(
-    workloads.make_workload("t5:size=small", abstract=True).trace(),
-    make_mesh("data=2,model=4", "h100"),
-  )
+  problem = built("t5:size=small")
   stops = learned.search(problem, LearnedConfig(search=False, past_stop=0), seed=0, budget=1)
   goes_on = learned.search(problem, LearnedConfig(search=False), seed=0, budget=1)
   assert goes_on.greedy_steps > stops.greedy_steps
@@ -500,10 +513,7 @@ def test_greedy_paths_from_the_networks_next_likeliest_decisions_reach_plans_its
   """On this U-Net the network's own greedy paths end at `data_parallel`'s plan; the paths
   that begin with its 2nd to 4th most likely decision (`first_moves`, outside the budget
   as every greedy path) go on from there to a plan 0.73x as costly."""
-  problem = Problem.build(
-    workloads.make_workload("unet:size=ddpm-cifar10", abstract=True).trace(),
-    make_mesh("data=2,model=4", SYNCHRONOUS_H100),
-  )
+  problem = built("unet:size=ddpm-cifar10", "synchronous")
   own = learned.search(problem, LearnedConfig(search=False, first_moves=1), seed=0, budget=1)
   more = learned.search(problem, LearnedConfig(search=False), seed=0, budget=1)
   assert own.start == more.start == "data_parallel" and own.action_ids == ()
@@ -519,10 +529,7 @@ def test_the_learned_agent_refines_the_best_experts_plan():
   the policy was not trained on, that path stays at the replicated plan, 1.4x the expert's
   data parallelism, so the plan comes from the expert's), starts with the expert's
   decisions and is priced as the simulator prices the whole plan."""
-  problem = Problem.build(
-    workloads.make_workload("unet:size=ddpm-cifar10", abstract=True).trace(),
-    make_mesh("data=2,model=4", SYNCHRONOUS_H100),
-  )
+  problem = built("unet:size=ddpm-cifar10", "synchronous")
   expert = tactics.best_expert_plan(problem)
   assert expert.fits
   expert_objective = agents_base.plan_objective(problem, expert.cost)
@@ -548,10 +555,7 @@ def test_an_expert_plan_too_large_to_search_from_is_still_the_learned_agents_can
   no path starts there, but the plan is offered: the result is no worse than it (on this
   U-Net the network's own greedy path from the replicated plan, `first_moves=1`, is 1.4x
   worse, so it is the expert's)."""
-  problem = Problem.build(
-    workloads.make_workload("unet:size=ddpm-cifar10", abstract=True).trace(),
-    make_mesh("data=2,model=4", "h100"),
-  )
+  problem = built("unet:size=ddpm-cifar10")
   expert = tactics.best_expert_plan(problem)
   capacity = len(problem.encode(list(expert.decisions))[0]) - 1
   config = LearnedConfig(search=False, max_decisions=capacity, first_moves=1)
@@ -573,10 +577,7 @@ def test_the_learned_search_starts_where_the_greedy_paths_found_their_best_plans
   """The budget is spent below the best plans of the greedy paths (from the replicated plan
   and each expert's), the best first: on a small GPT the best is two actions down the path
   from the replicated plan."""
-  problem = Problem.build(
-    workloads.make_workload("gpt:layers=2", abstract=True).trace(),
-    make_mesh("data=2,model=4", "h100"),
-  )
+  problem = built("gpt:layers=2")
   greedy = learned.search(problem, LearnedConfig(search=False), seed=0, budget=16)
   assert greedy.start is None and len(greedy.action_ids) == 2
   for count in (1, 3):
@@ -596,10 +597,7 @@ def test_the_learned_search_compiles_once_while_the_greedy_paths_run():
   """The search is compiled in the background (`gumbel.compile_ahead`, on placeholder
   embeddings) while the greedy paths run, and the budget's searches reuse that compile: one
   executable of the search per problem and number of starts."""
-  problem = Problem.build(
-    workloads.make_workload("gpt:layers=2", abstract=True).trace(),
-    make_mesh("data=2,model=4", "h100"),
-  )
+  problem = built("gpt:layers=2")
   agents_base.release()
   result = learned.search(
     problem, LearnedConfig(gumbel=GumbelSettings(num_simulations=8)), seed=0, budget=32
@@ -704,17 +702,6 @@ def test_a_run_directory_is_resumed_only_with_its_training_config(tmp_path):
     train_cmd._prepare_dir(
       dataclasses.replace(config, train=dataclasses.replace(config.train, expert_start_every=2))
     )
-
-
-def test_a_run_from_a_policy_starts_from_its_parameters(smoke_run):
-  """Fine-tuning: the policy's parameters, bit for bit; the fresh state's optimizer, buffer and
-  key."""
-  fresh = train.replicate(train.init(SMOKE.train, smoke_suite()), train.data_mesh(1))
-  tuned = train_cmd.from_policy(fresh, smoke_run.run_dir)
-  assert_trees_equal(tuned.params, smoke_run.state.params)
-  assert_trees_equal(
-    (tuned.opt_state, tuned.buffer, tuned.key), (fresh.opt_state, fresh.buffer, fresh.key)
-  )
 
 
 def test_evaluate_without_baselines_runs_the_learned_methods_alone():

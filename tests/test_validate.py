@@ -131,7 +131,12 @@ def test_collectives_combine_per_loop_iteration_as_xla_does():
   plans = tactics.applicable(problem)
   for name in ("data_megatron",):  # Gradient reductions combined per iteration; activations' not.
     lowered = lower(
-      problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS
+      problem,
+      plans[name],
+      workload.step,
+      workload.args,
+      donate_argnums=validate.DONATE_ARGNUMS,
+      executable=False,
     )
     simulated, compiled = (
       validate.simulated_metrics(problem, plans[name]),
@@ -163,7 +168,12 @@ def test_nested_loops_cost_what_xla_compiles():
   plans = tactics.applicable(problem)
   for name in ("replicated", "data_parallel", "fsdp", "data_megatron"):
     lowered = lower(
-      problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS
+      problem,
+      plans[name],
+      workload.step,
+      workload.args,
+      donate_argnums=validate.DONATE_ARGNUMS,
+      executable=False,
     )
     simulated, compiled = (
       validate.simulated_metrics(problem, plans[name]),
@@ -196,7 +206,12 @@ def test_loop_buffers_are_live_through_the_loop():
   plans = tactics.applicable(problem)
   for name in ("data_parallel", "fsdp"):
     lowered = lower(
-      problem, plans[name], workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS
+      problem,
+      plans[name],
+      workload.step,
+      workload.args,
+      donate_argnums=validate.DONATE_ARGNUMS,
+      executable=False,
     )
     simulated, compiled = (
       validate.simulated_metrics(problem, plans[name]),
@@ -223,7 +238,12 @@ def test_gathers_and_scatter_adds_move_what_the_simulator_prices():
   problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
   plan = tactics.applicable(problem)["fsdp"]
   lowered = lower(
-    problem, plan, workload.step, workload.args, donate_argnums=validate.DONATE_ARGNUMS
+    problem,
+    plan,
+    workload.step,
+    workload.args,
+    donate_argnums=validate.DONATE_ARGNUMS,
+    executable=False,
   )
   simulated, compiled = (
     validate.simulated_metrics(problem, plan),
