@@ -406,12 +406,17 @@ def _transfers(t: PipelineTables, sent: jax.Array) -> tuple[jax.Array, jax.Array
 
 
 def _collectives(
-  t: PipelineTables, plan: CostTerms, where: _Placement, sent: jax.Array
+  t: PipelineTables,
+  plan: CostTerms,
+  where: _Placement,
+  sent: jax.Array,
+  per_step: tuple[jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array]:
   """Bytes and counts per device a step, per kind (`COMM_KINDS`) and stage, [5, S]
   each. A microbatch op runs M times (the bubble's ticks wait: they run none); a step op
   once; `sent` [3, S] is each stage's sends (forward and backward per tick, once per
-  step)."""
+  step); `per_step`: the bytes of the all-reduce over the stage axis ([] or [S]) and of
+  the weights' all-gather ([S]) that run once a step, one collective each."""
   m = t.microbatches
   edge_runs = jnp.where(where.per_microbatch, m, 1.0)
   reduction_runs = jnp.where(
@@ -439,6 +444,9 @@ def _collectives(
   comm_count = jnp.stack(
     [(k.count * r) @ s for k, r, s in zip(kinds, runs, stages)] + [permute_count]
   )
+  for kind, nbytes in enumerate(per_step):  # `COMM_KINDS`: all-reduce, then all-gather.
+    comm_bytes = comm_bytes.at[kind].add(nbytes)
+    comm_count = comm_count.at[kind].add((nbytes > 0).astype(jnp.float32))
   return comm_bytes, comm_count
 
 
@@ -495,11 +503,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
 
   sent = t.transfer_bytes @ inverse_shards  # [3, S]
   transfer = _transfer_seconds(t, sent, stage["loop_compute"][pace_stage])
-  comm_bytes, comm_count = _collectives(t, plan, where, sent)
-  comm_bytes = comm_bytes.at[0].add(stage_summed)  # `COMM_KINDS`: all-reduce first.
-  comm_count = comm_count.at[0].add((stage_summed > 0).astype(jnp.float32))
-  comm_bytes = comm_bytes.at[1].add(weight_gather_bytes)  # Then the all-gathers.
-  comm_count = comm_count.at[1].add((weight_gather_bytes > 0).astype(jnp.float32))
+  comm_bytes, comm_count = _collectives(t, plan, where, sent, (stage_summed, weight_gather_bytes))
 
   live = jnp.max(t.live_rows @ inverse_shards, axis=1)
   # The loop's weights enter it whole over its manual axes and their gradients are summed

@@ -335,24 +335,15 @@ def published_plan(problem: Problem, run: PublishedRun) -> tuple[list[Decision],
   if storage:
     decisions += tactics._store_sharded(problem, storage, found.tensor_parallel)
   microbatches = run.batch // (plan.replicas * plan.microbatch_size)
+  once = plan.gather_weights_once
   if plan.pipeline > 1:
     stack = tactics._largest_stack(problem)[0]
     pipeline = Pipeline(
-      "stage",
-      plan.pipeline,
-      microbatches,
-      plan.schedule,
-      chunks=plan.chunks,
-      stack=stack,
-      gather_weights_once=plan.gather_weights_once,
-    )
+      "stage", plan.pipeline, microbatches, plan.schedule, plan.chunks, stack,
+      gather_weights_once=once,
+    )  # fmt: skip
   elif microbatches > 1:
-    pipeline = Pipeline(
-      batch_axes[0],
-      stages=1,
-      microbatches=microbatches,
-      gather_weights_once=plan.gather_weights_once,
-    )
+    pipeline = Pipeline(batch_axes[0], 1, microbatches, gather_weights_once=once)
   else:
     pipeline = None
   return decisions, pipeline
@@ -586,8 +577,8 @@ RUNS: tuple[PublishedRun, ...] = (
       "optimizer state replicated over data: the distributed optimizer, as ZeRO storage with the "
       "weights gathered once a step, would gather over the expert axis too (the loop's batch "
       "axes); no recomputation (the mapping lists none)",
-      "multi-head attention for 8 KV groups; GShard's one-hot dispatch (capacity factor 1) for "
-      "dropless routing, and SwiGLU experts as JAX differentiates them (six expert-width "
+      "multi-head attention simulated for 8 KV groups; GShard's one-hot dispatch (capacity "
+      "factor 1) for dropless routing, and SwiGLU experts as JAX differentiates them (six expert-width "
       "residuals a layer, where Megatron-Core's fused kernels keep two)",
     ),
   ),
