@@ -578,8 +578,8 @@ RUNS: tuple[PublishedRun, ...] = (
       "weights gathered once a step, would gather over the expert axis too (the loop's batch "
       "axes); no recomputation (the mapping lists none)",
       "multi-head attention simulated for 8 KV groups; GShard's one-hot dispatch (capacity "
-      "factor 1) for dropless routing, and SwiGLU experts as JAX differentiates them (six expert-width "
-      "residuals a layer, where Megatron-Core's fused kernels keep two)",
+      "factor 1) for dropless routing, and SwiGLU experts as JAX differentiates them (six "
+      "expert-width residuals a layer, where Megatron-Core's fused kernels keep two)",
     ),
   ),
 )
