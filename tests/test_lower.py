@@ -54,6 +54,20 @@ def _setup(spec: str, mesh: str):
   return workload, Problem.build(program, make_mesh(mesh, "cpu"))
 
 
+def _compiled(problem: Problem, decisions, workload):
+  """`lower`'s compile-only check of a plan: one compile, its statistics and sharding
+  differences (nothing run)."""
+  return lower(
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=(0, 1),
+    isolated=False,
+    executable=False,
+  )
+
+
 def _nbytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
@@ -632,15 +646,7 @@ def _simulated(problem, decisions):
 def test_fsdp_gathers_each_parameter_once_as_xla_does():
   workload, problem = _setup(MLP, "data=8")
   decisions = tactics.fsdp(problem)
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   assert lowered.differences == ()
   gathers = [c for c in lowered.stats.collectives if c.kind == "all-gather"]
   sim = _simulated(problem, decisions)
@@ -659,15 +665,7 @@ def test_a_gnn_gathers_its_node_features_for_the_edges_and_not_its_zero_accumula
     "gnn:n_node=32,n_edge=64,node_dim=16,edge_dim=16,latent=64,steps=2,batch=8", "data=8"
   )
   decisions = tactics.data_parallel(problem)
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   gathered = sum(c.repeat * c.bytes for c in lowered.stats.collectives if c.kind == "all-gather")
   # Four all-gathers of the node latents [256, 64] f32 and two small ones. Gathering the
   # scatter-adds' zeros too would be 2.5x these bytes.
@@ -696,15 +694,7 @@ def test_a_scatter_adds_zeros_are_made_in_the_sharding_it_reads_them_on():
       (12, "data"),
     )
   ]
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   assert lowered.differences == ()
   simulated = _simulated(problem, decisions)["comm_bytes_by_kind"]
   for kind in ("all-gather", "all-to-all"):
@@ -733,15 +723,7 @@ def test_peak_memory_within_tolerance_of_memory_analysis(spec, mesh, plan, toler
   every gathered copy was held at the peak)."""
   workload, problem = _setup(spec, mesh)
   decisions = tactics.TACTICS[plan](problem)
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   assert lowered.differences == ()
   stats = lowered.stats
   # The validated figure: argument + output + temp - alias of `memory_analysis()`.
@@ -762,15 +744,7 @@ def test_flops_match_cost_analysis_on_the_mlp_and_gpt():
   for spec, plan in ((MLP, "data_parallel"), (GPT, "replicated")):
     workload, problem = _setup(spec, "data=8")
     decisions = tactics.TACTICS[plan](problem)
-    stats = lower(
-      problem,
-      decisions,
-      workload.step,
-      workload.args,
-      donate_argnums=(0, 1),
-      isolated=False,
-      executable=False,
-    ).stats
+    stats = _compiled(problem, decisions, workload).stats
     resolution = problem.resolve(*problem.encode(decisions))
     assert simulated_flops(problem, resolution) == pytest.approx(stats.flops, rel=0.02)
 
@@ -893,15 +867,7 @@ def test_a_dim_over_two_axes_lays_out_the_axis_its_class_uses_most_as_major():
     for name in ("inputs", "targets")
   ]
   decisions = [Decision(Group(residual), "model"), *batch]
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   assert lowered.in_shardings[2]["inputs"].spec == P(("data", "model"), None)
   resolution = problem.resolve(*problem.encode(decisions))
   assert simulated_flops(problem, resolution) == pytest.approx(lowered.stats.flops, rel=0.02)
@@ -919,15 +885,7 @@ def test_an_fsdp_stored_bias_gathers_into_the_megatron_shard_its_readers_use():
     "mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", "data=2,model=4"
   )
   decisions = tactics.applicable(problem)["fsdp_megatron"]
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   assert lowered.in_shardings[0]["mlp/~/linear_0"]["b"].spec == P(("model", "data"))
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   assert compiled["flops"] == pytest.approx(simulated["flops"], rel=0.01)
@@ -955,15 +913,7 @@ def test_a_normalizations_input_and_statistics_go_through_memory():
   hardware = dataclasses.replace(HARDWARE["a100-40g"], multi_output_fusion=False)
   problem = Problem.build(program, make_mesh("data=8", hardware))
   decisions = tactics.data_parallel(problem)
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   implied = implied_cost(problem, lowered.stats)["compute_time"]
   assert implied / 2 < float(problem.cost(decisions).compute_time) <= implied
 
@@ -979,15 +929,7 @@ def test_a_split_along_a_sharded_dim_gathers_its_operand_once():
     "lstm:layers=1,cells=256,d_model=256,seq=4,vocab=256,batch=16", "data=2,model=4"
   )
   decisions = [Decision(ArgDim("params/layers/w_recurrent", 2), "model")]
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   compiled = compiled_metrics(lowered.stats)
   assert compiled["collective_permute_count"] == 0
   simulated = simulated_metrics(problem, decisions)
@@ -1010,15 +952,7 @@ def test_a_concatenate_stored_split_along_its_dim_is_concatenated_whole_and_slic
     "lstm:layers=1,batch=16,seq=8,cells=64,d_model=32,vocab=256", "data=4,model=2"
   )
   decisions = [Decision(Group(2), "data"), Decision(Group(6), "data"), Decision(Group(6), "model")]
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   assert lowered.differences == ()
   assert not [c for c in lowered.stats.collectives if c.op_name.endswith("/concatenate")]
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
@@ -1037,15 +971,7 @@ def test_partial_sums_over_two_reduction_factors_are_all_reduced_one_factor_at_a
   spec = "t5:size=base,batch=16,layers=1,d_model=64,heads=4,d_ff=128,seq=32,vocab=128,dtype=float32"
   workload, problem = _setup(spec, "data=2,model=4")
   decisions = tactics.sequence_parallel(problem)
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   assert simulated["comm_bytes_by_kind"]["all-reduce"] == pytest.approx(
     compiled["comm_bytes_by_kind"]["all-reduce"], rel=0.02
@@ -1065,15 +991,7 @@ def test_reads_of_one_value_on_different_shardings_each_pay_their_own_collective
     "gpt:layers=2,d_model=128,heads=4,seq=64,vocab=256,batch=16", "data=2,model=4"
   )
   decisions = tactics.sequence_parallel(problem)
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   for kind in ("all-gather", "all-to-all"):
     assert simulated["comm_count_by_kind"][kind] == pytest.approx(
@@ -1095,15 +1013,7 @@ def test_a_weight_gradient_stored_split_is_computed_split_over_the_idle_axis(mes
 
   workload, problem = _setup("mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", mesh)
   decisions = tactics.fsdp(problem)
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
   weights = sum(
     x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(workload.args[0]) if x.ndim == 2
@@ -1124,15 +1034,7 @@ def test_a_dot_that_splits_its_batch_still_reads_its_weight_whole():
     "lstm:layers=1,cells=512,d_model=256,seq=32,vocab=256,batch=8", "data=8"
   )
   decisions = tactics.data_parallel(problem)
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   compiled = implied_cost(problem, lowered.stats)["compute_time"]
   assert float(problem.cost(decisions).compute_time) == pytest.approx(compiled, rel=0.1)
 
@@ -1250,15 +1152,7 @@ def test_a_gnn_splits_its_edge_features_where_they_are_and_moves_the_pieces_as_p
       (12, "data"),
     ]
   ]
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   compiled, simulated = compiled_metrics(lowered.stats), simulated_metrics(problem, decisions)
   assert lowered.differences == ()
   assert compiled["collective_permute_count"] == 0
@@ -1277,15 +1171,7 @@ def test_a_gnns_megatron_expert_is_realized_where_the_propagation_reshards_a_sum
     "gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8", "data=2,model=4"
   )
   decisions = tactics.data_megatron(problem)
-  lowered = lower(
-    problem,
-    decisions,
-    workload.step,
-    workload.args,
-    donate_argnums=(0, 1),
-    isolated=False,
-    executable=False,
-  )
+  lowered = _compiled(problem, decisions, workload)
   assert lowered.differences == ()
   scatters = [
     op
