@@ -31,6 +31,7 @@ deterministic: every seed gives the same plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -171,9 +172,10 @@ def search(
       state.price(plan, pipeline)
   experts = _distinct([*experts, *(plan for plan, _ in pipelined.values())])
   stacks = problem.layer_stacks
+  splits_weights = functools.cache(problem.weights_split_over_batch)  # Once per plan.
   for pipeline in _pipelines(problem, stacks, config):
     for plan in _inside(experts, pipeline, problem):
-      for variant in _storage_variants(problem, plan, pipeline):
+      for variant in _storage_variants(splits_weights(plan), pipeline):
         if state.done():
           break
         state.price(plan, variant)
@@ -234,12 +236,10 @@ def _pipelines(
               yield pipeline
 
 
-def _storage_variants(
-  problem: Problem, plan: Sequence[Decision], pipeline: Pipeline
-) -> tuple[Pipeline, ...]:
-  """`pipeline`, and where `plan` stores weights split over its batch axes (ZeRO, FSDP)
-  also with them gathered once a step (`Pipeline.gather_weights_once`)."""
-  if not problem.weights_split_over_batch(plan):
+def _storage_variants(splits_weights: bool, pipeline: Pipeline) -> tuple[Pipeline, ...]:
+  """`pipeline`, and where the plan stores weights split over its batch axes (ZeRO, FSDP:
+  `splits_weights`) also with them gathered once a step (`Pipeline.gather_weights_once`)."""
+  if not splits_weights:
     return (pipeline,)
   return pipeline, dataclasses.replace(pipeline, gather_weights_once=True)
 
