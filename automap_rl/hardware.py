@@ -18,8 +18,9 @@ __all__ = ["COMPILER_FIELDS", "HARDWARE", "MATMUL_PRIMITIVES", "Hardware", "get_
 # The ops `Hardware.matmul_flops` prices: contractions that run on matrix units.
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
-# The fields of `Hardware` that describe its XLA backend's compiler (how it combines,
-# rewrites and fuses), not the device: `Hardware.compiled_by` takes them from another.
+# The fields of `Hardware` that describe its XLA backend (how its compiler combines,
+# rewrites and fuses, and what its runtime adds per kernel), not the device's peaks:
+# `Hardware.compiled_by` takes them from another.
 COMPILER_FIELDS = (
   "combine_threshold",
   "reduce_scatter",
@@ -28,6 +29,7 @@ COMPILER_FIELDS = (
   "minor_concatenate_fusion",
   "fused_kernels",
   "async_collectives",
+  "kernel_overhead_s",
 )
 
 
@@ -87,6 +89,11 @@ class Hardware:
       GPUs and TPUs): the reshards of parameters and the reductions of weight gradients
       hide behind compute (`simulator.tables.overlap`). XLA:CPU runs each collective in
       program order, the devices waiting for it.
+    kernel_overhead_s: Seconds each kernel a step launches adds beyond its roofline time
+      (`simulator.fusion.kernel_launches`): its launch and the gap before the next kernel
+      starts, a loop iteration's condition included. It does not shrink with sharding: a
+      device launches every kernel of its program. 0 where the profile's compiled-implied
+      validation counts none (XLA:CPU) or where no one-device measurement exists.
   """
 
   name: str
@@ -107,6 +114,7 @@ class Hardware:
   torus_wrap: int = 1
   fused_kernels: bool = False
   async_collectives: bool = True
+  kernel_overhead_s: float = 0.0
 
   @property
   def torus_extent(self) -> int:
@@ -143,6 +151,15 @@ _GPU_COMBINE = {
 }
 
 
+# Per-kernel overhead of XLA:GPU, derived from one-device steps measured on an H200
+# (docs/experiments/data/step_h200_measured.json) against the simulated roofline: the two
+# loop-bound families, whose many small kernels leave little else to explain the difference,
+# take 0.93 us (Mamba-130m's selective scan over time, 2.56 M kernels a step) and 1.10 us
+# (the LSTM 2048-512, 15 k) more per kernel. The H100's measured steps of those workloads
+# are within 7% of the H200's.
+_GPU_KERNEL_OVERHEAD_S = 1.0e-6
+
+
 def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
   """An A100 SXM in a DGX A100; the two memory sizes differ only in HBM."""
   return Hardware(
@@ -176,6 +193,7 @@ def _a100(name: str, hbm_bytes: float, hbm_bandwidth: float) -> Hardware:
     # Bekman's Maximum Achievable Matmul FLOPS table: A100 SXM bf16 271.2 of 312 TFLOPS.
     matmul_efficiency=271.2 / 312,
     fused_kernels=True,  # cuDNN's fused (flash) attention runs on Ampere.
+    kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S,  # Estimate: the H100's and H200's launch path.
   )
 
 
@@ -215,6 +233,7 @@ _H100 = Hardware(
   # Bekman's Maximum Achievable Matmul FLOPS table: H100 SXM bf16 794.5 of 989 TFLOPS.
   matmul_efficiency=794.5 / 989,
   fused_kernels=True,  # cuDNN's fused (flash) attention.
+  kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S,
 )
 
 

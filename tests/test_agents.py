@@ -5,6 +5,7 @@ import functools
 
 import numpy as np
 import pytest
+from toy_hardware import H100_WORK_ONLY
 
 import agents
 from agents import Budget, Seconds, Simulations
@@ -19,7 +20,7 @@ SMALL = "gpt:layers=2,d_model=256,heads=4,seq=64,vocab=256,batch=16"
 @functools.cache
 def problem(spec: str = SMALL, mesh: str = "data=2,model=4") -> Problem:
   return Problem.build(
-    workloads.make_workload(spec, abstract=True).trace(), make_mesh(mesh, "h100")
+    workloads.make_workload(spec, abstract=True).trace(), make_mesh(mesh, H100_WORK_ONLY)
   )
 
 

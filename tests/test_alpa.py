@@ -5,6 +5,7 @@ import functools
 
 import numpy as np
 import pytest
+from toy_hardware import H100_WORK_ONLY
 
 import agents
 from agents import AlpaConfig, Seconds, Simulations, alpa
@@ -25,7 +26,7 @@ CONFIG = AlpaConfig(microbatches=(4, 8))  # Fewer pipelines to build: the tests 
 @functools.cache
 def problem(spec: str) -> Problem:
   return Problem.build(
-    workloads.make_workload(spec, abstract=True).trace(), make_mesh(MESH, "h100")
+    workloads.make_workload(spec, abstract=True).trace(), make_mesh(MESH, H100_WORK_ONLY)
   )
 
 
@@ -123,7 +124,7 @@ def test_partition_returns_a_pipelined_plan_whose_report_shows_the_pipeline_term
     workload.step,
     *workload.args,
     mesh=MESH,
-    hardware="h100",
+    hardware=H100_WORK_ONLY,
     agent="alpa",
     budget=100_000,
     config=CONFIG,

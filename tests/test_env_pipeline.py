@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from toy_hardware import H100_WORK_ONLY
 
 from agents import mcts
 from agents.base import env_config, searcher
@@ -25,7 +26,9 @@ OPTIONS = 6
 
 @functools.cache
 def problem(mesh: str = MESH) -> Problem:
-  return Problem.build(workloads.make_workload(GPT, abstract=True).trace(), make_mesh(mesh, "h100"))
+  return Problem.build(
+    workloads.make_workload(GPT, abstract=True).trace(), make_mesh(mesh, H100_WORK_ONLY)
+  )
 
 
 @functools.cache
@@ -162,7 +165,8 @@ def test_a_mixed_batch_prices_each_program_as_alone():
   problems = [
     problem(),
     Problem.build(
-      workloads.make_workload("mlp", abstract=True).trace(), make_mesh("data=2,model=4", "h100")
+      workloads.make_workload("mlp", abstract=True).trace(),
+      make_mesh("data=2,model=4", H100_WORK_ONLY),
     ),
   ]
   tables, _ = batch_tables(problems, config)
@@ -203,7 +207,7 @@ def test_only_a_scanned_stack_is_offered_a_pipeline():
 
   unrolled = Problem.build(
     workloads.make_workload(GPT.replace("scan=true", "scan=false"), abstract=True).trace(),
-    make_mesh(MESH, "h100"),
+    make_mesh(MESH, H100_WORK_ONLY),
   )
   assert unrolled.layer_stacks and not unrolled.layer_stacks[0].scanned
   assert menu(unrolled, OPTIONS) == (None,)

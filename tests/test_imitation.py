@@ -9,11 +9,14 @@ import json
 import jax
 import numpy as np
 import pytest
+from toy_hardware import H100_WORK_ONLY
 
 from agents import base, imitation, selfplay, train
 from agents.network import Network, static_graph
 from automap_rl import tactics
+from automap_rl.mesh import make_mesh
 from automap_rl.plan import plan_to_json
+from automap_rl.problem import Problem
 from automap_rl.sharding import Decision
 from automap_rl.workloads.suite import load_cases
 from envs import Env, core
@@ -108,9 +111,11 @@ def test_a_climb_takes_the_simulators_best_refinement_until_none_improves():
   """Each climb from an expert plan: every step's action is the legal one whose stepped
   objective is lowest, lower than the plan's; the climb stops where no legal action lowers
   the objective; the value targets are the log of the objective over the climb's end. On
-  the smoke Llama one expert plan has a refinement (on the smoke GPT none has)."""
-  problem = selfplay.case_problem(
-    next(c for c in load_cases("smoke") if c.name.startswith("llama"))
+  the smoke Llama, priced for its work alone, one expert plan has a refinement (on the smoke
+  GPT none has)."""
+  case = next(c for c in load_cases("smoke") if c.name.startswith("llama"))
+  problem = Problem.build(
+    case.make_workload(abstract=True).trace(), make_mesh(case.mesh, H100_WORK_ONLY)
   )
   config = SMOKE.train.env
   suite = selfplay.build_suite((problem,), config)

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from toy_hardware import H100_WORK_ONLY
 
 from agents import base as agents_base
 from agents import gumbel, network
 from automap_rl import tactics, workloads
-from automap_rl.mesh import get_hardware, make_mesh
+from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from envs import Env, EnvConfig, core
 from envs.programs import batch_tables
@@ -25,7 +26,7 @@ CONFIG = gumbel.GumbelConfig(gumbel=gumbel.GumbelSettings(num_simulations=16), m
 @functools.cache
 def problem(spec: str, mesh: str) -> Problem:
   return Problem.build(
-    workloads.make_workload(spec, abstract=True).trace(), make_mesh(mesh, "h100")
+    workloads.make_workload(spec, abstract=True).trace(), make_mesh(mesh, H100_WORK_ONLY)
   )
 
 
@@ -268,13 +269,13 @@ def test_a_policy_with_pipeline_options_plans_pipelines(tmp_path):
   from agents import checkpoint, learned
 
   # Four nodes: `data` crosses them, and pipeline stages pay where collectives do not run
-  # behind compute (`Hardware.async_collectives` off).
+  # behind compute (`Hardware.async_collectives` off); the toy model's work priced alone.
   p = Problem.build(
     workloads.make_workload(
       "gpt:layers=4,d_model=256,heads=8,seq=128,vocab=512,batch=32,scan=true", abstract=True
     ).trace(),
     make_mesh(
-      "data=4,fsdp=2,model=4", dataclasses.replace(get_hardware("h100"), async_collectives=False)
+      "data=4,fsdp=2,model=4", dataclasses.replace(H100_WORK_ONLY, async_collectives=False)
     ),
   )
   config = network.NetworkConfig(pipelines=6)

@@ -15,6 +15,7 @@ from automap_rl.mesh import get_hardware, make_mesh
 from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import COMM_KINDS, KINDS
+from automap_rl.simulator.fusion import dead_ops, kernel_launches, memory_traffic
 from experiments.bench_cmd import random_plans
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = (KINDS.index(k) for k in KINDS)
@@ -184,6 +185,47 @@ def test_expected_order_of_expert_tactics_on_gpt():
     name: float(problem.cost(plan).step_time) for name, plan in tactics.applicable(problem).items()
   }
   assert times["data_megatron"] < times["data_parallel"] < times["megatron"] < times["replicated"]
+
+
+def test_a_kernel_launches_where_a_value_is_written_and_once_per_loop_iteration():
+  """A dot writes its result (one kernel); the tanh fuses into the sum that reads it, which
+  writes the scalar (one kernel); a loop body's kernels launch once per iteration."""
+  x, w = jnp.ones((64, 128)), jnp.ones((128, 32))
+  program = ir.trace(lambda x, w: jnp.tanh(x @ w).sum(), x, w)
+  traffic = memory_traffic(program)
+  dead = dead_ops(program)
+  launched = kernel_launches(program, traffic, dead)
+  assert {op.primitive: launched[op.id] for op in program.ops if launched[op.id]} == {
+    "dot_general": 1,
+    "reduce_sum": 1,
+  }
+
+  def looped(x, w):
+    return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w[:, :128]), None), x, None, length=5)[0]
+
+  program = ir.trace(looped, x, jnp.ones((128, 128)))
+  traffic = memory_traffic(program)
+  launched = kernel_launches(program, traffic, dead_ops(program))
+  dots = [op.id for op in program.ops if op.primitive == "dot_general"]
+  assert [launched[d] for d in dots] == [5]
+
+
+@pytest.mark.parametrize("plan", ["replicated", "data_parallel", "fsdp", "megatron"])
+def test_every_device_pays_the_kernel_overhead_whole(plan):
+  """The kernel overhead adds kernels x `kernel_overhead_s` to the compute of any plan:
+  splitting an op divides its work, not the kernels a device launches."""
+  program = zoo_problem("gpt:layers=2,d_model=256,batch=8", "data=2,model=4").program
+  h100 = get_hardware("h100")
+  costs = []
+  for hardware in (h100, dataclasses.replace(h100, kernel_overhead_s=0.0)):
+    problem = Problem.build(program, make_mesh("data=2,model=4", hardware))
+    costs.append(problem.cost(getattr(tactics, plan)(problem)))
+  traffic = memory_traffic(program)
+  kernels = kernel_launches(program, traffic, dead_ops(program)).sum()
+  assert kernels > 100
+  added = float(costs[0].compute_time) - float(costs[1].compute_time)
+  assert added == pytest.approx(kernels * h100.kernel_overhead_s, rel=1e-3)
+  np.testing.assert_array_equal(costs[0].comm_bytes, costs[1].comm_bytes)
 
 
 @pytest.mark.parametrize("plan", ["data_parallel", "fsdp", "megatron"])

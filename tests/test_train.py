@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from toy_hardware import H100_WORK_ONLY
 
 from agents import base as agents_base
 from agents import checkpoint, gumbel, learned, partition, replay, selfplay, train
@@ -24,7 +25,7 @@ from agents.gumbel import GumbelSettings
 from agents.learned import LearnedConfig
 from agents.network import state_features
 from automap_rl import tactics, workloads
-from automap_rl.mesh import get_hardware, make_mesh
+from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem
 from automap_rl.workloads.suite import load_cases
 from envs import core
@@ -33,7 +34,7 @@ from experiments import cli, evaluate_cmd, train_cmd
 # An H100 whose collectives run where the program puts them (`Hardware.async_collectives`
 # off): the tests that use it are set up on its costs, where data parallelism is the best
 # expert of their small models (with overlap, FSDP's weight gathers hide and FSDP is).
-SYNCHRONOUS_H100 = dataclasses.replace(get_hardware("h100"), async_collectives=False)
+SYNCHRONOUS_H100 = dataclasses.replace(H100_WORK_ONLY, async_collectives=False)
 
 SMOKE = dataclasses.replace(train_cmd.PRESETS["smoke"], wandb="disabled", progress=False, devices=1)
 # Logits closer than this are a tie: the jitted path and the step-by-step head round differently.
@@ -42,10 +43,10 @@ LOGIT_TIE = 1e-4
 
 @functools.cache
 def built(spec: str, hardware: str = "h100") -> Problem:
-  """The problem of an abstract workload on the mesh `data=2,model=4` (`hardware`: a
-  profile's name, or "synchronous" for `SYNCHRONOUS_H100`), built once per process: the
-  tests that search the same problem share its searchers and their compiles."""
-  profile = SYNCHRONOUS_H100 if hardware == "synchronous" else hardware
+  """The problem of an abstract workload on the mesh `data=2,model=4` (`hardware`: "h100"
+  for `H100_WORK_ONLY`, or "synchronous" for `SYNCHRONOUS_H100`), built once per process:
+  the tests that search the same problem share its searchers and their compiles."""
+  profile = {"h100": H100_WORK_ONLY, "synchronous": SYNCHRONOUS_H100}[hardware]
   return Problem.build(
     workloads.make_workload(spec, abstract=True).trace(), make_mesh("data=2,model=4", profile)
   )

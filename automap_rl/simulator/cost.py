@@ -1,7 +1,8 @@
 """The cost of a resolved plan: a pure, jittable, vmappable function of arrays.
 
 Per op signature: compute is a roofline (the larger of flop time and HBM time) divided by
-the op's shard count. Per edge (an op using or making a value):
+the op's shard count, plus the overhead of the kernels it launches, which every device pays
+whole (`Hardware.kernel_overhead_s`). Per edge (an op using or making a value):
 
 * operand stored on axes the op does not shard: all-gather over those axes; on an axis
   the op shards on another dim: all-to-all; sharded where stored replicated: a free slice.
@@ -234,11 +235,13 @@ def _terms(t: CostTables, masks: tuple[jax.Array, jax.Array], per_edge: bool) ->
   reduce_scatter, all_reduce, dot_permute, op_split = _reductions(t, m)
   gathered = m.operand & (edges.gather_axes != 0)
   return CostTerms(
-    value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / m.value_shards,
+    value_compute_s=jnp.maximum(t.value_compute_s, t.value_memory_s)[:, None] / m.value_shards
+    + t.value_launch_s[:, None],
     op_compute_s=jnp.maximum(
       t.op_compute_s[:, None] / _dense_shards(t, op_mask) / op_split / m.op_shards,
       m.op_memory_s,
-    ),
+    )
+    + t.op_launch_s[:, None],
     gather=edges.gather,
     all_to_all=edges.all_to_all,
     reduce_scatter=reduce_scatter,

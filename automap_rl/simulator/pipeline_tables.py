@@ -342,6 +342,8 @@ def _padded(t: CostTables, uv: int, uo: int) -> CostTables:
     value_compute_s=_pad(t.value_compute_s, uv, 0.0),
     value_memory_s=_pad(t.value_memory_s, uv, 0.0),
     op_compute_s=_pad(t.op_compute_s, uo, 0.0),
+    value_launch_s=_pad(t.value_launch_s, uv, 0.0),
+    op_launch_s=_pad(t.op_launch_s, uo, 0.0),
     op_reduction=_pad(t.op_reduction, uo, False),
     op_reduction_source=_pad(t.op_reduction_source, uo, 0),
     op_deferred=_pad(t.op_deferred, uo, False),

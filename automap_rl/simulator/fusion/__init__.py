@@ -11,6 +11,8 @@ loops (`LOOP_FUSIBLE`, XLA's `CanBeLoopFused`). Three consequences are modelled 
   instructions, while CSE merges duplicate ops and constant folding removes ops on
   constants alone. XLA's algebraic simplifier also removes some arithmetic (a multiply by
   one, an add of a literal zero, a negation it moves past a sum); that is not modelled.
+* `kernel_launches`: how many kernels each op launches a step (each value a fusion or an
+  unfused op writes to memory ends one), which a GPU's per-kernel overhead prices.
 * `kernel_intermediates`: the values a fused kernel (`ir.kernels`, such as flash
   attention) keeps on chip where the backend runs it fused: no traffic, no memory.
 * `unmaterialized_values`: the intermediates that take no memory at the peak. This model
@@ -25,6 +27,7 @@ folding and dead-code elimination) in `fusion.copies`; all are importable from h
 
 from automap_rl.simulator.fusion.copies import constant_ops, dead_ops, fusion_copies
 from automap_rl.simulator.fusion.kernels import kernel_intermediates
+from automap_rl.simulator.fusion.launches import kernel_launches
 from automap_rl.simulator.fusion.primitives import (
   CHEAP_ELEMENTWISE,
   DIVISIONS,
@@ -81,6 +84,7 @@ __all__ = [
   "fusion_copies",
   "kernel_concatenates",
   "kernel_intermediates",
+  "kernel_launches",
   "memory_traffic",
   "unmaterialized_values",
 ]

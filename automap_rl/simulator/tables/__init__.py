@@ -71,6 +71,9 @@ class CostTables:
       their values (no op signature), by the signature of their first result, [Uv].
     op_compute_s: summed flop time at peak of all ops of each signature (times their
       repeat count; flops as XLA's fused module does them, see `ops.program_flops`), [Uo].
+    value_launch_s, op_launch_s: the per-kernel overhead of the kernels the ops launch a
+      step (`Hardware.kernel_overhead_s`), by value and op signature as above, [Uv], [Uo]:
+      every device pays it whole, however the op is split.
     op_reduction: which factors are reductions, bool [Uo, Rf].
     op_reduction_source: the op signature whose reduction axes each op's results reduce
       over: itself, or for a linear combination of pending partial sums, their source, [Uo].
@@ -174,6 +177,8 @@ class CostTables:
   value_compute_s: np.ndarray
   value_memory_s: np.ndarray
   op_compute_s: np.ndarray
+  value_launch_s: np.ndarray
+  op_launch_s: np.ndarray
   op_reduction: np.ndarray
   op_reduction_source: np.ndarray
   op_deferred: np.ndarray
@@ -278,6 +283,8 @@ def build_cost_tables(program: Program, sigs: Signatures, mesh: Mesh) -> CostTab
     value_compute_s=sums.value_compute.astype(np.float32),
     value_memory_s=sums.value_memory.astype(np.float32),
     op_compute_s=sums.compute.astype(np.float32),
+    value_launch_s=sums.value_launch.astype(np.float32),
+    op_launch_s=sums.launch.astype(np.float32),
     op_reduction=reductions.op_reduction,
     op_reduction_source=reductions.op_reduction_source,
     op_deferred=reductions.op_deferred,

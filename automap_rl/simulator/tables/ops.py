@@ -15,7 +15,12 @@ from automap_rl.ir import Op, Program
 from automap_rl.ir.rules import conv_batch_group_factor
 from automap_rl.mesh import Hardware
 from automap_rl.sharding import Signatures
-from automap_rl.simulator.fusion import fusion_copies, kernel_intermediates, memory_traffic
+from automap_rl.simulator.fusion import (
+  fusion_copies,
+  kernel_intermediates,
+  kernel_launches,
+  memory_traffic,
+)
 
 
 def op_flops(program: Program, op: Op) -> float:
@@ -75,8 +80,10 @@ class OpSums(NamedTuple):
 
   Attributes:
     compute: flop time at peak of the signature's ops, times their repeat counts, [Uo].
-    value_compute, value_memory: flop and HBM time of the ops with no op signature, by
-      their first result's value signature, [Uv].
+    launch: the per-kernel overhead of the kernels the signature's ops launch a step
+      (`fusion.kernel_launches`, `Hardware.kernel_overhead_s`), seconds, [Uo].
+    value_compute, value_memory, value_launch: flop time, HBM time and kernel overhead of
+      the ops with no op signature, by their first result's value signature, [Uv].
     dense_factor: the batch-group factor a backend computes dense (`dense_group_factors`),
       -1 for none, int32 [Uo].
     dots: the signature's ops are dots, bool [Uo].
@@ -92,8 +99,10 @@ class OpSums(NamedTuple):
   """
 
   compute: np.ndarray
+  launch: np.ndarray
   value_compute: np.ndarray
   value_memory: np.ndarray
+  value_launch: np.ndarray
   dense_factor: np.ndarray
   dots: np.ndarray
   weight: np.ndarray
@@ -135,6 +144,8 @@ def sum_ops(
   weight = np.zeros(num_ops, np.float64)
   value_compute = np.zeros(len(sigs.value_keys), np.float64)
   value_memory = np.zeros(len(sigs.value_keys), np.float64)
+  launch = np.zeros(num_ops, np.float64)
+  value_launch = np.zeros(len(sigs.value_keys), np.float64)
   buffers = np.zeros(num_ops, np.float64)
   operand_weight, operand_buffers, operand_transient, use_memory = {}, {}, {}, {}
   for sig, (_, _, operands, results, _) in enumerate(sigs.op_keys):
@@ -146,6 +157,7 @@ def sum_ops(
   dense_factor = np.full(num_ops, -1, np.int32)
   on_chip = kernel_intermediates(program) if hw.fused_kernels else frozenset()
   traffic = memory_traffic(program, hw.multi_output_fusion, hw.minor_concatenate_fusion, on_chip)
+  overhead_s = kernel_launches(program, traffic, dead) * hw.kernel_overhead_s
   dots = np.zeros(num_ops, bool)
   for op in program.ops:
     if op.id in dead:
@@ -161,8 +173,10 @@ def sum_ops(
     if sig < 0:  # Sharded like its values: charged to its first result.
       value_compute[sigs.value_sig[op.results[0]]] += flop_s
       value_memory[sigs.value_sig[op.results[0]]] += memory_s.sum()
+      value_launch[sigs.value_sig[op.results[0]]] += overhead_s[op.id]
       continue
     compute[sig] += flop_s
+    launch[sig] += overhead_s[op.id]
     use_memory[sig] += memory_s
     dots[sig] |= op.primitive == "dot_general"
     weight[sig] += op.repeat
@@ -173,8 +187,10 @@ def sum_ops(
     buffers[sig] += 1.0
   return OpSums(
     compute,
+    launch,
     value_compute,
     value_memory,
+    value_launch,
     dense_factor,
     dots,
     weight,
