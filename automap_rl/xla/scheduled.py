@@ -240,8 +240,9 @@ class _StageLoop:
   def kept(self, w: list[Any], x: list[Any]) -> None:
     """The chunk's forward and its pullback's structure, traced once: `traced` (args the
     leaves of (w, x, index)), `pullback_tree`. JAX's residuals of one function differ by
-    where it is traced (a constant index a residual leaf at the top level, a literal
-    inside the tick's switch), so every tick evaluates this one trace. Which residuals
+    where it is traced (a constant start index of a `dynamic_update_slice` a residual leaf
+    in a trace of its own, a literal in the stage loop's), so every tick evaluates this
+    one trace. Which residuals
     the forward saves (`keep`): those that depend on the activations (or the chunk
     index). The others are functions of the weights alone (the weights as the layers read
     them), which the backward recomputes (`weight_residuals`) instead of keeping a copy
