@@ -153,3 +153,36 @@ def test_fewer_stages_than_the_axis_has_devices_run_with_the_rest_inside_the_sta
   # per-layer auxiliary losses travel with the activations).
   assert all(c.repeat == pipeline.ticks() for c in permutes)
   assert sum(c.bytes == 1 * 16 * 64 * 4 for c in permutes) >= 2
+
+
+def test_a_rematerialized_stack_pipelined_over_the_batch_axis_with_tensor_parallel_layers():
+  """Llama's rematerialized layers, 1F1B over `data` with the MLP's hidden dim and the
+  key/value heads over `model`: the backward of each tick rebuilds the chunk's pullback
+  from the residuals its forward saved, of one structure wherever the chunk is traced,
+  and the stages pass each other the activations only."""
+  from automap_rl.sharding import ArgDim, Decision
+
+  spec = FAMILIES["llama"] + ",remat=true"
+  w, p = _problem(spec, "data=4,model=2")
+  pipeline = Pipeline("data", 4, 4, "1f1b")
+  layers = "params/layers"
+  decisions = [
+    Decision(ArgDim(f"{layers}/mlp/gate_proj/kernel/value", 2), "model"),
+    Decision(ArgDim(f"{layers}/attn/k_proj/kernel/value", 2), "model"),
+  ]
+  plan = Plan(
+    w.step, w.args, p, decisions, pipeline=pipeline, loss_fn=w.loss_fn, optimizer=w.optimizer
+  )
+  lowered = plan.check()  # Raises NumericsError on a mismatch with the unpartitioned step.
+  assert lowered.schedule == "1f1b"
+  permutes = [
+    c
+    for c in lowered.stats.collectives
+    if c.kind == "collective-permute" and c.mesh_axes == ("data",) and c.repeat > 1
+  ]
+  # Once a tick each way, a microbatch's activations [8 / M rows, seq 16, d_model 64] and
+  # nothing else: the module state the rematerialized layers return per layer, which the
+  # loss does not read, stays on its stage.
+  assert all(c.repeat == pipeline.ticks() for c in permutes)
+  assert [c.bytes for c in permutes] == [2 * 16 * 64 * 4] * 2
+  assert any("model" in c.mesh_axes for c in lowered.stats.collectives)

@@ -216,10 +216,11 @@ class _StageLoop:
       for name in ticks.__dataclass_fields__
       if name != "slots"
     }
-    self.pullback_tree: list[Any] = []
+    self.pullback_tree: Any = None
     self.act_shape: list[Any] = []
     self.res_shape: list[Any] = []
     self.keep: list[bool] = []
+    self.traced: Callable[[list[Any]], list[Any]] = lambda args: []
     self.weight_residuals: Callable[[list[Any]], list[Any]] = lambda args: []
 
   def shapes(self, one: Any) -> None:
@@ -229,31 +230,48 @@ class _StageLoop:
     self.kept(weights, self.act_shape)
     self.res_shape = jax.eval_shape(self.forward, weights, self.act_shape, 0)[1]
 
-  def leaves(self, w: list[Any], x: list[Any], index: Any) -> tuple[list[Any], list[Any]]:
-    """Global chunk `index` forward: its outputs and its pullback's leaves (residuals)."""
+  def leaves(self, w: list[Any], x: list[Any], index: Any) -> tuple[list[Any], list[Any], Any]:
+    """Global chunk `index` forward: its outputs, its pullback's leaves (residuals) and
+    the pullback's structure."""
     y, pullback = jax.vjp(lambda w_, x_: self.chunk(self.consts, w_, x_, index), w, x)
     leaves, tree = jax.tree_util.tree_flatten(pullback)
-    self.pullback_tree[:] = [tree]
-    return y, leaves
+    return y, leaves, tree
 
   def kept(self, w: list[Any], x: list[Any]) -> None:
-    """Which residuals the forward saves (`keep`): those that depend on the activations
-    (or the chunk index). The others are functions of the weights alone (the weights as
-    the layers read them), which the backward recomputes (`weight_residuals`) instead of
-    keeping a copy per microbatch in flight."""
-    closed = jax.make_jaxpr(lambda w_, x_, i: self.leaves(w_, x_, i)[1])(w, x, 0)
-    n_w, n_out = len(jax.tree_util.tree_leaves(w)), len(closed.jaxpr.outvars)
+    """The chunk's forward and its pullback's structure, traced once: `traced` (args the
+    leaves of (w, x, index)), `pullback_tree`. JAX's residuals of one function differ by
+    where it is traced (a constant start index of a `dynamic_update_slice` a residual leaf
+    in a trace of its own, a literal in the stage loop's), so every tick evaluates this
+    one trace. Which residuals
+    the forward saves (`keep`): those that depend on the activations (or the chunk
+    index). The others are functions of the weights alone (the weights as the layers read
+    them), which the backward recomputes (`weight_residuals`) instead of keeping a copy
+    per microbatch in flight."""
+    trees: list[Any] = []
+
+    def forward_leaves(w_, x_, i):
+      y, leaves, tree = self.leaves(w_, x_, i)
+      trees.append(tree)
+      return y, leaves
+
+    closed, (y_shape, _) = jax.make_jaxpr(forward_leaves, return_shape=True)(w, x, 0)
+    self.pullback_tree = trees[0]
+    n_w, n_y = len(jax.tree_util.tree_leaves(w)), len(jax.tree_util.tree_leaves(y_shape))
+    n_out = len(closed.jaxpr.outvars)
+    self.traced = lambda args: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
     self.keep = [
-      any(pe.dce_jaxpr(closed.jaxpr, [j == k for j in range(n_out)])[1][n_w:]) for k in range(n_out)
+      any(pe.dce_jaxpr(closed.jaxpr, [j == k for j in range(n_out)])[1][n_w:])
+      for k in range(n_y, n_out)
     ]
-    pruned, used = pe.dce_jaxpr(closed.jaxpr, [not k for k in self.keep])
+    pruned, used = pe.dce_jaxpr(closed.jaxpr, [False] * n_y + [not k for k in self.keep])
     self.weight_residuals = lambda args: jax.core.eval_jaxpr(
       pruned, closed.consts, *(a for a, u in zip(args, used) if u)
     )
 
   def forward(self, w: list[Any], x: list[Any], index: Any) -> tuple[list[Any], list[Any]]:
     """The forward's outputs and the residuals it saves (`kept`)."""
-    y, leaves = self.leaves(w, x, index)
+    outs = self.traced([*jax.tree_util.tree_leaves(w), *jax.tree_util.tree_leaves(x), index])
+    y, leaves = outs[: len(outs) - len(self.keep)], outs[len(outs) - len(self.keep) :]
     return y, [leaf for leaf, k in zip(leaves, self.keep) if k]
 
   def pullback(self, w: list[Any], saved: list[Any], index: Any) -> Callable[..., Any]:
@@ -261,7 +279,7 @@ class _StageLoop:
     args = [*jax.tree_util.tree_leaves(w), *_zeros(self.act_shape), index]
     again, kept = iter(self.weight_residuals(args)), iter(saved)
     leaves = [next(kept) if k else next(again) for k in self.keep]
-    return jax.tree_util.tree_unflatten(self.pullback_tree[0], leaves)
+    return jax.tree_util.tree_unflatten(self.pullback_tree, leaves)
 
   def switch(self, index: Any, branches: Sequence[Callable[[], Any]]) -> Any:
     """`jax.lax.switch(index, branches)`; `uniform`: every branch run, the result selected."""

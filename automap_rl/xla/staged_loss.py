@@ -14,8 +14,9 @@ replaced:
   the parameters, outside the stages (the stacked weights' gradients flow back through
   that computation); constants that depend on the batch or the parameters are not
   pipelined by this split (NotImplementedError);
-* the scan's per-layer outputs [L, ...] travel with the activations, each chunk writing
-  its layers' rows, so that the head reads them all.
+* the scan's per-layer outputs [L, ...] that the head reads travel with the activations,
+  each chunk writing its layers' rows (those it does not read, such as a rematerialized
+  layer's module state returned per layer, stay on their stage: zeros to the head).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
+from jax.interpreters import partial_eval as pe
 
 from automap_rl.ir.stacks import LayerStack
 from automap_rl.ir.trace import scan_counts
@@ -71,6 +73,7 @@ class _Split:
     self.target, self.is_stacked = scan.eqn, is_stacked
     self.n_const, self.n_carry = scan_counts(scan.eqn.params)
     self.outs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in scan.eqn.outvars]
+    self.read = [True] * (len(self.outs) - self.n_carry)
     where, entries = self.where, {e.origin: e for e in flatten(closed.jaxpr, into_scans=True)}
     under = lambda o: o[: len(where)] == where
     self.entries = entries
@@ -106,6 +109,7 @@ class _Split:
     n_const, n_carry = self.n_const, self.n_carry
     self.param_leaves = param_leaves
     consts = self.operands(param_leaves, first, False)[:n_const]
+    self.read = self.head_reads(param_leaves, first)
     xs, xs_back = jax.vjp(
       lambda p: self.operands(p, first, False)[n_const + n_carry :], param_leaves
     )
@@ -116,12 +120,29 @@ class _Split:
     writes its layers'), of microbatch `one`."""
     leaves = jax.tree_util.tree_leaves(one)
     ops = self.operands(self.full(others, self.param_leaves), leaves, True)
-    ys = [jnp.zeros(x.shape, x.dtype) for x in self.outs[self.n_carry :]]
+    ys = [jnp.zeros(x.shape, x.dtype) for x, r in zip(self.outs[self.n_carry :], self.read) if r]
     return [*ops[self.n_const : self.n_const + self.n_carry], *ys]
+
+  def head_reads(self, param_leaves: list[Any], first: list[Any]) -> list[bool]:
+    """Which of the scan's per-layer outputs the loss reads after the scan."""
+    evaluate = lambda p, b, outs: self.evaluator(False, lambda ops: list(outs))(*p, *b)
+    closed = jax.make_jaxpr(evaluate)(param_leaves, first, self.outs)
+    used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[1]
+    return used[len(used) - len(self.outs) + self.n_carry :]
+
+  def scan_results(self, acts: list[Any]) -> list[Any]:
+    """The scan's results from the activations (carries, the per-layer outputs the head
+    reads): those it does not read as zeros."""
+    it = iter(acts[self.n_carry :])
+    ys = [
+      next(it) if r else jnp.zeros(x.shape, x.dtype)
+      for x, r in zip(self.outs[self.n_carry :], self.read)
+    ]
+    return [*acts[: self.n_carry], *ys]
 
   def head(self, others: list[Any], one: Any, acts: list[Any]) -> Any:
     """The loss of microbatch `one` given the scan's results `acts`."""
-    evaluate = self.evaluator(True, lambda ops: list(acts))
+    evaluate = self.evaluator(True, lambda ops: self.scan_results(acts))
     return evaluate(*self.full(others, self.param_leaves), *jax.tree_util.tree_leaves(one))[0]
 
   def chunk_fn(self) -> Callable[..., list[Any]]:
@@ -132,7 +153,7 @@ class _Split:
       self.inside, self.body_entries, self.manual, self.mesh, in_stage=True
     )
     body = interpret(self.target.params["jaxpr"], constrain, before, bind, differentiable=True)
-    n_carry = self.n_carry
+    n_carry, read = self.n_carry, self.read
 
     def chunk(c: list[Any], w: list[Any], acts: list[Any], index: Any) -> list[Any]:
       def layer(carry, x):
@@ -143,6 +164,7 @@ class _Split:
       # (`scheduled` does not save them per microbatch in flight).
       carries, ys = jax.lax.scan(layer, list(acts[:n_carry]), list(w))
       start = index * w[0].shape[0]
+      ys = [y for y, r in zip(ys, read) if r]
       ys = [jax.lax.dynamic_update_slice_in_dim(a, y, start, 0) for a, y in zip(acts[n_carry:], ys)]
       return [*carries, *ys]
 
