@@ -229,10 +229,13 @@ def _store_sharded(
 ) -> list[Decision]:
   """ZeRO-3 storage: every parameter (and with it its gradient and optimizer state)
   sharded over `axes` on its largest dim that their product divides, gathered at use.
-  Dims of the classes in `avoid` (tensor-parallel ones, which keep their own axis) are
-  taken only when no other dim divides."""
+  Dims of the classes in `avoid` (tensor-parallel ones, which keep their own axis) and the
+  layer dims of scanned stacks (which pipeline stages split: a stage's share of the layers
+  need not divide) are taken only when no other dim divides."""
   size = int(np.prod([problem.mesh.axis_size(a) for a in axes]))
   named, decisions = problem.named, []
+  layers = {c for stack in problem.layer_stacks if stack.scanned for c in stack.layer_classes}
+  avoided = set(avoid) | layers
   for value_id in problem.program.inputs:
     value = problem.program.values[value_id]
     if value.role != Role.PARAMETER:
@@ -240,7 +243,7 @@ def _store_sharded(
     dims = [d for d in range(len(value.shape)) if value.shape[d] % size == 0]
     if not dims:
       continue
-    largest = max(dims, key=lambda d: (named.class_of(value_id, d) not in avoid, value.shape[d]))
+    largest = max(dims, key=lambda d: (named.class_of(value_id, d) not in avoided, value.shape[d]))
     decisions += [Decision(ArgDim(value.path, largest), axis) for axis in axes]
   return decisions
 

@@ -550,6 +550,40 @@ RUNS: tuple[PublishedRun, ...] = (
     for size, layers, per_device, tflops in ((32, 32, 4, 132), (64, 64, 2, 118))
   ),
   PublishedRun(
+    name="bloom-176b",
+    citation=Citation(
+      "BigScience, BLOOM: A 176B-Parameter Open-Access Multilingual Language Model",
+      "arXiv 2211.05100, 2022; the BigScience 176B model card",
+      "Sec. 3.4 (384 A100 80GB, TP4 PP12 DP8, ZeRO stage 1); model card: about 150 TFLOPs",
+      "BLOOM Sec. 3.4",
+    ),
+    hardware="a100-80g",
+    model="gpt:layers=72,d_model=14336,heads=112,seq=2048,vocab=250880,batch=2048,scan=true,"
+    "remat=true,dtype=bfloat16",
+    shape=Shape(70, 14336, 112, 128, 112, 4 * 14336, 250880, tied=True),
+    mesh="stage=12,data=8,model=4",
+    plan=ParallelDegrees(
+      tensor=4, pipeline=12, data=8, microbatch_size=2, zero=True, gather_weights_once=True
+    ),
+    batch=2048,
+    seq=2048,
+    figure=150,
+    kind="tflops",
+    formula="megatron-2021",
+    stated_params=176.2e9,
+    overlap=False,
+    notes=(
+      "72 layers simulated for BLOOM's 70 (a scanned stack splits evenly over 12 stages); "
+      "learned positions for ALiBi, no embedding LayerNorm, the output layer not tied to the "
+      "embedding",
+      "ZeRO stage 1 as storage sharded over data with the weights gathered once a step; "
+      "microbatch size 2, the 1F1B schedule and full recomputation are Megatron-DeepSpeed's "
+      "training setup as reported, the schedule an estimate",
+      "Jean Zay's nodes reach each other over 4 Omni-Path links of 100 Gb/s per 8 GPUs, a "
+      "quarter of the profile's DGX A100 network",
+    ),
+  ),
+  PublishedRun(
     name="mixtral-8x7b",
     citation=Citation(
       "Megatron-Core MoE (NVIDIA/Megatron-LM)",
