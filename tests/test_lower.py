@@ -42,8 +42,10 @@ GNN = "gnn:n_node=64,n_edge=256,node_dim=32,edge_dim=32,latent=128,steps=2,batch
 
 
 @functools.cache
-def _setup(spec: str, mesh: str):
-  workload = workloads.make_workload(spec)
+def _setup(spec: str, mesh: str, abstract: bool = False):
+  """The workload of `spec` (`abstract`: its arguments shapes only, for compile-only
+  checks: no initialization compiled or run) and its problem on `mesh`."""
+  workload = workloads.make_workload(spec, abstract=abstract)
   program = ir.trace(
     workload.step,
     *workload.args,
@@ -644,7 +646,7 @@ def _simulated(problem, decisions):
 
 
 def test_fsdp_gathers_each_parameter_once_as_xla_does():
-  workload, problem = _setup(MLP, "data=8")
+  workload, problem = _setup(MLP, "data=8", abstract=True)
   decisions = tactics.fsdp(problem)
   lowered = _compiled(problem, decisions, workload)
   assert lowered.differences == ()
@@ -662,7 +664,9 @@ def test_a_gnn_gathers_its_node_features_for_the_edges_and_not_its_zero_accumula
   all-gathers the node features (senders and receivers once for both), while the zeros
   a segment sum (a scatter-add) accumulates into are made in the sharding it needs."""
   workload, problem = _setup(
-    "gnn:n_node=32,n_edge=64,node_dim=16,edge_dim=16,latent=64,steps=2,batch=8", "data=8"
+    "gnn:n_node=32,n_edge=64,node_dim=16,edge_dim=16,latent=64,steps=2,batch=8",
+    "data=8",
+    abstract=True,
   )
   decisions = tactics.data_parallel(problem)
   lowered = _compiled(problem, decisions, workload)
@@ -681,7 +685,7 @@ def test_a_scatter_adds_zeros_are_made_in_the_sharding_it_reads_them_on():
   features alone. XLA makes the zeros in that sharding, as the simulator prices them;
   constrained first to their own sharding they were an array that XLA moved there (an
   all-to-all and an all-gather each: 1.24x the all-gathered bytes)."""
-  workload, problem = _setup(GNN, "data=2,model=4")
+  workload, problem = _setup(GNN, "data=2,model=4", abstract=True)
   decisions = [
     Decision(Group(group), axis)
     for group, axis in (
@@ -721,7 +725,7 @@ def test_peak_memory_within_tolerance_of_memory_analysis(spec, mesh, plan, toler
   removes them), which had filled part of a gap not yet found. On the GNN, Megatron
   gathers activations each for one op: XLA frees each copy after its op (30% over when
   every gathered copy was held at the peak)."""
-  workload, problem = _setup(spec, mesh)
+  workload, problem = _setup(spec, mesh, abstract=True)
   decisions = tactics.TACTICS[plan](problem)
   lowered = _compiled(problem, decisions, workload)
   assert lowered.differences == ()
@@ -742,7 +746,7 @@ def test_flops_match_cost_analysis_on_the_mlp_and_gpt():
   from automap_rl.xla.validate import simulated_flops
 
   for spec, plan in ((MLP, "data_parallel"), (GPT, "replicated")):
-    workload, problem = _setup(spec, "data=8")
+    workload, problem = _setup(spec, "data=8", abstract=True)
     decisions = tactics.TACTICS[plan](problem)
     stats = _compiled(problem, decisions, workload).stats
     resolution = problem.resolve(*problem.encode(decisions))
@@ -850,6 +854,7 @@ def test_a_dim_over_two_axes_lays_out_the_axis_its_class_uses_most_as_major():
   workload, problem = _setup(
     "gpt:size=350m,layers=2,d_model=256,heads=4,seq=128,vocab=256,batch=16,dtype=float32",
     "data=4,model=2",
+    abstract=True,
   )
   query = next(
     v
@@ -882,7 +887,7 @@ def test_an_fsdp_stored_bias_gathers_into_the_megatron_shard_its_readers_use():
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
   workload, problem = _setup(
-    "mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", "data=2,model=4"
+    "mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", "data=2,model=4", abstract=True
   )
   decisions = tactics.applicable(problem)["fsdp_megatron"]
   lowered = _compiled(problem, decisions, workload)
@@ -928,7 +933,7 @@ def test_a_split_along_a_sharded_dim_gathers_its_operand_once():
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
   workload, problem = _setup(
-    "lstm:layers=1,cells=256,d_model=256,seq=4,vocab=256,batch=16", "data=2,model=4"
+    "lstm:layers=1,cells=256,d_model=256,seq=4,vocab=256,batch=16", "data=2,model=4", abstract=True
   )
   decisions = [Decision(ArgDim("params/layers/w_recurrent", 2), "model")]
   lowered = _compiled(problem, decisions, workload)
@@ -951,7 +956,7 @@ def test_a_concatenate_stored_split_along_its_dim_is_concatenated_whole_and_slic
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
   workload, problem = _setup(
-    "lstm:layers=1,batch=16,seq=8,cells=64,d_model=32,vocab=256", "data=4,model=2"
+    "lstm:layers=1,batch=16,seq=8,cells=64,d_model=32,vocab=256", "data=4,model=2", abstract=True
   )
   decisions = [Decision(Group(2), "data"), Decision(Group(6), "data"), Decision(Group(6), "model")]
   lowered = _compiled(problem, decisions, workload)
@@ -971,7 +976,7 @@ def test_partial_sums_over_two_reduction_factors_are_all_reduced_one_factor_at_a
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
   spec = "t5:size=base,batch=16,layers=1,d_model=64,heads=4,d_ff=128,seq=32,vocab=128,dtype=float32"
-  workload, problem = _setup(spec, "data=2,model=4")
+  workload, problem = _setup(spec, "data=2,model=4", abstract=True)
   decisions = tactics.sequence_parallel(problem)
   lowered = _compiled(problem, decisions, workload)
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
@@ -990,7 +995,7 @@ def test_reads_of_one_value_on_different_shardings_each_pay_their_own_collective
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
   workload, problem = _setup(
-    "gpt:layers=2,d_model=128,heads=4,seq=64,vocab=256,batch=16", "data=2,model=4"
+    "gpt:layers=2,d_model=128,heads=4,seq=64,vocab=256,batch=16", "data=2,model=4", abstract=True
   )
   decisions = tactics.sequence_parallel(problem)
   lowered = _compiled(problem, decisions, workload)
@@ -1013,7 +1018,9 @@ def test_a_weight_gradient_stored_split_is_computed_split_over_the_idle_axis(mes
   hold four shares). The simulator all-reduced the whole gradient in both."""
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
-  workload, problem = _setup("mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", mesh)
+  workload, problem = _setup(
+    "mlp:layers=2,width=256,in_dim=64,classes=64,batch=64", mesh, abstract=True
+  )
   decisions = tactics.fsdp(problem)
   lowered = _compiled(problem, decisions, workload)
   simulated, compiled = simulated_metrics(problem, decisions), compiled_metrics(lowered.stats)
@@ -1033,7 +1040,7 @@ def test_a_dot_that_splits_its_batch_still_reads_its_weight_whole():
   The simulator divided an op's traffic by all its shards (0.63x the compiled compute);
   each operand and result now moves its share as the op computes on it."""
   workload, problem = _setup(
-    "lstm:layers=1,cells=512,d_model=256,seq=32,vocab=256,batch=8", "data=8"
+    "lstm:layers=1,cells=512,d_model=256,seq=32,vocab=256,batch=8", "data=8", abstract=True
   )
   decisions = tactics.data_parallel(problem)
   lowered = _compiled(problem, decisions, workload)
@@ -1140,7 +1147,9 @@ def test_a_gnn_splits_its_edge_features_where_they_are_and_moves_the_pieces_as_p
   from automap_rl.xla.validate import compiled_metrics, simulated_metrics
 
   workload, problem = _setup(
-    "gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8", "data=2,model=4"
+    "gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8",
+    "data=2,model=4",
+    abstract=True,
   )
   decisions = [
     Decision(Group(g), axis)
@@ -1170,7 +1179,9 @@ def test_a_gnns_megatron_expert_is_realized_where_the_propagation_reshards_a_sum
   concatenate that reads it, a copy named like the value's constraint: that copy is the
   reader's, not the value's sharding (it was reported as two values XLA shards otherwise)."""
   workload, problem = _setup(
-    "gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8", "data=2,model=4"
+    "gnn:n_node=64,n_edge=256,node_dim=8,edge_dim=8,latent=64,steps=2,batch=8",
+    "data=2,model=4",
+    abstract=True,
   )
   decisions = tactics.data_megatron(problem)
   lowered = _compiled(problem, decisions, workload)

@@ -166,6 +166,7 @@ def test_a_run_from_a_policy_starts_from_its_parameters(smoke_run):
   )
 
 
+@functools.cache
 def smoke_suite() -> selfplay.Suite:
   """The smoke preset's suite (built once per process)."""
   problems = tuple(
