@@ -925,6 +925,26 @@ def test_a_normalizations_input_and_statistics_go_through_memory():
   assert implied / 2 < float(problem.cost(decisions).compute_time) <= implied
 
 
+def test_a_reshape_computed_on_a_minor_factor_of_a_split_dim_moves_it_with_all_to_alls():
+  """A plan that stores a ResNet's channels split over `model` and computes its GroupNorms'
+  reshapes ([b, h, w, c] -> [b, h, w, groups, c / groups]) split on the minor factor, c /
+  groups (the decisions of a plan the learned agent found on the full-size 4x3 ResNet; the
+  small model has the same structure and groups): the stored split is by contiguous blocks,
+  so XLA moves each such reshape's operand and result with an all-to-all. The simulator
+  prices the same collectives, count and bytes."""
+  spec = "resnet:stages=4,blocks=3,width=16,groups=4,image_size=16,classes=10,batch=16"
+  workload, problem = _setup(spec, "data=2,model=4", abstract=True)
+  axes = ((16, "model"), (28, "model"), (36, "model"), (44, "model"), (12, "data"))
+  axes += ((1, "model"), (8, "model"), (6, "model"), (3, "model"), (8, "data"))
+  decisions = [Decision(Group(group), axis) for group, axis in axes]
+  to_all = simulator.KINDS.index("all-to-all")
+  cost = problem.cost(decisions)
+  compiled = [c for c in _compiled(problem, decisions, workload).stats.collectives]
+  compiled = [c for c in compiled if c.kind == "all-to-all"]
+  assert sum(c.repeat for c in compiled) == float(cost.comm_count[to_all]) == 52
+  assert sum(c.bytes * c.repeat for c in compiled) == float(cost.comm_bytes[to_all])
+
+
 def test_a_split_along_a_sharded_dim_gathers_its_operand_once():
   """An LSTM's gates, [batch, 4 x cells] split over `model`, are split into four in every
   time step. The split's rule gathers the operand; pinned to it, XLA does too, one

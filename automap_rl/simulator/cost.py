@@ -5,7 +5,9 @@ the op's shard count, plus the overhead of the kernels it launches, which every 
 whole (`Hardware.kernel_overhead_s`). Per edge (an op using or making a value):
 
 * operand stored on axes the op does not shard: all-gather over those axes; on an axis
-  the op shards on another dim: all-to-all; sharded where stored replicated: a free slice.
+  the op shards on another dim, or on a minor factor of the same dim (a reshape's merged
+  dim is stored split major factor first): all-to-all; sharded where stored replicated: a
+  free slice.
   The reads of one value that need the same sharding share one such collective, as XLA
   reshards a value once per sharding (`tables.edges.operand_read_shares`, and
   `_unshared_reads` where a plan resolves such reads apart).
@@ -269,7 +271,7 @@ class _EdgeMasks(NamedTuple):
     stored, required: the axes of each value dim as stored and as its op computes it,
       int8 [E', Rv, B].
     stored_all, required_all, overlap: their unions over dims and the axes on which
-      stored and required agree, [E', B].
+      stored and required agree (on a dim of several factors, the major factor's), [E', B].
     reduced: the axes the edge's op reduces over where it is a pending partial sum's
       reduction (0 for deferred ones), [E', B].
     r_stored, r_required, r_reduced, r_first: `stored_all`, `required_all`, `reduced` and
@@ -329,7 +331,16 @@ def _edge_masks(
   op_memory_s = jax.ops.segment_sum(
     t.edge_memory_s[:, None] / edge_shards, t.edge_op, t.op_compute_s.shape[0]
   )  # [Uo, B]
-  overlap = (stored & required).sum(axis=1, dtype=jnp.int8)
+  # A dim of several factors (a reshape's merged dim) is stored split into contiguous
+  # blocks, its major factor first: axes the op puts on a minor factor do not match the
+  # stored split of that dim (XLA moves the data with an all-to-all).
+  major = packing.read(
+    packing.pack(op_mask, num_axes),
+    edge_op[:, None, None],
+    t.edge_dim_factors[edge][:, :, :1],
+    num_axes,
+  ).sum(axis=2, dtype=jnp.int8)  # [E or Eu, Rv, B]
+  overlap = (stored & major).sum(axis=1, dtype=jnp.int8)
   factor_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0)  # [Uo, Rf, B]
   op_reduced = factor_reduced.sum(axis=1, dtype=jnp.int8)
   op_first = jnp.zeros_like(op_reduced)  # The axes of each op's first sharded reduction factor.
