@@ -4,43 +4,40 @@ Per op signature: compute is a roofline (the larger of flop time and HBM time) d
 the op's shard count, plus the overhead of the kernels it launches, which every device pays
 whole (`Hardware.kernel_overhead_s`). Per edge (an op using or making a value):
 
-* operand stored on axes the op does not shard: all-gather over those axes; on an axis
-  the op shards on another dim, or on a minor factor of the same dim (a reshape's merged
-  dim is stored split major factor first): all-to-all; sharded where stored replicated: a
-  free slice.
-  The reads of one value that need the same sharding share one such collective, as XLA
-  reshards a value once per sharding (`tables.edges.operand_read_shares`, and
+* operand stored on axes the op does not shard: all-gather over those axes; on an axis the
+  op shards on another dim, or on a minor factor of the same dim (a reshape's merged dim is
+  stored split major factor first): all-to-all; sharded where stored replicated: a free
+  slice. The reads of one value that need the same sharding share one such collective, as
+  XLA reshards a value once per sharding (`tables.edges.operand_read_shares`, and
   `_unshared_reads` where a plan resolves such reads apart).
 * result with sharded reduction factors: a partial sum, reduce-scattered over the axes its
   stored sharding uses, all-reduced over the rest (a linear combination of partial sums
   reduces all their buffers in one collective, as XLA's combiner does, each as its source
-  computed it); on a backend without a native reduce-scatter (`Hardware.reduce_scatter`:
-  XLA on CPU), one all-reduce over all those axes and a slice, as the SPMD partitioner
-  writes it; the partial sums of two sharded reduction factors (a batch on one axis and a
-  sequence on another) are all-reduced one factor after the other, as the partitioner
-  does; computed sharded on axes it is not stored on: all-gather. A dot that leaves mesh
-  axes idle computes, reduces and sends only the share its stored split owns, where the
-  idle devices can hold the shares (`_split_over_idle_axes`).
+  computed it); on a backend without a native reduce-scatter (`Hardware.reduce_scatter`: XLA
+  on CPU), one all-reduce over all those axes and a slice, as the SPMD partitioner writes
+  it; the partial sums of two sharded reduction factors (a batch on one axis and a sequence
+  on another) are all-reduced one factor after the other, as the partitioner does; computed
+  sharded on axes it is not stored on: all-gather. A dot that leaves mesh axes idle
+  computes, reduces and sends only the share its stored split owns, where the idle devices
+  can hold the shares (`_split_over_idle_axes`).
 
-XLA's combiners merge independent reductions of one kind over the same axes (the
-gradients of data parallelism) into few collectives, up to the hardware profile's
-`combine_threshold` bytes each: those reductions pay latency per combined collective
+XLA's combiners merge independent reductions of one kind over the same axes (the gradients
+of data parallelism) into few collectives, up to the hardware profile's `combine_threshold`
+bytes each: those reductions pay latency per combined collective
 (`collectives.combined_count`), bandwidth per byte as before.
 
 Collectives are ring algorithms in an alpha-beta model over the mesh axes they span (the
-slowest link bounds the bandwidth).
-Where the backend runs collectives asynchronously, weight reshards and weight-gradient
-reductions run behind compute (`tables.overlap`, `overlap.step_hidden`).
-Bytes follow `automap_rl.xla.hlo`'s convention: the larger, group-level buffer per device.
-Peak memory is the largest live-bytes row of the program (see `tables.probe_rows`) with
-every value divided by its shard count, plus the gathered copies of operands that several
-reads share (once per value and sharding, as XLA reuses them), all taken to be live at the
-peak, as FSDP's gathered parameters live from the forward to the backward pass, plus the
-largest copy gathered for one read alone (an activation gathered for one op lives only
-while that op runs). (Full-size partial sums before a reduce-scatter are not added: on the
-validation suite that over-estimates FSDP plans.) It is compared with XLA's
-`memory_analysis()` figure `argument + output + temp - alias`.
-"""
+slowest link bounds the bandwidth). Where the backend runs collectives asynchronously,
+weight reshards and weight-gradient reductions run behind compute (`tables.overlap`,
+`overlap.step_hidden`). Bytes follow `automap_rl.xla.hlo`'s convention: the larger,
+group-level buffer per device. Peak memory is the largest live-bytes row of the program (see
+`tables.probe_rows`) with every value divided by its shard count, plus the gathered copies
+of operands that several reads share (once per value and sharding, as XLA reuses them), all
+taken to be live at the peak, as FSDP's gathered parameters live from the forward to the
+backward pass, plus the largest copy gathered for one read alone (an activation gathered for
+one op lives only while that op runs). (Full-size partial sums before a reduce-scatter are
+not added: on the validation suite that over-estimates FSDP plans.) It is compared with
+XLA's `memory_analysis()` figure `argument + output + temp - alias`."""
 
 from __future__ import annotations
 
@@ -306,23 +303,21 @@ def _edge_masks(
   op_axes = op_mask.sum(axis=1, dtype=jnp.int8)  # [Uo, B]
   op_shards = group_size(t, axes_of(t, op_axes))
 
-  # Masks are disjoint bit sets across the dims of a value and the factors of an op, so
-  # sums over dims are ORs.
-  # The edges read the masks packed per value and op (one reduction each): a gather of a
-  # few rows' words, where gathering every dim's mask would read them transposed when
-  # the batch arrives first (the environment's states).
+  # Masks are disjoint bit sets across the dims of a value and the factors of an op, so sums
+  # over dims are ORs. The edges read the masks packed per value and op (one reduction each):
+  # a gather of a few rows' words, where gathering every dim's mask would read them
+  # transposed when the batch arrives first (the environment's states).
   num_axes = axis_count(t)
   edge = np.arange(t.edge_op.shape[0]) if per_edge else t.unique_edge
   edge_op = t.edge_op[edge]
+  value_dims = np.arange(value_mask.shape[1])[None, :]
   stored = packing.read(
-    packing.pack(value_mask, num_axes),
-    t.edge_value[edge][:, None],
-    np.arange(value_mask.shape[1])[None, :],
-    num_axes,
+    packing.pack(value_mask, num_axes), t.edge_value[edge][:, None], value_dims, num_axes
   )  # [E or Eu, Rv, B]
-  required = packing.read(
+  by_factor = packing.read(
     packing.pack(op_mask, num_axes), edge_op[:, None, None], t.edge_dim_factors[edge], num_axes
-  ).sum(axis=2, dtype=jnp.int8)  # [E or Eu, Rv, B]; factor Rf (padding) is none.
+  )  # [E or Eu, Rv, F, B]; factor Rf (padding) is none.
+  required = by_factor.sum(axis=2, dtype=jnp.int8)  # [E or Eu, Rv, B]
   stored_all = stored.sum(axis=1, dtype=jnp.int8)  # [E or Eu, B]
   required_all = required.sum(axis=1, dtype=jnp.int8)
   # Each op moves each operand and result as it computes on it: its share of the value.
@@ -331,16 +326,9 @@ def _edge_masks(
   op_memory_s = jax.ops.segment_sum(
     t.edge_memory_s[:, None] / edge_shards, t.edge_op, t.op_compute_s.shape[0]
   )  # [Uo, B]
-  # A dim of several factors (a reshape's merged dim) is stored split into contiguous
-  # blocks, its major factor first: axes the op puts on a minor factor do not match the
-  # stored split of that dim (XLA moves the data with an all-to-all).
-  major = packing.read(
-    packing.pack(op_mask, num_axes),
-    edge_op[:, None, None],
-    t.edge_dim_factors[edge][:, :, :1],
-    num_axes,
-  ).sum(axis=2, dtype=jnp.int8)  # [E or Eu, Rv, B]
-  overlap = (stored & major).sum(axis=1, dtype=jnp.int8)
+  # A dim of several factors (a reshape's merged dim) is stored in contiguous blocks, its
+  # major factor first: axes on a minor factor do not match it (XLA runs an all-to-all).
+  overlap = (stored & by_factor[:, :, 0]).sum(axis=1, dtype=jnp.int8)
   factor_reduced = jnp.where(t.op_reduction[:, :, None], op_mask, 0)  # [Uo, Rf, B]
   op_reduced = factor_reduced.sum(axis=1, dtype=jnp.int8)
   op_first = jnp.zeros_like(op_reduced)  # The axes of each op's first sharded reduction factor.
@@ -567,10 +555,9 @@ _simulate_one_or_many = batching.batch_last(_simulate, _tile)
 
 
 def simulate(tables: CostTables, resolution: Resolution) -> Cost:
-  """Costs one resolved plan (masks as `sharding.resolve` or `sharding.apply_decision`
-  give them: signature slots that share an owner agree; `terms` takes any masks). Vmap
-  over resolutions for a batch of plans: the batch then runs in batch-last calls of
-  `batching.tile_for(edges)` plans (see `automap_rl.batching`)."""
+  """Costs one resolved plan (masks as `sharding.resolve` or `sharding.apply_decision` give
+  them: signature slots that share an owner agree; `terms` takes any masks). Vmap over
+  resolutions: a batch runs in batch-last calls of `batching.tile_for(edges)` plans."""
   return _simulate_one_or_many(tables, (resolution.value_mask, resolution.op_mask))
 
 
@@ -582,9 +569,8 @@ def evaluate(
   dec_axis: jax.Array,
 ) -> Cost:
   """Costs encoded decisions (see `sharding.encode`): `simulate(tables, sharding.resolve(owners,
-  num_classes, dec_class, dec_axis))`. Vmapped over the decisions, each tile of the batch
-  is resolved and costed in one batch-last call, so the resolved masks stay batch-last
-  between the two."""
+  num_classes, dec_class, dec_axis))`. Vmapped, each tile of the batch is resolved and
+  costed in one batch-last call, so the resolved masks stay batch-last between the two."""
   run = batching.batch_last(
     lambda t, decisions: _simulate(t, sharding.resolve_batch_last(owners, num_classes, decisions)),
     lambda t: min(_tile(t), sharding.resolve_tile(owners)),
