@@ -130,6 +130,19 @@ def test_the_priced_tick_count_is_the_tick_tables():
         assert pipeline.ticks() == tick_table(pipeline).ticks, pipeline
 
 
+def _checked_stage_permutes(plan: Plan, axis: str):
+  """`plan.check()` (NumericsError on a mismatch with the unpartitioned step), which ran
+  1F1B, and the collective-permutes over the stage `axis` it runs every tick."""
+  lowered = plan.check()
+  assert lowered.schedule == "1f1b"
+  permutes = [
+    c
+    for c in lowered.stats.collectives
+    if c.kind == "collective-permute" and c.mesh_axes == (axis,) and c.repeat > 1
+  ]
+  return lowered, permutes
+
+
 def test_fewer_stages_than_the_axis_has_devices_run_with_the_rest_inside_the_stages():
   """Two stages on the four devices of `stage`: the mesh's stage axis is split in two, the
   stages over one part (`stage_stages`), the plan's decisions over the other, here the
@@ -142,13 +155,7 @@ def test_fewer_stages_than_the_axis_has_devices_run_with_the_rest_inside_the_sta
   plan = Plan(
     w.step, w.args, p, decisions, pipeline=pipeline, loss_fn=w.loss_fn, optimizer=w.optimizer
   )
-  lowered = plan.check()  # Raises NumericsError on a mismatch with the unpartitioned step.
-  assert lowered.schedule == "1f1b"
-  permutes = [
-    c
-    for c in lowered.stats.collectives
-    if c.kind == "collective-permute" and c.mesh_axes == ("stage_stages",) and c.repeat > 1
-  ]
+  _, permutes = _checked_stage_permutes(plan, "stage_stages")
   # A microbatch's [4 rows over 4 devices, seq 16, d_model 64] each way, once a tick (GPT's
   # per-layer auxiliary losses travel with the activations).
   assert all(c.repeat == pipeline.ticks() for c in permutes)
@@ -173,13 +180,7 @@ def test_a_rematerialized_stack_pipelined_over_the_batch_axis_with_tensor_parall
   plan = Plan(
     w.step, w.args, p, decisions, pipeline=pipeline, loss_fn=w.loss_fn, optimizer=w.optimizer
   )
-  lowered = plan.check()  # Raises NumericsError on a mismatch with the unpartitioned step.
-  assert lowered.schedule == "1f1b"
-  permutes = [
-    c
-    for c in lowered.stats.collectives
-    if c.kind == "collective-permute" and c.mesh_axes == ("data",) and c.repeat > 1
-  ]
+  lowered, permutes = _checked_stage_permutes(plan, "data")
   # Once a tick each way, a microbatch's activations [8 / M rows, seq 16, d_model 64] and
   # nothing else: the module state the rematerialized layers return per layer, which the
   # loss does not read, stays on its stage.

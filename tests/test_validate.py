@@ -122,22 +122,13 @@ def test_collectives_combine_per_loop_iteration_as_xla_does():
   """Layers in a scan: XLA's combiner merges one iteration's independent gradient
   reductions (the loop body is one computation), and the simulator counts the same
   collectives of every kind, and the same bytes."""
-  from automap_rl.xla.lower import lower
-
   workload = workloads.make_workload(
     "gpt:layers=4,d_model=64,heads=4,seq=16,vocab=64,batch=8,scan=True", abstract=True
   )
   problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
   plans = tactics.applicable(problem)
   for name in ("data_megatron",):  # Gradient reductions combined per iteration; activations' not.
-    lowered = lower(
-      problem,
-      plans[name],
-      workload.step,
-      workload.args,
-      donate_argnums=validate.DONATE_ARGNUMS,
-      executable=False,
-    )
+    lowered = _compiled(problem, plans[name], workload)
     simulated, compiled = (
       validate.simulated_metrics(problem, plans[name]),
       validate.compiled_metrics(lowered.stats),
@@ -158,8 +149,6 @@ def test_nested_loops_cost_what_xla_compiles():
   time step, and on CPU computes the depthwise convolution's kernel gradient as a dense
   convolution over all channels: the simulator counts the same collectives, bytes and
   flops."""
-  from automap_rl.xla.lower import lower
-
   layers, seq = 2, 16
   workload = workloads.make_workload(
     f"ssm:layers={layers},d_model=32,seq={seq},batch=8", abstract=True
@@ -167,14 +156,7 @@ def test_nested_loops_cost_what_xla_compiles():
   problem = validate.trace_problem(workload, "data=4,model=2", "cpu")
   plans = tactics.applicable(problem)
   for name in ("replicated", "data_parallel", "fsdp", "data_megatron"):
-    lowered = lower(
-      problem,
-      plans[name],
-      workload.step,
-      workload.args,
-      donate_argnums=validate.DONATE_ARGNUMS,
-      executable=False,
-    )
+    lowered = _compiled(problem, plans[name], workload)
     simulated, compiled = (
       validate.simulated_metrics(problem, plans[name]),
       validate.compiled_metrics(lowered.stats),
@@ -199,20 +181,11 @@ def test_loop_buffers_are_live_through_the_loop():
   the whole loop: the simulator's peak memory of an SSM (a scan over time steps in the
   scan over layers) is the compiled one's within 5% (it was 12-16% under when a value's
   liveness ended at its last read in the body)."""
-  from automap_rl.xla.lower import lower
-
   workload = workloads.make_workload("ssm:layers=8,d_model=64,seq=128,batch=16", abstract=True)
   problem = validate.trace_problem(workload, "data=4,model=2", "h100")
   plans = tactics.applicable(problem)
   for name in ("data_parallel", "fsdp"):
-    lowered = lower(
-      problem,
-      plans[name],
-      workload.step,
-      workload.args,
-      donate_argnums=validate.DONATE_ARGNUMS,
-      executable=False,
-    )
+    lowered = _compiled(problem, plans[name], workload)
     simulated, compiled = (
       validate.simulated_metrics(problem, plans[name]),
       validate.compiled_metrics(lowered.stats),
@@ -230,21 +203,12 @@ def test_gathers_and_scatter_adds_move_what_the_simulator_prices():
   (the model's unused second aggregation of each step, which XLA removes, left out: its
   all-reduce made the simulated bytes 1.36x XLA's). In float32: XLA's CPU backend
   computes bfloat16 in float32, collectives included."""
-  from automap_rl.xla.lower import lower
-
   workload = workloads.make_workload(
     "gnn:n_node=256,n_edge=1024,latent=64,steps=1,batch=8,dtype=float32", abstract=True
   )
   problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
   plan = tactics.applicable(problem)["fsdp"]
-  lowered = lower(
-    problem,
-    plan,
-    workload.step,
-    workload.args,
-    donate_argnums=validate.DONATE_ARGNUMS,
-    executable=False,
-  )
+  lowered = _compiled(problem, plan, workload)
   simulated, compiled = (
     validate.simulated_metrics(problem, plan),
     validate.compiled_metrics(lowered.stats),
@@ -414,6 +378,21 @@ def test_random_pipelines_of_a_model_without_a_scanned_stack_accumulate_or_fail_
   assert "\n" not in str(e.value)
   with pytest.raises(ValueError, match="--pipelines needs --random"):
     validate_cmd.run(validate_cmd.ValidateConfig(pipelines=True))
+
+
+def _compiled(problem, decisions, workload):
+  """A plan's compile-only lowering (one compile, nothing run): its statistics and
+  sharding differences."""
+  from automap_rl.xla.lower import lower
+
+  return lower(
+    problem,
+    decisions,
+    workload.step,
+    workload.args,
+    donate_argnums=validate.DONATE_ARGNUMS,
+    executable=False,
+  )
 
 
 def _metrics(
