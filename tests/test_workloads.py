@@ -1,7 +1,10 @@
 """Tests for the model zoo ``automap_rl.workloads``."""
 
+import collections
+
 import equinox as eqx
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -311,3 +314,42 @@ def test_gated_moe_experts_are_swiglu_with_a_gate_projection_each():
     e = int(chosen[t])
     h = jax.nn.silu(x[0, t] @ params["wg"][e]) * (x[0, t] @ params["wi"][e])
     np.testing.assert_allclose(y[0, t], h @ params["wo"][e], rtol=1e-4, atol=1e-5)
+
+
+def _matmuls(jaxpr: jax.extend.core.Jaxpr) -> collections.Counter:
+  """dot_generals in `jaxpr` and its sub-jaxprs, by whether they have batch dims."""
+  found = collections.Counter()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (_, (batch, _)) = eqn.params["dimension_numbers"]
+      found["batched" if batch else "unbatched"] += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _matmuls(sub)
+  return found
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_the_dots_policy_recomputes_the_batched_matmuls_and_keeps_the_projections(family):
+  def matmuls(remat: str) -> collections.Counter:
+    w = make_workload(f"{family}:layers=2,{remat}", abstract=True)
+    return _matmuls(jax.make_jaxpr(w.step)(*w.args).jaxpr)
+
+  none, dots, full = (
+    matmuls("remat=false"),
+    matmuls("remat=true,remat_policy=dots"),
+    matmuls("remat=true"),
+  )
+  assert dots["unbatched"] == none["unbatched"] < full["unbatched"]
+  assert none["batched"] < dots["batched"] == full["batched"]
+
+
+@pytest.mark.parametrize(
+  "spec_, match",
+  [
+    ("llama:remat_policy=dots", r"remat_policy='dots' needs remat=true"),
+    ("gpt:remat=true,remat_policy=some", r"remat_policy='some' is not one of full, dots"),
+  ],
+)
+def test_a_remat_policy_is_named_and_needs_remat(spec_, match):
+  with pytest.raises(ValueError, match=match):
+    make_workload(spec_, abstract=True)

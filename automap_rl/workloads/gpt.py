@@ -44,6 +44,8 @@ class GPTConfig:
     batch: sequences per batch.
     scan: stack the blocks with ``nn.scan`` instead of unrolling them.
     remat: rematerialize each block in the backward pass (``nn.remat``).
+    remat_policy: what a rematerialized block keeps (`training.REMAT_POLICIES`: "full",
+      "dots").
     dtype: compute dtype (float32 parameters are cast to it in the step).
     fused_attention: attention as a fused kernel
       (`workloads.attention.fused_causal_attention`: flash attention's memory and flops).
@@ -63,12 +65,14 @@ class GPTConfig:
   batch: int = 16
   scan: bool = False
   remat: bool = False
+  remat_policy: str = "full"
   dtype: str = "float32"
   fused_attention: bool = False
   dropout: float = 0.0
 
   def __post_init__(self):
     training.check_dtype(self.dtype)
+    training.check_remat(self.remat, self.remat_policy)
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
     if self.dropout and self.fused_attention:
@@ -187,7 +191,8 @@ class Transformer(nn.Module):
     x = nn.Embed(cfg.vocab, cfg.d_model, name="embed")(tokens)
     pos = self.param("pos_embed", nn.initializers.normal(0.02), (cfg.seq, cfg.d_model))
     x = apply_dropout(x + pos[: tokens.shape[-1]], cfg.dropout, keys, cfg.layers)
-    block_cls = nn.remat(Block) if cfg.remat else Block
+    policy = training.REMAT_POLICIES[cfg.remat_policy]
+    block_cls = nn.remat(Block, policy=policy) if cfg.remat else Block
     block_args = (cfg.heads, self.ffn, cfg.fused_attention, cfg.dropout)
     if cfg.scan:
       blocks = nn.scan(

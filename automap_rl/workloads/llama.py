@@ -45,6 +45,8 @@ class LlamaConfig:
     rope_theta: rotary embedding base.
     tie_embeddings: the output projection is the embedding (no ``lm_head``).
     remat: rematerialize each layer in the backward pass (``nnx.remat``).
+    remat_policy: what a rematerialized layer keeps (`training.REMAT_POLICIES`: "full",
+      "dots").
     dtype: compute dtype (float32 parameters are cast to it in the step).
     fused_attention: attention as a fused kernel
       (`workloads.attention.fused_causal_attention`: flash attention's memory and flops).
@@ -61,11 +63,13 @@ class LlamaConfig:
   rope_theta: float = 500000.0
   tie_embeddings: bool = False
   remat: bool = False
+  remat_policy: str = "full"
   dtype: str = "float32"
   fused_attention: bool = False
 
   def __post_init__(self):
     training.check_dtype(self.dtype)
+    training.check_remat(self.remat, self.remat_policy)
     if self.d_model % self.heads or self.heads % self.kv_heads:
       raise ValueError(
         f"heads={self.heads} must divide d_model={self.d_model} and be a "
@@ -169,6 +173,7 @@ class Llama(nnx.Module):
   def __init__(self, config: LlamaConfig, rngs: nnx.Rngs):
     self.embed = nnx.Embed(config.vocab, config.d_model, rngs=rngs)
     self.remat = config.remat
+    self.remat_policy = config.remat_policy
 
     @nnx.split_rngs(splits=config.layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -193,7 +198,9 @@ class Llama(nnx.Module):
       return layer(x)
 
     run = nnx.scan(
-      nnx.remat(run) if self.remat else run, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry
+      nnx.remat(run, policy=training.REMAT_POLICIES[self.remat_policy]) if self.remat else run,
+      in_axes=(nnx.Carry, 0),
+      out_axes=nnx.Carry,
     )
     x = self.norm(run(x, self.layers))
     return x @ table.T if self.lm_head is None else self.lm_head(x)

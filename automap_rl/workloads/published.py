@@ -160,7 +160,10 @@ class ParallelDegrees:
     microbatch_size: sequences per microbatch per replica; microbatches = batch /
       (replicas x microbatch_size), run as a pipeline's microbatches or, with one stage,
       as gradient accumulation.
-    recompute: full activation recomputation (the workload's `remat`).
+    recompute: what each layer's backward recomputes (the workload's `remat` and
+      `remat_policy`): "full" (full activation recomputation), "dots" (no recomputation in a
+      framework whose fused elementwise kernels recompute their cheap intermediates: the
+      matmul outputs kept) or "none" (every intermediate JAX's differentiation keeps).
     activation_split: how activations between the tensor-parallel blocks are stored over
       the `model` axis: whole (''), split by sequence ('sequence': Megatron-LM's sequence
       parallelism) or on the model width ('embedding': T5X's 2-D activation partitioning,
@@ -181,7 +184,7 @@ class ParallelDegrees:
   schedule: str = "1f1b"
   chunks: int = 1
   microbatch_size: int = 1
-  recompute: bool = True
+  recompute: str = "full"
   activation_split: str = ""
   zero: bool = False
   gather_weights_once: bool = False
@@ -220,7 +223,8 @@ class ParallelDegrees:
       "2d-act": self.activation_split == "embedding",
       "zero3": self.zero and not self.gather_weights_once,
       "zero-gathered-once": self.zero and self.gather_weights_once,
-      "remat": self.recompute,
+      "remat": self.recompute == "full",
+      "remat-dots": self.recompute == "dots",
     }
     return " ".join(parts + [flag for flag, on in flags.items() if on])
 
@@ -381,8 +385,18 @@ def check(run: PublishedRun) -> None:
   if run.kind not in KINDS or run.formula not in FORMULAS:
     raise ValueError(f"{run.name}: kind {run.kind!r} or formula {run.formula!r} unknown")
   _, config = spec_lib.make_config(run.model)
-  if (config.batch, config.seq, config.remat) != (run.batch, run.seq, run.plan.recompute):
-    raise ValueError(f"{run.name}: model {run.model!r} is not batch {run.batch}, seq {run.seq}")
+  remat = {"full": (True, "full"), "dots": (True, "dots"), "none": (False, "full")}
+  if run.plan.recompute not in remat:
+    raise ValueError(f"{run.name}: recompute {run.plan.recompute!r} unknown ({', '.join(remat)})")
+  if (config.batch, config.seq, config.remat, config.remat_policy) != (
+    run.batch,
+    run.seq,
+    *remat[run.plan.recompute],
+  ):
+    raise ValueError(
+      f"{run.name}: model {run.model!r} is not batch {run.batch}, seq {run.seq}, "
+      f"recompute {run.plan.recompute}"
+    )
 
 
 _MEGATRON = Citation(
@@ -593,12 +607,12 @@ RUNS: tuple[PublishedRun, ...] = (
     ),
     hardware="h100",
     model="moe:layers=32,d_model=4096,heads=32,d_ff=14336,seq=4096,vocab=32000,batch=256,"
-    "experts=8,top_k=2,capacity_factor=1.0,gated=true,scan=true,remat=false,dtype=bfloat16,"
-    "fused_attention=true",
+    "experts=8,top_k=2,capacity_factor=1.0,gated=true,scan=true,remat=true,remat_policy=dots,"
+    "dtype=bfloat16,fused_attention=true",
     shape=Shape(32, 4096, 32, 128, 8, 14336, 32000, gated=True, experts=8, top_k=2),
     mesh="stage=4,data=2,expert=8",
     plan=ParallelDegrees(
-      pipeline=4, data=2, expert=8, schedule="interleaved", chunks=8, recompute=False
+      pipeline=4, data=2, expert=8, schedule="interleaved", chunks=8, recompute="dots"
     ),
     batch=256,
     seq=4096,
@@ -610,10 +624,12 @@ RUNS: tuple[PublishedRun, ...] = (
       "MBS 1, GBS 256, seq 4096) to v0.8: pairing them is an estimate",
       "optimizer state replicated over data: the distributed optimizer, as ZeRO storage with the "
       "weights gathered once a step, would gather over the expert axis too (the loop's batch "
-      "axes); no recomputation (the mapping lists none)",
+      "axes)",
+      "no recomputation (the mapping lists none), simulated as the activations Megatron-Core's "
+      "fused kernels keep: the matmul outputs, the elementwise ops between them recomputed in "
+      "the backward (remat_policy=dots)",
       "multi-head attention simulated for 8 KV groups; GShard's one-hot dispatch (capacity "
-      "factor 1) for dropless routing, and SwiGLU experts as JAX differentiates them (six "
-      "expert-width residuals a layer, where Megatron-Core's fused kernels keep two)",
+      "factor 1) for dropless routing",
     ),
   ),
 )

@@ -30,6 +30,16 @@ LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4
 # Compute dtypes a config's ``dtype`` field may name; parameters stay float32.
 DTYPES = ("float32", "bfloat16")
+# What a rematerialized block keeps for its backward pass (a config's ``remat_policy``):
+# "full" keeps only the block's input and recomputes everything else; "dots" keeps the
+# outputs of its matmuls without batch dims (the projections) and recomputes the
+# elementwise ops, attention's batched matmuls and normalizations between them: MaxText's
+# 'minimal' policy, and the activations of a framework whose elementwise kernels are
+# fused and recompute their cheap intermediates (Megatron-LM with no recomputation).
+REMAT_POLICIES: Mapping[str, Callable[..., bool] | None] = {
+  "full": None,
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +157,15 @@ def check_dtype(dtype: str) -> None:
   """Raises ValueError unless ``dtype`` is one of :data:`DTYPES`."""
   if dtype not in DTYPES:
     raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+
+
+def check_remat(remat: bool, remat_policy: str) -> None:
+  """Raises ValueError unless ``remat_policy`` is one of :data:`REMAT_POLICIES`, and
+  names a policy other than "full" only with ``remat``."""
+  if remat_policy not in REMAT_POLICIES:
+    raise ValueError(f"remat_policy={remat_policy!r} is not one of {', '.join(REMAT_POLICIES)}")
+  if remat_policy != "full" and not remat:
+    raise ValueError(f"remat_policy={remat_policy!r} needs remat=true")
 
 
 def cast_floating(tree: Any, dtype: str) -> Any:
