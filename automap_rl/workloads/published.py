@@ -463,7 +463,11 @@ _LLAMA3_NOTES = (
   "(neither is stated)",
   "the paper's FSDP as Sec. 3.3.2 describes it: parameters, gradients and optimizer state "
   "stored sharded over data, the weights not resharded after the forward pass (gathered once "
-  "a step); full recomputation is an estimate (not stated)",
+  "a step)",
+  "full recomputation, where Sec. 3.3.2 trains 8K sequences without activation "
+  "checkpointing: without it (recompute 'dots', the matmul outputs kept) the first stage "
+  "holds 16 microbatches of 6.3 GB, 124 GB, and fits only with the activations also split "
+  "over the model axis (sequence parallelism, not stated)",
   "flop formula not stated: Megatron-LM's assumed",
 )
 
