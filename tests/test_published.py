@@ -8,7 +8,7 @@ import pytest
 
 from automap_rl.mesh import get_hardware, parse_mesh_spec
 from automap_rl.pipeline import Pipeline
-from automap_rl.workloads import published
+from automap_rl.workloads import model_flops, published
 from automap_rl.workloads import spec as spec_lib
 from experiments import bench_published
 from experiments.cli import main
@@ -28,7 +28,7 @@ def test_every_row_is_consistent(run):
     microbatches = run.batch // (run.plan.replicas * run.plan.microbatch_size)
     assert microbatches >= run.plan.pipeline
   # A row that simulates another model than the paper's says how in its notes.
-  if published.simulated_shape(run.model) != run.shape:
+  if model_flops.simulated_shape(run.model) != run.shape:
     assert any("simulated for" in note for note in run.notes)
 
 
@@ -44,7 +44,7 @@ def test_there_are_runs_beyond_megatron_on_tpu_and_h100_dense_and_moe():
   "run", [r for r in published.RUNS if r.name.startswith("megatron-")], ids=lambda r: r.name
 )
 def test_megatron_parameter_formula_gives_table_1s_sizes(run):
-  params = published.megatron_2021_params(run.shape, run.seq) / 1e9
+  params = model_flops.megatron_2021_params(run.shape, run.seq) / 1e9
   stated = run.stated_params / 1e9
   decimals = 0 if stated >= 1000 else 1
   assert round(params, decimals) == pytest.approx(stated)
