@@ -72,7 +72,8 @@ class ParallelDegrees:
     recompute: what each layer's backward recomputes (the workload's `remat` and
       `remat_policy`): "full" (full activation recomputation), "dots" (no recomputation in a
       framework whose fused elementwise kernels recompute their cheap intermediates: the
-      matmul outputs kept) or "none" (every intermediate JAX's differentiation keeps).
+      outputs of the matmuls without batch dims kept, `training.REMAT_POLICIES`) or "none"
+      (every intermediate JAX's differentiation keeps).
     activation_split: how activations between the tensor-parallel blocks are stored over
       the `model` axis: whole (''), split by sequence ('sequence': Megatron-LM's sequence
       parallelism) or on the model width ('embedding': T5X's 2-D activation partitioning,
@@ -356,7 +357,7 @@ _LLAMA3_NOTES = (
   "stored sharded over data, the weights not resharded after the forward pass (gathered once "
   "a step)",
   "full recomputation, where Sec. 3.3.2 trains 8K sequences without activation "
-  "checkpointing: without it (recompute 'dots', the matmul outputs kept) the first stage "
+  "checkpointing: without it (recompute 'dots', the projections' outputs kept) the first stage "
   "holds 16 microbatches of 6.3 GB, 124 GB, and fits only with the activations also split "
   "over the model axis (sequence parallelism, not stated)",
   "flop formula not stated: Megatron-LM's assumed",
@@ -521,8 +522,9 @@ RUNS: tuple[PublishedRun, ...] = (
       "weights gathered once a step, would gather over the expert axis too (the loop's batch "
       "axes)",
       "no recomputation (the mapping lists none), simulated as the activations Megatron-Core's "
-      "fused kernels keep: the matmul outputs, the elementwise ops between them recomputed in "
-      "the backward (remat_policy=dots)",
+      "fused kernels keep: the projections' outputs, the elementwise ops between them "
+      "recomputed in the backward (remat_policy=dots); the policy keeps no batched matmul, so "
+      "the experts' (batched over experts) forward matmuls are recomputed too",
       "multi-head attention simulated for 8 KV groups; GShard's one-hot dispatch (capacity "
       "factor 1) for dropless routing",
     ),
