@@ -206,42 +206,51 @@ def test_compiled_stage_transfers_are_the_simulators():
 def _tick_instructions(module, ticks: int):
   """The instructions of the compiled module's bodies that run once a tick (a body of
   `ticks` repeats), each with the instructions it is made of (a fusion's computation)."""
-  from automap_rl.xla.hlo.module import called_computations
-
   for name, body in module.bodies.items():
     if module.repeats.get(name) != ticks:
       continue
     for inst in body:
-      inner = (
-        module.bodies.get(called_computations(inst)[0][0], ())
-        if inst.opcode == "fusion"
-        else (inst,)
-      )
-      yield inst, inner
+      yield inst, _made_of(module, inst)
+
+
+def _made_of(module, inst) -> tuple:
+  """The instructions `inst` is made of: a fusion's computation, else itself."""
+  from automap_rl.xla.hlo.module import called_computations
+
+  if inst.opcode == "fusion":
+    return module.bodies.get(called_computations(inst)[0][0], ())
+  return (inst,)
 
 
 def test_each_ticks_residuals_are_saved_and_read_back_as_the_simulator_prices():
   """The schedule's loop keeps the residuals of the microbatches in flight in the slots of
-  a buffer: in each of its T ticks a stage writes one slot (a dynamic-update-slice) and
-  reads one (a dynamic slice). Per tick, XLA's dynamic-update-slices into and dynamic
-  slices out of the residual buffers move between one and two times what the simulator
-  prices per tick, four passes over a microbatch's residuals of the loop (XLA keeps some
-  values the simulator does not count as residuals)."""
+  a buffer: in each of its T ticks a stage writes one slot (a dynamic-update-slice), and
+  an operation other than a forward reads one (a dynamic slice). Per tick, on the first
+  stage (each branch of the tick's switch counted in the ticks that take it), XLA's
+  dynamic-update-slices into and dynamic slices out of the residual buffers move between
+  one and two times what the simulator prices per tick, four passes over a microbatch's
+  residuals of the loop (XLA keeps some values the simulator does not count as
+  residuals)."""
   from automap_rl.xla import hlo
-  from automap_rl.xla.hlo.module import parse_shapes
+  from automap_rl.xla.hlo.module import computation_repeats, parse_shapes
+  from automap_rl.xla.scheduled import branches_taken
 
   plan, module = compiled_module(tactics.megatron_3d)
   ticks = tick_table(plan.pipeline)
+  repeats = computation_repeats(module.bodies, module.entry, branches_taken(ticks)[0])
   activation = (2, 16, 64)  # [8 / M rows, seq, d_model]: the activations' and gradients' slots.
   moved = 0.0
-  for inst, inner in _tick_instructions(module, ticks.ticks):
-    root = inner[-1] if inner else None
-    if root is None or root.opcode not in ("dynamic-update-slice", "dynamic-slice"):
-      continue
-    types = {**module.types, **{i.name: i.type for i in inner}}
-    shape = parse_shapes(types[root.operands[0]])[0][1]
-    if shape[:1] == (ticks.slots[2],) and shape[1:] != activation:
-      moved += hlo.instruction_bytes(inst, module.types, module.bodies)
+  for name, body in module.bodies.items():
+    for inst in body:
+      inner = _made_of(module, inst)
+      root = inner[-1] if inner else None
+      if root is None or root.opcode not in ("dynamic-update-slice", "dynamic-slice"):
+        continue
+      types = {**module.types, **{i.name: i.type for i in inner}}
+      shape = parse_shapes(types[root.operands[0]])[0][1]
+      if shape[:1] == (ticks.slots[2],) and shape[1:] != activation:
+        moved += repeats.get(name, 0) * hlo.instruction_bytes(inst, module.types, module.bodies)
+  moved /= ticks.ticks
   terms = plan.problem.plan_cost(plan.decisions, plan.pipeline).terms
   # The loop's M + (S - 1) / V microbatch times share its T ticks.
   per_tick = ticks.ticks / (4 + 3)
@@ -313,13 +322,13 @@ def branch_weighted(mesh: str, tactic, spec: str = GPT) -> tuple[dict, dict, dic
 
 
 def switch_reservations(hlo_text: str, ticks) -> dict[str, int]:
-  """Bytes XLA reserves in a pipelined module because a tick's operations run as the
-  branches of one switch, which the simulator (pricing the live values of what a stage
-  runs, updated in place) does not: `scratch`, slot 0 of each slot buffer of the tick
-  loop's state (arrays whose leading dim is a slot count of `ticks`), which idle ticks
-  write; `result`, the switch's result (the operation's outputs: its activations, one
-  microbatch's residuals, the gradient sums, before the tick stores them into the loop's
-  buffers)."""
+  """Bytes XLA reserves in a pipelined module because a tick's operations run as the branches
+  of one switch, which the simulator (pricing the live values of what a stage runs,
+  updated in place) does not: `scratch`, slot 0 of each activation and gradient buffer of
+  the tick loop's state (arrays whose leading dim is their slot count in `ticks`), which
+  ticks receiving nothing write (the residual buffer has none); `result`, the switch's
+  result (the operation's outputs: its activations, one microbatch's residuals, the
+  gradient sums, before the tick stores them into the loop's buffers)."""
   import math
   import re
 
@@ -336,7 +345,7 @@ def switch_reservations(hlo_text: str, ticks) -> dict[str, int]:
   scratch = sum(
     hlo.element_bytes(dtype) * math.prod(shape[1:])
     for dtype, shape in hlo.parse_shapes(loop.type)
-    if len(shape) > 1 and shape[0] in ticks.slots
+    if len(shape) > 1 and shape[0] in ticks.slots[:2]
   )
   body = re.search(r"\bbody=%?([\w.\-]+)", loop.attrs)[1]
   (switch,) = [

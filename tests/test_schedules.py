@@ -46,6 +46,38 @@ def test_interleaved_keeps_megatrons_warm_up_count_in_flight():
   assert np.all(ticks.in_flight() <= priced)
 
 
+@pytest.mark.parametrize(
+  "pipeline",
+  [
+    Pipeline("stage", 4, 8, "1f1b"),
+    Pipeline("stage", 4, 8, "gpipe"),
+    Pipeline("stage", 4, 8, "interleaved", chunks=2),
+    Pipeline("stage", 2, 4, "1f1b"),
+  ],
+  ids=str,
+)
+def test_the_residual_buffer_has_a_slot_per_set_in_flight_and_no_tick_overwrites_one(pipeline):
+  """A stage's residual buffer has as many slots as it holds residual sets at once (no
+  scratch slot: a microbatch's residuals cost their size once per set in flight). Every
+  tick writes its `save` slot: a forward into a free slot, a backward the slot it loads,
+  any other operation what the slot holds; a backward finds there its microbatch's
+  residuals."""
+  ticks = tick_table(pipeline)
+  assert ticks.slots[2] == max(1, ticks.in_flight().max())
+  for s in range(pipeline.stages):
+    held: list[tuple[int, int] | None] = [None] * ticks.slots[2]
+    for t in range(ticks.ticks):
+      kind, save, load = ticks.kind[t, s], ticks.save[t, s], ticks.load[t, s]
+      op = (int(ticks.micro[t, s]), int(ticks.chunk[t, s]))
+      if kind == FORWARD:
+        assert held[save] is None
+        held[save] = op
+      elif kind == BACKWARD:
+        assert save == load and held[load] == op
+        held[load] = None
+    assert held == [None] * ticks.slots[2]
+
+
 @functools.cache
 def _problem(spec: str, mesh: str) -> tuple[workloads.Workload, Problem]:
   w = workloads.make_workload(spec)

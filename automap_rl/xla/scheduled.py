@@ -2,12 +2,13 @@
 
 Under `jax.shard_map`, manual over the stage axis, one `jax.lax.scan` runs the table's
 ticks. In each tick a stage runs, by `jax.lax.switch`, one of: a forward of one of its
-chunks on one microbatch (`jax.vjp` of the chunk's layers, its residuals kept in a buffer
-slot; on global chunk 0 its input is the embedding of the microbatch, which runs there
-only), a backward (the residuals' pullback: the chunk's weight gradients added into their
-sums, the input's gradient sent back; on chunk 0 the embedding's parameter gradients),
-on the last chunk the forward, the head, the loss and the backward at once (the loss's
-parameter gradients), or nothing. Activations go to the next stage and gradients to the
+chunks on one microbatch (`jax.vjp` of the chunk's layers, its residuals kept in a
+buffer slot, which every other operation writes back as it found it; on global chunk 0
+its input is the embedding of the microbatch, which runs there only), a backward (the
+residuals' pullback: the chunk's weight gradients added into their sums, the input's
+gradient sent back; on chunk 0 the embedding's parameter gradients), on the last chunk
+the forward, the head, the loss and the backward at once (the loss's parameter
+gradients), or nothing. Activations go to the next stage and gradients to the
 one before with one `jax.lax.ppermute` each per tick (a ring: interleaved chunks wrap
 from the last stage to the first); they wait in buffer slots until read. Nothing runs at
 the whole batch: the first stage embeds and the last computes the head and the loss, per
@@ -304,8 +305,12 @@ class _StageLoop:
     """The tick's four operations (idle, forward, backward, forward-backward), each
     `() -> (y, residuals, weight gradient sums, input grads, other gradient sums, loss)`:
     the sums (`sums`: the stage's chunks' weights', the other parameters') are added into
-    where the operation has gradients, and passed through where it has none."""
-    others, (x_in, dy, res), (d_w, d_o) = self.others, operands, sums
+    where the operation has gradients, and passed through where it has none; the
+    residuals, which the tick writes into its `save` slot, are a forward's, else what
+    that slot of the residual buffers `saved` holds (read in the operation: a backward's
+    pullback reads them there, and no copy of a microbatch's residuals outlives it)."""
+    others, (x_in, dy, saved), (d_w, d_o) = self.others, operands, sums
+    kept = lambda: _at(saved, row["save"])
     zero_act = _zeros(self.act_shape)
     none = jnp.zeros((), jnp.float32)
     embedded = lambda: self.cond(row["first"], lambda: self.embed(others, one), lambda: x_in)
@@ -324,9 +329,10 @@ class _StageLoop:
       return (*self.forward(w, embedded(), index), d_w, zero_act, d_o, none)
 
     def run_backward():
+      res = kept()
       g_w, g_x = self.pullback(w, res, index)(dy)
       d_o_ = add(d_o, self.embedded_grads(row["first"], one, g_x))
-      return (zero_act, _zeros(self.res_shape), add_w(g_w), g_x, d_o_, none)
+      return (zero_act, res, add_w(g_w), g_x, d_o_, none)
 
     def run_forward_backward():
       def loss_of(o, w_, x_):
@@ -334,9 +340,9 @@ class _StageLoop:
 
       loss, (g_o, g_w, g_x) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(others, w, embedded())
       d_o_ = add(add(d_o, g_o), self.embedded_grads(row["first"], one, g_x))
-      return (zero_act, _zeros(self.res_shape), add_w(g_w), g_x, d_o_, loss)
+      return (zero_act, kept(), add_w(g_w), g_x, d_o_, loss)
 
-    idle = lambda: (zero_act, _zeros(self.res_shape), d_w, zero_act, d_o, none)
+    idle = lambda: (zero_act, kept(), d_w, zero_act, d_o, none)
     return [idle, run_forward, run_backward, run_forward_backward]
 
   def tick(self, state: tuple, t: Any, micro: Any) -> tuple:
@@ -350,7 +356,7 @@ class _StageLoop:
     w = [x[0] if self.pipeline.chunks == 1 else pick(x, row["chunk"]) for x in self.local]
     one = jax.tree.map(lambda x: pick(x, row["micro"]), micro)
     index = row["chunk"] * s_count + self.stage  # The global chunk.
-    operands = (_at(acts, row["read_act"]), _at(grads, row["read_grad"]), _at(saved, row["load"]))
+    operands = (_at(acts, row["read_act"]), _at(grads, row["read_grad"]), saved)
     y, leaves, d_w, g_x, d_o, loss = self.switch(
       row["kind"], self.branches(row, one, w, operands, (d_w, d_o), index)
     )

@@ -15,8 +15,11 @@ on the last chunk the forward, the head, the loss and the backward run as one FB
 `tick_table` runs the orders in lockstep: in tick t each stage runs its next operation if
 what it reads arrived by tick t - 1 (an activation from the stage before, a gradient
 from the stage after: one `ppermute` a tick each way), else idles. Received values, and
-residuals, wait in buffer slots the table assigns (slot 0 of each buffer is a scratch
-slot that idle ticks write).
+residuals, wait in buffer slots the table assigns (slot 0 of the activation and gradient
+buffers is a scratch slot that ticks receiving nothing write). The residual buffer has one
+slot per residual set a stage holds at once: every tick writes the slot it names (`save`),
+a forward its residuals, any other operation what that slot holds (a backward the slot
+it reads), so that no tick needs a scratch slot of residuals.
 """
 
 from __future__ import annotations
@@ -84,9 +87,12 @@ class Ticks:
     store_act: the slot the activation received at the end of the tick before is stored in.
     read_grad: the gradient buffer slot a backward reads its output's gradient from.
     store_grad: the slot the gradient received at the end of the tick before is stored in.
-    save: the residual slot a forward writes.
+    save: the residual slot the tick writes: a forward's residuals, else what the slot
+      holds (a backward's, the slot it reads).
     load: the residual slot a backward reads.
-    slots: (activation, gradient, residual) buffer sizes, scratch slot 0 included.
+    slots: (activation, gradient, residual) buffer sizes, the first two with their
+      scratch slot 0; the residual buffer's the most residual sets a stage holds (at
+      least 1).
   """
 
   kind: np.ndarray
@@ -152,17 +158,18 @@ def _run(pipeline: Pipeline) -> list[list[Op | None]]:
 
 
 class _Slots:
-  """Buffer slots of one stage, 1, 2, ...: taken when a value arrives, freed when read."""
+  """Buffer slots of one stage, `first`, `first` + 1, ...: taken when a value arrives,
+  freed when read."""
 
-  def __init__(self):
+  def __init__(self, first: int = 1):
     self.free: list[int] = []
-    self.count = 0
+    self.first, self.count = first, 0
     self.held: dict[tuple[int, int], int] = {}
 
   def take(self, key: tuple[int, int]) -> int:
     if not self.free:
+      self.free.append(self.first + self.count)
       self.count += 1
-      self.free.append(self.count)
     self.held[key] = self.free.pop()
     return self.held[key]
 
@@ -182,7 +189,8 @@ def tick_table(pipeline: Pipeline) -> Ticks:
     for name in ("kind", "micro", "chunk", "first", "read_act", "store_act", "read_grad")
     + ("store_grad", "save", "load")
   }
-  acts, grads, saved = ([_Slots() for _ in range(s_count)] for _ in range(3))
+  acts, grads = ([_Slots() for _ in range(s_count)] for _ in range(2))
+  saved = [_Slots(first=0) for _ in range(s_count)]
   for t, row in enumerate(run):
     if t > 0:  # What the tick before sent arrives now.
       for s, op in enumerate(run[t - 1]):
@@ -206,8 +214,12 @@ def tick_table(pipeline: Pipeline) -> Ticks:
       if kind == FORWARD:
         table["save"][t, s] = saved[s].take((m, c))
       if kind == BACKWARD:
-        table["load"][t, s] = saved[s].release((m, c))
+        table["load"][t, s] = table["save"][t, s] = saved[s].release((m, c))
         if c < last:
           table["read_grad"][t, s] = grads[s].release((m, c))
-  counts = tuple(1 + max(slots.count for slots in kind) for kind in (acts, grads, saved))
+  counts = (
+    1 + max(slots.count for slots in acts),
+    1 + max(slots.count for slots in grads),
+    max(1, *(slots.count for slots in saved)),
+  )
   return Ticks(**table, slots=counts)
