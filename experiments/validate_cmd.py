@@ -43,7 +43,8 @@ class ValidateConfig:
       plans alone (their exploit gaps and rankings come from `--merge` with a run of the
       experts of the same cases).
     budget: for `fullsize`, each search's simulator evaluations (where its agent names none).
-    seed: for `fullsize`, the searches' seed.
+    seed: for `fullsize`, the searches' seed (and the draw's, with `draw`); for `random`, the
+      seed of the workloads' parameters and of the random plans.
     resume: for `fullsize`, keep the checks of the cases already in `--json` (an earlier run
       of the same command, stopped or finished) and check only the others; the file is
       rewritten after every case, so a stopped run loses at most the case it was on.
@@ -173,6 +174,7 @@ def run(config: ValidateConfig) -> dict[str, Any]:
     random_suite = validate.RandomSuite(
       models=config.models or None,
       plans=config.random,
+      seed=config.seed,
       workers=config.workers,
       pipelines=config.pipelines,
     )

@@ -257,6 +257,18 @@ def test_random_plans_in_two_processes_are_the_plans_of_one():
   assert all(c.numerics_ok for c in two)
 
 
+def test_the_seed_draws_the_random_plans(monkeypatch):
+  """`validate --random N --seed S` hands S to the random suite, which seeds the workloads'
+  parameters and the random plans with it."""
+  suites = []
+  monkeypatch.setattr(validate, "run_random", lambda suite, report: suites.append(suite) or [])
+  monkeypatch.setattr(validate, "summarize_cases", lambda cases: {})
+  monkeypatch.setattr(validate_cmd, "_summary_text", lambda summary: "")
+  for seed in (0, 3):
+    validate_cmd.run(validate_cmd.ValidateConfig(random=1, models=("mlp",), seed=seed))
+  assert [suite.seed for suite in suites] == [0, 3]
+
+
 def test_a_plan_that_does_not_lower_is_a_failed_case_not_a_crash(monkeypatch):
   workload = workloads.make_workload("mlp:layers=1,width=32,in_dim=16,classes=8,batch=8")
   problem = validate.trace_problem(workload, "data=8", "cpu")
