@@ -27,6 +27,7 @@ COMPILER_FIELDS = (
   "dense_batch_group_conv",
   "multi_output_fusion",
   "minor_concatenate_fusion",
+  "canonical_convolutions",
   "fused_kernels",
   "async_collectives",
   "kernel_overhead_s",
@@ -80,6 +81,13 @@ class Hardware:
       instruction fusion: rows of at least 64 bytes and 2 KiB in all, or more than 8
       operands): the concatenate is a data-movement kernel of its own, its operands are
       written to memory and read back, and its result is written.
+    canonical_convolutions: Whether the compiler runs every convolution in one layout
+      (XLA:CPU's ConvCanonicalization: input batch-major and features minor, kernel
+      spatial dims first then input and output features). A convolution whose operand
+      is in another layout (a backward's: the kernel gradient contracts the batch, the
+      input gradient reads the kernel's features swapped) has it transposed by a kernel
+      of its own, which reads and writes it
+      (`fusion.traffic.transposed_convolution_operands`).
     fused_kernels: Whether the compiler runs the fused kernels a step marks
       (`automap_rl.ir.kernels`: flash attention, as cuDNN's fused attention on GPUs and
       Pallas' flash attention on TPUs) as one kernel each, their intermediates on chip.
@@ -109,6 +117,7 @@ class Hardware:
   dense_batch_group_conv: bool = False
   multi_output_fusion: bool = True
   minor_concatenate_fusion: bool = True
+  canonical_convolutions: bool = False
   matmul_efficiency: float = 1.0
   torus_dims: int = 0
   torus_wrap: int = 1
@@ -371,6 +380,9 @@ HARDWARE: Mapping[str, Hardware] = {
     # A concatenate along the minor dim is its own kernel: "LLVM tends to do a better
     # job with pure data movement loops" (xla/service/cpu/cpu_instruction_fusion.cc).
     minor_concatenate_fusion=False,
+    # ConvCanonicalization (xla/service/cpu/conv_canonicalization.cc) transposes a
+    # convolution's operands into NHWC / HWIO unless they are in it.
+    canonical_convolutions=True,
     # XLA:CPU's collectives are synchronous: each runs where the program puts it.
     async_collectives=False,
   ),

@@ -210,6 +210,39 @@ def test_a_kernel_launches_where_a_value_is_written_and_once_per_loop_iteration(
   assert [launched[d] for d in dots] == [5]
 
 
+def test_xla_cpu_transposes_the_operands_of_a_convolution_out_of_its_layout():
+  """The gradient of an NHWC / HWIO convolution: the forward convolution is in XLA:CPU's
+  canonical layout, the kernel gradient's input and output cotangent are not (it contracts
+  the batch), nor is the input gradient's kernel (features swapped). XLA:CPU transposes
+  exactly those three, and the traffic prices a read and a write of each."""
+  import re
+
+  from automap_rl.simulator.fusion.traffic import transposed_convolution_operands
+
+  def loss(x, w):
+    dn = ("NHWC", "HWIO", "NHWC")
+    return jnp.sum(jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn) ** 2)
+
+  step = jax.value_and_grad(loss, argnums=(0, 1))
+  x, w = jnp.ones((8, 16, 16, 4)), jnp.ones((3, 3, 4, 6))
+  program = ir.trace(step, x, w)
+  convs = [op for op in program.ops if op.primitive == "conv_general_dilated"]
+  assert [transposed_convolution_operands(op) for op in convs] == [
+    (False, False),
+    (True, True),
+    (False, True),
+  ]
+  text = jax.jit(step).lower(x, w).compile().as_text()
+  transposes = re.findall(r"= f32\[([\d,]+)\]\S* transpose\(", text)
+  compiled = sum(2 * 4 * np.prod([int(d) for d in shape.split(",")]) for shape in transposes)
+  plain, canonical = (
+    memory_traffic(program, False, False, canonical_convolutions=c) for c in (False, True)
+  )
+  added = sum(sum(c[0]) - sum(p[0]) for p, c in zip(plain, canonical))
+  assert len(transposes) == 3
+  assert added == compiled
+
+
 @pytest.mark.parametrize("plan", ["replicated", "data_parallel", "fsdp", "megatron"])
 def test_every_device_pays_the_kernel_overhead_whole(plan):
   """The kernel overhead adds kernels x `kernel_overhead_s` to the compute of any plan:

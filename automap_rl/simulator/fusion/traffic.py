@@ -118,11 +118,33 @@ class _LoopFusions:
     return o
 
 
+def transposed_convolution_operands(op: Op) -> tuple[bool, bool]:
+  """Whether a convolution's input and kernel are out of the canonical layout XLA:CPU
+  runs convolutions in (input [batch, spatial..., features], kernel [spatial..., input
+  features, output features]), read off its rule: the batch is the factor the input
+  shares with the result alone, the input features the factor it shares with the kernel,
+  the output features the one the kernel shares with the result. The forward convolution
+  of an NHWC / HWIO step is canonical; its kernel gradient (the batch contracted) has
+  both operands transposed, its input gradient the kernel. (A result out of the layout
+  is not transposed: layout assignment hands its readers the layout it has.)"""
+  (lhs, rhs), (out,) = op.rule.operand_dims, op.rule.result_dims
+  factors = lambda dims: {f for dim in dims for f in dim}
+  in_lhs, in_rhs, in_out = factors(lhs), factors(rhs), factors(out)
+  batch = (in_lhs & in_out) - in_rhs
+  in_features, out_features = (in_lhs & in_rhs) - in_out, (in_rhs & in_out) - in_lhs
+  holds = lambda dim, wanted: bool(set(dim) & wanted)
+  return (
+    not (holds(lhs[0], batch) and holds(lhs[-1], in_features)),
+    not (holds(rhs[-2], in_features) and holds(rhs[-1], out_features)),
+  )
+
+
 def memory_traffic(
   program: Program,
   multi_output_fusion: bool = True,
   minor_concatenate_fusion: bool = True,
   on_chip: AbstractSet[int] = frozenset(),
+  canonical_convolutions: bool = False,
 ) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
   """Bytes each op reads of each operand and writes of each result once XLA has fused
   loop-fusible chains (elementwise ops, data movement, reductions): a loop-fusible op
@@ -142,9 +164,12 @@ def memory_traffic(
   that is written anyway (returned, or read by an op that does not fuse) ends its fusion,
   and the fusions that read it read it from memory. Without `minor_concatenate_fusion`
   (XLA:CPU), a `kernel_concatenates` concatenate fuses with nothing: it reads its
-  operands from memory and writes its result. Values in `on_chip` (a fused kernel's
-  intermediates, `fusion.kernel_intermediates`) are neither written nor read. Per op,
-  `(bytes read per operand, bytes written per result)`."""
+  operands from memory and writes its result. With `canonical_convolutions` (XLA:CPU), a
+  convolution's input or kernel out of the canonical layout
+  (`transposed_convolution_operands`) is transposed by a kernel of its own: it is read and
+  written once more. Values in `on_chip` (a fused kernel's intermediates,
+  `fusion.kernel_intermediates`) are neither written nor read. Per op, `(bytes read per
+  operand, bytes written per result)`."""
   loops = _LoopFusions.of(program, multi_output_fusion, minor_concatenate_fusion)
   fused, inside, root = loops.fused, loops.inside, loops.root
   readers, outputs, materialized = loops.readers, loops.outputs, loops.materialized
@@ -185,6 +210,9 @@ def memory_traffic(
       else b
       for v, b in zip(op.results, write_bytes)
     )
+    if canonical_convolutions and op.primitive == "conv_general_dilated":
+      transposed = transposed_convolution_operands(op)
+      reads = [r + 2.0 * b * t for r, b, t in zip(reads, read_bytes, transposed)]
     out.append((tuple(reads), writes))
   return out
 

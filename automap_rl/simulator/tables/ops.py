@@ -156,7 +156,13 @@ def sum_ops(
   dense = dense_group_factors(program, hw)
   dense_factor = np.full(num_ops, -1, np.int32)
   on_chip = kernel_intermediates(program) if hw.fused_kernels else frozenset()
-  traffic = memory_traffic(program, hw.multi_output_fusion, hw.minor_concatenate_fusion, on_chip)
+  traffic = memory_traffic(
+    program,
+    hw.multi_output_fusion,
+    hw.minor_concatenate_fusion,
+    on_chip,
+    hw.canonical_convolutions,
+  )
   overhead_s = kernel_launches(program, traffic, dead) * hw.kernel_overhead_s
   dots = np.zeros(num_ops, bool)
   for op in program.ops:
