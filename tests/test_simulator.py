@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from automap_rl.problem import Problem
 from automap_rl.sharding import ArgDim, Decision, Group
 from automap_rl.simulator import COMM_KINDS, KINDS
 from automap_rl.simulator.fusion import dead_ops, kernel_launches, memory_traffic
+from automap_rl.simulator.fusion.traffic import transposed_convolution_operands
 from experiments.bench_cmd import random_plans
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = (KINDS.index(k) for k in KINDS)
@@ -215,9 +217,6 @@ def test_xla_cpu_transposes_the_operands_of_a_convolution_out_of_its_layout():
   canonical layout, the kernel gradient's input and output cotangent are not (it contracts
   the batch), nor is the input gradient's kernel (features swapped). XLA:CPU transposes
   exactly those three, and the traffic prices a read and a write of each."""
-  import re
-
-  from automap_rl.simulator.fusion.traffic import transposed_convolution_operands
 
   def loss(x, w):
     dn = ("NHWC", "HWIO", "NHWC")
