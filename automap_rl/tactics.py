@@ -14,6 +14,9 @@ dims in a Flax, Haiku or Equinox transformer, whatever its parameters are called
 * expert dims are parameter dims that matmuls carry as a batch dim and that something
   reduces over (the router's softmax): the experts of a mixture of experts.
 * sequence dims are dim 1 of integer inputs of rank 2 or more (token ids `[batch, seq]`).
+* embedding rows are the rows of a parameter table that a gather indexes with token ids
+  (an integer input): the vocabulary of a token embedding, which Megatron-LM's
+  vocab-parallel embedding splits like the head's.
 
 The data axis is the mesh axis named `data` (else the first); the model axis is `model`
 (else the last, the fastest link); FSDP stores parameters over `fsdp` when the mesh has that
@@ -56,6 +59,9 @@ class Structure:
       over the vocabulary all-reduced, as Megatron-LM's vocab-parallel cross entropy does).
     experts: expert classes, in argument order.
     sequence_dims: `(path, dim)` of the sequence dim of every token input.
+    embedding_rows: the classes of parameter rows a gather indexes with token ids, in
+      argument order (each shard gathers the rows it holds; the partial embeddings are
+      summed, as Megatron-LM's vocab-parallel embedding does).
   """
 
   parameter_dims: dict[int, tuple[tuple[str, int], ...]]
@@ -63,6 +69,14 @@ class Structure:
   vocabulary: tuple[int, ...]
   experts: tuple[int, ...]
   sequence_dims: tuple[tuple[str, int], ...]
+  embedding_rows: tuple[int, ...]
+
+  @property
+  def kept_on_model(self) -> tuple[int, ...]:
+    """The classes that keep the model axis to themselves when storage is also sharded
+    (FSDP takes another dim): tensor-parallel ones and embedding rows, which a lookup reads
+    split over the model axis alone."""
+    return self.tensor_parallel + self.embedding_rows
 
 
 def _uses(problem: Problem) -> tuple[set[int], set[int], set[int]]:
@@ -109,6 +123,37 @@ def _forward_contractions(problem: Problem) -> set[int]:
         if k == FactorKind.REDUCTION and factors[f] >= 0
       )
   return classes
+
+
+def _embedding_rows(problem: Problem, parameter_classes: set[int]) -> set[int]:
+  """The parameter classes a gather reduces over (rows taken one at a time) whose indices
+  come from an integer input of the step (token ids), through any ops but matmuls."""
+  program, named = problem.program, problem.named
+  producer = {v: op for op in program.ops for v in op.results}
+
+  def from_tokens(value_id: int) -> bool:
+    todo, seen = [value_id], set()
+    while todo:
+      v = todo.pop()
+      value = program.values[v]
+      if value.role == Role.INPUT and np.issubdtype(np.dtype(value.dtype), np.integer):
+        return True
+      op = producer.get(v)
+      if v not in seen and op is not None and op.primitive not in MATMULS:
+        seen.add(v)
+        todo.extend(op.operands)
+    return False
+
+  rows = set()
+  for op in program.ops:
+    if op.primitive == "gather" and from_tokens(op.operands[1]):
+      classes = named.op_factor_classes(op.id)
+      rows.update(
+        int(classes[f])
+        for f, kind in enumerate(op.rule.factor_kinds)
+        if kind == FactorKind.REDUCTION and int(classes[f]) in parameter_classes
+      )
+  return rows
 
 
 _STRUCTURES: weakref.WeakKeyDictionary[Problem, Structure] = weakref.WeakKeyDictionary()
@@ -166,12 +211,14 @@ def _read_structure(problem: Problem) -> Structure:
     and c not in contracted
     and c not in tensor_parallel
   ]
+  embedding_rows = _embedding_rows(problem, set(parameter_dims)) - set(vocabulary)
   return Structure(
     {c: tuple(dims) for c, dims in parameter_dims.items()},
     tuple(tensor_parallel),
     tuple(vocabulary),
     tuple(experts),
     tuple(sequence_dims),
+    tuple(c for c in parameter_dims if c in embedding_rows),
   )
 
 
@@ -206,9 +253,11 @@ def data_parallel(problem: Problem) -> list[Decision]:
 
 def megatron(problem: Problem) -> list[Decision]:
   """Megatron tensor parallelism on the model axis: heads and FFN hidden dims
-  (column-parallel into, row-parallel out of each block), and the head's vocabulary."""
+  (column-parallel into, row-parallel out of each block), the head's vocabulary and the
+  token embedding's rows."""
   found = structure(problem)
-  return _shard_classes(problem, found.tensor_parallel + found.vocabulary, model_axis(problem))
+  classes = found.tensor_parallel + found.vocabulary + found.embedding_rows
+  return _shard_classes(problem, classes, model_axis(problem))
 
 
 def data_axes(problem: Problem) -> tuple[str, ...]:
@@ -285,7 +334,7 @@ def fsdp_megatron(problem: Problem) -> list[Decision]:
   return (
     _batch_over(problem, axes)
     + megatron(problem)
-    + _store_sharded(problem, axes, found.tensor_parallel)
+    + _store_sharded(problem, axes, found.kept_on_model)
   )
 
 
@@ -301,7 +350,7 @@ def fsdp_megatron_sp(problem: Problem) -> list[Decision]:
     _batch_over(problem, axes)
     + megatron(problem)
     + sequence
-    + _store_sharded(problem, axes, found.tensor_parallel)
+    + _store_sharded(problem, axes, found.kept_on_model)
   )
 
 
@@ -407,7 +456,7 @@ def fsdp_megatron_3d(problem: Problem) -> tuple[list[Decision], Pipeline]:
   axes = tuple(a for a in data_axes(problem) if a != stage_axis(problem))
   _, stack = _largest_stack(problem)
   layers = stack.layer_classes if stack.scanned else ()
-  avoid = structure(problem).tensor_parallel + tuple(layers)
+  avoid = structure(problem).kept_on_model + tuple(layers)
   storage = _store_sharded(problem, axes, avoid) if axes else []
   return _pipelined(problem, data_axes(problem), megatron(problem) + storage)
 

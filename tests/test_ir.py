@@ -176,16 +176,29 @@ def test_reshape_without_common_refinement_needs_replication():
   assert rule.factor_sizes[0] == 2  # The common major factor survives.
 
 
-def test_embedding_gather_passes_batch_and_feature_dims():
-  rule = _rule(
-    lambda t, i: jnp.take(t, i, axis=0, mode="clip"),
+@pytest.mark.parametrize("table_role", ["parameter", "input"])
+def test_a_lookup_splits_a_parameters_rows_and_gathers_datas_whole(table_role):
+  """An SGD step on an embedding lookup: batch and feature dims pass through; a parameter
+  table's rows are a reduction of the gather (each shard gathers the rows it holds, the
+  partial results summed) and pass through the gradient's scatter-add (each shard adds to
+  its rows). Rows that are the step's data need replication in both."""
+  loss = lambda t, i: jnp.sum(jnp.take(t, i, axis=0, mode="clip") ** 2)
+  program = ir.trace(
+    lambda t, i: t - 0.1 * jax.grad(loss)(t, i),
     jnp.ones((256, 32)),
     jnp.zeros((8, 16), jnp.int32),
-    primitive="gather",
+    arg_roles=(table_role, "input"),
   )
-  by_size = dict(zip(rule.factor_sizes, rule.factor_kinds))
-  assert by_size[256] == FactorKind.NEED_REPLICATION
-  assert by_size[32] == FactorKind.PASS_THROUGH and by_size[8] == FactorKind.PASS_THROUGH
+  (gather,) = [op for op in program.ops if op.primitive == "gather"]
+  (scatter,) = [op for op in program.ops if op.primitive.startswith("scatter")]
+  gathered = dict(zip(gather.rule.factor_sizes, gather.rule.factor_kinds))
+  added = dict(zip(scatter.rule.factor_sizes, scatter.rule.factor_kinds))
+  assert gathered[32] == gathered[8] == gathered[16] == FactorKind.PASS_THROUGH
+  assert added[8] == added[16] == FactorKind.REDUCTION  # Partial sums over the tokens.
+  if table_role == "parameter":
+    assert gathered[256] == FactorKind.REDUCTION and added[256] == FactorKind.PASS_THROUGH
+  else:
+    assert gathered[256] == added[256] == FactorKind.NEED_REPLICATION
 
 
 def test_unknown_primitive_gets_conservative_rule_and_one_warning():

@@ -151,22 +151,29 @@ def test_a_compile_only_check_compiles_once_and_reads_the_module_jax_compiles():
 def test_gpt_megatron_all_reduce_bytes_match_the_simulator():
   """Per layer XLA all-reduces 6 activations in 4 collectives: the query, key and value
   input gradients are three buffers of one combined all-reduce. The vocabulary-parallel
-  head adds three: the loss's maximum and sum over the vocabulary ([batch, seq] each) and
-  its input gradient (one activation)."""
+  embedding adds one, its lookup's partial sums (one activation), and the head three: the
+  loss's maximum and sum over the vocabulary ([batch, seq] each) and its input gradient
+  (one activation)."""
   workload, problem = _setup(GPT, "data=2,model=4")
   decisions = tactics.megatron(problem)
   lowered = lower(
     problem, decisions, workload.step, workload.args, isolated=False, executable=False
   )
   activation = 8 * 16 * 32 * 4  # [batch, seq, d_model] f32
-  head = activation + 2 * 8 * 16 * 4
-  assert summarize(lowered.stats.collectives)["all-reduce"] == (7, 6 * activation + head)
+  embedding, head = activation, activation + 2 * 8 * 16 * 4
+  assert summarize(lowered.stats.collectives)["all-reduce"] == (
+    8,
+    6 * activation + embedding + head,
+  )
   # Sharded only on `model`: every value is pinned replicated on `data`, and XLA moves
   # nothing over it.
   assert {c.mesh_axes for c in lowered.stats.collectives} == {("model",)}
   assert lowered.differences == ()
   cost = problem.cost(decisions)
-  assert (float(cost.comm_count[0]), float(cost.comm_bytes[0])) == (7, 6 * activation + head)
+  assert (float(cost.comm_count[0]), float(cost.comm_bytes[0])) == (
+    8,
+    6 * activation + embedding + head,
+  )
 
 
 def test_check_numerics_names_the_wrong_leaf():

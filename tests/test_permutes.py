@@ -54,9 +54,10 @@ def _permutes(workload, problem, decisions):
 def test_the_permutes_of_misordered_reshardings_are_priced_as_xla_emits_them(lstm):
   (simulated, compiled), (simulated_count, compiled_count) = _permutes(*lstm, SPLIT_SEQUENCE)
   assert compiled > 0
-  # XLA also permutes two scalars' worth of the loss's reductions (64 bytes each).
+  # XLA also permutes three scalars' worth (64 bytes each): two of the loss's reductions
+  # and the labels its pick of each label's logit reads, split by rows over the vocabulary.
   assert simulated == pytest.approx(compiled, rel=0.01)
-  assert compiled_count - 2 <= simulated_count <= compiled_count
+  assert compiled_count - 3 <= simulated_count <= compiled_count
 
 
 @pytest.mark.parametrize("plan", ["fsdp_megatron_sp", "data_megatron"])

@@ -121,7 +121,8 @@ def test_a_row_runs_on_its_softwares_overlap_and_overlap_only_hides_communicatio
 
 @pytest.mark.parametrize("split", ["sequence", "embedding"])
 def test_split_activations_take_less_memory_and_need_a_size_that_splits(split):
-  run = RUNS["megatron-3.6b"]
+  """On a pipeline, whose stages hold the activations of microbatches in flight."""
+  run = RUNS["megatron-39.1b"]
   with_split = dataclasses.replace(run, plan=dataclasses.replace(run.plan, activation_split=split))
   published.check(with_split)
   peaks = [
@@ -130,8 +131,10 @@ def test_split_activations_take_less_memory_and_need_a_size_that_splits(split):
   ]
   assert peaks[1] < peaks[0]
   odd = dataclasses.replace(
-    with_split, plan=dataclasses.replace(with_split.plan, tensor=7), mesh="data=32,model=7"
+    with_split,
+    plan=dataclasses.replace(with_split.plan, tensor=7),
+    mesh="stage=2,data=32,model=7",
   )
-  size = {"sequence": 2048, "embedding": 3072}[split]
+  size = {"sequence": 2048, "embedding": 8192}[split]
   with pytest.raises(ValueError, match=f"{split} {size} does not split over tensor parallelism 7"):
     published.check(odd)

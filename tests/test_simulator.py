@@ -114,8 +114,9 @@ def test_megatron_gpt_all_reduces_twice_per_layer_forward_and_twice_backward():
   """Forward: after the attention output and the second MLP matmul. Backward: the input
   gradients of the first MLP matmul, and of the query, key and value projections (three
   partial sums that XLA reduces in one combined all-reduce of three activations). Once a
-  step, the vocabulary-parallel head: the loss's maximum and sum over the vocabulary (a
-  [batch, seq] statistic each) and its input gradient (one activation)."""
+  step, the vocabulary-parallel embedding's lookup (one activation) and head: the loss's
+  maximum and sum over the vocabulary (a [batch, seq] statistic each) and its input
+  gradient (one activation)."""
   counts = []
   for layers in (2, 3):
     problem = zoo_problem(f"gpt:layers={layers}", "data=2,model=4")
@@ -123,8 +124,8 @@ def test_megatron_gpt_all_reduces_twice_per_layer_forward_and_twice_backward():
     counts.append(cost.comm_count)
     activation = 16 * 64 * 128 * 4  # [batch, seq, d_model] f32
     statistic = 16 * 64 * 4  # [batch, seq] f32
-    head = activation + 2 * statistic
-    assert cost.comm_bytes[ALL_REDUCE] == (2 + 1 + 3) * layers * activation + head
+    embedding, head = activation, activation + 2 * statistic
+    assert cost.comm_bytes[ALL_REDUCE] == (2 + 1 + 3) * layers * activation + embedding + head
   assert (counts[1] - counts[0]).tolist() == [4, 0, 0, 0, 0]
 
 
@@ -272,8 +273,9 @@ def test_async_collectives_hide_weight_collectives_behind_compute_and_nothing_el
   hidden, exposed = costs
   np.testing.assert_array_equal(hidden.comm_bytes, exposed.comm_bytes)
   np.testing.assert_allclose(hidden.compute_time, exposed.compute_time, rtol=1e-6)
-  if plan == "megatron":  # Activation all-reduces: on the path of the ops that read them.
-    np.testing.assert_allclose(hidden.comm_time, exposed.comm_time, rtol=1e-6)
+  if plan == "megatron":  # Activation all-reduces: on the path of the ops that read them
+    # (the embedding lookup's may run behind the ops beside it).
+    assert 0.95 * float(exposed.comm_time) < float(hidden.comm_time) <= float(exposed.comm_time)
   else:  # Gradient reductions (and FSDP's weight gathers) run behind the compute.
     assert 0.0 < float(hidden.comm_time) < 0.5 * float(exposed.comm_time)
     assert float(exposed.comm_time) < float(exposed.compute_time)

@@ -176,14 +176,13 @@ def test_megatron_shards_heads_and_ffn_hidden_not_the_residual_width(problems):
     shards = _parameter_shards(problem, tactics.megatron(problem))
     model = problem.mesh.axis_size("model")
     # Per block: q, k, v, out and both FFN kernels (D*D and D*FF elements), and the q, k, v
-    # and FFN-hidden biases, are split over `model`; so are the head's kernel and bias over
-    # the vocabulary (vocabulary-parallel, as Megatron-LM's); norms and the embedding are not.
+    # and FFN-hidden biases, are split over `model`; so are the head's kernel and bias and
+    # the embedding over the vocabulary (vocabulary-parallel, as Megatron-LM's); norms not.
     assert shards[(D * D, D * D // model)] == 4 * LAYERS
     assert shards[(D * FF, D * FF // model)] == 2 * LAYERS
     assert shards[(FF, FF // model)] == LAYERS
     assert shards[(D, D // model)] == 3 * LAYERS
-    assert shards[(VOCAB * D, VOCAB * D)] == 1
-    assert shards[(VOCAB * D, VOCAB * D // model)] == 1
+    assert shards[(VOCAB * D, VOCAB * D // model)] == 2
     assert shards[(VOCAB, VOCAB // model)] == 1
     # Unsplit width-D vectors: per block two norms' scales and offsets, the attention's
     # output bias and the FFN's output bias; and the final norm's scale and offset.

@@ -222,6 +222,34 @@ def test_gathers_and_scatter_adds_move_what_the_simulator_prices():
   assert not lowered.differences
 
 
+def test_a_vocab_parallel_embedding_moves_what_the_simulator_prices():
+  """Megatron with sequence parallelism: the token embedding's rows over `model` (each
+  shard gathers the rows it holds, the partial embeddings are summed; its gradient stays
+  split by rows) while the token ids are split by sequence over the same axis. XLA moves
+  the bytes the simulator prices, and the embedding's gradient is never summed whole over
+  `model` (the replicated table's plan all-reduces it: more all-reduce bytes)."""
+  workload = workloads.make_workload(
+    "gpt:layers=2,d_model=128,heads=4,seq=64,vocab=1024,batch=8,dtype=float32", abstract=True
+  )
+  problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
+  (rows,) = tactics.structure(problem).embedding_rows
+  assert tactics.structure(problem).parameter_dims[rows] == (("params/embed/embedding", 0),)
+  split = tactics.data_parallel(problem) + tactics.megatron(problem)
+  whole = [d for d in split if d.target != ArgDim("params/embed/embedding", 0)]
+  reduced = []
+  for plan in (split, whole):
+    plan = plan + tactics.sequence_split(problem, "model")
+    lowered = _compiled(problem, plan, workload)
+    simulated = validate.simulated_metrics(problem, plan)
+    compiled = validate.compiled_metrics(lowered.stats)
+    assert not lowered.differences
+    for kind, moved in compiled["comm_bytes_by_kind"].items():
+      assert simulated["comm_bytes_by_kind"][kind] == pytest.approx(moved, rel=1e-3), kind
+    reduced.append(compiled["comm_bytes_by_kind"]["all-reduce"])
+  vocab, width = 1024, 128
+  assert reduced[1] - reduced[0] > vocab * width * 4  # A whole table, at the least.
+
+
 def test_random_plans_are_lowered_in_isolation_and_checked(tmp_path, capsys):
   """`validate --random 2` on one model: two plans, one per mesh, every one compiled in a
   child process first, run and checked; the JSON counts lowering errors and aborts."""

@@ -33,6 +33,7 @@ from automap_rl.ir import rules
 from automap_rl.ir.flops import primitive_flops
 from automap_rl.ir.kernels import kernel_of
 from automap_rl.ir.program import Op, Program, Role, Rule, Value, itemsize_of
+from automap_rl.ir.table_rows import keep_parameter_rows
 
 # `eval_jaxpr` is jax 0.11's plain call, e.g. around the known half of a scan split by
 # `checkpoint` (the forward scan and the residuals it hoists out of the loop).
@@ -343,7 +344,8 @@ def trace(
     donate_argnums: positional arguments whose buffers the caller donates.
 
   Returns:
-    The program; unknown primitives got the conservative rule, with one warning each.
+    The program; unknown primitives got the conservative rule, with one warning each; a
+    lookup splits a table by rows only where they are a parameter's (`table_rows`).
   """
   names, roles = _names_and_roles(len(args), arg_names, arg_roles)
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -380,7 +382,7 @@ def trace(
         f"out/{path}" if path else "out",
         values[value_id].itemsize,
       )
-  return Program(
+  program = Program(
     values=tuple(values),
     ops=tuple(builder.ops),
     inputs=tuple(inputs),
@@ -392,6 +394,7 @@ def trace(
     out_tree=jax.tree_util.tree_structure(out_shape),
     donate_argnums=tuple(sorted(set(donate_argnums))),
   )
+  return keep_parameter_rows(program)
 
 
 def _names_and_roles(

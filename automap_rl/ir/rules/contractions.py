@@ -77,7 +77,14 @@ def reduce(operand_shapes, result_shapes, params) -> Rule:
 
 def gather(operand_shapes, result_shapes, params) -> Rule:
   """Embedding-style gather: index batch dims pass through indices and result; operand
-  dims taken whole pass through to their offset dims; indexed dims need replication."""
+  dims taken whole pass through to their offset dims; indexed dims need replication, but
+  one: an indexed dim taken one element at a time (a table's rows) is a reduction: each
+  shard gathers the rows it holds, zeros for the rest, and the partial results are summed
+  (the result's bytes move, not the table's), as XLA partitions a gather over such a dim
+  (Megatron-LM's vocab-parallel embedding). `ir.table_rows` keeps that only for a
+  parameter's rows. A gather with batching dims (`take_along_axis`: the loss's pick of
+  each label's logit) keeps replication: XLA's partitioner aborts on one split by rows
+  inside a partially manual computation (a pipeline stage's)."""
   dn = params["dimension_numbers"]
   slice_sizes = params["slice_sizes"]
   operand, indices = operand_shapes
@@ -96,15 +103,16 @@ def gather(operand_shapes, result_shapes, params) -> Rule:
   window_operand_dims = [
     d for d in range(len(operand)) if d not in dn.collapsed_slice_dims and d not in operand_batching
   ]
+  one_row = lambda src: not operand_batching and slice_sizes[src] == 1 and src in dn.start_index_map
   for out_dim, src in zip(offset_dims, window_operand_dims):
     if slice_sizes[src] == operand[src] and src not in dn.start_index_map:
       f.add(operand[src], PASS, [(0, src)], [(0, out_dim)])
     else:
-      f.add(operand[src], REPLICATE, [(0, src)])
+      f.add(operand[src], REDUCTION if one_row(src) else REPLICATE, [(0, src)])
       f.add(result[out_dim], REPLICATE, results=[(0, out_dim)])
   for src in range(len(operand)):
     if src not in window_operand_dims and src not in operand_batching:
-      f.add(operand[src], REPLICATE, [(0, src)])
+      f.add(operand[src], REDUCTION if one_row(src) else REPLICATE, [(0, src)])
   f.add(indices[-1], REPLICATE, [(1, len(indices) - 1)])  # The index vector.
   return f.build()
 
@@ -113,7 +121,10 @@ def scatter(batch_kind: FactorKind) -> RuleBuilder:
   """Scatter: operand and result share every dim; update window dims taken whole pass
   through; the scattered (index batch) dims of updates and indices get `batch_kind`
   (reduction for scatter-add: shards hold partial sums); indexed operand dims need
-  replication."""
+  replication, but one: an indexed dim each update writes one element of (a table's rows)
+  passes through operand and result: each shard applies the updates that land in its
+  rows and drops the rest (the updates' bytes move, not the table's), as XLA partitions a
+  scatter over such a dim. `ir.table_rows` keeps that only for a parameter's rows."""
 
   def build(operand_shapes, result_shapes, params) -> Rule:
     dn = params["dimension_numbers"]
@@ -133,7 +144,8 @@ def scatter(batch_kind: FactorKind) -> RuleBuilder:
       if dim in operand_batching:
         continue  # Shared with the indices' batching dims below.
       if dim in dn.scatter_dims_to_operand_dims:
-        f.add(size, REPLICATE, [(0, dim)], [(0, dim)])
+        one_row = upd is None or updates[upd] == 1
+        f.add(size, PASS if one_row else REPLICATE, [(0, dim)], [(0, dim)])
         if upd is not None:
           f.add(updates[upd], REPLICATE, [(2, upd)])
       elif upd is not None and updates[upd] == size:
