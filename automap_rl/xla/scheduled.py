@@ -1,19 +1,23 @@
 """A pipeline run as its schedule's tick table (`schedules.tick_table`), per microbatch.
 
 Under `jax.shard_map`, manual over the stage axis, one `jax.lax.scan` runs the table's
-ticks. In each tick a stage runs, by `jax.lax.switch`, one of: a forward of one of its
-chunks on one microbatch (`jax.vjp` of the chunk's layers, its residuals kept in a
-buffer slot, which every other operation writes back as it found it; on global chunk 0
-its input is the embedding of the microbatch, which runs there only), a backward (the
-residuals' pullback: the chunk's weight gradients added into their sums, the input's
-gradient sent back; on chunk 0 the embedding's parameter gradients), on the last chunk
-the forward, the head, the loss and the backward at once (the loss's parameter
-gradients), or nothing. Activations go to the next stage and gradients to the
-one before with one `jax.lax.ppermute` each per tick (a ring: interleaved chunks wrap
-from the last stage to the first); they wait in buffer slots until read. Nothing runs at
-the whole batch: the first stage embeds and the last computes the head and the loss, per
-microbatch. The stacked weights' gradients leave the loop split over the stages, the
-other parameters' are summed over the stage axis once; one optimizer update follows.
+ticks. In each tick a stage runs one of: a forward of one of its chunks on one
+microbatch (`jax.vjp` of the chunk's layers, its residuals kept in a buffer slot; on
+global chunk 0 its input is the embedding of the microbatch, which runs there only), a
+backward (the residuals' pullback: the chunk's weight gradients added into their sums,
+the input's gradient sent back; on chunk 0 the embedding's parameter gradients), on the
+last chunk the forward, the head, the loss and the backward at once (the chunk's
+pullback and the loss's parameter gradients), or nothing. Two `jax.lax.switch`es over
+the operation run it: the first the forward (its outputs and residuals; the other
+operations' what their slot holds), whose result the tick writes into its slot, the
+second the rest, reading the buffer so written (one switch returning both would hold a
+second copy of a microbatch's residuals, its result, beside the buffer). Activations go
+to the next stage and gradients to the one before with one `jax.lax.ppermute` each per
+tick (a ring: interleaved chunks wrap from the last stage to the first); they wait in
+buffer slots until read. Nothing runs at the whole batch: the first stage embeds and the
+last computes the head and the loss, per microbatch. The stacked weights' gradients
+leave the loop split over the stages, the other parameters' are summed over the stage
+axis once; one optimizer update follows.
 
 Where the plan's batch axes allow (`rows`: no stacked weight split over them but on its
 layer dim, every microbatch's rows dividing over them), the loop is manual over them too:
@@ -57,11 +61,11 @@ def depends(closed: jax_core.ClosedJaxpr, inputs: set[int]) -> list[bool]:
 
 def branches_taken(ticks: Ticks) -> list[list[dict[tuple[int, ...], int]]]:
   """Per stage, per tick, the branch each conditional of the tick takes where the
-  operations run as branches (not `uniform`), as `hlo.Taken`: the tick's switch the
+  operations run as branches (not `uniform`), as `hlo.Taken`: the tick's two switches the
   operation's kind (IDLE, FORWARD, BACKWARD, FORWARD_BACKWARD, the order of
-  `_StageLoop.branches`), and the conds inside the operation (`embedded`,
-  `embedded_grads`) whether its chunk is global chunk 0. For the compiled module's
-  figures of what a stage runs (`hlo.inspect_compiled`), [S][T]."""
+  `_StageLoop.saves` and `_StageLoop.runs`), and the conds inside the operation
+  (`embedded`, `embedded_grads`) whether its chunk is global chunk 0. For the compiled
+  module's figures of what a stage runs (`hlo.inspect_compiled`), [S][T]."""
   kind, first = ticks.kind, ticks.first
   return [
     [{(): int(kind[t, s]), (int(kind[t, s]),): int(first[t, s])} for t in range(ticks.ticks)]
@@ -348,10 +352,9 @@ class _StageLoop:
     """The tick's first switch, over the operations (idle, forward, backward,
     forward-backward), each `() -> (y, residuals)`: a forward's outputs and the residuals
     it saves, the others' zero outputs and what the `save` slot of the residual buffers
-    `saved` holds. The tick writes them into that slot. Only the forward's branch holds
-    more than one microbatch's residuals (its own, which are the switch's result): in a
-    backward's branch the switch's result would be a copy of one set beside its
-    pullback's."""
+    `saved` holds. The tick writes them into that slot. The switch's result is a forward's
+    own residuals, or a copy of a slot in a branch that runs nothing else (in a
+    backward's, that copy would be held beside its pullback's residuals)."""
     zero_act = _zeros(self.act_shape)
     kept = lambda: (zero_act, _at(saved, row["save"]))
     embedded = lambda: self.cond(row["first"], lambda: self.embed(self.others, one), lambda: x_in)
