@@ -307,7 +307,8 @@ def stage_lines(
 
   Every layer costs the same time on any stage (the mean slope of the stages that
   changed); its memory is its parameters, state, gathered copies and accumulated
-  gradients, plus its residuals times the stage's microbatches in flight less one.
+  gradients, plus its residuals times the sets its residual buffer holds
+  (`PipelineTerms.residual_sets`).
 
   Returns:
     `(offset, slope)` of time (seconds, float [S]) and of memory (bytes, float [S]).
@@ -322,7 +323,7 @@ def stage_lines(
     slope(getattr(a, n), getattr(b, n))
     for n in ("live_bytes", "gathered_bytes", "accumulator_bytes")
   )
-  memory_slope = fixed + (np.asarray(a.in_flight) - 1.0) * slope(a.residual_bytes, b.residual_bytes)
+  memory_slope = fixed + np.asarray(a.residual_sets) * slope(a.residual_bytes, b.residual_bytes)
   return (
     (time_a - layers_a * time_slope, time_slope),
     (np.asarray(a.peak_memory) - layers_a * memory_slope, memory_slope),

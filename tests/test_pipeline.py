@@ -105,11 +105,12 @@ def test_pipelined_cost_is_the_sum_of_its_terms_and_memory_within_the_in_flight_
   assert (cost.comm_bytes[-1] > 0) == (
     pipeline.stages > 1
   )  # Collective-permutes between stages only.
-  # Memory per stage: its one-microbatch peak plus the residuals of the other microbatches in
-  # flight, plus the gradient sums.
+  # Memory per stage: its one-microbatch peak plus its residual buffer, a slot per
+  # microbatch in flight (none for one stage), plus the gradient sums.
+  assert np.array_equal(t.residual_sets, t.in_flight if pipeline.stages > 1 else 0 * t.in_flight)
   assert np.allclose(
     t.peak_memory,
-    t.live_bytes + t.gathered_bytes + (t.in_flight - 1) * t.residual_bytes + t.accumulator_bytes,
+    t.live_bytes + t.gathered_bytes + t.residual_sets * t.residual_bytes + t.accumulator_bytes,
     rtol=1e-6,
   )
   assert cost.peak_memory == t.peak_memory.max()

@@ -57,10 +57,16 @@ Peak memory per stage: the largest live-bytes row of its values for one microbat
 parameters, optimizer state and one microbatch's activations, as `simulator.total`
 counts them; a scanned stack's rows at L / S layers; the first stage's embedding and the
 last stage's head and loss at microbatch size) plus its gathered operand copies, plus
-(in flight - 1) sets of its residuals (the activations its forward makes for its
-backward: with remat only the layer inputs; `Pipeline.in_flight`: M under GPipe, S - s
-on stage s under 1F1B), plus the accumulated gradients where the loop runs more than one
-iteration (it sums the gradients over its iterations, the bubble's included). The loop
+the residual buffer (`residual_sets` sets of its residuals: the activations its forward
+makes for its backward, with remat only the layer inputs), plus the accumulated
+gradients where the loop runs more than one iteration (it sums the gradients over its
+iterations, the bubble's included). The residual buffer is what the lowered loop
+(`xla.scheduled`) allocates for the stage: a slot per microbatch in flight
+(`Pipeline.in_flight`: M under GPipe, S - s on stage s under 1F1B), every one besides the
+live row's microbatch, whose residuals are a copy of its slot's: a forward makes them
+before the tick writes them into their slot, and a backward's pullback (a scanned
+stack's loop over the stage's layers) reads a copy of its slot, which stays allocated.
+With one stage there is no buffer (`residual_sets` 0): the live row's microbatch. The loop
 receives its weights whole over the axes it is manual over and sums their gradients so:
 a stage whose weights are stored split over those axes holds a gathered copy of them and
 its sums at that size. The step's peak is the largest stage's. With S = 1 this is gradient
@@ -102,6 +108,7 @@ class PipelineTerms:
   row for one microbatch), `gathered_bytes` (gathered operand copies: those reads share,
   the stage's largest one made for one read, and the weights the loop receives gathered),
   `residual_bytes` (one microbatch's residuals), `in_flight` (sets of them held),
+  `residual_sets` (sets of them the residual buffer allocates besides the live row's),
   `accumulator_bytes` (accumulated gradients as the loop sums them, 0 for M = 1),
   `peak_memory`.
   Inside `pipeline_cost` these have the tables' padded stage count; `for_stages` cuts
@@ -124,6 +131,7 @@ class PipelineTerms:
   gathered_bytes: jax.Array
   residual_bytes: jax.Array
   in_flight: jax.Array
+  residual_sets: jax.Array
   accumulator_bytes: jax.Array
   peak_memory: jax.Array
   pace_s: jax.Array
@@ -169,6 +177,7 @@ STAGE_TERMS = (
   "gathered_bytes",
   "residual_bytes",
   "in_flight",
+  "residual_sets",
   "accumulator_bytes",
   "peak_memory",
 )
@@ -513,7 +522,9 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
   )
   gathered = plan.gathered_bytes @ where.edge_stages + largest_transient + sums - stored_sums
   accumulator = jnp.where(iterations > 1, sums, 0.0)
-  peak = live + gathered + (t.in_flight - 1.0) * residual + accumulator
+  # The residual buffer's slots (the module docstring); none for one stage.
+  residual_sets = jnp.where(num_stages > 1, t.in_flight, 0.0)
+  peak = live + gathered + residual_sets * residual + accumulator
 
   steady, bubble = m * microbatch[pace_stage], (num_stages - 1) / v * stage["loop_s"][pace_stage]
   loop_compute = stage.pop("loop_compute")
@@ -523,6 +534,7 @@ def pipeline_cost(t: PipelineTables, value_mask: jax.Array, op_mask: jax.Array) 
     gathered_bytes=gathered,
     residual_bytes=residual,
     in_flight=t.in_flight,
+    residual_sets=residual_sets,
     accumulator_bytes=accumulator,
     peak_memory=peak,
     pace_s=microbatch[pace_stage],

@@ -1,19 +1,23 @@
 """A pipeline run as its schedule's tick table (`schedules.tick_table`), per microbatch.
 
 Under `jax.shard_map`, manual over the stage axis, one `jax.lax.scan` runs the table's
-ticks. In each tick a stage runs, by `jax.lax.switch`, one of: a forward of one of its
-chunks on one microbatch (`jax.vjp` of the chunk's layers, its residuals kept in a
-buffer slot, which every other operation writes back as it found it; on global chunk 0
-its input is the embedding of the microbatch, which runs there only), a backward (the
-residuals' pullback: the chunk's weight gradients added into their sums, the input's
-gradient sent back; on chunk 0 the embedding's parameter gradients), on the last chunk
-the forward, the head, the loss and the backward at once (the loss's parameter
-gradients), or nothing. Activations go to the next stage and gradients to the
-one before with one `jax.lax.ppermute` each per tick (a ring: interleaved chunks wrap
-from the last stage to the first); they wait in buffer slots until read. Nothing runs at
-the whole batch: the first stage embeds and the last computes the head and the loss, per
-microbatch. The stacked weights' gradients leave the loop split over the stages, the
-other parameters' are summed over the stage axis once; one optimizer update follows.
+ticks. In each tick a stage runs one of: a forward of one of its chunks on one
+microbatch (`jax.vjp` of the chunk's layers, its residuals kept in a buffer slot; on
+global chunk 0 its input is the embedding of the microbatch, which runs there only), a
+backward (the residuals' pullback: the chunk's weight gradients added into their sums,
+the input's gradient sent back; on chunk 0 the embedding's parameter gradients), on the
+last chunk the forward, the head, the loss and the backward at once (the chunk's
+pullback and the loss's parameter gradients), or nothing. Two `jax.lax.switch`es over
+the operation run it: the first the forward (its outputs and residuals; the other
+operations' what their slot holds), whose result the tick writes into its slot, the
+second the rest, reading the buffer so written (one switch returning both would hold a
+second copy of a microbatch's residuals, its result, beside the buffer). Activations go
+to the next stage and gradients to the one before with one `jax.lax.ppermute` each per
+tick (a ring: interleaved chunks wrap from the last stage to the first); they wait in
+buffer slots until read. Nothing runs at the whole batch: the first stage embeds and the
+last computes the head and the loss, per microbatch. The stacked weights' gradients
+leave the loop split over the stages, the other parameters' are summed over the stage
+axis once; one optimizer update follows.
 
 Where the plan's batch axes allow (`rows`: no stacked weight split over them but on its
 layer dim, every microbatch's rows dividing over them), the loop is manual over them too:
@@ -57,16 +61,47 @@ def depends(closed: jax_core.ClosedJaxpr, inputs: set[int]) -> list[bool]:
 
 def branches_taken(ticks: Ticks) -> list[list[dict[tuple[int, ...], int]]]:
   """Per stage, per tick, the branch each conditional of the tick takes where the
-  operations run as branches (not `uniform`), as `hlo.Taken`: the tick's switch the
+  operations run as branches (not `uniform`), as `hlo.Taken`: the tick's two switches the
   operation's kind (IDLE, FORWARD, BACKWARD, FORWARD_BACKWARD, the order of
-  `_StageLoop.branches`), and the conds inside the operation (`embedded`,
-  `embedded_grads`) whether its chunk is global chunk 0. For the compiled module's
-  figures of what a stage runs (`hlo.inspect_compiled`), [S][T]."""
+  `_StageLoop.saves` and `_StageLoop.runs`), and the conds inside the operation
+  (`embedded`, `embedded_grads`) whether its chunk is global chunk 0. For the compiled
+  module's figures of what a stage runs (`hlo.inspect_compiled`), [S][T]."""
   kind, first = ticks.kind, ticks.first
   return [
     [{(): int(kind[t, s]), (int(kind[t, s]),): int(first[t, s])} for t in range(ticks.ticks)]
     for s in range(kind.shape[1])
   ]
+
+
+def _stacked_weights(jaxpr: jax_core.Jaxpr, count: int) -> list[int | None]:
+  """For each output of `jaxpr`, the input among its first `count` that it equals, where
+  it is a `scan`'s stacked slices of that input, each only pinned (`sharding_constraint`,
+  which changes no value), else None."""
+  pinned = lambda eqn: eqn.primitive.name == "sharding_constraint"
+
+  def unpinned(v: Any, made: dict[Any, Any]) -> Any:
+    while not isinstance(v, jax_core.Literal) and v in made and pinned(made[v][0]):
+      v = made[v][0].invars[0]
+    return v
+
+  made = {v: (eqn, j) for eqn in jaxpr.eqns for j, v in enumerate(eqn.outvars)}
+  inputs = {v: i for i, v in enumerate(jaxpr.invars[:count])}
+  out: list[int | None] = []
+  for v in jaxpr.outvars:
+    eqn, j = made.get(unpinned(v, made), (None, 0))
+    found = None
+    if eqn is not None and eqn.primitive.name == "scan" and j >= eqn.params["num_carry"]:
+      body = eqn.params["jaxpr"].jaxpr
+      inner = {u: (e, i) for e in body.eqns for i, u in enumerate(e.outvars)}
+      source = unpinned(body.outvars[j], inner)
+      xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+      at = [i for i, u in enumerate(body.invars) if u is source and i >= xs]
+      if at:
+        found = inputs.get(unpinned(eqn.invars[at[0]], made))
+    if found is not None and jaxpr.invars[found].aval.strip_weak_type() != v.aval.strip_weak_type():
+      found = None
+    out.append(found)
+  return out
 
 
 def _zeros(shapes: Sequence[Any]) -> list[Any]:
@@ -223,6 +258,7 @@ class _StageLoop:
     self.keep: list[bool] = []
     self.traced: Callable[[list[Any]], list[Any]] = lambda args: []
     self.weight_residuals: Callable[[list[Any]], list[Any]] = lambda args: []
+    self.weight_of: list[int | None] = []
 
   def shapes(self, one: Any) -> None:
     """The activations' and residuals' shapes, for a microbatch like `one`."""
@@ -247,7 +283,9 @@ class _StageLoop:
     the forward saves (`keep`): those that depend on the activations (or the chunk
     index). The others are functions of the weights alone (the weights as the layers read
     them), which the backward recomputes (`weight_residuals`) instead of keeping a copy
-    per microbatch in flight."""
+    per microbatch in flight, or, where one is a weight itself (a scan's slices of a
+    stacked weight, pinned: `_stacked_weights`), reads from the weight (`weight_of`): a
+    recomputed copy of the stage's weights would be held beside them in every backward."""
     trees: list[Any] = []
 
     def forward_leaves(w_, x_, i):
@@ -264,7 +302,12 @@ class _StageLoop:
       any(pe.dce_jaxpr(closed.jaxpr, [j == k for j in range(n_out)])[1][n_w:])
       for k in range(n_y, n_out)
     ]
-    pruned, used = pe.dce_jaxpr(closed.jaxpr, [False] * n_y + [not k for k in self.keep])
+    residuals = jax_core.Jaxpr(
+      closed.jaxpr.constvars, closed.jaxpr.invars, closed.jaxpr.outvars[n_y:], closed.jaxpr.eqns
+    )
+    self.weight_of = _stacked_weights(residuals, n_w)
+    recomputed = [not k and f is None for k, f in zip(self.keep, self.weight_of)]
+    pruned, used = pe.dce_jaxpr(closed.jaxpr, [False] * n_y + recomputed)
     self.weight_residuals = lambda args: jax.core.eval_jaxpr(
       pruned, closed.consts, *(a for a, u in zip(args, used) if u)
     )
@@ -277,9 +320,13 @@ class _StageLoop:
 
   def pullback(self, w: list[Any], saved: list[Any], index: Any) -> Callable[..., Any]:
     """The forward's pullback from its saved residuals, the others recomputed from `w`."""
-    args = [*jax.tree_util.tree_leaves(w), *_zeros(self.act_shape), index]
+    w_leaves = jax.tree_util.tree_leaves(w)
+    args = [*w_leaves, *_zeros(self.act_shape), index]
     again, kept = iter(self.weight_residuals(args)), iter(saved)
-    leaves = [next(kept) if k else next(again) for k in self.keep]
+    leaves = [
+      next(kept) if k else next(again) if f is None else w_leaves[f]
+      for k, f in zip(self.keep, self.weight_of)
+    ]
     return jax.tree_util.tree_unflatten(self.pullback_tree, leaves)
 
   def switch(self, index: Any, branches: Sequence[Callable[[], Any]]) -> Any:
@@ -301,16 +348,26 @@ class _StageLoop:
       lambda: _zeros_like(self.others),
     )
 
-  def branches(self, row, one, w, operands, sums, index) -> list[Callable[[], tuple]]:
-    """The tick's four operations (idle, forward, backward, forward-backward), each
-    `() -> (y, residuals, weight gradient sums, input grads, other gradient sums, loss)`:
-    the sums (`sums`: the stage's chunks' weights', the other parameters') are added into
-    where the operation has gradients, and passed through where it has none; the
-    residuals, which the tick writes into its `save` slot, are a forward's, else what
-    that slot of the residual buffers `saved` holds (read in the operation: a backward's
-    pullback reads them there, and no copy of a microbatch's residuals outlives it)."""
+  def saves(self, row, one, w, x_in, saved, index) -> list[Callable[[], tuple]]:
+    """The tick's first switch, over the operations (idle, forward, backward,
+    forward-backward), each `() -> (y, residuals)`: a forward's outputs and the residuals
+    it saves, the others' zero outputs and what the `save` slot of the residual buffers
+    `saved` holds. The tick writes them into that slot. The switch's result is a forward's
+    own residuals, or a copy of a slot in a branch that runs nothing else (in a
+    backward's, that copy would be held beside its pullback's residuals)."""
+    zero_act = _zeros(self.act_shape)
+    kept = lambda: (zero_act, _at(saved, row["save"]))
+    embedded = lambda: self.cond(row["first"], lambda: self.embed(self.others, one), lambda: x_in)
+    run_forward = lambda: self.forward(w, embedded(), index)
+    return [kept, run_forward, kept, kept]
+
+  def runs(self, row, one, w, operands, sums, index) -> list[Callable[[], tuple]]:
+    """The tick's second switch, over the same operations, each `() -> (weight gradient
+    sums, input grads, other gradient sums, loss)`: the sums (`sums`: the stage's chunks'
+    weights', the other parameters') are added into where the operation has gradients,
+    and passed through where it has none. A backward reads its residuals from the `load`
+    slot of the residual buffers."""
     others, (x_in, dy, saved), (d_w, d_o) = self.others, operands, sums
-    kept = lambda: _at(saved, row["save"])
     zero_act = _zeros(self.act_shape)
     none = jnp.zeros((), jnp.float32)
     embedded = lambda: self.cond(row["first"], lambda: self.embed(others, one), lambda: x_in)
@@ -325,25 +382,22 @@ class _StageLoop:
         for s, g in zip(d_w, g_w)
       ]
 
-    def run_forward():
-      return (*self.forward(w, embedded(), index), d_w, zero_act, d_o, none)
-
     def run_backward():
-      res = kept()
-      g_w, g_x = self.pullback(w, res, index)(dy)
+      g_w, g_x = self.pullback(w, _at(saved, row["load"]), index)(dy)
       d_o_ = add(d_o, self.embedded_grads(row["first"], one, g_x))
-      return (zero_act, res, add_w(g_w), g_x, d_o_, none)
+      return (add_w(g_w), g_x, d_o_, none)
 
     def run_forward_backward():
-      def loss_of(o, w_, x_):
-        return self.head(o, one, self.chunk(self.consts, w_, x_, index)).astype(jnp.float32)
-
-      loss, (g_o, g_w, g_x) = jax.value_and_grad(loss_of, argnums=(0, 1, 2))(others, w, embedded())
+      y, res = self.forward(w, embedded(), index)
+      loss_of = lambda o, y_: self.head(o, one, y_).astype(jnp.float32)
+      loss, head_pullback = jax.vjp(loss_of, others, y)
+      g_o, g_y = head_pullback(jnp.ones((), jnp.float32))
+      g_w, g_x = self.pullback(w, res, index)(g_y)
       d_o_ = add(add(d_o, g_o), self.embedded_grads(row["first"], one, g_x))
-      return (zero_act, kept(), add_w(g_w), g_x, d_o_, loss)
+      return (add_w(g_w), g_x, d_o_, loss)
 
-    idle = lambda: (zero_act, kept(), d_w, zero_act, d_o, none)
-    return [idle, run_forward, run_backward, run_forward_backward]
+    passed = lambda: (d_w, zero_act, d_o, none)
+    return [passed, passed, run_backward, run_forward_backward]
 
   def tick(self, state: tuple, t: Any, micro: Any) -> tuple:
     """The loop's state after tick `t`."""
@@ -356,11 +410,13 @@ class _StageLoop:
     w = [x[0] if self.pipeline.chunks == 1 else pick(x, row["chunk"]) for x in self.local]
     one = jax.tree.map(lambda x: pick(x, row["micro"]), micro)
     index = row["chunk"] * s_count + self.stage  # The global chunk.
-    operands = (_at(acts, row["read_act"]), _at(grads, row["read_grad"]), saved)
-    y, leaves, d_w, g_x, d_o, loss = self.switch(
-      row["kind"], self.branches(row, one, w, operands, (d_w, d_o), index)
-    )
+    x_in = _at(acts, row["read_act"])
+    y, leaves = self.switch(row["kind"], self.saves(row, one, w, x_in, saved, index))
     saved = _put(saved, leaves, row["save"])
+    operands = (x_in, _at(grads, row["read_grad"]), saved)
+    d_w, g_x, d_o, loss = self.switch(
+      row["kind"], self.runs(row, one, w, operands, (d_w, d_o), index)
+    )
     ring = lambda k: [(s, (s + k) % s_count) for s in range(s_count)]
     sent = _in_order([*y, *g_x], [ring(1)] * len(y) + [ring(-1)] * len(g_x), axis)
     sent_act, sent_grad = sent[: len(y)], sent[len(y) :]
