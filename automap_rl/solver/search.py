@@ -63,12 +63,17 @@ _BOUND_EVERY = 8
 # price (rising 1.5x a round, prices overflowed to inf after about 1,750 rounds, and
 # `inf - inf` made the dual's messages NaN).
 _MAX_PRICE = 1e12
-# A crossover every this many pricing rounds merges the best plan with the plans decoded in
-# those rounds (the cheapest this many since the last crossover, while crossovers wait): at 60 s
+# A crossover every this many pricing rounds merges the best plan with up to this many plans
+# decoded since the last one (the cheapest; `Search.crossover` adapts how many): at 60 s
 # on the 2-core machine, one process, load 2-3, R ended at 1.12 of the contest's best with 8
 # plans every 8 rounds against 1.18 with one every 2, N at 1.19 against 1.25
 # (docs/experiments/iopddl-merges.md).
 _MERGE_EVERY = 8
+# The plans the first crossover merges with the best (then adapted, `Search.crossover`): under
+# a load of 6-7 on the 2 cores, R's first merges of 8 plans (4,000 differing groups each) ran
+# past their 4 s limit and gained nothing, and R ended at 1.95 of the contest's best at 60 s
+# (1.41 starting from 2).
+_FIRST_PARENTS = 2
 # A large problem's pricing ends once this many crossovers in a row, and this share of the
 # search's time, have passed without a better plan: V (342 groups) found nothing in 42 s of
 # pricing after its tenth second, and its neighbourhoods gained 12% in 3 s.
@@ -197,6 +202,7 @@ class Search:
     self.spare_cost = np.inf
     self.lower_bound: float | None = None
     self.crossover_seconds = _CROSSOVER_SECONDS
+    self.parents = _FIRST_PARENTS
     self.small = len(self.reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
 
   def elapsed(self) -> float:
@@ -379,9 +385,11 @@ class Search:
     self.offer(plan.choice, stage, line)
 
   def crossover(self, others: list[np.ndarray], until: float) -> bool:
-    """Re-chooses the groups where any of `others` differs from the best plan, each among the
-    plans' strategies (`recombine`), by `until` at the latest; True if that improved the best.
-    A merge its time limit stopped doubles the next one's (up to a third of the time left)."""
+    """Re-chooses the groups where any of the `self.parents` first of `others` (cheapest
+    first) differs from the best plan, each among the plans' strategies (`recombine`), by
+    `until` at the latest; True if that improved the best. A merge its time limit stopped
+    doubles the next one's (up to a third of the time left) and halves the plans it merges; one
+    done within half its limit doubles them (up to `_MERGE_EVERY`)."""
     started = time.monotonic()
     left = until - started
     time_limit = min(left, self.crossover_seconds)
@@ -389,12 +397,16 @@ class Search:
       self.reduced,
       self.memory,
       self.best,
-      others,
+      others[: self.parents],
       time_limit=time_limit,
       seed=self.seed + len(self.log),
     )
-    if time.monotonic() - started >= 0.9 * time_limit:
+    took = time.monotonic() - started
+    if took >= 0.9 * time_limit:
       self.crossover_seconds = min(2 * self.crossover_seconds, max(left / 3, _CROSSOVER_SECONDS))
+      self.parents = max(self.parents // 2, 1)
+    elif took < 0.5 * time_limit:
+      self.parents = min(2 * self.parents, _MERGE_EVERY)
     return self.offer(result.choice, "crossover")
 
   def whole_mip(self, time_limit: float) -> bool:
