@@ -63,12 +63,12 @@ _BOUND_EVERY = 8
 # price (rising 1.5x a round, prices overflowed to inf after about 1,750 rounds, and
 # `inf - inf` made the dual's messages NaN).
 _MAX_PRICE = 1e12
-# A crossover every this many pricing rounds merges the best plan with up to this many plans
-# decoded since the last one (the cheapest; `Search.crossover` adapts how many): at 60 s
+# A crossover merges the best plan with up to this many plans decoded since the last one (the
+# cheapest; `Search.crossover` adapts how many, and merges once that many are kept): at 60 s
 # on the 2-core machine, one process, load 2-3, R ended at 1.12 of the contest's best with 8
 # plans every 8 rounds against 1.18 with one every 2, N at 1.19 against 1.25
 # (docs/experiments/iopddl-merges.md).
-_MERGE_EVERY = 8
+_MAX_PARENTS = 8
 # The plans the first crossover merges with the best (then adapted, `Search.crossover`): under
 # a load of 6-7 on the 2 cores, R's first merges of 8 plans (4,000 differing groups each) ran
 # past their 4 s limit and gained nothing, and R ended at 1.95 of the contest's best at 60 s
@@ -297,8 +297,8 @@ class Search:
 
   def price(self, until: float, patience: int | None, budget_every: int | None) -> None:
     """Pricing rounds until `until`, or until `patience` rounds in a row found nothing better
-    (without `patience`: until the line stalls, `_Merges.stalled`). Every `_MERGE_EVERY` rounds
-    the best plan is crossed with the plans decoded since the last crossover; every
+    (without `patience`: until the line stalls, `_Merges.stalled`). Once `self.parents` plans
+    were decoded since the last crossover, the best plan is crossed with them; every
     `budget_every` rounds (and until there is a best plan) a plan is also decoded within a
     usage budget (repaired if it overshoots). Other searches' plans are not adopted here: a
     crossover improves plans of its own line only (on K, a repaired plan adopted mid-pricing
@@ -345,8 +345,7 @@ class Search:
         budgeted = dual.decode(GroupPlanBuilder(self.layout).pick)
         self.polish(budgeted, "pricing within budget", pairs=self.small)
       if (
-        rounds % _MERGE_EVERY == _MERGE_EVERY - 1
-        and merges.pending
+        len(merges.pending) >= self.parents
         and self.best is not None
         and (fitted or rounds >= _CROSSOVER_AFTER)
         and until - time.monotonic() > 0.3
@@ -389,7 +388,7 @@ class Search:
     first) differs from the best plan, each among the plans' strategies (`recombine`), by
     `until` at the latest; True if that improved the best. A merge its time limit stopped
     doubles the next one's (up to a third of the time left) and halves the plans it merges; one
-    done within half its limit doubles them (up to `_MERGE_EVERY`)."""
+    done within half its limit doubles them (up to `_MAX_PARENTS`)."""
     started = time.monotonic()
     left = until - started
     time_limit = min(left, self.crossover_seconds)
@@ -406,7 +405,7 @@ class Search:
       self.crossover_seconds = min(2 * self.crossover_seconds, max(left / 3, _CROSSOVER_SECONDS))
       self.parents = max(self.parents // 2, 1)
     elif took < 0.5 * time_limit:
-      self.parents = min(2 * self.parents, _MERGE_EVERY)
+      self.parents = min(2 * self.parents, _MAX_PARENTS)
     return self.offer(result.choice, "crossover")
 
   def whole_mip(self, time_limit: float) -> bool:
@@ -504,10 +503,11 @@ class _Merges:
     self.better_at = time.monotonic()
 
   def keep(self, cost: float, choice: np.ndarray) -> None:
-    """Keeps a decoded plan for the next crossover (the cheapest `_MERGE_EVERY` of them)."""
+    """Keeps a decoded plan for the next crossover (the cheapest `_MAX_PARENTS` of them, while
+    crossovers wait for a plan within the limit)."""
     self.pending.append((cost, choice))
     self.pending.sort(key=lambda entry: entry[0])
-    del self.pending[_MERGE_EVERY:]
+    del self.pending[_MAX_PARENTS:]
 
   def take(self) -> list[np.ndarray]:
     plans = [choice for _, choice in self.pending]
