@@ -8,7 +8,7 @@ tied to x by marginal rows (sum_t y[s, t] = x[g, s], sum_s y[s, t] = x[h, t]),
 costs towards fixed groups folded into x's costs, and one usage row per
 segment of time. Segment rows are added lazily: a solution that breaks the
 limit somewhere brings that segment's row in and the model is solved again.
-`recombine` merges two plans with the same model's LP relaxation, rounded, and the MIP
+`recombine` merges plans with the same model's LP relaxation, rounded, and the MIP
 only over the groups the relaxation leaves fractional. Every HiGHS call stops at its
 deadline through interrupt callbacks as well as its time limit.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import highspy
 import numpy as np
@@ -131,13 +132,13 @@ def recombine(
   reduced: Reduced,
   memory: Memory,
   choice: np.ndarray,
-  other: np.ndarray,
+  others: Sequence[np.ndarray],
   *,
   time_limit: float,
   seed: int,
 ) -> SubResult:
-  """Re-chooses each group where `other` ([G]) differs from `choice` ([G], within the limit)
-  between the two plans' strategies: the LP relaxation (with the usage rows its rounded
+  """Re-chooses each group where any of `others` (each [G]) differs from `choice` ([G], within
+  the limit) among those plans' strategies: the LP relaxation (with the usage rows its rounded
   plans break), rounded (to the larger share, or where that breaks the limit, each group it
   leaves fractional to its lightest strategy in use, which keeps every row of the LP), then
   the fractional groups re-chosen exactly (`reoptimize`) when the rounded plan fits, else
@@ -148,10 +149,11 @@ def recombine(
   root, which HiGHS does not interrupt, ran for 11-25 s past a 4 s limit.
   """
   deadline = time.monotonic() + time_limit
-  free = other != choice
+  free = np.zeros(reduced.num_groups, bool)
   allowed = np.zeros(len(reduced.unary), bool)
-  allowed[reduced.offsets[:-1] + choice] = True
-  allowed[reduced.offsets[:-1] + other] = True
+  for plan in (choice, *others):
+    free |= plan != choice
+    allowed[reduced.offsets[:-1] + plan] = True
   cost = group_cost(reduced, choice)
   unchanged = SubResult(choice=choice, cost=cost, bound=-np.inf, optimal=False)
   if not free.any():

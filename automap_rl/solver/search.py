@@ -63,6 +63,22 @@ _BOUND_EVERY = 8
 # price (rising 1.5x a round, prices overflowed to inf after about 1,750 rounds, and
 # `inf - inf` made the dual's messages NaN).
 _MAX_PRICE = 1e12
+# A crossover merges the best plan with up to this many plans decoded since the last one (the
+# cheapest; `Search.crossover` adapts how many, and merges once that many are kept): at 60 s
+# on the 2-core machine, one process, load 2-3, R ended at 1.12 of the contest's best with 8
+# plans every 8 rounds against 1.18 with one every 2, N at 1.19 against 1.25
+# (docs/experiments/iopddl-merges.md).
+_MAX_PARENTS = 8
+# The plans the first crossover merges with the best (then adapted, `Search.crossover`): under
+# a load of 6-7 on the 2 cores, R's first merges of 8 plans (4,000 differing groups each) ran
+# past their 4 s limit and gained nothing, and R ended at 1.95 of the contest's best at 60 s
+# (1.41 starting from 2).
+_FIRST_PARENTS = 2
+# A large problem's pricing ends once this many crossovers in a row, and this share of the
+# search's time, have passed without a better plan: V (342 groups) found nothing in 42 s of
+# pricing after its tenth second, and its neighbourhoods gained 12% in 3 s.
+_STALL_CROSSOVERS = 8
+_STALL_SHARE = 0.15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +202,7 @@ class Search:
     self.spare_cost = np.inf
     self.lower_bound: float | None = None
     self.crossover_seconds = _CROSSOVER_SECONDS
+    self.parents = _FIRST_PARENTS
     self.small = len(self.reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
 
   def elapsed(self) -> float:
@@ -279,22 +296,23 @@ class Search:
     self.neighbourhoods()
 
   def price(self, until: float, patience: int | None, budget_every: int | None) -> None:
-    """Pricing rounds until `until`, or until `patience` rounds in a row found
-    nothing better. Every other round the best plan is crossed with the
-    cheapest plan decoded since the last crossover; every `budget_every`
-    rounds (and until there is a best plan) a plan is also decoded within a
-    usage budget (repaired if it overshoots). Other searches' plans are not
-    adopted here: a crossover improves plans of its own line only (on K, a
-    repaired plan adopted mid-pricing left 7 of 9 crossovers without gain)."""
+    """Pricing rounds until `until`, or until `patience` rounds in a row found nothing better
+    (without `patience`: until the line stalls, `_Merges.stalled`). Once `self.parents` plans
+    were decoded since the last crossover, the best plan is crossed with them; every
+    `budget_every` rounds (and until there is a best plan) a plan is also decoded within a
+    usage budget (repaired if it overshoots). Other searches' plans are not adopted here: a
+    crossover improves plans of its own line only (on K, a repaired plan adopted mid-pricing
+    left 7 of 9 crossovers without gain)."""
     reduced, memory = self.reduced, self.memory
     dual = Dual(reduced, memory)
     prices = np.zeros(memory.num_segments)
     capacity = np.maximum(memory.capacity.astype(np.float64), 1.0)
-    pending: tuple[float, np.ndarray] | None = None
-    rounds = merges = crossings = last_better = 0
+    merges = _Merges(stall_s=_STALL_SHARE * (self.deadline - self.started))
+    rounds = last_better = 0
     fitted = False
     while rounds < 2 or (
-      time.monotonic() < until and (patience is None or rounds - last_better < patience)
+      time.monotonic() < until
+      and (rounds - last_better < patience if patience is not None else not merges.stalled())
     ):
       self.limits.check("pricing")
       best_before = self.best_cost
@@ -321,28 +339,27 @@ class Search:
         self.polish(choice, "pricing, repaired", line=False, pairs=self.small)
       if cost < self.best_cost and np.all(excess <= 0):
         self.polish(choice, "pricing")
-      elif pending is None or cost < pending[0]:
-        pending = (cost, choice)
+      else:
+        merges.keep(cost, choice)
       if self.best is None or (budget_every and rounds % budget_every == 0):
         budgeted = dual.decode(GroupPlanBuilder(self.layout).pick)
         self.polish(budgeted, "pricing within budget", pairs=self.small)
       if (
-        rounds % 2 == 1
-        and pending is not None
+        len(merges.pending) >= self.parents
         and self.best is not None
         and (fitted or rounds >= _CROSSOVER_AFTER)
+        and until - time.monotonic() > 0.3
       ):
-        if until - time.monotonic() > 0.3:
-          merges += self.crossover(pending[1], until)
-          crossings += 1
-        pending = None
+        merges.count(self.crossover(merges.take(), until))
       if self.best_cost < best_before:
         last_better = rounds
+        merges.better()
       prices = next_prices(prices, excess, capacity, base, self.role)
       rounds += 1
     self.note(
-      f"pricing: {rounds} rounds, {dual.num_colors} colours, {crossings} crossovers "
-      f"({merges} improving), best {self.best_cost:.6g}"
+      f"pricing: {rounds} rounds, {dual.num_colors} colours, {merges.crossings} crossovers "
+      f"({merges.improving} improving), best {self.best_cost:.6g}"
+      + (", stalled" if merges.stalled() else "")
     )
 
   def polish(self, choice: np.ndarray, stage: str, line: bool = True, pairs: bool = True) -> None:
@@ -366,10 +383,12 @@ class Search:
         break
     self.offer(plan.choice, stage, line)
 
-  def crossover(self, other: np.ndarray, until: float) -> bool:
-    """Re-chooses the groups where `other` differs from the best plan, each between the two
-    plans' strategies (`recombine`), by `until` at the latest; True if that improved the best.
-    A merge its time limit stopped doubles the next one's (up to a third of the time left)."""
+  def crossover(self, others: list[np.ndarray], until: float) -> bool:
+    """Re-chooses the groups where any of the `self.parents` first of `others` (cheapest
+    first) differs from the best plan, each among the plans' strategies (`recombine`), by
+    `until` at the latest; True if that improved the best. A merge its time limit stopped
+    doubles the next one's (up to a third of the time left) and halves the plans it merges; one
+    done within half its limit doubles them (up to `_MAX_PARENTS`)."""
     started = time.monotonic()
     left = until - started
     time_limit = min(left, self.crossover_seconds)
@@ -377,12 +396,16 @@ class Search:
       self.reduced,
       self.memory,
       self.best,
-      other,
+      others[: self.parents],
       time_limit=time_limit,
       seed=self.seed + len(self.log),
     )
-    if time.monotonic() - started >= 0.9 * time_limit:
+    took = time.monotonic() - started
+    if took >= 0.9 * time_limit:
       self.crossover_seconds = min(2 * self.crossover_seconds, max(left / 3, _CROSSOVER_SECONDS))
+      self.parents = max(self.parents // 2, 1)
+    elif took < 0.5 * time_limit:
+      self.parents = min(2 * self.parents, _MAX_PARENTS)
     return self.offer(result.choice, "crossover")
 
   def whole_mip(self, time_limit: float) -> bool:
@@ -467,3 +490,39 @@ class Search:
           count += 1
           queue.append(h)
     return free
+
+
+class _Merges:
+  """The plans a line's next crossover merges with its best, and whether its crossovers have
+  stalled: `_STALL_CROSSOVERS` in a row, and `stall_s` seconds, without a better plan."""
+
+  def __init__(self, stall_s: float):
+    self.stall_s = stall_s
+    self.pending: list[tuple[float, np.ndarray]] = []
+    self.crossings = self.improving = self.since_better = 0
+    self.better_at = time.monotonic()
+
+  def keep(self, cost: float, choice: np.ndarray) -> None:
+    """Keeps a decoded plan for the next crossover (the cheapest `_MAX_PARENTS` of them, while
+    crossovers wait for a plan within the limit)."""
+    self.pending.append((cost, choice))
+    self.pending.sort(key=lambda entry: entry[0])
+    del self.pending[_MAX_PARENTS:]
+
+  def take(self) -> list[np.ndarray]:
+    plans = [choice for _, choice in self.pending]
+    self.pending = []
+    return plans
+
+  def count(self, improved: bool) -> None:
+    self.crossings += 1
+    self.improving += improved
+    self.since_better += 1
+
+  def better(self) -> None:
+    self.since_better, self.better_at = 0, time.monotonic()
+
+  def stalled(self) -> bool:
+    return (
+      self.since_better >= _STALL_CROSSOVERS and time.monotonic() - self.better_at >= self.stall_s
+    )

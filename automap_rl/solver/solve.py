@@ -10,12 +10,15 @@
    limit that beat the best are polished (`local.py`: single switches and
    two-group moves until neither helps); small problems also build a plan
    greedily within a usage budget every few rounds.
-3. Crossover (`mip.py`), every other round once a decoded plan has fitted: the
-   best plan and the cheapest plan decoded since the last crossover (usually
-   over the limit somewhere) are merged: the groups where they differ are
-   re-chosen among the two plans' strategies by the LP relaxation of their MIP
-   (HiGHS) with the usage rows, rounded, and the few groups it leaves fractional
-   re-chosen exactly. This is where most of the improvement comes from.
+3. Crossover (`mip.py`), once a decoded plan has fitted: the best plan and the
+   cheapest 2-8 plans decoded since the last crossover (usually over the limit
+   somewhere; more while merges end well within their time limit, fewer when
+   one runs out) are merged: the groups where any differs are re-chosen among
+   the plans' strategies by the LP relaxation of their MIP (HiGHS) with the
+   usage rows, rounded, and the few groups it leaves fractional re-chosen
+   exactly. This is where most of the improvement comes from. A large
+   problem's pricing ends once its crossovers stall (8 in a row and 15% of the
+   time without a better plan), leaving the time to the neighbourhoods.
 4. Polish: small problems (up to 150k pair-cost entries) first try the whole
    MIP from the best plan for 60% of the time left, which proves
    optimality on some; then (large ones for their last 5%)
