@@ -1,16 +1,14 @@
 """Which lookups split a table by its rows.
 
-A gather that takes a table's rows one at a time (an embedding lookup) and the scatter
-that adds into them (the lookup's gradient) can run
-on a table split by rows: each shard looks up, or adds to, the rows it holds, and a
-gather's partial results are summed. The bytes that move are the lookup's result, not the
-table, which is how Megatron-LM splits the vocabulary of its embedding and cross entropy,
+A gather that takes a table's rows one at a time (an embedding lookup) and the scatter that
+adds into them (the lookup's gradient) can run on a table split by rows: each shard looks
+up, or adds to, the rows it holds, and a gather's partial results are summed. The bytes
+that move are the lookup's result, not the table: Megatron-LM's vocab-parallel embedding,
 and how XLA partitions such a gather or scatter. The rules give those ops that form
-(`rules.contractions.gather`, `scatter`); it holds where the rows are a parameter's (their
-named dimension holds a parameter dim: a vocabulary). Rows that are the
-step's data (a graph's node features gathered per edge, whose edges outnumber them) need
-replication: the table is gathered whole, as before a lookup of rows that scale with the
-batch.
+(`rules.contractions.gather`, `scatter`); it is kept where the rows are a parameter's
+(their named dimension holds a parameter dim: a vocabulary). Rows that are the step's data
+(a graph's node features gathered per edge, whose edges outnumber them) need replication:
+the table is gathered whole.
 """
 
 from __future__ import annotations
