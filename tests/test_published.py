@@ -65,7 +65,8 @@ def test_palm_mfu_definition_reproduces_its_46_2_percent():
 
 
 @pytest.mark.parametrize(
-  ("name", "mfu"), [("maxtext-32b-v5e", 0.6686), ("maxtext-64b-v5e", 0.5990)]
+  ("name", "mfu"),
+  [("maxtext-16b-v5e", 0.6110), ("maxtext-32b-v5e", 0.6686), ("maxtext-64b-v5e", 0.5990)],
 )
 def test_maxtext_tflops_and_mfu_agree_on_v5e_peak(name, mfu):
   run = RUNS[name]

@@ -343,6 +343,31 @@ def test_the_dots_policy_recomputes_the_batched_matmuls_and_keeps_the_projection
   assert none["batched"] < dots["batched"] == full["batched"]
 
 
+def _expert_matmuls(jaxpr: jax.extend.core.Jaxpr, experts: int) -> int:
+  """dot_generals in `jaxpr` and its sub-jaxprs batched over `experts` on both operands."""
+  found = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (_, (lhs_batch, rhs_batch)) = eqn.params["dimension_numbers"]
+      shapes = [v.aval.shape for v in eqn.invars]
+      found += any(shapes[0][a] == shapes[1][b] == experts for a, b in zip(lhs_batch, rhs_batch))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      found += _expert_matmuls(sub, experts)
+  return found
+
+
+def test_the_dots_policy_keeps_the_experts_matmuls():
+  """Under "dots" a mixture of experts recomputes none of its experts' matmuls (batched
+  over experts) in the backward pass; full recomputation recomputes them."""
+
+  def expert_matmuls(remat: str) -> int:
+    w = make_workload(f"moe:layers=2,d_model=64,heads=4,seq=32,experts=5,{remat}", abstract=True)
+    return _expert_matmuls(jax.make_jaxpr(w.step)(*w.args).jaxpr, experts=5)
+
+  none = expert_matmuls("remat=false")
+  assert expert_matmuls("remat=true,remat_policy=dots") == none < expert_matmuls("remat=true")
+
+
 @pytest.mark.parametrize(
   "spec_, match",
   [

@@ -52,6 +52,7 @@ ZERO_FLOP = frozenset(
     "rev",
     "select_and_gather_add",
     "stop_gradient",
+    "name",
     "device_put",
     "sharding_constraint",
     "optimization_barrier",

@@ -24,6 +24,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from automap_rl.workloads import gpt, training
 
@@ -139,14 +140,17 @@ class MoEFeedForward(nn.Module):
       jax.nn.softmax(training.widen(logits), axis=-1), self.top_k, self.capacity
     )
     dispatch, combine = dispatch.astype(x.dtype), combine.astype(x.dtype)
-    expert_in = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
-    h = jnp.einsum("ebcd,edf->ebcf", expert_in, wi) + bi[:, None, None]
+    # The experts' activations, kept by the "dots" remat policy as a framework that keeps
+    # its projections keeps them (`training.EXPERT_ACTIVATION`).
+    kept = functools.partial(checkpoint_name, name=training.EXPERT_ACTIVATION)
+    expert_in = kept(jnp.einsum("bsec,bsd->ebcd", dispatch, x))
+    h = kept(jnp.einsum("ebcd,edf->ebcf", expert_in, wi)) + bi[:, None, None]
     if self.gated:
       wg = self.param("wg", init, (self.experts, d_model, self.hidden))
-      h = nn.silu(jnp.einsum("ebcd,edf->ebcf", expert_in, wg)) * h
+      h = nn.silu(kept(jnp.einsum("ebcd,edf->ebcf", expert_in, wg))) * h
     else:
       h = nn.gelu(h)
-    expert_out = jnp.einsum("ebcf,efd->ebcd", h, wo) + bo[:, None, None]
+    expert_out = kept(jnp.einsum("ebcf,efd->ebcd", h, wo)) + bo[:, None, None]
     return jnp.einsum("bsec,ebcd->bsd", combine, expert_out), aux_loss
 
 

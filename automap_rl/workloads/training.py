@@ -30,15 +30,23 @@ LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4
 # Compute dtypes a config's ``dtype`` field may name; parameters stay float32.
 DTYPES = ("float32", "bfloat16")
+# The name a mixture of experts gives its experts' activations (the tokens dispatched to
+# them and the outputs of their matmuls, batched over experts) for the "dots" policy.
+EXPERT_ACTIVATION = "expert_activation"
 # What a rematerialized block keeps for its backward pass (a config's ``remat_policy``):
 # "full" keeps only the block's input and recomputes everything else; "dots" keeps the
-# outputs of its matmuls without batch dims (the projections) and recomputes the
-# elementwise ops, attention's batched matmuls and normalizations between them: MaxText's
-# 'minimal' policy, and the activations of a framework whose elementwise kernels are
-# fused and recompute their cheap intermediates (Megatron-LM with no recomputation).
+# outputs of its projections (the matmuls without batch dims, and the experts' matmuls,
+# batched over experts, with the tokens dispatched to them: `EXPERT_ACTIVATION`) and
+# recomputes the elementwise ops, attention's batched matmuls and normalizations between
+# them: MaxText's 'minimal' policy, and the activations of a framework whose elementwise
+# kernels are fused and recompute their cheap intermediates (Megatron-LM with no
+# recomputation).
 REMAT_POLICIES: Mapping[str, Callable[..., bool] | None] = {
   "full": None,
-  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "dots": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    jax.checkpoint_policies.save_only_these_names(EXPERT_ACTIVATION),
+  ),
 }
 
 

@@ -57,7 +57,9 @@ DIVISIONS = frozenset(
   {"div", "rem"}
 )  # Cheap by a literal (a multiply by its inverse), else expensive.
 EXPENSIVE_ELEMENTWISE = TRANSCENDENTAL | {"logistic"}
-NO_OPS = frozenset({"device_put", "sharding_constraint", "stop_gradient"})  # Gone by fusion time.
+NO_OPS = frozenset(
+  {"device_put", "sharding_constraint", "stop_gradient", "name"}
+)  # Gone by fusion time.
 MOVEMENT = (
   frozenset(
     {
@@ -207,6 +209,7 @@ KEPT_IN_FUSION = frozenset(
     "iota",
     "slice",
     "stop_gradient",
+    "name",
     "copy",
     "copy_p",
     "nextafter",
