@@ -195,6 +195,7 @@ def test_presets_expand_and_round_trip():
     ("gpt:layers=two", r"'two'.*'layers'"),
     ("gpt:layers", r"key=value"),
     ("gpt:dtype=float16", r"dtype='float16'.*float32, bfloat16"),
+    ("moe:dispatch=sort", r"dispatch='sort' is not one of einsum, gather"),
   ],
 )
 def test_parse_model_spec_errors(spec_, match):
@@ -239,6 +240,27 @@ def test_moe_routing_respects_capacity():
   assert jnp.all(dispatch.sum(axis=(2, 3)) <= 2)  # every token in <= top_k
   assert jnp.all((combine > 0) <= (dispatch > 0))
   assert np.isfinite(aux_loss)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_moe_dispatch_by_index_computes_what_the_one_hot_dispatch_does(gated):
+  """Tokens permuted to their experts by slot index (`dispatch="gather"`) give the one-hot
+  einsum's outputs and gradients, overflowing tokens dropped alike (capacity 5 of the 8
+  a balanced load would need)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 16, 8))
+  layers = [
+    moe.MoEFeedForward(experts=4, hidden=12, top_k=2, capacity=5, gated=gated, dispatch=d)
+    for d in moe.DISPATCHES
+  ]
+  params = layers[0].init(jax.random.PRNGKey(1), x)
+  slot, _, _ = moe.route_slots(jax.nn.softmax(x @ params["params"]["router"]["kernel"]), 2, 5)
+  assert jnp.any(slot == 4 * 5)  # Some choices overflow and are dropped.
+  (y0, aux0), (y1, aux1) = (layer.apply(params, x) for layer in layers)
+  np.testing.assert_allclose(y1, y0, atol=1e-6)
+  assert aux1 == aux0
+  grads = [jax.grad(lambda p, m=m: m.apply(p, x)[0].sum())(params) for m in layers]
+  for g1, g0 in zip(jax.tree_util.tree_leaves(grads[1]), jax.tree_util.tree_leaves(grads[0])):
+    np.testing.assert_allclose(g1, g0, atol=1e-5)
 
 
 def test_ssm_scan_matches_the_recurrence():

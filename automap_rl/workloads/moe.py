@@ -4,7 +4,8 @@ Routing follows GShard: each sequence is a group of ``seq`` tokens; every
 token picks its ``top_k`` experts, each expert takes at most ``capacity``
 tokens per group (first choices have priority, overflow is dropped), and
 tokens are moved with one-hot dispatch/combine tensors
-[batch, seq, experts, capacity] contracted by einsum.
+[batch, seq, experts, capacity] contracted by einsum (``dispatch="einsum"``) or
+permuted into their experts' slots by index (``dispatch="gather"``).
 
 Presets (``moe:size=1.3b``) are the GShard MoE shapes benchmarked by Alpa
 (Zheng et al., OSDI 2022, Table 4; alpa-projects/alpa
@@ -28,6 +29,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from automap_rl.workloads import gpt, training
 
+# How tokens reach their experts: "einsum", GShard's one-hot dispatch and combine tensors
+# contracted with the tokens; "gather", a token permutation by slot index (Megatron-Core's
+# and MaxText's dropless dispatchers move tokens so, here at the same capacity).
+DISPATCHES = ("einsum", "gather")
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig(gpt.GPTConfig):
@@ -41,6 +47,7 @@ class MoEConfig(gpt.GPTConfig):
     aux_loss_weight: weight of the load-balancing loss.
     gated: SwiGLU experts (Mixtral's: silu of a gate projection times an up
       projection, both [d_model, d_ff]) instead of GELU ones.
+    dispatch: how tokens reach their experts (`DISPATCHES`).
   """
 
   experts: int = 8
@@ -48,9 +55,12 @@ class MoEConfig(gpt.GPTConfig):
   capacity_factor: float = 2.0
   aux_loss_weight: float = 0.01
   gated: bool = False
+  dispatch: str = "einsum"
 
   def __post_init__(self):
     super().__post_init__()
+    if self.dispatch not in DISPATCHES:
+      raise ValueError(f"dispatch={self.dispatch!r} is not one of {', '.join(DISPATCHES)}")
     if not 1 <= self.top_k <= self.experts:
       raise ValueError(f"top_k={self.top_k} must be in [1, experts={self.experts}]")
 
@@ -80,8 +90,35 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _choices(probs: jax.Array, top_k: int) -> tuple[jax.Array, ...]:
+  """Each token's `top_k` choices and their places in line at their experts.
+
+  Returns:
+    gates: normalized gates [groups, seq, top_k].
+    index: chosen experts [groups, seq, top_k].
+    choice: one-hot choices [groups, seq, top_k, experts].
+    choice_ks: one-hot choices, k-major (first choices first) [groups, top_k * seq, experts].
+    position: each k-major choice's place in line at its expert [groups, top_k * seq, experts]
+      (0 where not chosen).
+  """
+  groups, seq, experts = probs.shape
+  gates, index = jax.lax.top_k(probs, top_k)  # [g, s, k]
+  gates = gates / gates.sum(axis=-1, keepdims=True)
+  choice = jax.nn.one_hot(index, experts, dtype=probs.dtype)  # [g, s, k, e]
+  # Slot of each (choice, token) in its expert: k-major so first choices win.
+  choice_ks = choice.transpose(0, 2, 1, 3).reshape(groups, top_k * seq, experts)
+  position = (jnp.cumsum(choice_ks, axis=1) - 1.0) * choice_ks
+  return gates, index, choice, choice_ks, position
+
+
+def _aux_loss(probs: jax.Array, choice: jax.Array) -> jax.Array:
+  """Switch-style load-balancing loss [], 1 when balanced."""
+  density = choice[:, :, 0].mean(axis=(0, 1))  # top-1 token share [e]
+  return probs.shape[-1] * jnp.sum(density * probs.mean(axis=(0, 1)))
+
+
 def route(probs: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Top-k routing with capacity.
+  """Top-k routing with capacity, as one-hot dispatch and combine tensors.
 
   Args:
     probs: router probabilities [groups, seq, experts].
@@ -94,12 +131,7 @@ def route(probs: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.A
     aux_loss: Switch-style load-balancing loss [], 1 when balanced.
   """
   groups, seq, experts = probs.shape
-  gates, index = jax.lax.top_k(probs, top_k)  # [g, s, k]
-  gates = gates / gates.sum(axis=-1, keepdims=True)
-  choice = jax.nn.one_hot(index, experts, dtype=probs.dtype)  # [g, s, k, e]
-  # Slot of each (choice, token) in its expert: k-major so first choices win.
-  choice_ks = choice.transpose(0, 2, 1, 3).reshape(groups, top_k * seq, experts)
-  position = (jnp.cumsum(choice_ks, axis=1) - 1.0) * choice_ks
+  gates, _, choice, choice_ks, position = _choices(probs, top_k)
   choice_ks = choice_ks * (position < capacity)
   slots = jax.nn.one_hot(position.astype(jnp.int32), capacity, dtype=probs.dtype)
   slots = (slots * choice_ks[..., None]).reshape(
@@ -107,9 +139,26 @@ def route(probs: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.A
   )  # [g, k, s, e, c]
   dispatch = slots.sum(axis=1)
   combine = jnp.einsum("gksec,gsk->gsec", slots, gates)
-  density = choice[:, :, 0].mean(axis=(0, 1))  # top-1 token share [e]
-  aux_loss = experts * jnp.sum(density * probs.mean(axis=(0, 1)))
-  return dispatch, combine, aux_loss
+  return dispatch, combine, _aux_loss(probs, choice)
+
+
+def route_slots(
+  probs: jax.Array, top_k: int, capacity: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Top-k routing with capacity, as slot indices: the same assignment as `route`.
+
+  Returns:
+    slot: int32 [groups, seq, top_k]: each choice's slot ``expert * capacity + place``
+      in the experts' buffers, ``experts * capacity`` (past the end) where dropped.
+    gates: normalized gates [groups, seq, top_k].
+    aux_loss: Switch-style load-balancing loss [], 1 when balanced.
+  """
+  groups, seq, experts = probs.shape
+  gates, index, choice, choice_ks, position = _choices(probs, top_k)
+  place = position.sum(axis=-1).reshape(groups, top_k, seq).transpose(0, 2, 1)  # [g, s, k]
+  slot = index * capacity + place.astype(jnp.int32)
+  slot = jnp.where(place < capacity, slot, experts * capacity)
+  return slot, gates, _aux_loss(probs, choice)
 
 
 class MoEFeedForward(nn.Module):
@@ -125,6 +174,7 @@ class MoEFeedForward(nn.Module):
   top_k: int
   capacity: int
   gated: bool = False
+  dispatch: str = "einsum"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -136,14 +186,17 @@ class MoEFeedForward(nn.Module):
     bo = self.param("bo", nn.initializers.zeros, (self.experts, d_model))
     logits = nn.Dense(self.experts, use_bias=False, name="router")(x)
     # Routing in float32: slot positions are token counts, exact in float32.
-    dispatch, combine, aux_loss = route(
-      jax.nn.softmax(training.widen(logits), axis=-1), self.top_k, self.capacity
-    )
-    dispatch, combine = dispatch.astype(x.dtype), combine.astype(x.dtype)
+    probs = jax.nn.softmax(training.widen(logits), axis=-1)
     # The experts' activations, kept by the "dots" remat policy as a framework that keeps
     # its projections keeps them (`training.EXPERT_ACTIVATION`).
     kept = functools.partial(checkpoint_name, name=training.EXPERT_ACTIVATION)
-    expert_in = kept(jnp.einsum("bsec,bsd->ebcd", dispatch, x))
+    if self.dispatch == "einsum":
+      dispatch, combine, aux_loss = route(probs, self.top_k, self.capacity)
+      dispatch, combine = dispatch.astype(x.dtype), combine.astype(x.dtype)
+      expert_in = kept(jnp.einsum("bsec,bsd->ebcd", dispatch, x))
+    else:
+      slot, gates, aux_loss = route_slots(probs, self.top_k, self.capacity)
+      expert_in = kept(_permute(x, slot, self.experts, self.capacity))
     h = kept(jnp.einsum("ebcd,edf->ebcf", expert_in, wi)) + bi[:, None, None]
     if self.gated:
       wg = self.param("wg", init, (self.experts, d_model, self.hidden))
@@ -151,13 +204,46 @@ class MoEFeedForward(nn.Module):
     else:
       h = nn.gelu(h)
     expert_out = kept(jnp.einsum("ebcf,efd->ebcd", h, wo)) + bo[:, None, None]
-    return jnp.einsum("bsec,ebcd->bsd", combine, expert_out), aux_loss
+    if self.dispatch == "einsum":
+      return jnp.einsum("bsec,ebcd->bsd", combine, expert_out), aux_loss
+    return _unpermute(expert_out, slot, gates.astype(x.dtype)), aux_loss
+
+
+def _permute(x: jax.Array, slot: jax.Array, experts: int, capacity: int) -> jax.Array:
+  """The tokens `x` [b, s, d] in their experts' slots [experts, b, capacity, d] (zeros in
+  empty slots), gathered by index (`slot` [b, s, k] from `route_slots`)."""
+  batch, seq, _ = x.shape
+  tokens = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :, None], slot.shape)
+  # Each slot's token, `seq` (past the end: a zero row) for an empty slot; the dropped
+  # choices' slot, past the end too, is dropped.
+  token_of_slot = jnp.full((batch, experts * capacity), seq, jnp.int32)
+  token_of_slot = token_of_slot.at[jnp.arange(batch)[:, None, None], slot].set(tokens, mode="drop")
+  gathered = jnp.take_along_axis(x, token_of_slot[..., None], axis=1, mode="fill", fill_value=0)
+  return gathered.reshape(batch, experts, capacity, -1).transpose(1, 0, 2, 3)
+
+
+def _unpermute(expert_out: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
+  """Each token's experts' outputs, gate-weighted and summed: [b, s, d] from `expert_out`
+  [experts, b, capacity, d] at `slot` [b, s, k] (zero for a dropped choice)."""
+  experts, batch, capacity, width = expert_out.shape
+  flat = expert_out.transpose(1, 0, 2, 3).reshape(batch, experts * capacity, width)
+  _, seq, top_k = slot.shape
+  picked = jnp.take_along_axis(
+    flat, slot.reshape(batch, seq * top_k, 1), axis=1, mode="fill", fill_value=0
+  )  # [b, s * k, d]
+  return jnp.einsum("bskd,bsk->bsd", picked.reshape(batch, seq, top_k, width), gates)
 
 
 def make(config: MoEConfig, seed: int = 0) -> training.Workload:
   """Builds the MoE LM training step (batch as in :mod:`gpt`)."""
   ffn = functools.partial(
-    MoEFeedForward, config.experts, config.hidden, config.top_k, config.capacity, config.gated
+    MoEFeedForward,
+    config.experts,
+    config.hidden,
+    config.top_k,
+    config.capacity,
+    config.gated,
+    config.dispatch,
   )
   return gpt.make_lm_workload(
     training.spec_string("moe", config, PRESETS), config, ffn, seed, config.aux_loss_weight

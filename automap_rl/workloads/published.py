@@ -527,8 +527,8 @@ RUNS: tuple[PublishedRun, ...] = (
     ),
     hardware="h100",
     model="moe:layers=32,d_model=4096,heads=32,d_ff=14336,seq=4096,vocab=32000,batch=256,"
-    "experts=8,top_k=2,capacity_factor=1.0,gated=true,scan=true,remat=true,remat_policy=dots,"
-    "dtype=bfloat16,fused_attention=true",
+    "experts=8,top_k=2,capacity_factor=1.0,gated=true,dispatch=gather,scan=true,remat=true,"
+    "remat_policy=dots,dtype=bfloat16,fused_attention=true",
     shape=Shape(32, 4096, 32, 128, 8, 14336, 32000, gated=True, experts=8, top_k=2),
     mesh="stage=4,data=2,expert=8",
     plan=ParallelDegrees(
@@ -546,11 +546,12 @@ RUNS: tuple[PublishedRun, ...] = (
       "weights gathered once a step, would gather over the expert axis too (the loop's batch "
       "axes)",
       "no recomputation (the mapping lists none), simulated as the activations Megatron-Core's "
-      "fused kernels keep: the projections' outputs, the elementwise ops between them "
-      "recomputed in the backward (remat_policy=dots); the policy keeps no batched matmul, so "
-      "the experts' (batched over experts) forward matmuls are recomputed too",
-      "multi-head attention simulated for 8 KV groups; GShard's one-hot dispatch (capacity "
-      "factor 1) for dropless routing",
+      "fused kernels keep: the projections' outputs, the experts' with the tokens dispatched "
+      "to them, the elementwise ops between them recomputed in the backward "
+      "(remat_policy=dots)",
+      "multi-head attention simulated for 8 KV groups; tokens permuted to their experts by "
+      "index (dispatch=gather), at capacity factor 1 for dropless routing; XLA partitions the "
+      "permutation with all-gathers where Megatron-Core's dispatcher runs all-to-alls",
     ),
   ),
 )
