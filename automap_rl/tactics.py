@@ -199,7 +199,13 @@ def _read_structure(problem: Problem) -> Structure:
       and not set(tensor_parallel) & set(classes.tolist())
     ):
       tensor_parallel.append(picked[0])
-  experts = [c for c in parameter_dims if c in batch and c in reduced and c not in input_classes]
+  # Experts: parameter dims that matmuls batch over and a router reduces over (one-hot
+  # dispatch), or that no matmul treats as a feature (tokens permuted to them by index).
+  experts = [
+    c
+    for c in parameter_dims
+    if c in batch and (c in reduced or c not in features) and c not in input_classes
+  ]
   contracted = _forward_contractions(problem)
   vocabulary = [
     c

@@ -250,6 +250,31 @@ def test_a_vocab_parallel_embedding_moves_what_the_simulator_prices():
   assert reduced[1] - reduced[0] > vocab * width * 4  # A whole table, at the least.
 
 
+def test_a_token_permutation_moves_what_the_simulator_prices():
+  """Expert parallelism with tokens permuted to their experts by index: the experts take
+  the expert axis before the batch, so the dispatched tokens are split by expert and the
+  experts' weights are never gathered; XLA moves the bytes the simulator prices, the
+  permutation back to the tokens as all-to-alls."""
+  workload = workloads.make_workload(
+    "moe:layers=1,d_model=128,heads=4,seq=64,vocab=512,batch=8,experts=4,top_k=2,"
+    "capacity_factor=1.0,dispatch=gather,dtype=float32",
+    abstract=True,
+  )
+  problem = validate.trace_problem(workload, "data=2,expert=4", "cpu")
+  experts = tactics._shard_classes(problem, tactics.structure(problem).experts, "expert")
+  plan = experts + tactics._batch_over(problem, ("data", "expert"))
+  dispatched = [v.id for v in problem.program.values if v.shape == (4, 8, 32, 128)]
+  specs = problem.partition_specs(plan, dispatched)
+  assert dispatched and all(tuple(spec[:2]) == ("expert", "data") for spec in specs)
+  lowered = _compiled(problem, plan, workload)
+  simulated = validate.simulated_metrics(problem, plan)["comm_bytes_by_kind"]
+  compiled = validate.compiled_metrics(lowered.stats)["comm_bytes_by_kind"]
+  assert not lowered.differences
+  assert compiled["all-to-all"] > 0
+  for kind, moved in compiled.items():
+    assert simulated[kind] == pytest.approx(moved, rel=0.05), kind
+
+
 def test_random_plans_are_lowered_in_isolation_and_checked(tmp_path, capsys):
   """`validate --random 2` on one model: two plans, one per mesh, every one compiled in a
   child process first, run and checked; the JSON counts lowering errors and aborts."""

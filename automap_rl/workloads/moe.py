@@ -196,7 +196,8 @@ class MoEFeedForward(nn.Module):
       expert_in = kept(jnp.einsum("bsec,bsd->ebcd", dispatch, x))
     else:
       slot, gates, aux_loss = route_slots(probs, self.top_k, self.capacity)
-      expert_in = kept(_permute(x, slot, self.experts, self.capacity))
+      chosen = _choice_of_slot(slot, self.experts, self.capacity)
+      expert_in = kept(_permute(x, slot, chosen, self.capacity))
     h = kept(jnp.einsum("ebcd,edf->ebcf", expert_in, wi)) + bi[:, None, None]
     if self.gated:
       wg = self.param("wg", init, (self.experts, d_model, self.hidden))
@@ -206,31 +207,67 @@ class MoEFeedForward(nn.Module):
     expert_out = kept(jnp.einsum("ebcf,efd->ebcd", h, wo)) + bo[:, None, None]
     if self.dispatch == "einsum":
       return jnp.einsum("bsec,ebcd->bsd", combine, expert_out), aux_loss
-    return _unpermute(expert_out, slot, gates.astype(x.dtype)), aux_loss
+    return _unpermute(expert_out, slot, chosen, gates.astype(x.dtype)), aux_loss
 
 
-def _permute(x: jax.Array, slot: jax.Array, experts: int, capacity: int) -> jax.Array:
+@jax.custom_vjp
+def _take_rows(values: jax.Array, index: jax.Array, sources: jax.Array) -> jax.Array:
+  """Rows of `values` [b, n, d] at `index` [b, m] (a zero row where out of range), [b, m, d].
+
+  A token permutation's rows, whose gradient is a permutation too: `sources` [b, n, r]
+  names, for each row of `values`, the rows of the result that took it (out of range where
+  fewer than r did), and the gradient gathers them and sums over r, where a gather's own
+  gradient would scatter-add (a dispatcher's unpermute is the transpose of its permute)."""
+  return jnp.take_along_axis(values, index[..., None], axis=1, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(values, index, sources):
+  return _take_rows(values, index, sources), (index, sources)
+
+
+def _take_rows_bwd(residuals, cotangent):
+  index, sources = residuals
+  batch, rows, taken = sources.shape
+  gathered = jnp.take_along_axis(
+    cotangent, sources.reshape(batch, rows * taken, 1), axis=1, mode="fill", fill_value=0
+  )
+  return gathered.reshape(batch, rows, taken, -1).sum(axis=2), None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def _choice_of_slot(slot: jax.Array, experts: int, capacity: int) -> jax.Array:
+  """Which choice fills each slot: [b, experts * capacity], the index ``s * top_k + k`` of
+  the token's choice in `slot` [b, s, k], ``seq * top_k`` (past the end) where empty."""
+  batch, seq, top_k = slot.shape
+  choices = jnp.arange(seq * top_k, dtype=jnp.int32).reshape(1, seq, top_k)
+  empty = jnp.full((batch, experts * capacity), seq * top_k, jnp.int32)
+  # The dropped choices' slot, past the end, is dropped.
+  return empty.at[jnp.arange(batch)[:, None, None], slot].set(
+    jnp.broadcast_to(choices, slot.shape), mode="drop"
+  )
+
+
+def _permute(x: jax.Array, slot: jax.Array, chosen: jax.Array, capacity: int) -> jax.Array:
   """The tokens `x` [b, s, d] in their experts' slots [experts, b, capacity, d] (zeros in
-  empty slots), gathered by index (`slot` [b, s, k] from `route_slots`)."""
-  batch, seq, _ = x.shape
-  tokens = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None, :, None], slot.shape)
-  # Each slot's token, `seq` (past the end: a zero row) for an empty slot; the dropped
-  # choices' slot, past the end too, is dropped.
-  token_of_slot = jnp.full((batch, experts * capacity), seq, jnp.int32)
-  token_of_slot = token_of_slot.at[jnp.arange(batch)[:, None, None], slot].set(tokens, mode="drop")
-  gathered = jnp.take_along_axis(x, token_of_slot[..., None], axis=1, mode="fill", fill_value=0)
-  return gathered.reshape(batch, experts, capacity, -1).transpose(1, 0, 2, 3)
+  empty slots), by `slot` [b, s, k] (`route_slots`) and its inverse `chosen` [b, slots]
+  (`_choice_of_slot`)."""
+  batch, _, top_k = slot.shape
+  rows = _take_rows(x, chosen // top_k, slot)  # [b, slots, d]
+  return rows.reshape(batch, -1, capacity, rows.shape[-1]).transpose(1, 0, 2, 3)
 
 
-def _unpermute(expert_out: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
+def _unpermute(
+  expert_out: jax.Array, slot: jax.Array, chosen: jax.Array, gates: jax.Array
+) -> jax.Array:
   """Each token's experts' outputs, gate-weighted and summed: [b, s, d] from `expert_out`
-  [experts, b, capacity, d] at `slot` [b, s, k] (zero for a dropped choice)."""
+  [experts, b, capacity, d] at `slot` [b, s, k] (zero for a dropped choice), `chosen` its
+  inverse (`_choice_of_slot`)."""
   experts, batch, capacity, width = expert_out.shape
   flat = expert_out.transpose(1, 0, 2, 3).reshape(batch, experts * capacity, width)
   _, seq, top_k = slot.shape
-  picked = jnp.take_along_axis(
-    flat, slot.reshape(batch, seq * top_k, 1), axis=1, mode="fill", fill_value=0
-  )  # [b, s * k, d]
+  picked = _take_rows(flat, slot.reshape(batch, seq * top_k), chosen[..., None])
   return jnp.einsum("bskd,bsk->bsd", picked.reshape(batch, seq, top_k, width), gates)
 
 
