@@ -492,6 +492,29 @@ def test_an_optimizer_update_moves_what_each_backend_fuses():
   assert sum(memory_bytes(program, multi_output_fusion=True)) == 7 * x.nbytes
 
 
+def _two_outputs(x, y):
+  shared = x * y  # Cheap: each output's fusion computes it.
+  return shared + 1.0, shared - 1.0
+
+
+def _a_sum_and_an_output(x, y):
+  shared = jnp.tanh(x * y)  # Expensive: written once, read by both fusions.
+  return (shared + 1.0).sum(1), shared * 3.0
+
+
+@pytest.mark.parametrize("fn", [_two_outputs, _a_sum_and_an_output], ids=["cheap", "expensive"])
+def test_without_multi_output_fusion_each_fusion_has_one_result(fn):
+  """XLA:CPU's fusions write one result each: a value two of them need is computed by
+  each, reading its inputs again, when it is cheap, and written once and read by each
+  when it is expensive (a transcendental); the program's traffic is the bytes XLA:CPU's
+  compiled module accesses. With multi-output fusion, one fusion reads the inputs once."""
+  x = jnp.ones((256, 128))
+  compiled = jax.jit(fn).lower(x, x).compile().cost_analysis()["bytes accessed"]
+  program = ir.trace(fn, x, x)
+  assert sum(memory_bytes(program, multi_output_fusion=False)) == pytest.approx(compiled, rel=1e-3)
+  assert sum(memory_bytes(program, multi_output_fusion=True)) < 0.8 * compiled
+
+
 def test_a_concatenate_along_the_minor_dim_is_a_kernel_of_its_own_on_xla_cpu():
   """A graph network's edge update: the senders' and receivers' node features gathered
   and concatenated with the edge features on the last dim feed a dot. XLA:CPU fuses the

@@ -250,6 +250,26 @@ def test_a_vocab_parallel_embedding_moves_what_the_simulator_prices():
   assert reduced[1] - reduced[0] > vocab * width * 4  # A whole table, at the least.
 
 
+def test_hybrid_sharding_reduces_as_xla_cpu_does():
+  """Hybrid sharded data parallelism on XLA:CPU, which has no native reduce-scatter: each
+  weight gradient (a dot's partial sums over the batch on both axes, stored over `model`)
+  is all-reduced whole over `model` and sliced, then its shard over `data`; a bias
+  gradient (a reduce_sum's) in one all-reduce over both. The simulator prices XLA's
+  all-reduces, bytes and count."""
+  workload = workloads.make_workload(
+    "mlp:layers=2,width=512,in_dim=512,classes=16,batch=64", abstract=True
+  )
+  problem = validate.trace_problem(workload, "data=2,model=4", "cpu")
+  plan = tactics.hsdp(problem)
+  lowered = _compiled(problem, plan, workload)
+  simulated = validate.simulated_metrics(problem, plan)
+  compiled = validate.compiled_metrics(lowered.stats)
+  groups = {c.mesh_axes for c in lowered.stats.collectives if c.kind == "all-reduce"}
+  assert groups == {("model",), ("data",), ("data", "model")}
+  for metric in ("comm_bytes_by_kind", "comm_count_by_kind"):
+    assert simulated[metric]["all-reduce"] == pytest.approx(compiled[metric]["all-reduce"])
+
+
 def test_a_token_permutation_moves_what_the_simulator_prices():
   """Expert parallelism with tokens permuted to their experts by index: the experts take
   the expert axis before the batch, so the dispatched tokens are split by expert and the

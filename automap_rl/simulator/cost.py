@@ -14,10 +14,12 @@ whole (`Hardware.kernel_overhead_s`). Per edge (an op using or making a value):
   stored sharding uses, all-reduced over the rest (a linear combination of partial sums
   reduces all their buffers in one collective, as XLA's combiner does, each as its source
   computed it); on a backend without a native reduce-scatter (`Hardware.reduce_scatter`: XLA
-  on CPU), one all-reduce over all those axes and a slice, as the SPMD partitioner writes
-  it; the partial sums of two sharded reduction factors (a batch on one axis and a sequence
-  on another) are all-reduced one factor after the other, as the partitioner does; computed
-  sharded on axes it is not stored on: all-gather. A dot that leaves mesh axes idle
+  on CPU), a dot's partial sums are all-reduced whole over the axes the result is stored
+  on and sliced, then all-reduced over the rest (other partial sums: one all-reduce over
+  all those axes and a slice), as the SPMD partitioner writes it; the partial sums of two
+  sharded reduction factors (a batch on one axis and a sequence on another) are
+  all-reduced one factor after the other, as the partitioner does; computed sharded on
+  axes it is not stored on: all-gather. A dot that leaves mesh axes idle
   computes, reduces and sends only the share its stored split owns, where the idle devices
   can hold the shares (`_split_over_idle_axes`).
 
@@ -452,6 +454,13 @@ def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, Edg
   scatter_axes = jnp.where(t.native_scatter & (split == 1.0), r_reduced & m.r_stored, 0).astype(
     r_reduced.dtype
   )
+  # Without a native reduce-scatter, XLA's partitioner still reduces a dot's partial sums
+  # over the axes its result is stored on first, whole (an all-reduce and a slice), and
+  # the shard over the rest: a reduce-scatter's place taken by an all-reduce.
+  decomposed = jnp.where(
+    ~t.native_scatter & t.reduction_dot[:, None] & (split == 1.0), r_reduced & m.r_stored, 0
+  ).astype(r_reduced.dtype)
+  scattered = scatter_axes | decomposed
   # The partial sums are sharded as their op computes less the axes they are pending over:
   # a linear combination of partial sums may compute on those too, but XLA reduces the
   # buffers its sources made.
@@ -476,17 +485,28 @@ def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, Edg
     edge_terms(
       t,
       2.0,
-      m.r_first & ~scatter_axes,
-      partial_axes | scatter_axes,
+      m.r_first & ~scattered,
+      partial_axes | scattered,
       t.reduction_weight[:, None],
       r_weighted,
       r_nbytes,
       (t.reduction_combines, t.reduction_loop, t.combine_bytes[0]),
     ),
-    r_reduced & ~m.r_first & ~scatter_axes,
-    partial_axes | scatter_axes,
+    r_reduced & ~m.r_first & ~scattered,
+    partial_axes | scattered,
     r_weighted,
   )
+  whole = edge_terms(
+    t,
+    2.0,
+    decomposed,
+    partial_axes,
+    t.reduction_weight[:, None],
+    r_weighted,
+    r_nbytes,
+    (t.reduction_combines, t.reduction_loop, t.combine_bytes[0]),
+  )
+  all_reduce = jax.tree.map(jnp.add, all_reduce, whole)
   reduce_scatter = edge_terms(
     t,
     1.0,

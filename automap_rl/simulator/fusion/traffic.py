@@ -9,6 +9,7 @@ from collections.abc import Set as AbstractSet
 
 from automap_rl.ir.program import Op, Program
 from automap_rl.simulator.fusion.primitives import (
+  EXPENSIVE_ELEMENTWISE,
   FUSED_REDUCTIONS,
   KEPT_IN_FUSION,
   LOOP_FUSIBLE,
@@ -162,7 +163,8 @@ def memory_traffic(
   their values whole; a fusion reads each of its inputs once (an argument that several of
   its ops read, `x * x`). Without `multi_output_fusion` (XLA:CPU), a loop-fusible result
   that is written anyway (returned, or read by an op that does not fuse) ends its fusion,
-  and the fusions that read it read it from memory. Without `minor_concatenate_fusion`
+  and the fusions that read it read it from memory; and each written result roots a fusion
+  of its own that reads its inputs (`_single_output_reads`). Without `minor_concatenate_fusion`
   (XLA:CPU), a `kernel_concatenates` concatenate fuses with nothing: it reads its
   operands from memory and writes its result. With `canonical_convolutions` (XLA:CPU), a
   convolution's input or kernel out of the canonical layout
@@ -174,17 +176,20 @@ def memory_traffic(
   fused, inside, root = loops.fused, loops.inside, loops.root
   readers, outputs, materialized = loops.readers, loops.outputs, loops.materialized
   read_by_fusion: set[tuple[int, int]] = set()
+  own_reads: dict[int, list[float]] = {}  # What each op reads of each operand, unfused.
   out = []
   for op in program.ops:
     read_bytes = [0.0 if v in on_chip else float(program.values[v].nbytes) for v in op.operands]
     write_bytes = [0.0 if v in on_chip else float(program.values[v].nbytes) for v in op.results]
     if op.primitive == "scan_slice":  # Reads its slice of the stack, writes the slice.
-      out.append(((write_bytes[0],) + (0.0,) * (len(read_bytes) - 1), tuple(write_bytes)))
+      own_reads[op.id] = [write_bytes[0]] + [0.0] * (len(read_bytes) - 1)
+      out.append((tuple(own_reads[op.id]), tuple(write_bytes)))
       continue
     if op.primitive == "scan_stack":  # Reads the slice, writes it into the stack.
+      own_reads[op.id] = [read_bytes[0]] + [0.0] * (len(read_bytes) - 1)
       out.append(
         (
-          (read_bytes[0],) + (0.0,) * (len(read_bytes) - 1),
+          tuple(own_reads[op.id]),
           (read_bytes[0],) + (0.0,) * (len(write_bytes) - 1),
         )
       )
@@ -193,6 +198,7 @@ def memory_traffic(
       read_bytes[0] = write_bytes[0]
     elif op.primitive == "dynamic_update_slice":
       read_bytes[0], write_bytes[0] = 0.0, read_bytes[1]
+    own_reads[op.id] = read_bytes
     reads = []
     for v, b in zip(op.operands, read_bytes):
       once = (root(op.id) if fused(op) else -1 - op.id, v)  # A fusion reads each input once.
@@ -214,7 +220,66 @@ def memory_traffic(
       transposed = transposed_convolution_operands(op)
       reads = [r + 2.0 * b * t for r, b, t in zip(reads, read_bytes, transposed)]
     out.append((tuple(reads), writes))
+  if not multi_output_fusion:
+    out = _single_output_reads(program, loops, own_reads, out)
   return out
+
+
+def _single_output_reads(
+  program: Program,
+  loops: _LoopFusions,
+  own_reads: dict[int, list[float]],
+  traffic: list[tuple[tuple[float, ...], tuple[float, ...]]],
+) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+  """`traffic` with the reads of loop fusions that have one output each (no multi-output
+  fusion, XLA:CPU): a fused op whose result is written roots a fusion of its own, into
+  which the cheap fused ops it reads are duplicated; an expensive one
+  (`EXPENSIVE_ELEMENTWISE`: a transcendental) that two fusions would compute is written
+  once and read by each instead. A fusion reads each value from outside it once, so a
+  value two fusions read is read by each. `own_reads` [op id] are an op's reads of its
+  operands."""
+
+  def fusions(roots: list[Op]) -> dict[int, tuple[list[tuple[int, int]], set[int]]]:
+    """Root op id -> (the (op id, operand) reads of its fusion from outside it, the ids
+    of the fused ops it computes)."""
+    out = {}
+    for root in roots:
+      reads, from_outside, todo, seen = [], set(), [root], set()
+      while todo:
+        op = todo.pop()
+        if op.id in seen:
+          continue
+        seen.add(op.id)
+        for i, v in enumerate(op.operands):
+          if loops.inside(op, v):
+            todo.append(loops.producer[v])
+          elif v not in from_outside:
+            from_outside.add(v)
+            reads.append((op.id, i))
+      out[root.id] = (reads, seen)
+    return out
+
+  writes = [list(w) for _, w in traffic]
+  roots = [op for op in program.ops if loops.fused(op) and any(writes[op.id])]
+  computed_by: dict[int, int] = {}
+  for _, ops in fusions(roots).values():
+    for o in ops:
+      computed_by[o] = computed_by.get(o, 0) + 1
+  for op in program.ops:
+    if op.primitive in EXPENSIVE_ELEMENTWISE and computed_by.get(op.id, 0) > 1:
+      loops.ends.update(op.results)  # Written once, read by each fusion.
+      writes[op.id] = [float(program.values[v].nbytes) for v in op.results]
+      roots.append(op)
+  reads = {op.id: [0.0] * len(op.operands) for op in program.ops if loops.fused(op)}
+  pulled: set[int] = set()  # Fused ops some fusion computes.
+  for fusion_reads, ops in fusions(roots).values():
+    for o, i in fusion_reads:
+      reads[o][i] += own_reads[o][i]
+    pulled |= ops
+  return [
+    (tuple(reads[op.id]), tuple(writes[op.id])) if op.id in pulled else (own, tuple(w))
+    for op, (own, _), w in zip(program.ops, traffic, writes)
+  ]
 
 
 def unmaterialized_values(program: Program) -> set[int]:
