@@ -515,6 +515,38 @@ def test_without_multi_output_fusion_each_fusion_has_one_result(fn):
   assert sum(memory_bytes(program, multi_output_fusion=True)) < 0.8 * compiled
 
 
+def _normalized(x):
+  return (x - x.mean(0)) / jnp.sqrt(((x - x.mean(0)) ** 2).mean(0) + 1e-5)
+
+
+def _relu_sums(x, y):
+  return (jnp.maximum(x, 0.0) * y).sum(0) + jnp.maximum(x, 0.0).sum(0)
+
+
+def test_an_op_computed_again_is_one_of_an_earlier_op():
+  """`x - x.mean(0)` written twice: the second mean, its division, broadcast and
+  subtraction compute what the first ones did (`Op.same_as`), as XLA's common
+  subexpression elimination finds; the square of the second does not."""
+  program = ir.trace(_normalized, jnp.ones((8, 4)))
+  subs = [op for op in program.ops if op.primitive == "sub"]
+  assert [op.same_as for op in subs] == [-1, subs[0].id]
+  again = [op for op in program.ops if op.same_as >= 0]
+  assert [op.primitive for op in again] == ["reduce_sum", "div", "broadcast_in_dim", "sub"]
+  assert all(program.ops[op.same_as].primitive == op.primitive for op in again)
+
+
+@pytest.mark.parametrize("fn", [_normalized, _relu_sums], ids=["normalized", "relu_sums"])
+def test_a_value_computed_once_for_reductions_is_written_and_read_by_each(fn):
+  """A value the program computes twice and XLA once (common subexpressions), read by two
+  fusions one of which is a reduction's: XLA:CPU writes it once and each fusion reads it;
+  the program's traffic is the bytes its compiled module accesses."""
+  x = jnp.ones((1024, 256))
+  args = (x,) * fn.__code__.co_argcount
+  compiled = jax.jit(fn).lower(*args).compile().cost_analysis()["bytes accessed"]
+  program = ir.trace(fn, *args)
+  assert sum(memory_bytes(program, multi_output_fusion=False)) == pytest.approx(compiled, rel=0.01)
+
+
 def test_a_concatenate_along_the_minor_dim_is_a_kernel_of_its_own_on_xla_cpu():
   """A graph network's edge update: the senders' and receivers' node features gathered
   and concatenated with the edge features on the last dim feed a dot. XLA:CPU fuses the

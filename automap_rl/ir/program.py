@@ -119,6 +119,9 @@ class Op:
       `automap_rl.ir.flops`), set by `trace`; None for hand-built ops (the simulator then
       falls back to `simulator.tables.op_flops`).
     kernel: the fused kernel the op belongs to (`automap_rl.ir.kernels`), '' for none.
+    same_as: the id of an earlier op that computes the same results (the same primitive,
+      operands, literals and parameters in the same loop body), which XLA's common
+      subexpression elimination leaves in its place; -1 for none.
   """
 
   id: int
@@ -131,6 +134,7 @@ class Op:
   origin: tuple[int, ...] = ()
   flops: float | None = None
   kernel: str = ""
+  same_as: int = -1
 
 
 @dataclasses.dataclass(frozen=True)

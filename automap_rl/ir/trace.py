@@ -53,6 +53,8 @@ CALL_PRIMITIVES = frozenset(
     "eval_jaxpr",
   }
 )
+# Primitives whose equal applications differ (fresh random bits): never one of another.
+NOT_DEDUPLICATED = frozenset({"rng_bit_generator", "rng_uniform", "random_bits"})
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -89,6 +91,10 @@ class _Builder:
     self.ops: list[Op] = []
     self.ties: list[tuple[int, int]] = []
     self.unknown: dict[str, None] = {}
+    # Each equation's key for common subexpressions -> the first op with it (`same_as`).
+    self.seen: dict[tuple, int] = {}
+    # A value an op computes again -> the first op's (`same_as`).
+    self.same_value: dict[int, int] = {}
     # The name stacks of the equations whose bodies are being inlined, outermost first:
     # an inner equation's name stack is relative to its caller's.
     self.name_stacks: list[str] = []
@@ -112,6 +118,7 @@ class _Builder:
     origin: tuple[int, ...] = (),
     flops: float = 0.0,
     kernel: str = "",
+    same_as: int = -1,
   ) -> None:
     self.ops.append(
       Op(
@@ -125,6 +132,7 @@ class _Builder:
         origin,
         float(flops),
         kernel,
+        same_as,
       )
     )
 
@@ -223,7 +231,43 @@ class _Builder:
       origin or (),
       flops,
       self.kernel(eqn),
+      self.same_as(eqn, operand_ids, results, repeat, scope),
     )
+
+  def same_as(
+    self,
+    eqn,
+    operand_ids: Sequence[int | None],
+    results: Sequence[int],
+    repeat: int,
+    scope: str,
+  ) -> int:
+    """The id of an earlier op this equation computes again (`Op.same_as`), -1 for none:
+    one of the same primitive, operands (literals by value; a value an earlier op
+    computed again counts as the first one's), parameters and results in the same loop
+    body. The op being added is registered as the first of its kind."""
+    if eqn.effects or eqn.primitive.name in NOT_DEDUPLICATED:
+      return -1
+    try:
+      key = (
+        eqn.primitive.name,
+        tuple(
+          ("literal", repr(v.val)) if i is None else self.same_value.get(i, i)
+          for i, v in zip(operand_ids, eqn.invars)
+        ),
+        repr(sorted(eqn.params.items())),
+        tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars),
+        repeat,
+        scope,
+      )
+      first = self.seen.setdefault(key, len(self.ops))
+    except TypeError:  # Unhashable parameters: nothing to compare with.
+      return -1
+    if first == len(self.ops):
+      return -1
+    for result, earlier in zip(results, self.ops[first].results):
+      self.same_value[result] = earlier
+    return first
 
   def inline(
     self, closed, operand_ids: Sequence[int], repeat: int, scope: str, prefix=None

@@ -170,8 +170,49 @@ def memory_traffic(
   convolution's input or kernel out of the canonical layout
   (`transposed_convolution_operands`) is transposed by a kernel of its own: it is read and
   written once more. Values in `on_chip` (a fused kernel's intermediates,
-  `fusion.kernel_intermediates`) are neither written nor read. Per op, `(bytes read per
-  operand, bytes written per result)`."""
+  `fusion.kernel_intermediates`) are neither written nor read. An op that computes again
+  what an earlier one did (`Op.same_as`) moves nothing: XLA's common subexpression
+  elimination leaves the earlier one's results, read by both ops' readers. Per op,
+  `(bytes read per operand, bytes written per result)`."""
+  unique = _without_repeats(program)
+  traffic = _fused_traffic(
+    unique, multi_output_fusion, minor_concatenate_fusion, on_chip, canonical_convolutions
+  )
+  return [
+    ((0.0,) * len(op.operands), (0.0,) * len(op.results)) if op.same_as >= 0 else moved
+    for op, moved in zip(program.ops, traffic)
+  ]
+
+
+def _without_repeats(program: Program) -> Program:
+  """`program` with each op that computes again what an earlier one did (`Op.same_as`)
+  reading and making nothing, and every read of its results (and the program's outputs
+  among them) a read of the earlier op's."""
+  same: dict[int, int] = {}
+  for op in program.ops:
+    if op.same_as >= 0:
+      for result, earlier in zip(op.results, program.ops[op.same_as].results):
+        same[result] = same.get(earlier, earlier)
+  if not same:
+    return program
+  ops = tuple(
+    dataclasses.replace(op, primitive="", operands=(), results=())
+    if op.same_as >= 0
+    else dataclasses.replace(op, operands=tuple(same.get(v, v) for v in op.operands))
+    for op in program.ops
+  )
+  outputs = tuple(same.get(v, v) for v in program.outputs)
+  return dataclasses.replace(program, ops=ops, outputs=outputs)
+
+
+def _fused_traffic(
+  program: Program,
+  multi_output_fusion: bool,
+  minor_concatenate_fusion: bool,
+  on_chip: AbstractSet[int],
+  canonical_convolutions: bool,
+) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+  """`memory_traffic` of a program without repeated ops (`_without_repeats`)."""
   loops = _LoopFusions.of(program, multi_output_fusion, minor_concatenate_fusion)
   fused, inside, root = loops.fused, loops.inside, loops.root
   readers, outputs, materialized = loops.readers, loops.outputs, loops.materialized
@@ -233,11 +274,11 @@ def _single_output_reads(
 ) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
   """`traffic` with the reads of loop fusions that have one output each (no multi-output
   fusion, XLA:CPU): a fused op whose result is written roots a fusion of its own, into
-  which the cheap fused ops it reads are duplicated; an expensive one
-  (`EXPENSIVE_ELEMENTWISE`: a transcendental) that two fusions would compute is written
-  once and read by each instead. A fusion reads each value from outside it once, so a
-  value two fusions read is read by each. `own_reads` [op id] are an op's reads of its
-  operands."""
+  which the cheap fused ops it reads are duplicated; one that two fusions would compute
+  is written once and read by each instead where it is expensive
+  (`EXPENSIVE_ELEMENTWISE`: a transcendental) or one of them is a reduction's. A fusion
+  reads each value from outside it once, so a value two fusions read is read by each.
+  `own_reads` [op id] are an op's reads of its operands."""
 
   def fusions(roots: list[Op]) -> dict[int, tuple[list[tuple[int, int]], set[int]]]:
     """Root op id -> (the (op id, operand) reads of its fusion from outside it, the ids
@@ -261,15 +302,35 @@ def _single_output_reads(
 
   writes = [list(w) for _, w in traffic]
   roots = [op for op in program.ops if loops.fused(op) and any(writes[op.id])]
-  computed_by: dict[int, int] = {}
-  for _, ops in fusions(roots).values():
-    for o in ops:
-      computed_by[o] = computed_by.get(o, 0) + 1
-  for op in program.ops:
-    if op.primitive in EXPENSIVE_ELEMENTWISE and computed_by.get(op.id, 0) > 1:
+  # Which fusions would compute each fused op (up to two of them, and whether one is a
+  # reduction's), readers before producers: an op that two would compute is written once
+  # instead where it is expensive or one of them is a reduction's, and then its own
+  # fusion alone computes what it reads.
+  root_ids = {op.id for op in roots}
+  computing: dict[int, tuple[frozenset[int], bool]] = {}
+  for op in reversed(program.ops):
+    if not loops.fused(op):
+      continue
+    if op.id in root_ids:
+      computing[op.id] = (frozenset({op.id}), op.primitive in FUSED_REDUCTIONS)
+      continue
+    ids, reduction = set(), False
+    for v in op.results:
+      for reader in loops.readers.get(v, ()):
+        if reader.id in computing and loops.inside(reader, v):
+          ids |= computing[reader.id][0]
+          reduction |= computing[reader.id][1]
+    if (
+      len(ids) > 1
+      and op.primitive not in RECOMPUTED_PER_READER
+      and (op.primitive in EXPENSIVE_ELEMENTWISE or reduction)
+    ):
       loops.ends.update(op.results)  # Written once, read by each fusion.
       writes[op.id] = [float(program.values[v].nbytes) for v in op.results]
       roots.append(op)
+      root_ids.add(op.id)
+      ids, reduction = {op.id}, op.primitive in FUSED_REDUCTIONS
+    computing[op.id] = (frozenset(sorted(ids)[:2]), reduction)
   reads = {op.id: [0.0] * len(op.operands) for op in program.ops if loops.fused(op)}
   pulled: set[int] = set()  # Fused ops some fusion computes.
   for fusion_reads, ops in fusions(roots).values():
