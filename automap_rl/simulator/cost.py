@@ -480,32 +480,18 @@ def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, Edg
     r_weighted * split,
     r_nbytes,
   )
+  combine = (t.reduction_combines, t.reduction_loop, t.combine_bytes[0])
+  all_reduces = lambda axes, divisor: edge_terms(
+    t, 2.0, axes, divisor, t.reduction_weight[:, None], r_weighted, r_nbytes, combine
+  )
   all_reduce = with_second_factor(
     t,
-    edge_terms(
-      t,
-      2.0,
-      m.r_first & ~scattered,
-      partial_axes | scattered,
-      t.reduction_weight[:, None],
-      r_weighted,
-      r_nbytes,
-      (t.reduction_combines, t.reduction_loop, t.combine_bytes[0]),
-    ),
+    all_reduces(m.r_first & ~scattered, partial_axes | scattered),
     r_reduced & ~m.r_first & ~scattered,
     partial_axes | scattered,
     r_weighted,
   )
-  whole = edge_terms(
-    t,
-    2.0,
-    decomposed,
-    partial_axes,
-    t.reduction_weight[:, None],
-    r_weighted,
-    r_nbytes,
-    (t.reduction_combines, t.reduction_loop, t.combine_bytes[0]),
-  )
+  whole = all_reduces(decomposed, partial_axes)
   all_reduce = jax.tree.map(jnp.add, all_reduce, whole)
   reduce_scatter = edge_terms(
     t,

@@ -199,6 +199,8 @@ def _without_repeats(program: Program) -> Program:
     dataclasses.replace(op, primitive="", operands=(), results=())
     if op.same_as >= 0
     else dataclasses.replace(op, operands=tuple(same.get(v, v) for v in op.operands))
+    if any(v in same for v in op.operands)
+    else op
     for op in program.ops
   )
   outputs = tuple(same.get(v, v) for v in program.outputs)
@@ -280,26 +282,6 @@ def _single_output_reads(
   reads each value from outside it once, so a value two fusions read is read by each.
   `own_reads` [op id] are an op's reads of its operands."""
 
-  def fusions(roots: list[Op]) -> dict[int, tuple[list[tuple[int, int]], set[int]]]:
-    """Root op id -> (the (op id, operand) reads of its fusion from outside it, the ids
-    of the fused ops it computes)."""
-    out = {}
-    for root in roots:
-      reads, from_outside, todo, seen = [], set(), [root], set()
-      while todo:
-        op = todo.pop()
-        if op.id in seen:
-          continue
-        seen.add(op.id)
-        for i, v in enumerate(op.operands):
-          if loops.inside(op, v):
-            todo.append(loops.producer[v])
-          elif v not in from_outside:
-            from_outside.add(v)
-            reads.append((op.id, i))
-      out[root.id] = (reads, seen)
-    return out
-
   writes = [list(w) for _, w in traffic]
   roots = [op for op in program.ops if loops.fused(op) and any(writes[op.id])]
   # Which fusions would compute each fused op (up to two of them, and whether one is a
@@ -331,12 +313,24 @@ def _single_output_reads(
       root_ids.add(op.id)
       ids, reduction = {op.id}, op.primitive in FUSED_REDUCTIONS
     computing[op.id] = (frozenset(sorted(ids)[:2]), reduction)
+  # Each fusion: the fused ops it computes, back from its root, and its reads of the
+  # values from outside it, each once.
   reads = {op.id: [0.0] * len(op.operands) for op in program.ops if loops.fused(op)}
   pulled: set[int] = set()  # Fused ops some fusion computes.
-  for fusion_reads, ops in fusions(roots).values():
-    for o, i in fusion_reads:
-      reads[o][i] += own_reads[o][i]
-    pulled |= ops
+  for root in roots:
+    from_outside, todo, seen = set(), [root], set()
+    while todo:
+      op = todo.pop()
+      if op.id in seen:
+        continue
+      seen.add(op.id)
+      for i, v in enumerate(op.operands):
+        if loops.inside(op, v):
+          todo.append(loops.producer[v])
+        elif v not in from_outside:
+          from_outside.add(v)
+          reads[op.id][i] += own_reads[op.id][i]
+    pulled |= seen
   return [
     (tuple(reads[op.id]), tuple(writes[op.id])) if op.id in pulled else (own, tuple(w))
     for op, (own, _), w in zip(program.ops, traffic, writes)
