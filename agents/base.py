@@ -208,9 +208,16 @@ _REPLICATED_BASES: weakref.WeakKeyDictionary[Problem, np.ndarray] = weakref.Weak
 
 
 def rollout(
-  env: Env, depth: int, stop_probability: float, state: State, key: jax.Array, limit: jax.Array
+  config: EnvConfig,
+  tables: EnvTables,
+  depth: int,
+  stop_probability: float,
+  state: State,
+  key: jax.Array,
+  limit: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """A uniformly random episode of at most `min(depth, limit)` steps from `state`. Pure.
+  """A uniformly random episode of at most `min(depth, limit)` steps from `state` of the
+  environment of `config` and `tables`. Pure.
 
   After its first step the episode stops with probability `stop_probability` per step
   (and when no action but stop is legal).
@@ -233,12 +240,36 @@ def rollout(
       | (state.terminated | state.truncated)
       | ((index > 0) & (jax.random.uniform(coin) < stop_probability))
     )
-    action = jnp.where(stop, env.stop_action, action)
-    new = env.step(state, action)
+    action = jnp.where(stop, tables.num_actions - 1, action)
+    new = core.step(config, tables, state, action)
     return (new, key, alive & ~stop), (action, new.objective, new.step_time, ~stop)
 
   _, out = jax.lax.scan(body, (state, key, jnp.bool_(True)), jnp.arange(depth))
   return out
+
+
+@functools.partial(SearchJit, calls="many", static_argnames=("config", "depth", "stop_probability"))
+def _rollouts(
+  config: EnvConfig,
+  tables: EnvTables,
+  depth: int,
+  stop_probability: float,
+  state: State,
+  keys: jax.Array,
+  limits: jax.Array,
+):
+  """`rollout` from `state` with each of `keys` [R] and `limits` [R]."""
+  one = functools.partial(rollout, config, tables, depth, stop_probability, state)
+  return jax.vmap(one)(keys, limits)
+
+
+_init = SearchJit(core.init, "few", static_argnames="config")
+
+
+@functools.partial(SearchJit, calls="many", static_argnames="config")
+def _children(config: EnvConfig, tables: EnvTables, state: State, actions: jax.Array) -> State:
+  """The states after each of `actions` [N] from `state`, [N]."""
+  return jax.vmap(functools.partial(core.step, config, tables, state))(actions)
 
 
 _from_plan = SearchJit(core.from_plan, "few", static_argnames="config")
@@ -288,12 +319,9 @@ class Searcher:
 
   def __init__(self, problem: Problem, config: EnvConfig):
     self.problem = problem
-    self.env = Env.build(problem, config)
-    env = self.env
-    self.root: State = jax.device_get(SearchJit(env.init, "few")(jax.random.key(0)))
-    self._children = SearchJit(jax.vmap(env.step, in_axes=(None, 0)), "many")
-    self.chunk = min(next_power_of_two(env.num_actions - 1, 8), 32)
-    self._rollouts: dict[tuple[int, float], Callable] = {}
+    self.env = Env.build(problem, config, bucket=True)
+    self.root: State = jax.device_get(_init(config, self.env.tables, jax.random.key(0)))
+    self.chunk = min(next_power_of_two(self.env.num_actions - 1, 8), 32)
 
   @property
   def num_actions(self) -> int:
@@ -310,8 +338,9 @@ class Searcher:
     n, size = len(actions), self.chunk
     padded = np.full(-(-n // size) * size, self.env.stop_action, np.int32)
     padded[:n] = actions
+    config, tables = self.env.config, self.env.tables
     parts = [
-      jax.device_get(self._children(state, padded[i : i + size]))
+      jax.device_get(_children(config, tables, state, padded[i : i + size]))
       for i in range(0, len(padded), size)
     ]
     return jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *parts)
@@ -320,16 +349,10 @@ class Searcher:
     self, state: State, keys: jax.Array, limits: np.ndarray, depth: int, stop_probability: float
   ):
     """`len(keys)` random episodes from `state` (see `rollout`), as numpy arrays [R, depth]."""
-    fn = self._rollouts.get((depth, stop_probability))
-    if fn is None:
-      fn = SearchJit(
-        jax.vmap(
-          functools.partial(rollout, self.env, depth, stop_probability), in_axes=(None, 0, 0)
-        ),
-        "many",
-      )
-      self._rollouts[(depth, stop_probability)] = fn
-    return jax.device_get(fn(state, keys, jnp.asarray(limits, jnp.int32)))
+    limits = jnp.asarray(limits, jnp.int32)
+    return jax.device_get(
+      _rollouts(self.env.config, self.env.tables, depth, stop_probability, state, keys, limits)
+    )
 
   def rooted_at(
     self, name: str, decisions: Sequence[Decision], cost: simulator.Cost

@@ -131,6 +131,15 @@ def load_network(path: str | None) -> Network:
   return Network(checkpoint.read_network(policy_path(path)))
 
 
+def tables_of(problem: Problem, config: LearnedConfig = LearnedConfig()) -> tuple:
+  """The bucket-padded tables the learned agent's compiles take on `problem`: its
+  environment's (`Searcher`) and the problem's own (`Problem.bucketed`). Problems whose
+  tables have one `automap_rl.buckets.key` share every compile."""
+  pipelines = load_network(config.checkpoint).config.pipelines
+  search_, _, _ = start(problem, config.action_space, config.max_decisions, 1, None, pipelines)
+  return search_.env.tables, problem.bucketed
+
+
 def load_policy(path: str | None, tables: EnvTables, root: State) -> tuple[Network, chex.ArrayTree]:
   """The network and parameters of a policy (or run) directory, `DEFAULT_CHECKPOINT` for
   None; loaded once per directory. `tables` and `root`, of any program, give the shapes

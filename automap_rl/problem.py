@@ -10,12 +10,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from automap_rl import ir, sharding, simulator
+from automap_rl import buckets, ir, sharding, simulator
 from automap_rl.batching import next_power_of_two
 from automap_rl.compile_options import SearchJit
 from automap_rl.ir.stacks import LayerStack, layer_stacks
 from automap_rl.mesh import Mesh, spec_axes
 from automap_rl.pipeline import Pipeline
+from automap_rl.simulator.tables import padding
 from automap_rl.stages import StagedProgram
 
 
@@ -70,17 +71,36 @@ class Problem:
   @functools.cached_property
   def plan_length(self) -> int:
     """The length encoded plans are padded to (a longer plan: the power of two above it):
-    the power of two at or above the classes times the mesh axes (each class decided once
-    on each axis), so that the jitted resolution and cost compile once per problem."""
-    return next_power_of_two(len(self.named.classes) * len(self.mesh.axis_sizes), 16)
+    the power of two at or above the classes' bucket times the mesh axes (each class decided
+    once on each axis), so that the jitted resolution and cost compile once per bucket."""
+    return next_power_of_two(self.bucketed.num_classes * len(self.mesh.axis_sizes), 16)
 
   @functools.cached_property
-  def _evaluate_many_jit(self):
-    return SearchJit(jax.vmap(self.evaluate), "many")  # The ILP agent's descent calls it in a loop.
+  def bucketed(self) -> BucketedTables:
+    """The owners and cost tables padded to their buckets (`automap_rl.buckets`): what the
+    jitted resolution and cost take, so that the problems of one bucket share a compile."""
+    owners, tables = self.owners, self.tables
+    size = buckets.bucket_sizes(padding.table_sizes(tables), padding.VARYING)
+    return BucketedTables(
+      owners=jax.device_put(
+        owners.padded(
+          buckets.bucket("U", len(owners.classes)),
+          buckets.bucket("S", owners.classes.shape[1]),
+          (size["Uv"], size["Rv"]),
+          (size["Uo"], size["Rf"]),
+        )
+      ),
+      tables=jax.device_put(padding.pad_tables(tables, size)),
+      num_classes=buckets.bucket("C", len(self.named.classes)),
+    )
 
-  @functools.cached_property
-  def _resolve_jit(self):
-    return SearchJit(self.resolve, "few")
+  def _exact(self, resolution: sharding.Resolution) -> sharding.Resolution:
+    """A resolution on the bucketed tables (host arrays, [..., Uv', Rv'] and [..., Uo',
+    Rf']) cut to this problem's signatures."""
+    (uv, rv), (uo, rf) = self.sigs.value_class.shape, self.sigs.op_class.shape
+    return sharding.Resolution(
+      value_mask=resolution.value_mask[..., :uv, :rv], op_mask=resolution.op_mask[..., :uo, :rf]
+    )
 
   @functools.cached_property
   def _terms_jit(self):
@@ -111,7 +131,7 @@ class Problem:
     rows = [_padded(e, length) for e in encoded]
     rows += [rows[0]] * (next_power_of_two(len(rows), 8) - len(rows))
     classes, axes = (np.stack(column) for column in zip(*rows))
-    batch = jax.device_get(self._evaluate_many_jit(classes, axes))
+    batch = jax.device_get(_costs(self.bucketed, classes, axes))
     return [jax.tree.map(lambda x, i=i: x[i], batch) for i in range(len(plans))]
 
   def cost_terms(self, decisions: Sequence[sharding.Decision]) -> simulator.CostTerms:
@@ -141,7 +161,12 @@ class Problem:
 
   def resolution(self, decisions: Sequence[sharding.Decision]) -> sharding.Resolution:
     """The resolved plan of a decision list (host arrays; jitted)."""
-    return jax.device_get(self._resolve_jit(*self.encode_padded(decisions)))
+    return self._resolved(*self.encode_padded(decisions))
+
+  def _resolved(self, dec_class: np.ndarray, dec_axis: np.ndarray) -> sharding.Resolution:
+    """Encoded decisions resolved on the bucketed tables (jitted), as host arrays of this
+    problem's signatures."""
+    return self._exact(jax.device_get(_resolve(self.bucketed, dec_class, dec_axis)))
 
   def partition_specs(self, decisions: Sequence[sharding.Decision], value_ids: Sequence[int]):
     """`PartitionSpec`s of the given values under `decisions`."""
@@ -170,7 +195,7 @@ class Problem:
     `(operand specs, result specs)` the op computes on (`sharding.op_partition_specs`);
     one resolution for both."""
     dec_class, dec_axis = self.encode_padded(decisions)
-    resolution = jax.device_get(self._resolve_jit(dec_class, dec_axis))
+    resolution = self._resolved(dec_class, dec_axis)
     use = sharding.class_axis_use(
       self.sigs, resolution, len(self.named.classes), len(self.mesh.axis_names)
     )
@@ -185,6 +210,43 @@ class Problem:
       for o in op_ids
     ]
     return values, ops
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketedTables:
+  """A problem's owners and cost tables padded to their buckets (`Problem.bucketed`).
+
+  Attributes:
+    owners: the slot layout, padded (`sharding.Owners.padded`).
+    tables: the cost tables, padded (`simulator.tables.padding.pad_tables`).
+    num_classes: the bucket of the class count (static: it sizes resolution's arrays).
+  """
+
+  owners: sharding.Owners
+  tables: simulator.CostTables
+  num_classes: int
+
+
+jax.tree_util.register_dataclass(
+  BucketedTables, data_fields=["owners", "tables"], meta_fields=["num_classes"]
+)
+
+
+@functools.partial(SearchJit, calls="many")  # The ILP agent's descent calls it in a loop.
+def _costs(bucketed: BucketedTables, dec_class: jax.Array, dec_axis: jax.Array) -> simulator.Cost:
+  """The cost of each of a batch of encoded plans, int32 [N, K] each."""
+  evaluate = functools.partial(
+    simulator.evaluate, bucketed.tables, bucketed.owners, bucketed.num_classes
+  )
+  return jax.vmap(evaluate)(dec_class, dec_axis)
+
+
+@functools.partial(SearchJit, calls="few")
+def _resolve(
+  bucketed: BucketedTables, dec_class: jax.Array, dec_axis: jax.Array
+) -> sharding.Resolution:
+  """Encoded decisions, int32 [K] each, resolved on bucketed owners."""
+  return sharding.resolve(bucketed.owners, bucketed.num_classes, dec_class, dec_axis)
 
 
 _pipeline_cost = SearchJit(
@@ -226,13 +288,13 @@ class PipelineProblem:
       simulator.build_pipeline_tables(staged, problem.named, problem.sigs),
     )
 
-  @property
-  def _resolve_jit(self):
-    """Resolution over the stage mesh: the problem's own where the stages take the whole
-    stage axis (decisions may not use it, so its size does not matter)."""
+  def _resolved(self, dec_class: np.ndarray, dec_axis: np.ndarray) -> sharding.Resolution:
+    """Resolution over the stage mesh (host arrays): the problem's own where the stages take
+    the whole stage axis (decisions may not use it, so its size does not matter)."""
     if self.staged.mesh.axis_size(self.pipeline.axis) == 1:
-      return self.problem._resolve_jit
-    return _stage_resolver(self.problem, self.staged.mesh.axis_sizes)
+      return self.problem._resolved(dec_class, dec_axis)
+    resolve = _stage_resolver(self.problem, self.staged.mesh.axis_sizes)
+    return jax.device_get(resolve(dec_class, dec_axis))
 
   def resolution(self, decisions: Sequence[sharding.Decision]) -> sharding.Resolution:
     """The decisions resolved on the full program over the stage mesh (host arrays).
@@ -242,7 +304,7 @@ class PipelineProblem:
         shards a dim over more devices than it has at microbatch (or stage) size.
     """
     self.pipeline.check_decisions(decisions, self.problem.mesh)
-    resolution = jax.device_get(self._resolve_jit(*self.problem.encode_padded(decisions)))
+    resolution = self._resolved(*self.problem.encode_padded(decisions))
     self._check_divisible(resolution)
     return resolution
 

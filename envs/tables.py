@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from automap_rl import sharding, simulator
-from automap_rl.batching import next_power_of_two
+from automap_rl import buckets, sharding, simulator
 from automap_rl.ir import FactorKind, Role
 from automap_rl.problem import Problem
+from automap_rl.simulator.tables import padding as cost_padding
 from envs.actions import Target
 from envs.config import EnvConfig
 from envs.pipelines import PipelineOptions, alike, build_options, menu
@@ -96,43 +96,6 @@ DIMS: Mapping[str, tuple[str, ...]] = {
   "cover_is_op": ("G",),
   "cover_real": ("G",),
 }
-COST_DIMS: Mapping[str, tuple[str, ...]] = {
-  "op_reduction": ("Uo", "Rf"),
-  "edge_dim_factors": ("E", "Rv", "D"),
-  "live_bytes": ("L", "Uv"),
-  "hbm_bytes": (),
-  "combine_bytes": ("2",),
-  "native_scatter": (),
-  "async_collectives": (),
-  "loop_repeats": ("K",),
-  "shared_slot_edge": ("Ss",),
-  "shared_slot_runs": ("Ss",),
-  "shared_slot_share": ("Ss",),
-  "shared_pairs": ("2", "Sp"),
-  "value_dim_class": ("Uv", "Rv"),
-}
-_PREFIX_DIM = {
-  "value": "Uv",
-  "op": "Uo",
-  "edge": "E",
-  "unique": "Eu",
-  "reduction": "R",
-  "mask": "B",
-}
-
-
-def cost_dims(field: str, ndim: int) -> tuple[str, ...]:
-  """Dims of a `simulator.CostTables` field: as listed in `COST_DIMS`, else a vector over
-  the dim its name's prefix names (`value_*`: Uv, `op_*`: Uo, `edge_*`: E, `unique_*`: Eu,
-  `reduction_*`: R, `mask_*`: B)."""
-  if field in COST_DIMS:
-    return COST_DIMS[field]
-  prefix = field.split("_")[0]
-  if ndim == 1 and prefix in _PREFIX_DIM:
-    return (_PREFIX_DIM[prefix],)
-  raise KeyError(f"envs.tables.COST_DIMS does not know CostTables field {field!r} of rank {ndim}.")
-
-
 _FILL = {
   "value_class": -1,
   "value_divisible": 1,
@@ -143,14 +106,12 @@ _FILL = {
   "axis_sizes": 1,
   "chunk_class": NO_RANK,
   "slot_divisible": 1,
-  "edge_dim_factors": -1,
-  "value_dim_class": -1,  # -1: a dim of no named dimension.
-  "op_dense_factor": -1,  # -1: the simulator's never-sharded factor.
-  "shared_pairs": -1,  # -1: a pair that counts for no slot.
   "value_rank": sharding.NO_SLOT_RANK,
   "op_rank": sharding.NO_SLOT_RANK,
 }
-BUCKETED = ("Uv", "Uo", "E", "Eu", "R", "L", "Q", "C", "T", "G", "Ss", "Sp")
+# Dims padded to buckets (`automap_rl.buckets`); the others are fixed by the configuration
+# (X, B, P, W, features) or by the simulator (its pair and column counts).
+BUCKETED = cost_padding.VARYING | {"Q", "C", "T", "M", "G"}
 CHUNK = 8  # W: slots per chunk.
 
 
@@ -372,7 +333,7 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
   cost = {}
   for field in dataclasses.fields(simulator.CostTables):
     value = np.asarray(getattr(tables, field.name))
-    dims = cost_dims(field.name, value.ndim)
+    dims = cost_padding.dims(field.name, value.ndim)
     cost[field.name] = _tile_masks(value, num_axes, x) if dims == ("B",) else value
   base = replicated_base(config, problem)
   cover, target_features = _coverage(problem, targets)
@@ -456,7 +417,7 @@ def _dims(tables: EnvTables):
     yield name, DIMS[name], getattr(tables, name)
   for field in dataclasses.fields(simulator.CostTables):
     array = getattr(tables.cost, field.name)
-    yield f"cost.{field.name}", cost_dims(field.name, np.ndim(array)), array
+    yield f"cost.{field.name}", cost_padding.dims(field.name, np.ndim(array)), array
 
 
 def sizes(tables: EnvTables) -> dict[str, int]:
@@ -471,8 +432,8 @@ def sizes(tables: EnvTables) -> dict[str, int]:
 
 
 def bucket_sizes(size: Mapping[str, int]) -> dict[str, int]:
-  """Rounds the large dims (`BUCKETED`) up to powers of two."""
-  return {d: next_power_of_two(n) if d in BUCKETED else n for d, n in size.items()}
+  """`size` with the dims that vary between problems (`BUCKETED`) padded to their buckets."""
+  return buckets.bucket_sizes(size, BUCKETED)
 
 
 def _remap_slots(tables: EnvTables, size: Mapping[str, int]) -> np.ndarray:
@@ -497,23 +458,11 @@ def _pad_on_host(tables: EnvTables, size: Mapping[str, int]) -> EnvTables:
   """`pad`, as numpy arrays."""
 
   def padded(name: str, dims: tuple[str, ...], array) -> np.ndarray:
-    array = np.asarray(array)
-    if not dims:
-      return array
-    widths = [(0, size[d] - n) for d, n in zip(dims, array.shape)]
-    if any(w < 0 for _, w in widths):
-      raise ValueError(f"{name} of shape {array.shape} does not fit {[size[d] for d in dims]}.")
-    return np.pad(array, widths, constant_values=_FILL.get(name, 0))
+    return cost_padding.padded_array(name, dims, array, size, _FILL.get(name, 0))
 
   fields = {name: padded(name, dims, getattr(tables, name)) for name, dims in DIMS.items()}
   fields["slot_order"] = padded("slot_order", DIMS["slot_order"], _remap_slots(tables, size))
-  fields["cost"] = simulator.CostTables(
-    **{
-      f.name: padded(f.name, cost_dims(f.name, np.ndim(a)), a)
-      for f in dataclasses.fields(simulator.CostTables)
-      for a in [getattr(tables.cost, f.name)]
-    }
-  )
+  fields["cost"] = cost_padding.pad_tables(tables.cost, size)
   options = tables.pipeline
   if options is not None:
     size = {**size, "P": options.valid.shape[0]}

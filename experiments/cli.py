@@ -69,6 +69,11 @@ COMMANDS: dict[str, Command] = {
   "env": Command(
     "env_cmd", "EnvEpisodeConfig", "one random episode of the partitioning environment"
   ),
+  "bench buckets": Command(
+    "bench_buckets",
+    "BucketBenchConfig",
+    "how the task suite's problems share compiles (buckets, padding waste), and first calls",
+  ),
   "bench simulator": Command(
     "bench_cmd", "SimulatorBenchConfig", "simulator evaluations per second", run="run_simulator"
   ),

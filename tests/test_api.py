@@ -158,7 +158,7 @@ def test_command_line_reports_bad_input_without_a_traceback(capsys):
     (["partition", "--hardware", "v100"], "invalid choice 'v100' for argument '--hardware'"),
     (["partition", "--seed", "abc"], "Error parsing --seed"),
     (["partition", "--agent", "alphazero"], "invalid choice 'alphazero' for argument '--agent'"),
-    (["bench"], "bench needs one of: simulator, env, iopddl, pipeline, published, search"),
+    (["bench"], "bench needs one of: buckets, simulator, env, iopddl, pipeline, published, search"),
     (["frobnicate"], "unknown command 'frobnicate'"),
     (["validate", "--suite", "huge"], "invalid choice 'huge' for argument '--suite'"),
   ],

@@ -73,6 +73,39 @@ class Owners:
       num_axes=len(axis_sizes),
     )
 
+  def padded(
+    self, owners: int, slots: int, value_shape: tuple[int, int], op_shape: tuple[int, int]
+  ) -> Owners:
+    """These owners with `owners` rows of `slots` slots, for `value_shape` (signatures,
+    dims) value signatures and `op_shape` (signatures, factors) op signatures (each at
+    least its own): padded slots have no class, padded signatures and dims no owner, so
+    every resolution is the same on the real slots and leaves the padded ones unsharded."""
+
+    def pad(array: np.ndarray, shape: tuple[int, int], fill: int) -> np.ndarray:
+      widths = [(0, n - m) for n, m in zip(shape, array.shape)]
+      if any(w < 0 for _, w in widths):
+        raise ValueError(f"Owners of shape {array.shape} do not fit {shape}.")
+      return np.pad(array, widths, constant_values=fill)
+
+    return Owners(
+      classes=pad(self.classes, (owners, slots), -1),
+      divisible=pad(self.divisible, (owners, slots), 1),
+      value_owner=pad(self.value_owner, value_shape, -1),
+      value_slot=pad(self.value_slot, value_shape, 0),
+      op_owner=pad(self.op_owner, op_shape, -1),
+      op_slot=pad(self.op_slot, op_shape, 0),
+      num_axes=self.num_axes,
+    )
+
+
+# A pytree (`num_axes` static): jitted functions take owners as an argument, so owners of
+# one shape share a compile.
+jax.tree_util.register_dataclass(
+  Owners,
+  data_fields=["classes", "divisible", "value_owner", "value_slot", "op_owner", "op_slot"],
+  meta_fields=["num_axes"],
+)
+
 
 NO_SLOT_RANK = np.iinfo(
   np.int16
@@ -205,7 +238,7 @@ def _assign_packed(
   num_events, never = width * x, dec_class.shape[0]
   event_bits = max(num_events, 1).bit_length()
   first = _first_decisions(dec_class, dec_axis, num_classes, x)
-  times = first[np.where(owners.classes >= 0, owners.classes, num_classes)]  # [U, S, X, B]
+  times = first[jnp.where(owners.classes >= 0, owners.classes, num_classes)]  # [U, S, X, B]
   divisible = jnp.asarray(owners.divisible)
   none = (never << event_bits) | num_events  # Sorts after every event.
 
@@ -246,10 +279,10 @@ def _assign_packed(
   return jnp.stack(words)
 
 
-def _unpack(words: jax.Array, owner: np.ndarray, slot: np.ndarray, num_axes: int) -> jax.Array:
+def _unpack(words: jax.Array, owner: jax.Array, slot: jax.Array, num_axes: int) -> jax.Array:
   """Axis bit masks of the signature slots at (`owner`, `slot`) [N, R] (owner -1: none),
   int8 [N, R, B]."""
-  return packing.read(words, np.maximum(owner, 0), np.where(owner >= 0, slot, -1), num_axes)
+  return packing.read(words, jnp.maximum(owner, 0), jnp.where(owner >= 0, slot, -1), num_axes)
 
 
 @chex.dataclass(frozen=True)

@@ -1,0 +1,107 @@
+"""Buckets: tables padded to a few sizes price plans as the exact ones do, and problems of one
+bucket share every compile."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agents import base
+from automap_rl import buckets, sharding, workloads
+from automap_rl import mesh as mesh_lib
+from automap_rl import problem as problem_module
+from automap_rl.problem import Problem
+from automap_rl.workloads.suite import load_cases
+from envs import EnvConfig
+from experiments import bench_buckets
+
+
+@functools.cache
+def problem(model: str, mesh: str = "data=2,model=4") -> Problem:
+  return Problem.build(
+    workloads.make_workload(model, abstract=True).trace(), mesh_lib.make_mesh(mesh, "h100")
+  )
+
+
+@given(dim=st.sampled_from(["Uv", "E", "T", "Rv", "Rf", "S", "K"]), size=st.integers(1, 5000))
+def test_a_bucket_holds_its_size_and_is_its_own_bucket(dim, size):
+  padded = buckets.bucket(dim, size)
+  assert padded >= size
+  assert buckets.bucket(dim, padded) == padded
+  assert buckets.bucket(dim, size + 1) >= padded  # Monotone.
+  if dim in buckets.SMALL_DIMS:
+    assert padded % buckets.SMALL_STEP == 0 and padded - size < buckets.SMALL_STEP
+  else:
+    assert padded <= max(1.5 * size, buckets.LARGE_MINIMUM)
+
+
+def _random_plans(problem: Problem, count: int, seed: int) -> list[list[sharding.Decision]]:
+  rng = np.random.default_rng(seed)
+  classes, axes = len(problem.named.classes), problem.mesh.axis_names
+  return [
+    [
+      sharding.Decision(int(c), axes[int(a)])
+      for c, a in zip(rng.integers(0, classes, k), rng.integers(0, len(axes), k))
+    ]
+    for k in rng.integers(1, 3 * classes, count)
+  ]
+
+
+@pytest.mark.parametrize(
+  "model,mesh", [("gpt:layers=2", "data=2,model=4"), ("moe", "data=2,fsdp=2,model=2")]
+)
+def test_bucketed_tables_resolve_and_price_as_the_exact_ones(model, mesh):
+  p = problem(model, mesh)
+  plans = _random_plans(p, 12, seed=0)
+  exact_cost, exact_resolve = jax.jit(p.evaluate), jax.jit(p.resolve)
+  for plan, cost in zip(plans, p.costs(plans)):
+    encoded = p.encode_padded(plan)
+    resolution, want = p.resolution(plan), jax.device_get(exact_resolve(*encoded))
+    np.testing.assert_array_equal(resolution.value_mask, want.value_mask)
+    np.testing.assert_array_equal(resolution.op_mask, want.op_mask)
+    exact = jax.device_get(exact_cost(*encoded))
+    np.testing.assert_array_equal(cost.comm_bytes, exact.comm_bytes)
+    np.testing.assert_array_equal(cost.comm_count, exact.comm_count)
+    # Sums over padded rows of zeros may round in another order: within a few ulps.
+    for field in ("step_time", "compute_time", "comm_time", "peak_memory"):
+      np.testing.assert_allclose(getattr(cost, field), getattr(exact, field), rtol=1e-6)
+
+
+def test_problems_of_one_bucket_share_the_cost_and_environment_compiles():
+  # Two models (LSTMs of 2 and 3 layers) on two meshes.
+  first, second = (
+    problem("lstm:layers=2", "data=2,model=4"),
+    problem("lstm:layers=3", "data=4,model=2"),
+  )
+  config = EnvConfig(action_space="named_dims", max_axes=2, objective="time")
+  tables = [base.searcher(p, config).env.tables for p in (first, second)]
+  assert buckets.key(tables[0], first.bucketed) == buckets.key(tables[1], second.bucketed)
+  assert buckets.key(tables[0]) != buckets.key(base.Env.build(second, config).tables)  # Padded.
+  compiled = {
+    "costs": problem_module._costs.jitted()._cache_size,
+    "children": base._children.jitted()._cache_size,
+  }
+  first.costs(_random_plans(first, 3, seed=1))
+  base.searcher(first, config).children(base.searcher(first, config).root, [0, 1])
+  before = {name: size() for name, size in compiled.items()}
+  second.costs(_random_plans(second, 3, seed=1))
+  search = base.searcher(second, config)
+  search.children(search.root, [0, 1])
+  assert {name: size() for name, size in compiled.items()} == before
+
+
+def test_the_bucket_bench_checks_its_splits_and_permutes_meshes():
+  with pytest.raises(ValueError, match="unknown split 'dev'"):
+    bench_buckets.run(bench_buckets.BucketBenchConfig(splits=("dev",)))
+  case = next(c for c in load_cases("test") if c.mesh.count(",") == 2)
+  variants = bench_buckets.permuted_meshes(case)
+  assert case.mesh not in variants and len(variants) >= 1
+  names = [m.split("=")[0] for m in case.mesh.split(",")]
+  for mesh in variants:
+    assert [m.split("=")[0] for m in mesh.split(",")] == names
+    assert sorted(m.split("=")[1] for m in mesh.split(",")) == sorted(
+      m.split("=")[1] for m in case.mesh.split(",")
+    )
