@@ -9,7 +9,7 @@ With `--first-calls SPLIT`, each of that split's cases is timed twice, learned+g
 with nothing compiled in the process (`agents.base.release`; the persistent compilation
 cache as configured, so run with `--compilation-cache off` for an empty one), and after
 one call on another problem of its bucket (a case of the suite with another workload, or
-else its own workload on its mesh with the axis sizes permuted): the first call on a new
+else its own workload on a mesh of other axis sizes, `reshaped_meshes`): the first call on a new
 model once its bucket is compiled.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from typing import Any
 
@@ -60,12 +61,24 @@ def _check(config: BucketBenchConfig) -> None:
     raise ValueError(f"--budget must be at least 1, got {config.budget}")
 
 
-def permuted_meshes(case: Case) -> list[str]:
-  """The case's mesh spec with its axis sizes permuted (the names kept in order), other
-  than its own."""
-  names, sizes = zip(*(item.split("=") for item in case.mesh.split(",")))
-  specs = {",".join(f"{n}={s}" for n, s in zip(names, p)) for p in itertools.permutations(sizes)}
-  return sorted(specs - {case.mesh})
+def reshaped_meshes(case: Case) -> list[str]:
+  """The case's mesh spec with other axis sizes of the same product (powers of two, at
+  least 2 each; the names kept in order), nearest first: its axis sizes permuted, then
+  with a factor of 2 moved between two axes, and so on."""
+  names, sizes = zip(*((n, int(s)) for n, s in (item.split("=") for item in case.mesh.split(","))))
+  total = math.prod(sizes)
+  choices = [2**k for k in range(1, total.bit_length())]
+  out = {
+    shape
+    for shape in itertools.product(choices, repeat=len(names))
+    if math.prod(shape) == total and shape != sizes
+  }
+  distance = lambda shape: (
+    sorted(shape) != sorted(sizes),
+    sum(abs(math.log2(a) - math.log2(b)) for a, b in zip(shape, sizes)),
+    shape,
+  )
+  return [",".join(f"{n}={s}" for n, s in zip(names, shape)) for shape in sorted(out, key=distance)]
 
 
 def _problem(case: Case) -> Problem:
@@ -158,13 +171,13 @@ def _partner(
   case: Case, keys: dict[str, tuple], cases: dict[str, Case]
 ) -> tuple[str, Problem] | None:
   """Another problem of the case's bucket: a suite case with another workload, else the
-  case's workload on a permuted mesh."""
+  case's workload on a reshaped mesh (`reshaped_meshes`)."""
   own = keys.get(case.name)
   for name, key in keys.items():
     other = cases.get(name)
     if key == own and other is not None and other.workload != case.workload:
       return name, _problem(other)
-  for mesh in permuted_meshes(case):
+  for mesh in reshaped_meshes(case):
     variant = dataclasses.replace(case, name=f"{case.workload}@{mesh}", mesh=mesh)
     problem = _problem(variant)
     if own is None or _key(problem) == own:

@@ -93,15 +93,13 @@ def test_problems_of_one_bucket_share_the_cost_and_environment_compiles():
   assert {name: size() for name, size in compiled.items()} == before
 
 
-def test_the_bucket_bench_checks_its_splits_and_permutes_meshes():
+def test_the_bucket_bench_checks_its_splits_and_reshapes_meshes():
   with pytest.raises(ValueError, match="unknown split 'dev'"):
     bench_buckets.run(bench_buckets.BucketBenchConfig(splits=("dev",)))
-  case = next(c for c in load_cases("test") if c.mesh.count(",") == 2)
-  variants = bench_buckets.permuted_meshes(case)
-  assert case.mesh not in variants and len(variants) >= 1
-  names = [m.split("=")[0] for m in case.mesh.split(",")]
-  for mesh in variants:
-    assert [m.split("=")[0] for m in mesh.split(",")] == names
-    assert sorted(m.split("=")[1] for m in mesh.split(",")) == sorted(
-      m.split("=")[1] for m in case.mesh.split(",")
-    )
+  case = next(c for c in load_cases("external") if c.mesh == "data=4,model=4")
+  variants = bench_buckets.reshaped_meshes(case)
+  assert variants == ["data=2,model=8", "data=8,model=2"]  # Nearest first; none is its own.
+  three = bench_buckets.reshaped_meshes(
+    next(c for c in load_cases() if c.mesh == "data=2,fsdp=2,model=8")
+  )
+  assert len(three) == len(set(three)) > 2
