@@ -41,6 +41,7 @@ class BucketBenchConfig:
   Attributes:
     splits: the splits whose buckets are counted (and where partners are found).
     first_calls: the splits whose cases' first calls are timed (none: buckets only).
+    cases: only these cases' first calls (none: every case of `first_calls`).
     budget: the learned search's simulations.
     seed: the search's seed.
     json: where to write the figures.
@@ -48,6 +49,7 @@ class BucketBenchConfig:
 
   splits: tuple[str, ...] = SPLITS
   first_calls: tuple[str, ...] = ()
+  cases: tuple[str, ...] = ()
   budget: int = 64
   seed: int = 0
   json: JsonPath = None
@@ -57,6 +59,9 @@ def _check(config: BucketBenchConfig) -> None:
   for split in (*config.splits, *config.first_calls):
     if split not in SPLITS:
       raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+  unknown = set(config.cases) - {c.name for split in config.first_calls for c in load_cases(split)}
+  if unknown:
+    raise ValueError(f"--cases not in the --first-calls splits: {', '.join(sorted(unknown))}")
   if config.budget < 1:
     raise ValueError(f"--budget must be at least 1, got {config.budget}")
 
@@ -137,7 +142,12 @@ def run(config: BucketBenchConfig) -> dict[str, Any]:
       f"{split}: {s['cases']} cases in {s['buckets']} buckets; padding waste median "
       f"{s['waste_median']:.2f}, largest {s['waste_max']:.2f}"
     )
-  firsts = [c for split in config.first_calls for c in load_cases(split)]
+  firsts = [
+    c
+    for split in config.first_calls
+    for c in load_cases(split)
+    if not config.cases or c.name in config.cases
+  ]
   cache = compilation_cache.directory()
   if firsts:
     print(f"first calls, learned+gumbel@{config.budget}; persistent cache: {cache or 'off'}")
