@@ -542,6 +542,47 @@ def test_the_shared_best_plan_reaches_the_other_workers_only():
   assert shared.newer(version, worker=1) is None
 
 
+def test_a_line_meets_the_other_lines_best_plan_at_its_next_crossover():
+  """A cheaper plan of another search becomes the line's best and the line's own best is kept
+  to merge; a dearer one is kept to merge and the best stays; a line's own plan is neither."""
+  import multiprocessing
+
+  from automap_rl.solver.local import GroupPlan
+  from automap_rl.solver.mip import group_cost
+  from automap_rl.solver.search import Problem, Search
+  from automap_rl.solver.supervise import SharedBest
+
+  graph = binding_chain()
+  reduced, layout = solver_views(graph)
+  plans = []
+  for start in (0, 1):
+    plan = GroupPlan(layout, np.full(reduced.num_groups, start, dtype=np.int64))
+    assert plan.repair(max_switches=200)
+    plan.descend(np.arange(reduced.num_groups))
+    plans.append(plan.choice)
+  costs = [group_cost(reduced, plan) for plan in plans]
+  cheap, dear = np.argsort(costs)
+  assert costs[cheap] < costs[dear]
+  shared = SharedBest(multiprocessing.get_context("fork"), reduced.num_groups)
+  problem = Problem(graph, reduced, layout.memory, layout, time.monotonic())
+  search = Search(problem, time.monotonic() + 10, 0, Limits(), shared=shared, worker=1)
+  assert search.offer(plans[dear], "test")
+  shared.publish(plans[cheap], costs[cheap], worker=0)
+  search.meet()
+  assert search.best_cost == costs[cheap] and np.array_equal(search.best, plans[cheap])
+  assert np.array_equal(search.met, plans[dear])
+  search.met = None
+  search.meet()
+  assert search.met is None  # nothing newer
+  shared.publish(plans[dear], costs[dear], worker=0)
+  search.meet()
+  assert search.best_cost == costs[cheap] and np.array_equal(search.met, plans[dear])
+  search.met = None
+  shared.publish(plans[dear], costs[dear], worker=1)
+  search.meet()
+  assert search.met is None  # its own plan
+
+
 def test_bench_reports_why_an_instance_has_no_plan(tmp_path, monkeypatch):
   from automap_rl.solver import bench_iopddl
 

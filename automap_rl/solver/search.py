@@ -164,7 +164,8 @@ class Search:
   """State shared by the stages: the problem views, the best plan, the log.
 
   In worker number `worker`, `channel` carries each better plan to the supervisor and
-  `shared` holds the best plan of all searches, adopted between neighbourhood steps."""
+  `shared` holds the best plan of all searches, met between pricing rounds once the line has
+  a decoded plan within the limit (`meet`) and adopted between neighbourhood steps."""
 
   def __init__(
     self,
@@ -203,6 +204,7 @@ class Search:
     self.lower_bound: float | None = None
     self.crossover_seconds = _CROSSOVER_SECONDS
     self.parents = _FIRST_PARENTS
+    self.met: np.ndarray | None = None  # another line's best (or this one's, replaced by it)
     self.small = len(self.reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
 
   def elapsed(self) -> float:
@@ -241,6 +243,22 @@ class Search:
     elif cost < cheapest and self.progress is not None:
       self.progress(self.elapsed(), cost, stage)
     return True
+
+  def meet(self) -> None:
+    """Meets the best plan of all searches once another search has found a newer one: takes it
+    if it beats this line's best, and keeps the other of the two for the line's next crossover
+    to merge with its best (the two lines price differently, so their best plans differ where
+    a merge can mix them)."""
+    newer = None if self.shared is None else self.shared.newer(self.seen_version, self.worker)
+    if newer is None:
+      return
+    self.seen_version, choice, cost = newer
+    if choice is None or self.best is None:
+      return
+    if cost < self.best_cost:
+      self.met, self.best, self.best_cost = self.best, choice, cost
+    else:
+      self.met = choice
 
   def adopt(self) -> None:
     """Takes the best plan of all searches if another search found it and it beats this one's."""
@@ -300,9 +318,11 @@ class Search:
     (without `patience`: until the line stalls, `_Merges.stalled`). Once `self.parents` plans
     were decoded since the last crossover, the best plan is crossed with them; every
     `budget_every` rounds (and until there is a best plan) a plan is also decoded within a
-    usage budget (repaired if it overshoots). Other searches' plans are not adopted here: a
-    crossover improves plans of its own line only (on K, a repaired plan adopted mid-pricing
-    left 7 of 9 crossovers without gain)."""
+    usage budget (repaired if it overshoots). Once a decoded plan has fitted, a newer best plan
+    of another search is met (`meet`): the next crossover merges it and the line's best, the
+    cheaper of the two as its base. Adopted outright instead, such a plan left 7 of 9 of K's
+    crossovers without gain (a crossover mixes only the line's own decoded plans), and without
+    either the trailing line of N gained nothing after its 35th second of 180."""
     reduced, memory = self.reduced, self.memory
     dual = Dual(reduced, memory)
     prices = np.zeros(memory.num_segments)
@@ -315,6 +335,8 @@ class Search:
       and (rounds - last_better < patience if patience is not None else not merges.stalled())
     ):
       self.limits.check("pricing")
+      if fitted:
+        self.meet()
       best_before = self.best_cost
       dual.set_prices(prices)
       dual.sweep(forward=rounds % 2 == 0)
@@ -396,10 +418,11 @@ class Search:
       self.reduced,
       self.memory,
       self.best,
-      others[: self.parents],
+      ([] if self.met is None else [self.met]) + others[: self.parents],
       time_limit=time_limit,
       seed=self.seed + len(self.log),
     )
+    self.met = None
     took = time.monotonic() - started
     if took >= 0.9 * time_limit:
       self.crossover_seconds = min(2 * self.crossover_seconds, max(left / 3, _CROSSOVER_SECONDS))

@@ -28,9 +28,10 @@
 One search's stages are `search.Search`; with `workers` >= 1 the searches run in forked
 processes after the reduction (`supervise`), each with its own seed and role (`ROLES`): two
 lines of pricing and crossover as above, with different price schedules (their plans differ,
-so the two lines explore different plans; a line adopts no other plan, since a crossover
-improves only plans of its own line), whose final neighbourhoods start from the best plan
-either has found (the supervisor publishes each new best).
+so the two lines explore different plans; once its decoded plans fit, a line's next crossover
+merges the other line's newer best plan with its own, keeping the cheaper as the base),
+whose final neighbourhoods start from the best plan either has found (the supervisor
+publishes each new best).
 Until its decoded plans fit, the second line also repairs them (`GroupPlan.repair`):
 plans within the limit in seconds where pricing has none yet, kept apart from
 its crossovers. The
