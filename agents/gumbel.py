@@ -239,7 +239,7 @@ class _Nodes:
   action: jax.Array
 
 
-@functools.partial(SearchJit, calls="few", static_argnames=("config", "env_config"))
+@functools.partial(SearchJit, calls="many", static_argnames=("config", "env_config"))
 def _search_step(
   params,
   embeddings,
@@ -279,7 +279,7 @@ def _search_step(
   )
 
 
-@functools.partial(SearchJit, calls="few", static_argnames="network", keep_unused=True)
+@functools.partial(SearchJit, calls="many", static_argnames="network", keep_unused=True)
 def _placeholder(
   network: Network, params: chex.ArrayTree, tables: EnvTables, state: State
 ) -> Embeddings:
@@ -323,7 +323,7 @@ def compile_ahead(
   return _COMPILER.submit(search_nothing)
 
 
-@functools.partial(SearchJit, calls="few", static_argnames="network")
+@functools.partial(SearchJit, calls="many", static_argnames="network")
 def encode(network: Network, params: chex.ArrayTree, tables: EnvTables, state: State) -> Embeddings:
   """The embeddings of one program (from any of its states), jitted once per network."""
   return network.encode(params, static_graph(tables, state))

@@ -175,7 +175,7 @@ class GreedyPath:
   best_length: jax.Array
 
 
-@functools.partial(SearchJit, calls="few", static_argnames=("network", "env_config"))
+@functools.partial(SearchJit, calls="many", static_argnames=("network", "env_config"))
 def greedy_path(
   network: Network,
   env_config: EnvConfig,
