@@ -52,7 +52,7 @@ from agents.network import Embeddings, Network, state_features
 from automap_rl import tactics
 from automap_rl.compile_options import SearchJit
 from automap_rl.problem import Problem
-from envs import EnvConfig, State, core
+from envs import Env, EnvConfig, State, core
 from envs.tables import EnvTables
 
 DEFAULT_CHECKPOINT = os.path.join(
@@ -131,13 +131,13 @@ def load_network(path: str | None) -> Network:
   return Network(checkpoint.read_network(policy_path(path)))
 
 
-def tables_of(problem: Problem, config: LearnedConfig = LearnedConfig()) -> tuple:
-  """The bucket-padded tables the learned agent's compiles take on `problem`: its
-  environment's (`Searcher`) and the problem's own (`Problem.bucketed`). Problems whose
-  tables have one `automap_rl.buckets.key` share every compile."""
+def searched_env(problem: Problem, config: LearnedConfig = LearnedConfig()) -> Env:
+  """The bucket-padded environment the learned agent searches on `problem` (its
+  `Searcher`'s). Problems whose environment tables and `Problem.bucketed` have one
+  `automap_rl.buckets.key` share every compile of the learned search."""
   pipelines = load_network(config.checkpoint).config.pipelines
   search_, _, _ = start(problem, config.action_space, config.max_decisions, 1, None, pipelines)
-  return search_.env.tables, problem.bucketed
+  return search_.env
 
 
 def load_policy(path: str | None, tables: EnvTables, root: State) -> tuple[Network, chex.ArrayTree]:

@@ -3,7 +3,8 @@
 Every jitted function of a search takes its problem's tables as arguments, padded to
 buckets (`automap_rl.buckets`): problems whose padded tables have one shape share each
 compile. For each split this counts the buckets of the learned agent's tables
-(`agents.learned.tables_of`) and the padding waste (padded over real entries, per case).
+(`agents.learned.searched_env`, `Problem.bucketed`) and the padding waste (padded over
+real entries, per case).
 
 With `--first-calls SPLIT`, each of that split's cases is timed twice, learned+gumbel@N:
 with nothing compiled in the process (`agents.base.release`; the persistent compilation
@@ -92,20 +93,13 @@ def _problem(case: Case) -> Problem:
 
 
 def _key(problem: Problem) -> tuple:
-  return buckets.key(*learned.tables_of(problem))
+  return buckets.key(learned.searched_env(problem).tables, problem.bucketed)
 
 
 def _waste(problem: Problem) -> float:
-  env_tables, bucketed = learned.tables_of(problem)
-  exact = Env.build(problem, env_tables_config(problem)).tables
-  return buckets.waste((exact, problem.owners, problem.tables), (env_tables, bucketed))
-
-
-def env_tables_config(problem: Problem):
-  """The learned agent's environment configuration on `problem`."""
-  config = LearnedConfig()
-  pipelines = learned.load_network(config.checkpoint).config.pipelines
-  return base.env_config(problem, config.action_space, config.max_decisions, pipelines)
+  env = learned.searched_env(problem)
+  exact = Env.build(problem, env.config).tables
+  return buckets.waste((exact, problem.owners, problem.tables), (env.tables, problem.bucketed))
 
 
 def _timed(problem: Problem, config: BucketBenchConfig) -> tuple[float, float]:
@@ -142,6 +136,7 @@ def run(config: BucketBenchConfig) -> dict[str, Any]:
       f"{split}: {s['cases']} cases in {s['buckets']} buckets; padding waste median "
       f"{s['waste_median']:.2f}, largest {s['waste_max']:.2f}"
     )
+  by_name = {c.name: c for c in load_cases()}
   firsts = [
     c
     for split in config.first_calls
@@ -153,7 +148,7 @@ def run(config: BucketBenchConfig) -> dict[str, Any]:
     print(f"first calls, learned+gumbel@{config.budget}; persistent cache: {cache or 'off'}")
   for case in tqdm(firsts, desc="first calls", leave=False):
     rows.setdefault(case.name, {"split": case.split})
-    rows[case.name].update(_first_calls(case, keys, config))
+    rows[case.name].update(_first_calls(case, keys, by_name, config))
     row = rows[case.name]
     print(
       f"  {case.name}: nothing compiled {row['cold_s']:.2f} s; after {row['partner']}: "
@@ -195,8 +190,9 @@ def _partner(
   return None
 
 
-def _first_calls(case: Case, keys: dict[str, tuple], config: BucketBenchConfig) -> dict[str, Any]:
-  cases = {c.name: c for c in load_cases()}
+def _first_calls(
+  case: Case, keys: dict[str, tuple], cases: dict[str, Case], config: BucketBenchConfig
+) -> dict[str, Any]:
   problem = _problem(case)
   base.release()
   cold_s, objective = _timed(problem, config)
