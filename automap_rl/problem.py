@@ -131,7 +131,7 @@ class Problem:
     rows = [_padded(e, length) for e in encoded]
     rows += [rows[0]] * (next_power_of_two(len(rows), 8) - len(rows))
     classes, axes = (np.stack(column) for column in zip(*rows))
-    batch = jax.device_get(_costs(self.bucketed, classes, axes))
+    batch = jax.device_get(bucketed_costs(self.bucketed, classes, axes))
     return [jax.tree.map(lambda x, i=i: x[i], batch) for i in range(len(plans))]
 
   def cost_terms(self, decisions: Sequence[sharding.Decision]) -> simulator.CostTerms:
@@ -233,8 +233,11 @@ jax.tree_util.register_dataclass(
 
 
 @functools.partial(SearchJit, calls="many")  # The ILP agent's descent calls it in a loop.
-def _costs(bucketed: BucketedTables, dec_class: jax.Array, dec_axis: jax.Array) -> simulator.Cost:
-  """The cost of each of a batch of encoded plans, int32 [N, K] each."""
+def bucketed_costs(
+  bucketed: BucketedTables, dec_class: jax.Array, dec_axis: jax.Array
+) -> simulator.Cost:
+  """The cost of each of a batch of encoded plans, int32 [N, K] each, on a problem's
+  bucketed tables (`Problem.bucketed`): one compile serves every problem of the bucket."""
   evaluate = functools.partial(
     simulator.evaluate, bucketed.tables, bucketed.owners, bucketed.num_classes
   )

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
 import jax.numpy as jnp
 
 from automap_rl.problem import Problem
+from envs import core
 from envs.config import EnvConfig
 from envs.env import Env
+from envs.tables import EnvTables
 
 
 def random_actions(key: jax.Array, legal: jax.Array) -> jax.Array:
@@ -21,28 +24,33 @@ def random_actions(key: jax.Array, legal: jax.Array) -> jax.Array:
   return jnp.argmax(jnp.cumsum(legal, axis=-1) > k[..., None], axis=-1).astype(jnp.int32)
 
 
-def _rollout(env: Env, batch: int | None, steps: int):
-  """A jitted function running `steps` random steps from `init`, restarting finished episodes."""
+def random_steps(env: Env, batch: int | None, steps: int, tables_as_argument: bool):
+  """A jitted function of a key running `steps` random steps from `init`, restarting
+  finished episodes. `tables_as_argument`: the environment's tables are the jitted
+  function's argument (as searches pass them, so that problems of a bucket share the
+  compile), else constants compiled into it."""
 
-  def one_step(carry, key):
-    state, fresh = carry
-    act_key, _ = jax.random.split(key)
-    state = env.step(state, random_actions(act_key, state.legal_action_mask))
-    done = state.terminated | state.truncated
-    state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, state)
-    return (state, fresh), None
+  def run(tables: EnvTables, key: jax.Array) -> jax.Array:
+    def one_step(carry, key):
+      state, fresh = carry
+      act_key, _ = jax.random.split(key)
+      state = core.step(env.config, tables, state, random_actions(act_key, state.legal_action_mask))
+      done = state.terminated | state.truncated
+      state = jax.tree.map(lambda a, b: jnp.where(done, a, b), fresh, state)
+      return (state, fresh), None
 
-  step_fn = one_step if batch is None else jax.vmap(one_step, in_axes=((0, 0), 0))
-
-  @jax.jit
-  def run(key):
+    step_fn = one_step if batch is None else jax.vmap(one_step, in_axes=((0, 0), 0))
+    init = functools.partial(core.init, env.config, tables)
     init_keys = jax.random.split(key, 1 if batch is None else batch)
-    fresh = env.init(init_keys[0]) if batch is None else jax.vmap(env.init)(init_keys)
+    fresh = init(init_keys[0]) if batch is None else jax.vmap(init)(init_keys)
     keys = jax.random.split(key, steps if batch is None else (steps, batch))
     (state, _), _ = jax.lax.scan(step_fn, (fresh, fresh), keys)
     return state.objective
 
-  return run
+  if tables_as_argument:
+    compiled = jax.jit(run)
+    return lambda key: compiled(env.tables, key)
+  return jax.jit(functools.partial(run, env.tables))
 
 
 def _rate(run, steps: int, seconds: float) -> float:
@@ -62,11 +70,14 @@ def bench_env(
   seconds: float = 5.0,
   config: EnvConfig = EnvConfig(),
   single: bool = True,
+  bucketed: bool = False,
 ) -> dict:
   """Random-agent environment steps per second, after warm-up, of `batch` envs (a vmapped
   scan) and, if `single`, of one env (a jitted scan), each measured for about `seconds`.
-  Episodes that end restart from the replicated plan."""
-  env = Env.build(problem, config)
+  Episodes that end restart from the replicated plan. `bucketed`: the tables padded to
+  their buckets and passed as arguments, as the searches run them; else exact-size tables
+  compiled in as constants."""
+  env = Env.build(problem, config, bucket=bucketed)
   single_steps, batched_steps = 256, 16
   out = {
     "reward": config.reward,
@@ -74,9 +85,11 @@ def bench_env(
     "num_actions": env.num_actions,
     "batch": batch,
     "steps_per_second_batched": _rate(
-      _rollout(env, batch, batched_steps), batched_steps * batch, seconds
+      random_steps(env, batch, batched_steps, bucketed), batched_steps * batch, seconds
     ),
   }
   if single:
-    out["steps_per_second_single"] = _rate(_rollout(env, None, single_steps), single_steps, seconds)
+    out["steps_per_second_single"] = _rate(
+      random_steps(env, None, single_steps, bucketed), single_steps, seconds
+    )
   return out

@@ -1,6 +1,10 @@
 """`automap-rl bench simulator|env ...`: throughput benchmarks, ratios measured in one run.
 
-Each prints the headline figures of one workload on one mesh, then how the time per
+Each prints the headline figures of one workload on one mesh; the batched figure is
+measured `--repeats` times, alternating the tables as every problem compiled them before
+buckets (exact sizes, compiled in as constants) with the tables as searches now run them
+(padded to their buckets, passed as arguments: `automap_rl.buckets`), and the median ratio
+of the two is the cost of sharing compiles. Then how the time per
 evaluation (step) grows with the program's size (ops, at the headline mesh) and with the
 mesh's (devices, at the headline workload), as a table and, with `--plot`, a log-log plot.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +24,7 @@ import jax.numpy as jnp
 
 from automap_rl import workloads
 from automap_rl.mesh import make_mesh
-from automap_rl.problem import Problem
+from automap_rl.problem import Problem, bucketed_costs
 from envs.bench import bench_env
 from envs.config import EnvConfig
 from experiments.cli import write_json
@@ -53,6 +58,7 @@ class EnvBenchConfig:
     scale_meshes: meshes of the mesh-size scaling rows (at `workload`).
     scale_seconds: how long to time each scaling row (batched only).
     plot: where to draw the scaling plot.
+    repeats: batched measurements of exact and of bucketed tables, alternating.
   """
 
   workload: Workload = "gpt:layers=12"
@@ -66,6 +72,7 @@ class EnvBenchConfig:
   scale_meshes: tuple[str, ...] = SCALE_MESHES
   scale_seconds: float = 1.0
   plot: PlotPath = None
+  repeats: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +122,22 @@ def _size(problem: Problem) -> dict[str, Any]:
 
 
 def simulator_rates(
-  problem: Problem, config: SimulatorBenchConfig, seconds: float, single: bool
+  problem: Problem,
+  config: SimulatorBenchConfig,
+  seconds: float,
+  single: bool,
+  bucketed: bool = False,
 ) -> dict[str, float]:
   """Evaluations (resolution and simulation) per second of `config.batch` random plans
-  per vmapped call and, if `single`, of one plan per call."""
+  per vmapped call and, if `single`, of one plan per call (exact tables). `bucketed`: the
+  batch on the problem's bucketed tables, passed as arguments (`bucketed_costs`, as
+  `Problem.costs` runs it); else on exact tables compiled in."""
   classes, axes = random_plans(problem, jax.random.key(config.seed), config.batch, config.decisions)
-  batched = jax.jit(jax.vmap(problem.evaluate))
+  if bucketed:
+    tables = problem.bucketed
+    batched = lambda c, a: bucketed_costs(tables, c, a)
+  else:
+    batched = jax.jit(jax.vmap(problem.evaluate))
   out = {
     "per_second_batched": config.batch * calls_per_second(lambda: batched(classes, axes), seconds)
   }
@@ -231,6 +248,30 @@ def _finish(
   return result
 
 
+def tables_ab(rate: Callable[[bool], float], repeats: int) -> dict[str, Any]:
+  """`rate(bucketed)` measured `repeats` times each, exact then bucketed in turn: the
+  rates, their medians and the median of the per-pair ratios, bucketed over exact."""
+  exact, bucketed = [], []
+  for _ in range(repeats):
+    exact.append(rate(False))
+    bucketed.append(rate(True))
+  ratios = [b / e for e, b in zip(exact, bucketed)]
+  out = {
+    "exact": exact,
+    "bucketed": bucketed,
+    "bucketed_over_exact": statistics.median(ratios),
+    "ratio_range": [min(ratios), max(ratios)],
+  }
+  low, high = out["ratio_range"]
+  print(
+    f"exact tables {statistics.median(exact):,.0f}/s, "
+    f"bucketed {statistics.median(bucketed):,.0f}/s: bucketed / exact "
+    f"{out['bucketed_over_exact']:.3f} (pairs {low:.3f}-{high:.3f}, {repeats} alternating)",
+    flush=True,
+  )
+  return out
+
+
 def run_simulator(config: SimulatorBenchConfig) -> dict[str, Any]:
   """Cost evaluations per second, one plan per call and a vmapped batch per call, then the
   scaling rows."""
@@ -244,6 +285,12 @@ def run_simulator(config: SimulatorBenchConfig) -> dict[str, Any]:
     **_size(problem),
     "evals_per_second_single": rates["per_second_single"],
     "evals_per_second_batched": rates["per_second_batched"],
+    "tables": tables_ab(
+      lambda bucketed: simulator_rates(problem, config, config.seconds, False, bucketed)[
+        "per_second_batched"
+      ],
+      config.repeats,
+    ),
   }
   result["scaling"] = _scaling(
     lambda p: simulator_rates(p, config, config.scale_seconds, single=False)["per_second_batched"],
@@ -276,6 +323,12 @@ def run_env(config: EnvBenchConfig) -> dict[str, Any]:
     result["steps_per_second_batched_terminal"] / result["steps_per_second_batched_shaped"]
   )
   terminal = dataclasses.replace(env_config, reward="terminal")
+  result["tables"] = tables_ab(
+    lambda bucketed: bench_env(
+      problem, config.batch, config.seconds, terminal, single=False, bucketed=bucketed
+    )["steps_per_second_batched"],
+    config.repeats,
+  )
   result["scaling"] = _scaling(
     lambda p: bench_env(p, config.batch, config.scale_seconds, terminal, single=False)[
       "steps_per_second_batched"

@@ -212,10 +212,13 @@ def evaluate_case(
   Each method's `seconds` are those of its first call on the problem, as for a user's
   first call on a new model: compiled environments and searches are released before it
   (`agents.base.release`), so its environment's build and every compile it needs count,
-  and no method inherits another's. The reference is then called again, its compiles
-  cached (`compiled_seconds`, the same plan). Each equal-time method runs twice: a first
-  call given the reference's seconds (`mcts@=R`), then, compiled, its compiled seconds
-  (`mcts@=R, compiled`): at equal time with compiles counted, and with them cached.
+  and no method inherits another's. The reference runs first, then again, its compiles
+  cached (`compiled_seconds`, the same plan). Each equal-time method runs next, twice: a
+  first call given the reference's seconds (`mcts@=R`), then, compiled, its compiled
+  seconds (`mcts@=R, compiled`): at equal time with compiles counted, and with them
+  cached. They run before the other methods, so that neither side finds programs of this
+  problem that another method put in the persistent compilation cache (programs of
+  earlier problems of its bucket it may find, as a user's process would).
   """
   search = searcher(problem, env_config(problem, "groups", LearnedConfig.max_decisions))
   expert = tactics.best_expert_plan(problem)
@@ -230,17 +233,18 @@ def evaluate_case(
     "methods": {},
   }
   methods_ = case["methods"]
-  for method, fn in run.items():
-    release()
-    methods_[method] = _call(fn, problem)
-    if timed and method == reference_method:
-      methods_[method]["compiled_seconds"] = _call(fn, problem)["seconds"]
   if timed:
-    reference_figures = methods_[reference_method]
+    release()
+    reference_figures = methods_[reference_method] = _call(run[reference_method], problem)
+    reference_figures["compiled_seconds"] = _call(run[reference_method], problem)["seconds"]
     for method, fn in timed.items():
       release()
       methods_[method] = _call(fn, problem, reference_figures["seconds"])
       methods_[method + COMPILED] = _call(fn, problem, reference_figures["compiled_seconds"])
+  for method, fn in run.items():
+    if method not in methods_:
+      release()
+      methods_[method] = _call(fn, problem)
   fitting = {m: r["objective"] for m, r in methods_.items() if r["fits"]}
   if not expert_fits and fitting:
     case["yardstick"] = min(fitting, key=fitting.get)

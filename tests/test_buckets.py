@@ -16,6 +16,7 @@ from automap_rl import problem as problem_module
 from automap_rl.problem import Problem
 from automap_rl.workloads.suite import load_cases
 from envs import EnvConfig
+from envs import bench as env_bench
 from experiments import bench_buckets
 
 
@@ -81,7 +82,7 @@ def test_problems_of_one_bucket_share_the_cost_and_environment_compiles():
   assert buckets.key(tables[0], first.bucketed) == buckets.key(tables[1], second.bucketed)
   assert buckets.key(tables[0]) != buckets.key(base.Env.build(second, config).tables)  # Padded.
   compiled = {
-    "costs": problem_module._costs.jitted()._cache_size,
+    "costs": problem_module.bucketed_costs.jitted()._cache_size,
     "children": base._children.jitted()._cache_size,
   }
   first.costs(_random_plans(first, 3, seed=1))
@@ -103,3 +104,19 @@ def test_the_bucket_bench_checks_its_splits_and_reshapes_meshes():
     next(c for c in load_cases() if c.mesh == "data=2,fsdp=2,model=8")
   )
   assert len(three) == len(set(three)) > 2
+
+
+@pytest.mark.parametrize("batch", [None, 4])
+def test_random_episodes_on_bucketed_tables_end_where_the_exact_ones_do(batch):
+  # The throughput bench's A/B: the k-th legal action is the same move on padded tables
+  # (padded targets are never legal, stop stays last), so one key plays one episode.
+  p, config = problem("gpt:layers=2"), EnvConfig(reward="shaped")
+  exact, padded = (base.Env.build(p, config, bucket=b) for b in (False, True))
+  assert padded.num_actions > exact.num_actions
+  key = jax.random.key(3)
+  objectives = [
+    np.asarray(env_bench.random_steps(env, batch, 6, tables_as_argument=b)(key))
+    for env, b in ((exact, False), (padded, True))
+  ]
+  np.testing.assert_allclose(*objectives, rtol=1e-6)
+  assert np.all(objectives[0] != 1.0) and len(np.unique(objectives[0])) == (batch or 1)

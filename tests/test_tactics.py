@@ -222,7 +222,7 @@ def test_every_expert_tactic_changes_the_plan_of_every_transformer_family(spec):
 
 def test_expert_costs_are_evaluated_together_with_one_compile(problems):
   problem = problems["flax"]
-  compiled = problem_module._costs.jitted()._cache_size
+  compiled = problem_module.bucketed_costs.jitted()._cache_size
   before = compiled()
   evaluated = tactics.applicable_costs(problem)
   lengths = {len(problem.encode(plan)[0]) for plan, _ in evaluated.values()}
