@@ -20,23 +20,29 @@ from automap_rl.batching import next_power_of_two
 
 # Dims that stay small (dims of one value, factors of one op, slots of one owner, factors
 # of one value dim, combining loop groups) round up to a multiple of `SMALL_STEP`; the
-# others to the ladder 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5 times them: at
-# most a third of a dim padding, where a power of two alone pads up to half; a table over
-# two or three such dims pays the product), at least `LARGE_MINIMUM` (so that a few rows
-# more or less, of memory probes or targets, do not split a bucket).
+# others to the ladder 16, 20, 24, 28, 32, 40, 48, 56, 64, ... (`RUNGS` rungs an octave,
+# 2**k times 1, 1.25, 1.5 and 1.75: at most a fifth of a padded dim is padding, where
+# powers of two alone pad up to half and a table over two or three such dims pays the
+# product; the computations over the tables run in time about proportional to their
+# entries), at least `LARGE_MINIMUM` (so that a few rows more or less, of memory probes
+# or targets, do not split a bucket). Problems of one structure share a bucket at any
+# rung count; more rungs would split few buckets more and pad less.
 SMALL_STEP = 2
 SMALL_DIMS = frozenset({"Rv", "Rf", "S", "D", "K"})
 LARGE_MINIMUM = 16
+RUNGS = 4
 
 
 def bucket(dim: str, size: int) -> int:
   """The padded size of a `size`-entry dim named `dim`: a multiple of `SMALL_STEP` (at
-  least one step) for `SMALL_DIMS`, else the smallest rung of the ladder (`2**k` or
-  `3 * 2**(k - 1)`) at or above it, at least `LARGE_MINIMUM`."""
+  least one step) for `SMALL_DIMS`, else the smallest rung of the ladder (`2**k * (1 +
+  j / RUNGS)`, j below `RUNGS`) at or above it, at least `LARGE_MINIMUM`."""
   if dim in SMALL_DIMS:
     return SMALL_STEP * max(1, -(-size // SMALL_STEP))
-  power = next_power_of_two(size, LARGE_MINIMUM)
-  return 3 * power // 4 if 3 * power // 4 >= max(size, LARGE_MINIMUM) else power
+  size = max(size, LARGE_MINIMUM)
+  power = next_power_of_two(size)
+  step = power // (2 * RUNGS)
+  return -(-size // step) * step
 
 
 def bucket_sizes(sizes: Mapping[str, int], dims: frozenset[str] | None = None) -> dict[str, int]:

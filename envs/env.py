@@ -39,7 +39,7 @@ class Env:
 
   @classmethod
   def build(cls, problem: Problem, config: EnvConfig = EnvConfig(), bucket: bool = False) -> Env:
-    """Builds the tables; `bucket` pads them to power-of-two sizes (see `tables.bucket_sizes`)."""
+    """Builds the tables; `bucket` pads them to their buckets (see `tables.bucket_sizes`)."""
     targets = actions.targets(problem, config.action_space)
     if not targets:
       raise ValueError(

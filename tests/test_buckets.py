@@ -36,7 +36,7 @@ def test_a_bucket_holds_its_size_and_is_its_own_bucket(dim, size):
   if dim in buckets.SMALL_DIMS:
     assert padded % buckets.SMALL_STEP == 0 and padded - size < buckets.SMALL_STEP
   else:
-    assert padded <= max(1.5 * size, buckets.LARGE_MINIMUM)
+    assert padded <= max((1 + 1 / buckets.RUNGS) * size, buckets.LARGE_MINIMUM)
 
 
 def _random_plans(problem: Problem, count: int, seed: int) -> list[list[sharding.Decision]]:
