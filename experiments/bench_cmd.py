@@ -74,6 +74,10 @@ class EnvBenchConfig:
   plot: PlotPath = None
   repeats: int = 3
 
+  def __post_init__(self):
+    if self.repeats < 1:
+      raise ValueError(f"repeats={self.repeats}: the exact and bucketed tables need a run each.")
+
 
 @dataclasses.dataclass(frozen=True)
 class SimulatorBenchConfig(EnvBenchConfig):

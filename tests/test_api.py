@@ -161,6 +161,7 @@ def test_command_line_reports_bad_input_without_a_traceback(capsys):
     (["bench"], "bench needs one of: buckets, simulator, env, iopddl, pipeline, published, search"),
     (["frobnicate"], "unknown command 'frobnicate'"),
     (["validate", "--suite", "huge"], "invalid choice 'huge' for argument '--suite'"),
+    (["bench", "env", "--repeats", "0"], "repeats=0: the exact and bucketed tables need a run"),
   ],
 )
 def test_bad_options_give_one_line_and_exit_2(capsys, argv, message):
