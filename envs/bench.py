@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,32 +65,42 @@ def _rate(run, steps: int, seconds: float) -> float:
       return calls * steps / elapsed
 
 
+BATCHED_STEPS, SINGLE_STEPS = 16, 256  # Random steps per jitted call.
+
+
+def batched_rate(
+  problem: Problem, batch: int, config: EnvConfig, bucketed: bool
+) -> Callable[[float], float]:
+  """A function of seconds that measures steps per second of `batch` envs (a vmapped scan)
+  for about that long, its environment built and its rollout compiled once. `bucketed`:
+  the tables padded to their buckets and passed as arguments, as the searches run them;
+  else exact-size tables compiled in as constants."""
+  run = random_steps(Env.build(problem, config, bucket=bucketed), batch, BATCHED_STEPS, bucketed)
+  return lambda seconds: _rate(run, BATCHED_STEPS * batch, seconds)
+
+
 def bench_env(
   problem: Problem,
   batch: int = 256,
   seconds: float = 5.0,
   config: EnvConfig = EnvConfig(),
   single: bool = True,
-  bucketed: bool = False,
 ) -> dict:
   """Random-agent environment steps per second, after warm-up, of `batch` envs (a vmapped
-  scan) and, if `single`, of one env (a jitted scan), each measured for about `seconds`.
-  Episodes that end restart from the replicated plan. `bucketed`: the tables padded to
-  their buckets and passed as arguments, as the searches run them; else exact-size tables
-  compiled in as constants."""
-  env = Env.build(problem, config, bucket=bucketed)
-  single_steps, batched_steps = 256, 16
+  scan) and, if `single`, of one env (a jitted scan), each measured for about `seconds`,
+  on exact-size tables. Episodes that end restart from the replicated plan."""
+  env = Env.build(problem, config)
   out = {
     "reward": config.reward,
     "action_space": config.action_space,
     "num_actions": env.num_actions,
     "batch": batch,
     "steps_per_second_batched": _rate(
-      random_steps(env, batch, batched_steps, bucketed), batched_steps * batch, seconds
+      random_steps(env, batch, BATCHED_STEPS, False), BATCHED_STEPS * batch, seconds
     ),
   }
   if single:
     out["steps_per_second_single"] = _rate(
-      random_steps(env, None, single_steps, bucketed), single_steps, seconds
+      random_steps(env, None, SINGLE_STEPS, False), SINGLE_STEPS, seconds
     )
   return out

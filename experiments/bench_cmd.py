@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from automap_rl import workloads
 from automap_rl.mesh import make_mesh
 from automap_rl.problem import Problem, bucketed_costs
-from envs.bench import bench_env
+from envs.bench import batched_rate, bench_env
 from envs.config import EnvConfig
 from experiments.cli import write_json
 from experiments.options import Hardware, JsonPath, MeshSpec, PlotPath, Workload
@@ -125,27 +125,31 @@ def _size(problem: Problem) -> dict[str, Any]:
   }
 
 
-def simulator_rates(
-  problem: Problem,
-  config: SimulatorBenchConfig,
-  seconds: float,
-  single: bool,
-  bucketed: bool = False,
-) -> dict[str, float]:
-  """Evaluations (resolution and simulation) per second of `config.batch` random plans
-  per vmapped call and, if `single`, of one plan per call (exact tables). `bucketed`: the
-  batch on the problem's bucketed tables, passed as arguments (`bucketed_costs`, as
+def batched_simulator(
+  problem: Problem, config: SimulatorBenchConfig, bucketed: bool
+) -> Callable[[float], float]:
+  """A function of seconds that measures evaluations (resolution and simulation) per second
+  of `config.batch` random plans per vmapped call for about that long, compiled once.
+  `bucketed`: on the problem's bucketed tables, passed as arguments (`bucketed_costs`, as
   `Problem.costs` runs it); else on exact tables compiled in."""
   classes, axes = random_plans(problem, jax.random.key(config.seed), config.batch, config.decisions)
   if bucketed:
     tables = problem.bucketed
-    batched = lambda c, a: bucketed_costs(tables, c, a)
+    call = lambda: bucketed_costs(tables, classes, axes)
   else:
     batched = jax.jit(jax.vmap(problem.evaluate))
-  out = {
-    "per_second_batched": config.batch * calls_per_second(lambda: batched(classes, axes), seconds)
-  }
+    call = lambda: batched(classes, axes)
+  return lambda seconds: config.batch * calls_per_second(call, seconds)
+
+
+def simulator_rates(
+  problem: Problem, config: SimulatorBenchConfig, seconds: float, single: bool
+) -> dict[str, float]:
+  """Evaluations per second of `config.batch` random plans per vmapped call and, if
+  `single`, of one plan per call, on exact tables."""
+  out = {"per_second_batched": batched_simulator(problem, config, False)(seconds)}
   if single:
+    classes, axes = random_plans(problem, jax.random.key(config.seed), 1, config.decisions)
     one = jax.jit(problem.evaluate)
     out["per_second_single"] = calls_per_second(lambda: one(classes[0], axes[0]), seconds)
   return out
@@ -252,13 +256,17 @@ def _finish(
   return result
 
 
-def tables_ab(rate: Callable[[bool], float], repeats: int) -> dict[str, Any]:
-  """`rate(bucketed)` measured `repeats` times each, exact then bucketed in turn: the
-  rates, their medians and the median of the per-pair ratios, bucketed over exact."""
+def tables_ab(
+  rate: Callable[[bool], Callable[[float], float]], seconds: float, repeats: int
+) -> dict[str, Any]:
+  """Rates on exact and on bucketed tables, each `rate(bucketed)` built (and compiled) once
+  and then timed for `seconds`, `repeats` times in turn: the rates, their medians and the
+  median of the per-pair ratios, bucketed over exact."""
+  timed = {False: rate(False), True: rate(True)}
   exact, bucketed = [], []
   for _ in range(repeats):
-    exact.append(rate(False))
-    bucketed.append(rate(True))
+    exact.append(timed[False](seconds))
+    bucketed.append(timed[True](seconds))
   ratios = [b / e for e, b in zip(exact, bucketed)]
   out = {
     "exact": exact,
@@ -290,10 +298,7 @@ def run_simulator(config: SimulatorBenchConfig) -> dict[str, Any]:
     "evals_per_second_single": rates["per_second_single"],
     "evals_per_second_batched": rates["per_second_batched"],
     "tables": tables_ab(
-      lambda bucketed: simulator_rates(problem, config, config.seconds, False, bucketed)[
-        "per_second_batched"
-      ],
-      config.repeats,
+      lambda bucketed: batched_simulator(problem, config, bucketed), config.seconds, config.repeats
     ),
   }
   result["scaling"] = _scaling(
@@ -328,9 +333,8 @@ def run_env(config: EnvBenchConfig) -> dict[str, Any]:
   )
   terminal = dataclasses.replace(env_config, reward="terminal")
   result["tables"] = tables_ab(
-    lambda bucketed: bench_env(
-      problem, config.batch, config.seconds, terminal, single=False, bucketed=bucketed
-    )["steps_per_second_batched"],
+    lambda bucketed: batched_rate(problem, config.batch, terminal, bucketed),
+    config.seconds,
     config.repeats,
   )
   result["scaling"] = _scaling(
