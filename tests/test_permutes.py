@@ -1,10 +1,15 @@
 """Collective-permutes: the bytes the simulator prices against those XLA's partitioner emits
 (`automap_rl.simulator.permutes`)."""
 
+import hypothesis
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from automap_rl import tactics
 from automap_rl.sharding import Decision, Group
+from automap_rl.simulator import permutes
 from automap_rl.workloads.spec import make_workload
 from automap_rl.xla.lower import lower
 from automap_rl.xla.plan_metrics import compiled_metrics, simulated_metrics
@@ -65,3 +70,32 @@ def test_plans_whose_reshardings_keep_shards_in_place_have_no_permutes(lstm, pla
   workload, problem = lstm
   (simulated, compiled), _ = _permutes(workload, problem, tactics.applicable(problem)[plan])
   assert simulated == compiled == 0.0
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(
+  num_axes=st.integers(1, 4),
+  rank=st.integers(1, 5),
+  seed=st.integers(0, 2**31 - 1),
+)
+def test_traded_axes_are_those_two_dims_swap(num_axes, rank, seed):
+  """Each mesh axis on at most one dim of a value, as stored and as required: an axis is
+  traded exactly where dims i and j swap axes (one moves from i to j, another from j to i)."""
+  rng = np.random.default_rng(seed)
+  edges, batch = 7, 5
+
+  def masks():
+    dim = rng.integers(-1, rank, size=(num_axes, edges, batch))  # -1: the axis is unused.
+    return sum(
+      np.where(dim[a][:, None] == np.arange(rank)[None, :, None], 1 << a, 0)
+      for a in range(num_axes)
+    ).astype(np.int8)
+
+  source, target = masks(), masks()
+  expected = np.zeros((edges, batch), np.int8)
+  for i in range(rank):
+    for j in range(i + 1, rank):
+      there, back = source[:, i] & target[:, j], source[:, j] & target[:, i]
+      expected |= np.where((there != 0) & (back != 0), there | back, 0).astype(np.int8)
+  traded = permutes._traded(jnp.asarray(source), jnp.asarray(target), num_axes)
+  np.testing.assert_array_equal(np.asarray(traded), expected)

@@ -123,30 +123,24 @@ def combined_count(
   share times its repeat count: per step). Other edges keep their `runs`. Returns [N, B]."""
   member = (combines[:, None] > 0) & (axes != 0) & (threshold > 0)
   repeat = jnp.maximum(combines, 1.0)[:, None]
-  moved_once, runs_once = moved / repeat, runs / repeat  # Per iteration (the step, outside loops).
-  masks = range(1, t.mask_group.shape[-1])
-  in_group = [(loop == k)[:, None] for k in range(t.loop_repeats.shape[0])]
-  sums = sum_rows(
-    *[
-      jnp.where(member & (axes == m) & group, x, 0.0)
-      for group in in_group
-      for m in masks
-      for x in (moved_once, runs_once)
-    ]
+  # Sums per (group, plan, axes) as products of indicators: XLA vectorises a product where
+  # it runs a reduction per group and axes as a scalar loop over the rows. One product of a
+  # vector per group, whatever the count of groups: padded rows and groups add exact zeros.
+  group = (loop[:, None] == jnp.arange(t.loop_repeats.shape[0])).astype(moved.dtype)  # [N, G]
+  masks = jnp.arange(1, t.mask_group.shape[-1], dtype=axes.dtype)
+  on = ((axes[:, :, None] == masks) & member[:, :, None]).astype(moved.dtype)  # [N, B, M]
+  per_step = jnp.stack([moved, runs], axis=-1)  # [N, B, 2]
+  once = jnp.where(member[..., None], per_step / repeat[..., None], 0.0)  # Per iteration.
+  exact = jax.lax.Precision.HIGHEST
+  summed = (on[..., None] * once[:, :, None, :]).reshape(on.shape[0], -1)  # [N, B * M * 2]
+  sums = [jnp.dot(g, summed, precision=exact) for g in group.T]  # [B * M * 2] each.
+  total, count = jnp.moveaxis(jnp.stack(sums).reshape(-1, *on.shape[1:], 2), -1, 0)  # [G, B, M]
+  combined = jnp.where(
+    total > 0, jnp.maximum(jnp.ceil(total / threshold), jnp.ceil(count / COMBINE_COUNT)), 0.0
   )
-  share = runs
-  for k, group in enumerate(in_group):
-    for i, m in enumerate(masks):
-      total, count = sums[2 * (k * len(masks) + i) : 2 * (k * len(masks) + i) + 2]  # [B] each.
-      combined = jnp.where(
-        total > 0, jnp.maximum(jnp.ceil(total / threshold), jnp.ceil(count / COMBINE_COUNT)), 0.0
-      )
-      # Selects per (group, mask), not a look-up by the edge's axes: elementwise, they vectorise.
-      share = jnp.where(
-        group & (axes == m),
-        combined * moved / jnp.maximum(total, jnp.finfo(jnp.float32).tiny),
-        share,
-      )
+  per_byte = combined / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # [G, B, M]
+  own = jnp.dot(group, per_byte.reshape(per_byte.shape[0], -1), precision=exact)  # [N, B * M]
+  share = moved * jnp.sum(on * own.reshape(on.shape), axis=-1)
   return jnp.where(member, share, runs)
 
 
@@ -208,11 +202,19 @@ GPU_VARIADIC_OPERANDS = 16
 
 
 def sum_rows(*terms: jax.Array) -> list[jax.Array]:
-  """Sums of each of `terms` [N, B] over N, [B] each, in one variadic reduction: XLA fuses
-  the terms' elementwise producers into it (one pass over the edges), where it would
-  hand single sums to a library kernel that needs every input materialised. On a GPU
-  the reduction is split into groups of at most `GPU_VARIADIC_OPERANDS` operands."""
-  group = GPU_VARIADIC_OPERANDS if jax.default_backend() == "gpu" else len(terms)
+  """Sums of each of `terms` [N, B] over N, [B] each.
+
+  On a CPU, a product of a row of ones with each term: XLA:CPU runs a reduction as a
+  scalar loop over the rows, its fused elementwise producers inside, where it runs the
+  producers as vectorised loops and the product as a library kernel (the simulator's
+  batched evaluations about twice as fast, `bench simulator`). Elsewhere one
+  variadic reduction, into which XLA fuses the terms' producers (one pass over the rows),
+  on a GPU in groups of at most `GPU_VARIADIC_OPERANDS` operands."""
+  backend = jax.default_backend()
+  if backend == "cpu":
+    ones = jnp.ones(terms[0].shape[0], terms[0].dtype)
+    return [jnp.dot(ones, x, precision=jax.lax.Precision.HIGHEST) for x in terms]
+  group = GPU_VARIADIC_OPERANDS if backend == "gpu" else len(terms)
   sums = []
   for start in range(0, len(terms), group):
     chunk = terms[start : start + group]

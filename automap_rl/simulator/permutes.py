@@ -76,15 +76,24 @@ def _misordered(
   return jnp.where(wrong_target, target, 0), jnp.where(wrong_source, source, 0)
 
 
-def _traded(source: jax.Array, target: jax.Array) -> jax.Array:
+def _traded(source: jax.Array, target: jax.Array, num_axes: int) -> jax.Array:
   """The axes two dims trade (one moves from dim i to dim j, another from j to i), int8
-  [N, B], from dim masks [N, Rv, B]."""
-  rank = source.shape[1]
+  [N, B], from dim masks [N, Rv, B]: a pair of axes trades where each moves to the dim the
+  other leaves. Per pair of mesh axes, not of dims: a mesh has fewer axes than a value
+  has dims."""
+  position = jnp.arange(1, source.shape[1] + 1, dtype=jnp.int8)[None, :, None]
+
+  def dim_of(masks: jax.Array, axis: int) -> jax.Array:
+    """The dim (from 1; 0: none) each mask puts `axis` on, int8 [N, B]."""
+    return jnp.sum(jnp.where(masks & (1 << axis) != 0, position, 0), axis=1, dtype=jnp.int8)
+
+  source_dim = [dim_of(source, axis) for axis in range(num_axes)]
+  target_dim = [dim_of(target, axis) for axis in range(num_axes)]
   traded = jnp.zeros((source.shape[0], source.shape[2]), source.dtype)
-  for i in range(rank):
-    for j in range(i + 1, rank):
-      there, back = source[:, i] & target[:, j], source[:, j] & target[:, i]
-      traded |= jnp.where((there != 0) & (back != 0), there | back, 0)
+  for x, y in axis_pairs(num_axes):
+    moves = (source_dim[x] != 0) & (target_dim[x] != 0) & (source_dim[x] != target_dim[x])
+    swap = (source_dim[x] == target_dim[y]) & (target_dim[x] == source_dim[y])
+    traded |= jnp.where(moves & swap, (1 << x) | (1 << y), 0).astype(source.dtype)
   return traded
 
 
@@ -130,7 +139,7 @@ def reshard_permutes(
   source's shard where a source dim is."""
   group = jnp.asarray(t.mask_group)
   wrong_target, wrong_source = _misordered(source, target, precedence, axis_count(t))
-  to_target = wrong_target.sum(axis=1, dtype=jnp.int8) | _traded(source, target)  # [N, B]
+  to_target = wrong_target.sum(axis=1, dtype=jnp.int8) | _traded(source, target, axis_count(t))
   from_source = wrong_source.sum(axis=1, dtype=jnp.int8)
   shards = lambda masks: group[masks.sum(axis=1, dtype=jnp.int8).astype(jnp.uint8)]
   fraction = jnp.where(to_target != 0, 1.0 / shards(target), 1.0 / shards(source))
