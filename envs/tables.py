@@ -11,9 +11,11 @@ Size names: Uv value signatures with Rv dims, Uo op signatures with Rf factors, 
 (Eu classes of edges that resolve alike) of which R reduce, Ss reads priced as sharing a
 resharding (Sp pairs of them), L memory probe rows, D factors per dim, Q chunks of W slots
 (value dims and op factors) of one class, C classes, T targets covering at most M classes
-each, G coverage edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B = 2**X
-axis masks, P pipeline options (`envs.pipelines`; bucket padding keeps their pricing
-tables, which index the signatures, as they are).
+each, G coverage edges (target to signature), X mesh axes (`EnvConfig.max_axes`), B axis
+masks of the simulator's tables (2 ** the mesh's own axes, which are all a plan uses; a
+stack for meshes of more axes tiles them, `cost_padding.tiled_masks`), P pipeline options
+(`envs.pipelines`; bucket padding keeps their pricing tables, which index the signatures,
+as they are).
 """
 
 from __future__ import annotations
@@ -218,12 +220,6 @@ def objective(config: EnvConfig, cost: simulator.Cost, base: jax.Array, hbm_byte
   return raw_objective(config, cost, base, hbm_bytes) / base[BASE_OBJECTIVE]
 
 
-def _tile_masks(table: np.ndarray, num_axes: int, max_axes: int) -> np.ndarray:
-  """Lays a per-axis-mask table of a mesh with `num_axes` axes out for `max_axes`."""
-  masks = np.arange(1 << max_axes) & ((1 << num_axes) - 1)
-  return table[masks]
-
-
 def _slot_rank(target_rank: np.ndarray, classes: np.ndarray) -> np.ndarray:
   """Each target's rank of each slot's class, int16 [T, owners, slots]."""
   if (target_rank[target_rank < NO_RANK] >= sharding.NO_SLOT_RANK).any():
@@ -330,11 +326,7 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
   for i, t in enumerate(targets):
     target_classes[i, : len(t.classes)] = t.classes
     target_rank[i, list(t.classes)] = np.arange(len(t.classes))
-  cost = {}
-  for field in dataclasses.fields(simulator.CostTables):
-    value = np.asarray(getattr(tables, field.name))
-    dims = cost_padding.dims(field.name, value.ndim)
-    cost[field.name] = _tile_masks(value, num_axes, x) if dims == ("B",) else value
+  cost = jax.tree.map(np.asarray, tables)  # On the host; the mesh's own axis masks.
   base = replicated_base(config, problem)
   cover, target_features = _coverage(problem, targets)
   flat_class = np.concatenate([sigs.value_class.ravel(), sigs.op_class.ravel()])
@@ -394,7 +386,7 @@ def build_env_tables(problem: Problem, config: EnvConfig, targets: Sequence[Targ
       cover_index=cover[:, 1].astype(np.int32),
       cover_is_op=cover[:, 2].astype(bool),
       cover_real=np.ones(len(cover), bool),
-      cost=simulator.CostTables(**cost),
+      cost=cost,
       pipeline=pipeline,
     )
   )

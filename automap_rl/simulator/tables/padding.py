@@ -100,8 +100,21 @@ def pad_tables(tables, sizes: Mapping[str, int]):
   return dataclasses.replace(
     tables,
     **{
-      f.name: padded_array(f.name, dims(f.name, np.ndim(a)), a, sizes, FILL.get(f.name, 0))
+      f.name: tiled_masks(a, sizes["B"])
+      if dims(f.name, np.ndim(a)) == ("B",)
+      else padded_array(f.name, dims(f.name, np.ndim(a)), a, sizes, FILL.get(f.name, 0))
       for f in dataclasses.fields(tables)
       for a in [getattr(tables, f.name)]
     },
   )
+
+
+def tiled_masks(table, size: int) -> np.ndarray:
+  """A per-axis-mask table [2**X] laid out for `size` = 2**X' masks, X' >= X (a mesh padded
+  with axes of size 1): mask m reads the entry of its bits on the mesh's own axes, so the
+  rows of masks no plan of the mesh makes repeat real ones (a group of 1 device is never
+  priced as none)."""
+  table = np.asarray(table)
+  if size < table.shape[0]:
+    raise ValueError(f"A table of {table.shape[0]} axis masks does not fit {size}.")
+  return table[np.arange(size) & (table.shape[0] - 1)]
