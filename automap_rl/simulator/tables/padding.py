@@ -5,7 +5,8 @@ with Rf factors, E edges (Eu classes of edges that resolve alike) of which R red
 reads priced as sharing a resharding (Sp pairs of them), L memory probe rows, D factors per
 dim, K combining loop groups, B = 2**X axis masks. Padded ops, values and edges cost
 nothing (zero seconds, bytes and weights), padded dims have no class, padded factors are
-never sharded.
+never sharded, and per-mask tables laid out for more mesh axes repeat the mesh's own
+(`tiled_masks`: no plan of the mesh uses the axes added).
 """
 
 from __future__ import annotations
