@@ -128,9 +128,10 @@ def combined_count(
   # vector per group, whatever the count of groups: padded rows and groups add exact zeros.
   group = (loop[:, None] == jnp.arange(t.loop_repeats.shape[0])).astype(moved.dtype)  # [N, G]
   masks = jnp.arange(1, t.mask_group.shape[-1], dtype=axes.dtype)
-  on = ((axes[:, :, None] == masks) & member[:, :, None]).astype(moved.dtype)  # [N, B, M]
+  on = (axes[:, :, None] == masks).astype(moved.dtype)  # [N, B, M]
   per_step = jnp.stack([moved, runs], axis=-1)  # [N, B, 2]
-  once = jnp.where(member[..., None], per_step / repeat[..., None], 0.0)  # Per iteration.
+  # Per iteration, members only (a non-member's share is its runs, below).
+  once = jnp.where(member[..., None], per_step / repeat[..., None], 0.0)
   exact = jax.lax.Precision.HIGHEST
   summed = (on[..., None] * once[:, :, None, :]).reshape(on.shape[0], -1)  # [N, B * M * 2]
   sums = [jnp.dot(g, summed, precision=exact) for g in group.T]  # [B * M * 2] each.
