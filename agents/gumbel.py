@@ -167,17 +167,90 @@ def policy(
 
   logits, value = evaluate(embeddings, tables, states)
   root = mctx.RootFnOutput(prior_logits=logits, value=value, embedding=states)
-  return mctx.gumbel_muzero_policy(
+  search_key, noise_key = jax.random.split(key)
+  noise = root_gumbel(noise_key, logits.shape, None if batched else tables)
+  return _gumbel_muzero(
+    search_key,
+    root,
+    recurrent_fn,
+    ~states.legal_action_mask,
+    noise * config.gumbel.gumbel_scale,
+    config.gumbel,
+    loop,
+  )
+
+
+def root_gumbel(key: chex.PRNGKey, shape: tuple[int, int], tables: EnvTables | None) -> jax.Array:
+  """The root's Gumbel noise, f32 [B, A]. Given one program's `tables`, each of its actions
+  draws what it would draw were the tables not padded: the draws of
+  `jax.random.gumbel(key, (B, A_own))` (A_own: the program's own action count), placed at
+  the padded actions' indices (padding targets shift the pipeline options and stop; their
+  own actions, never legal, draw 0). So a bucket's padding does not change a search. With
+  `tables` None (a mixed batch, whose rows share one action count), the draws of `(B, A)`.
+  """
+  if tables is None:
+    return jax.random.gumbel(key, shape)
+  episodes, num_actions = shape
+  padded = tables.target_classes.shape[0]
+  padding = (padded - jnp.sum((tables.target_classes >= 0).any(axis=1))) * tables.num_axes
+  action = jnp.arange(num_actions)
+  after_moves = action >= padded * tables.num_axes  # Pipeline options and stop.
+  own = jnp.where(after_moves, action - padding, action)
+  flat = jnp.arange(episodes)[:, None] * (num_actions - padding) + own
+  draws = jax.random.gumbel(key, (episodes * num_actions,))[flat]
+  return jnp.where(after_moves | (action < padded * tables.num_axes - padding), draws, 0.0)
+
+
+def _gumbel_muzero(
+  key: chex.PRNGKey,
+  root: mctx.RootFnOutput,
+  recurrent_fn: mctx.RecurrentFn,
+  invalid: jax.Array,
+  gumbel: jax.Array,
+  settings: GumbelSettings,
+  loop_fn: mctx.LoopFn,
+) -> mctx.PolicyOutput:
+  """mctx's Gumbel MuZero policy (`mctx.gumbel_muzero_policy`, its default Q transform and
+  depth) with the root's Gumbel noise given, f32 [B, A] (`root_gumbel`), where mctx draws
+  it over the arrays' shape. `invalid`: the root's illegal actions, bool [B, A]."""
+  qtransform = mctx.qtransform_completed_by_mix_value
+  root = root.replace(prior_logits=_masked(root.prior_logits, invalid))
+  tree = mctx.search(
     params=None,
     rng_key=key,
     root=root,
     recurrent_fn=recurrent_fn,
-    num_simulations=config.gumbel.num_simulations,
-    invalid_actions=~states.legal_action_mask,
-    loop_fn=loop,
-    max_num_considered_actions=config.gumbel.max_num_considered_actions,
-    gumbel_scale=config.gumbel.gumbel_scale,
+    root_action_selection_fn=functools.partial(
+      mctx.gumbel_muzero_root_action_selection,
+      num_simulations=settings.num_simulations,
+      max_num_considered_actions=settings.max_num_considered_actions,
+      qtransform=qtransform,
+    ),
+    interior_action_selection_fn=functools.partial(
+      mctx.gumbel_muzero_interior_action_selection, qtransform=qtransform
+    ),
+    num_simulations=settings.num_simulations,
+    invalid_actions=invalid,
+    extra_data=mctx.GumbelMuZeroExtraData(root_gumbel=gumbel),
+    loop_fn=loop_fn,
   )
+  visits = tree.summary().visit_counts
+  completed = jax.vmap(qtransform, in_axes=(0, None))(tree, tree.ROOT_INDEX)
+  # Sequential Halving's final choice: among the most visited actions, the largest
+  # noise + logits + completed Q (a legal action).
+  prior = root.prior_logits - jnp.max(root.prior_logits, axis=-1, keepdims=True)
+  score = jnp.maximum(-1e9, gumbel + prior + completed)
+  score = jnp.where(visits == jnp.max(visits, axis=-1, keepdims=True), score, -jnp.inf)
+  action = jnp.argmax(jnp.where(invalid, -jnp.inf, score), axis=-1).astype(jnp.int32)
+  weights = jax.nn.softmax(_masked(root.prior_logits + completed, invalid))
+  return mctx.PolicyOutput(action=action, action_weights=weights, search_tree=tree)
+
+
+def _masked(logits: jax.Array, invalid: jax.Array) -> jax.Array:
+  """`logits` [B, A] less their maximum, the illegal actions' at the lowest float (no mass in
+  a softmax, and no NaN where every action is illegal)."""
+  logits = logits - jnp.max(logits, axis=-1, keepdims=True)
+  return jnp.where(invalid, jnp.finfo(logits.dtype).min, logits)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "env_config"))

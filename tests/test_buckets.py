@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agents import base
+from agents import base, gumbel
 from automap_rl import buckets, sharding, workloads
 from automap_rl import mesh as mesh_lib
 from automap_rl import problem as problem_module
@@ -120,3 +120,27 @@ def test_random_episodes_on_bucketed_tables_end_where_the_exact_ones_do(batch):
   ]
   np.testing.assert_allclose(*objectives, rtol=1e-6)
   assert np.all(objectives[0] != 1.0) and len(np.unique(objectives[0])) == (batch or 1)
+
+
+def test_a_gumbel_search_takes_the_same_moves_on_bucketed_tables():
+  # Several episodes in one search: each draws its root noise at its own actions, whatever
+  # the padding (a draw over the padded action count would give episodes past the first
+  # other noise, and other moves).
+  p = problem("gpt:layers=2")
+  config = gumbel.GumbelConfig(gumbel=gumbel.GumbelSettings(num_simulations=16))
+  exact, padded = (base.Env.build(p, EnvConfig(), bucket=b) for b in (False, True))
+  shift = padded.tables.num_moves - exact.tables.num_moves
+  assert shift > 0
+  moves, objectives = [], []
+  for env in (exact, padded):
+    roots = jax.tree.map(lambda x: np.stack([x] * 4), jax.device_get(env.init(jax.random.key(0))))
+    limit = np.int32(config.gumbel.num_simulations)
+    action, _, nodes = gumbel._search_step(
+      None, None, env.tables, roots, jax.random.key(7), limit, config, env.config
+    )
+    stop = np.asarray(action) == env.stop_action
+    moves.append(np.where(stop, -1, np.asarray(action)))
+    objectives.append(np.sort(np.asarray(nodes.objective), axis=1))
+  assert len(set(moves[0].tolist())) > 1  # The episodes' noise differs.
+  np.testing.assert_array_equal(moves[0], moves[1])
+  np.testing.assert_allclose(*objectives, rtol=1e-5)
