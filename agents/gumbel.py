@@ -191,14 +191,14 @@ def root_gumbel(key: chex.PRNGKey, shape: tuple[int, int], tables: EnvTables | N
   if tables is None:
     return jax.random.gumbel(key, shape)
   episodes, num_actions = shape
-  padded = tables.target_classes.shape[0]
-  padding = (padded - jnp.sum((tables.target_classes >= 0).any(axis=1))) * tables.num_axes
+  real = jnp.sum((tables.target_classes >= 0).any(axis=1))
+  padding = tables.num_moves - real * tables.num_axes  # Actions of padding targets.
   action = jnp.arange(num_actions)
-  after_moves = action >= padded * tables.num_axes  # Pipeline options and stop.
+  after_moves = action >= tables.num_moves  # Pipeline options and stop.
   own = jnp.where(after_moves, action - padding, action)
   flat = jnp.arange(episodes)[:, None] * (num_actions - padding) + own
   draws = jax.random.gumbel(key, (episodes * num_actions,))[flat]
-  return jnp.where(after_moves | (action < padded * tables.num_axes - padding), draws, 0.0)
+  return jnp.where(after_moves | (action < tables.num_moves - padding), draws, 0.0)
 
 
 def _gumbel_muzero(
@@ -238,8 +238,7 @@ def _gumbel_muzero(
   completed = jax.vmap(qtransform, in_axes=(0, None))(tree, tree.ROOT_INDEX)
   # Sequential Halving's final choice: among the most visited actions, the largest
   # noise + logits + completed Q (a legal action).
-  prior = root.prior_logits - jnp.max(root.prior_logits, axis=-1, keepdims=True)
-  score = jnp.maximum(-1e9, gumbel + prior + completed)
+  score = jnp.maximum(-1e9, gumbel + root.prior_logits + completed)  # Logits: max 0.
   score = jnp.where(visits == jnp.max(visits, axis=-1, keepdims=True), score, -jnp.inf)
   action = jnp.argmax(jnp.where(invalid, -jnp.inf, score), axis=-1).astype(jnp.int32)
   weights = jax.nn.softmax(_masked(root.prior_logits + completed, invalid))

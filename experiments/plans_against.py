@@ -95,11 +95,8 @@ def main(argv: list[str]) -> int:
     return 2
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   this, other = run_side(here, args), run_side(args.other, args)
-  same, equal, largest = (
-    dict.fromkeys(methods(args.budget), 0),
-    dict.fromkeys(methods(args.budget), 0),
-    0.0,
-  )
+  same, equal = dict.fromkeys(methods(args.budget), 0), dict.fromkeys(methods(args.budget), 0)
+  largest = 0.0  # Relative difference of equal plans' objectives.
   for case, row in this.items():
     differ = []
     for method in same:

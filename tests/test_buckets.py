@@ -129,8 +129,7 @@ def test_a_gumbel_search_takes_the_same_moves_on_bucketed_tables():
   p = problem("gpt:layers=2")
   config = gumbel.GumbelConfig(gumbel=gumbel.GumbelSettings(num_simulations=16))
   exact, padded = (base.Env.build(p, EnvConfig(), bucket=b) for b in (False, True))
-  shift = padded.tables.num_moves - exact.tables.num_moves
-  assert shift > 0
+  assert padded.tables.num_moves > exact.tables.num_moves
   moves, objectives = [], []
   for env in (exact, padded):
     roots = jax.tree.map(lambda x: np.stack([x] * 4), jax.device_get(env.init(jax.random.key(0))))
