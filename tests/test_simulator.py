@@ -243,6 +243,61 @@ def test_xla_cpu_transposes_the_operands_of_a_convolution_out_of_its_layout():
   assert added == compiled
 
 
+def _traffic_bytes(program: ir.Program, canonical_convolutions: bool = False) -> float:
+  """Bytes the program moves as XLA:CPU fuses it (one output a fusion, minor concatenates
+  as kernels)."""
+  traffic = memory_traffic(program, False, False, canonical_convolutions=canonical_convolutions)
+  return sum(sum(reads) + sum(writes) for reads, writes in traffic)
+
+
+def _residual_dots(x, ws, scale):
+  for w in ws:
+    x = jnp.maximum((x @ w) * scale + x, 0.0)
+  return x
+
+
+def test_xla_cpu_computes_a_residual_stream_again_in_every_fusion_that_reads_it():
+  """`relu(f(x) + x)` over a stack of blocks: each block's result is written for its dot,
+  and XLA:CPU clones it into the next block's fusion (cheap, and the add fuses into its
+  one reader), which so computes the whole stream again from every block's dot: the
+  fusion of block k reads k + 2 inputs. The traffic is the compiled module's bytes."""
+  x, scale = jnp.ones((1024, 256)), jnp.ones((256,))
+  ws = [jnp.ones((256, 256))] * 4
+  compiled = jax.jit(_residual_dots).lower(x, ws, scale).compile()
+  fusion_inputs = [
+    len(re.findall(r"%\w[\w.]*", line.split("fusion(")[1].split(")")[0]))
+    for line in compiled.as_text().splitlines()
+    if "kind=kLoop" in line and " fusion(" in line
+  ]
+  assert sorted(fusion_inputs) == [3, 4, 5, 6]
+  program = ir.trace(_residual_dots, x, ws, scale)
+  assert _traffic_bytes(program) == compiled.cost_analysis()["bytes accessed"]
+
+
+def _residual_convolutions(x, ws, scales):
+  dn = ("NHWC", "HWIO", "NHWC")
+  for w, s in zip(ws, scales):
+    y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn)
+    x = jax.nn.relu((y - y.mean((0, 1, 2))) * s + x)
+  return jnp.sum(x**2)
+
+
+def test_a_deeper_residual_network_adds_the_bytes_xla_cpu_adds():
+  """A ResNet-like stack trained: the kernel gradient reads each block's input transposed,
+  and XLA:CPU's transpose computes it again from the stream's inputs like any fusion
+  that reads it. Four more blocks add the bytes they add to the compiled module."""
+  step = jax.value_and_grad(_residual_convolutions, argnums=(1, 2))
+  x = jnp.ones((8, 16, 16, 32))
+  moved = {}
+  for depth in (2, 6):
+    args = (x, [jnp.ones((3, 3, 32, 32))] * depth, [jnp.ones((32,))] * depth)
+    compiled = jax.jit(step).lower(*args).compile().cost_analysis()["bytes accessed"]
+    moved[depth] = (_traffic_bytes(ir.trace(step, *args), canonical_convolutions=True), compiled)
+  (shallow, shallow_compiled), (deep, deep_compiled) = moved[2], moved[6]
+  assert deep - shallow == pytest.approx(deep_compiled - shallow_compiled, rel=1e-3)
+  assert deep == pytest.approx(deep_compiled, rel=0.02)
+
+
 @pytest.mark.parametrize("plan", ["replicated", "data_parallel", "fsdp", "megatron"])
 def test_every_device_pays_the_kernel_overhead_whole(plan):
   """The kernel overhead adds kernels x `kernel_overhead_s` to the compute of any plan:

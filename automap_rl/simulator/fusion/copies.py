@@ -232,6 +232,40 @@ def _op_reuses(
   return frozenset(operands)
 
 
+def cloned_though_written(program: Program) -> frozenset[int]:
+  """Ops XLA:CPU's instruction fusion clones into every fusible reader even where their
+  result is written for an output or for a reader that does not fuse (a convolution's
+  input): cheap (`IsExpensive` false), and effectively at most unary or reading no more
+  elements than they write; a written op is read on some path that does not fuse, so
+  `ComputeGloballyUnfusible` forbids cloning the others. A residual stream's `relu(y + x)`
+  is one: each block's fusion computes it again from the block before's inputs."""
+  shapes = [v.shape for v in program.values]
+  broadcasts = _broadcast_values(program, constant_ops(program))
+  return frozenset(
+    op.id
+    for op in program.ops
+    if op.results
+    and op.primitive in LOOP_FUSIBLE
+    and not _expensive(op)
+    and (
+      _op_unary(op, shapes, broadcasts)
+      or sum(math.prod(shapes[v]) for v in set(op.operands))
+      <= sum(math.prod(shapes[v]) for v in op.results)
+    )
+  )
+
+
+def _broadcast_values(program: Program, folded: AbstractSet[int]) -> set[int]:
+  """Values of broadcasts, iotas and `folded` (constant) ops: not large operands of an
+  effectively unary op (`_op_unary`)."""
+  return {
+    v
+    for op in program.ops
+    if op.id in folded or op.primitive in ("broadcast_in_dim", "iota")
+    for v in op.results
+  }
+
+
 def _op_unary(op: Op, shapes: Sequence[Shape], broadcasts: AbstractSet[int]) -> bool:
   """At most one operand has the result's true rank (dims > 1); `broadcasts` (values of
   broadcasts, iotas and folded constants) and an elementwise op's implicitly broadcast
@@ -296,12 +330,7 @@ def _graph(program: Program, shapes: Sequence[Shape]) -> _Graph:
   for node, mine in enumerate(operands):
     for p in mine:
       users[p].add(node)
-  broadcasts = {
-    v
-    for op in ops
-    if op.id in folded or op.primitive in ("broadcast_in_dim", "iota")
-    for v in op.results
-  }
+  broadcasts = _broadcast_values(program, folded)
   size = [math.prod(s) for s in shapes]
   layouts = len(operands) - len(ops)
   return _Graph(

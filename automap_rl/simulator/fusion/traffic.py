@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Set as AbstractSet
 
 from automap_rl.ir.program import Op, Program
+from automap_rl.simulator.fusion.copies import cloned_though_written
 from automap_rl.simulator.fusion.primitives import (
   EXPENSIVE_ELEMENTWISE,
   FUSED_REDUCTIONS,
@@ -64,7 +65,8 @@ class _LoopFusions:
     kernels: the concatenates that fuse with nothing (`kernel_concatenates`).
     materialized: values a reduction makes, or reads beside other readers.
     ends: values that end their fusion (with `multi_output_fusion` off, also those
-      written anyway).
+      written anyway whose producer is not cloned into its readers,
+      `copies.cloned_though_written`).
     fusion: the union-find's parent of each op.
   """
 
@@ -92,8 +94,12 @@ class _LoopFusions:
     }
     loops = cls(producer, readers, outputs, kernels, materialized, materialized, [])
     if not multi_output_fusion:
+      cloned = cloned_though_written(program)
       loops.ends = materialized | {
-        v for v in producer if v in outputs or any(not loops.fused(c) for c in readers.get(v, ()))
+        v
+        for v, op in producer.items()
+        if op.id not in cloned
+        and (v in outputs or any(not loops.fused(c) for c in readers.get(v, ())))
       }
     loops.fusion = list(range(program.num_ops))
     for op in program.ops:
@@ -163,16 +169,20 @@ def memory_traffic(
   their values whole; a fusion reads each of its inputs once (an argument that several of
   its ops read, `x * x`). Without `multi_output_fusion` (XLA:CPU), a loop-fusible result
   that is written anyway (returned, or read by an op that does not fuse) ends its fusion,
-  and the fusions that read it read it from memory; and each written result roots a fusion
-  of its own that reads its inputs (`_single_output_reads`). Without `minor_concatenate_fusion`
+  and the fusions that read it read it from memory, unless XLA clones its producer into
+  them (`copies.cloned_though_written`: a residual stream's `relu(y + x)`, which each
+  fusion that reads it computes again); and each written result roots a fusion of its own
+  that reads its inputs (`_single_output_reads`). Without `minor_concatenate_fusion`
   (XLA:CPU), a `kernel_concatenates` concatenate fuses with nothing: it reads its
   operands from memory and writes its result. With `canonical_convolutions` (XLA:CPU), a
   convolution's input or kernel out of the canonical layout
-  (`transposed_convolution_operands`) is transposed by a kernel of its own: it is read and
-  written once more. Values in `on_chip` (a fused kernel's intermediates,
-  `fusion.kernel_intermediates`) are neither written nor read. An op that computes again
-  what an earlier one did (`Op.same_as`) moves nothing: XLA's common subexpression
-  elimination leaves the earlier one's results, read by both ops' readers. Per op,
+  (`transposed_convolution_operands`) is transposed by a kernel of its own, once per value
+  and operand: it is written once more, and read, or computed again from its producer's
+  inputs where the producer is cloned into its readers. Values in `on_chip` (a fused
+  kernel's intermediates, `fusion.kernel_intermediates`) are neither written nor read. An
+  op that computes again what an earlier one did (`Op.same_as`) moves nothing: XLA's
+  common subexpression elimination leaves the earlier one's results, read by both ops'
+  readers. Per op,
   `(bytes read per operand, bytes written per result)`."""
   unique = _without_repeats(program)
   traffic = _fused_traffic(
@@ -220,6 +230,7 @@ def _fused_traffic(
   readers, outputs, materialized = loops.readers, loops.outputs, loops.materialized
   read_by_fusion: set[tuple[int, int]] = set()
   own_reads: dict[int, list[float]] = {}  # What each op reads of each operand, unfused.
+  transposes: dict[tuple[int, int], int] = {}  # (value, operand index) -> first conv reading it.
   out = []
   for op in program.ops:
     read_bytes = [0.0 if v in on_chip else float(program.values[v].nbytes) for v in op.operands]
@@ -260,11 +271,13 @@ def _fused_traffic(
       for v, b in zip(op.results, write_bytes)
     )
     if canonical_convolutions and op.primitive == "conv_general_dilated":
-      transposed = transposed_convolution_operands(op)
-      reads = [r + 2.0 * b * t for r, b, t in zip(reads, read_bytes, transposed)]
+      for i, (v, t) in enumerate(zip(op.operands, transposed_convolution_operands(op))):
+        if t and (v, i) not in transposes:  # One transpose of a value to one layout.
+          transposes[v, i] = op.id
+          reads[i] += 2.0 * read_bytes[i]
     out.append((tuple(reads), writes))
   if not multi_output_fusion:
-    out = _single_output_reads(program, loops, own_reads, out)
+    out = _single_output_reads(program, loops, own_reads, out, transposes)
   return out
 
 
@@ -273,6 +286,7 @@ def _single_output_reads(
   loops: _LoopFusions,
   own_reads: dict[int, list[float]],
   traffic: list[tuple[tuple[float, ...], tuple[float, ...]]],
+  transposes: dict[tuple[int, int], int],
 ) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
   """`traffic` with the reads of loop fusions that have one output each (no multi-output
   fusion, XLA:CPU): a fused op whose result is written roots a fusion of its own, into
@@ -280,9 +294,17 @@ def _single_output_reads(
   is written once and read by each instead where it is expensive
   (`EXPENSIVE_ELEMENTWISE`: a transcendental) or one of them is a reduction's. A fusion
   reads each value from outside it once, so a value two fusions read is read by each.
-  `own_reads` [op id] are an op's reads of its operands."""
+  A convolution operand's transpose (`transposes`: (value, operand index) -> the
+  convolution charged for it) is a fusion too: where the value's producer is cloned into
+  its readers, it computes the value again from the producer's inputs. `own_reads`
+  [op id] are an op's reads of its operands."""
 
   writes = [list(w) for _, w in traffic]
+  reads_out = [list(r) for r, _ in traffic]
+  transposing: dict[int, set[int]] = {}  # Producer op id -> the transposes reading it.
+  for k, (v, _) in enumerate(transposes):
+    if loops.fused(loops.producer.get(v)):
+      transposing.setdefault(loops.producer[v].id, set()).add(-1 - k)
   roots = [op for op in program.ops if loops.fused(op) and any(writes[op.id])]
   # Which fusions would compute each fused op (up to two of them, and whether one is a
   # reduction's), readers before producers: an op that two would compute is written once
@@ -293,15 +315,20 @@ def _single_output_reads(
   for op in reversed(program.ops):
     if not loops.fused(op):
       continue
-    if op.id in root_ids:
-      computing[op.id] = (frozenset({op.id}), op.primitive in FUSED_REDUCTIONS)
-      continue
     ids, reduction = set(), False
     for v in op.results:
       for reader in loops.readers.get(v, ()):
         if reader.id in computing and loops.inside(reader, v):
           ids |= computing[reader.id][0]
           reduction |= computing[reader.id][1]
+    if op.id in root_ids:  # Written; the fusions that read it clone it, but a reduction's.
+      if reduction:
+        loops.ends.update(op.results)
+        ids = set()
+      else:
+        ids |= transposing.get(op.id, set())
+      computing[op.id] = (frozenset(sorted(ids | {op.id})[:2]), op.primitive in FUSED_REDUCTIONS)
+      continue
     if (
       len(ids) > 1
       and op.primitive not in RECOMPUTED_PER_READER
@@ -317,7 +344,13 @@ def _single_output_reads(
   # values from outside it, each once.
   reads = {op.id: [0.0] * len(op.operands) for op in program.ops if loops.fused(op)}
   pulled: set[int] = set()  # Fused ops some fusion computes.
-  for root in roots:
+  starts = list(roots)
+  for (v, i), conv in transposes.items():
+    producer = loops.producer.get(v)
+    if loops.fused(producer) and v not in loops.ends:  # Cloned into the transpose.
+      reads_out[conv][i] -= own_reads[conv][i]
+      starts.append(producer)
+  for root in starts:
     from_outside, todo, seen = set(), [root], set()
     while todo:
       op = todo.pop()
@@ -332,8 +365,8 @@ def _single_output_reads(
           reads[op.id][i] += own_reads[op.id][i]
     pulled |= seen
   return [
-    (tuple(reads[op.id]), tuple(writes[op.id])) if op.id in pulled else (own, tuple(w))
-    for op, (own, _), w in zip(program.ops, traffic, writes)
+    (tuple(reads[op.id] if op.id in pulled else own), tuple(w))
+    for op, own, w in zip(program.ops, reads_out, writes)
   ]
 
 
