@@ -243,6 +243,46 @@ def test_xla_cpu_transposes_the_operands_of_a_convolution_out_of_its_layout():
   assert added == compiled
 
 
+_RESHARDS = [
+  # (from, to, whether XLA replicates the value): a logits tensor's vocabulary over both
+  # axes read with the batch and the sequence over one each, and the moves XLA makes
+  # with all-to-alls and collective-permutes.
+  ((None, None, ("data", "model")), ("model", "data", None), True),
+  ((None, None, ("data", "model")), ("data", "model", None), True),
+  ((("data", "model"), None, None), (None, "data", "model"), True),
+  (("data", "model", None), (None, None, ("data", "model")), True),
+  ((None, None, ("data", "model")), (("data", "model"), None, None), False),
+  ((None, None, ("data", "model")), ("data", None, "model"), False),
+  (("data", "model", None), ("model", "data", None), False),
+  (("data", None, "model"), (None, "model", "data"), False),
+  ((None, "data", "model"), ("model", "data", None), False),
+]
+
+
+@pytest.mark.parametrize("source, target, replicated", _RESHARDS)
+def test_a_resharding_xla_cannot_make_dim_by_dim_replicates_the_value(source, target, replicated):
+  """XLA's SPMD partitioner moves axes between dims one source and one target dim at a
+  time; where one dim's axes go to several dims, or several dims' axes to one, it
+  all-gathers the whole value and slices it. The simulator tells the two apart as XLA
+  compiles them."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  sharding = lambda spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+  def reshard(x):
+    x = jax.lax.with_sharding_constraint(x, sharding(source)) * 2.0
+    return jax.lax.with_sharding_constraint(x, sharding(target)) + 1.0
+
+  x = jax.ShapeDtypeStruct((64, 256, 128), jnp.float32)
+  text = jax.jit(reshard).lower(x).compile().as_text()
+  assert bool(re.search(r"= f32\[64,256,128\]\S* all-gather", text)) == replicated
+  bits = {"data": 1, "model": 2}
+  masks = lambda spec: jnp.array(
+    [[[sum(bits[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))] for axes in spec]],
+    jnp.int8,
+  )  # [1 edge, 3 dims, 1 plan]
+  assert bool(simulator.cost.replicated_reshards(masks(source), masks(target))[0, 0]) == replicated
+
+
 def _traffic_bytes(program: ir.Program, canonical_convolutions: bool = False) -> float:
   """Bytes the program moves as XLA:CPU fuses it (one output a fusion, minor concatenates
   as kernels)."""

@@ -72,7 +72,17 @@ from automap_rl.simulator.permutes import (
 )
 from automap_rl.simulator.tables import CostTables
 
-__all__ = ["COMM_KINDS", "KINDS", "Cost", "CostTerms", "evaluate", "simulate", "terms", "total"]
+__all__ = [
+  "COMM_KINDS",
+  "KINDS",
+  "Cost",
+  "CostTerms",
+  "evaluate",
+  "replicated_reshards",
+  "simulate",
+  "terms",
+  "total",
+]
 
 
 @chex.dataclass(frozen=True)
@@ -409,11 +419,21 @@ def _edge_collectives(
   # (the per-device buffer it moves). An operand and a result edge can both all-gather or
   # all-to-all, so those share a row. Only the reduction edges [R] (results of ops that
   # reduce) can reduce-scatter or all-reduce: those run over them alone (`_reductions`).
+  # A result's reduced axes are its reduction's (`_reductions`), not a resharding's.
+  source = jnp.where(operand[:, :, None], m.stored, m.required)
+  target = jnp.where(operand[:, :, None], m.required, m.stored & ~m.reduced[:, None])
+  replicated = replicated_reshards(source, target)  # [E', B]
   gather_axes = jnp.where(operand, gather_in, m.required_all & ~m.stored_all)
   gather_divisor = jnp.where(operand, m.stored_all & ~gather_in, m.stored_all)
   to_all_axes = jnp.where(
     operand, misplaced & m.required_all, placed_out & m.stored_all & ~m.reduced
   )
+  # A resharding XLA replicates: one all-gather of the whole value over every axis it is
+  # sharded on, and slices; no all-to-all, no collective-permute.
+  gather_axes = jnp.where(replicated, source.sum(axis=1, dtype=jnp.int8), gather_axes)
+  gather_divisor = jnp.where(replicated, 0, gather_divisor).astype(gather_divisor.dtype)
+  to_all_axes = jnp.where(replicated, 0, to_all_axes).astype(to_all_axes.dtype)
+  target = jnp.where(replicated[:, None, :], source, target)
   # Reads priced as sharing a resharding that do not share it under this plan run more.
   extra, slot_row = _unshared_reads(
     t,
@@ -429,18 +449,25 @@ def _edge_collectives(
   )
   gather = edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
   to_all = edge_terms(t, 1.0, to_all_axes, m.stored_all, weight, weighted_bytes, buffer_bytes)
-  # A result's reduced axes are its reduction's (`_reductions`), not a resharding's.
-  target = jnp.where(operand[:, :, None], m.required, m.stored & ~m.reduced[:, None])
   permute = reshard_permutes(
-    t,
-    precedence[t.edge_value[m.edge]],
-    jnp.where(operand[:, :, None], m.stored, m.required),
-    target,
-    weight,
-    weighted_bytes,
-    buffer_bytes,
+    t, precedence[t.edge_value[m.edge]], source, target, weight, weighted_bytes, buffer_bytes
   )
   return _EdgeCollectives(gather, to_all, permute, gather_axes, buffers, transient)
+
+
+def replicated_reshards(source: jax.Array, target: jax.Array) -> jax.Array:
+  """Whether XLA's SPMD partitioner replicates a value to reshard it, bool [E', B], from
+  the axes of each dim as the value is (`source`) and as it is wanted (`target`), int8
+  [E', Rv, B]. It moves axes between dims with all-to-alls one source dim and one target
+  dim at a time; where the axes leaving one dim go to several dims, or several dims'
+  axes go to one, it falls back to "involuntary full rematerialization": it all-gathers
+  the whole value and slices it (a logits tensor with the vocabulary over `data` and
+  `model`, read with the batch over `model` and the sequence over `data`)."""
+  leaving = source & ~target & target.sum(axis=1, dtype=jnp.int8)[:, None]  # [E', Rv, B]
+  moves = (leaving[:, :, None] & target[:, None, :]) != 0  # [E', from Rv, to Rv, B]
+  split = jnp.any(moves.sum(axis=2) > 1, axis=1)
+  merged = jnp.any(moves.sum(axis=1) > 1, axis=1)
+  return split | merged
 
 
 def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, EdgeTerms, jax.Array]:
