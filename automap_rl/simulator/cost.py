@@ -460,17 +460,14 @@ def replicated_reshards(source: jax.Array, target: jax.Array) -> jax.Array:
   the axes of each dim as the value is (`source`) and as it is wanted (`target`), int8
   [E', Rv, B]. It moves axes between dims with all-to-alls one source dim and one target
   dim at a time; where the axes leaving one dim go to several dims, or several dims'
-  axes go to one, or one dim's axes both move and are gathered, it falls back to
-  "involuntary full rematerialization": it all-gathers the whole value and slices it (a
-  logits tensor with the vocabulary over `data` and `model`, read with the batch over
-  `model` and the sequence over `data`)."""
-  wanted = target.sum(axis=1, dtype=jnp.int8)[:, None]  # [E', 1, B]
-  leaving = source & ~target & wanted  # [E', Rv, B]
+  axes go to one, it falls back to "involuntary full rematerialization": it all-gathers
+  the whole value and slices it (a logits tensor with the vocabulary over `data` and
+  `model`, read with the batch over `model` and the sequence over `data`)."""
+  leaving = source & ~target & target.sum(axis=1, dtype=jnp.int8)[:, None]  # [E', Rv, B]
   moves = (leaving[:, :, None] & target[:, None, :]) != 0  # [E', from Rv, to Rv, B]
   split = jnp.any(moves.sum(axis=2) > 1, axis=1)
   merged = jnp.any(moves.sum(axis=1) > 1, axis=1)
-  moved_and_gathered = jnp.any((leaving != 0) & ((source & ~wanted) != 0), axis=1)
-  return split | merged | moved_and_gathered
+  return split | merged
 
 
 def _reductions(t: CostTables, m: _EdgeMasks) -> tuple[EdgeTerms, EdgeTerms, EdgeTerms, jax.Array]:
