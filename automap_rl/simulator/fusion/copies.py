@@ -247,12 +247,14 @@ def cloned_though_written(program: Program) -> frozenset[int]:
     if op.results
     and op.primitive in LOOP_FUSIBLE
     and not _expensive(op)
-    and (
-      _op_unary(op, shapes, broadcasts)
-      or sum(math.prod(shapes[v]) for v in set(op.operands))
-      <= sum(math.prod(shapes[v]) for v in op.results)
-    )
+    and (_op_unary(op, shapes, broadcasts) or _op_grows(op, shapes))
   )
+
+
+def _op_grows(op: Op, shapes: Sequence[Shape]) -> bool:
+  """Its operands have at most as many elements as its results."""
+  size = lambda values: sum(math.prod(shapes[v]) for v in values)
+  return size(set(op.operands)) <= size(op.results)
 
 
 def _broadcast_values(program: Program, folded: AbstractSet[int]) -> set[int]:
@@ -331,7 +333,6 @@ def _graph(program: Program, shapes: Sequence[Shape]) -> _Graph:
     for p in mine:
       users[p].add(node)
   broadcasts = _broadcast_values(program, folded)
-  size = [math.prod(s) for s in shapes]
   layouts = len(operands) - len(ops)
   return _Graph(
     operands=operands,
@@ -343,8 +344,7 @@ def _graph(program: Program, shapes: Sequence[Shape]) -> _Graph:
     reuses=[_op_reuses(op, operands[op.id], shapes, producer) for op in ops]
     + [frozenset()] * layouts,
     unary=[not op.results or _op_unary(op, shapes, broadcasts) for op in ops] + [True] * layouts,
-    grows=[sum(size[v] for v in set(op.operands)) <= sum(size[v] for v in op.results) for op in ops]
-    + [True] * layouts,
+    grows=[_op_grows(op, shapes) for op in ops] + [True] * layouts,
     live=[op.id not in skip for op in ops] + [True] * layouts,
     copies=[int(op.id not in skip) for op in ops] + [1] * layouts,
     num_ops=len(ops),

@@ -182,8 +182,7 @@ def memory_traffic(
   kernel's intermediates, `fusion.kernel_intermediates`) are neither written nor read. An
   op that computes again what an earlier one did (`Op.same_as`) moves nothing: XLA's
   common subexpression elimination leaves the earlier one's results, read by both ops'
-  readers. Per op,
-  `(bytes read per operand, bytes written per result)`."""
+  readers. Per op, `(bytes read per operand, bytes written per result)`."""
   unique = _without_repeats(program)
   traffic = _fused_traffic(
     unique, multi_output_fusion, minor_concatenate_fusion, on_chip, canonical_convolutions
