@@ -32,6 +32,24 @@ SPLIT_SEQUENCE = [
 ]
 
 
+# A plan a random search found on the full-size LSTM: the gates' columns over `data` and
+# `model` (`data` major), split into four gates read with the batch over `data`. XLA moves
+# `data` to the batch first, by an all-to-all of the minor half of each device's columns,
+# a permute of the whole shard puts it on the right devices, and `model` is gathered last.
+SPLIT_GATES = [
+  Decision(Group(0), "data"),
+  Decision(Group(2), "data"),
+  Decision(Group(9), "model"),
+  Decision(Group(7), "model"),
+  Decision(Group(5), "data"),
+  Decision(Group(1), "data"),
+  Decision(Group(6), "model"),
+  Decision(Group(7), "data"),
+  Decision(Group(2), "model"),
+  Decision(Group(3), "model"),
+]
+
+
 @pytest.fixture(scope="module")
 def lstm():
   workload = make_workload(LSTM, abstract=True)
@@ -63,6 +81,12 @@ def test_the_permutes_of_misordered_reshardings_are_priced_as_xla_emits_them(lst
   # and the labels its pick of each label's logit reads, split by rows over the vocabulary.
   assert simulated == pytest.approx(compiled, rel=0.01)
   assert compiled_count - 3 <= simulated_count <= compiled_count
+
+
+def test_a_major_axis_moved_to_another_dim_above_a_gathered_one_is_permuted(lstm):
+  (simulated, compiled), (simulated_count, compiled_count) = _permutes(*lstm, SPLIT_GATES)
+  assert compiled > 0
+  assert (simulated, simulated_count) == (compiled, compiled_count)
 
 
 @pytest.mark.parametrize("plan", ["fsdp_megatron_sp", "data_megatron"])

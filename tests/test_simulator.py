@@ -72,6 +72,19 @@ def test_collective_seconds_are_linear_in_buffers_of_gibibytes(kind):
   )
 
 
+@pytest.mark.parametrize("kind", ["all-gather", "all-to-all", "all-reduce"])
+def test_a_collective_over_devices_no_axes_group_is_a_ring_of_its_group(kind):
+  """XLA's groups of 4 of the 8 devices of data=4,model=2 that match no set of axes (a
+  merged dim's minor tiles) ring over 4 devices, not 8: on one node's NVLink, the price
+  of a ring over `data`, the axis of 4."""
+  program = ir.trace(lambda x, w: x @ w, jnp.ones((64, 128)), jnp.ones((128, 32)))
+  tables = Problem.build(program, make_mesh("data=4,model=2", "h100")).tables
+  every_axis, data = 0b11, 0b01
+  four = simulator.collective_seconds(tables, kind, 2**20, every_axis, group=4)
+  assert four == pytest.approx(simulator.collective_seconds(tables, kind, 2**20, data))
+  assert four < simulator.collective_seconds(tables, kind, 2**20, every_axis)
+
+
 def test_data_parallel_mlp_all_reduces_exactly_the_gradient_bytes():
   problem = zoo_problem("mlp", "data=8")
   workload = workloads.make_workload("mlp", abstract=True)

@@ -58,13 +58,17 @@ def ring_collective(
   return per_byte[axes] * fraction, fixed[axes], fraction
 
 
-def collective_seconds(t: CostTables, kind: str, buffer_bytes: float, axes: int) -> float:
+def collective_seconds(
+  t: CostTables, kind: str, buffer_bytes: float, axes: int, group: int | None = None
+) -> float:
   """Seconds of one collective of `kind` (`KINDS` or `collective-permute`) over the mesh
   axes of bit mask `axes`, moving a group-level buffer of `buffer_bytes` per device (the
   `automap_rl.xla.hlo` convention), in the model `ring_collective` charges plans; a
-  collective-permute is one hop of the whole buffer at the slowest link of its axes. For
-  costing what XLA compiled with the simulator's own alpha-beta model, in Python floats
-  (a buffer of 2 GiB or more would overflow a jax int32)."""
+  collective-permute is one hop of the whole buffer at the slowest link of its axes. A
+  `group` of devices other than the axes' (XLA's groups that match no set of axes) sets
+  the ring's length, at the slowest link of `axes`. For costing what XLA compiled with
+  the simulator's own alpha-beta model, in Python floats (a buffer of 2 GiB or more
+  would overflow a jax int32)."""
   if kind == "collective-permute":
     return (
       float(buffer_bytes) * float(t.mask_seconds_per_byte[axes]) + float(t.mask_latency[axes])
@@ -75,9 +79,17 @@ def collective_seconds(t: CostTables, kind: str, buffer_bytes: float, axes: int)
     raise ValueError(
       f"Unknown collective kind {kind!r}; expected one of {KINDS} or 'collective-permute'."
     )
-  per_byte, fixed, _ = ring_collective(
-    t, 2.0 if kind == "all-reduce" else 1.0, jnp.asarray(axes), jnp.asarray(0)
-  )
+  rounds = 2.0 if kind == "all-reduce" else 1.0
+  if group is not None:
+    return (
+      rounds
+      * (group - 1.0)
+      * (
+        float(buffer_bytes) / group * float(t.mask_seconds_per_byte[axes])
+        + float(t.mask_latency[axes])
+      )
+    )
+  per_byte, fixed, _ = ring_collective(t, rounds, jnp.asarray(axes), jnp.asarray(0))
   return float(buffer_bytes) * float(per_byte) + float(fixed)
 
 

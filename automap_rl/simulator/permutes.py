@@ -9,10 +9,11 @@ over first, ties in mesh order); a device's shard is the one its position along 
 names in that order. The partitioner reshards a dim in steps that fix the order of what
 they make: the axes the dim keeps stay major, axes the source leaves replicated are sliced
 in next, axes an all-to-all moves in from other dims come last (minor), and an all-to-all
-or all-gather takes an axis out of a dim only from its minor end. Where the target's order
-differs from the order those steps make, or an axis would leave from above one the dim
-keeps, the shards sit on the wrong devices, and a collective-permute of the whole shard
-puts them right; so does one where two dims trade axes (an all-to-all over both axes at
+or all-gather takes an axis out of a dim only from its minor end, all-to-alls before
+all-gathers. Where the target's order differs from the order those steps make, or an axis
+would leave from above one the dim keeps (or, for another dim, above one it gathers), the
+shards sit on the wrong devices, and a collective-permute of the whole shard puts them
+right; so does one where two dims trade axes (an all-to-all over both axes at
 once). XLA:CPU compiles each of these cases so (checked in `tests/test_permutes.py`).
 """
 
@@ -60,6 +61,7 @@ def _misordered(
   differs from the one the steps make, and of source dims an axis leaves from above one
   the dim keeps, each int8 [N, Rv, B] (0 where none)."""
   source_all = source.sum(axis=1, dtype=jnp.int8)[:, None]  # [N, 1, B]
+  target_all = target.sum(axis=1, dtype=jnp.int8)[:, None]
   kept = source & target
   # The order the steps make: kept 0, sliced in 1, moved in by an all-to-all 2.
   step = lambda bit: jnp.where((kept & bit) != 0, 0, jnp.where((source_all & bit) != 0, 2, 1))
@@ -72,7 +74,14 @@ def _misordered(
     wrong_target |= both & jnp.where(y_major, sx < sy, sy < sx)
     in_source = (source & bx != 0) & (source & by != 0)
     x_leaves, y_leaves = (target & bx) == 0, (target & by) == 0
-    wrong_source |= in_source & jnp.where(y_major, y_leaves & ~x_leaves, x_leaves & ~y_leaves)
+    x_gathered, y_gathered = (target_all & bx) == 0, (target_all & by) == 0
+    # The major axis leaves above one the dim keeps, or moves to another dim (an all-to-all,
+    # before any all-gather) above one that is gathered.
+    wrong_source |= in_source & jnp.where(
+      y_major,
+      y_leaves & (~x_leaves | (x_gathered & ~y_gathered)),
+      x_leaves & (~y_leaves | (y_gathered & ~x_gathered)),
+    )
   return jnp.where(wrong_target, target, 0), jnp.where(wrong_source, source, 0)
 
 

@@ -23,7 +23,8 @@ __all__ = ["implied_cost", "peak_flops", "with_bubble"]
 
 
 def _axes_mask(mesh: Mesh, axes: Sequence[str] | None) -> int:
-  """Bit mask of mesh axes; every axis where XLA's groups match no set of axes."""
+  """Bit mask of mesh axes; every axis (the slowest link) where XLA's groups match no set
+  of axes."""
   names = mesh.axis_names if axes is None else axes
   return sum(1 << mesh.axis_names.index(a) for a in names)
 
@@ -49,7 +50,8 @@ def implied_cost(problem: Problem, stats: CompiledStats) -> dict[str, Any]:
   by_op: dict[tuple[str, str], float] = {}
   for c in stats.collectives:
     mask = _axes_mask(problem.mesh, c.mesh_axes)
-    seconds = c.repeat * collective_seconds(problem.tables, c.kind, c.bytes, mask)
+    group = c.group_size if c.mesh_axes is None and c.kind != "collective-permute" else None
+    seconds = c.repeat * collective_seconds(problem.tables, c.kind, c.bytes, mask, group)
     by_kind[c.kind] += seconds
     by_op[c.kind, c.op_name] = by_op.get((c.kind, c.op_name), 0.0) + seconds
   peak = peak_flops(problem)
