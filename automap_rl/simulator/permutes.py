@@ -59,7 +59,8 @@ def _misordered(
   """Per dim, whether the partitioner's steps from `source` to `target` (dim masks
   [N, Rv, B]) leave its shards on the wrong devices: the axes of target dims whose order
   differs from the one the steps make, and of source dims an axis leaves from above one
-  the dim keeps, each int8 [N, Rv, B] (0 where none)."""
+  the dim keeps (or moves to another dim from above one it gathers), each int8 [N, Rv, B]
+  (0 where none)."""
   source_all = source.sum(axis=1, dtype=jnp.int8)[:, None]  # [N, 1, B]
   target_all = target.sum(axis=1, dtype=jnp.int8)[:, None]
   kept = source & target
@@ -75,8 +76,8 @@ def _misordered(
     in_source = (source & bx != 0) & (source & by != 0)
     x_leaves, y_leaves = (target & bx) == 0, (target & by) == 0
     x_gathered, y_gathered = (target_all & bx) == 0, (target_all & by) == 0
-    # The major axis leaves above one the dim keeps, or moves to another dim (an all-to-all,
-    # before any all-gather) above one that is gathered.
+    # An all-to-all runs before an all-gather: a major axis moved to another dim leaves
+    # from above a minor one the dim gathers.
     wrong_source |= in_source & jnp.where(
       y_major,
       y_leaves & (~x_leaves | (x_gathered & ~y_gathered)),
