@@ -11,6 +11,7 @@ from automap_rl import tactics
 from automap_rl.sharding import Decision, Group
 from automap_rl.simulator import permutes
 from automap_rl.workloads.spec import make_workload
+from automap_rl.xla import fullsize
 from automap_rl.xla.lower import lower
 from automap_rl.xla.plan_metrics import compiled_metrics, simulated_metrics
 from automap_rl.xla.validate import DONATE_ARGNUMS, trace_problem
@@ -86,6 +87,37 @@ def test_the_permutes_of_misordered_reshardings_are_priced_as_xla_emits_them(lst
 def test_a_major_axis_moved_to_another_dim_above_a_gathered_one_is_permuted(lstm):
   (simulated, compiled), (simulated_count, compiled_count) = _permutes(*lstm, SPLIT_GATES)
   assert compiled > 0
+  assert (simulated, simulated_count) == (compiled, compiled_count)
+
+
+# A plan a random search found on jraph-gcn at ogbn-arxiv size (data=2,model=4): node
+# features [169344, 256] with the nodes over `model` and `data` (`model` major), read with
+# the features over both, `data` major. One all-to-all moves both axes, in the order they
+# had; a permute of the whole shard puts them in the other order (and once more back).
+GCN_TRADE_ORDER = [
+  Decision(Group(10), "model"),
+  Decision(Group(1), "model"),
+  Decision(Group(5), "data"),
+  Decision(Group(0), "model"),
+  Decision(Group(3), "data"),
+  Decision(Group(8), "data"),
+  Decision(Group(6), "data"),
+  Decision(Group(11), "model"),
+  Decision(Group(10), "data"),
+  Decision(Group(2), "model"),
+  Decision(Group(7), "model"),
+  Decision(Group(2), "data"),
+]
+
+
+def test_two_axes_one_all_to_all_moves_keep_their_order():
+  case = fullsize.validation_case("jraph-gcn-arxiv-2x4-a100-40g")
+  workload = case.make_workload(abstract=True)
+  problem = trace_problem(workload, case.mesh, fullsize.validation_mesh(case).hardware)
+  (simulated, compiled), (simulated_count, compiled_count) = _permutes(
+    workload, problem, GCN_TRADE_ORDER
+  )
+  assert compiled == 2 * 169344 * 256 * 4 / 8
   assert (simulated, simulated_count) == (compiled, compiled_count)
 
 

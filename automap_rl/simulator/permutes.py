@@ -13,8 +13,10 @@ or all-gather takes an axis out of a dim only from its minor end, all-to-alls be
 all-gathers. Where the target's order differs from the order those steps make, or an axis
 would leave from above one the dim keeps (or, for another dim, above one it gathers), the
 shards sit on the wrong devices, and a collective-permute of the whole shard puts them
-right; so does one where two dims trade axes (an all-to-all over both axes at
-once). XLA:CPU compiles each of these cases so (checked in `tests/test_permutes.py`).
+right; so does one where two dims trade axes (an all-to-all over both axes at once), and
+one where two axes that one all-to-all moves from a dim to another land in the order they
+had, which is not the target's. XLA:CPU compiles each of these cases so (checked in
+`tests/test_permutes.py`).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def _misordered(
 ) -> tuple[jax.Array, jax.Array]:
   """Per dim, whether the partitioner's steps from `source` to `target` (dim masks
   [N, Rv, B]) leave its shards on the wrong devices: the axes of target dims whose order
-  differs from the one the steps make, and of source dims an axis leaves from above one
+  differs from the one the steps make (two axes moved in together keep their source
+  order), and of source dims an axis leaves from above one
   the dim keeps (or moves to another dim from above one it gathers), each int8 [N, Rv, B]
   (0 where none)."""
   source_all = source.sum(axis=1, dtype=jnp.int8)[:, None]  # [N, 1, B]
@@ -73,6 +76,11 @@ def _misordered(
     both = (target & bx != 0) & (target & by != 0)
     sx, sy = step(bx), step(by)
     wrong_target |= both & jnp.where(y_major, sx < sy, sy < sx)
+    # Two axes one all-to-all moves from one dim to another land in the order they had.
+    together = (source & bx != 0) & (source & by != 0)  # [N, Rv, B]
+    moved_together = jnp.any(together, axis=1)[:, None] & ~together & both
+    y_was_major = jnp.any(together & precedence[:, :, k], axis=1)[:, None]
+    wrong_target |= moved_together & (y_major != y_was_major)
     in_source = (source & bx != 0) & (source & by != 0)
     x_leaves, y_leaves = (target & bx) == 0, (target & by) == 0
     x_gathered, y_gathered = (target_all & bx) == 0, (target_all & by) == 0
