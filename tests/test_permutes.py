@@ -1,11 +1,15 @@
 """Collective-permutes: the bytes the simulator prices against those XLA's partitioner emits
 (`automap_rl.simulator.permutes`)."""
 
+import re
+
 import hypothesis
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from automap_rl import tactics
 from automap_rl.sharding import Decision, Group
@@ -155,3 +159,42 @@ def test_traded_axes_are_those_two_dims_swap(num_axes, rank, seed):
       expected |= np.where((there != 0) & (back != 0), there | back, 0).astype(np.int8)
   traded = permutes._traded(jnp.asarray(source), jnp.asarray(target), num_axes)
   np.testing.assert_array_equal(np.asarray(traded), expected)
+
+
+@pytest.mark.parametrize(
+  "source, target, swapped",
+  [
+    (("model", None), ("data", None), 0b011),  # Rows over `model` read over `data`.
+    ((None, "data"), (None, "x"), 0b101),
+    (("data", "model"), ("x", "model"), 0b101),  # `model` stays on the columns.
+    ((("data", "model"), None), ("x", None), 0),  # Four devices' worth gathered, two sliced.
+    (("model", None), (None, "data"), 0),  # Another dim: all-to-all and permute.
+  ],
+)
+def test_a_dim_that_swaps_an_axis_for_one_as_large_is_a_permute(source, target, swapped):
+  """Where a dim gathers axes and slices in as many devices' worth of others, XLA's
+  partitioner sends each device's shard where it is needed: one collective-permute of the
+  shard, no all-gather."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "model", "x"), axis_types=(AxisType.Auto,) * 3)
+  sharding = lambda spec: NamedSharding(mesh, PartitionSpec(*spec))
+
+  def reshard(x):
+    x = jax.lax.with_sharding_constraint(x, sharding(source)) * 2.0
+    return jax.lax.with_sharding_constraint(x, sharding(target)) + 1.0
+
+  text = jax.jit(reshard).lower(jax.ShapeDtypeStruct((64, 256), jnp.float32)).compile().as_text()
+  collectives = re.findall(r"= (.+?) (all-gather|all-to-all|collective-permute)(?:-start)?\(", text)
+  bits = {"data": 1, "model": 2, "x": 4}
+  masks = lambda spec: jnp.array(
+    [[[sum(bits[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))] for axes in spec]],
+    jnp.int8,
+  )  # [1 edge, 2 dims, 1 plan]
+  tables = trace_problem(make_workload(LSTM, abstract=True), "data=2,model=2,x=2", "cpu").tables
+  assert int(permutes.swapped_axes(tables, masks(source), masks(target))[0, 0]) == swapped
+  shard = f"f32[{64 // (2 if source[0] else 1)},{256 // (2 if source[1] else 1)}]"
+  if swapped:
+    assert [(shape.split("{")[0], kind) for shape, kind in collectives] == [
+      (shard, "collective-permute")
+    ]
+  else:
+    assert any(kind != "collective-permute" for _, kind in collectives)

@@ -69,6 +69,7 @@ from automap_rl.simulator.permutes import (
   permute_sums,
   permute_terms,
   reshard_permutes,
+  swapped_axes,
 )
 from automap_rl.simulator.tables import CostTables
 
@@ -434,6 +435,12 @@ def _edge_collectives(
   gather_divisor = jnp.where(replicated, 0, gather_divisor).astype(gather_divisor.dtype)
   to_all_axes = jnp.where(replicated, 0, to_all_axes).astype(to_all_axes.dtype)
   target = jnp.where(replicated[:, None, :], source, target)
+  # A dim that trades axes it gathers for as many devices' worth it slices in: a permute.
+  swapped = jnp.where(replicated, 0, swapped_axes(t, source, target)).astype(gather_axes.dtype)
+  gather_axes = gather_axes & ~swapped
+  gather_divisor = jnp.where(
+    operand & (swapped != 0), m.stored_all & ~gather_axes, gather_divisor
+  ).astype(gather_divisor.dtype)
   # Reads priced as sharing a resharding that do not share it under this plan run more.
   extra, slot_row = _unshared_reads(
     t,
@@ -450,7 +457,14 @@ def _edge_collectives(
   gather = edge_terms(t, 1.0, gather_axes, gather_divisor, weight, weighted_bytes, buffer_bytes)
   to_all = edge_terms(t, 1.0, to_all_axes, m.stored_all, weight, weighted_bytes, buffer_bytes)
   permute = reshard_permutes(
-    t, precedence[t.edge_value[m.edge]], source, target, weight, weighted_bytes, buffer_bytes
+    t,
+    precedence[t.edge_value[m.edge]],
+    source,
+    target,
+    swapped,
+    weight,
+    weighted_bytes,
+    buffer_bytes,
   )
   return _EdgeCollectives(gather, to_all, permute, gather_axes, buffers, transient)
 

@@ -115,6 +115,19 @@ def _traded(source: jax.Array, target: jax.Array, num_axes: int) -> jax.Array:
   return traded
 
 
+def swapped_axes(t: CostTables, source: jax.Array, target: jax.Array) -> jax.Array:
+  """The axes of dims that trade axes they gather for as many devices' worth of axes they
+  slice in (rows over `model` read as rows over `data`, both of 4), int8 [N, B], from dim
+  masks [N, Rv, B]. XLA's partitioner sends each device's shard to the device that needs
+  it (a collective-permute) rather than gathering the value and slicing it."""
+  group = jnp.asarray(t.mask_group)
+  as_index = lambda masks: masks.astype(jnp.uint8)  # Unsigned: no wrap of negative indices.
+  gathered = source & ~target.sum(axis=1, dtype=jnp.int8)[:, None]  # [N, Rv, B]
+  sliced = target & ~source.sum(axis=1, dtype=jnp.int8)[:, None]
+  swap = (gathered != 0) & (group[as_index(gathered)] == group[as_index(sliced)])
+  return jnp.where(swap, gathered | sliced, 0).sum(axis=1, dtype=jnp.int8)
+
+
 def permute_terms(
   t: CostTables,
   axes: jax.Array,
@@ -144,6 +157,7 @@ def reshard_permutes(
   precedence: jax.Array,
   source: jax.Array,
   target: jax.Array,
+  swapped: jax.Array,
   weight: jax.Array,
   weighted_bytes: jax.Array,
   buffer_bytes: jax.Array,
@@ -154,11 +168,12 @@ def reshard_permutes(
   (`axis_precedence` of the edge's value), run `weight` [N, B] times a step
   (`weighted_bytes`: weight times the value's bytes; `buffer_bytes` [N]): one permute of
   the target's shard where a target dim is misordered or two dims trade axes, else of the
-  source's shard where a source dim is."""
+  source's shard where a source dim is misordered or a dim swaps axes (`swapped` [N, B]:
+  `swapped_axes`)."""
   group = jnp.asarray(t.mask_group)
   wrong_target, wrong_source = _misordered(source, target, precedence, axis_count(t))
   to_target = wrong_target.sum(axis=1, dtype=jnp.int8) | _traded(source, target, axis_count(t))
-  from_source = wrong_source.sum(axis=1, dtype=jnp.int8)
+  from_source = wrong_source.sum(axis=1, dtype=jnp.int8) | swapped
   shards = lambda masks: group[masks.sum(axis=1, dtype=jnp.int8).astype(jnp.uint8)]
   fraction = jnp.where(to_target != 0, 1.0 / shards(target), 1.0 / shards(source))
   return permute_terms(t, to_target | from_source, fraction, weight, weighted_bytes, buffer_bytes)
