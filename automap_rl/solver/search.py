@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from automap_rl.solver.dual import Dual
+from automap_rl.solver.forest import forest_descent
 from automap_rl.solver.graph import StrategyGraph
 from automap_rl.solver.limits import LimitReached, Limits
 from automap_rl.solver.local import GroupPlan, GroupPlanBuilder, Layout
@@ -79,6 +80,13 @@ _FIRST_PARENTS = 2
 # pricing after its tenth second, and its neighbourhoods gained 12% in 3 s.
 _STALL_CROSSOVERS = 8
 _STALL_SHARE = 0.15
+# The share of a large problem's time its neighbourhoods get at least (pricing ends earlier
+# when it stalls).
+_NEIGHBOURHOOD_SHARE = 0.05
+# Forest moves (`forest.forest_descent`) on a plan stop after this many in a row gain nothing
+# (N: 0.12 s a move; from a plan at 1.12 of the contest's best, 1.086 after one move, 1.068
+# after 15, nothing more in the next 20).
+_FOREST_PATIENCE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +306,7 @@ class Search:
       self.note(f"warm start: {self.best_cost:.6g}")
     small = self.small
     self.price(
-      until=self.deadline - (0.55 if small else 0.05) * max(self.left(), 0.0),
+      until=self.deadline - (0.55 if small else _NEIGHBOURHOOD_SHARE) * max(self.left(), 0.0),
       patience=_SMALL_PATIENCE if small else None,
       budget_every=_SMALL_BUDGET_EVERY if small else None,
     )
@@ -394,6 +402,7 @@ class Search:
     plan = GroupPlan(self.layout, choice)
     if np.any(plan.excess() > 0) and not plan.repair(max_switches=_REPAIR_SWITCHES):
       return
+    plan = GroupPlan(self.layout, self.forest(plan.choice))
     order = self.rng.permutation(self.reduced.num_groups)
     tolerance = 1e-12 * max(float(np.abs(self.reduced.unary).max(initial=1.0)), 1.0)
     cost = group_cost(self.reduced, plan.choice)
@@ -424,12 +433,19 @@ class Search:
     )
     self.met = None
     took = time.monotonic() - started
+    improved = self.offer(self.forest(result.choice), "crossover")
     if took >= 0.9 * time_limit:
       self.crossover_seconds = min(2 * self.crossover_seconds, max(left / 3, _CROSSOVER_SECONDS))
       self.parents = max(self.parents // 2, 1)
     elif took < 0.5 * time_limit:
       self.parents = min(2 * self.parents, _MAX_PARENTS)
-    return self.offer(result.choice, "crossover")
+    return improved
+
+  def forest(self, choice: np.ndarray) -> np.ndarray:
+    """`choice` ([G], within the limit) after forest moves (`forest.forest_descent`)."""
+    return forest_descent(
+      self.layout, choice, self.rng, patience=_FOREST_PATIENCE, until=self.deadline
+    )
 
   def whole_mip(self, time_limit: float) -> bool:
     """The whole problem as one MIP, from the best plan; True if optimal."""
@@ -449,9 +465,11 @@ class Search:
     return result.optimal
 
   def neighbourhoods(self) -> None:
-    """Large-neighbourhood search: re-solves groups around a tight segment
-    or a ball in the pair graph, growing the neighbourhood while steps end
-    optimal and shrinking it when they time out."""
+    """Large-neighbourhood search: re-solves groups around a tight segment, or a ball in the
+    pair graph around a group drawn by its cost in the best plan (N: a few hundred of its
+    21,213 pairs carry all of a plan's pair cost; docs/experiments/iopddl-forests.md), growing
+    the neighbourhood while steps end optimal and shrinking it when they time out; each
+    better plan is polished by forest moves."""
     reduced, memory = self.reduced, self.memory
     neighbours = [[] for _ in range(reduced.num_groups)]
     for g, h in reduced.pairs.tolist():
@@ -464,12 +482,14 @@ class Search:
       if steps % 2 == 0:
         free = self._around_tight_segment(size, neighbours)
       else:
-        free = self._ball(size, neighbours)
+        free = self._ball(size, neighbours, np.maximum(self._incident_costs(), 0.0))
       limit = min(self.left() - 0.5, 3.0)
       result = reoptimize(
         reduced, memory, self.best, free, time_limit=limit, seed=self.seed + steps
       )
-      if self.offer(result.choice, "neighbourhood"):
+      if group_cost(reduced, result.choice) < self.best_cost and self.offer(
+        self.forest(result.choice), "neighbourhood"
+      ):
         improved += 1
       size = (
         min(int(size * 1.25), reduced.num_groups) if result.optimal else max(int(size * 0.7), 20)
@@ -499,9 +519,19 @@ class Search:
         free[h] = True
     return free
 
-  def _ball(self, size: int, neighbours: list[list[int]]) -> np.ndarray:
+  def _ball(
+    self, size: int, neighbours: list[list[int]], weights: np.ndarray | None = None
+  ) -> np.ndarray:
+    """[G] bool: `size` groups breadth-first around a centre drawn with probability
+    proportional to `weights` ([G] >= 0; uniform without them or when they are all 0)."""
     free = np.zeros(self.reduced.num_groups, bool)
-    queue = [int(self.rng.integers(self.reduced.num_groups))]
+    total = 0.0 if weights is None else float(weights.sum())
+    centre = (
+      self.rng.choice(self.reduced.num_groups, p=weights / total)
+      if total > 0
+      else self.rng.integers(self.reduced.num_groups)
+    )
+    queue = [int(centre)]
     free[queue[0]] = True
     count, head = 1, 0
     while head < len(queue) and count < size:
@@ -513,6 +543,16 @@ class Search:
           count += 1
           queue.append(h)
     return free
+
+  def _incident_costs(self) -> np.ndarray:
+    """[G] each group's cost in the best plan: its unary cost plus the costs of its pairs."""
+    reduced, choice = self.reduced, self.best
+    g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
+    pair = reduced.pair_costs[reduced.pair_offsets[:-1] + choice[g] * reduced.counts[h] + choice[h]]
+    unary = reduced.unary[reduced.offsets[:-1] + choice]
+    return unary + np.bincount(
+      reduced.pairs.ravel(), weights=np.repeat(pair, 2), minlength=reduced.num_groups
+    )
 
 
 class _Merges:

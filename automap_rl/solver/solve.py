@@ -1,14 +1,16 @@
 """The solver: exact reductions, Lagrangian pricing with MIP crossover, local and MIP polish.
 
 1. `reduce_graph` shrinks the graph exactly (forbidden strategies, determined
-   nodes merged into groups, parallel edges summed): the contest instances go
-   from ~30k nodes to 230-6500 groups.
+   nodes merged into groups, parallel edges summed, dominated strategies
+   dropped): the contest instances go from ~30k nodes to 230-27,000 groups.
 2. Pricing (`dual.py`): usage is priced per time segment and the priced,
    unconstrained problem is solved by TRW-S message passing, one sweep per
    round. Each round decodes a plan; prices rise where it breaks the limit and
    fall where there is room (adaptive penalties). Decoded plans within the
-   limit that beat the best are polished (`local.py`: single switches and
-   two-group moves until neither helps); small problems also build a plan
+   limit that beat the best are polished (`forest.py`: exact re-choices of
+   a random induced forest of the pair graph, none using more memory; then
+   `local.py`: single switches and two-group moves until neither helps);
+   small problems also build a plan
    greedily within a usage budget every few rounds.
 3. Crossover (`mip.py`), once a decoded plan has fitted: the best plan and the
    cheapest 2-8 plans decoded since the last crossover (usually over the limit
@@ -16,14 +18,16 @@
    one runs out) are merged: the groups where any differs are re-chosen among
    the plans' strategies by the LP relaxation of their MIP (HiGHS) with the
    usage rows, rounded, and the few groups it leaves fractional re-chosen
-   exactly. This is where most of the improvement comes from. A large
+   exactly, and the result polished by forest moves. This is where most of the
+   improvement comes from. A large
    problem's pricing ends once its crossovers stall (8 in a row and 15% of the
    time without a better plan), leaving the time to the neighbourhoods.
 4. Polish: small problems (up to 150k pair-cost entries) first try the whole
    MIP from the best plan for 60% of the time left, which proves
    optimality on some; then (large ones for their last 5%)
    large-neighbourhood search re-solves ~100 or more groups at a time
-   (around a tight time segment or a ball in the graph) exactly.
+   (around a tight time segment, or a ball in the graph around a group drawn
+   by its cost in the plan) exactly, each better plan polished by forest moves.
 
 One search's stages are `search.Search`; with `workers` >= 1 the searches run in forked
 processes after the reduction (`supervise`), each with its own seed and role (`ROLES`): two
