@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from test_solver import brute_force, graph_lists, to_graph
 
 from automap_rl.solver import StrategyGraph, evaluate, is_feasible, plan_cost
-from automap_rl.solver.forest import forest_move
+from automap_rl.solver.forest import ForestMoves
 from automap_rl.solver.graph import peak_usage
 from automap_rl.solver.local import Layout
 from automap_rl.solver.memory import build_memory
@@ -66,7 +66,7 @@ def test_a_forest_move_never_costs_more_nor_uses_more_memory(lists, data):
   except ValueError:  # the usage no strategy changes is over the limit already
     assume(False)
   start = np.array([data.draw(st.integers(0, k - 1)) for k in reduced.counts], np.int64)
-  moved = forest_move(layout, start, np.random.default_rng(data.draw(st.integers(0, 9))))
+  moved = ForestMoves(layout).move(start, np.random.default_rng(data.draw(st.integers(0, 9))))
   before, after = reduced.expand(start), reduced.expand(moved)
   assert plan_cost(graph, after) <= plan_cost(graph, before)
   if graph.usage_limit is not None:  # without a limit, usage is free
@@ -102,5 +102,5 @@ def test_on_a_tree_one_forest_move_reaches_the_optimum(graph, data):
   dynamic programme over the whole problem."""
   reduced, layout = views(graph)
   start = np.array([data.draw(st.integers(0, k - 1)) for k in reduced.counts], np.int64)
-  moved = forest_move(layout, start, np.random.default_rng(data.draw(st.integers(0, 9))))
+  moved = ForestMoves(layout).move(start, np.random.default_rng(data.draw(st.integers(0, 9))))
   assert plan_cost(graph, reduced.expand(moved)) == brute_force(graph)[0]

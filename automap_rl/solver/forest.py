@@ -8,9 +8,9 @@ dynamic programming over each tree (messages from the leaves to the root, then t
 back down): a move re-chooses most groups of the problem at once (on contest instance N,
 6,600-6,850 of its 7,754 groups of more than one strategy), where a MIP neighbourhood
 re-chooses hundreds. A kept group only takes strategies that use no more memory, at each of
-its nodes, than its current one, so a plan within the limit stays within it. The move never
+its nodes, than its current one, so a plan within the limit stays within it. A move never
 returns a costlier plan: the current strategies are among those the dynamic programme
-minimises over.
+minimises over, and it keeps them where they tie.
 """
 
 from __future__ import annotations
@@ -22,110 +22,122 @@ import numpy as np
 from automap_rl.solver.local import Layout
 from automap_rl.solver.mip import group_cost
 
-__all__ = ["forest_descent", "forest_move"]
+__all__ = ["ForestMoves"]
 
 
-def forest_move(layout: Layout, choice: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-  """[G] the best plan that differs from `choice` ([G]) only on one random induced forest's
-  groups, each at a strategy of no more usage at any of its nodes (ties keep `choice`)."""
-  reduced, memory = layout.reduced, layout.memory
-  counts, offsets = reduced.counts, reduced.offsets
-  kept = _random_forest(layout, rng)
-  # Usage: a kept group's strategies above its current usage at one of its nodes are barred.
-  member_entry = np.repeat(np.arange(len(memory.member_group)), np.diff(memory.member_offsets))
-  current = memory.member_usages(choice)[member_entry]
-  entry_var = (
-    offsets[memory.member_group[member_entry]]
-    + np.arange(len(member_entry))
-    - memory.member_offsets[member_entry]
-  )
-  barred = np.bincount(entry_var, weights=memory.member_usage > current, minlength=offsets[-1]) > 0
-  unary = np.where(barred, np.inf, reduced.unary)
-  # Pairs to fixed groups become unary costs of the kept end.
-  g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
-  for side, (mine, theirs) in enumerate(((g, h), (h, g))):
-    to_fixed = np.flatnonzero(kept[mine] & ~kept[theirs])
-    k = counts[mine[to_fixed]]
-    local = np.arange(k.sum()) - np.repeat(np.cumsum(k) - k, k)
-    pair = np.repeat(to_fixed, k)
-    fixed = choice[theirs[pair]]
-    entry = reduced.pair_offsets[pair] + (
-      local * counts[h[pair]] + fixed if side == 0 else fixed * counts[h[pair]] + local
+class ForestMoves:
+  """Forest moves on one problem: its neighbour lists and usage tables, built once."""
+
+  def __init__(self, layout: Layout):
+    self.reduced, self.memory = layout.reduced, layout.memory
+    reduced, memory = self.reduced, self.memory
+    self.pair_of = [[p for p, _ in incident] for incident in layout.incident]
+    self.neighbours = [
+      [int(reduced.pairs[p, 1 - side]) for p, side in incident] for incident in layout.incident
+    ]
+    self.sides = [[side for _, side in incident] for incident in layout.incident]
+    self.movable = np.flatnonzero(reduced.counts > 1)
+    self.member_entry = np.repeat(
+      np.arange(len(memory.member_group)), np.diff(memory.member_offsets)
     )
-    unary += np.bincount(
-      offsets[mine[pair]] + local, weights=reduced.pair_costs[entry], minlength=offsets[-1]
+    self.entry_var = (
+      reduced.offsets[memory.member_group[self.member_entry]]
+      + np.arange(len(self.member_entry))
+      - memory.member_offsets[self.member_entry]
     )
-  # Min-sum over each tree, from the leaves up; `totals[v]` gathers v's subtree.
-  totals = {v: unary[offsets[v] : offsets[v + 1]].copy() for v in np.flatnonzero(kept).tolist()}
-  best = np.array(choice)
-  seen = np.zeros(reduced.num_groups, bool)
-  for root in totals:
-    if seen[root]:
-      continue
-    seen[root] = True
-    order, parent_of = [root], {}
-    for v in order:  # breadth first: `order` grows while it is read
-      for p, side in layout.incident[v]:
-        w = int(reduced.pairs[p, 1 - side])
-        if kept[w] and not seen[w]:
-          seen[w] = True
-          parent_of[w] = (v, p, side)
-          order.append(w)
-    argmin = {}
-    for v in reversed(order[1:]):
-      parent, p, side = parent_of[v]
-      matrix = reduced.pair_matrix(p)
-      through = (matrix if side == 0 else matrix.T) + totals[v][None, :]  # [k_parent, k_v]
-      argmin[v] = _first_argmin(through, choice[v])
-      totals[parent] += through[np.arange(len(through)), argmin[v]]
-    best[root] = _first_argmin(totals[root][None, :], choice[root])[0]
-    for v in order[1:]:
-      best[v] = argmin[v][best[parent_of[v][0]]]
-  return best
 
+  def move(self, choice: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """[G] the best plan that differs from `choice` ([G]) only on one random induced forest's
+    groups, each at a strategy of no more usage at any of its nodes (ties keep `choice`)."""
+    reduced, memory = self.reduced, self.memory
+    counts, offsets = reduced.counts, reduced.offsets
+    kept = self._random_forest(rng)
+    current = memory.member_usages(choice)[self.member_entry]
+    barred = (
+      np.bincount(self.entry_var, weights=memory.member_usage > current, minlength=offsets[-1]) > 0
+    )
+    unary = np.where(barred, np.inf, reduced.unary)
+    # Pairs to fixed groups become unary costs of the kept end.
+    g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
+    for side, (mine, theirs) in enumerate(((g, h), (h, g))):
+      to_fixed = np.flatnonzero(kept[mine] & ~kept[theirs])
+      k = counts[mine[to_fixed]]
+      local = np.arange(k.sum()) - np.repeat(np.cumsum(k) - k, k)
+      pair = np.repeat(to_fixed, k)
+      fixed = choice[theirs[pair]]
+      entry = reduced.pair_offsets[pair] + (
+        local * counts[h[pair]] + fixed if side == 0 else fixed * counts[h[pair]] + local
+      )
+      unary += np.bincount(
+        offsets[mine[pair]] + local, weights=reduced.pair_costs[entry], minlength=offsets[-1]
+      )
+    # Min-sum over each tree, from the leaves up; `totals[v]` gathers v's subtree.
+    totals = {v: unary[offsets[v] : offsets[v + 1]].copy() for v in np.flatnonzero(kept).tolist()}
+    best = np.array(choice)
+    seen = np.zeros(reduced.num_groups, bool)
+    for root in totals:
+      if seen[root]:
+        continue
+      seen[root] = True
+      order, parent_of = [root], {}
+      for v in order:  # breadth first: `order` grows while it is read
+        for w, p, side in zip(self.neighbours[v], self.pair_of[v], self.sides[v]):
+          if kept[w] and not seen[w]:
+            seen[w] = True
+            parent_of[w] = (v, p, side)
+            order.append(w)
+      argmin = {}
+      for v in reversed(order[1:]):
+        parent, p, side = parent_of[v]
+        matrix = reduced.pair_matrix(p)
+        through = (matrix if side == 0 else matrix.T) + totals[v][None, :]  # [k_parent, k_v]
+        argmin[v] = _first_argmin(through, choice[v])
+        totals[parent] += through[np.arange(len(through)), argmin[v]]
+      best[root] = _first_argmin(totals[root][None, :], choice[root])[0]
+      for v in order[1:]:
+        best[v] = argmin[v][best[parent_of[v][0]]]
+    return best
 
-def forest_descent(
-  layout: Layout,
-  choice: np.ndarray,
-  rng: np.random.Generator,
-  patience: int,
-  until: float = np.inf,
-) -> np.ndarray:
-  """[G] `forest_move`s from `choice` until `patience` in a row gain nothing (or the
-  monotonic clock passes `until`); never costlier than `choice`, within the limit if it is."""
-  cost = group_cost(layout.reduced, choice)
-  idle = 0
-  while idle < patience and time.monotonic() < until:
-    moved = forest_move(layout, choice, rng)
-    moved_cost = group_cost(layout.reduced, moved)
-    idle = idle + 1 if moved_cost >= cost else 0
-    if moved_cost <= cost:
-      choice, cost = moved, moved_cost
-  return choice
+  def descend(
+    self,
+    choice: np.ndarray,
+    rng: np.random.Generator,
+    patience: int,
+    min_gain: float,
+    until: float = np.inf,
+  ) -> np.ndarray:
+    """[G] moves from `choice` until `patience` in a row each gain less than `min_gain` of
+    the cost (or the monotonic clock passes `until`); never costlier than `choice`, within
+    the limit if it is."""
+    cost = group_cost(self.reduced, choice)
+    idle = 0
+    while idle < patience and time.monotonic() < until:
+      moved = self.move(choice, rng)
+      moved_cost = group_cost(self.reduced, moved)
+      idle = idle + 1 if cost - moved_cost <= min_gain * abs(cost) else 0
+      if moved_cost <= cost:
+        choice, cost = moved, moved_cost
+    return choice
 
+  def _random_forest(self, rng: np.random.Generator) -> np.ndarray:
+    """[G] bool: groups of more than one strategy, drawn in random order, each kept when its
+    kept neighbours are in distinct trees of the kept groups (so the kept groups induce a
+    forest)."""
+    kept = np.zeros(self.reduced.num_groups, bool)
+    tree = np.arange(self.reduced.num_groups)
 
-def _random_forest(layout: Layout, rng: np.random.Generator) -> np.ndarray:
-  """[G] bool: groups of more than one strategy, drawn in random order, each kept when its
-  kept neighbours are in distinct trees of the kept groups (so the kept groups induce a
-  forest)."""
-  reduced = layout.reduced
-  kept = np.zeros(reduced.num_groups, bool)
-  tree = np.arange(reduced.num_groups)
+    def root(v: int) -> int:
+      while tree[v] != v:
+        tree[v] = tree[tree[v]]
+        v = tree[v]
+      return v
 
-  def root(v: int) -> int:
-    while tree[v] != v:
-      tree[v] = tree[tree[v]]
-      v = tree[v]
-    return v
-
-  pairs = reduced.pairs
-  for v in rng.permutation(np.flatnonzero(reduced.counts > 1)).tolist():
-    neighbours = [int(pairs[p, 1 - side]) for p, side in layout.incident[v]]
-    roots = [root(w) for w in neighbours if kept[w]]
-    if len(roots) == len(set(roots)):
-      kept[v] = True
-      tree[roots] = v
-  return kept
+    for v in rng.permutation(self.movable).tolist():
+      roots = [root(w) for w in self.neighbours[v] if kept[w]]
+      if len(roots) == len(set(roots)):
+        kept[v] = True
+        tree[roots] = v
+    return kept
 
 
 def _first_argmin(values: np.ndarray, current: int) -> np.ndarray:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from automap_rl.solver.dual import Dual
-from automap_rl.solver.forest import forest_descent
+from automap_rl.solver.forest import ForestMoves
 from automap_rl.solver.graph import StrategyGraph
 from automap_rl.solver.limits import LimitReached, Limits
 from automap_rl.solver.local import GroupPlan, GroupPlanBuilder, Layout
@@ -81,12 +81,13 @@ _FIRST_PARENTS = 2
 _STALL_CROSSOVERS = 8
 _STALL_SHARE = 0.15
 # The share of a large problem's time its neighbourhoods get at least (pricing ends earlier
-# when it stalls).
-_NEIGHBOURHOOD_SHARE = 0.05
-# Forest moves (`forest.forest_descent`) on a plan stop after this many in a row gain nothing
-# (N: 0.12 s a move; from a plan at 1.12 of the contest's best, 1.086 after one move, 1.068
-# after 15, nothing more in the next 20).
-_FOREST_PATIENCE = 4
+# when it stalls); they begin with forest moves on the best plan (N: 1.077 of the contest's
+# best with 5% of 180 s, 1.070 with 25%; R 0.966 either way).
+_NEIGHBOURHOOD_SHARE = 0.25
+# Forest moves (`forest.ForestMoves.descend`) on a plan stop after this many in a row gain less
+# than `_POLISH_MIN_GAIN` each (N: 0.12 s a move; from a plan at 1.12 of the contest's best,
+# 1.086 after one move, 1.068 after 15, nothing more in the next 20; R: 0.32 s a move).
+_FOREST_PATIENCE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +102,17 @@ class WorkerRole:
       one repair succeeds: a plan within the limit in seconds when pricing has none yet
       (short timeouts, busy machines; a repair of M takes seconds, so one is enough), kept
       apart from the line's crossovers, which do not improve repaired plans.
+    forest_crossovers: polish each crossover's result with forest moves before offering it.
+      On N the line then holds plans that no merge of decoded plans reaches (1.128 of the
+      contest's best at its limit to 1.052 with it in one line); on R merges from such plans
+      take 4x as long (5.3 s against 1.4 s, 13 crossovers in 100 s against 48) and R ended
+      at 1.20 with it in both lines, so one line has it (R 0.965).
   """
 
   price_rise: float = 1.5
   price_fall: float = 0.8
   repair_until_fitted: bool = False
+  forest_crossovers: bool = False
 
 
 # The searches' roles by worker number (then round robin); the in-process search takes the first.
@@ -115,7 +122,7 @@ class WorkerRole:
 # this one reached 1.005 (60 s, same loaded machine; docs/experiments/iopddl-price-schedule.md).
 ROLES = (
   WorkerRole(),
-  WorkerRole(price_rise=1.8, price_fall=0.75, repair_until_fitted=True),
+  WorkerRole(price_rise=1.8, price_fall=0.75, repair_until_fitted=True, forest_crossovers=True),
 )
 
 
@@ -214,6 +221,7 @@ class Search:
     self.parents = _FIRST_PARENTS
     self.met: np.ndarray | None = None  # another line's best (or this one's, replaced by it)
     self.small = len(self.reduced.pair_costs) <= _WHOLE_MIP_ENTRIES
+    self.forests: ForestMoves | None = None  # built at the first forest move
 
   def elapsed(self) -> float:
     return time.monotonic() - self.started
@@ -402,7 +410,6 @@ class Search:
     plan = GroupPlan(self.layout, choice)
     if np.any(plan.excess() > 0) and not plan.repair(max_switches=_REPAIR_SWITCHES):
       return
-    plan = GroupPlan(self.layout, self.forest(plan.choice))
     order = self.rng.permutation(self.reduced.num_groups)
     tolerance = 1e-12 * max(float(np.abs(self.reduced.unary).max(initial=1.0)), 1.0)
     cost = group_cost(self.reduced, plan.choice)
@@ -433,7 +440,9 @@ class Search:
     )
     self.met = None
     took = time.monotonic() - started
-    improved = self.offer(self.forest(result.choice), "crossover")
+    improved = self.offer(
+      self.forest(result.choice) if self.role.forest_crossovers else result.choice, "crossover"
+    )
     if took >= 0.9 * time_limit:
       self.crossover_seconds = min(2 * self.crossover_seconds, max(left / 3, _CROSSOVER_SECONDS))
       self.parents = max(self.parents // 2, 1)
@@ -442,9 +451,11 @@ class Search:
     return improved
 
   def forest(self, choice: np.ndarray) -> np.ndarray:
-    """`choice` ([G], within the limit) after forest moves (`forest.forest_descent`)."""
-    return forest_descent(
-      self.layout, choice, self.rng, patience=_FOREST_PATIENCE, until=self.deadline
+    """`choice` ([G], within the limit) after forest moves (`forest.ForestMoves`)."""
+    if self.forests is None:
+      self.forests = ForestMoves(self.layout)
+    return self.forests.descend(
+      choice, self.rng, _FOREST_PATIENCE, _POLISH_MIN_GAIN, until=self.deadline
     )
 
   def whole_mip(self, time_limit: float) -> bool:
@@ -476,6 +487,7 @@ class Search:
       neighbours[g].append(h)
       neighbours[h].append(g)
     size, steps, improved = 100, 0, 0
+    self.offer(self.forest(self.best), "neighbourhood")
     while self.left() > 1.0:
       self.limits.check("searching neighbourhoods")
       self.adopt()

@@ -7,10 +7,8 @@
    unconstrained problem is solved by TRW-S message passing, one sweep per
    round. Each round decodes a plan; prices rise where it breaks the limit and
    fall where there is room (adaptive penalties). Decoded plans within the
-   limit that beat the best are polished (`forest.py`: exact re-choices of
-   a random induced forest of the pair graph, none using more memory; then
-   `local.py`: single switches and two-group moves until neither helps);
-   small problems also build a plan
+   limit that beat the best are polished (`local.py`: single switches and
+   two-group moves until neither helps); small problems also build a plan
    greedily within a usage budget every few rounds.
 3. Crossover (`mip.py`), once a decoded plan has fitted: the best plan and the
    cheapest 2-8 plans decoded since the last crossover (usually over the limit
@@ -18,14 +16,16 @@
    one runs out) are merged: the groups where any differs are re-chosen among
    the plans' strategies by the LP relaxation of their MIP (HiGHS) with the
    usage rows, rounded, and the few groups it leaves fractional re-chosen
-   exactly, and the result polished by forest moves. This is where most of the
-   improvement comes from. A large
+   exactly; the second line polishes the result by forest moves (`forest.py`:
+   exact re-choices of a random induced forest of the pair graph, none using
+   more memory). This is where most of the improvement comes from. A large
    problem's pricing ends once its crossovers stall (8 in a row and 15% of the
-   time without a better plan), leaving the time to the neighbourhoods.
+   time without a better plan), and at the latest with a quarter of the time
+   left for the neighbourhoods.
 4. Polish: small problems (up to 150k pair-cost entries) first try the whole
    MIP from the best plan for 60% of the time left, which proves
-   optimality on some; then (large ones for their last 5%)
-   large-neighbourhood search re-solves ~100 or more groups at a time
+   optimality on some; then (large ones for their last quarter, after forest
+   moves on the best plan) large-neighbourhood search re-solves ~100 or more groups at a time
    (around a tight time segment, or a ball in the graph around a group drawn
    by its cost in the plan) exactly, each better plan polished by forest moves.
 
