@@ -63,10 +63,15 @@ class SubResult:
   optimal: bool
 
 
+def chosen_pair_costs(reduced: Reduced, choice: np.ndarray) -> np.ndarray:
+  """[P] each pair's cost under the group plan `choice` ([G])."""
+  g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
+  return reduced.pair_costs[reduced.pair_offsets[:-1] + choice[g] * reduced.counts[h] + choice[h]]
+
+
 def group_cost(reduced: Reduced, choice: np.ndarray) -> float:
   """Cost of a group plan: chosen unary costs plus chosen pair costs."""
-  g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
-  pair = reduced.pair_costs[reduced.pair_offsets[:-1] + choice[g] * reduced.counts[h] + choice[h]]
+  pair = chosen_pair_costs(reduced, choice)
   return float(reduced.unary[reduced.offsets[:-1] + choice].sum() + pair.sum())
 
 

@@ -21,7 +21,7 @@ from automap_rl.solver.graph import StrategyGraph
 from automap_rl.solver.limits import LimitReached, Limits
 from automap_rl.solver.local import GroupPlan, GroupPlanBuilder, Layout
 from automap_rl.solver.memory import Memory
-from automap_rl.solver.mip import group_cost, recombine, reoptimize
+from automap_rl.solver.mip import chosen_pair_costs, group_cost, recombine, reoptimize
 from automap_rl.solver.reduce import Reduced
 
 if TYPE_CHECKING:
@@ -559,8 +559,7 @@ class Search:
   def _incident_costs(self) -> np.ndarray:
     """[G] each group's cost in the best plan: its unary cost plus the costs of its pairs."""
     reduced, choice = self.reduced, self.best
-    g, h = reduced.pairs[:, 0], reduced.pairs[:, 1]
-    pair = reduced.pair_costs[reduced.pair_offsets[:-1] + choice[g] * reduced.counts[h] + choice[h]]
+    pair = chosen_pair_costs(reduced, choice)
     unary = reduced.unary[reduced.offsets[:-1] + choice]
     return unary + np.bincount(
       reduced.pairs.ravel(), weights=np.repeat(pair, 2), minlength=reduced.num_groups
