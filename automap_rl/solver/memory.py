@@ -61,10 +61,15 @@ class Memory:
 
   def profile_of(self, usages: np.ndarray) -> np.ndarray:
     """[S] total usage per segment from [M] member usages."""
-    delta = np.bincount(self.member_first, weights=usages, minlength=self.num_segments + 1)
-    delta -= np.bincount(self.member_last, weights=usages, minlength=self.num_segments + 1)
-    total = np.cumsum(delta[:-1])
+    total = self.live_sum(usages)
     return np.rint(total).astype(np.int64) if self.capacity.dtype.kind == "i" else total
+
+  def live_sum(self, values: np.ndarray) -> np.ndarray:
+    """[S] float64: per segment, the sum of `values` ([M], one per member) over the members
+    live in it."""
+    delta = np.bincount(self.member_first, weights=values, minlength=self.num_segments + 1)
+    delta -= np.bincount(self.member_last, weights=values, minlength=self.num_segments + 1)
+    return np.cumsum(delta[:-1])
 
   def excess(self, group_choice: np.ndarray) -> np.ndarray:
     """[S] usage above capacity per segment (<= 0 where within the limit)."""
