@@ -17,8 +17,9 @@
    the plans' strategies by the LP relaxation of their MIP (HiGHS) with the
    usage rows, rounded, and the few groups it leaves fractional re-chosen
    exactly; the second line polishes the result by forest moves (`forest.py`:
-   exact re-choices of a random induced forest of the pair graph, none using
-   more memory). This is where most of the improvement comes from. A large
+   exact re-choices of a random induced forest of the pair graph, each node
+   growing by at most its random share of its segments' slack under the
+   limit). This is where most of the improvement comes from. A large
    problem's pricing ends once its crossovers stall (8 in a row and 15% of the
    time without a better plan), and at the latest with a quarter of the time
    left for the neighbourhoods.
