@@ -38,9 +38,7 @@ class ForestMoves:
     self.reduced, self.memory = layout.reduced, layout.memory
     reduced, memory = self.reduced, self.memory
     self.pair_of = [[p for p, _ in incident] for incident in layout.incident]
-    self.neighbours = [
-      [int(reduced.pairs[p, 1 - side]) for p, side in incident] for incident in layout.incident
-    ]
+    self.neighbours = layout.neighbours
     self.sides = [[side for _, side in incident] for incident in layout.incident]
     self.movable = np.flatnonzero(reduced.counts > 1)
     self.member_entry = np.repeat(
@@ -59,7 +57,8 @@ class ForestMoves:
     reduced, memory = self.reduced, self.memory
     counts, offsets = reduced.counts, reduced.offsets
     kept = self._random_forest(rng)
-    allowed = memory.member_usages(choice) + self._slack_shares(choice, kept, rng)
+    excess = memory.excess(choice)
+    allowed = memory.member_usages(choice) + self._slack_shares(excess, kept, rng)
     barred = (
       np.bincount(
         self.entry_var,
@@ -110,7 +109,7 @@ class ForestMoves:
         best[v] = argmin[v][best[parent_of[v][0]]]
     # The shares add up to each segment's slack up to rounding (`_slack_shares`): a move that
     # rounding took past it is not made.
-    if np.any(memory.excess(best) > np.maximum(memory.excess(choice), 0)):
+    if np.any(memory.excess(best) > np.maximum(excess, 0)):
       return np.array(choice)
     return best
 
@@ -136,15 +135,16 @@ class ForestMoves:
     return choice
 
   def _slack_shares(
-    self, choice: np.ndarray, kept: np.ndarray, rng: np.random.Generator
+    self, excess: np.ndarray, kept: np.ndarray, rng: np.random.Generator
   ) -> np.ndarray:
     """[M] how much more each member may use: an exponential weight for each member of a
     `kept` ([G] bool) group, 0 for the others, times the least slack per unit of weight over
-    the segments the member is live in (slack under `choice`; a hair over it, so that a
-    member alone in its segments may take all of their slack though `w * (s / w)` rounds
-    below `s`, then rounded down for integer usages)."""
+    the segments the member is live in. A segment's slack is -`excess` ([S], the plan's usage
+    above capacity), 0 where the plan is over it. The share is a hair over that product, so that
+    a member alone in its segments may take all of their slack though `w * (s / w)` rounds
+    below `s`, then rounded down for integer usages."""
     memory = self.memory
-    slack = np.maximum(-memory.excess(choice), 0).astype(np.float64)
+    slack = np.maximum(-excess, 0).astype(np.float64)
     weights = rng.exponential(size=len(memory.member_group)) * kept[memory.member_group]
     per_weight = slack / np.maximum(memory.live_sum(weights), np.finfo(np.float64).tiny)
     least = _range_min(per_weight, memory.member_first, memory.member_last)

@@ -42,6 +42,10 @@ class Layout:
     for p, (g, h) in enumerate(reduced.pairs.tolist()):
       self.incident[g].append((p, 0))
       self.incident[h].append((p, 1))
+    # Per group: the other group of each incident pair, in the order of `incident`.
+    self.neighbours = [
+      [int(reduced.pairs[p, 1 - side]) for p, side in incident] for incident in self.incident
+    ]
     order = np.argsort(memory.member_group, kind="stable")
     bounds = np.searchsorted(memory.member_group[order], np.arange(groups + 1))
     # Per pair-cost entry: its pair and the local strategies of the pair's two groups.

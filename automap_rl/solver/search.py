@@ -482,10 +482,7 @@ class Search:
     the neighbourhood while steps end optimal and shrinking it when they time out; each
     better plan is polished by forest moves."""
     reduced, memory = self.reduced, self.memory
-    neighbours = [[] for _ in range(reduced.num_groups)]
-    for g, h in reduced.pairs.tolist():
-      neighbours[g].append(h)
-      neighbours[h].append(g)
+    neighbours = self.layout.neighbours
     size, steps, improved = 100, 0, 0
     self.offer(self.forest(self.best), "neighbourhood")
     while self.left() > 1.0:
